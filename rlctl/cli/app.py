@@ -1,0 +1,89 @@
+"""The `rlctl` command: one thin typer module per subcommand, registered here.
+
+Nothing heavy is imported at module level anywhere under rlctl/cli: `rlctl --help` and shell
+completion must stay fast. Every UserError becomes one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from rlctl import __version__
+from rlctl.cli import bench, convert, estimate, presets, rl, sft
+
+HELP = """rlctl: post-train LLMs (SFT, GRPO, PPO) from one command.
+
+rlctl picks a plan for your model and hardware (FSDP2 or Megatron, SGLang / vLLM / HF rollout,
+micro batches, offload), explains every choice, estimates the memory before you rent a GPU,
+launches the distributed job and leaves checkpoints that convert to Hugging Face models.
+"""
+
+EPILOG = """Examples:
+
+  rlctl estimate memory --model Qwen2.5-7B --method grpo --gpus 8 --gpu H100-80GB
+
+  rlctl grpo --model Qwen2.5-7B --gpus 8 --dry-run
+
+  rlctl sft --model ./tiny --data chats.jsonl --device cpu --nproc 2
+
+  rlctl convert fsdp-to-hf runs/grpo/checkpoints out/hf
+"""
+
+app = typer.Typer(
+    name="rlctl",
+    help=HELP,
+    epilog=EPILOG,
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+app.command("sft", epilog=sft.EXAMPLES)(sft.sft)
+app.command("grpo", epilog=rl.GRPO_EXAMPLES)(rl.grpo)
+app.command("ppo", epilog=rl.PPO_EXAMPLES)(rl.ppo)
+app.add_typer(convert.app, name="convert")
+app.add_typer(estimate.app, name="estimate")
+app.add_typer(bench.app, name="bench")
+app.add_typer(presets.app, name="presets")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"rlctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    pass
+
+
+def main() -> None:
+    """Console-script entry point: user errors become one line and exit code 2."""
+    from rlctl.errors import UserError
+
+    try:
+        app(standalone_mode=False)
+    except UserError as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(e.exit_code)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        sys.stderr.write("aborted\n")
+        sys.exit(130)
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        sys.exit(130)
+    except Exception as e:  # click usage errors (bad option, missing argument)
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(2)
+        raise

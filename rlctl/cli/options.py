@@ -1,0 +1,141 @@
+"""Options shared by `rlctl sft`, `rlctl grpo` and `rlctl ppo`, and the code path they share.
+
+Each training command is a thin function in its own module that declares its options with the
+Annotated aliases below and hands them to :func:`run_training`. An option left unset (None) does
+not override the preset or the config file. No torch import here: --help must stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+Model = Annotated[Optional[str], typer.Option("--model", "-m", help="Catalog name (Qwen2.5-7B), HF id, local HF directory or config.json.", rich_help_panel="Job")]
+Data = Annotated[Optional[str], typer.Option("--data", "-d", help="JSONL, Parquet or a `datasets` directory.", rich_help_panel="Job")]
+Gpus = Annotated[Optional[int], typer.Option("--gpus", help="GPUs in total across nodes (plan for them even when this machine has none).", rich_help_panel="Hardware")]
+Nodes = Annotated[Optional[int], typer.Option("--nodes", help="Number of nodes.", rich_help_panel="Hardware")]
+Gpu = Annotated[Optional[str], typer.Option("--gpu", help="GPU type, e.g. H100-80GB, A100-40GB (default: detected, else H100-80GB).", rich_help_panel="Hardware")]
+Device = Annotated[Optional[str], typer.Option("--device", help="auto | cuda | cpu.", rich_help_panel="Hardware")]
+Nproc = Annotated[Optional[int], typer.Option("--nproc", help="Processes per node (default: GPUs per node, or 1 on CPU).", rich_help_panel="Hardware")]
+NodeRank = Annotated[Optional[int], typer.Option("--node-rank", help="This node's rank (multi-node).", rich_help_panel="Hardware")]
+MasterAddr = Annotated[Optional[str], typer.Option("--master-addr", help="Address of node 0 (multi-node).", rich_help_panel="Hardware")]
+MasterPort = Annotated[Optional[int], typer.Option("--master-port", help="Port on node 0 (default: a free one).", rich_help_panel="Hardware")]
+Rdzv = Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="host:port of a c10d rendezvous (torchrun's elastic launch).", rich_help_panel="Hardware")]
+Preset = Annotated[Optional[str], typer.Option("--preset", help="A named preset applied over the method's defaults (`rlctl presets list`).", rich_help_panel="Configuration")]
+ConfigFile = Annotated[Optional[str], typer.Option("--config", "-c", help="YAML file of config sections (overrides the preset).", rich_help_panel="Configuration")]
+Set = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="key=value with a dotted key, repeatable; wins over everything (e.g. --set train.lr=2e-5).", rich_help_panel="Configuration")]
+OutputDir = Annotated[Optional[str], typer.Option("--output-dir", "-o", help="Run directory (default: runs/<method>-<model>-<time>).", rich_help_panel="Configuration")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan, the resolved config, the memory estimate and the launch command; write nothing.", rich_help_panel="Configuration")]
+Json = Annotated[bool, typer.Option("--json", help="With --dry-run: print one JSON object.", rich_help_panel="Configuration")]
+
+MaxSteps = Annotated[Optional[int], typer.Option("--max-steps", help="Stop after this many optimizer steps (0 = run the epochs).", rich_help_panel="Training")]
+Epochs = Annotated[Optional[int], typer.Option("--epochs", help="Passes over the data.", rich_help_panel="Training")]
+Lr = Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate.", rich_help_panel="Training")]
+MicroBatch = Annotated[Optional[int], typer.Option("--micro-batch-size", help="Sequences per device per forward (default: from the plan).", rich_help_panel="Training")]
+Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed.", rich_help_panel="Training")]
+SaveEvery = Annotated[Optional[int], typer.Option("--save-every", help="Checkpoint every N steps (and always at the end).", rich_help_panel="Checkpoints")]
+KeepLast = Annotated[Optional[int], typer.Option("--keep-last", help="Keep the last K checkpoints.", rich_help_panel="Checkpoints")]
+Resume = Annotated[Optional[str], typer.Option("--resume", help="auto (latest checkpoint of the run dir) or a checkpoint path.", rich_help_panel="Checkpoints")]
+EvalEvery = Annotated[Optional[int], typer.Option("--eval-every", help="Evaluate every N steps (0 = never).", rich_help_panel="Training")]
+LoraRank = Annotated[Optional[int], typer.Option("--lora-rank", help="LoRA rank (0 = full fine-tuning).", rich_help_panel="LoRA")]
+LoraAlpha = Annotated[Optional[float], typer.Option("--lora-alpha", help="LoRA alpha (default 2 x rank).", rich_help_panel="LoRA")]
+LoraTargets = Annotated[Optional[str], typer.Option("--lora-targets", help="all-linear or a comma list of module names.", rich_help_panel="LoRA")]
+Log = Annotated[Optional[str], typer.Option("--log", help="Comma list of metric sinks: console, tensorboard, wandb.", rich_help_panel="Training")]
+
+
+def option_layer(mapping: dict[str, object]) -> dict:
+    """Turn {dotted_key: value or None} into a nested config layer, dropping unset options."""
+    from rlctl.config import dotted_to_nested
+
+    return dotted_to_nested({k: v for k, v in mapping.items() if v is not None})
+
+
+def common_mapping(
+    *, model, data, gpus, nodes, gpu, device, nproc, node_rank, master_addr, master_port, rdzv_endpoint, output_dir
+) -> dict[str, object]:
+    return {
+        "model.name": model,
+        "data.path": data,
+        "hardware.gpus": gpus,
+        "hardware.nodes": nodes,
+        "hardware.gpu": gpu,
+        "hardware.device": device,
+        "hardware.nproc": nproc,
+        "hardware.node_rank": node_rank,
+        "hardware.master_addr": master_addr,
+        "hardware.master_port": master_port,
+        "hardware.rdzv_endpoint": rdzv_endpoint,
+        "output_dir": output_dir,
+    }
+
+
+def resolve_job(method: str, *, preset: str | None, config_file: str | None, options: dict, sets: list[str] | None):
+    """Assemble the configuration (preset < config file < options < --set) and its plan."""
+    from rlctl.config import build_config, load_yaml_file, parse_set_options
+    from rlctl.errors import UserError
+    from rlctl.plan import apply_plan, resolve_plan
+    from rlctl.presets import method_layers
+
+    layers = method_layers(method, preset)
+    if config_file:
+        file_layer = load_yaml_file(config_file)
+        if file_layer.get("method") not in (None, method):
+            raise UserError(f"{config_file} is a `{file_layer['method']}` config; run `rlctl {file_layer['method']}` with it")
+        layers.append(file_layer)
+    layers.append(option_layer(options))
+    layers.append(parse_set_options(sets or []))
+    cfg = build_config(method, layers)
+    if not cfg.model.name:
+        raise UserError(f"no model given: pass --model (e.g. `rlctl {method} --model Qwen2.5-7B ...`) or set model.name in --config")
+    plan = resolve_plan(cfg)
+    return apply_plan(cfg, plan), plan
+
+
+def run_training(method: str, *, preset, config_file, options: dict, sets, dry_run: bool, as_json: bool) -> None:
+    """The body of `rlctl sft|grpo|ppo`: plan, then either print it (--dry-run) or launch the job."""
+    import importlib.util
+
+    from rlctl.errors import NotAvailableYet, UserError
+
+    cfg, plan = resolve_job(method, preset=preset, config_file=config_file, options=options, sets=sets)
+    from rlctl.launch import build_command, default_run_dir
+
+    run_dir = cfg.output_dir or str(default_run_dir(cfg))
+    argv = build_command(cfg, plan, run_dir)
+    if dry_run:
+        if as_json:
+            doc = {"plan": plan.to_dict(), "config": cfg.to_dict(), "launch": argv, "estimate": plan.estimate.to_dict()}
+            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        else:
+            print_dry_run(cfg, plan, argv)
+        return
+    if as_json:
+        raise UserError("--json goes with --dry-run (a real run writes metrics.jsonl in its run directory)")
+    if not cfg.data.path and method == "sft":
+        raise UserError("no data given: pass --data FILE (JSONL, Parquet or a datasets directory)")
+    if importlib.util.find_spec(f"rlctl.recipes.{method}") is None:
+        raise NotAvailableYet(f"`rlctl {method}` is not available yet (its training recipe has not landed); --dry-run works")
+    from rlctl.launch import launch_job
+
+    raise typer.Exit(launch_job(cfg, plan))
+
+
+def print_dry_run(cfg, plan, argv: list[str]) -> None:
+    import shlex
+
+    import yaml
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.syntax import Syntax
+
+    from rlctl.estimate.render import render_estimate
+    from rlctl.plan.render import render_plan
+
+    console = Console()
+    render_plan(console, plan)
+    console.print(Panel(Syntax(yaml.safe_dump(cfg.to_dict(), sort_keys=False), "yaml"), title="resolved configuration", expand=False))
+    render_estimate(console, plan.estimate)
+    console.print(Panel(" ".join(shlex.quote(a) for a in argv), title="launch command (dry run: nothing was written)", expand=False))

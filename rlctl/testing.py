@@ -1,0 +1,106 @@
+"""Tiny models and tokenizers built offline, for tests, benchmarks and the demo.
+
+Nothing here downloads anything: the tokenizer is trained in a second with the `tokenizers`
+library and the model is a Qwen2 architecture with random weights (head_dim 64, because vLLM's
+CPU attention rejects smaller heads).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# A ChatML template like Qwen's, so chat formatting in tests looks like the real thing.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def default_corpus() -> list[str]:
+    """Text that covers digits, arithmetic and chat words, so the tiny tokenizer is usable."""
+    lines = []
+    for a in range(0, 100, 3):
+        for b in range(0, 100, 7):
+            lines.append(f"What is {a} + {b}? The answer is {a + b}. #### {a + b}")
+            lines.append(f"Compute {a} * {b} = {a * b}; {a} - {b} = {a - b}")
+    lines += [
+        "user assistant system You are a helpful assistant.",
+        "Question: Answer: think step by step. The quick brown fox jumps over the lazy dog.",
+    ]
+    return lines
+
+
+def build_tokenizer(out_dir: str | Path | None = None, *, vocab_size: int = 512, corpus=None):
+    """Train a small byte-level BPE tokenizer and wrap it as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus or default_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        bos_token=None,
+        unk_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    if out_dir is not None:
+        fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def tiny_qwen2_config(vocab_size: int = 512, **overrides):
+    """A Qwen2 config small enough for CPU tests: GQA (2 heads, 1 kv head), head_dim 64."""
+    from transformers import Qwen2Config
+
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    kwargs.update(overrides)
+    return Qwen2Config(**kwargs)
+
+
+def build_tiny_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 512, **config_overrides):
+    """Write a tiny random Qwen2 model with its tokenizer and generation config to ``out_dir``.
+
+    Returns the directory as a Path. The tokenizer's eos is ``<|im_end|>``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out, vocab_size=vocab_size)
+    config = tiny_qwen2_config(vocab_size=len(tok), **config_overrides)
+    config.eos_token_id = tok.eos_token_id
+    config.pad_token_id = tok.pad_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out

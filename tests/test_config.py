@@ -1,0 +1,77 @@
+"""The typed configuration: layering, validation and errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlctl.config import RunConfig, all_config_keys, build_config, parse_set_options, load_config, save_config
+from rlctl.errors import UserError
+from rlctl.presets import method_layers
+
+
+def test_precedence_preset_file_options_set():
+    preset = {"train": {"lr": 1.0, "batch_size": 8, "max_len": 100, "seed": 1}}
+    file_layer = {"train": {"lr": 2.0, "batch_size": 16, "max_len": 200}}
+    options = {"train": {"lr": 3.0, "batch_size": 32}}
+    sets = parse_set_options(["train.lr=4.0"])
+    cfg = build_config("sft", [preset, file_layer, options, sets])
+    assert cfg.train.lr == 4.0  # --set wins
+    assert cfg.train.batch_size == 32  # options beat the file
+    assert cfg.train.max_len == 200  # the file beats the preset
+    assert cfg.train.seed == 1  # the preset beats the defaults
+
+
+def test_unknown_key_suggests_the_right_one():
+    with pytest.raises(UserError) as e:
+        build_config("sft", [parse_set_options(["train.lrr=1e-5"])])
+    assert "unknown config key 'train.lrr'" in str(e.value)
+    assert "train.lr" in str(e.value)
+    with pytest.raises(UserError, match="rollout"):
+        build_config("grpo", [parse_set_options(["rollot.n=4"])])
+
+
+def test_types_are_checked_and_coerced():
+    cfg = build_config("grpo", [parse_set_options(["rollout.n=4", "train.lr=2e-6", "data.packing=false", "parallel.offload_params=true"])])
+    assert cfg.rollout.n == 4 and isinstance(cfg.rollout.n, int)
+    assert cfg.train.lr == 2e-6
+    assert cfg.data.packing is False
+    assert cfg.parallel.offload_params == "true"
+    with pytest.raises(UserError, match="rollout.n must be an integer"):
+        build_config("grpo", [parse_set_options(["rollout.n=four"])])
+    with pytest.raises(UserError, match="must be true or false"):
+        build_config("sft", [parse_set_options(["data.packing=maybe"])])
+
+
+def test_choices_and_ranges():
+    with pytest.raises(UserError, match="did you mean vllm"):
+        build_config("grpo", [parse_set_options(["rollout.engine=vlm"])])
+    with pytest.raises(UserError, match="at least 1"):
+        build_config("grpo", [parse_set_options(["rollout.n=0"])])
+    with pytest.raises(UserError, match="dual_clip must be > 1"):
+        build_config("grpo", [parse_set_options(["algo.dual_clip=0.5"])])
+
+
+def test_set_syntax_errors():
+    with pytest.raises(UserError, match="key=value"):
+        parse_set_options(["train.lr"])
+    with pytest.raises(UserError, match="is a section"):
+        build_config("sft", [parse_set_options(["train=3"])])
+
+
+def test_method_presets_apply_and_round_trip(tmp_path):
+    cfg = build_config("grpo", method_layers("grpo", None))
+    assert cfg.rollout.n == 8 and cfg.algo.adv == "grpo" and cfg.train.lr == 1e-6
+    ppo = build_config("ppo", method_layers("ppo", None))
+    assert ppo.algo.adv == "gae" and ppo.algo.kl_in_reward is True
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+def test_every_key_is_reachable_with_set():
+    keys = all_config_keys()
+    assert "train.lr" in keys and "rollout.n" in keys and "hardware.gpus" in keys
+    defaults = RunConfig()
+    for key in keys:
+        obj = defaults
+        for part in key.split("."):
+            obj = getattr(obj, part)
