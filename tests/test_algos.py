@@ -75,7 +75,12 @@ def test_grpo_two_groups_by_hand():
     std1 = math.sqrt(((1 - mean1) ** 2 + (0 - mean1) ** 2) / (2 - 1))  # unbiased: sqrt(0.5)
     std2 = math.sqrt(((3 - mean2) ** 2 + (5 - mean2) ** 2) / (2 - 1))  # sqrt(2)
     eps = 1e-6
-    expected = [(1 - mean1) / (std1 + eps), (3 - mean2) / (std2 + eps), (0 - mean1) / (std1 + eps), (5 - mean2) / (std2 + eps)]
+    expected = [
+        (1 - mean1) / (std1 + eps),
+        (3 - mean2) / (std2 + eps),
+        (0 - mean1) / (std1 + eps),
+        (5 - mean2) / (std2 + eps),
+    ]
     close(grpo(scores, ids), expected)
     close(grpo(scores, ids, norm_by_std=False), [0.5, -1.0, -0.5, 1.0])
 
@@ -124,7 +129,10 @@ def test_reinforce_pp_by_hand():
     mean = sum(valid) / 5  # 0.95
     var = sum((v - mean) ** 2 for v in valid) / 4  # 1.8 / 4
     sd = math.sqrt(var + 1e-8)
-    expected = [[(0.25 - mean) / sd, (0.5 - mean) / sd, (1 - mean) / sd], [(1 - mean) / sd, (2 - mean) / sd, 0.0]]
+    expected = [
+        [(0.25 - mean) / sd, (0.5 - mean) / sd, (1 - mean) / sd],
+        [(1 - mean) / sd, (2 - mean) / sd, 0.0],
+    ]
     close(reinforce_pp(rewards, mask, gamma=0.5), expected)
 
 
@@ -206,8 +214,9 @@ def _ppo_example():
     # token ratios 1.5, 0.5, 0.5 | 5.0, masked, masked; advantages +1, +1, -1 | -1
     ratios = torch.tensor([[1.5, 0.5, 0.5], [5.0, 1.0, 1.0]])
     old = torch.full((2, 3), -1.0)
-    logp = (old + ratios.log()).clone()
-    logp[1, 1] = 1e4  # garbage on masked tokens must not leak into the loss
+    logp = old + ratios.log()
+    logp[1, 1] = 1e4  # garbage on masked tokens must not leak into the loss or its gradient
+    old[1, 2] = GARBAGE
     adv = torch.tensor([[1.0, 1.0, -1.0], [-1.0, GARBAGE, GARBAGE]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     return logp, old, adv, mask
@@ -253,7 +262,7 @@ def test_ppo_log_ratio_is_clamped():
     loss, _ = ppo_policy_loss(logp, old, adv, torch.tensor([[1, 0]]), dual_clip=None)
     close(loss, math.exp(20.0), tol=1e-5)  # exp(30) would be 1e13
     loss, _ = ppo_policy_loss(logp, old, adv, torch.tensor([[0, 1]]), dual_clip=None)
-    close(loss, -0.8)  # ratio exp(-20) ~ 0, clipped to 0.8
+    close(loss, -math.exp(-20.0))  # A > 0: max(-exp(-20), -0.8), a low ratio is not clipped
     loss, _ = ppo_policy_loss(logp, old, adv, torch.tensor([[1, 0]]))
     close(loss, 3.0)
 
@@ -410,3 +419,18 @@ def test_logprobs_non_contiguous_input():
 def test_module_paths_are_public():
     assert advantages.grpo is grpo and kl.kl_estimate is kl_estimate and losses.aggregate is aggregate
     assert advantages.masked_whiten is masked_whiten
+
+
+def test_logprobs_keep_no_float32_copy_for_backward():
+    logits = torch.randn(2, 8, 50, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 8))
+
+    def saved_by(f):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            f()
+        return [t for t in saved if t.dtype == torch.float32 and t.numel() >= logits.numel()]
+
+    naive = saved_by(lambda: torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None]))
+    assert naive  # the check can see a float32 copy when there is one
+    assert not saved_by(lambda: logprobs_from_logits(logits, labels))

@@ -69,8 +69,10 @@ class AdaptiveKLController:
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of ``softmax(logits)`` over the last dim: ``logsumexp(z) - sum(softmax(z) * z)``.
 
-    Computed in float32 (or the input's precision if higher); stable for large logits.
+    Computed in float32 (or the input's precision if higher) on logits shifted by their max, so
+    large logits lose no precision.
     """
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    z = z - z.amax(dim=-1, keepdim=True).detach()
     probs = torch.softmax(z, dim=-1)
     return torch.logsumexp(z, dim=-1) - (probs * z).sum(dim=-1)

@@ -4,9 +4,9 @@
 ``z = logits / temperature``. Computing it as ``logits.float().log_softmax(-1).gather(...)`` keeps a
 ``[B, T, V]`` float32 tensor alive for the backward pass (about 4.6 GB for 8k tokens of a 150k
 vocabulary). Here the rows are processed in chunks of at most ``CHUNK_ELEMENTS`` float32 values,
-only the per-row ``logsumexp`` is kept, and the backward pass recomputes the softmax chunk by chunk,
-so the extra memory is one chunk plus ``[B, T]`` floats. The math is float32 (or float64 for
-float64 logits) whatever the logits' dtype, and the gradient comes back in the logits' dtype.
+nothing but the logits themselves is kept for the backward pass, which recomputes the softmax chunk
+by chunk, so the extra memory is one float32 chunk. The math is float32 (or float64 for float64
+logits) whatever the logits' dtype, and the gradient comes back in the logits' dtype.
 
 Pass contiguous logits (slice the hidden states *before* the LM head) to avoid one copy of them.
 """
@@ -27,8 +27,15 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _rows_per_chunk(vocab: int) -> int:
-    return max(1, CHUNK_ELEMENTS // max(vocab, 1))
+def _chunks(logits: Tensor) -> list[slice]:
+    """Row slices of a ``[N, V]`` tensor, each of at most ``CHUNK_ELEMENTS`` values (one row at least)."""
+    step = max(1, CHUNK_ELEMENTS // max(logits.shape[1], 1))
+    return [slice(i, i + step) for i in range(0, logits.shape[0], step)]
+
+
+def _scaled(logits: Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
+    z = logits.to(dtype)
+    return z if temperature == 1.0 else z / temperature
 
 
 class _ChosenLogProb(torch.autograd.Function):
@@ -37,34 +44,25 @@ class _ChosenLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: Tensor, labels: Tensor, temperature: float) -> Tensor:
         dtype = _compute_dtype(logits.dtype)
-        n, vocab = logits.shape
-        step = _rows_per_chunk(vocab)
-        lse = torch.empty(n, dtype=dtype, device=logits.device)
-        out = torch.empty(n, dtype=dtype, device=logits.device)
-        for start in range(0, n, step):
-            rows = slice(start, start + step)
-            z = logits[rows].to(dtype) / temperature
-            lse[rows] = torch.logsumexp(z, dim=-1)
-            out[rows] = z.gather(-1, labels[rows, None]).squeeze(-1) - lse[rows]
-        ctx.save_for_backward(logits, labels, lse)
+        out = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
+        for rows in _chunks(logits):
+            z = _scaled(logits[rows], dtype, temperature)
+            out[rows] = torch.log_softmax(z, dim=-1).gather(-1, labels[rows, None]).squeeze(-1)
+        ctx.save_for_backward(logits, labels)
         ctx.temperature = temperature
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None]:
-        logits, labels, lse = ctx.saved_tensors
+        logits, labels = ctx.saved_tensors
         temperature = ctx.temperature
-        n, vocab = logits.shape
         grad_logits = torch.empty_like(logits)
-        step = _rows_per_chunk(vocab)
-        for start in range(0, n, step):
-            rows = slice(start, start + step)
-            z = logits[rows].to(lse.dtype) / temperature
-            g = grad_out[rows].to(lse.dtype)
-            # d/dz (z[label] - lse) = onehot(label) - softmax(z); then chain through z = logits / T.
-            grad = torch.exp(z - lse[rows, None]).mul_(-g[:, None])
-            grad.scatter_add_(-1, labels[rows, None], g[:, None])
-            grad_logits[rows] = grad.div_(temperature)
+        for rows in _chunks(logits):
+            z = _scaled(logits[rows], grad_out.dtype, temperature)
+            g = grad_out[rows, None]
+            # d/dz (log_softmax(z)[label]) = onehot(label) - softmax(z); then d z / d logits = 1 / T
+            grad = torch.softmax(z, dim=-1).mul_(-g).scatter_add_(-1, labels[rows, None], g)
+            grad_logits[rows] = grad if temperature == 1.0 else grad.div_(temperature)
         return grad_logits, None, None
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlctl.algos.masked import masked_count, masked_mean, masked_sum
+from rlctl.algos.masked import masked_count, masked_mean, masked_sum, zero_masked
 
 __all__ = ["AGG_MODES", "aggregate", "gspo_policy_loss", "ppo_policy_loss", "value_loss"]
 
@@ -72,8 +72,10 @@ def aggregate(
 
 
 def _at_least_one(count: Count, like: Tensor) -> Tensor:
-    """A denominator as a tensor on ``like``'s device, at least 1 (an empty batch gives 0, not nan)."""
-    return torch.as_tensor(count, dtype=like.dtype, device=like.device).clamp(min=1)
+    """A denominator as a float tensor on ``like``'s device, at least 1 (an empty batch gives 0,
+    not nan); at least float32, since bfloat16 cannot hold token counts exactly."""
+    dtype = torch.promote_types(like.dtype, torch.float32)
+    return torch.as_tensor(count, dtype=dtype, device=like.device).clamp(min=1)
 
 
 def _clipped_surrogate(
@@ -86,8 +88,8 @@ def _clipped_surrogate(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token PPO clip objective (with optional dual clip) and its clip fractions."""
     adv = advantages if advantages.dim() == log_ratio.dim() else advantages.unsqueeze(-1)
-    # zero on padding so that garbage there cannot reach the gradient (0 * nan = nan in backward)
-    adv = torch.where(mask.bool(), adv, torch.zeros((), dtype=adv.dtype, device=adv.device))
+    # zero the inputs on padding so that garbage there cannot reach the gradient (0 * nan = nan)
+    adv, log_ratio = zero_masked(adv, mask), zero_masked(log_ratio, mask)
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -184,6 +186,7 @@ def value_loss(
     ``clip=None`` gives the plain ``0.5 * agg((V-R)^2)``. Metric ``vf_clip_frac``: share of valid
     tokens where the clipped term is the larger one.
     """
+    returns, old_values = zero_masked(returns, mask), zero_masked(old_values, mask)
     unclipped = (values - returns) ** 2
     if clip is None:
         per_token = unclipped

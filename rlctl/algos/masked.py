@@ -11,9 +11,14 @@ import torch
 from torch import Tensor
 
 
+def zero_masked(x: Tensor, mask: Tensor) -> Tensor:
+    """``x`` with masked positions set to 0 (whatever they held, nan and inf included)."""
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Sum of ``x`` over the positions where ``mask`` is set (all dims, or along ``dim``)."""
-    kept = torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    kept = zero_masked(x, mask)
     return kept.sum() if dim is None else kept.sum(dim)
 
 
@@ -51,4 +56,4 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: floa
     white = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
     if not shift_mean:
         white = white + mean
-    return torch.where(mask.bool(), white, torch.zeros((), dtype=white.dtype, device=white.device))
+    return zero_masked(white, mask)
