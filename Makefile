@@ -36,7 +36,7 @@ completions: $(STAMP)
 	$(BIN)/python -m rlctl.cli.completions completions
 
 docs: $(STAMP)
-	$(BIN)/python -m rlctl.catalog.docs > docs/catalog.md
+	$(BIN)/python -m rlctl.catalog > docs/catalog.md
 
 bench-cli: $(STAMP)
 	$(BIN)/python benchmarks/cli_startup.py

@@ -22,7 +22,9 @@ class ModelSpec:
     head_dim: int
     vocab_size: int
     tie_embeddings: bool = False
-    qkv_bias: bool = False
+    qkv_bias: bool = False  # bias on q/k/v (MLA: on q_a_proj and kv_a_proj_with_mqa)
+    o_bias: bool = False  # bias on the attention output projection
+    mlp_bias: bool = False  # bias on gate/up/down (Llama's mlp_bias)
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     max_position: int = 32768
     rope_theta: float = 10000.0
@@ -54,7 +56,7 @@ class ModelSpec:
 @dataclass(frozen=True)
 class GpuSpec:
     name: str  # canonical, e.g. "H100-80GB"
-    memory_bytes: int  # usable device memory as the vendor states it (GB = 1e9 bytes unless GiB)
+    memory_bytes: int  # total device memory as torch reports it (get_device_properties().total_memory)
     bf16_tflops: float  # dense bf16 peak
     interconnect: str  # "NVLink" or "PCIe"
     interconnect_gbps: float  # per-GPU bandwidth, GB/s

@@ -1,0 +1,65 @@
+"""The GPU catalog and name resolution.
+
+- ``memory_bytes`` is what torch reports as ``get_device_properties(i).total_memory`` (MiB x 2**20),
+  the number the estimator compares against, not the marketing figure: an "80GB" H100 reports
+  81089 MiB (79.2 GiB); ECC and driver reservations take the rest. It varies by a few MiB with the
+  driver; the values are ones printed by torch on real machines. The marketing size stays in the name.
+- ``bf16_tflops`` is the dense (no sparsity) bf16 tensor-core peak, for MFU.
+- ``interconnect_gbps`` is the per-GPU GPU-to-GPU bandwidth as the vendor quotes it (both
+  directions together): NVLink for SXM/HGX parts, the PCIe x16 link for PCIe cards.
+- ``gpus_per_node`` is the usual server: 8 for HGX/SXM boards, 8 for PCIe H100/L40S/RTX 4090
+  servers, 4 for A10G (AWS g5.12xlarge; g5.48xlarge has 8).
+
+No torch import here: the CLI uses this module for completion and --help.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import UserError, did_you_mean
+from .spec import GpuSpec
+
+_MIB = 2**20
+
+_GPUS: tuple[GpuSpec, ...] = (
+    GpuSpec("H100-80GB", 81089 * _MIB, 989.0, "NVLink", 900.0, 8,
+            aliases=("H100", "H100-SXM", "H100-SXM5", "H100 80GB HBM3")),
+    GpuSpec("H100-PCIe-80GB", 81008 * _MIB, 756.0, "PCIe", 128.0, 8,
+            aliases=("H100-PCIe", "H100 PCIe")),
+    GpuSpec("H200-141GB", 143156 * _MIB, 989.0, "NVLink", 900.0, 8, aliases=("H200",)),
+    GpuSpec("H20-96GB", 97285 * _MIB, 148.0, "NVLink", 900.0, 8, aliases=("H20",)),
+    GpuSpec("A100-40GB", 40536 * _MIB, 312.0, "NVLink", 600.0, 8,
+            aliases=("A100-SXM4-40GB",)),
+    GpuSpec("A100-80GB", 81050 * _MIB, 312.0, "NVLink", 600.0, 8,
+            aliases=("A100", "A100-SXM4-80GB")),
+    GpuSpec("L40S", 45589 * _MIB, 362.0, "PCIe", 64.0, 8, aliases=("L40S-48GB",)),
+    GpuSpec("A10G", 22587 * _MIB, 125.0, "PCIe", 64.0, 4, aliases=("A10G-24GB",)),
+    GpuSpec("RTX-4090", 24563 * _MIB, 165.0, "PCIe", 64.0, 8,
+            aliases=("4090", "RTX-4090-24GB", "GeForce RTX 4090")),
+    GpuSpec("B200", 182642 * _MIB, 2250.0, "NVLink", 1800.0, 8,
+            aliases=("B200-180GB", "B200-192GB")),
+)  # fmt: skip
+
+
+def _normalize(name: str) -> str:
+    """Case, separators and the vendor words of torch's device names do not matter:
+    'NVIDIA H100 80GB HBM3', 'h100-80gb-hbm3' and 'H100_80GB_HBM3' are the same key."""
+    name = re.sub(r"\b(nvidia|geforce)\b", "", name.lower())
+    return re.sub(r"[^a-z0-9]", "", name)
+
+
+def list_gpus() -> list[GpuSpec]:
+    return list(_GPUS)
+
+
+def resolve_gpu(name: str) -> GpuSpec:
+    """A GPU by catalog name, alias or torch device name (case-insensitive)."""
+    key = _normalize(name)
+    for gpu in _GPUS:
+        if key in {_normalize(n) for n in (gpu.name, *gpu.aliases)}:
+            return gpu
+    names = [g.name for g in _GPUS]
+    raise UserError(
+        f"unknown GPU '{name}'{did_you_mean(name, names)}; known GPUs: {', '.join(names)}"
+    )

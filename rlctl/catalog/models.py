@@ -1,0 +1,338 @@
+"""The model catalog, name resolution, and conversion to and from transformers' config.json.
+
+Every entry copies the architecture fields of the model's published config.json (the base
+repository; the -Instruct/-it variants share the architecture). ``max_position`` is the
+config's ``max_position_embeddings``. Fields transformers needs to rebuild the model faithfully
+but that counting does not use (rope scaling, norm eps, Gemma-2's soft-capping...) live in
+``spec.extra`` and are passed through by :func:`hf_config_dict`.
+
+No torch/transformers import here: the CLI uses this module for completion and --help.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ..errors import UserError, did_you_mean
+from .spec import ModelSpec
+
+# --- catalog ----------------------------------------------------------------------------------
+
+_QWEN25_EXTRA = {"rms_norm_eps": 1e-6, "hidden_act": "silu"}
+
+
+def _qwen25(size, hidden, inter, layers, heads, kv, vocab, tied) -> ModelSpec:
+    return ModelSpec(
+        name=f"Qwen2.5-{size}", hf_id=f"Qwen/Qwen2.5-{size}", arch="qwen2",
+        hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv, head_dim=hidden // heads, vocab_size=vocab, tie_embeddings=tied,
+        qkv_bias=True, max_position=32768 if size in ("0.5B", "1.5B", "3B") else 131072,
+        rope_theta=1e6, extra=dict(_QWEN25_EXTRA),
+    )  # fmt: skip
+
+
+def _qwen3(size, hidden, inter, layers, heads, kv, tied) -> ModelSpec:
+    return ModelSpec(
+        name=f"Qwen3-{size}", hf_id=f"Qwen/Qwen3-{size}", arch="qwen3",
+        hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv, head_dim=128, vocab_size=151936, tie_embeddings=tied, qk_norm=True,
+        max_position=40960, rope_theta=1e6, extra={"rms_norm_eps": 1e-6, "hidden_act": "silu"},
+    )  # fmt: skip
+
+
+def _llama(name, hidden, inter, layers, heads, tied, rope_factor) -> ModelSpec:
+    rope_scaling = {
+        "rope_type": "llama3", "factor": rope_factor, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+    }  # fmt: skip
+    return ModelSpec(
+        name=name, hf_id=f"meta-llama/{name}", arch="llama",
+        hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
+        num_kv_heads=8, head_dim=hidden // heads, vocab_size=128256, tie_embeddings=tied,
+        max_position=131072, rope_theta=500000.0,
+        extra={"rms_norm_eps": 1e-5, "hidden_act": "silu", "rope_scaling": rope_scaling},
+    )  # fmt: skip
+
+
+def _gemma2(size, hidden, inter, layers, heads, kv, head_dim, query_scalar) -> ModelSpec:
+    return ModelSpec(
+        name=f"Gemma-2-{size}", hf_id=f"google/gemma-2-{size.lower()}", arch="gemma2",
+        hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv, head_dim=head_dim, vocab_size=256000, tie_embeddings=True,
+        max_position=8192, rope_theta=10000.0,
+        extra={
+            "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": query_scalar, "sliding_window": 4096,
+            "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+        },
+    )  # fmt: skip
+
+
+_MODELS: tuple[ModelSpec, ...] = (
+    _qwen25("0.5B", 896, 4864, 24, 14, 2, 151936, True),
+    _qwen25("1.5B", 1536, 8960, 28, 12, 2, 151936, True),
+    _qwen25("3B", 2048, 11008, 36, 16, 2, 151936, True),
+    _qwen25("7B", 3584, 18944, 28, 28, 4, 152064, False),
+    _qwen25("14B", 5120, 13824, 48, 40, 8, 152064, False),
+    _qwen25("32B", 5120, 27648, 64, 40, 8, 152064, False),
+    _qwen25("72B", 8192, 29568, 80, 64, 8, 152064, False),
+    _qwen3("0.6B", 1024, 3072, 28, 16, 8, True),
+    _qwen3("1.7B", 2048, 6144, 28, 16, 8, True),
+    _qwen3("4B", 2560, 9728, 36, 32, 8, True),
+    _qwen3("8B", 4096, 12288, 36, 32, 8, False),
+    _qwen3("14B", 5120, 17408, 40, 40, 8, False),
+    _qwen3("32B", 5120, 25600, 64, 64, 8, False),
+    ModelSpec(
+        name="Qwen3-30B-A3B", hf_id="Qwen/Qwen3-30B-A3B", arch="qwen3_moe",
+        hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32, num_kv_heads=4,
+        head_dim=128, vocab_size=151936, qk_norm=True, max_position=40960, rope_theta=1e6,
+        num_experts=128, experts_per_token=8, expert_intermediate_size=768,
+        extra={
+            "rms_norm_eps": 1e-6, "hidden_act": "silu", "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [],
+        },
+    ),  # fmt: skip
+    _llama("Llama-3.2-1B", 2048, 8192, 16, 32, True, 32.0),
+    _llama("Llama-3.2-3B", 3072, 8192, 28, 24, True, 32.0),
+    _llama("Llama-3.1-8B", 4096, 14336, 32, 32, False, 8.0),
+    _llama("Llama-3.1-70B", 8192, 28672, 80, 64, False, 8.0),
+    _llama("Llama-3.1-405B", 16384, 53248, 126, 128, False, 8.0),
+    ModelSpec(
+        name="Mistral-7B", hf_id="mistralai/Mistral-7B-v0.3", arch="mistral",
+        hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, vocab_size=32768, max_position=32768, rope_theta=1e6,
+        extra={"rms_norm_eps": 1e-5, "hidden_act": "silu", "sliding_window": None},
+    ),  # fmt: skip
+    _gemma2("2B", 2304, 9216, 26, 8, 4, 256, 256),
+    _gemma2("9B", 3584, 14336, 42, 16, 8, 256, 256),
+    _gemma2("27B", 4608, 36864, 46, 32, 16, 128, 144),
+    ModelSpec(
+        name="DeepSeek-V3", hf_id="deepseek-ai/DeepSeek-V3", arch="deepseek_v3",
+        hidden_size=7168, intermediate_size=18432, num_layers=61, num_heads=128,
+        num_kv_heads=128, head_dim=192, vocab_size=129280, max_position=163840,
+        rope_theta=10000.0, num_experts=256, experts_per_token=8, shared_experts=1,
+        expert_intermediate_size=2048, first_dense_layers=3, q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        mtp_layers=1,
+        extra={
+            "rms_norm_eps": 1e-6, "hidden_act": "silu", "n_group": 8, "topk_group": 4,
+            "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc",
+            "rope_scaling": {
+                "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+            },
+        },
+    ),  # fmt: skip
+)
+
+# Other published names for the same architecture (normalised like everything else).
+_ALIASES = {
+    "mistral-7b-v0.3": "Mistral-7B",
+    "meta-llama-3.1-8b": "Llama-3.1-8B",
+    "meta-llama-3.1-70b": "Llama-3.1-70B",
+    "meta-llama-3.1-405b": "Llama-3.1-405B",
+    "deepseek-v3-0324": "DeepSeek-V3",
+}
+
+# Variant words that do not change the architecture: Qwen2.5-7B-Instruct, gemma-2-9b-it,
+# Mistral-7B-Instruct-v0.3, DeepSeek-V3-Base.
+_VARIANT_WORDS = {"instruct", "chat", "base", "it"}
+
+
+def _normalize(name: str) -> str:
+    name = name.strip().lower().rsplit("/", 1)[-1]
+    parts = [p for p in re.split(r"[-_\s]+", name) if p and p not in _VARIANT_WORDS]
+    return "-".join(parts)
+
+
+def _index() -> dict[str, ModelSpec]:
+    by_key = {}
+    for spec in _MODELS:
+        by_key[_normalize(spec.name)] = spec
+        by_key[_normalize(spec.hf_id)] = spec
+    for alias, name in _ALIASES.items():
+        by_key[_normalize(alias)] = next(s for s in _MODELS if s.name == name)
+    return by_key
+
+
+def list_models() -> list[ModelSpec]:
+    """Catalog entries, in catalog order (families, then size)."""
+    return list(_MODELS)
+
+
+def resolve_model(name_or_path: str) -> ModelSpec:
+    """A catalog name or HF id (any case, org optional, -Instruct/-Chat/-Base/-it ok), a local
+    HF model directory, or a config.json path."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix == ".json"):
+        return spec_from_path(path)
+    if name_or_path.startswith(("/", "./", "../", "~")):
+        raise UserError(f"{name_or_path} does not exist; pass a HF model directory or a catalog name")
+    spec = _index().get(_normalize(name_or_path))
+    if spec is not None:
+        return spec
+    names = [s.name for s in _MODELS]
+    hint = did_you_mean(_normalize(name_or_path), names) or f" (catalog: {', '.join(names[:6])}, ...)"
+    raise UserError(
+        f"unknown model '{name_or_path}'{hint}; pass a catalog name (see `docs/catalog.md`) "
+        "or a local HF model directory"
+    )
+
+
+# --- config.json -> ModelSpec -------------------------------------------------------------------
+
+# model_type -> the CausalLM class transformers builds for it
+_ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+SUPPORTED_ARCHS = tuple(_ARCHITECTURES)
+
+# head_dim when config.json does not give one: transformers' class default where it has one.
+_HEAD_DIM_DEFAULT = {"qwen3": 128, "gemma2": 256}
+_TIED_DEFAULT = {"gemma2": True}
+# Keys copied into spec.extra so hf_config_dict can rebuild the same config.
+_EXTRA_KEYS = (
+    "rms_norm_eps", "hidden_act", "hidden_activation", "rope_scaling", "rope_parameters", "sliding_window",
+    "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
+    "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "n_group", "topk_group",
+    "routed_scaling_factor", "scoring_func", "topk_method",
+)  # fmt: skip
+
+
+def spec_from_path(path: str | Path) -> ModelSpec:
+    """Read a local HF model directory (its config.json) or a config.json file."""
+    path = Path(path).expanduser()
+    config_path = path / "config.json" if path.is_dir() else path
+    if not config_path.is_file():
+        raise UserError(f"{path} has no config.json; pass a HF model directory or a catalog name")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {config_path}: {e}; is it a transformers config.json?") from e
+    return spec_from_hf_config(config, source=str(path), name=config_path.parent.name)
+
+
+def spec_from_hf_config(config: dict, *, source: str, name: str) -> ModelSpec:
+    """Map a transformers config.json dict onto a ModelSpec (the architectures in SUPPORTED_ARCHS)."""
+    arch = config.get("model_type")
+    if arch not in SUPPORTED_ARCHS:
+        raise UserError(
+            f"{source}: model_type '{arch}' is not supported; supported: {', '.join(SUPPORTED_ARCHS)}"
+        )
+
+    def need(key: str, *alternatives: str):
+        for k in (key, *alternatives):
+            if config.get(k) is not None:
+                return config[k]
+        raise UserError(f"{source}: config.json has no '{key}'; is it a complete {arch} config?")
+
+    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    rope = config.get("rope_parameters") or {}  # transformers >= 5 writes rope_theta here
+    attention_bias = bool(config.get("attention_bias", False))
+    fields = dict(
+        name=name,
+        hf_id=config.get("_name_or_path") or source,
+        arch=arch,
+        hidden_size=hidden,
+        intermediate_size=need("intermediate_size"),
+        num_layers=need("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or _HEAD_DIM_DEFAULT.get(arch, hidden // heads),
+        vocab_size=need("vocab_size"),
+        tie_embeddings=bool(config.get("tie_word_embeddings", _TIED_DEFAULT.get(arch, False))),
+        qkv_bias=arch == "qwen2" or (attention_bias and arch != "mistral"),
+        o_bias=attention_bias and arch not in ("qwen2", "mistral"),
+        mlp_bias=arch == "llama" and bool(config.get("mlp_bias", False)),
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        max_position=config.get("max_position_embeddings") or 32768,
+        rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        source=source,
+        extra={k: config[k] for k in _EXTRA_KEYS if k in config},
+    )
+    if arch == "qwen3_moe":
+        if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+            raise UserError(
+                f"{source}: qwen3_moe with decoder_sparse_step != 1 or mlp_only_layers is not "
+                "supported (every layer must be MoE)"
+            )
+        fields.update(
+            num_experts=need("num_experts", "num_local_experts"),  # transformers 5 saves the latter
+            experts_per_token=need("num_experts_per_tok"),
+            expert_intermediate_size=need("moe_intermediate_size"),
+        )
+    if arch == "deepseek_v3":
+        nope, rope_dim = need("qk_nope_head_dim"), need("qk_rope_head_dim")
+        fields.update(
+            head_dim=nope + rope_dim,
+            num_experts=need("n_routed_experts"),
+            experts_per_token=need("num_experts_per_tok"),
+            shared_experts=config.get("n_shared_experts") or 0,
+            expert_intermediate_size=need("moe_intermediate_size"),
+            first_dense_layers=config.get("first_k_dense_replace") or 0,
+            q_lora_rank=config.get("q_lora_rank") or 0,
+            kv_lora_rank=need("kv_lora_rank"),
+            qk_nope_head_dim=nope,
+            qk_rope_head_dim=rope_dim,
+            v_head_dim=need("v_head_dim"),
+            mtp_layers=config.get("num_nextn_predict_layers") or 0,
+        )
+    return ModelSpec(**fields)
+
+
+# --- ModelSpec -> config.json -------------------------------------------------------------------
+
+
+def hf_config_dict(spec: ModelSpec) -> dict:
+    """A config.json dict for ``transformers.AutoConfig.for_model(**d)`` that builds this model."""
+    d = {
+        "model_type": spec.arch,
+        "architectures": [_ARCHITECTURES[spec.arch]],
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "vocab_size": spec.vocab_size,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "max_position_embeddings": spec.max_position,
+        "rope_theta": spec.rope_theta,
+    }
+    if spec.arch != "deepseek_v3":  # DeepSeek derives its head dims from the MLA fields
+        d["head_dim"] = spec.head_dim
+    if spec.arch in ("qwen3", "qwen3_moe", "llama", "gemma2"):
+        d["attention_bias"] = spec.qkv_bias
+    if spec.arch == "llama":
+        d["mlp_bias"] = spec.mlp_bias
+    if spec.arch == "qwen3_moe":
+        d.update(
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.experts_per_token,
+            moe_intermediate_size=spec.expert_intermediate_size,
+        )
+    if spec.arch == "deepseek_v3":
+        d.update(
+            attention_bias=spec.qkv_bias,
+            n_routed_experts=spec.num_experts,
+            num_experts_per_tok=spec.experts_per_token,
+            n_shared_experts=spec.shared_experts,
+            moe_intermediate_size=spec.expert_intermediate_size,
+            first_k_dense_replace=spec.first_dense_layers,
+            q_lora_rank=spec.q_lora_rank or None,
+            kv_lora_rank=spec.kv_lora_rank,
+            qk_nope_head_dim=spec.qk_nope_head_dim,
+            qk_rope_head_dim=spec.qk_rope_head_dim,
+            v_head_dim=spec.v_head_dim,
+            num_nextn_predict_layers=spec.mtp_layers,
+        )
+    d.update(spec.extra)
+    return d
