@@ -38,6 +38,7 @@ app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
+    add_completion=False,  # static scripts in completions/ (make completions)
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -64,26 +65,14 @@ def _root(
 
 
 def main() -> None:
-    """Console-script entry point: user errors become one line and exit code 2."""
+    """Console-script entry point: user errors become one line and exit code 2.
+
+    Usage errors (an unknown option, a missing argument) are click's, also exit code 2.
+    """
     from rlctl.errors import UserError
 
     try:
-        app(standalone_mode=False)
+        app()
     except UserError as e:
         sys.stderr.write(f"error: {e}\n")
         sys.exit(e.exit_code)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except typer.Abort:
-        sys.stderr.write("aborted\n")
-        sys.exit(130)
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
-        sys.exit(130)
-    except Exception as e:  # click usage errors (bad option, missing argument)
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(2)
-        raise

@@ -46,21 +46,21 @@ def value_choices() -> dict[str, list[str]]:
 
 
 def command_tree() -> Node:
-    import click
     import typer.main
 
     from rlctl.cli.app import app
 
-    def walk(cmd: click.Command, path: tuple[str, ...]) -> Node:
+    # typer vendors its own click, so go by the objects' shape rather than click's classes
+    def walk(cmd, path: tuple[str, ...]) -> Node:
         node = Node(path=path, help=(cmd.get_short_help_str(80) if path else "rlctl"))
         for p in cmd.params:
-            if isinstance(p, click.Option):
+            if p.param_type_name == "option":
                 names = tuple(n for n in p.opts + p.secondary_opts)
                 node.options.append(names)
                 if not p.is_flag:
                     node.takes_value.update(names)
         node.options.append(("--help", "-h"))
-        if isinstance(cmd, click.Group):
+        if hasattr(cmd, "commands"):
             for name in sorted(cmd.commands):
                 node.subcommands.append(walk(cmd.commands[name], path + (name,)))
         return node
