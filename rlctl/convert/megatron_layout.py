@@ -236,9 +236,15 @@ def megatron_to_hf(get_shard_tensor: ShardSource, cfg: MegatronLayoutConfig, tp:
     """Stream HF ``(name, tensor)`` pairs, layer by layer, from ``get_shard_tensor(tp_rank, pp_rank, name)``.
 
     Padded vocabulary rows are dropped (any padded size >= ``cfg.vocab_size`` is accepted, so a
-    checkpoint padded for another tp reads fine). Tied models yield no ``lm_head.weight``.
+    checkpoint padded for another tp reads fine). Tied models yield no ``lm_head.weight``. Bad
+    tp/pp raise here; missing or misshapen tensors raise while iterating.
     """
     check_parallelism(cfg, tp, pp)
+    return _megatron_to_hf(get_shard_tensor, cfg, tp, pp)
+
+
+def _megatron_to_hf(get_shard_tensor: ShardSource, cfg: MegatronLayoutConfig, tp: int,
+                    pp: int) -> Iterator[tuple[str, torch.Tensor]]:
     d, h = cfg.head_dim, cfg.hidden_size
     per_stage = cfg.num_layers // pp
     q_per_group = cfg.num_heads // cfg.num_kv_heads
