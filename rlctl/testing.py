@@ -77,7 +77,7 @@ def tiny_qwen2_config(vocab_size: int = 512, **overrides):
         max_position_embeddings=512,
         rope_theta=10000.0,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",
     )
     kwargs.update(overrides)
     return Qwen2Config(**kwargs)
@@ -98,7 +98,7 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 51
     config.eos_token_id = tok.eos_token_id
     config.pad_token_id = tok.pad_token_id
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )

@@ -1,0 +1,166 @@
+"""Global batches, their split over ranks, sequence packing and collation.
+
+Order never depends on the number of processes:
+
+1. :class:`StepSampler` gives the global batch of each optimizer step (``batch_size`` sequence
+   indices from a per-epoch permutation seeded by ``seed + epoch``) -- a function of the step alone.
+2. :func:`group_micro_batches` cuts that global batch into micro-batches: with packing, bins of at
+   most ``budget`` tokens filled first-fit-decreasing; without, runs of ``micro_batch_size``
+   sequences. Every rank computes the same list.
+3. :func:`rank_micro_batches` deals micro-batch ``i`` to rank ``i % world``. A rank left short gets
+   empty *dummy* micro-batches, so every rank runs the same number of forward/backward passes
+   (FSDP's collectives require it).
+
+A packed micro-batch is one row ``[1, T]`` holding several documents, with position ids restarting
+at 0 for each document and ``attention_mask=None``: transformers then keeps attention inside each
+document (sdpa: a block-diagonal causal mask; flash-attention: varlen kernels). Each document's
+last label is -100, so no token is trained to predict the next document.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rlctl.data.sft import IGNORE, Example
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [B, T] int64
+    position_ids: torch.Tensor  # [B, T] int64
+    labels: torch.Tensor  # [B, T] int64, -100 where no loss
+    attention_mask: torch.Tensor | None  # [B, T] 0/1 for padded rows; None for packed rows
+    num_seqs: int  # real sequences in it (0 for a dummy)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens."""
+        if self.attention_mask is not None:
+            return int(self.attention_mask.sum())
+        return self.input_ids.numel() if self.num_seqs else 0
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int((self.labels != IGNORE).sum())
+
+    def to(self, device: torch.device) -> MicroBatch:
+        mask = None if self.attention_mask is None else self.attention_mask.to(device)
+        return MicroBatch(self.input_ids.to(device), self.position_ids.to(device), self.labels.to(device), mask,
+                          self.num_seqs)
+
+
+class StepSampler:
+    """Which example indices form the global batch of optimizer step ``step`` (0-based)."""
+
+    def __init__(self, num_examples: int, batch_size: int, *, seed: int, shuffle: bool = True):
+        if num_examples < 1:
+            raise ValueError("no examples")
+        self.n = num_examples
+        self.batch_size = min(batch_size, num_examples)
+        self.seed = seed
+        self.shuffle = shuffle
+        self.steps_per_epoch = math.ceil(self.n / self.batch_size)
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def epoch_of(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            order = np.arange(self.n)
+            if self.shuffle:
+                order = np.random.default_rng(self.seed + epoch).permutation(self.n)
+            self._perm, self._perm_epoch = order, epoch
+        return self._perm
+
+    def indices(self, step: int) -> list[int]:
+        """The global batch: the last batch of an epoch may be smaller (no example is dropped)."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        return self._permutation(epoch)[k * self.batch_size:(k + 1) * self.batch_size].tolist()
+
+
+def pack_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """First-fit-decreasing: group item indices into bins of at most ``budget`` tokens.
+
+    Deterministic (ties keep the input order); bins come out fullest-first-created. Every
+    length must be <= budget.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        n = lengths[i]
+        if n > budget:
+            raise ValueError(f"a sequence of {n} tokens exceeds the packing budget {budget}")
+        for b, room in enumerate(free):
+            if n <= room:
+                bins[b].append(i)
+                free[b] -= n
+                break
+        else:
+            bins.append([i])
+            free.append(budget - n)
+    return bins
+
+
+def group_micro_batches(lengths: Sequence[int], *, packing: bool, budget: int, micro_batch_size: int) -> list[list[int]]:
+    """Index groups (into the global batch), one per micro-batch; identical on every rank."""
+    if packing:
+        return pack_bins(lengths, budget)
+    return [list(range(i, min(i + micro_batch_size, len(lengths)))) for i in range(0, len(lengths), micro_batch_size)]
+
+
+def collate_packed(examples: Sequence[Example]) -> MicroBatch:
+    """Several documents in one row, positions restarting at 0 for each."""
+    ids = np.concatenate([ex.input_ids for ex in examples])
+    labels = np.concatenate([ex.labels for ex in examples])
+    pos = np.concatenate([np.arange(len(ex)) for ex in examples])
+
+    def row(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a.astype(np.int64))[None]
+
+    return MicroBatch(row(ids), row(pos), row(labels), None, len(examples))
+
+
+def collate_padded(examples: Sequence[Example], pad_id: int) -> MicroBatch:
+    """One row per document, right-padded to the longest, with an attention mask."""
+    width = max(len(ex) for ex in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for r, ex in enumerate(examples):
+        n = len(ex)
+        ids[r, :n] = torch.from_numpy(ex.input_ids.astype(np.int64))
+        labels[r, :n] = torch.from_numpy(ex.labels.astype(np.int64))
+        mask[r, :n] = 1
+    pos = torch.arange(width).expand(len(examples), width).clone()
+    return MicroBatch(ids, pos, labels, mask, len(examples))
+
+
+def dummy_micro_batch(pad_id: int) -> MicroBatch:
+    """One padding token with no loss: keeps a rank in step with the others' collectives."""
+    one = torch.tensor([[pad_id]], dtype=torch.long)
+    return MicroBatch(one, torch.zeros_like(one), torch.full_like(one, IGNORE), None, 0)
+
+
+def rank_micro_batches(batch: Sequence[Example], rank: int, world: int, *, packing: bool, budget: int,
+                       micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
+    """This rank's micro-batches of a global batch: ``ceil(groups / world)`` of them on every rank."""
+    groups = group_micro_batches([len(ex) for ex in batch], packing=packing, budget=budget,
+                                 micro_batch_size=micro_batch_size)
+    per_rank = max(1, math.ceil(len(groups) / world))
+    out = []
+    for k in range(per_rank):
+        g = k * world + rank
+        if g < len(groups):
+            docs = [batch[i] for i in groups[g]]
+            out.append(collate_packed(docs) if packing else collate_padded(docs, pad_id))
+        else:
+            out.append(dummy_micro_batch(pad_id))
+    return out

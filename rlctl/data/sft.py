@@ -1,0 +1,258 @@
+"""SFT examples: rows -> token ids with labels only on the assistant's tokens.
+
+Two row formats (field names from ``cfg.data``):
+
+* chat: ``{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]}``;
+  the loss covers every assistant turn.
+* pairs: ``{"prompt": ..., "response": ...}``; the prompt is a string (or a list of messages), the
+  loss covers the response only.
+
+The tokenizer's chat template renders the text. The assistant spans are found by rendering the
+conversation prefix by prefix: the characters between ``render(messages[:i], add_generation_prompt)``
+and ``render(messages[:i+1])`` are turn ``i``'s answer (the template's end-of-turn marker included,
+so the model learns to stop). Tokens whose first character lies in such a span are trained on.
+
+A row that cannot be used (missing fields, no assistant turn, too long for ``truncation=skip``...)
+is a *bad row*: skipped and counted; the run fails only when more than ``data.max_bad_fraction``
+of the rows are bad.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rlctl.config import RunConfig
+from rlctl.data.io import read_rows
+from rlctl.errors import UserError
+
+IGNORE = -100  # label of a position without loss
+
+
+class BadRow(Exception):
+    """A row that is skipped; the message is the reason, counted in the data report."""
+
+
+@dataclass
+class Example:
+    """One tokenized sequence. ``labels[j]`` is the target for position j (already shifted), or -100."""
+
+    input_ids: np.ndarray  # int32 [L]
+    labels: np.ndarray  # int32 [L]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int((self.labels != IGNORE).sum())
+
+
+@dataclass
+class DataReport:
+    """How many rows were read and why some were skipped."""
+
+    total: int = 0
+    bad: Counter = field(default_factory=Counter)
+
+    @property
+    def num_bad(self) -> int:
+        return sum(self.bad.values())
+
+    @property
+    def bad_fraction(self) -> float:
+        return self.num_bad / self.total if self.total else 0.0
+
+    def summary(self) -> str:
+        if not self.num_bad:
+            return f"{self.total} rows, none skipped"
+        reasons = "; ".join(f"{n} {reason}" for reason, n in self.bad.most_common(4))
+        return f"skipped {self.num_bad} of {self.total} rows ({100 * self.bad_fraction:.1f}%): {reasons}"
+
+    def to_dict(self) -> dict:
+        return {"total": self.total, "bad": self.num_bad, "reasons": dict(self.bad)}
+
+
+@dataclass
+class SFTData:
+    train: list[Example]
+    val: list[Example]
+    report: DataReport
+    val_report: DataReport | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# One row
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 (jinja raises many types, e.g. "Conversation roles must alternate")
+        raise BadRow(f"chat template failed ({str(e).splitlines()[0][:80]})") from None
+
+
+def assistant_spans(tokenizer, messages: list[dict], *, last_only: bool = False) -> tuple[str, list[tuple[int, int]]]:
+    """Render ``messages``; return the text and the character spans of the assistant turns."""
+    text = _render(tokenizer, messages)
+    spans: list[tuple[int, int]] = []
+    search_from = 0
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if last_only:
+        turns = turns[-1:]
+    for i in turns:
+        end_text = _render(tokenizer, messages[: i + 1])
+        start_text = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        if i and end_text.startswith(start_text) and text.startswith(end_text):
+            span = (len(start_text), len(end_text))
+        else:
+            # The template rewrites earlier turns or cannot render a prefix: find this turn's text.
+            piece = end_text[len(start_text):] if i and end_text.startswith(start_text) else messages[i]["content"]
+            at = text.find(piece, search_from)
+            if at < 0 or not piece:
+                continue
+            span = (at, at + len(piece))
+        spans.append(span)
+        search_from = span[1]
+    return text, spans
+
+
+def _tokenize_with_spans(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Token ids of ``text`` and a 0/1 mask of the tokens that start inside a span."""
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        mask = [int(any(s <= start < e for s, e in spans)) for start, _ in enc["offset_mapping"]]
+        return ids, mask
+    # Slow tokenizers give no offsets: tokenize the pieces between span boundaries separately.
+    ids, mask, pos = [], [], 0
+    for s, e in spans + [(len(text), len(text))]:
+        for piece, m in ((text[pos:s], 0), (text[s:e], 1)):
+            if piece:
+                piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
+                ids += piece_ids
+                mask += [m] * len(piece_ids)
+        pos = e
+    return ids, mask
+
+
+def _messages(value, where: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise BadRow(f"'{where}' is not a non-empty list of messages")
+    out = []
+    for m in value:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRow(f"a message in '{where}' has no role")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            texts = [p.get("text") for p in content if isinstance(p, dict)]
+            content = "".join(t for t in texts if isinstance(t, str)) if texts else None
+        if not isinstance(content, str):
+            raise BadRow(f"a message in '{where}' has no text content")
+        out.append({**m, "content": content})
+    return out
+
+
+def row_tokens(row: dict, tokenizer, cfg: RunConfig) -> tuple[list[int], list[int]]:
+    """Token ids and the 0/1 assistant mask of one row (before truncation)."""
+    d = cfg.data
+    fmt = d.format
+    if fmt == "auto":
+        fmt = "chat" if d.messages_field in row else "pairs" if d.prompt_field in row else ""
+    if fmt == "chat":
+        if d.messages_field not in row:
+            raise BadRow(f"missing field '{d.messages_field}'")
+        messages = _messages(row[d.messages_field], d.messages_field)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise BadRow("no assistant turn")
+        text, spans = assistant_spans(tokenizer, messages)
+    elif fmt == "pairs":
+        for name in (d.prompt_field, d.response_field):
+            if not isinstance(row.get(name), (str, list)) or not row.get(name):
+                raise BadRow(f"missing field '{name}'")
+        response = row[d.response_field]
+        if not isinstance(response, str):
+            raise BadRow(f"'{d.response_field}' is not text")
+        prompt = row[d.prompt_field]
+        if tokenizer.chat_template:
+            messages = _messages(prompt, d.prompt_field) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            text, spans = assistant_spans(tokenizer, messages + [{"role": "assistant", "content": response}], last_only=True)
+        else:
+            if not isinstance(prompt, str):
+                raise BadRow(f"'{d.prompt_field}' is a message list but the tokenizer has no chat template")
+            p_ids = tokenizer(prompt)["input_ids"]
+            r_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            return p_ids + r_ids, [0] * len(p_ids) + [1] * len(r_ids)
+    else:
+        raise BadRow(f"no '{d.messages_field}' or '{d.prompt_field}'/'{d.response_field}' field")
+    if not spans:
+        raise BadRow("no assistant tokens")
+    return _tokenize_with_spans(tokenizer, text, spans)
+
+
+def make_example(ids: list[int], mask: list[int], *, max_len: int, truncation: str) -> Example:
+    """Truncate (or reject) and shift the mask into labels: labels[j] = ids[j+1] where mask[j+1]."""
+    if len(ids) > max_len:
+        if truncation == "skip":
+            raise BadRow(f"longer than max_len {max_len} (raise --max-len or set data.truncation=right)")
+        sl = slice(None, max_len) if truncation == "right" else slice(len(ids) - max_len, None)
+        ids, mask = ids[sl], mask[sl]
+    ids_a = np.asarray(ids, dtype=np.int32)
+    labels = np.full(len(ids_a), IGNORE, dtype=np.int32)
+    m = np.asarray(mask[1:], dtype=bool)
+    labels[:-1][m] = ids_a[1:][m]
+    if not m.any():
+        raise BadRow("no assistant tokens left after truncation")
+    return Example(ids_a, labels)
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole file
+
+
+def tokenize_rows(path: str, tokenizer, cfg: RunConfig) -> tuple[list[Example], DataReport]:
+    rows = read_rows(path)
+    report = DataReport(total=len(rows))
+    for reason in rows.unreadable:
+        report.bad[reason] += 1
+    examples = []
+    for row in rows.rows:
+        try:
+            ids, mask = row_tokens(row, tokenizer, cfg)
+            examples.append(make_example(ids, mask, max_len=cfg.train.max_len, truncation=cfg.data.truncation))
+        except BadRow as e:
+            report.bad[str(e)] += 1
+    return examples, report
+
+
+def build_sft_data(cfg: RunConfig, tokenizer) -> SFTData:
+    """Tokenize the training data (and the validation data or a held-out share of it).
+
+    Deterministic: every rank computes the same result. Raises UserError when more than
+    ``data.max_bad_fraction`` of the rows are bad or nothing usable is left.
+    """
+    if cfg.data.format == "rl":
+        raise UserError("data.format=rl is for grpo/ppo; sft reads chat (messages) or pairs (prompt/response) rows")
+    if not cfg.data.path:
+        raise UserError("no data given: pass --data FILE (JSONL, Parquet or a datasets directory)")
+    examples, report = tokenize_rows(cfg.data.path, tokenizer, cfg)
+    if report.bad_fraction > cfg.data.max_bad_fraction:
+        raise UserError(f"{cfg.data.path}: too many bad rows, more than data.max_bad_fraction="
+                        f"{cfg.data.max_bad_fraction}: {report.summary()}")
+    if not examples:
+        raise UserError(f"{cfg.data.path}: no usable rows ({report.summary()})")
+    val: list[Example] = []
+    val_report = None
+    if cfg.data.val_path:
+        val, val_report = tokenize_rows(cfg.data.val_path, tokenizer, cfg)
+    elif cfg.data.val_fraction > 0:
+        n_val = max(1, round(cfg.data.val_fraction * len(examples)))
+        if n_val >= len(examples):
+            raise UserError(f"data.val_fraction={cfg.data.val_fraction} leaves no training rows out of {len(examples)}")
+        rng = np.random.default_rng(cfg.train.seed)
+        held = set(rng.permutation(len(examples))[:n_val].tolist())
+        val = [ex for i, ex in enumerate(examples) if i in held]
+        examples = [ex for i, ex in enumerate(examples) if i not in held]
+    return SFTData(examples, val, report, val_report)

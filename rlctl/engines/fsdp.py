@@ -1,0 +1,435 @@
+"""The FSDP2 training engine shared by sft, grpo and ppo.
+
+How a model is built (the same on every rank, see :class:`FSDPEngine`):
+
+1. the architecture is instantiated on the *meta* device (no memory), LoRA adapters are added
+   with peft when ``lora.rank > 0``;
+2. ``fully_shard`` wraps every decoder layer (the model's ``_no_split_modules``) and then the HF
+   model itself as the root (with LoRA the inner HF model is the root, not peft's wrapper, so
+   ``generate`` keeps working);
+3. the shards are allocated (``to_empty``), rank 0 loads the real weights on CPU and broadcasts
+   them one tensor at a time, each rank keeping its shard; non-persistent buffers (RoPE's
+   ``inv_freq``), which no state dict carries, are broadcast from rank 0's copy too.
+
+Precision: parameters (the master weights) and optimizer states are fp32; on GPU the forward and
+backward run in bf16 and gradients are reduced in fp32 (``MixedPrecisionPolicy``); on CPU
+everything is fp32. A frozen model (the reference policy) keeps its weights in the compute dtype.
+
+Gradients are SUMMED over ranks (see :mod:`rlctl.engines.base`), clipped by their global norm,
+and AdamW steps with a linear warmup then cosine decay to ``min_lr_ratio`` of the peak.
+
+Critic (PPO): ``role="critic"`` builds :class:`CriticModel`, the architecture's backbone
+(``AutoModel``, the CausalLM without its lm_head) plus ``value_head = Linear(hidden, 1)``;
+``forward`` returns values ``[B, T]`` in fp32. Its state keys are the CausalLM's ``model.*`` keys
+plus ``value_head.weight``/``value_head.bias``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from rlctl.config import RunConfig
+from rlctl.engines.base import ROLES, ModelSource, TrainEngine, model_source
+from rlctl.errors import UserError, did_you_mean
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr for optimizer step ``step`` (0-based).
+
+    Linear warmup over ``w = int(warmup_ratio * total_steps)`` steps ((step+1)/w), then a cosine
+    from 1 at step w down towards ``min_lr_ratio`` at step ``total_steps``.
+    """
+    warmup = int(warmup_ratio * total_steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class CriticModel(nn.Module):
+    """A value model: the architecture's backbone plus a linear value head, values [B, T] in fp32."""
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.model = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None):
+        hidden = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                            use_cache=False).last_hidden_state
+        return self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)  # a copy, not a view
+
+
+def _full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The whole tensor behind a (possibly sharded, possibly CPU-offloaded) parameter."""
+    if isinstance(t, DTensor):
+        local = t.to_local().to(device)
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride()).full_tensor()
+    return t.detach().to(device)
+
+
+def _non_persistent_buffers(module: nn.Module) -> list[tuple[str, str]]:
+    return [(mod_name, name) for mod_name, mod in module.named_modules()
+            for name, _ in mod.named_buffers(recurse=False) if name in mod._non_persistent_buffers_set]
+
+
+class FSDPEngine(TrainEngine):
+    """One model sharded with FSDP2 over all ranks, with its optimizer (when trainable).
+
+    Args:
+        cfg, plan: the resolved run config and plan (plan fields: device, dtype, attn,
+            activation_checkpointing, offload_params, offload_optimizer).
+        role: "actor" / "ref" (a CausalLM, forward gives logits) or "critic" (values).
+        trainable: False for a frozen model (no optimizer, weights in the compute dtype).
+        total_steps: optimizer steps of the run (for the lr schedule).
+        lr: peak learning rate (default ``cfg.train.lr``; the PPO critic passes ``algo.critic_lr``).
+        source: where the weights come from (default ``cfg.model``); e.g. a PPO critic from another model.
+        lora: apply ``cfg.lora`` when its rank > 0 (default: for trainable actors and critics).
+    """
+
+    def __init__(self, cfg: RunConfig, plan, *, role: str = "actor", trainable: bool = True, total_steps: int = 0,
+                 lr: float | None = None, source: ModelSource | None = None, lora: bool | None = None):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if cfg.train.compile:
+            raise UserError("train.compile is not supported by the FSDP engine yet; set train.compile=false")
+        self.cfg, self.role, self.trainable = cfg, role, trainable
+        self.total_steps = total_steps
+        self.peak_lr = cfg.train.lr if lr is None else lr
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        device_type = getattr(plan, "device", "cpu")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        self.compute_dtype = self._compute_dtype(cfg, plan)
+        self.attn = self._attn(cfg, plan)
+        self.offload = self.device.type == "cuda" and bool(
+            getattr(plan, "offload_params", False) or getattr(plan, "offload_optimizer", False))
+        self.source = source or model_source(cfg.model.name, random_init=cfg.model.random_init)
+        self.hf_config = self.source.load_config()
+        use_lora = (trainable and role != "ref") if lora is None else lora
+        self.lora_rank = cfg.lora.rank if use_lora else 0
+        self.param_dtype = torch.float32 if trainable else self.compute_dtype
+
+        with torch.device("meta"):
+            self.model, self._state_module = self._build(self.hf_config)
+        self._apply_fsdp(getattr(plan, "activation_checkpointing", False))
+        self._materialize()
+        self.global_step = 0
+        self.optimizer = None
+        if trainable:
+            self._build_optimizer()
+        else:
+            self._state_module.requires_grad_(False)
+        self.train(trainable)
+
+    # ------------------------------------------------------------------ setup
+
+    @staticmethod
+    def _compute_dtype(cfg: RunConfig, plan) -> torch.dtype:
+        name = getattr(plan, "dtype", None) or cfg.model.dtype
+        if name == "auto":
+            name = "bf16" if getattr(plan, "device", "cpu") == "cuda" else "fp32"
+        if name not in DTYPES:
+            raise UserError(f"the FSDP engine trains in bf16 or fp32, not {name}; set model.dtype=bf16")
+        return DTYPES[name]
+
+    def _attn(self, cfg: RunConfig, plan) -> str:
+        attn = getattr(plan, "attn", None) or cfg.model.attn
+        has_flash = importlib.util.find_spec("flash_attn") is not None
+        if attn == "auto":
+            return "flash_attention_2" if self.device.type == "cuda" and has_flash else "sdpa"
+        if attn == "flash_attention_2" and (self.device.type != "cuda" or not has_flash):
+            raise UserError("model.attn=flash_attention_2 needs a GPU and the flash-attn package; use model.attn=sdpa")
+        return attn
+
+    def _new_model(self, config, *, pretrained: bool) -> nn.Module:
+        """The bare architecture (meta) or the real weights (rank 0), before LoRA."""
+        from transformers import AutoModel, AutoModelForCausalLM
+
+        cls = AutoModel if self.role == "critic" else AutoModelForCausalLM
+        kwargs = {"attn_implementation": self.attn, "dtype": self.param_dtype}
+        if pretrained and not self.source.random_init:
+            try:  # the checkpoint's own dtype: half the host memory for bf16 weights; copies upcast exactly
+                model = cls.from_pretrained(self.source.path, config=config, **{**kwargs, "dtype": "auto"})
+            except (OSError, ValueError) as e:
+                raise UserError(f"cannot load the weights of '{self.source.path}': {str(e).splitlines()[0]}") from None
+        else:
+            model = cls.from_config(config, **kwargs)
+        if self.role == "critic":
+            model = CriticModel(model, config.hidden_size)
+            model.value_head.to(self.param_dtype)
+            if pretrained:
+                nn.init.normal_(model.value_head.weight, std=getattr(config, "initializer_range", 0.02))
+                nn.init.zeros_(model.value_head.bias)
+        return model
+
+    def _build(self, config, *, pretrained: bool = False) -> tuple[nn.Module, nn.Module]:
+        """Return (the FSDP root that runs forward, the module whose state dict is checkpointed)."""
+        model = self._new_model(config, pretrained=pretrained)
+        if not self.lora_rank:
+            return model, model
+        from peft import LoraConfig, get_peft_model
+
+        lc = self.cfg.lora
+        targets = "all-linear" if lc.targets in ("", "all-linear") else [t.strip() for t in lc.targets.split(",") if t.strip()]
+        lora_cfg = LoraConfig(r=self.lora_rank, lora_alpha=lc.alpha or 2 * self.lora_rank, lora_dropout=lc.dropout,
+                              target_modules=targets, bias="none")
+        hf = model.model if self.role == "critic" else model
+        try:
+            peft_model = get_peft_model(hf, lora_cfg)
+        except ValueError as e:
+            names = sorted({n.rsplit(".", 1)[-1] for n, m in hf.named_modules() if isinstance(m, nn.Linear)})
+            bad = targets[0] if isinstance(targets, list) else targets
+            raise UserError(f"--lora-targets {lc.targets}: {str(e).splitlines()[0]}{did_you_mean(bad, names)}; "
+                            f"linear layers here: {', '.join(names)}") from None
+        self._check_lora_layers(peft_model)
+        if self.role == "critic":
+            model.model = peft_model
+            return model, model
+        return peft_model.base_model.model, peft_model
+
+    @staticmethod
+    def _check_lora_layers(peft_model: nn.Module) -> None:
+        from peft.tuners.lora import LoraLayer
+
+        for name, m in peft_model.named_modules():
+            if isinstance(m, LoraLayer) and not isinstance(m.get_base_layer(), nn.Linear):
+                raise UserError(f"LoRA on {name} ({type(m.get_base_layer()).__name__}) is not supported; "
+                                f"target linear layers only (e.g. --lora-targets all-linear)")
+
+    def _hf_model(self) -> nn.Module:
+        """The transformers model inside: the CausalLM (actor/ref) or the critic's backbone, without peft."""
+        from peft import PeftModel
+
+        hf = self.model.model if self.role == "critic" else self.model
+        return hf.base_model.model if isinstance(hf, PeftModel) else hf
+
+    def _wrap_units(self) -> list[nn.Module]:
+        """The decoder layers: modules named in the HF model's ``_no_split_modules``."""
+        hf = self._hf_model()
+        names = set(getattr(hf, "_no_split_modules", None) or [])
+        units = [m for m in hf.modules() if type(m).__name__ in names]
+        if not units:
+            raise UserError(f"{type(hf).__name__} declares no decoder layer class (_no_split_modules); "
+                            f"the FSDP engine cannot shard it")
+        return units
+
+    def _apply_fsdp(self, activation_checkpointing: bool) -> None:
+        if activation_checkpointing:
+            self._hf_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
+        mp = MixedPrecisionPolicy()
+        if self.trainable and self.compute_dtype != torch.float32:
+            mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        offload = CPUOffloadPolicy(pin_memory=True) if self.offload else OffloadPolicy()
+        for unit in self._wrap_units():
+            fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(self.model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+
+    def _materialize(self) -> None:
+        """Allocate the shards and fill them with rank 0's weights (and non-persistent buffers)."""
+        buffers = _non_persistent_buffers(self.model)
+        self.model.to_empty(device="cpu" if self.offload else self.device)
+        full_sd, ref = {}, None
+        if self.rank == 0:
+            with torch.random.fork_rng(devices=[]):  # seeded init (random weights, LoRA's A, value head)
+                torch.manual_seed(self.cfg.train.seed)
+                model, state_module = self._build(self.hf_config, pretrained=True)
+            full_sd, ref = state_module.state_dict(), model
+        self._scatter_from_rank0(full_sd)
+        for mod_name, name in buffers:
+            module = self.model.get_submodule(mod_name)
+            value = torch.empty_like(module.get_buffer(name), device=self.device)
+            if ref is not None:
+                value.copy_(ref.get_submodule(mod_name).get_buffer(name))
+            dist.broadcast(value, src=0)
+            module.register_buffer(name, value, persistent=False)
+        if self.offload:  # buffers must live where the compute happens
+            for module in self.model.modules():
+                for name, buf in module.named_buffers(recurse=False):
+                    if buf.device != self.device:
+                        module.register_buffer(name, buf.to(self.device),
+                                               persistent=name not in module._non_persistent_buffers_set)
+        del full_sd, ref
+
+    def _scatter_from_rank0(self, full_sd: dict[str, torch.Tensor]) -> None:
+        """Copy rank 0's full state dict into every rank's shards, one tensor at a time.
+
+        (``set_model_state_dict(broadcast_from_rank0=True)`` would hold the whole model on every
+        device at once.)
+        """
+        with torch.no_grad():
+            for name, local in self._state_module.state_dict().items():
+                full = torch.empty(local.shape, dtype=local.dtype, device=self.device)
+                if self.rank == 0:
+                    if name not in full_sd:
+                        raise RuntimeError(f"rank 0's model has no '{name}'")
+                    full.copy_(full_sd[name])
+                dist.broadcast(full, src=0)
+                if isinstance(local, DTensor):
+                    shard = distribute_tensor(full, local.device_mesh, local.placements, src_data_rank=None)
+                    local.to_local().copy_(shard.to_local())
+                else:
+                    local.copy_(full)
+
+    def _build_optimizer(self) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        t = self.cfg.train
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.peak_lr * self._lr_factor(0), betas=tuple(t.betas), eps=1e-8)
+        self._trainable = params
+
+    # ------------------------------------------------------------------ training
+
+    def _lr_factor(self, step: int) -> float:
+        t = self.cfg.train
+        return lr_factor(step, max(1, self.total_steps), t.warmup_ratio, t.min_lr_ratio)
+
+    @property
+    def lr(self) -> float:
+        return self.peak_lr * self._lr_factor(self.global_step)
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode and self.trainable)
+
+    def forward(self, input_ids, position_ids, attention_mask=None) -> torch.Tensor:
+        if self.role == "critic":
+            return self.model(input_ids, position_ids=position_ids, attention_mask=attention_mask)
+        return self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                          use_cache=False).logits
+
+    def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
+        if not self.trainable:
+            raise RuntimeError(f"the {self.role} engine is frozen")
+        self.model.set_requires_gradient_sync(sync or self.offload)
+        # FSDP averages gradients over ranks; the ranks' losses are shares of one sum, so undo it.
+        (loss * self.world).backward()
+
+    def step(self) -> float:
+        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self._trainable, clip)
+        norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        if math.isfinite(norm):
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        return norm
+
+    # ------------------------------------------------------------------ state
+
+    def _reshard(self) -> None:
+        """Put every FSDP module back in sharded form (a no-grad forward leaves the root unsharded)."""
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    def state_dict(self) -> dict:
+        self._reshard()
+        state = {"model": get_model_state_dict(self._state_module)}
+        if self.trainable:
+            state["optim"] = get_optimizer_state_dict(self._state_module, self.optimizer)
+            state["scheduler"] = {"step": self.global_step}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self._reshard()
+        set_model_state_dict(self._state_module, state["model"])
+        if self.trainable and "optim" in state:
+            set_optimizer_state_dict(self._state_module, self.optimizer, state["optim"])
+            self.global_step = int(state["scheduler"]["step"])
+
+    def lora_info(self) -> dict | None:
+        if not self.lora_rank:
+            return None
+        peft_model = self._state_module.model if self.role == "critic" else self._state_module
+        cfg = peft_model.peft_config["default"].to_dict()
+        return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()
+                if k in ("r", "lora_alpha", "lora_dropout", "target_modules", "bias")}
+
+    def save_lora_config(self, out_dir: str | Path) -> None:
+        peft_model = self._state_module.model if self.role == "critic" else self._state_module
+        peft_model.peft_config["default"].save_pretrained(str(out_dir))
+
+    # ------------------------------------------------------------------ full weights
+
+    def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor on this engine's device) for every parameter, on every rank.
+
+        One tensor is gathered at a time. LoRA layers are merged: ``W + scaling * B @ A`` under the
+        base layer's HF name. Tied weights are yielded once.
+        """
+        from peft.tuners.lora import LoraLayer
+
+        self._reshard()
+        seen: set[int] = set()
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+        def walk(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+            if isinstance(module, LoraLayer):
+                base = module.get_base_layer()
+                weight = _full(base.weight, self.device)
+                for adapter in module.active_adapters:
+                    a = _full(module.lora_A[adapter].weight, self.device).float()
+                    b = _full(module.lora_B[adapter].weight, self.device).float()
+                    weight = (weight.float() + (b @ a) * module.scaling[adapter]).to(weight.dtype)
+                yield prefix + "weight", cast(weight)
+                if base.bias is not None:
+                    yield prefix + "bias", cast(_full(base.bias, self.device))
+                return
+            for name, p in module.named_parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield prefix + name, cast(_full(p, self.device))
+            for name, child in module.named_children():
+                yield from walk(child, f"{prefix}{name}.")
+
+        if self.role == "critic":  # CriticModel.model may be peft's wrapper: walk the backbone itself
+            yield from walk(self._hf_model(), "model.")
+            yield from walk(self.model.value_head, "value_head.")
+        else:
+            yield from walk(self.model, "")
+
+    def export_hf(self, out_dir: str | Path, meta_dir: str | Path, *, dtype: torch.dtype | None = None) -> Path:
+        """Write the (merged) full model as a HF directory through the shared hf_writer; rank 0 writes."""
+        from rlctl.convert.hf_writer import save_hf_model
+
+        stream = ((name, t.cpu()) for name, t in self.iter_full_params())
+        try:
+            if self.rank == 0:
+                save_hf_model(out_dir, stream, meta_dir=meta_dir, dtype=dtype, force=True)
+        finally:
+            for _ in stream:  # every rank must take part in every gather
+                pass
+        dist.barrier()
+        return Path(out_dir)

@@ -1,0 +1,216 @@
+"""The rollout interface shared by every generation engine.
+
+A rollout engine turns prompts (token ids) into sampled responses with the log-probability of each
+sampled token, and accepts new weights from the trainer between steps.
+
+Log-probability convention (every engine returns the same quantity, the trainer computes it too):
+
+* for each generated token, ``log_softmax(logits / temperature)`` at the sampled token, taken
+  *before* top-k / top-p filtering (filtering changes which tokens can be drawn, not the reported
+  log-probability);
+* greedy decoding is ``temperature == 0``; its log-probabilities are ``log_softmax(logits)``
+  (temperature 1).
+
+A response's ``token_ids`` include the stop token when generation stopped on one
+(``finish_reason == "stop"``); otherwise it ran out of budget (``"length"``: ``max_tokens``, or the
+engine's ``max_model_len``). Stop tokens are the tokenizer's EOS, the generation config's EOS ids
+and ``SamplingParams.stop_token_ids``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal, Self
+
+import torch
+
+from rlctl.errors import UserError, did_you_mean
+
+# Engine name -> "module:class"; each class takes make_rollout_engine's keyword arguments.
+_ENGINE_CLASSES = {
+    "hf": "rlctl.rollout.hf:HFRolloutEngine",
+    "vllm": "rlctl.rollout.vllm:VLLMRolloutEngine",
+    "sglang": "rlctl.rollout.sglang:SGLangRolloutEngine",
+}
+ENGINE_NAMES = tuple(_ENGINE_CLASSES)
+
+FinishReason = Literal["stop", "length"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy; ``top_k == -1`` means no top-k."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise UserError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise UserError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise UserError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Sample:
+    """One sampled response to prompt number ``prompt_index``."""
+
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+
+
+class RolloutEngine(ABC):
+    """A generation engine that the trainer drives between optimisation steps."""
+
+    name: str
+    supports_sleep: bool = False
+
+    @abstractmethod
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
+        """Sample ``n`` responses per prompt.
+
+        Returns ``len(prompt_token_ids) * n`` samples in prompt-major order: the ``n`` samples of
+        prompt 0, then those of prompt 1, and so on.
+        """
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load new weights, named as in the HF CausalLM's ``state_dict()``.
+
+        The iterable is consumed one tensor at a time, so the caller can produce tensors lazily
+        (e.g. gather one FSDP shard at a time) and memory stays bounded.
+        """
+
+    def sleep(self) -> None:
+        """Free the engine's accelerator memory (weights and KV cache) for training; no-op where
+        unsupported (see ``supports_sleep``)."""
+
+    def wake(self) -> None:
+        """Undo :meth:`sleep`; no-op where unsupported."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release everything the engine holds. Safe to call twice."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def make_rollout_engine(
+    name: str,
+    model_path: str,
+    *,
+    device: str,
+    dtype: str,
+    tp: int = 1,
+    mem_fraction: float = 0.5,
+    max_model_len: int,
+    seed: int = 0,
+    enable_prefix_caching: bool = True,
+) -> RolloutEngine:
+    """Build the rollout engine ``name`` ("hf", "vllm" or "sglang") for the HF model at
+    ``model_path``.
+
+    ``mem_fraction`` is the share of accelerator memory the engine may take (vLLM's
+    ``gpu_memory_utilization``, SGLang's ``mem_fraction_static``; ignored by "hf").
+    ``max_model_len`` bounds prompt + response length.
+    """
+    if name not in ENGINE_NAMES:
+        raise UserError(
+            f"unknown rollout engine {name!r}{did_you_mean(name, ENGINE_NAMES)}; "
+            f"choose one of {', '.join(ENGINE_NAMES)}"
+        )
+    if tp < 1:
+        raise UserError(f"rollout tp must be >= 1, got {tp}")
+    if not 0 < mem_fraction <= 1:
+        raise UserError(f"rollout mem_fraction must be in (0, 1], got {mem_fraction}")
+    if max_model_len < 2:
+        raise UserError(f"max_model_len must be >= 2, got {max_model_len}")
+    module_name, class_name = _ENGINE_CLASSES[name].split(":")
+    engine_class = getattr(importlib.import_module(module_name), class_name)
+    return engine_class(
+        model_path,
+        device=device,
+        dtype=canonical_dtype(dtype),
+        tp=tp,
+        mem_fraction=mem_fraction,
+        max_model_len=max_model_len,
+        seed=seed,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+
+
+# Helpers shared by the engines ------------------------------------------------------------------
+
+
+def canonical_dtype(dtype: str) -> str:
+    """'bf16' -> 'bfloat16' and so on; UserError for anything else."""
+    if dtype not in _DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}{did_you_mean(dtype, _DTYPES)}; use float32, bfloat16 or float16")
+    return str(_DTYPES[dtype]).removeprefix("torch.")
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    return _DTYPES[canonical_dtype(dtype)]
+
+
+def default_stop_token_ids(model_path: str) -> set[int]:
+    """The tokenizer's EOS id plus the EOS ids of the model's generation config."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    ids: set[int] = set()
+    eos = AutoTokenizer.from_pretrained(model_path).eos_token_id
+    if eos is not None:
+        ids.add(int(eos))
+    try:
+        generation_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        generation_eos = None
+    if isinstance(generation_eos, int):
+        ids.add(generation_eos)
+    elif generation_eos:
+        ids.update(int(i) for i in generation_eos)
+    return ids
+
+
+def check_generate_args(prompt_token_ids: list[list[int]], n: int, max_model_len: int) -> None:
+    """UserError for empty prompts, prompts that leave no room to generate, or n < 1."""
+    if n < 1:
+        raise UserError(f"n (samples per prompt) must be >= 1, got {n}")
+    for i, prompt in enumerate(prompt_token_ids):
+        if not prompt:
+            raise UserError(f"prompt {i} is empty; every prompt needs at least one token")
+        if len(prompt) >= max_model_len:
+            raise UserError(
+                f"prompt {i} has {len(prompt)} tokens, leaving no room to generate within "
+                f"max_model_len={max_model_len}; raise max_model_len or shorten the prompt"
+            )

@@ -1,0 +1,183 @@
+"""In-process SGLang rollout (``sglang.Engine``).
+
+NOT RUN HERE: SGLang cannot be installed on the machines this was written on. The adapter's own
+logic (sampling parameters, the n expansion, turning SGLang's outputs into samples, chunked weight
+updates) lives in small functions that the tests drive through a fake of the ``sglang.Engine``
+boundary; the calls into SGLang follow its documented offline-engine API:
+
+* ``Engine.generate(input_ids=..., sampling_params=..., return_logprob=True)`` returns one dict
+  per request with ``meta_info["output_token_logprobs"]`` (``(logprob, token_id, text)`` per
+  generated token, the stop token included) and ``meta_info["finish_reason"]["type"]``;
+* ``Engine.update_weights_from_tensor(named_tensors, flush_cache=...)`` and ``Engine.flush_cache()``;
+* ``Engine.release_memory_occupation()`` / ``resume_memory_occupation()`` (needs
+  ``enable_memory_saver=True``).
+
+Log-probabilities: SGLang's default returned log-probs are taken after temperature and before
+top-k/top-p, and greedy requests run at temperature 1 with top-k 1, which is our convention, as
+far as we read its sampler (unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set: leave it unset).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from rlctl.errors import UserError
+from rlctl.rollout.base import (
+    RolloutEngine,
+    Sample,
+    SamplingParams,
+    check_generate_args,
+    default_stop_token_ids,
+)
+
+# Weight updates are sent in chunks of at most this many bytes (one tensor may exceed it alone).
+WEIGHT_CHUNK_BYTES = 512 << 20
+
+
+def _import_engine_class() -> type:
+    try:
+        import sglang
+    except ImportError as error:
+        raise UserError(
+            "the sglang rollout engine needs SGLang, which is not installed: pip install 'rlctl[sglang]'"
+        ) from error
+    return sglang.Engine
+
+
+class SGLangRolloutEngine(RolloutEngine):
+    """SGLang's offline engine in this process (it runs its scheduler in child processes)."""
+
+    name = "sglang"
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str,
+        dtype: str,
+        tp: int = 1,
+        mem_fraction: float = 0.5,
+        max_model_len: int,
+        seed: int = 0,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        engine_class = _import_engine_class()
+        device_type = torch.device(device).type
+        colocated = torch.distributed.is_initialized()
+        if colocated and tp != 1:
+            raise UserError(
+                f"the sglang rollout engine runs one engine per torchrun rank, so tp must be 1 (got {tp}); use the vllm engine for tp > 1"
+            )
+        self.supports_sleep = device_type == "cuda"
+        self.max_model_len = max_model_len
+        self.stop_token_ids = default_stop_token_ids(model_path)
+        self._engine = engine_class(
+            model_path=model_path,
+            skip_tokenizer_init=True,
+            device=device_type,
+            # under torchrun, each rank's engine sits on that rank's GPU
+            base_gpu_id=int(os.environ.get("LOCAL_RANK", "0")) if colocated else 0,
+            dtype=dtype,
+            tp_size=tp,
+            mem_fraction_static=mem_fraction,
+            context_length=max_model_len,
+            random_seed=seed,
+            disable_radix_cache=not enable_prefix_caching,
+            enable_memory_saver=self.supports_sleep,
+        )
+
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
+        check_generate_args(prompt_token_ids, n, self.max_model_len)
+        stop_ids = sorted(self.stop_token_ids | set(sampling.stop_token_ids or ()))
+        # We expand each prompt n times ourselves (prompt-major); the radix cache shares the
+        # prefill of identical prompts.
+        input_ids = [prompt for prompt in prompt_token_ids for _ in range(n)]
+        outputs = self._engine.generate(
+            input_ids=input_ids,
+            sampling_params=sglang_sampling_params(sampling, stop_ids, len(input_ids)),
+            return_logprob=True,
+        )
+        return samples_from_outputs(outputs, n)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for chunk in chunk_named_tensors(named_tensors, WEIGHT_CHUNK_BYTES):
+            _raise_unless_ok(self._engine.update_weights_from_tensor(named_tensors=chunk, flush_cache=False))
+        self._engine.flush_cache()
+
+    def sleep(self) -> None:
+        if self.supports_sleep:
+            self._engine.release_memory_occupation()
+
+    def wake(self) -> None:
+        if self.supports_sleep:
+            self._engine.resume_memory_occupation()
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+
+def sglang_sampling_params(
+    sampling: SamplingParams, stop_token_ids: list[int], num_requests: int
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """SGLang sampling parameters: one dict for all requests, or one per request when seeded
+    (request k gets seed + k, so the samples of a prompt differ)."""
+    params = {
+        "temperature": sampling.temperature,  # SGLang treats 0 as greedy
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,  # -1 disables top-k in SGLang too
+        "max_new_tokens": sampling.max_tokens,
+        "stop_token_ids": stop_token_ids,
+    }
+    if sampling.seed is None:
+        return params
+    return [{**params, "sampling_seed": sampling.seed + k} for k in range(num_requests)]
+
+
+def samples_from_outputs(outputs: list[dict[str, Any]], n: int) -> list[Sample]:
+    """Turn SGLang's per-request outputs (prompt-major, n per prompt) into samples."""
+    samples = []
+    for k, output in enumerate(outputs):
+        meta = output["meta_info"]
+        finish = (meta.get("finish_reason") or {}).get("type")
+        if finish not in ("stop", "length"):
+            raise RuntimeError(f"SGLang finished request {k} with {meta.get('finish_reason')!r}")
+        entries = meta["output_token_logprobs"]
+        samples.append(
+            Sample(
+                prompt_index=k // n,
+                token_ids=[int(token) for _, token, *_ in entries],
+                logprobs=[float(logprob) for logprob, *_ in entries],
+                finish_reason=finish,
+            )
+        )
+    return samples
+
+
+def chunk_named_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group tensors into lists of at most ``max_bytes`` (a larger tensor travels alone), pulling
+    from the iterable only as each chunk is needed."""
+    chunk: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if chunk and size + nbytes > max_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((name, tensor))
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+def _raise_unless_ok(result: Any) -> None:
+    """SGLang answers weight updates with (success, message)."""
+    if isinstance(result, tuple) and result and result[0] is False:
+        raise RuntimeError(f"SGLang rejected the weight update: {result[1] if len(result) > 1 else ''}")

