@@ -61,6 +61,7 @@ class HardwareConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0 = pick a free port
     rdzv_endpoint: str = ""  # host:port for torchrun's c10d rendezvous (multi-node)
+    host_memory_gib: float = 0.0  # host memory per node (0 = the GPU type's typical node); bounds offload
 
 
 @dataclass

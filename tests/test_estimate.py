@@ -363,13 +363,92 @@ def test_fsdp_cpu_offload_moves_every_sharded_state_to_cpu():
     assert train(cpu)["weights"] == 4 * P7  # nothing to offload to on a CPU run
 
 
-def test_megatron_offloads_between_phases():
+def test_megatron_offloads_weights_between_phases_and_the_optimizer_for_good():
     on = est(gpus=8, backend="megatron", tp=8)
     assert rollout(on)["trainer_gradients"] == 4 * math.ceil(P7 / 8)  # Megatron keeps its grad buffer
-    off = est(gpus=8, backend="megatron", tp=8, offload_params=True, offload_optimizer=True)
-    assert rollout(off)["trainer_weights"] == rollout(off)["trainer_gradients"] == rollout(off)["trainer_optimizer"] == 0
-    assert train(off)["optimizer_states"] == train(on)["optimizer_states"] > 0  # back on the GPU for the update
-    assert train(off)["reference_model"] == 0 and train(on)["reference_model"] == 2 * math.ceil(P7 / 8)
+    weights = est(gpus=8, backend="megatron", tp=8, offload_params=True)
+    assert rollout(weights)["trainer_weights"] == rollout(weights)["trainer_gradients"] == 0
+    assert train(weights)["weights"] == train(on)["weights"] > 0  # back on the GPU for the update
+    assert train(weights)["reference_model"] == 0 and train(on)["reference_model"] == 2 * math.ceil(P7 / 8)
+    # optimizer_cpu_offload: master weights and AdamW states live on the CPU for the whole run
+    both = est(gpus=8, backend="megatron", tp=8, offload_params=True, offload_optimizer=True)
+    assert train(both)["optimizer_states"] == rollout(both)["trainer_optimizer"] == 0 < train(on)["optimizer_states"]
+    assert train(both)["gradients"] == train(on)["gradients"] == 4 * math.ceil(P7 / 8)  # the GPU gradient buffer stays
+    sft = est(gpus=8, method="sft", backend="megatron", tp=8, offload_optimizer=True)
+    assert train(sft)["optimizer_states"] == 0  # it shrinks an SFT update too
+
+
+# ---------------------------------------------------------------------------------------------
+# Host memory
+
+H100 = GpuSpec("H100-80GB", 81089 * 2**20, 989.0, "NVLink", 900.0, 8, host_memory_bytes=2048 * 2**30)
+GIB = 2**30
+
+
+def host(e, phase="training"):
+    return e.host_phases[phase].components
+
+
+def test_fsdp_offload_host_memory_by_hand():
+    """Qwen2.5-7B, FSDP2 CPU offload over 8 GPUs: each parameter's fp32 shard is pinned, and torch's
+    pinned allocator rounds every allocation up to a power of two."""
+    q_o = 2**23  # 3584/8 rows x 3584 x 4 B = 6,422,528 -> 8 MiB
+    k_v = 2**20  # 512/8 x 3584 x 4 = 917,504 -> 1 MiB
+    biases = 2048 + 2 * 256  # q: 448 x 4 = 1792 -> 2048; k, v: 64 x 4 = 256
+    mlp = 2**26  # gate, up: 18944/8 x 3584 x 4 = 33,947,648 -> 64 MiB; down: 3584/8 x 18944 x 4, the same
+    norms = 4096  # 7168 / 8 x 4 = 3584 -> 4096
+    vocab = 2**29  # embedding and head: 152064/8 x 3584 x 4 = 272,498,688 -> 512 MiB
+    pinned = L * (2 * q_o + 2 * k_v + biases + 3 * mlp + norms) + 2 * vocab + 2048  # + the final norm
+    assert pinned == 7_239_557_120  # 1.9 x the 3,807,808,256 bytes of an unpinned fp32 shard
+    e = estimate_memory(qwen7(), H100, MemorySettings(method="sft", gpus=8, offload_params=True))
+    t = host(e)
+    assert (t["offloaded_weights"], t["offloaded_gradients"]) == (8 * pinned, 8 * pinned)
+    assert t["offloaded_optimizer"] == 8 * P7  # AdamW m, v: 8 bytes per parameter over 8 GPUs, pageable, on 8 GPUs
+    assert t["processes"] == 8 * 4 * GIB
+    assert e.host_bytes == 8 * (2 * pinned + P7 + 4 * GIB)
+    loading = host(e, "loading")  # rank 0 reads the bf16 checkpoint beside the shards
+    assert loading["checkpoint"] == 2 * P7 and loading["offloaded_weights"] == 8 * pinned
+    assert e.host_memory_bytes == 2048 * GIB and e.host_fits and e.fits
+    assert e.host_limit_bytes == int(0.9 * 2048 * GIB)
+
+
+def test_megatron_optimizer_offload_host_memory_by_hand():
+    """Megatron tp 4 x dp 2, optimizer_cpu_offload: pinned fp32 master and gradient copies of each rank's
+    pieces (tp-split, then halved by the distributed optimizer), pageable AdamW states."""
+    pieces = (2 * 2**23 + 2 * 2**20 + 2048 + 256 * 2 + 3 * 2**26 + 16384)  # as FSDP/8, but norms are replicated: 3584 x 4 -> 16 KiB
+    pinned = L * pieces + 2 * 2**29 + 8192  # embedding, head (vocabulary parallel), final norm 1792 x 4 -> 8 KiB
+    e = est(method="sft", gpus=8, backend="megatron", tp=4, offload_optimizer=True, gpu=H100)
+    t = host(e)
+    assert t["offloaded_gradients"] == 8 * pinned
+    assert t["offloaded_optimizer"] == 8 * (pinned + 8 * (P7 // 4 // 2))  # master + m, v of P / (tp dp) parameters
+    assert train(e)["optimizer_states"] == 0
+
+
+def test_host_memory_per_node_is_a_share_of_the_gpu_types_node():
+    assert est(gpu=H100, gpus=1, method="sft").host_memory_bytes == 256 * GIB  # one of 8 GPUs: 2 TiB / 8
+    assert est(gpu=H100, gpus=16, nodes=2, method="sft").host_memory_bytes == 2048 * GIB
+    assert est(gpu=H100, gpus=1, method="sft", host_memory_bytes=100 * GIB).host_memory_bytes == 100 * GIB
+    unknown = est(gpus=1, method="sft")  # a GPU type without host memory: not checked
+    assert unknown.host_memory_bytes == 0 and unknown.host_fits
+    assert est(gpus=1, method="sft", device="cpu", dtype="fp32").host_phases == {}  # CPU runs: the GPU budget is the host
+
+
+def test_vllm_asleep_keeps_its_weights_in_host_memory():
+    e = est(gpu=H100, gpus=8, rollout="vllm", rollout_tp=2, mem_fraction=0.5)
+    assert host(e)["engine_weights"] == 8 * 2 * P7 // 2  # bf16 weights over rollout tp 2, 8 processes
+    assert "engine_weights" not in host(e, "rollout")  # awake: on the GPU
+    assert host(est(gpu=H100, gpus=8, rollout="sglang", mem_fraction=0.5))["engine_weights"] == 0  # SGLang releases them
+
+
+def test_72b_full_sft_on_one_a10g_does_not_fit_its_host():
+    from rlctl.catalog import resolve_gpu
+
+    p72 = count_params(resolve_model("Qwen2.5-72B"))
+    e = estimate_memory(resolve_model("Qwen2.5-72B"), resolve_gpu("A10G"), MemorySettings(method="sft", gpus=1, offload_params=True))
+    assert e.headroom_bytes > 0  # the GPU holds the gathered layers and activations
+    assert e.host_memory_bytes == 192 * GIB // 4  # a g5.12xlarge's share
+    assert e.host_bytes > 16 * p72 > e.host_memory_bytes  # 16 bytes per parameter, 1.2 TB
+    assert not e.host_fits and not e.fits and "host memory" in e.verdict
 
 
 def test_ppo_has_an_idle_critic_and_a_reference():
@@ -391,7 +470,8 @@ def test_fits_headroom_and_json():
     e = estimate_memory(qwen7(), gpu, MemorySettings(gpus=8, rollout="sglang", mem_fraction=0.5))
     d = json.loads(json.dumps(e.to_dict()))
     for key in ("model", "params", "gpu", "gpu_memory_bytes", "phases", "peak_bytes", "fits", "kv_cache_tokens",
-                "kv_cache_sequences", "headroom_bytes", "assumptions", "verdict"):  # fmt: skip
+                "kv_cache_sequences", "headroom_bytes", "assumptions", "verdict", "host_bytes", "host_memory_bytes",
+                "host_phases", "host_fits"):  # fmt: skip
         assert key in d
     assert d["params"] == P7 and d["model"] == "Qwen2.5-7B"
     assert d["peak_bytes"] == max(p["total_bytes"] for p in d["phases"].values())
@@ -461,22 +541,57 @@ def test_cli_options_reach_the_estimate():
 
 
 def test_cli_what_to_rent_rows():
-    r = _cli("--model", "Qwen2.5-7B", "--lora-rank", "32", "--what-to-rent", "--json")
+    r = _cli("--model", "Qwen2.5-32B", "--method", "sft", "--what-to-rent", "--json")
     assert r.exit_code == 0, r.output
     rows = json.loads(r.output)["what_to_rent"]
     from rlctl.catalog import list_gpus
 
-    assert [row["gpu"] for row in rows] == [g.name for g in list_gpus()]
-    h100 = next(row for row in rows if row["gpu"] == "H100-80GB")
-    assert h100["fits"] and h100["gpus"] == 1 and h100["plan"]["rollout"] == "vllm"
-    assert all(row["plan"]["peak_bytes"] <= row["plan"]["gpu_memory_bytes"] for row in rows if row["fits"])
+    # per GPU type: the fewest GPUs without offload, then with offload allowed
+    assert [(row["gpu"], row["offload"]) for row in rows] == [(g.name, o) for g in list_gpus() for o in (False, True)]
+    for none, allowed in zip(rows[::2], rows[1::2]):
+        for row in (none, allowed):
+            assert set(row) >= {"gpu", "gpus", "nodes", "offload", "fits"}
+            if row["fits"]:
+                assert row["peak_bytes"] <= row["gpu_memory_bytes"] and row["host_bytes"] <= row["host_memory_bytes"]
+                assert {"backend", "tp", "pp", "dp", "offload_params", "offload_optimizer"} <= set(row["plan"])
+        if none["fits"]:
+            assert not none["plan"]["offload_params"] and not none["plan"]["offload_optimizer"]
+            assert allowed["fits"] and allowed["gpus"] <= none["gpus"]
+    h100 = rows[1]  # H100-80GB, offload allowed
+    assert h100["fits"] and h100["gpus"] < rows[0]["gpus"] and h100["plan"]["offload_optimizer"]
+    # the row is the plan `rlctl estimate memory` gives at that count
+    at = json.loads(_cli("--model", "Qwen2.5-32B", "--method", "sft", "--gpus", str(h100["gpus"]), "--nodes",
+                         str(h100["nodes"]), "--gpu", "H100-80GB", "--json").output)  # fmt: skip
+    assert at["fits"] and {k: at["plan"][k] for k in h100["plan"] if k in at["plan"]} == h100["plan"]
+    assert at["peak_bytes"] == h100["peak_bytes"] and at["host_bytes"] == h100["host_bytes"]
 
 
 def test_cli_text_output():
-    r = _cli("--model", "Qwen2.5-72B", "--method", "sft", "--gpus", "8", "--what-to-rent")
+    r = _cli("--model", "Qwen2.5-72B", "--method", "sft", "--gpus", "8", "--gpu", "H100-80GB", "--what-to-rent")
     assert r.exit_code == 0, r.output
-    for words in ("plan: rlctl sft Qwen2.5-72B", "training (GiB)", "does not fit", "what would fit", "what to rent", "B200"):
+    for words in ("plan: rlctl sft Qwen2.5-72B", "training (GiB)", "host memory per node", "rejected megatron",
+                  "what to rent", "+ offload", "B200"):  # fmt: skip
         assert words in r.output
+    r = _cli("--model", "Qwen2.5-72B", "--method", "sft", "--gpus", "1", "--gpu", "A10G")
+    for words in ("does not fit", "host memory", "what would fit", "x A10G"):
+        assert words in r.output
+
+
+def test_cli_host_memory_option():
+    def run(*extra):
+        r = _cli("--model", "Qwen2.5-7B", "--method", "sft", "--gpus", "1", "--gpu", "H100-80GB", "--json", *extra)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.output)
+
+    typical = run()
+    assert typical["host_memory_bytes"] == 256 * GIB and typical["fits"]  # a p5.4xlarge: 2 TiB / 8
+    assert typical["plan"]["offload_optimizer"] and 100 * GIB < typical["host_bytes"] < 0.9 * 200 * GIB
+    small = run("--host-memory", "100")
+    assert small["host_memory_bytes"] == 100 * GIB and not small["fits"] and not small["plan"]["fits"]
+    assert any(r.startswith("rejected fsdp with CPU offload") and "host memory" in r for r in small["plan"]["reasons"])
+    assert "--host-memory" in small["plan"]["reasons"][-1]  # what would fit: more host memory
+    assert run("--host-memory", "200")["fits"]
+    assert isinstance(_cli("--model", "Qwen2.5-7B", "--host-memory", "0").exception, UserError)
 
 
 def test_cli_unknown_model_is_one_line_exit_2():

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import sys
 
 import pytest
 
+from rlctl.catalog import count_params, resolve_gpu, resolve_model
 from rlctl.config import build_config, tri_state
 from rlctl.errors import UserError
+from rlctl.estimate import MemorySettings, estimate_memory
 from rlctl.plan import LocalEnv, apply_plan, resolve_plan, what_to_rent
 from rlctl.plan.planner import good_fit
 from rlctl.presets import method_layers
 
+P72 = count_params(resolve_model("Qwen2.5-72B"))
 LAPTOP = LocalEnv(gpu_count=0, gpu_name=None, installed=frozenset(), memory_bytes=16 * 2**30)
 CLUSTER_LIKE = LocalEnv(gpu_count=0, gpu_name=None, installed=frozenset({"vllm", "sglang", "flash_attn", "megatron"}))
 
@@ -59,20 +63,61 @@ def test_qwen32b_uses_megatron_tensor_parallel():
     assert p.fits
 
 
-def test_qwen72b_sft_on_8_h100_says_what_would_fit():
-    p = plan_for("sft", model={"name": "Qwen2.5-72B"}, hardware={"gpus": 8, "gpu": "H100-80GB"})
-    assert not p.fits and p.backend == "megatron"
-    why = next(r for r in p.reasons if r.startswith("what would fit"))
-    assert "LoRA" in why
-    more = int(re.search(r"(\d+) x H100-80GB", why).group(1))
-    assert more > 8
-    nodes = more // 8
-    bigger = plan_for("sft", model={"name": "Qwen2.5-72B"}, hardware={"gpus": more, "nodes": nodes, "gpu": "H100-80GB"})
-    assert good_fit(bigger)
-    fewer = plan_for("sft", model={"name": "Qwen2.5-72B"}, hardware={"gpus": more - 8, "nodes": nodes - 1, "gpu": "H100-80GB"})
+def test_qwen72b_sft_on_8_h100_offloads_the_megatron_optimizer():
+    cfg = cfg_for("sft", model={"name": "Qwen2.5-72B"}, hardware={"gpus": 8, "gpu": "H100-80GB"})
+    p = resolve_plan(cfg, local=LAPTOP)
+    assert p.fits and good_fit(p)
+    assert (p.backend, p.tp, p.pp, p.dp, p.offload_optimizer, p.offload_params) == ("megatron", 8, 1, 1, True, False)
+    # the preferred options come first in the reasons, rejected with their numbers: Megatron without offload needs
+    # bf16 weights 2 + fp32 gradients 4 + master and AdamW 12 bytes per parameter over tp 8
+    spec, gpu = resolve_model("Qwen2.5-72B"), resolve_gpu("H100-80GB")
+    plain = estimate_memory(spec, gpu, MemorySettings(method="sft", gpus=8, backend="megatron", tp=8, sequence_parallel=True,
+                                                      max_len=cfg.train.max_len))  # fmt: skip
+    assert plain.phases["training"].components["optimizer_states"] == 12 * math.ceil(P72 / 8)
+    assert (f"rejected megatron, tp 8 x pp 1 (the closest of 3 layouts): training needs "
+            f"{plain.peak_bytes / 2**30:.1f} GiB per GPU > {0.95 * gpu.memory_bytes / 2**30:.1f} GiB") in "\n".join(p.reasons)
+    assert any(r.startswith("rejected fsdp, dp 8: training needs") for r in p.reasons)
+    assert any(r.startswith("offload optimizer: fits only with Megatron's optimizer CPU offload") for r in p.reasons)
+    # fp32 master weights, gradient copies and AdamW states of all 72.7B parameters wait in one node's host memory
+    assert 16 * P72 < p.estimate.host_bytes <= p.estimate.host_limit_bytes == int(0.9 * 2048 * 2**30)
+    # --what-to-rent agrees: 8 is the fewest H100s with offload; without offload it takes 3 nodes
+    rows = {(r.gpu, r.offload): r for r in what_to_rent(cfg, local=LAPTOP)}
+    allowed, none = rows["H100-80GB", True], rows["H100-80GB", False]
+    assert allowed.gpus == 8 and _summary(allowed.plan) == _summary(p)
+    assert none.gpus > 8 and not none.plan.offload_optimizer and not none.plan.offload_params
+    fewer = plan_for("sft", model={"name": "Qwen2.5-72B"}, hardware={"gpus": 4, "gpu": "H100-80GB"})
     assert not good_fit(fewer)
-    lora = plan_for("sft", model={"name": "Qwen2.5-72B"}, hardware={"gpus": 8}, lora={"rank": 32})
+
+
+def test_qwen72b_sft_on_4_h100_says_what_would_fit():
+    p = plan_for("sft", model={"name": "Qwen2.5-72B"}, hardware={"gpus": 4, "gpu": "H100-80GB"})
+    assert not p.fits
+    assert sum(r.startswith("rejected ") for r in p.reasons) >= 3  # every option tried, with its numbers
+    why = next(r for r in p.reasons if r.startswith("what would fit"))
+    assert "LoRA" in why and "--host-memory" in why
+    more = int(re.search(r"(\d+) x H100-80GB", why).group(1))
+    nodes = max(1, more // 8)
+    bigger = plan_for("sft", model={"name": "Qwen2.5-72B"}, hardware={"gpus": more, "nodes": nodes, "gpu": "H100-80GB"})
+    assert more > 4 and good_fit(bigger)
+    lora = plan_for("sft", model={"name": "Qwen2.5-72B"}, hardware={"gpus": 4, "gpu": "H100-80GB"}, lora={"rank": 32})
     assert lora.fits
+    rows = {(r.gpu, r.offload): r for r in what_to_rent(cfg_for("sft", model={"name": "Qwen2.5-72B"}), local=LAPTOP)}
+    assert rows["H100-80GB", True].gpus == more  # --what-to-rent names the same count
+    need = int(re.search(r"(\d+) GiB of host memory", why).group(1))
+    roomy = resolve_plan(cfg_for("sft", model={"name": "Qwen2.5-72B"}, hardware={"gpus": 4, "gpu": "H100-80GB"}),
+                         local=LAPTOP, host_memory_bytes=need * 2**30)  # fmt: skip
+    assert good_fit(roomy) and roomy.estimate.host_memory_bytes == need * 2**30
+
+
+def test_qwen72b_full_sft_on_one_a10g_does_not_fit():
+    p = plan_for("sft", model={"name": "Qwen2.5-72B"}, hardware={"gpus": 1, "gpu": "A10G"})
+    assert not p.fits and not good_fit(p)
+    assert p.estimate.host_memory_bytes == 48 * 2**30  # a quarter of a g5.12xlarge
+    assert any(r.startswith("rejected fsdp, dp 1") for r in p.reasons)
+    assert "host memory" in p.reasons[-2] and p.reasons[-2].startswith("estimate: does not fit")
+    rows = what_to_rent(cfg_for("sft", model={"name": "Qwen2.5-72B"}), local=LAPTOP)
+    a10g = [r for r in rows if r.gpu == "A10G"]
+    assert all(r.gpus > 1 or r.plan is None for r in a10g)
 
 
 def test_deepseek_v3_uses_pipeline_and_expert_parallel():
@@ -184,7 +229,7 @@ def test_apply_plan_fills_every_auto_field_and_is_stable():
     assert applied.rollout.engine == plan.rollout and applied.rollout.tp == plan.rollout_tp
     assert applied.rollout.mem_fraction == plan.rollout_mem_fraction
     assert applied.train.micro_batch_size == plan.micro_batch_size
-    assert (applied.model.dtype, applied.model.attn, applied.hardware.device, applied.hardware.gpu) == ("bf16", plan.attn, "cuda", "H100-80GB")
+    assert (applied.model.dtype, applied.model.attn, applied.hardware.device, applied.hardware.gpu) == ("bf16", "auto", "cuda", "H100-80GB")
     for key in ("sequence_parallel", "activation_checkpointing", "offload_params", "offload_optimizer"):
         assert tri_state(getattr(applied.parallel, key)) == getattr(plan, key)
     again = resolve_plan(applied, local=LAPTOP)
@@ -206,14 +251,19 @@ def test_offload_only_when_needed():
     roomy = plan_for("grpo", model={"name": "Qwen2.5-7B"}, hardware={"gpus": 8})
     assert not roomy.offload_params and not roomy.offload_optimizer
     assert not roomy.estimate.settings.cpu_offload
-    for method, hardware in (("grpo", {"gpus": 4, "gpu": "A100-40GB"}), ("sft", {"gpus": 1, "gpu": "A100-40GB"})):
+    for method, hardware in (("grpo", {"gpus": 4, "gpu": "A100-40GB"}), ("sft", {"gpus": 2, "gpu": "A100-40GB"}),
+                             ("sft", {"gpus": 1, "gpu": "H100-80GB"})):  # fmt: skip
         tight = plan_for(method, model={"name": "Qwen2.5-7B"}, hardware=hardware)
         assert tight.fits and tight.offload_params and tight.offload_optimizer  # FSDP2 offloads all states at once
         assert any(r.startswith("offload params and optimizer: fits only with FSDP2 CPU offload") for r in tight.reasons)
         no = plan_for(method, model={"name": "Qwen2.5-7B"}, hardware=hardware, parallel={"offload_params": "false"})
         assert not good_fit(no) and not no.offload_optimizer
-    # Megatron offloads between phases, which does not shrink an SFT update: never chosen for SFT
-    big = plan_for("sft", model={"name": "Qwen2.5-72B"}, hardware={"gpus": 8})
+    # one A100 of a p4d gets 1152 / 8 = 144 GiB of host memory: less than the offloaded 7B needs, pinned
+    one = plan_for("sft", model={"name": "Qwen2.5-7B"}, hardware={"gpus": 1, "gpu": "A100-40GB"})
+    assert not one.fits and one.estimate.host_memory_bytes == 144 * 2**30
+    assert any(r.startswith("rejected fsdp with CPU offload") or "host memory" in r for r in one.reasons)
+    # a Megatron model that fits without offload does not offload
+    big = plan_for("sft", model={"name": "Qwen2.5-32B"}, hardware={"gpus": 8})
     assert big.backend == "megatron" and not big.offload_params and not big.offload_optimizer
 
 
@@ -225,22 +275,60 @@ def test_checkpointing_off_only_when_comfortable():
     assert any(r.startswith("activation checkpointing on: without it the update needs") for r in big.reasons)
 
 
+def _summary(plan) -> tuple:
+    return (plan.backend, plan.tp, plan.pp, plan.dp, plan.ep, plan.rollout, plan.rollout_tp, plan.rollout_mem_fraction,
+            plan.micro_batch_size, plan.offload_params, plan.offload_optimizer, plan.fits)  # fmt: skip
+
+
 def test_what_to_rent_rows_are_the_smallest_counts():
-    cfg = cfg_for("grpo", model={"name": "Qwen2.5-7B"}, lora={"rank": 32})
+    cfg = cfg_for("grpo", model={"name": "Qwen2.5-14B"})
     rows = what_to_rent(cfg, local=LAPTOP)
     from rlctl.catalog import list_gpus
+    from rlctl.plan.rent import gpu_counts, without_offload
 
-    assert [r.gpu for r in rows] == [g.name for g in list_gpus()]
-    by_gpu = {r.gpu: r for r in rows}
-    assert by_gpu["H100-80GB"].gpus == 1 and by_gpu["H100-80GB"].plan.rollout == "vllm"
+    assert [(r.gpu, r.offload) for r in rows] == [(g.name, o) for g in list_gpus() for o in (False, True)]
+    by_gpu = {(r.gpu, r.offload): r for r in rows}
+    assert by_gpu["H100-80GB", True].gpus < by_gpu["H100-80GB", False].gpus  # offload saves GPUs here
+    checked = 0
     for row in rows:
         assert row.plan is not None and good_fit(row.plan) and row.plan.gpus == row.gpus
-    # a row on more than one GPU: one step fewer does not fit
-    row = next(r for r in rows if r.gpus > 1)
-    fewer = resolve_plan(cfg_for("grpo", model={"name": "Qwen2.5-7B"}, lora={"rank": 32},
-                                 hardware={"gpus": row.gpus // 2, "gpu": row.gpu, "device": "cuda"}), local=LAPTOP)  # fmt: skip
-    assert not good_fit(fewer)
+        assert row.offload or not (row.plan.offload_params or row.plan.offload_optimizer)
+        # the row is what the planner gives at that count (without offload for the first row)
+        base = cfg if row.offload else without_offload(cfg)
+        hardware = {"gpus": row.gpus, "nodes": row.nodes, "gpu": row.gpu, "device": "cuda"}
+        same = resolve_plan(cfg_for("grpo", **{**_layers(base), "hardware": hardware}), local=LAPTOP)
+        assert _summary(same) == _summary(row.plan)
+        counts = [g for g, _ in gpu_counts(resolve_gpu(row.gpu))]
+        if row.gpus > 1 and checked < 4:  # one count fewer does not fit
+            checked += 1
+            fewer_gpus = counts[counts.index(row.gpus) - 1]
+            fewer_hw = {"gpus": fewer_gpus, "nodes": max(1, row.nodes * fewer_gpus // row.gpus), "gpu": row.gpu, "device": "cuda"}
+            fewer = resolve_plan(cfg_for("grpo", **{**_layers(base), "hardware": fewer_hw}), local=LAPTOP)
+            assert not good_fit(fewer)
+    assert checked
     assert json.loads(json.dumps([r.to_dict() for r in rows]))[0]["fits"] is True
+
+
+def _layers(cfg) -> dict:
+    """The sections of a config that the tests above set (model, parallel offload flags)."""
+    return {"model": {"name": cfg.model.name},
+            "parallel": {"offload_params": cfg.parallel.offload_params, "offload_optimizer": cfg.parallel.offload_optimizer}}
+
+
+def test_missing_packages_name_their_extra():
+    from rich.console import Console
+
+    from rlctl.plan.render import render_plan
+
+    p = plan_for("grpo", model={"name": "Qwen2.5-32B"}, hardware={"gpus": 8})
+    assert p.backend == "megatron" and p.rollout == "sglang"
+    console = Console(record=True, width=400)
+    render_plan(console, p)
+    text = console.export_text()
+    for extra in ("rlctl[sglang]", "rlctl[flash-attn]", "rlctl[megatron]"):
+        assert f"pip install '{extra}'" in text  # rich markup would eat an unescaped [extra]
+    assert "attn flash_attention_2: flash_attention_2 where flash-attn is installed on the GPU hosts; rlctl falls back to " \
+           "sdpa at run time otherwise" in p.reasons
 
 
 def test_detect_local_is_cheap_and_imports_no_torch():

@@ -73,11 +73,11 @@ def catalog_markdown() -> str:
         )
     lines.append(_NOTES)
     lines.append(_GPU_INTRO)
-    lines.append("| name | aliases | memory (MiB) | bf16 TFLOP/s | interconnect | GB/s | GPUs/node |")
-    lines.append("|" + "---|" * 7)
+    lines.append("| name | aliases | memory (MiB) | bf16 TFLOP/s | interconnect | GB/s | GPUs/node | host GiB/node |")
+    lines.append("|" + "---|" * 8)
     for g in list_gpus():
         lines.append(
             f"| {g.name} | {', '.join(g.aliases) or '-'} | {g.memory_bytes // 2**20} | "
-            f"{g.bf16_tflops:g} | {g.interconnect} | {g.interconnect_gbps:g} | {g.gpus_per_node} |"
+            f"{g.bf16_tflops:g} | {g.interconnect} | {g.interconnect_gbps:g} | {g.gpus_per_node} | {g.host_memory_bytes // 2**30} |"
         )
     return "\n".join(lines) + "\n"

@@ -62,3 +62,5 @@ class GpuSpec:
     interconnect_gbps: float  # per-GPU bandwidth, GB/s
     gpus_per_node: int
     aliases: tuple[str, ...] = ()
+    # host (CPU) memory of one typical cloud node of ``gpus_per_node`` GPUs; 0 = unknown (not checked)
+    host_memory_bytes: int = 0

@@ -22,6 +22,8 @@ Examples:
 
   rlctl estimate memory --model Qwen2.5-72B --method sft --gpus 16 --nodes 2 --max-len 4096 --json
 
+  rlctl estimate memory --model Qwen2.5-72B --method sft --gpus 8 --gpu H100-80GB --host-memory 1024
+
   rlctl estimate memory --model Qwen2.5-32B --backend megatron --tp 4 --rollout vllm --rollout-tp 2 --mem-fraction 0.5
 """
 
@@ -59,6 +61,7 @@ def memory(
     nodes: Annotated[Optional[int], typer.Option("--nodes", help="Number of nodes.", rich_help_panel=HW)] = None,
     gpu: Annotated[Optional[str], typer.Option("--gpu", help="GPU type, e.g. H100-80GB (default: detected, else H100-80GB).", rich_help_panel=HW)] = None,
     device: Annotated[Optional[str], typer.Option("--device", help="cuda | cpu (default cuda: estimates are for GPUs).", rich_help_panel=HW)] = None,
+    host_memory: Annotated[Optional[float], typer.Option("--host-memory", help="Host (CPU) memory of one node in GiB (default: the GPU type's typical node, shared by the GPUs used on it).", rich_help_panel=HW)] = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="fsdp | megatron.", rich_help_panel=PAR)] = None,
     tp: Annotated[Optional[int], typer.Option("--tp", help="Megatron tensor-parallel size.", rich_help_panel=PAR)] = None,
     pp: Annotated[Optional[int], typer.Option("--pp", help="Megatron pipeline stages.", rich_help_panel=PAR)] = None,
@@ -69,14 +72,18 @@ def memory(
     rollout: Annotated[Optional[str], typer.Option("--rollout", help="hf | vllm | sglang.", rich_help_panel=RO)] = None,
     rollout_tp: Annotated[Optional[int], typer.Option("--rollout-tp", help="Tensor parallelism of the rollout engine.", rich_help_panel=RO)] = None,
     mem_fraction: Annotated[Optional[float], typer.Option("--mem-fraction", help="vLLM gpu_memory_utilization / SGLang mem_fraction_static.", rich_help_panel=RO)] = None,
-    what_to_rent: Annotated[bool, typer.Option("--what-to-rent", help="Also list, for every catalog GPU type, the fewest GPUs that fit and their plan.")] = False,
+    what_to_rent: Annotated[bool, typer.Option("--what-to-rent", help="Also list, for every catalog GPU type, the fewest GPUs that fit without and with offload, and their plans.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Per-GPU memory of the training and rollout phases, the KV cache, and whether it fits."""
     from rlctl.config import build_config, dotted_to_nested
+    from rlctl.errors import UserError
     from rlctl.plan import detect_local, resolve_plan
     from rlctl.presets import method_layers
 
+    if host_memory is not None and host_memory <= 0:
+        raise UserError(f"--host-memory {host_memory:g}: give the host memory of one node in GiB, e.g. --host-memory 1024")
+    host_bytes = int((host_memory or 0) * 2**30)
     if device is None and not gpus and detect_local().gpu_count == 0:
         device = "cuda"  # an estimate is for GPUs, even printed on a laptop
     options = {
@@ -90,12 +97,12 @@ def memory(
     }  # fmt: skip
     layer = dotted_to_nested({k: v for k, v in options.items() if v is not None})
     cfg = build_config(method, method_layers(method, None) + [layer])
-    plan = resolve_plan(cfg)
+    plan = resolve_plan(cfg, host_memory_bytes=host_bytes)
     rows = []
     if what_to_rent:
         from rlctl.plan import what_to_rent as rent
 
-        rows = rent(cfg)
+        rows = rent(cfg, host_memory_bytes=host_bytes)
     if as_json:
         doc = plan.estimate.to_dict()
         doc["plan"] = {k: v for k, v in plan.to_dict().items() if k != "estimate"}

@@ -158,7 +158,7 @@ class FSDPEngine(TrainEngine):
         return DTYPES[name]
 
     def _attn(self, cfg: RunConfig, plan) -> str:
-        attn = getattr(plan, "attn", None) or cfg.model.attn
+        attn = cfg.model.attn  # "auto" unless the user chose (the plan's attn is a forecast, not an order)
         has_flash = importlib.util.find_spec("flash_attn") is not None
         if attn == "auto":
             return "flash_attention_2" if self.device.type == "cuda" and has_flash else "sdpa"

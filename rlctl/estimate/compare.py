@@ -74,7 +74,8 @@ def deepspeed_zero3() -> str:
 
 
 def verl_min_gpus() -> str:
-    """verl's "minimum GPUs found to work" for GRPO beside the fewest GPUs rlctl plans for."""
+    """verl's "minimum GPUs found to work" for GRPO beside the fewest GPUs rlctl plans for, without
+    offload and with offload allowed (host memory permitting)."""
     from rlctl.config import build_config
     from rlctl.plan.local import LocalEnv
     from rlctl.plan.rent import smallest_fit
@@ -91,23 +92,44 @@ def verl_min_gpus() -> str:
         ("Qwen2-70B full", "Qwen2.5-72B", 0, "H100-80GB", "32 x H800 (rollout TP 16)"),
         ("Qwen2.5-72B LoRA", "Qwen2.5-72B", 32, "H100-80GB", "8 x H100"),
     ]
-    out = ["| job (verl) | rlctl model | verl minimum | rlctl fewest GPUs | rlctl plan |", "|---|---|---|---|---|"]
+    out = ["| job (verl) | rlctl model | verl minimum | rlctl without offload | rlctl with offload allowed |",
+           "|---|---|---|---|---|"]  # fmt: skip
     for label, name, rank, gpu_name, theirs in cases:
         layers = method_layers("grpo", None) + [{"model": {"name": name}, "lora": {"rank": rank}}]
-        row = smallest_fit(build_config("grpo", layers), resolve_gpu(gpu_name), local)
-        if row is None:
-            out.append(f"| {label} | {name} | {theirs} | does not fit | |")
-            continue
-        p = row.plan
-        layout = f"fsdp dp{p.dp}" if p.backend == "fsdp" else f"megatron tp{p.tp} pp{p.pp} dp{p.dp}"
-        offload = "+".join(k for k, on in (("params", p.offload_params), ("optimizer", p.offload_optimizer)) if on) or "none"
-        out.append(f"| {label} | {name} | {theirs} | {row.gpus} x {gpu_name} | {layout}, {p.rollout} tp{p.rollout_tp} "
-                   f"@{p.rollout_mem_fraction:.2f}, offload {offload} |")  # fmt: skip
+        cfg, gpu = build_config("grpo", layers), resolve_gpu(gpu_name)
+        cells = []
+        for offload in (False, True):
+            row = smallest_fit(cfg, gpu, local, offload=offload)
+            if row is None:
+                cells.append("does not fit")
+                continue
+            p, est = row.plan, row.plan.estimate
+            layout = f"fsdp dp{p.dp}" if p.backend == "fsdp" else f"megatron tp{p.tp} pp{p.pp} dp{p.dp}"
+            moved = "+".join(k for k, on in (("params", p.offload_params), ("optimizer", p.offload_optimizer)) if on)
+            host = f", host {est.host_bytes / GIB:.0f}/{est.host_memory_bytes / GIB:.0f} GiB" if moved else ""
+            cells.append(f"{row.gpus} x {gpu_name}: {layout}, {p.rollout} tp{p.rollout_tp} @{p.rollout_mem_fraction:.2f}"
+                         + (f", offload {moved}" if moved else "") + host)  # fmt: skip
+        out.append(f"| {label} | {name} | {theirs} | {cells[0]} | {cells[1]} |")
     return "\n".join(out)
 
 
+def _phase_table(phases: dict) -> list[str]:
+    """A markdown table of components (rows) by phase (columns), in GiB."""
+    names = list(phases)
+    out = ["| component | " + " | ".join(f"{n} (GiB)" for n in names) + " |", "|---|" + "---|" * len(names)]
+    components: list[str] = []
+    for phase in phases.values():
+        components += [c for c in phase.components if c not in components]
+    for comp in components:
+        cells = [phases[n].components.get(comp, 0) for n in names]
+        if any(cells):
+            out.append(f"| {comp} | " + " | ".join(f"{v / GIB:.2f}" if v else "-" for v in cells) + " |")
+    out.append("| **total** | " + " | ".join(f"**{phases[n].total_bytes / GIB:.2f}**" for n in names) + " |")
+    return out
+
+
 def example() -> str:
-    """The plan and per-GPU memory of `rlctl estimate memory --model Qwen2.5-7B --method grpo --gpus 8`."""
+    """The plan, per-GPU and per-node host memory of `rlctl estimate memory --model Qwen2.5-7B --method grpo --gpus 8`."""
     from rlctl.config import build_config
     from rlctl.plan import LocalEnv, resolve_plan
     from rlctl.presets import method_layers
@@ -115,25 +137,17 @@ def example() -> str:
     layers = method_layers("grpo", None) + [{"model": {"name": "Qwen2.5-7B"}, "hardware": {"gpus": 8, "gpu": "H100-80GB"}}]
     plan = resolve_plan(build_config("grpo", layers), local=LocalEnv())
     est = plan.estimate
-    names = list(est.phases)
-    out = ["| component | " + " | ".join(f"{n} (GiB)" for n in names) + " |", "|---|" + "---|" * len(names)]
-    components: list[str] = []
-    for phase in est.phases.values():
-        components += [c for c in phase.components if c not in components]
-    for comp in components:
-        cells = [est.phases[n].components.get(comp, 0) for n in names]
-        if any(cells):
-            out.append(f"| {comp} | " + " | ".join(f"{v / GIB:.2f}" if v else "-" for v in cells) + " |")
-    out.append("| **total** | " + " | ".join(f"**{est.phases[n].total_bytes / GIB:.2f}**" for n in names) + " |")
     head = (f"Plan: {plan.backend} dp {plan.dp}, rollout {plan.rollout} tp {plan.rollout_tp} at memory fraction "
             f"{plan.rollout_mem_fraction:.2f}, micro batch {plan.micro_batch_size}, activation checkpointing "
             f"{'on' if plan.activation_checkpointing else 'off'}. KV cache: {est.kv_cache_tokens:,} tokens = "
             f"{est.kv_cache_sequences} sequences of {est.settings.seq_len} tokens. Verdict: {est.verdict}.")  # fmt: skip
-    return head + "\n\n" + "\n".join(out)
+    host = f"Host memory of the node ({est.settings.gpus_per_node} GPU processes):"
+    return "\n\n".join([head, "\n".join(_phase_table(est.phases)), host, "\n".join(_phase_table(est.host_phases))])
 
 
 def markdown() -> str:
     gpus = ", ".join(f"{g.name} {g.memory_bytes / GIB:.1f} GiB" for g in list_gpus())
+    hosts = ", ".join(f"{g.name} {g.host_memory_bytes / GIB:.0f} GiB / {g.gpus_per_node} GPUs" for g in list_gpus())
     return "\n\n".join([
         "#### Worked example: `rlctl estimate memory --model Qwen2.5-7B --method grpo --gpus 8 --gpu H100-80GB`",
         example(),
@@ -143,9 +157,11 @@ def markdown() -> str:
         torchtune(),
         "#### DeepSpeed ZeRO-3 model states (per GPU)",
         deepspeed_zero3(),
-        "#### verl minimum GPUs for GRPO (rlctl: prompt 512 + response 1024, n 8, 32 prompts per step, 5% margin)",
+        ("#### verl minimum GPUs for GRPO (rlctl: prompt 512 + response 1024, n 8, 32 prompts per step, 5% margin, "
+         "host memory of the GPU type's node)"),
         verl_min_gpus(),
         f"GPU memory as torch reports it: {gpus}.",
+        f"Host memory per node (a rental of fewer GPUs gets its share): {hosts}.",
     ])  # fmt: skip
 
 

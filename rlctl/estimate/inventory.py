@@ -120,6 +120,47 @@ def layer_kinds(spec: ModelSpec, start: int = 0, stop: int | None = None) -> lis
     return [(layer, n) for layer, n in kinds if n > 0]
 
 
+@dataclass(frozen=True)
+class Tensor:
+    """Parameter tensors of one shape, as FSDP2 shards them (on dim 0) and Megatron splits them."""
+
+    rows: int  # dim 0
+    cols: int  # the other dimensions multiplied
+    count: int  # how many tensors of this shape
+    split: str  # Megatron: "tp" (tensor or vocabulary parallel), "ep" (routed experts), "" (replicated)
+
+
+def tensors(spec: ModelSpec, start: int = 0, stop: int | None = None, *, embedding: bool = True,
+            head: bool = True) -> list[Tensor]:  # fmt: skip
+    """The parameter tensors of decoder layers [start, stop), plus the embedding and the output
+    head (untied) with the final norm when asked; their elements add up to the parameter count.
+
+    Linear weights are (fan_out, fan_in); transformers fuses a layer's routed experts into
+    ``gate_up_proj`` (E, 2f, h) and ``down_proj`` (E, h, f). A layer's norms count as one tensor
+    (they are vectors of a few thousand values; only their sum matters here).
+    """
+    out: list[Tensor] = []
+    for layer, n in layer_kinds(spec, start, stop):
+        for lin in layer.linears:
+            out.append(Tensor(lin.fan_out, lin.fan_in, n, "tp"))
+            if lin.bias:
+                out.append(Tensor(lin.fan_out, 1, n, "tp"))
+        if layer.is_moe:
+            h, f, e = spec.hidden_size, spec.expert_intermediate_size, spec.num_experts
+            out += [Tensor(e, 2 * f * h, n, "ep"), Tensor(e, h * f, n, "ep")]
+            if spec.mlp_bias:
+                out += [Tensor(e, 2 * f, n, "ep"), Tensor(e, h, n, "ep")]
+            out.append(Tensor(e, h, n, ""))  # router
+        out.append(Tensor(layer.other, 1, n, ""))
+    if embedding:
+        out.append(Tensor(spec.vocab_size, spec.hidden_size, 1, "tp"))
+    if head:
+        out.append(Tensor(spec.hidden_size, 1, 1, ""))  # final norm
+        if not spec.tie_embeddings:
+            out.append(Tensor(spec.vocab_size, spec.hidden_size, 1, "tp"))
+    return out
+
+
 def expert_params(spec: ModelSpec) -> int:
     """Routed-expert parameters of the whole model (what expert parallelism splits)."""
     return sum(layer.experts * n for layer, n in layer_kinds(spec))

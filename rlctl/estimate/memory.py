@@ -13,9 +13,16 @@ the assumptions it made. Units are bytes; "GiB" in messages is 2**30 bytes.
 
 Offload is what the engines do. FSDP2 (rlctl's FSDP engine) offloads with ``CPUOffloadPolicy``:
 either flag puts the sharded weights, gradients and optimizer states on the CPU for the whole run
-(the optimizer steps there; only the gathered layers come to the GPU). Megatron offloads like verl's
-``param_offload``/``optimizer_offload``: states move to CPU *between* phases (while the engine
-generates, while a model is idle) and come back for the update, which they do not shrink.
+(the optimizer steps there; only the gathered layers come to the GPU). Megatron's
+``offload_optimizer`` is megatron-core's ``optimizer_cpu_offload``: the fp32 master weights, a
+gradient copy and the AdamW states live on the CPU for the whole run and the optimizer steps there;
+``offload_params`` moves the bf16 weights and the gradient buffer to the CPU *between* phases (while
+the engine generates), like verl's ``param_offload``, which does not shrink the update.
+
+Offloaded states need **host memory**: every estimate on GPUs also counts, per node, what its
+processes keep in CPU memory (offloaded states, pinned by torch's caching host allocator in
+power-of-two blocks; a sleeping vLLM engine's weights; rank 0's copy of the checkpoint while the
+FSDP engine loads it; the processes themselves) against the node's host memory less a margin.
 
 No torch import: the CLI estimates in milliseconds.
 """
@@ -33,9 +40,11 @@ from rlctl.catalog.spec import GpuSpec, ModelSpec
 from rlctl.errors import UserError
 from rlctl.estimate.inventory import (
     LayerParams,
+    Tensor,
     expert_params,
     layer_kinds,
     lora_params,
+    tensors,
 )
 
 GIB = 2**30
@@ -45,6 +54,9 @@ ENGINE_BATCHED_TOKENS = 8192  # tokens per engine forward (vLLM's max_num_batche
 ENGINE_MAX_SEQS = 256  # sequences per engine step (vLLM's max_num_seqs default): the sampler's logits
 ADAM_STATE_BYTES = 8  # AdamW m and v in fp32
 LOGIT_EXTRA_BYTES = 8  # per logit beyond the compute-dtype output: an fp32 copy and its log-softmax/grad
+HOST_PROCESS_BYTES = 4 * GIB  # host memory of one GPU process: Python, torch/CUDA/NCCL host allocations, data
+HOST_MARGIN_FRACTION = 0.10  # host memory kept free: the OS, page cache, allocator slack
+CHECKPOINT_BYTES = 2  # bytes per parameter of the HF checkpoint (bf16) that FSDP's rank 0 loads whole
 
 METHODS = ("sft", "grpo", "ppo")
 BACKENDS = ("fsdp", "megatron")
@@ -72,6 +84,7 @@ class MemorySettings:
     activation_checkpointing: bool = True
     offload_params: bool = False
     offload_optimizer: bool = False
+    host_memory_bytes: int = 0  # host memory of one node for the job; 0 = the GPU type's node, shared by the GPUs used
     backend: str = "fsdp"  # fsdp | megatron
     tp: int = 1
     pp: int = 1
@@ -108,6 +121,15 @@ class MemorySettings:
         return self.device == "cuda" and self.backend == "fsdp" and (self.offload_params or self.offload_optimizer)
 
     @property
+    def megatron_optimizer_offload(self) -> bool:
+        """megatron-core's ``optimizer_cpu_offload``: fp32 master, gradient copy and AdamW states on the CPU."""
+        return self.device == "cuda" and self.backend == "megatron" and self.offload_optimizer
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.gpus // self.nodes
+
+    @property
     def idle_weights_offloaded(self) -> bool:
         """Weights (trainer, reference, critic) are off the GPU while their model is idle."""
         return self.cpu_offload or (self.backend == "megatron" and self.offload_params)
@@ -137,6 +159,10 @@ class MemorySettings:
         for key in ("gpus", "nodes", "micro_batch", "tp", "pp", "cp", "ep", "rollout_tp", "rollout_n", "rollout_batch"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be at least 1, got {getattr(self, key)}")
+        if self.gpus % self.nodes:
+            raise UserError(f"{self.gpus} GPUs do not split evenly over {self.nodes} nodes")
+        if self.host_memory_bytes < 0:
+            raise UserError(f"host_memory_bytes must be positive (0 = the GPU type's typical node), got {self.host_memory_bytes}")
         if self.gpus % (self.tp * self.pp * self.cp):
             raise UserError(f"{self.gpus} GPUs do not split into tp {self.tp} x pp {self.pp} x cp {self.cp}")
         if self.backend == "fsdp" and (self.tp, self.pp, self.ep) != (1, 1, 1):
@@ -179,6 +205,8 @@ class MemoryEstimate:
     kv_bytes_per_token: int = 0  # per GPU
     kv_cache_tokens: int = 0  # tokens the engine's KV cache holds (per engine replica)
     kv_cache_sequences: int = 0  # prompt+response sequences that fit in it at once
+    host_phases: dict[str, Phase] = field(default_factory=dict)  # host memory of the busiest node (GPU runs)
+    host_memory_bytes: int = 0  # host memory of one node available to the job; 0 = unknown, not checked
     assumptions: list[str] = field(default_factory=list)
 
     @property
@@ -199,22 +227,47 @@ class MemoryEstimate:
         return not self.settings.is_rl or self.kv_cache_sequences >= 1
 
     @property
+    def host_peak_phase(self) -> str | None:
+        return max(self.host_phases, key=lambda name: self.host_phases[name].total_bytes) if self.host_phases else None
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the busiest node's processes use at their peak."""
+        phase = self.host_peak_phase
+        return self.host_phases[phase].total_bytes if phase else 0
+
+    @property
+    def host_limit_bytes(self) -> int:
+        """Host memory a node may use: all of it but the margin kept for the system."""
+        return int(self.host_memory_bytes * (1 - HOST_MARGIN_FRACTION))
+
+    @property
+    def host_fits(self) -> bool:
+        return not self.host_memory_bytes or self.host_bytes <= self.host_limit_bytes
+
+    @property
     def fits(self) -> bool:
-        return self.headroom_bytes >= 0 and self.engine_starts
+        return self.headroom_bytes >= 0 and self.engine_starts and self.host_fits
 
     @property
     def verdict(self) -> str:
         peak, total = self.peak_bytes / GIB, self.gpu_memory_bytes / GIB
+        problems = []
         if not self.engine_starts:
-            return (
-                f"does not fit: the rollout engine has no room for one {self.settings.seq_len}-token sequence of KV cache "
-                f"(raise the memory fraction, the rollout TP, or offload the trainer)"
-            )
-        if self.headroom_bytes < 0:
-            return f"does not fit: the {self.peak_phase} phase needs {peak:.1f} GiB per GPU, the {self.gpu} has {total:.1f} GiB"
+            problems.append(f"the rollout engine has no room for one {self.settings.seq_len}-token sequence of KV cache "
+                            f"(raise the memory fraction, the rollout TP, or offload the trainer)")  # fmt: skip
+        elif self.headroom_bytes < 0:
+            problems.append(f"the {self.peak_phase} phase needs {peak:.1f} GiB per GPU, the {self.gpu} has {total:.1f} GiB")
+        if not self.host_fits:
+            problems.append(f"host memory: the {self.host_peak_phase} phase needs {self.host_bytes / GIB:.1f} GiB per node, "
+                            f"a node has {self.host_memory_bytes / GIB:.0f} GiB ({self.host_limit_bytes / GIB:.1f} GiB usable "
+                            f"after the {HOST_MARGIN_FRACTION:.0%} kept for the system)")  # fmt: skip
+        if problems:
+            return "does not fit: " + "; ".join(problems)
         share = self.headroom_bytes / self.gpu_memory_bytes
         tight = " (tight: allocator fragmentation may not fit)" if share < 0.05 else ""
-        return f"fits: peak {peak:.1f} GiB ({self.peak_phase}) of {total:.1f} GiB, {share:.0%} headroom{tight}"
+        host = f"; host {self.host_bytes / GIB:.0f} of {self.host_memory_bytes / GIB:.0f} GiB per node" if self.host_memory_bytes else ""
+        return f"fits: peak {peak:.1f} GiB ({self.peak_phase}) of {total:.1f} GiB, {share:.0%} headroom{tight}{host}"
 
     def to_dict(self) -> dict:
         return {
@@ -234,6 +287,10 @@ class MemoryEstimate:
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_cache_tokens": self.kv_cache_tokens,
             "kv_cache_sequences": self.kv_cache_sequences,
+            "host_phases": {name: phase.to_dict() for name, phase in self.host_phases.items()},
+            "host_bytes": self.host_bytes,
+            "host_memory_bytes": self.host_memory_bytes,
+            "host_fits": self.host_fits,
             "assumptions": list(self.assumptions),
         }
 
@@ -276,6 +333,7 @@ class _Stage:
     adapter_params: int  # LoRA adapters of the stage, whole
     has_head: bool  # computes the logits and the loss
     in_flight: int  # micro batches whose activations are alive at once (1F1B: pp - stage index)
+    tensors: list[Tensor]  # its parameter tensors, whole (before TP / sharding)
 
 
 def _ceil(x: float) -> int:
@@ -288,7 +346,7 @@ def _stages(spec: ModelSpec, s: MemorySettings) -> list[_Stage]:
     if s.backend == "fsdp":
         experts = expert_params(spec)
         return [_Stage("every GPU", layer_kinds(spec), count_params(spec) - experts, experts,
-                       lora_params(spec, rank, targets), True, 1)]  # fmt: skip
+                       lora_params(spec, rank, targets), True, 1, tensors(spec))]  # fmt: skip
     split = pipeline_split(spec.num_layers, s.pp)
     assert split is not None
     out = []
@@ -301,8 +359,12 @@ def _stages(spec: ModelSpec, s: MemorySettings) -> list[_Stage]:
         if i == s.pp - 1:  # final norm + output head (a tied head is a second copy once pp > 1)
             dense += spec.hidden_size + (lm_head_params(spec) if s.pp == 1 else spec.vocab_size * spec.hidden_size)
         label = f"pipeline stage {i} of {s.pp} ({split[i]} layers)" if s.pp > 1 else "every GPU"
+        last = i == s.pp - 1
+        parts = tensors(spec, start, start + split[i], embedding=i == 0, head=last)
+        if last and s.pp > 1 and spec.tie_embeddings:
+            parts.append(Tensor(spec.vocab_size, spec.hidden_size, 1, "tp"))  # the tied head's copy
         out.append(_Stage(label, kinds, dense, sum(layer.experts * n for layer, n in kinds),
-                          lora_params(spec, rank, targets, start, start + split[i]), i == s.pp - 1, s.pp - i))  # fmt: skip
+                          lora_params(spec, rank, targets, start, start + split[i]), last, s.pp - i, parts))  # fmt: skip
     return out
 
 
@@ -452,11 +514,121 @@ def engine_activation_bytes(spec: ModelSpec, tokens: int, sequences: int, rollou
 
 
 # ---------------------------------------------------------------------------------------------
+# Host memory
+
+
+def pow2ceil(n: int) -> int:
+    """The allocation torch's pinned-memory caching allocator makes for ``n`` bytes: the next power of two."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def _shard_numel(s: MemorySettings, t: Tensor) -> int:
+    """Elements of one GPU's piece of tensor ``t``: FSDP2 shards dim 0 over every GPU (padding it to a
+    multiple of N); Megatron splits it by TP (or EP) and its distributed optimizer over the data-parallel group."""
+    if s.backend == "fsdp":
+        return _ceil(t.rows / s.gpus) * t.cols
+    if t.split == "ep":
+        return _ceil(_ceil(t.rows / s.ep) * t.cols / (s.gpus // (s.pp * s.ep)))
+    return _ceil((_ceil(t.rows / s.tp) if t.split == "tp" else t.rows) * t.cols / s.dp)
+
+
+def pinned_bytes(s: MemorySettings, parts: list[Tensor], value_bytes: int) -> int:
+    """Host bytes of one GPU's pieces of ``parts``, pinned: each rounded up to a power of two."""
+    return sum(t.count * pow2ceil(_shard_numel(s, t) * value_bytes) for t in parts)
+
+
+def host_memory_per_node(gpu: GpuSpec, s: MemorySettings) -> int:
+    """The host memory one node gives the job: as set, else the GPU type's node shared by the GPUs used."""
+    if s.host_memory_bytes:
+        return s.host_memory_bytes
+    return gpu.host_memory_bytes * s.gpus_per_node // gpu.gpus_per_node
+
+
+def _host_offload(s: MemorySettings, stage: _Stage, states: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """One GPU's trainer states in host memory: (for the whole run, only during rollout).
+
+    FSDP2 ``CPUOffloadPolicy(pin_memory=True)``: the sharded weights and gradients are pinned (in
+    power-of-two blocks), the AdamW states pageable. Megatron ``optimizer_cpu_offload``: pinned fp32
+    master weights and gradient copies, pageable AdamW states; ``offload_params`` (RL) moves the
+    weights and the gradient buffer to the host while the engine generates.
+    """
+    cb = s.compute_bytes
+    whole: dict[str, int] = {}
+    rollout: dict[str, int] = {}
+    if s.cpu_offload:
+        if s.lora_rank:
+            adapters = stage.adapter_params
+            whole["offloaded_weights"] = pinned_bytes(s, stage.tensors, cb) + _ceil(4 * adapters / s.gpus)
+            whole["offloaded_gradients"] = states["gradients"]
+        else:
+            whole["offloaded_weights"] = pinned_bytes(s, stage.tensors, 4)
+            whole["offloaded_gradients"] = pinned_bytes(s, stage.tensors, 4)
+        whole["offloaded_optimizer"] = states["optimizer_states"]
+    elif s.megatron_optimizer_offload:
+        if s.lora_rank:
+            whole["offloaded_gradients"] = _ceil(4 * _ceil(stage.adapter_params / s.tp) / s.dp)
+            whole["offloaded_optimizer"] = states["optimizer_states"]
+        else:
+            edp = s.gpus // (s.pp * s.ep)
+            fp32 = pinned_bytes(s, stage.tensors, 4)  # the master weights, and the gradient copies
+            adam = _ceil(ADAM_STATE_BYTES * _ceil(stage.dense_params / s.tp) / s.dp) + _ceil(
+                ADAM_STATE_BYTES * _ceil(stage.expert_params / s.ep) / edp)
+            whole["offloaded_gradients"] = fp32
+            whole["offloaded_optimizer"] = fp32 + adam
+    if s.backend == "megatron" and s.offload_params and s.is_rl:
+        rollout["offloaded_weights"] = states["weights"] + (0 if s.lora_rank else states["gradients"])
+    return whole, rollout
+
+
+def _host_phases(spec: ModelSpec, s: MemorySettings, stages: list[_Stage], stage_states: list[dict[str, int]],
+                 critic_ratio: float) -> dict[str, Phase]:  # fmt: skip
+    """Host memory of the busiest node in each phase: what its ``gpus_per_node`` processes keep in CPU memory.
+
+    - training: offloaded states (and the idle reference and critic when offloaded), a sleeping
+      vLLM engine's weights (vLLM's sleep level 1 keeps them in CPU memory; SGLang releases them);
+    - rollout (RL): offloaded states, plus Megatron's between-phase offload;
+    - loading (FSDP): rank 0 reads the whole checkpoint into CPU memory and scatters it into the
+      (offloaded) shards of the others;
+    - every phase: ``HOST_PROCESS_BYTES`` per GPU process.
+    """
+    cb, k = s.compute_bytes, s.gpus_per_node
+    phases: dict[str, list[dict[str, int]]] = {"training": [], "rollout": [], "loading": []}
+    for stage, states in zip(stages, stage_states):
+        whole, between = _host_offload(s, stage, states)
+        reference = 0
+        if s.is_rl and s.kl and not s.lora_rank and s.idle_weights_offloaded:
+            reference = pinned_bytes(s, stage.tensors, cb) if s.cpu_offload else cb * (
+                _ceil(stage.dense_params / s.tp) + _ceil(stage.expert_params / s.ep))
+        critic = _ceil(critic_ratio * (sum(whole.values()) + sum(between.values()))) if s.has_critic else 0
+        common = {**whole, "reference_model": reference, "critic": critic, "processes": HOST_PROCESS_BYTES}
+        engine = 0
+        if s.is_rl and s.rollout == "vllm":
+            engine = _ceil(cb * count_params(spec) / s.rollout_tp)
+        phases["training"].append({**common, "engine_weights": engine})
+        phases["rollout"].append({**common, **{key: common.get(key, 0) + v for key, v in between.items()}})
+        if s.backend == "fsdp":
+            critic_weights = _ceil(critic_ratio * whole.get("offloaded_weights", 0)) if s.has_critic else 0
+            phases["loading"].append({"checkpoint": 0, "offloaded_weights": whole.get("offloaded_weights", 0),
+                                      "reference_model": reference, "critic": critic_weights,
+                                      "processes": HOST_PROCESS_BYTES})  # fmt: skip
+    out = {}
+    for name, per_gpu in phases.items():
+        if not per_gpu or (name == "rollout" and not s.is_rl):
+            continue
+        busiest = max(per_gpu, key=lambda parts: sum(parts.values()))
+        node = {key: value * k for key, value in busiest.items()}
+        if name == "loading":
+            node["checkpoint"] = CHECKPOINT_BYTES * count_params(spec)  # rank 0's copy, once per job
+        out[name] = Phase(node, f"{k} GPU process{'es' if k > 1 else ''} per node")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # The estimate
 
 
 def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> MemoryEstimate:
-    """Per-GPU memory of each phase of the job, on the busiest GPU."""
+    """Per-GPU memory of each phase of the job on the busiest GPU, and the busiest node's host memory."""
     s.check(model)
     cb = s.compute_bytes
     cuda = s.device == "cuda"
@@ -466,10 +638,13 @@ def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> Memory
     critic_ratio = critic_params(model) / count_params(model)
 
     weights_off, optimizer_off = s.idle_weights_offloaded, s.idle_optimizer_offloaded
-    train_phases, rollout_phases = [], []
+    train_phases, rollout_phases, stage_states = [], [], []
     for stage in stages:
         states = model_states(model, s, stage)
+        stage_states.append(states)
         train = {k: 0 for k in states} if s.cpu_offload else dict(states)
+        if s.megatron_optimizer_offload:
+            train["optimizer_states"] = 0  # on the CPU for the whole run; the CPU steps it
         if s.backend == "fsdp":
             train["unsharded_buffers"] = fsdp_buffers(model, s)
         train["activations"] = activation_bytes(model, s, stage)
@@ -510,6 +685,9 @@ def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> Memory
         for resident, label in rollout_phases:
             rollout.append(Phase({**engine, **resident, "cuda_context": context}, label))
         phases["rollout"] = max(rollout, key=lambda p: p.total_bytes)
+    if cuda:
+        est.host_phases = _host_phases(model, s, stages, stage_states, critic_ratio)
+        est.host_memory_bytes = host_memory_per_node(gpu, s)
     est.assumptions = _assumptions(model, gpu, s, est)
     return est
 
@@ -576,11 +754,15 @@ def _assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryE
         out.append(f"MoE: all {model.num_experts} experts count for weights and optimizer states; activations follow the "
                    f"{model.experts_per_token} routed experts a token uses (balanced routing assumed)")  # fmt: skip
     if s.cpu_offload:
-        host = sum(model_states(model, s, _stages(model, s)[0]).values()) * (s.gpus // s.nodes)
-        out.append("FSDP2 CPU offload: sharded weights, gradients and AdamW states live on the CPU, the optimizer steps "
-                   f"there ({_gib(host)} of host memory per node); only the gathered layers and activations use the GPU")  # fmt: skip
-    elif s.backend == "megatron" and (s.offload_params or s.offload_optimizer):
-        out.append("Megatron offload between phases: offloaded states return to the GPU for the update")
+        out.append("FSDP2 CPU offload: sharded weights, gradients and AdamW states live on the CPU (weights and gradients "
+                   "pinned), the optimizer steps there; only the gathered layers and activations use the GPU")  # fmt: skip
+    if s.megatron_optimizer_offload:
+        out.append("Megatron optimizer CPU offload (megatron-core optimizer_cpu_offload, fraction 1.0, precision-aware "
+                   "optimizer): fp32 master weights, gradient copies and AdamW states on the CPU, the optimizer steps "
+                   "there; the GPU keeps the bf16 weights and the fp32 gradient buffer")  # fmt: skip
+    if s.backend == "megatron" and s.offload_params and s.is_rl:
+        out.append("Megatron weight offload between phases: the weights and the gradient buffer wait on the CPU while the "
+                   "engine generates and return for the update")  # fmt: skip
     ckpt = "on: each layer keeps its input, one layer at a time is recomputed" if s.activation_checkpointing else "off"
     out.append(f"activation checkpointing {ckpt}; attention by FlashAttention/SDPA kernels (no s x s scores stored)")
     out.append(f"logits: {s.dtype} output + fp32 copy + fp32 log-softmax ({cb + LOGIT_EXTRA_BYTES} bytes per token per "
@@ -606,4 +788,20 @@ def _assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryE
                        f"CUDA graphs {_gib(ENGINE_GRAPH_BYTES)} on top; {ENGINE_BATCHED_TOKENS} tokens per engine step")  # fmt: skip
     if s.device == "cuda":
         out.append(f"CUDA context, cuBLAS workspaces and NCCL buffers: {_gib(CUDA_CONTEXT_BYTES)} per GPU")
+        k = s.gpus_per_node
+        if s.host_memory_bytes:
+            where = "as given"
+        elif gpu.host_memory_bytes:
+            where = (f"a {gpu.name} node's {_gib(gpu.host_memory_bytes)}" + (f" shared by {gpu.gpus_per_node} GPUs, {k} used"
+                     if k != gpu.gpus_per_node else ""))  # fmt: skip
+        else:
+            where = "unknown for this GPU type: not checked"
+        out.append(f"host memory per node: {_gib(est.host_memory_bytes)} ({where}); {HOST_MARGIN_FRACTION:.0%} kept for the "
+                   f"system; {_gib(HOST_PROCESS_BYTES)} per GPU process; pinned offloaded tensors rounded up to powers of two "
+                   "(torch's caching host allocator)")  # fmt: skip
+        if s.backend == "fsdp":
+            out.append(f"loading: FSDP's rank 0 reads the whole checkpoint into host memory ({CHECKPOINT_BYTES} bytes per "
+                       "parameter) and scatters it to the other ranks")  # fmt: skip
+        if s.is_rl and s.rollout == "vllm":
+            out.append("vLLM sleeps at level 1 while the trainer updates: its weights wait in host memory")
     return out

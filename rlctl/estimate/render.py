@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from rlctl.estimate.memory import GIB, MemoryEstimate
+from rlctl.estimate.memory import GIB, MemoryEstimate, Phase
 
 LABELS = {
     "weights": "weights",
@@ -27,30 +27,51 @@ LABELS = {
     "cuda_context": "CUDA context + NCCL",
 }
 
+HOST_LABELS = {
+    "offloaded_weights": "offloaded weights",
+    "offloaded_gradients": "offloaded gradients",
+    "offloaded_optimizer": "offloaded optimizer states",
+    "reference_model": "reference model (offloaded)",
+    "critic": "critic (offloaded)",
+    "engine_weights": "engine weights (asleep)",
+    "checkpoint": "checkpoint (rank 0 loading)",
+    "processes": "processes",
+}
+
 
 def gib(n: float) -> str:
     return f"{n / GIB:.1f}"
 
 
-def render_estimate(console: Console, est: MemoryEstimate) -> None:
-    """Phases by component in GiB, the KV cache, peak against GPU memory, verdict, assumptions."""
-    s = est.settings
-    where = f"{s.gpus} x {est.gpu}" if s.device == "cuda" else f"{s.gpus} CPU process(es)"
-    table = Table(title=f"memory per GPU: {est.model} ({est.params / 1e9:.2f}B), {s.method}, {where}", title_justify="left")
+def _phase_table(title: str, phases: dict[str, Phase], labels: dict[str, str]) -> Table:
+    """Components (rows) by phase (columns), in GiB, with a total row."""
+    table = Table(title=title, title_justify="left")
     table.add_column("component")
-    names = list(est.phases)
+    names = list(phases)
     for name in names:
         table.add_column(f"{name} (GiB)", justify="right")
     components: list[str] = []
-    for phase in est.phases.values():
+    for phase in phases.values():
         components += [c for c in phase.components if c not in components]
     for comp in components:
-        cells = [est.phases[n].components.get(comp, 0) for n in names]
+        cells = [phases[n].components.get(comp, 0) for n in names]
         if any(cells):
-            table.add_row(LABELS.get(comp, comp), *[gib(v) if v else "-" for v in cells])
+            table.add_row(labels.get(comp, comp), *[gib(v) if v else "-" for v in cells])
     table.add_section()
-    table.add_row("total", *[gib(est.phases[n].total_bytes) for n in names], style="bold")
-    console.print(table)
+    table.add_row("total", *[gib(phases[n].total_bytes) for n in names], style="bold")
+    return table
+
+
+def render_estimate(console: Console, est: MemoryEstimate) -> None:
+    """Phases by component in GiB (per GPU, then host memory per node), the KV cache, peak against
+    GPU and host memory, verdict, assumptions."""
+    s = est.settings
+    where = f"{s.gpus} x {est.gpu}" if s.device == "cuda" else f"{s.gpus} CPU process(es)"
+    title = f"memory per GPU: {est.model} ({est.params / 1e9:.2f}B), {s.method}, {where}"
+    console.print(_phase_table(title, est.phases, LABELS))
+    if est.host_phases:
+        per_node = f"{s.gpus_per_node} GPU{'s' if s.gpus_per_node > 1 else ''}"
+        console.print(_phase_table(f"host memory per node ({per_node})", est.host_phases, HOST_LABELS))
     notes = {n: p.note for n, p in est.phases.items() if p.note and p.note != "every GPU"}
     for name, note in notes.items():
         console.print(f"  {name}: the busiest GPU is {note}")
@@ -64,6 +85,9 @@ def render_estimate(console: Console, est: MemoryEstimate) -> None:
         f"peak {gib(est.peak_bytes)} GiB ({est.peak_phase}) of {gib(est.gpu_memory_bytes)} GiB; "
         f"headroom {gib(est.headroom_bytes)} GiB"
     )
+    if est.host_phases:
+        known = f"of {gib(est.host_memory_bytes)} GiB ({gib(est.host_limit_bytes)} usable)" if est.host_memory_bytes else "(host memory unknown: not checked)"
+        console.print(f"host memory per node: {gib(est.host_bytes)} GiB ({est.host_peak_phase}) {known}")
     console.print(f"[{color}]{escape(est.verdict)}[/{color}]")
     console.print("[dim]assumptions:[/dim]")
     for line in est.assumptions:

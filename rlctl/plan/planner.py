@@ -6,11 +6,14 @@ says so: the device and GPU type when they are not given, the CPU engine (vLLM w
 else HF), and warnings about packages missing here. A GPU plan printed on a laptop is the plan the
 cluster runs.
 
-The search: for each offload level (none first; FSDP2 offloads every sharded state at once,
-Megatron the optimizer, then everything, between phases), each parallel layout in order of
-preference, each rollout TP size from the smallest: the first combination whose estimate fits
-with the safety margin and whose KV cache holds an engine's share of the batch wins. Checkpointing
-and the micro batch are then relaxed while the update still fits comfortably.
+The search: for each option in order of preference (the backend tier without offload, FSDP2
+without offload for a Megatron-tier model, then Megatron with its optimizer on the CPU, Megatron
+offloading its weights during rollout too, FSDP2 offloading every sharded state), each parallel
+layout in order of preference, each rollout TP size from the smallest: the first combination whose
+estimate fits (GPU memory with the safety margin, the nodes' host memory) and whose KV cache holds
+an engine's share of the batch wins; every option before it is reported with its closest attempt.
+Checkpointing and the micro batch are then relaxed while the update still fits comfortably.
+`--what-to-rent` (rlctl.plan.rent) runs this same planner at each GPU count.
 """
 
 from __future__ import annotations
@@ -31,7 +34,13 @@ from rlctl.catalog.spec import GpuSpec, ModelSpec
 from rlctl.config import RunConfig, tri_state
 from rlctl.errors import UserError, did_you_mean
 from rlctl.estimate.inventory import lora_target_names, lora_targets
-from rlctl.estimate.memory import GIB, MemoryEstimate, MemorySettings, estimate_memory
+from rlctl.estimate.memory import (
+    GIB,
+    HOST_MARGIN_FRACTION,
+    MemoryEstimate,
+    MemorySettings,
+    estimate_memory,
+)
 from rlctl.plan import rules
 from rlctl.plan.local import OPTIONAL_PACKAGES, LocalEnv, detect_local
 
@@ -90,6 +99,7 @@ class _Job:
     dtype: str
     attn: str
     engine: str | None
+    host_memory_bytes: int = 0  # host memory per node as given (0 = the GPU type's typical node)
     reasons: list[str] = field(default_factory=list)  # model, device, GPU
     later: list[str] = field(default_factory=list)  # engine, dtype, attention: listed after the layout
     warnings: list[str] = field(default_factory=list)
@@ -123,7 +133,8 @@ def _gpu_from_local(name: str | None) -> GpuSpec | None:
         return None
 
 
-def _resolve_job(cfg: RunConfig, local: LocalEnv) -> _Job:
+def _resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) -> _Job:
+    host_memory_bytes = host_memory_bytes or int(cfg.hardware.host_memory_gib * GIB)
     if not cfg.model.name:
         raise UserError("no model given: pass --model (e.g. --model Qwen2.5-7B) or set model.name")
     spec = resolve_model(cfg.model.name)
@@ -187,10 +198,11 @@ def _resolve_job(cfg: RunConfig, local: LocalEnv) -> _Job:
     if cfg.model.dtype == "auto":
         later.append(f"dtype {dtype}: {'bf16 mixed precision on GPUs' if device == 'cuda' else 'fp32 on CPU'}")
     if cfg.model.attn == "auto":
-        later.append(f"attn {attn}" + (": FlashAttention-2 kernels on GPUs (varlen, packing)" if device == "cuda" else ": PyTorch SDPA on CPU"))
+        later.append(f"attn {attn}: " + ("flash_attention_2 where flash-attn is installed on the GPU hosts; rlctl falls back "
+                                         "to sdpa at run time otherwise" if device == "cuda" else "PyTorch SDPA on CPU"))
     if attn == "flash_attention_2" and "flash_attn" not in local.installed:
-        warnings.append(f"flash-attn is not installed here: pip install '{OPTIONAL_PACKAGES['flash_attn']}' where the job "
-                        "runs, or set model.attn=sdpa")  # fmt: skip
+        warnings.append(f"flash-attn is not installed here: pip install '{OPTIONAL_PACKAGES['flash_attn']}' on the machines "
+                        "that run the job, or set model.attn=sdpa")  # fmt: skip
 
     if cfg.lora.rank:
         wanted = lora_targets(cfg.lora.targets)
@@ -203,7 +215,7 @@ def _resolve_job(cfg: RunConfig, local: LocalEnv) -> _Job:
     engine = None
     if cfg.method != "sft":
         engine = _resolve_engine(cfg, device, local, later, warnings)
-    return _Job(cfg, spec, params, device, gpu, world, nodes, nproc, dtype, attn, engine, reasons, later, warnings)
+    return _Job(cfg, spec, params, device, gpu, world, nodes, nproc, dtype, attn, engine, host_memory_bytes, reasons, later, warnings)
 
 
 def _resolve_engine(cfg: RunConfig, device: str, local: LocalEnv, reasons: list[str], warnings: list[str]) -> str:
@@ -233,7 +245,7 @@ def _settings(job: _Job, **kw) -> MemorySettings:
         prompt_len=c.rollout.max_prompt_len, response_len=c.rollout.max_response_len, max_len=c.train.max_len,
         rollout_n=c.rollout.n, rollout_batch=c.train.batch_size, cp=c.parallel.cp,
         rollout=job.engine, kl=c.algo.kl_coef > 0 or c.algo.kl_target > 0,
-        mem_fraction=c.rollout.mem_fraction or 0.5,
+        mem_fraction=c.rollout.mem_fraction or 0.5, host_memory_bytes=job.host_memory_bytes,
     )  # fmt: skip
     return replace(base, **kw)
 
@@ -249,10 +261,15 @@ def _auto_fraction(job: _Job, est: MemoryEstimate) -> float:
     return round(max(step, min(r["max_mem_fraction"], math.floor(room / step + 1e-9) * step)), 4)
 
 
-def _margin_ok(est: MemoryEstimate) -> bool:
-    """Fits with the safety margin (estimates are not exact; allocators fragment)."""
+def _gpu_margin_ok(est: MemoryEstimate) -> bool:
+    """The GPUs hold the job with the safety margin (estimates are not exact; allocators fragment)."""
     margin = rules.tiers()["memory"]["margin_fraction"]
-    return est.fits and est.peak_bytes <= est.gpu_memory_bytes * (1 - margin)
+    return est.engine_starts and est.peak_bytes <= est.gpu_memory_bytes * (1 - margin)
+
+
+def _margin_ok(est: MemoryEstimate) -> bool:
+    """Fits, host memory included, with the GPU safety margin."""
+    return est.fits and _gpu_margin_ok(est)
 
 
 def kv_target(s: MemorySettings) -> int:
@@ -277,17 +294,62 @@ def _comfortable(est: MemoryEstimate) -> bool:
     return est.phases["training"].total_bytes <= est.gpu_memory_bytes * (1 - margin)
 
 
+@dataclass(frozen=True)
+class _Option:
+    """One way to run the update: a backend and what it offloads."""
+
+    backend: str
+    offload_params: bool = False
+    offload_optimizer: bool = False
+
+    @property
+    def offloads(self) -> bool:
+        return self.offload_params or self.offload_optimizer
+
+    @property
+    def cost(self) -> int:
+        """Preference rank: no offload, then Megatron's optimizer offload, then Megatron offloading its weights
+        too (between phases), then FSDP2 offloading every state (the CPU steps the whole optimizer)."""
+        if not self.offloads:
+            return 0
+        if self.backend == "fsdp":
+            return 3
+        return 1 + (self.offload_params and self.offload_optimizer)
+
+    @property
+    def label(self) -> str:
+        if self.backend == "fsdp":
+            return "fsdp with CPU offload" if self.offloads else "fsdp"
+        parts = ["optimizer CPU offload"] if self.offload_optimizer else []
+        parts += ["weights offloaded during rollout"] if self.offload_params else []
+        return "megatron" + (" with " + " and ".join(parts) if parts else "")
+
+
+@dataclass
+class _Rejected:
+    option: _Option
+    closest: MemoryEstimate  # its attempt nearest to a good fit
+    layouts: int  # layouts tried
+
+    def reason(self) -> str:
+        tried = f" (the closest of {self.layouts} layouts)" if self.layouts > 1 else ""
+        return f"rejected {self.option.label}, {describe_layout(self.closest.settings)}{tried}: {why_not(self.closest)}"
+
+
 @dataclass
 class _Result:
     est: MemoryEstimate
+    option: _Option
     kv_short: bool = False  # fits, but the KV cache holds less than an engine's share of the batch
+    rejected: list[_Rejected] = field(default_factory=list)  # options tried before the winner (all when none fits)
 
 
 def _offload_levels(job: _Job, backend: str) -> list[tuple[bool, bool]]:
     """(offload_params, offload_optimizer) pairs to try, least offload first.
 
-    FSDP2 offloads all sharded states at once (either flag); Megatron offloads between phases,
-    which helps only the rollout, so SFT on Megatron never offloads. CPU runs have nothing to offload.
+    FSDP2 offloads all sharded states at once (either flag); Megatron offloads its optimizer
+    (megatron-core's ``optimizer_cpu_offload``), then (RL) its weights too between phases. CPU
+    runs have nothing to offload. Flags set in the config are kept.
     """
     user_p, user_o = tri_state(job.cfg.parallel.offload_params), tri_state(job.cfg.parallel.offload_optimizer)
     if job.device == "cpu":
@@ -295,10 +357,28 @@ def _offload_levels(job: _Job, backend: str) -> list[tuple[bool, bool]]:
     if backend == "fsdp":
         levels = [(False, False), (True, True)]
     else:
-        levels = [(False, False), (False, True), (True, True)] if job.is_rl else [(False, False)]
+        levels = [(False, False), (False, True)] + ([(True, True)] if job.is_rl else [])
     if user_p is not None or user_o is not None:
         levels = [(p, o) for p, o in levels if user_p in (None, p) and user_o in (None, o)] or [(bool(user_p), bool(user_o))]
     return levels
+
+
+def _options(job: _Job, tier: str) -> list[_Option]:
+    """The (backend, offload) options in order of preference.
+
+    A Megatron-tier model tries Megatron, then FSDP2, each without offload, then Megatron with its
+    optimizer on the CPU (RL: and its weights too, between phases), then FSDP2 with CPU offload. A
+    backend set in the config, or Megatron-only sizes (tp, pp, ep > 1), keep to that backend.
+    """
+    p = job.cfg.parallel
+    if p.backend != "auto":
+        backends = [p.backend]
+    elif tier == "megatron" and job.device == "cuda" and max(p.tp, p.pp, p.ep) <= 1:
+        backends = ["megatron", "fsdp"]
+    else:
+        backends = [tier]
+    options = [_Option(b, *level) for b in backends for level in _offload_levels(job, b)]
+    return sorted(options, key=lambda o: o.cost)  # stable: Megatron before FSDP2 at the same cost
 
 
 def _layouts(job: _Job, backend: str) -> list[tuple[int, int, int]]:
@@ -318,13 +398,50 @@ def _rollout_tps(job: _Job) -> list[int]:
     return rules.rollout_tps(job.spec, job.world)
 
 
-def _search(job: _Job, backend: str) -> _Result:
-    """The preferred (offload level, layout, rollout TP) whose estimate fits with the margin.
+def _shortfall(est: MemoryEstimate) -> tuple[float, float, float]:
+    """How far an estimate is from a good fit, for ordering attempts: first the memory overflow
+    (GPU with the margin, or host; 1 when both fit), then the KV cache's shortfall, then how full."""
+    margin = rules.tiers()["memory"]["margin_fraction"]
+    full = est.peak_bytes / (est.gpu_memory_bytes * (1 - margin))
+    if est.host_memory_bytes:
+        full = max(full, est.host_bytes / est.host_limit_bytes)
+    kv = kv_target(est.settings) / max(est.kv_cache_sequences, 0.5) if est.settings.is_rl else 0.0
+    return max(full, 1.0), kv, full
+
+
+def why_not(est: MemoryEstimate) -> str:
+    """Why an estimate is not a good fit, in numbers."""
+    margin = rules.tiers()["memory"]["margin_fraction"]
+    limit = est.gpu_memory_bytes * (1 - margin)
+    problems = []
+    # the update first: without room for it no rollout setting helps
+    phase = "training" if est.phases["training"].total_bytes > limit else est.peak_phase
+    need = est.phases[phase].total_bytes
+    if need > limit:
+        problems.append(f"{phase} needs {need / GIB:.1f} GiB per GPU > {limit / GIB:.1f} GiB "
+                        f"({est.gpu_memory_bytes / GIB:.1f} GiB less the {margin:.0%} margin)")  # fmt: skip
+    elif est.settings.is_rl and est.kv_cache_sequences < kv_target(est.settings):
+        problems.append(f"the KV cache holds {est.kv_cache_sequences} sequences < {kv_target(est.settings)} "
+                        "(an engine's share of the batch)")  # fmt: skip
+    if not est.host_fits:
+        problems.append(f"host memory {est.host_bytes / GIB:.1f} GiB per node ({est.host_peak_phase}) > "
+                        f"{est.host_limit_bytes / GIB:.1f} GiB usable of {est.host_memory_bytes / GIB:.0f} GiB")  # fmt: skip
+    return "; ".join(problems) or "fits"
+
+
+def describe_layout(s: MemorySettings) -> str:
+    text = f"dp {s.dp}" if s.backend == "fsdp" else f"tp {s.tp} x pp {s.pp}" + (f" x ep {s.ep}" if s.ep > 1 else "")
+    return text + (f", rollout tp {s.rollout_tp}" if s.is_rl else "")
+
+
+def _search(job: _Job, options: list[_Option]) -> _Result:
+    """The preferred (option, layout, rollout TP) whose estimate fits with the margin.
 
     Preference: rollout TP inside a node before any offload, offload before a rollout TP that
-    spans nodes; then fewer offloaded states, the layout order, the smaller rollout TP. A
-    combination whose KV cache is short of an engine's share of the batch, or that fits only
-    without the margin, is kept as a fallback.
+    spans nodes; then the option order (:func:`_options`), the layout order, the smaller rollout
+    TP. A combination whose KV cache is short of an engine's share of the batch, or that fits only
+    without the margin, is kept as a fallback. Every option before the winner is reported with the
+    attempt that came closest.
     """
     p = job.cfg.parallel
     ckpt = tri_state(p.activation_checkpointing)
@@ -332,39 +449,47 @@ def _search(job: _Job, backend: str) -> _Result:
     auto_fraction = job.is_rl and not job.cfg.rollout.mem_fraction and job.engine != "hf" and job.device == "cuda"
     tps = _rollout_tps(job)
     inside, across = [t for t in tps if t <= job.nproc], [t for t in tps if t > job.nproc]
-    levels, layouts = _offload_levels(job, backend), _layouts(job, backend)
-    # rollout TP inside a node: offload level, then layout, then TP; across nodes: TP first
-    order = [(o, lay, t) for o in levels for lay in layouts for t in inside]
-    order += [(o, lay, t) for t in across for o in levels for lay in layouts]
-    short: _Result | None = None
-    tight: _Result | None = None
-    last: MemoryEstimate | None = None
+    layouts = {o.backend: _layouts(job, o.backend) for o in options}
+    # rollout TP inside a node: option, then layout, then TP; across nodes: TP first
+    order = [(o, lay, t) for o in options for lay in layouts[o.backend] for t in inside]
+    order += [(o, lay, t) for t in across for o in options for lay in layouts[o.backend]]
+    fallback: _Result | None = None
+    closest: dict[_Option, MemoryEstimate] = {}
+    tried: dict[_Option, set] = {}
     update_fits: dict[tuple, bool] = {}
-    for (offload_params, offload_optimizer), (tp, pp, ep), rollout_tp in order:
-        key = (offload_params, offload_optimizer, tp, pp, ep)
+    for option, (tp, pp, ep), rollout_tp in order:
+        key = (option, tp, pp, ep)
         if update_fits.get(key) is False:
             continue  # the update does not depend on the rollout TP
-        sp = (backend == "megatron" and tp > 1) if sp_user is None else (sp_user and backend == "megatron")
-        s = _settings(job, backend=backend, tp=tp, pp=pp, ep=ep, sequence_parallel=sp, rollout_tp=rollout_tp,
+        megatron = option.backend == "megatron"
+        sp = (megatron and tp > 1) if sp_user is None else (sp_user and megatron)
+        s = _settings(job, backend=option.backend, tp=tp, pp=pp, ep=ep, sequence_parallel=sp, rollout_tp=rollout_tp,
                       micro_batch=job.cfg.train.micro_batch_size or 1,
                       activation_checkpointing=True if ckpt is None else ckpt,
-                      offload_params=offload_params, offload_optimizer=offload_optimizer)  # fmt: skip
-        est = last = estimate_memory(job.spec, job.gpu, s)
+                      offload_params=option.offload_params, offload_optimizer=option.offload_optimizer)  # fmt: skip
+        est = estimate_memory(job.spec, job.gpu, s)
         update_fits[key] = est.phases["training"].total_bytes <= job.memory
-        if not update_fits[key]:
-            continue
-        if auto_fraction:
-            est = last = estimate_memory(job.spec, job.gpu, replace(s, mem_fraction=_auto_fraction(job, est)))
-        if not est.fits:
+        if update_fits[key] and auto_fraction:
+            est = estimate_memory(job.spec, job.gpu, replace(s, mem_fraction=_auto_fraction(job, est)))
+        if option not in closest or _shortfall(est) < _shortfall(closest[option]):
+            closest[option] = est
+        tried.setdefault(option, set()).add((tp, pp, ep))
+        if not update_fits[key] or not est.fits:
             continue
         if not _margin_ok(est):
-            tight = tight or _Result(est)
+            fallback = fallback or _Result(est, option)
         elif not _kv_ok(est):
-            short = short or _Result(est, kv_short=True)
+            if fallback is None or not fallback.kv_short:
+                fallback = _Result(est, option, kv_short=True)
         else:
-            return _Result(est)
-    assert last is not None
-    return short or tight or _Result(last)
+            before = options[: options.index(option)]
+            return _Result(est, option, rejected=[_Rejected(o, closest[o], len(tried[o])) for o in before if o in closest])
+    rejected = [_Rejected(o, closest[o], len(tried[o])) for o in options if o in closest]
+    if fallback is not None:
+        fallback.rejected = rejected
+        return fallback
+    best = min(rejected, key=lambda r: _shortfall(r.closest))
+    return _Result(best.closest, best.option, rejected=rejected)
 
 
 def _relax(job: _Job, est: MemoryEstimate, reasons: list[str]) -> MemoryEstimate:
@@ -401,31 +526,46 @@ def _relax(job: _Job, est: MemoryEstimate, reasons: list[str]) -> MemoryEstimate
 # Plan
 
 
-def resolve_plan(cfg: RunConfig, *, local: LocalEnv | None = None) -> Plan:
-    """Choose every "auto" setting of ``cfg`` for its model and hardware, with reasons."""
-    return _plan(cfg, local if local is not None else detect_local(), explain=True)
+def resolve_plan(cfg: RunConfig, *, local: LocalEnv | None = None, host_memory_bytes: int = 0) -> Plan:
+    """Choose every "auto" setting of ``cfg`` for its model and hardware, with reasons.
+
+    ``host_memory_bytes``: the host memory of one node of the cluster (0 = the GPU type's typical
+    node, shared by the GPUs used on it).
+    """
+    return _plan(cfg, local if local is not None else detect_local(), explain=True, host_memory_bytes=host_memory_bytes)
 
 
-def _plan(cfg: RunConfig, local: LocalEnv, *, explain: bool) -> Plan:
-    job = _resolve_job(cfg, local)
+def _plan(cfg: RunConfig, local: LocalEnv, *, explain: bool, host_memory_bytes: int = 0) -> Plan:
+    job = _resolve_job(cfg, local, host_memory_bytes)
     reasons, warnings = job.reasons, job.warnings
     p = cfg.parallel
     if p.backend == "auto":
-        backend, why = rules.choose_backend(job.spec, job.params, active_params(job.spec), device=job.device,
-                                            world=job.world, gpu=job.gpu.name, lora=cfg.lora.rank > 0)  # fmt: skip
+        tier, why = rules.choose_backend(job.spec, job.params, active_params(job.spec), device=job.device,
+                                         world=job.world, gpu=job.gpu.name, lora=cfg.lora.rank > 0)  # fmt: skip
         reasons.append(why)
     else:
-        backend = p.backend
-        if backend == "megatron" and job.device == "cpu":
+        tier = p.backend
+        if tier == "megatron" and job.device == "cpu":
             raise UserError("parallel.backend=megatron needs CUDA GPUs; on CPU use fsdp")
-    rules.check_overrides(job.spec, backend=backend, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, world=job.world,
+    rules.check_overrides(job.spec, backend=tier, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, world=job.world,
                           rollout_tp=cfg.rollout.tp, is_rl=job.is_rl)  # fmt: skip
+
+    options = _options(job, tier)
+    if len(options) > 1:
+        reasons.append("options, in order of preference: " + "; ".join(o.label for o in options)
+                       + " (the first that fits with the margin wins)")  # fmt: skip
+    result = _search(job, options)
+    est, backend = result.est, result.option.backend
+    s = est.settings
+    reasons += [r.reason() for r in result.rejected if r.option != result.option]
+    if backend != tier:
+        how = "is the first option that fits" if est.fits else "comes closest (no option fits)"
+        reasons.append(f"backend {backend}: {result.option.label} {how}")
     if cfg.parallel.sequence_parallel == "true" and backend == "fsdp":
         warnings.append("parallel.sequence_parallel applies to Megatron with tp > 1; ignored with fsdp")
-
-    result = _search(job, backend)
-    est = result.est
-    s = est.settings
+    if backend == "megatron" and job.device == "cuda" and "megatron" not in local.installed:
+        warnings.append(f"megatron-core is not installed here: pip install '{OPTIONAL_PACKAGES['megatron']}' on the machines "
+                        "that run the job")  # fmt: skip
     if backend == "fsdp":
         reasons.append(f"parallel: FSDP2 full shard, dp {s.dp}: weights, gradients and optimizer states split over {job.world} ranks")
     else:
@@ -439,9 +579,11 @@ def _plan(cfg: RunConfig, local: LocalEnv, *, explain: bool) -> Plan:
         elif s.cpu_offload:
             reasons.append("offload params and optimizer: fits only with FSDP2 CPU offload (sharded states on the CPU, "
                            "the optimizer steps there; slower)")  # fmt: skip
-        elif s.offload_params or s.offload_optimizer:
-            what = "params and optimizer" if s.offload_params else "optimizer"
-            reasons.append(f"offload {what}: fits only with offload (the trainer's states wait on the CPU during rollout)")
+        elif s.offload_optimizer:
+            weights = " and its weights on the CPU during rollout" if s.offload_params else ""
+            reasons.append(f"offload {'params and ' if s.offload_params else ''}optimizer: fits only with Megatron's optimizer "
+                           f"CPU offload{weights} (megatron-core optimizer_cpu_offload: fp32 master weights, gradient copies "
+                           "and AdamW states on the CPU, which steps the optimizer; slower)")  # fmt: skip
         elif job.is_rl:
             reasons.append("offload none: the rollout phase fits beside the trainer's states")
         est = _relax(job, est, reasons)
@@ -454,7 +596,7 @@ def _plan(cfg: RunConfig, local: LocalEnv, *, explain: bool) -> Plan:
                         "an allocator's fragmentation may not fit; more GPUs or offload give room")  # fmt: skip
     reasons.append(f"estimate: {est.verdict}")
     if not est.fits and explain:
-        reasons.append(_what_would_fit(cfg, local, job, est))
+        reasons.append(_what_would_fit(cfg, local, job, result))
 
     return Plan(
         method=cfg.method, model=job.spec.name if job.spec.source == "catalog" else cfg.model.name,
@@ -486,16 +628,17 @@ def _rollout_reasons(job: _Job, est: MemoryEstimate, kv_short: bool, reasons: li
                         "generates per step: rollout runs in several waves (more GPUs or a larger rollout TP help)")  # fmt: skip
 
 
-def _what_would_fit(cfg: RunConfig, local: LocalEnv, job: _Job, est: MemoryEstimate) -> str:
-    """Name the changes that would make the job fit: more GPUs, LoRA, a bigger GPU."""
+def _what_would_fit(cfg: RunConfig, local: LocalEnv, job: _Job, result: _Result) -> str:
+    """Name the changes that would make the job fit: more GPUs of this type, LoRA, a bigger GPU,
+    more host memory per node."""
     from rlctl.plan.rent import smallest_fit
 
     if job.device == "cpu":
         return "what would fit: a GPU (--device cuda --gpus N), LoRA (--lora-rank 32), or shorter sequences"
     options = []
-    more = smallest_fit(cfg, job.gpu, local, min_gpus=job.world + 1)
+    more = smallest_fit(cfg, job.gpu, local, min_gpus=job.world + 1, host_memory_bytes=job.host_memory_bytes)
     if more is not None:
-        options.append(f"{more.gpus} x {job.gpu.name} ({more.nodes} node{'s' if more.nodes > 1 else ''})")
+        options.append(f"{more.gpus} x {job.gpu.name} ({more.nodes} node{'s' if more.nodes > 1 else ''}), the fewest that fit")
     if not cfg.lora.rank:
         rank = rules.tiers()["lora"]["suggest_rank"]
         lora_cfg = copy.deepcopy(cfg)
@@ -503,7 +646,7 @@ def _what_would_fit(cfg: RunConfig, local: LocalEnv, job: _Job, est: MemoryEstim
         if lora_cfg.rollout.engine == "sglang":
             lora_cfg.rollout.engine = "auto"
         try:
-            if good_fit(_plan(lora_cfg, local, explain=False)):
+            if good_fit(_plan(lora_cfg, local, explain=False, host_memory_bytes=job.host_memory_bytes)):
                 options.append(f"LoRA on these {job.world} GPUs (--lora-rank {rank})")
         except UserError:
             pass
@@ -513,11 +656,16 @@ def _what_would_fit(cfg: RunConfig, local: LocalEnv, job: _Job, est: MemoryEstim
         bigger = copy.deepcopy(cfg)
         bigger.hardware.gpu, bigger.hardware.gpus, bigger.hardware.device = gpu.name, job.world, "cuda"
         try:
-            if good_fit(_plan(bigger, local, explain=False)):
+            if good_fit(_plan(bigger, local, explain=False, host_memory_bytes=job.host_memory_bytes)):
                 options.append(f"{job.world} x {gpu.name}")
                 break
         except UserError:
             continue
+    host_only = [est for est in [r.closest for r in result.rejected] + [result.est]
+                 if not est.host_fits and _gpu_margin_ok(est) and _kv_ok(est)]  # fmt: skip
+    if host_only:
+        need = min(est.host_bytes for est in host_only) / (1 - HOST_MARGIN_FRACTION) / GIB
+        options.append(f"nodes with {math.ceil(need)} GiB of host memory for these GPUs (--host-memory {math.ceil(need)})")
     if not options:
         return f"what would fit: nothing up to {rules.tiers()['rent']['max_nodes']} nodes; shorten the sequences or use LoRA"
     return "what would fit: " + "; or ".join(options)
@@ -529,8 +677,8 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
     m, hw, par, tr, ro = out.model, out.hardware, out.parallel, out.train, out.rollout
     if m.dtype == "auto":
         m.dtype = plan.dtype
-    if m.attn == "auto":
-        m.attn = plan.attn
+    # model.attn stays "auto": the engine picks flash_attention_2 where flash-attn is installed on
+    # the GPU host and sdpa otherwise, at run time (plan.attn says what a GPU cluster will get).
     if hw.device == "auto":
         hw.device = plan.device
     if plan.device == "cuda":

@@ -78,21 +78,25 @@ def _short_rollout(plan: Plan) -> str:
 
 
 def render_what_to_rent(console: Console, rows: list[RentRow]) -> None:
-    """For each GPU type: the fewest GPUs the job fits on, and the plan that goes with them."""
-    table = Table(title="what to rent: the fewest GPUs of each type that fit with the safety margin", title_justify="left")
-    for name in ("GPU", "GPUs", "nodes", "plan", "mb", "peak/GiB"):
-        right = name in ("GPUs", "nodes", "mb", "peak/GiB")
-        table.add_column(name, justify="right" if right else "left", no_wrap=name != "plan")
+    """For each GPU type: the fewest GPUs the job fits on without offload, and with offload allowed."""
+    table = Table(title="what to rent: the fewest GPUs of each type that fit with the safety margin; first without "
+                        "offload, then (+ offload) with offload allowed where host memory permits", title_justify="left")  # fmt: skip
+    for name in ("GPU", "GPUs", "plan", "GPU GiB", "host GiB/node"):
+        table.add_column(name, justify="left" if name in ("GPU", "plan") else "right", no_wrap=name != "plan")
     for row in rows:
         p = row.plan
+        name = "  + offload" if row.offload else row.gpu
         if p is None:
-            table.add_row(row.gpu, "-", "-", "[red]does not fit[/red]", "", "")
+            table.add_row(name, "-", "[red]does not fit[/red]", "", "")
             continue
         parts = [_short_layout(p)]
         if p.rollout is not None:
             parts.append(_short_rollout(p))
         if p.offload_params or p.offload_optimizer:
             parts.append(f"offload {_offload(p)}")
-        peak = f"{p.estimate.peak_bytes / GIB:.0f}/{p.estimate.gpu_memory_bytes / GIB:.0f}"
-        table.add_row(row.gpu, str(row.gpus), str(row.nodes), ", ".join(parts), str(p.micro_batch_size), peak)
+        est = p.estimate
+        count = f"{row.gpus} ({row.nodes} node{'s' if row.nodes > 1 else ''})"
+        peak = f"{est.peak_bytes / GIB:.0f}/{est.gpu_memory_bytes / GIB:.0f}"
+        host = f"{est.host_bytes / GIB:.0f}/{est.host_memory_bytes / GIB:.0f}" if est.host_memory_bytes else "-"
+        table.add_row(name, count, ", ".join(parts), peak, host)
     console.print(table)

@@ -1,8 +1,10 @@
 """What to rent: for each catalog GPU type, the fewest GPUs a job fits on, with its plan.
 
 Counts tried: 1, 2, 4, ... up to a full node, then whole nodes 2, 3, ..., 8, then 16, 32 and 64
-(``rent.max_nodes`` in presets/tiers.yaml). The plan for each count is the planner's own, so the
-row is what `rlctl <method> --gpus N --gpu TYPE` would run.
+(``rent.max_nodes`` in presets/tiers.yaml). Each GPU type gets two rows: the fewest GPUs that fit
+**without** offload, and the fewest when offload is allowed (host memory permitting; that plan
+offloads only if it must). The plan of a row is the planner's own for that count (with offload
+switched off for the first row), so it is what `rlctl <method> --gpus N --gpu TYPE` would run.
 """
 
 from __future__ import annotations
@@ -24,17 +26,20 @@ class RentRow:
     gpus: int  # 0 when nothing up to the node limit fits
     nodes: int
     plan: object | None  # rlctl.plan.Plan
+    offload: bool = True  # False: the fewest GPUs without any offload; True: offload allowed where it must
 
     def to_dict(self) -> dict:
-        out = {"gpu": self.gpu, "gpus": self.gpus, "nodes": self.nodes, "fits": self.plan is not None}
+        out: dict = {"gpu": self.gpu, "offload": self.offload, "gpus": self.gpus, "nodes": self.nodes,
+                     "fits": self.plan is not None}  # fmt: skip
         if self.plan is not None:
-            p = self.plan
+            p, est = self.plan, self.plan.estimate
+            out.update(peak_bytes=est.peak_bytes, gpu_memory_bytes=est.gpu_memory_bytes, host_bytes=est.host_bytes,
+                       host_memory_bytes=est.host_memory_bytes)  # fmt: skip
             out["plan"] = {
                 "backend": p.backend, "tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "rollout": p.rollout,
                 "rollout_tp": p.rollout_tp, "rollout_mem_fraction": p.rollout_mem_fraction,
                 "micro_batch_size": p.micro_batch_size, "activation_checkpointing": p.activation_checkpointing,
                 "offload_params": p.offload_params, "offload_optimizer": p.offload_optimizer,
-                "peak_bytes": p.estimate.peak_bytes, "gpu_memory_bytes": p.estimate.gpu_memory_bytes,
             }  # fmt: skip
         return out
 
@@ -48,37 +53,55 @@ def gpu_counts(gpu: GpuSpec) -> list[tuple[int, int]]:
     return single + [(per_node * n, n) for n in nodes if n <= max_nodes]
 
 
-def _try(cfg: RunConfig, gpu: GpuSpec, gpus: int, nodes: int, local: LocalEnv):
+def without_offload(cfg: RunConfig) -> RunConfig:
+    """A copy of ``cfg`` that may not offload anything."""
+    out = copy.deepcopy(cfg)
+    out.parallel.offload_params = out.parallel.offload_optimizer = "false"
+    return out
+
+
+def plan_at(cfg: RunConfig, gpu: GpuSpec, gpus: int, nodes: int, local: LocalEnv, *, host_memory_bytes: int = 0):
+    """The planner's plan for ``gpus`` GPUs of this type on ``nodes`` nodes, or None when the
+    configuration cannot run there (e.g. a tp 8 override on 4 GPUs)."""
+    from rlctl.plan.planner import _plan
 
     trial = copy.deepcopy(cfg)
     hw = trial.hardware
     hw.device, hw.gpu, hw.gpus, hw.nodes, hw.nproc = "cuda", gpu.name, gpus, nodes, 0
-    from rlctl.plan.planner import _plan
-
     try:
-        return _plan(trial, local, explain=False)
-    except UserError:  # an override that this count cannot honour (e.g. tp 8 on 4 GPUs)
+        return _plan(trial, local, explain=False, host_memory_bytes=host_memory_bytes)
+    except UserError:
         return None
 
 
-def smallest_fit(cfg: RunConfig, gpu: GpuSpec, local: LocalEnv, *, min_gpus: int = 1) -> RentRow | None:
+def smallest_fit(cfg: RunConfig, gpu: GpuSpec, local: LocalEnv, *, min_gpus: int = 1, host_memory_bytes: int = 0,
+                 offload: bool = True) -> RentRow | None:  # fmt: skip
     """The fewest GPUs of this type (at least ``min_gpus``) the job fits on with the safety
-    margin, or None."""
+    margin and a useful KV cache, or None. ``offload=False`` searches plans without offload."""
     from rlctl.plan.planner import good_fit
 
+    trial = cfg if offload else without_offload(cfg)
     for gpus, nodes in gpu_counts(gpu):
         if gpus < min_gpus:
             continue
-        plan = _try(cfg, gpu, gpus, nodes, local)
+        plan = plan_at(trial, gpu, gpus, nodes, local, host_memory_bytes=host_memory_bytes)
         if plan is not None and good_fit(plan):
-            return RentRow(gpu.name, gpus, nodes, plan)
+            return RentRow(gpu.name, gpus, nodes, plan, offload)
     return None
 
 
-def what_to_rent(cfg: RunConfig, *, local: LocalEnv | None = None) -> list[RentRow]:
-    """One row per catalog GPU type: the smallest count that fits and its plan."""
+def what_to_rent(cfg: RunConfig, *, local: LocalEnv | None = None, host_memory_bytes: int = 0) -> list[RentRow]:
+    """Two rows per catalog GPU type: the fewest GPUs without offload, then with offload allowed."""
     local = local if local is not None else detect_local()
     rows = []
     for gpu in list_gpus():
-        rows.append(smallest_fit(cfg, gpu, local) or RentRow(gpu.name, 0, 0, None))
+        allowed = smallest_fit(cfg, gpu, local, host_memory_bytes=host_memory_bytes)
+        if allowed is not None and not (allowed.plan.offload_params or allowed.plan.offload_optimizer):
+            # the planner prefers no offload: the same plan is the fewest GPUs without offload
+            none = RentRow(gpu.name, allowed.gpus, allowed.nodes, allowed.plan, offload=False)
+        else:
+            start = allowed.gpus if allowed is not None else 1
+            none = smallest_fit(cfg, gpu, local, min_gpus=start, host_memory_bytes=host_memory_bytes, offload=False)
+        rows.append(none or RentRow(gpu.name, 0, 0, None, offload=False))
+        rows.append(allowed or RentRow(gpu.name, 0, 0, None, offload=True))
     return rows
