@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -101,7 +101,7 @@ class _Shard:
         self.header_bound = len(_METADATA) + 2  # upper bound of the final header's length
         self.offset = 0
         self.nbytes = 0
-        self._file = open(path, "wb")
+        self._file = open(path, "wb")  # noqa: SIM115 - stays open until close()
         self._file.seek(8 + self.reserve)
 
     def fits_header(self, name: str, tensor: torch.Tensor) -> bool:
@@ -175,17 +175,22 @@ class _ShardedWriter:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
         self.total_bytes += size
-        if self.shard is None:
-            if self.pending and self.pending_bytes + size > self.max_shard_bytes:
-                self._flush_pending()
-            self.pending.append((name, tensor))
-            self.pending_bytes += size
-            if self.pending_bytes > _STREAM_AFTER:
-                self.shard = self._open(self.reserve)
-                for n, t in self.pending:
-                    self.shard.add(n, t)
-                self.pending, self.pending_bytes = [], 0
+        if self.shard is not None:
+            self._stream(name, tensor)
             return
+        if self.pending and self.pending_bytes + size > self.max_shard_bytes:
+            self._flush_pending()
+        self.pending.append((name, tensor))
+        self.pending_bytes += size
+        if self.pending_bytes > _STREAM_AFTER:  # too much to buffer: stream from now on
+            pending, self.pending, self.pending_bytes = self.pending, [], 0
+            self.shard = self._open(self.reserve)
+            for n, t in pending:
+                self._stream(n, t)
+
+    def _stream(self, name: str, tensor: torch.Tensor) -> None:
+        """Add to the open shard, rolling to a new one when it is full or its header space is."""
+        size = tensor.numel() * tensor.element_size()
         full = self.shard.nbytes and self.shard.nbytes + size > self.max_shard_bytes
         if full or not self.shard.fits_header(name, tensor):
             self.files.append((self.shard.path, self.shard.close()))
@@ -280,11 +285,14 @@ def save_hf_model(
     dtype: str | torch.dtype | None = None,
     max_shard_bytes: int = 5 * 2**30,
     force: bool = False,
+    before_commit: Callable[[Path], None] | None = None,
 ) -> Path:
     """Stream ``tensors`` (HF names) into a Hugging Face model directory at ``out_dir``.
 
     ``dtype`` casts floating-point tensors ("bf16"/"fp16"/"fp32" or a torch dtype) and updates
-    config.json; None keeps them as given. Returns ``out_dir`` as a Path.
+    config.json; None keeps them as given. ``before_commit(tmp_dir)`` runs on the finished
+    temporary directory before it is renamed (to add files or verify; raising aborts the write).
+    Returns ``out_dir`` as a Path.
     """
     out_dir = Path(out_dir).absolute()
     meta_dir = Path(meta_dir)
@@ -305,6 +313,8 @@ def save_hf_model(
             writer.add(name, _prepare(tensor, target))
         files = writer.finish()
         _name_shards(tmp, files, writer.total_bytes)
+        if before_commit is not None:
+            before_commit(tmp)
         commit_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
