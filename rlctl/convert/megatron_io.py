@@ -32,7 +32,9 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner_helpers import (
+    create_read_items_for_chunk_list,
+)
 
 from rlctl.convert.megatron_layout import (
     MegatronLayoutConfig,
@@ -68,7 +70,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return json.loads(file.read_text())
 
 
-class _HFSafetensors:
+class HFSafetensors:
     """``name -> lazy slice`` over the safetensors files of an HF model directory."""
 
     def __init__(self, hf_dir: Path):
@@ -125,7 +127,7 @@ def save_megatron_shards(hf_dir: str | Path, out_dir: str | Path, tp: int, pp: i
     hf_config = read_hf_config(hf_dir)
     cfg = MegatronLayoutConfig.from_hf_config(hf_config)
     check_parallelism(cfg, tp, pp)
-    source = _HFSafetensors(hf_dir)
+    source = HFSafetensors(hf_dir)
     _fresh_dir(out_dir)
     for pp_rank in range(pp):
         for tp_rank in range(tp):
@@ -330,42 +332,19 @@ def save_hf_from_megatron(ckpt_dir: str | Path, out_dir: str | Path, hf_config: 
                           max_shard_bytes: int = 5 * 1024**3) -> Path:
     """Convert a Megatron checkpoint (see :func:`load_megatron_to_hf`) to an HF model directory.
 
-    Writes ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` plus an index once the
-    weights pass ``max_shard_bytes``) and copies the HF config/tokenizer files kept with the checkpoint.
+    Streams through the shared writer (:func:`rlctl.convert.hf_writer.save_hf_model`): safetensors
+    shards with an index beyond ``max_shard_bytes``, the HF config/tokenizer files kept with the
+    checkpoint, written under a temporary name and renamed when complete.
     """
+    import tempfile
+
+    from rlctl.convert.hf_writer import save_hf_model
+
     tensors, config, side = _open_megatron(ckpt_dir, hf_config)
-    out_dir = Path(out_dir)
-    _fresh_dir(out_dir)
-    parts: list[list[str]] = []  # the tensor names of each written part
-    pending: dict[str, torch.Tensor] = {}
-    pending_bytes = total_bytes = 0
-
-    def flush() -> None:
-        save_file(pending, out_dir / f"part-{len(parts)}.tmp", metadata={"format": "pt"})
-        parts.append(list(pending))
-        pending.clear()
-
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if pending and pending_bytes + nbytes > max_shard_bytes:
-            flush()
-            pending_bytes = 0
-        pending[name] = tensor
-        pending_bytes += nbytes
-        total_bytes += nbytes
-    flush()
-    if len(parts) == 1:
-        (out_dir / "part-0.tmp").rename(out_dir / "model.safetensors")
-    else:
-        weight_map = {}
-        for i, names in enumerate(parts):
-            final = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
-            (out_dir / f"part-{i}.tmp").rename(out_dir / final)
-            weight_map.update(dict.fromkeys(names, final))
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    if side is not None:
-        _copy_hf_side_files(side, out_dir)
-    if not (out_dir / "config.json").is_file():
-        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out_dir
+    with tempfile.TemporaryDirectory(prefix="rlctl-meta-") as meta:
+        meta = Path(meta)
+        if side is not None:
+            _copy_hf_side_files(side, meta)
+        if not (meta / "config.json").is_file():
+            (meta / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return save_hf_model(out_dir, tensors, meta_dir=meta, max_shard_bytes=max_shard_bytes)

@@ -383,9 +383,9 @@ class MegatronEngine(TrainEngine):
     # ------------------------------------------------------------------ setup
 
     def _load_hf(self) -> None:
-        from rlctl.convert.megatron_io import _HFSafetensors
+        from rlctl.convert.megatron_io import HFSafetensors
 
-        load_hf_weights(self.gpt, _HFSafetensors(Path(self.source.path)), self.layout, tp=self.tp, pp=self.pp,
+        load_hf_weights(self.gpt, HFSafetensors(Path(self.source.path)), self.layout, tp=self.tp, pp=self.pp,
                         tp_rank=self.tp_rank, pp_rank=self.pp_rank)
 
     def _wrap_ddp_and_optimizer(self) -> None:
