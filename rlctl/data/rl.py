@@ -1,0 +1,148 @@
+"""RL prompts: rows -> prompt token ids plus what the reward function needs.
+
+Two row formats, told apart row by row:
+
+* verl's RL schema (Parquet as verl's preprocessing scripts write it)::
+
+      {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "..."}],
+       "reward_model": {"style": "rule", "ground_truth": "72"}, "extra_info": {...}}
+
+* plain rows ``{"prompt": "...", "answer": "..."}`` (field names from ``data.prompt_field`` and
+  ``data.answer_field``); a string prompt becomes one user message.
+
+The prompt is rendered with the tokenizer's chat template and the generation prompt (a string
+prompt is used as is when the tokenizer has none). Prompts longer than ``rollout.max_prompt_len``
+tokens are skipped and counted; malformed rows are *bad rows*, skipped and counted, and the run fails
+when more than ``data.max_bad_fraction`` of the rows are bad. A dataset in which no row carries an
+answer is a :class:`UserError` naming the field to set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rlctl.config import RunConfig
+from rlctl.data.io import read_rows
+from rlctl.data.sft import BadRow, DataReport, _messages
+from rlctl.errors import UserError
+
+TOO_LONG = "prompt longer than rollout.max_prompt_len"
+
+
+@dataclass
+class Prompt:
+    """One RL prompt: its token ids and the reward function's arguments."""
+
+    token_ids: list[int]
+    data_source: str
+    ground_truth: Any
+    extra_info: dict | None
+
+
+@dataclass
+class RLData:
+    train: list[Prompt]
+    val: list[Prompt]
+    report: DataReport
+    too_long: int  # prompts skipped for length (also counted in report.bad)
+
+
+def _ground_truth(row: dict, answer_field: str) -> tuple[bool, Any]:
+    """(found, value): ``reward_model.ground_truth`` (verl) or the answer field (plain rows)."""
+    rm = row.get("reward_model")
+    if isinstance(rm, dict) and "ground_truth" in rm:
+        return True, rm["ground_truth"]
+    if answer_field in row:
+        return True, row[answer_field]
+    return False, None
+
+
+def render_prompt(prompt: Any, tokenizer, field: str) -> list[int]:
+    """Token ids of a prompt (a string or a chat message list), ending with the generation prompt."""
+    if isinstance(prompt, str) and not prompt:
+        raise BadRow(f"empty '{field}'")
+    if not tokenizer.chat_template:
+        if not isinstance(prompt, str):
+            raise BadRow(f"'{field}' is a message list but the tokenizer has no chat template")
+        return list(tokenizer(prompt)["input_ids"])
+    messages = _messages(prompt, field) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 (jinja raises many types)
+        raise BadRow(f"chat template failed ({str(e).splitlines()[0][:80]})") from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def row_prompt(row: dict, tokenizer, cfg: RunConfig) -> Prompt:
+    """One row as a :class:`Prompt`; raises :class:`BadRow` with the reason when it cannot be used."""
+    field = cfg.data.prompt_field
+    prompt = row.get(field)
+    if not isinstance(prompt, (str, list)):
+        raise BadRow(f"missing field '{field}'")
+    found, truth = _ground_truth(row, cfg.data.answer_field)
+    if not found:
+        raise BadRow(f"missing field '{cfg.data.answer_field}'")
+    ids = render_prompt(prompt, tokenizer, field)
+    if len(ids) > cfg.rollout.max_prompt_len:
+        raise BadRow(TOO_LONG)
+    extra = row.get("extra_info")
+    extra = dict(extra) if isinstance(extra, dict) else None
+    if cfg.reward.format_pattern:
+        extra = {**(extra or {}), "pattern": cfg.reward.format_pattern}
+    return Prompt(ids, str(row.get("data_source") or ""), truth, extra)
+
+
+def read_prompts(path: str, tokenizer, cfg: RunConfig) -> tuple[list[Prompt], DataReport]:
+    """Every usable prompt of a file, and the report of what was skipped."""
+    rows = read_rows(path)
+    report = DataReport(total=len(rows))
+    for reason in rows.unreadable:
+        report.bad[reason] += 1
+    if rows.rows and not any(_ground_truth(r, cfg.data.answer_field)[0] for r in rows.rows):
+        fields = sorted({k for r in rows.rows[:20] for k in r})
+        raise UserError(
+            f"{path}: no row has an answer field '{cfg.data.answer_field}' (nor verl's reward_model.ground_truth); "
+            f"the rows have {', '.join(fields)}: name the answer with --set data.answer_field=FIELD"
+        )
+    prompts = []
+    for row in rows.rows:
+        try:
+            prompts.append(row_prompt(row, tokenizer, cfg))
+        except BadRow as e:
+            report.bad[str(e)] += 1
+    return prompts, report
+
+
+def build_rl_data(cfg: RunConfig, tokenizer) -> RLData:
+    """The training prompts (and validation prompts from ``data.val_path`` or ``data.val_fraction``).
+
+    Deterministic, so every rank computes the same list. Prompts too long are skipped (not counted
+    against ``data.max_bad_fraction``); other bad rows are. UserError when nothing is left.
+    """
+    if cfg.data.format not in ("auto", "rl"):
+        raise UserError(f"data.format={cfg.data.format} is for sft; grpo/ppo read RL prompt rows (data.format=rl or auto)")
+    if not cfg.data.path:
+        raise UserError("no data given: pass --data FILE (JSONL, Parquet or a datasets directory of prompts)")
+    prompts, report = read_prompts(cfg.data.path, tokenizer, cfg)
+    too_long = report.bad.get(TOO_LONG, 0)
+    malformed = report.num_bad - too_long
+    if report.total and malformed / report.total > cfg.data.max_bad_fraction:
+        raise UserError(f"{cfg.data.path}: too many bad rows, more than data.max_bad_fraction="
+                        f"{cfg.data.max_bad_fraction}: {report.summary()}")
+    if not prompts:
+        hint = " (raise --max-prompt-len)" if too_long else ""
+        raise UserError(f"{cfg.data.path}: no usable prompts{hint}: {report.summary()}")
+    val: list[Prompt] = []
+    if cfg.data.val_path:
+        val, _ = read_prompts(cfg.data.val_path, tokenizer, cfg)
+    elif cfg.data.val_fraction > 0:
+        import numpy as np
+
+        n_val = max(1, round(cfg.data.val_fraction * len(prompts)))
+        if n_val >= len(prompts):
+            raise UserError(f"data.val_fraction={cfg.data.val_fraction} leaves no training prompts out of {len(prompts)}")
+        held = set(np.random.default_rng(cfg.train.seed).permutation(len(prompts))[:n_val].tolist())
+        val = [p for i, p in enumerate(prompts) if i in held]
+        prompts = [p for i, p in enumerate(prompts) if i not in held]
+    return RLData(prompts, val, report, too_long)

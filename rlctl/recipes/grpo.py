@@ -1,0 +1,31 @@
+"""GRPO on the FSDP2 engine: ``python -m rlctl.recipes.grpo --run-dir RUN`` (under torchrun).
+
+No critic: each prompt gets ``rollout.n`` samples and a sample's advantage is its reward compared
+with its group's (``algo.adv``: grpo, rloo or reinforce_pp). The KL to the frozen reference policy
+is a loss term (``pg + kl_coef * agg(kl)``) unless ``algo.kl_in_reward``. The shared machinery
+(batches, packing, global denominators, weight sync, checkpoints) is in :mod:`rlctl.recipes.rl`.
+"""
+
+from __future__ import annotations
+
+from rlctl.recipes.common import RunContext, recipe_main
+from rlctl.recipes.rl import RLTrainer
+
+
+def train_step(rl: RLTrainer, step: int) -> None:
+    """One GRPO step; its metrics land in ``rl.m``."""
+    batch = rl.generate(step)  # this rank's prompts, n samples each (weights synced after the last update)
+    rl.score(batch, step)  # reward function -> one score per sample
+    if rl.ref is not None:
+        rl.ref_logprobs(batch)  # frozen reference policy, for the KL term
+    rl.old_logprobs(batch)  # the actor before the update (+ rollout/logprob_diff)
+    rl.advantages(batch)  # group-relative advantages on the global batch
+    rl.update_actor(batch)  # ppo_epochs x mini-batches of clipped policy-gradient steps
+
+
+def run(ctx: RunContext) -> None:
+    RLTrainer(ctx, with_critic=False).fit(train_step)
+
+
+if __name__ == "__main__":
+    recipe_main(run)

@@ -1,0 +1,35 @@
+"""PPO with a critic on the FSDP2 engine: ``python -m rlctl.recipes.ppo --run-dir RUN`` (under torchrun).
+
+A second FSDP engine holds the critic (the policy's backbone plus a scalar value head, its own
+optimizer at ``algo.critic_lr``). Advantages come from GAE over per-token rewards: the score on the
+last response token minus ``kl_coef * KL`` on every token (``algo.kl_in_reward``; adaptive towards
+``algo.kl_target`` when set). The critic learns the returns with a clipped value loss; for the first
+``algo.critic_warmup`` steps only the critic is trained. Shared machinery: :mod:`rlctl.recipes.rl`.
+"""
+
+from __future__ import annotations
+
+from rlctl.recipes.common import RunContext, recipe_main
+from rlctl.recipes.rl import RLTrainer
+
+
+def train_step(rl: RLTrainer, step: int) -> None:
+    """One PPO step; its metrics land in ``rl.m``."""
+    batch = rl.generate(step)  # this rank's prompts, n samples each (weights synced after the last update)
+    rl.score(batch, step)  # reward function -> one score per sample
+    if rl.ref is not None:
+        rl.ref_logprobs(batch)  # frozen reference policy, for the KL penalty
+    rl.old_logprobs(batch)  # the actor before the update (+ rollout/logprob_diff)
+    rl.values(batch)  # the critic's values of the states before each response token
+    rl.advantages(batch)  # KL-penalised token rewards -> GAE advantages and returns
+    rl.update_critic(batch)  # clipped value loss on the returns
+    if step >= rl.cfg.algo.critic_warmup:
+        rl.update_actor(batch)  # ppo_epochs x mini-batches of clipped policy-gradient steps
+
+
+def run(ctx: RunContext) -> None:
+    RLTrainer(ctx, with_critic=True).fit(train_step)
+
+
+if __name__ == "__main__":
+    recipe_main(run)
