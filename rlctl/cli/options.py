@@ -114,13 +114,30 @@ def run_training(method: str, *, preset, config_file, options: dict, sets, dry_r
         return
     if as_json:
         raise UserError("--json goes with --dry-run (a real run writes metrics.jsonl in its run directory)")
-    if not cfg.data.path and method == "sft":
-        raise UserError("no data given: pass --data FILE (JSONL, Parquet or a datasets directory)")
+    check_inputs(cfg)
     if importlib.util.find_spec(f"rlctl.recipes.{method}") is None:
         raise NotAvailableYet(f"`rlctl {method}` is not available yet (its training recipe has not landed); --dry-run works")
     from rlctl.launch import launch_job
 
     raise typer.Exit(launch_job(cfg, plan))
+
+
+def check_inputs(cfg) -> None:
+    """Fail before launching (seconds, not a minute into the job) on inputs we can check here."""
+    from pathlib import Path
+
+    from rlctl.errors import UserError
+
+    if not cfg.data.path:
+        raise UserError(f"no data given: pass --data FILE (JSONL, Parquet or a datasets directory) to `rlctl {cfg.method}`")
+    for key in ("path", "val_path"):
+        value = getattr(cfg.data, key)
+        if value and not Path(value).exists():
+            raise UserError(f"data file not found: {value} (data.{key}); pass an existing JSONL/Parquet file or datasets directory")
+    if cfg.method in ("grpo", "ppo") and cfg.reward.fn != "auto":
+        from rlctl.rewards import get_reward
+
+        get_reward(cfg.reward.fn)  # an unknown name or a missing file/function is a UserError
 
 
 def print_dry_run(cfg, plan, argv: list[str]) -> None:

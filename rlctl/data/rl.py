@@ -24,7 +24,7 @@ from typing import Any
 
 from rlctl.config import RunConfig
 from rlctl.data.io import read_rows
-from rlctl.data.sft import BadRow, DataReport, _messages
+from rlctl.data.sft import BadRow, DataReport, checked_messages
 from rlctl.errors import UserError
 
 TOO_LONG = "prompt longer than rollout.max_prompt_len"
@@ -66,7 +66,7 @@ def render_prompt(prompt: Any, tokenizer, field: str) -> list[int]:
         if not isinstance(prompt, str):
             raise BadRow(f"'{field}' is a message list but the tokenizer has no chat template")
         return list(tokenizer(prompt)["input_ids"])
-    messages = _messages(prompt, field) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    messages = checked_messages(prompt, field) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 (jinja raises many types)

@@ -138,7 +138,7 @@ def _tokenize_with_spans(tokenizer, text: str, spans: list[tuple[int, int]]) -> 
     return ids, mask
 
 
-def _messages(value, where: str) -> list[dict]:
+def checked_messages(value, where: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise BadRow(f"'{where}' is not a non-empty list of messages")
     out = []
@@ -164,7 +164,7 @@ def row_tokens(row: dict, tokenizer, cfg: RunConfig) -> tuple[list[int], list[in
     if fmt == "chat":
         if d.messages_field not in row:
             raise BadRow(f"missing field '{d.messages_field}'")
-        messages = _messages(row[d.messages_field], d.messages_field)
+        messages = checked_messages(row[d.messages_field], d.messages_field)
         if not any(m["role"] == "assistant" for m in messages):
             raise BadRow("no assistant turn")
         text, spans = assistant_spans(tokenizer, messages)
@@ -177,7 +177,7 @@ def row_tokens(row: dict, tokenizer, cfg: RunConfig) -> tuple[list[int], list[in
             raise BadRow(f"'{d.response_field}' is not text")
         prompt = row[d.prompt_field]
         if tokenizer.chat_template:
-            messages = _messages(prompt, d.prompt_field) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            messages = checked_messages(prompt, d.prompt_field) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
             text, spans = assistant_spans(tokenizer, messages + [{"role": "assistant", "content": response}], last_only=True)
         else:
             if not isinstance(prompt, str):
