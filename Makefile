@@ -7,7 +7,7 @@ BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install test test-fast demo completions docs bench-cli clean
+.PHONY: install test test-fast demo completions docs bench-cli benchmarks clean
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (rlctl needs Python 3.11+; set PYTHON=...)"; exit 2; }
@@ -43,3 +43,6 @@ bench-cli: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+benchmarks: $(STAMP)
+	$(BIN)/python benchmarks/make_benchmarks_md.py --run

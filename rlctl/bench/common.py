@@ -1,0 +1,201 @@
+"""What every benchmark shares: the JSON envelope (command, machine, date), measured subprocesses,
+and memory sampling of other processes.
+
+No torch import here: the CLI imports this module.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from rlctl import __version__
+from rlctl.errors import UserError
+
+
+def command_line() -> str:
+    """The command as the user typed it, e.g. ``rlctl bench rollout --model tiny``."""
+    args = sys.argv[1:]
+    return "rlctl " + shlex.join(args) if args and args[0] == "bench" else shlex.join(sys.argv)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_names() -> list[str]:
+    """GPU names from ``nvidia-smi -L`` (no torch/CUDA import); empty without one."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.split(":", 1)[1].split("(UUID", 1)[0].strip() for line in out.splitlines() if line.startswith("GPU ")]
+
+
+def machine() -> dict:
+    """The machine a figure was measured on."""
+    import psutil
+
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "gpus": gpu_names(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "python": platform.python_version(),
+        "rlctl": __version__,
+        "platform": platform.platform(terse=True),
+    }
+
+
+def envelope(kind: str, settings: dict, results: list[dict], **extra) -> dict:
+    """The one JSON object a bench command prints: what ran, where, when, and its results."""
+    return {
+        "kind": kind,
+        "command": command_line(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "settings": settings,
+        "results": results,
+        **extra,
+    }
+
+
+def median(values: Iterable[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def relative_error(measured: float, estimated: float) -> float:
+    """``(measured - estimated) / measured``: positive when the estimate is too low."""
+    if measured <= 0:
+        raise ValueError(f"measured must be positive, got {measured}")
+    return (measured - estimated) / measured
+
+
+def child_env(threads: int | None = None) -> dict[str, str]:
+    """Environment for a measured child: this rlctl importable, one thread per process unless told."""
+    env = dict(os.environ)
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    else:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_measured(code: str, *, threads: int | None = None, timeout: float | None = None) -> tuple[float, int, str]:
+    """Run python ``code`` in a fresh process: (wall seconds, peak RSS bytes from the kernel, stdout).
+
+    The peak is ``getrusage(RUSAGE_SELF).ru_maxrss`` of that process, read as its last statement.
+    """
+    tail = "\nimport resource as _r; print('MAXRSS', _r.getrusage(_r.RUSAGE_SELF).ru_maxrss, flush=True)"
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code + tail], env=child_env(threads), capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"measured process failed:\n{proc.stderr[-3000:]}")
+    rss_kb = int(next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("MAXRSS")))
+    return wall, rss_kb * 1024, proc.stdout
+
+
+def stdout_value(stdout: str, key: str) -> float:
+    """The number printed on the line ``KEY value``."""
+    for line in stdout.splitlines():
+        if line.startswith(key + " "):
+            return float(line.split()[1])
+    raise RuntimeError(f"no {key} line in the measured process's output")
+
+
+def gpu_memory_used() -> dict[str, int]:
+    """Memory in use on each visible GPU (``nvidia-smi``), bytes, keyed ``gpu0``, ``gpu1``, ..."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=10, check=False).stdout
+    used = {}
+    for line in out.splitlines():
+        index, mib = (x.strip() for x in line.split(",", 1))
+        if index.isdigit() and mib.isdigit():
+            used[f"gpu{index}"] = int(mib) * 2**20
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:  # nvidia-smi lists every GPU; keep the ones the job can see
+        keep = {f"gpu{v.strip()}" for v in visible.split(",") if v.strip().isdigit()}
+        used = {k: v for k, v in used.items() if k in keep} or used
+    return used
+
+
+class ProcessSampler:
+    """Samples, in a thread, the memory of the job this process starts.
+
+    On CPU: the RSS (psutil) of each descendant process whose command line ``select`` accepts;
+    ``peak`` maps ``pid<N>`` to its largest sample. With ``gpu=True``: the memory in use on each GPU
+    (``nvidia-smi``, CUDA contexts included) less what was in use before the job started; ``peak``
+    maps ``gpu<i>`` to its largest value. One rank per GPU makes that the rank's memory; reading
+    per-GPU rather than per-process figures also works in containers, where nvidia-smi shows host
+    pids.
+    """
+
+    def __init__(self, select: Callable[[list[str]], bool], *, interval: float = 0.05, gpu: bool = False):
+        self.select, self.interval, self.gpu = select, interval, gpu
+        self.peak: dict[str, int] = {}
+        self.samples = 0
+        self._initial: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> ProcessSampler:
+        if self.gpu:
+            if shutil.which("nvidia-smi") is None:
+                raise UserError("GPU memory sampling needs nvidia-smi on PATH")
+            self._initial = gpu_memory_used()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _rss(self) -> dict[str, int]:
+        import psutil
+
+        sizes = {}
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if self.select(child.cmdline()):
+                    sizes[f"pid{child.pid}"] = child.memory_info().rss
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return sizes
+
+    def _gpu(self) -> dict[str, int]:
+        return {k: max(0, v - self._initial.get(k, 0)) for k, v in gpu_memory_used().items()}
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sizes = self._gpu() if self.gpu else self._rss()
+            for key, size in sizes.items():
+                self.peak[key] = max(self.peak.get(key, 0), size)
+            if any(sizes.values()):
+                self.samples += 1
+            self._stop.wait(self.interval if not self.gpu else max(self.interval, 0.2))

@@ -1,0 +1,312 @@
+"""`rlctl bench train`: a real ``sft`` / ``grpo`` / ``ppo`` run on synthetic data, measured.
+
+The job is configured and planned by :func:`rlctl.cli.options.resolve_job` and started by
+:func:`rlctl.launch.launch_job`, the code path of ``rlctl sft|grpo|ppo``. The data is random text
+written by this module: SFT chats (a short fixed question, a random answer) long enough to fill
+``seq_len`` tokens (cut there with ``data.truncation=right``; with ``lengths="spread"`` the answers
+are log-uniform between 16 and ``seq_len`` tokens, as in real chat data, so packing matters), RL prompts of about ``prompt_len`` tokens scored by the built-in
+``length`` reward. Then, from the run's metrics.jsonl:
+
+* tokens/s and the step time (median over the steps after the first, which warms up), split into
+  rollout / log-probs / update / weight sync for the RL recipes (their ``time/*`` metrics);
+* MFU (:mod:`rlctl.bench.mfu`) against the devices' peak: the catalog's bf16 figure on GPUs, an
+  fp32 matmul peak measured in this run on CPUs;
+* peak memory of the busiest rank beside the plan's estimate (``plan.estimate.peak_bytes``, what
+  ``rlctl estimate memory`` prints for the same settings) and ``(measured - estimated) / measured``.
+  Measured from outside, sampled: on GPUs the memory in use on each GPU (``nvidia-smi``, CUDA
+  context included, as in the estimate) less its use before the job; on CPUs each rank's RSS
+  (psutil) less the RSS of a process that only imports the recipe (the interpreter and libraries,
+  which the CPU estimate leaves out). When the recipe logs ``mem/peak_bytes`` (and ``mem/base_bytes``) those are used.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlctl.bench import mfu as M
+from rlctl.bench.common import ProcessSampler, median, relative_error, run_measured
+from rlctl.bench.models import BenchModel, token_space
+from rlctl.errors import UserError
+
+METHODS = ("sft", "grpo", "ppo")
+LENGTHS = ("fixed", "spread")
+SPLIT_KEYS = ("time/rollout", "time/logprobs", "time/update", "time/weight_sync")
+RECIPE_PEAK_KEY = "mem/peak_bytes"  # per-rank peak, logged by the recipe (max over ranks)
+RECIPE_BASE_KEY = "mem/base_bytes"  # the same process before the model was built
+
+
+@dataclass
+class TrainSettings:
+    method: str = "sft"
+    steps: int = 3
+    device: str = "auto"  # auto | cpu | cuda
+    nproc: int = 0  # processes per node (0 = the plan's choice)
+    gpus: int = 0
+    gpu: str = ""
+    batch_size: int = 0  # 0 = 8 sequences (sft) / 4 prompts (rl)
+    seq_len: int = 128  # sft: tokens per sequence (the longest, with lengths="spread")
+    lengths: str = "fixed"  # sft: fixed (every sequence seq_len tokens) | spread (log-uniform, 16 to seq_len)
+    n: int = 4  # rl: samples per prompt
+    prompt_len: int = 32  # rl: prompt tokens (about)
+    max_tokens: int = 32  # rl: response tokens at most
+    rollout: str = "auto"
+    micro_batch_size: int = 0
+    lora_rank: int = 0
+    sets: list[str] = field(default_factory=list)
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.method not in METHODS:
+            from rlctl.errors import did_you_mean
+
+            raise UserError(f"unknown --method {self.method!r}{did_you_mean(self.method, METHODS)}; use sft, grpo or ppo")
+        if self.steps < 1:
+            raise UserError(f"--steps must be at least 1, got {self.steps}")
+        if self.lengths not in LENGTHS:
+            raise UserError(f"unknown --lengths {self.lengths!r}; use {' or '.join(LENGTHS)}")
+
+    @property
+    def is_rl(self) -> bool:
+        return self.method != "sft"
+
+    @property
+    def batch(self) -> int:
+        return self.batch_size or (4 if self.is_rl else 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic data
+
+
+def random_text(tok, allowed: list[int], tokens: int, rng: random.Random) -> str:
+    """Text of random tokens; it re-tokenizes to about ``tokens`` tokens (byte-level BPE merges differ)."""
+    return tok.decode([rng.choice(allowed) for _ in range(tokens)], skip_special_tokens=True)
+
+
+def write_data(model_path: Path, s: TrainSettings, out: Path) -> Path:
+    """Write the synthetic dataset for ``s.method`` to ``out/data.jsonl``."""
+    allowed, tok = token_space(model_path)
+    rng = random.Random(s.seed)
+    rows_needed = s.batch * s.steps
+    if not s.is_rl:  # a short question and a random answer, cut at seq_len (data.truncation=right)
+        def answer_tokens() -> int:  # fixed: more than fits, so every sequence is seq_len; spread: like real chats
+            return 2 * s.seq_len if s.lengths == "fixed" else round(2 ** rng.uniform(4, math.log2(max(17, s.seq_len))))
+
+        rows = [{"messages": [{"role": "user", "content": "Write some text."},
+                              {"role": "assistant", "content": random_text(tok, allowed, answer_tokens(), rng)}]}
+                for _ in range(rows_needed)]
+    else:
+        rows = [{"prompt": random_text(tok, allowed, s.prompt_len, rng), "answer": "",
+                 "extra_info": {"target_length": s.max_tokens}} for _ in range(rows_needed)]
+    path = out / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def job_options(model: BenchModel, s: TrainSettings, data: Path, prompt_tokens: int, run_dir: Path) -> dict:
+    """The options of ``rlctl <method>`` that this benchmark sets (None = the preset's)."""
+    opts = {
+        "model.name": str(model.path), "model.random_init": model.random_init or None, "data.path": str(data),
+        "hardware.device": s.device, "hardware.nproc": s.nproc or None, "hardware.gpus": s.gpus or None,
+        "hardware.gpu": s.gpu or None, "output_dir": str(run_dir), "train.max_steps": s.steps,
+        "train.batch_size": s.batch, "train.micro_batch_size": s.micro_batch_size or None,
+        "train.seed": s.seed, "lora.rank": s.lora_rank or None, "checkpoint.export_hf": False,
+        "data.val_fraction": 0.0, "data.shuffle": False,
+    }
+    if s.is_rl:
+        opts.update({"rollout.n": s.n, "rollout.max_prompt_len": prompt_tokens, "rollout.max_response_len": s.max_tokens,
+                     "rollout.engine": s.rollout, "reward.fn": "length"})
+    else:
+        opts.update({"train.max_len": s.seq_len, "data.truncation": "right"})
+    return opts
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory and peak FLOP/s, measured from outside the ranks
+
+
+def import_baseline_bytes(method: str, rollout: str | None) -> int:
+    """Peak RSS of a process that only imports ``rlctl.recipes.<method>`` (torch, transformers, ...)
+    and the rollout engine's module (vLLM's libraries for the vllm engine)."""
+    code = f"import rlctl.recipes.{method}" + (f"\nimport rlctl.rollout.{rollout}" if rollout else "")
+    _, rss, _ = run_measured(code)
+    return rss
+
+
+def _is_rank(cmdline: list[str]) -> bool:
+    """A rank runs ``python -m rlctl.recipes.<method>``; torchrun's own command names it too."""
+    return "torch.distributed.run" not in cmdline and any(part.startswith("rlctl.recipes.") for part in cmdline)
+
+
+def device_peak(plan, world: int) -> dict:
+    """Peak FLOP/s of the ``world`` devices of the job, and where the figure comes from."""
+    if plan.device == "cuda":
+        one = M.gpu_peak_flops(plan.gpu)
+        return {"flops": one * world, "per_device_flops": one, "source": f"catalog: {plan.gpu} dense bf16"}
+    threads = int(os.environ.get("OMP_NUM_THREADS") or 1)  # what launch_job gives each rank
+    one = M.measure_cpu_peak(threads)
+    cores = os.cpu_count() or 1
+    usable = min(world * threads, cores) / threads  # ranks beyond the cores share them
+    return {"flops": one * usable, "per_device_flops": one, "threads_per_process": threads,
+            "source": f"measured fp32 matmul, {threads} thread(s) per process x {usable:g} processes"}
+
+
+# ---------------------------------------------------------------------------------------------
+# From metrics.jsonl to the result
+
+
+def step_records(metrics_path: Path) -> list[dict]:
+    from rlctl.metrics import read_metrics
+
+    return [r for r in read_metrics(metrics_path) if "step" in r and r.get("kind") != "eval"]
+
+
+def critic_flops_params(spec) -> int:
+    """PPO's critic: the policy's body with a one-output value head instead of the lm_head."""
+    return M.flops_params(spec) - spec.vocab_size * spec.hidden_size + spec.hidden_size
+
+
+def step_flops(spec, cfg, record: dict, sequences: int) -> dict[str, float]:
+    """Model FLOPs of one step by phase (see rlctl.bench.mfu for the convention)."""
+    tokens = float(record.get("tokens") or 0)
+    seq = tokens / max(1, sequences)
+    train, fwd = M.train_flops_per_token(spec, seq), M.forward_flops_per_token(spec, seq)
+    if cfg.method == "sft":
+        return {"update": tokens * train}
+    a = cfg.algo
+    out = {"rollout": tokens * fwd,  # every token of every sample goes through the engine once
+           "logprobs": tokens * fwd * (1 + (a.kl_coef > 0)),  # the actor's old log-probs, the reference's
+           "update": tokens * train * a.ppo_epochs}
+    if cfg.method == "ppo":  # values, then the critic's update
+        scale = critic_flops_params(spec) / M.flops_params(spec)
+        out["logprobs"] += tokens * fwd * scale
+        out["update"] += tokens * train * a.ppo_epochs * scale
+    return out
+
+
+def summarize(model: BenchModel, cfg, records: list[dict], peak: dict, memory: dict) -> dict:
+    steady = records[1:] if len(records) > 1 else records
+    sequences = cfg.train.batch_size * (cfg.rollout.n if cfg.method != "sft" else 1)
+    times = {"step": median(r["time/step"] for r in steady)}
+    for key in SPLIT_KEYS:
+        if any(key in r for r in steady):
+            times[key.split("/", 1)[1]] = median(r.get(key, 0.0) for r in steady)
+    if len(times) > 1:
+        times["other"] = times["step"] - sum(v for k, v in times.items() if k != "step")
+    flops = [step_flops(model.spec, cfg, r, sequences) for r in steady]
+    step_total = median(sum(f.values()) for f in flops)
+    result = {
+        "tokens_per_s": median(r["tokens_per_s"] for r in steady),
+        "tokens_per_step": median(r.get("tokens") for r in steady),
+        "time_s": times,
+        "flops_per_step": step_total,
+        "mfu": M.mfu(step_total, times["step"], peak["flops"]),
+        "peak_flops": peak,
+    }
+    if cfg.method != "sft" and times.get("update"):
+        result["mfu_update"] = M.mfu(median(f["update"] for f in flops), times["update"], peak["flops"])
+    result["memory"] = memory
+    return result
+
+
+def measured_memory(records: list[dict], sampler: ProcessSampler, baseline: int, estimate, device: str) -> dict:
+    """Peak of the busiest rank beside the estimate; ``relative_error`` from these two numbers."""
+    recipe_peak = [r[RECIPE_PEAK_KEY] for r in records if RECIPE_PEAK_KEY in r]
+    if recipe_peak:
+        base = max((r.get(RECIPE_BASE_KEY, 0) for r in records), default=0) if device == "cpu" else 0
+        raw, source = max(recipe_peak), f"recipe metric {RECIPE_PEAK_KEY}"
+    else:
+        if not sampler.peak:
+            raise UserError("no rank process was seen while the job ran; cannot measure its memory")
+        raw = max(sampler.peak.values())
+        base = baseline if device == "cpu" else 0
+        source = ("nvidia-smi memory.used per GPU less its use before the job, sampled" if device == "cuda"
+                  else "psutil RSS per rank, sampled")
+    measured = raw - base
+    estimated = estimate.peak_bytes
+    return {
+        "source": source, "ranks": dict(sorted(sampler.peak.items())),
+        "samples": sampler.samples, "rank_peak_bytes": raw, "baseline_bytes": base,
+        "baseline": "RSS of a process that only imports the recipe" if base else None,
+        "measured_bytes": measured, "estimated_bytes": estimated, "estimated_phase": estimate.peak_phase,
+        "relative_error": relative_error(measured, estimated) if measured > 0 else None,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark
+
+
+def prepare_job(model: BenchModel, s: TrainSettings, work: Path, data: Path | None = None):
+    """(cfg, plan) of the job, configured and planned as ``rlctl <method>`` does; writes the data unless given."""
+    from rlctl.cli.options import check_inputs, resolve_job
+
+    s.check()
+    data = data or write_data(model.path, s, work)
+    longest = longest_prompt(model.path, data) if s.is_rl else 0
+    opts = job_options(model, s, data, longest, work / "run")
+    cfg, plan = resolve_job(s.method, preset=None, config_file=None, options=opts, sets=s.sets)
+    check_inputs(cfg)
+    return cfg, plan
+
+
+def longest_prompt(model_path: Path, data: Path) -> int:
+    """Tokens of the longest prompt of ``data`` as the RL recipes render it."""
+    from transformers import AutoTokenizer
+
+    from rlctl.data.rl import render_prompt
+
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
+    return max(len(render_prompt(r["prompt"], tok, "prompt")) for r in rows)
+
+
+def run_job(cfg, plan) -> tuple[list[dict], ProcessSampler]:
+    """Launch the job (``launch_job``) while sampling its ranks' memory; its step records."""
+    from rlctl.launch import launch_job
+    from rlctl.recipes.common import RunPaths
+
+    paths = RunPaths(Path(cfg.output_dir))
+    with ProcessSampler(_is_rank, gpu=plan.device == "cuda") as sampler:
+        rc = launch_job(cfg, plan)
+    if rc != 0:
+        raise UserError(f"the {cfg.method} job failed (exit status {rc}); see {paths.train_log}")
+    records = step_records(paths.metrics)
+    if not records:
+        raise UserError(f"the job wrote no step metrics; see {paths.train_log}")
+    return records, sampler
+
+
+def bench_train(model: BenchModel, s: TrainSettings, *, output_dir: str | None = None, log=lambda msg: None) -> dict:
+    """Run the job and measure it; returns the result row (see the module docstring)."""
+    keep = output_dir is not None
+    work = Path(output_dir).absolute() if keep else Path(tempfile.mkdtemp(prefix="rlctl-bench-train-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        cfg, plan = prepare_job(model, s, work)
+        world = plan.nproc_per_node * plan.nodes
+        log(f"plan: {plan.device}, {world} process(es), micro batch {plan.micro_batch_size}"
+            + (f", rollout {plan.rollout}" if plan.rollout else ""))
+        log("measuring the device peak" + (" (fp32 matmul)" if plan.device == "cpu" else ""))
+        peak = device_peak(plan, world)
+        baseline = import_baseline_bytes(s.method, plan.rollout) if plan.device == "cpu" else 0
+        records, sampler = run_job(cfg, plan)
+        memory = measured_memory(records, sampler, baseline, plan.estimate, plan.device)
+        result = {"method": s.method, "model": model.label, "params": plan.params, "device": plan.device,
+                  "gpu": plan.gpu, "world_size": world, "rollout": plan.rollout, "micro_batch_size": plan.micro_batch_size,
+                  "steps": [{k: v for k, v in r.items() if k in ("step", "tokens", "tokens_per_s", "time/step", *SPLIT_KEYS)}
+                            for r in records],
+                  **summarize(model, cfg, records, peak, memory)}
+        if keep:
+            result["run_dir"] = cfg.output_dir
+        return result
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
