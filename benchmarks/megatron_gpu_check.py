@@ -22,8 +22,12 @@ For each layout:
    rewards x log-probs) updates the actor, ``rollout.update_weights(engine.iter_full_params(bf16))``
    syncs it, and the rollout model's weights then equal the actor's (and changed).
 
+Then the recipes end to end through the CLI (:func:`cli_checks`): ``rlctl sft`` and ``rlctl grpo
+--rollout hf`` with ``--set parallel.backend=megatron --set parallel.tp=2`` (tp=1 on one GPU), each
+beside the same command on FSDP, 6 steps in bf16.
+
 Prints one line per check and a JSON summary; exit status 1 when a check fails. This script has NOT
-been run yet (it was written in a session without a GPU); see docs/megatron.md.
+been run yet (it was written in sessions without a GPU); see docs/megatron.md.
 """
 
 from __future__ import annotations
@@ -71,6 +75,11 @@ def sft_loss(logits, mb, share: float = 1.0):
     labels = mb.labels.to(logits.device)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
     return loss / (labels != -100).sum() * share
+
+
+def step_loss(loss):
+    """A loss_fn result for ``engine.forward_backward``: the loss to back-propagate, and it back."""
+    return loss, loss
 
 
 def make_engine(hf_dir: str, tp: int, pp: int, *, dtype: str, trainable: bool, lr: float = 1e-3,
@@ -123,7 +132,7 @@ def check_layout(c: Checks, hf_dir: str, tp: int, pp: int, prev_ckpt: Path | Non
     # 1. logits
     for dtype in ("fp32", "bf16"):
         engine = make_engine(hf_dir, tp, pp, dtype=dtype, trainable=False)
-        got = {"schedule": engine.forward_backward([mb], lambda lg, m: lg, forward_only=True)[0]}
+        got = {"schedule": engine.forward_backward([mb], lambda lg, m: (None, lg), forward_only=True)[0]}
         if pp == 1:
             with torch.no_grad():
                 got["forward"] = engine.forward(mb.input_ids, mb.position_ids).float()
@@ -137,7 +146,7 @@ def check_layout(c: Checks, hf_dir: str, tp: int, pp: int, prev_ckpt: Path | Non
     # 2. gradient sum over DP against HF's gradient of the same loss
     engine = make_engine(hf_dir, tp, pp, dtype="fp32", trainable=True, lr=0.0)
     dp = engine.dp_size
-    engine.forward_backward([mb], lambda lg, m: sft_loss(lg, m, 1.0 / dp))
+    engine.forward_backward([mb], lambda lg, m: step_loss(sft_loss(lg, m, 1.0 / dp)))
     norm = engine.step()
     from transformers import AutoModelForCausalLM
 
@@ -154,7 +163,7 @@ def check_layout(c: Checks, hf_dir: str, tp: int, pp: int, prev_ckpt: Path | Non
     engine = make_engine(hf_dir, tp, pp, dtype="bf16", trainable=True, lr=2e-3)
     losses = []
     for _ in range(8):
-        (loss,) = engine.forward_backward([mb], lambda lg, m: sft_loss(lg, m, 1.0 / dp))
+        (loss,) = engine.forward_backward([mb], lambda lg, m: step_loss(sft_loss(lg, m, 1.0 / dp)))
         engine.step()
         losses.append(float(loss) * dp)
     c.record(f"{tag} sft loss falls", losses[-1] < 0.7 * losses[0], " ".join(f"{x:.3f}" for x in losses))
@@ -219,7 +228,7 @@ def check_layout(c: Checks, hf_dir: str, tp: int, pp: int, prev_ckpt: Path | Non
         return total / n_tok / dp
 
     before = {n: t.float().cpu() for n, t in engine.iter_full_params()}
-    engine.forward_backward([batch], grpo_loss)
+    engine.forward_backward([batch], lambda lg, m: step_loss(grpo_loss(lg, m)))
     engine.step()
     rollout.update_weights(engine.iter_full_params(torch.bfloat16))
     synced = {n: t.float().cpu() for n, t in rollout.model.state_dict().items()}
@@ -288,7 +297,77 @@ def main() -> int:
            str(free_port()), __file__, "--rank-main", "--hf-dir", str(hf_dir), "--out", str(out)]
     env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": str(ROOT)}
     print(f"running on {gpus} GPU(s); outputs in {out}", flush=True)
-    return subprocess.run(cmd, env=env, check=False).returncode
+    engine_rc = subprocess.run(cmd, env=env, check=False).returncode
+    cli_rc = cli_checks(hf_dir, out / "cli", gpus)
+    return engine_rc or cli_rc
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipes end to end through the CLI
+
+
+def rlctl(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlctl", *args], cwd=ROOT, capture_output=True, text=True,
+                          check=False, timeout=1800, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def train_records(run: Path) -> list[dict]:
+    from rlctl.metrics import read_metrics
+
+    return [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") != "eval"]
+
+
+def cli_checks(hf_dir: Path, out: Path, gpus: int) -> int:
+    """`rlctl sft` and `rlctl grpo --rollout hf` with ``--set parallel.backend=megatron --set parallel.tp=T``
+    (T = 2 with 2+ GPUs, else 1), each beside the same command on FSDP: the Megatron run ends with
+    status 0 and a checkpoint its engine wrote, its metrics follow the FSDP run's (bf16: first-step loss
+    within 2%, same rewards while both sample from the same weights), the sft loss falls, the grpo
+    rollout engine's log-probs match the trainer's (weight sync)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from rl_helpers import REWARDS, arith_rows
+    from sft_helpers import chat_rows, write_jsonl
+
+    out.mkdir(parents=True, exist_ok=True)
+    tp = 2 if gpus >= 2 else 1
+    chat = write_jsonl(out / "chat.jsonl", chat_rows(64))
+    prompts = write_jsonl(out / "prompts.jsonl", arith_rows(32))
+    common = ["--model", str(hf_dir), "--device", "cuda", "--gpus", str(gpus), "--max-steps", "6"]
+    jobs = {
+        "sft": ["sft", *common, "--data", str(chat), "--batch-size", "16", "--max-len", "128", "--lr", "2e-3"],
+        "grpo": ["grpo", *common, "--data", str(prompts), "--rollout", "hf", "--batch-size", "8", "--n", "4",
+                 "--max-prompt-len", "48", "--max-response-len", "16", "--lr", "2e-3", "--reward",
+                 f"{REWARDS}:digits", "--kl-coef", "0.001"],
+    }
+    c = Checks(0)
+    for method, args in jobs.items():
+        runs = {}
+        for backend in ("fsdp", "megatron"):
+            run = out / f"{method}-{backend}"
+            extra = ["--set", "parallel.backend=megatron", "--set", f"parallel.tp={tp}"] * (backend == "megatron")
+            t0 = time.time()
+            res = rlctl(*args, "--output-dir", str(run), *extra)
+            ok = res.returncode == 0
+            c.record(f"rlctl {method} on {backend}{f' tp{tp}' if extra else ''}", ok,
+                     f"exit {res.returncode} in {time.time() - t0:.0f}s" + ("" if ok else f": {res.stderr[-1500:]}"))
+            runs[backend] = train_records(run) if ok else []
+        mg, fs = runs["megatron"], runs["fsdp"]
+        if not mg or not fs:
+            continue
+        step6 = out / f"{method}-megatron" / "checkpoints" / "step_000006"
+        state = json.loads((step6 / "trainer_state.json").read_text())
+        written = state.get("backend") == "megatron" and (step6 / "metadata.json").is_file()
+        c.record(f"{method} megatron checkpoint", written, f"trainer_state backend: {state.get('backend')}")
+        if method == "sft":
+            first = abs(mg[0]["loss"] - fs[0]["loss"]) / fs[0]["loss"]
+            c.record("sft megatron follows fsdp", first < 0.02 and mg[-1]["loss"] < mg[0]["loss"],
+                     f"losses megatron {[round(r['loss'], 3) for r in mg]} fsdp {[round(r['loss'], 3) for r in fs]}")
+        else:
+            diff = max(r["rollout/logprob_diff"] for r in mg)
+            c.record("grpo megatron follows fsdp", mg[0]["reward/mean"] == fs[0]["reward/mean"] and diff < 0.05,
+                     f"rewards megatron {[round(r['reward/mean'], 3) for r in mg]} fsdp "
+                     f"{[round(r['reward/mean'], 3) for r in fs]}; max rollout/logprob_diff {diff:.3g}")
+    (out / "summary.json").write_text(json.dumps(c.results, indent=2))
+    return 0 if c.results and all(r["ok"] for r in c.results) else 1
 
 
 if __name__ == "__main__":

@@ -10,11 +10,71 @@ complete -c rlctl -n 'not __fish_seen_subcommand_from bench convert estimate grp
 complete -c rlctl -n 'not __fish_seen_subcommand_from bench convert estimate grpo ppo presets sft' -a sft -d 'Supervised fine-tuning: packed sequences, loss on assistant tokens, LoRA or...'
 complete -c rlctl -n 'not __fish_seen_subcommand_from bench convert estimate grpo ppo presets sft' -l version
 complete -c rlctl -n 'not __fish_seen_subcommand_from bench convert estimate grpo ppo presets sft' -l help -s h
-complete -c rlctl -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from convert rollout train' -a convert -d 'Checkpoint conversion GB/s and peak RSS beside a plain copy.'
-complete -c rlctl -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from convert rollout train' -a rollout -d 'Generated tokens/s, time to first token and memory for each rollout engine.'
-complete -c rlctl -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from convert rollout train' -a train -d 'Tokens/s, step-time split, MFU and peak memory against the estimate.'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from compare convert rollout train' -a compare -d 'The same rollout / SFT / GRPO work through TRL and rlctl, interleaved, with...'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from compare convert rollout train' -a convert -d 'fsdp-to-hf GB/s and peak RSS beside a plain copy of the same files.'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from compare convert rollout train' -a rollout -d 'Generated tokens/s, time to first token, shared-prefix effect and peak memory...'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from compare convert rollout train' -a train -d 'Tokens/s, step-time split, MFU and peak memory beside the estimate, from a...'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l peer -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l random-init
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l work -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l reps -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l steps -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l device -x -a 'auto cuda cpu'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l engine -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l prompts -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l n -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l prompt-len -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l max-tokens -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l batch-size -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l seq-len -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l lengths -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l seed -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l json
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l plot -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l help -s h
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from convert' -l verify
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from convert' -l work -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from convert' -l json
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from convert' -l plot -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from convert' -l help -s h
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l random-init
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l engine -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l prompts -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l n -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l prompt-len -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l max-tokens -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l reps -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l device -x -a 'auto cuda cpu'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l dtype -x -a 'bf16 fp16 fp32'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l mem-fraction -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l seed -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l json
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l plot -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l help -s h
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l method -x -a 'sft grpo ppo'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l random-init
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l device -x -a 'auto cuda cpu'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l gpus -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l gpu -x -a 'A100-40GB A100-80GB A10G B200 H100-80GB H100-PCIe-80GB H20-96GB H200-141GB L40S RTX-4090'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l nproc -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l steps -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l batch-size -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l seq-len -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l lengths -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l n -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l prompt-len -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l max-tokens -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l rollout -x -a 'auto hf vllm sglang'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l micro-batch-size -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l lora-rank -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l set -s s -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l output-dir -s o -r -F
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l seed -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l json
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l plot -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and not __fish_seen_subcommand_from fsdp-to-hf hf-to-megatron inspect lora-merge megatron-to-hf' -a fsdp-to-hf -d 'Merge an FSDP checkpoint (rlctl DCP or verl rank files) into a Hugging Face...'
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and not __fish_seen_subcommand_from fsdp-to-hf hf-to-megatron inspect lora-merge megatron-to-hf' -a hf-to-megatron -d 'Split a Hugging Face model into Megatron TP/PP shards (mcore GPTModel layout).'
@@ -60,6 +120,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gpu -x -a 'A100-40GB A100-80GB A10G B200 H100-80GB H100-PCIe-80GB H20-96GB H200-141GB L40S RTX-4090'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l device -x -a 'auto cuda cpu'
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l host-memory -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l backend -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l pp -x

@@ -11,7 +11,7 @@ _rlctl() {
     for ((i=1; i<COMP_CWORD; i++)); do
         w="${COMP_WORDS[i]}"
         case "$path/$w" in
-            "/bench"|"/bench/convert"|"/bench/rollout"|"/bench/train"|"/convert"|"/convert/fsdp-to-hf"|"/convert/hf-to-megatron"|"/convert/inspect"|"/convert/lora-merge"|"/convert/megatron-to-hf"|"/estimate"|"/estimate/memory"|"/grpo"|"/ppo"|"/presets"|"/presets/list"|"/presets/show"|"/sft") path="$path/$w" ;;
+            "/bench"|"/bench/compare"|"/bench/convert"|"/bench/rollout"|"/bench/train"|"/convert"|"/convert/fsdp-to-hf"|"/convert/hf-to-megatron"|"/convert/inspect"|"/convert/lora-merge"|"/convert/megatron-to-hf"|"/estimate"|"/estimate/memory"|"/grpo"|"/ppo"|"/presets"|"/presets/list"|"/presets/show"|"/sft") path="$path/$w" ;;
         esac
     done
     case "$prev" in
@@ -24,14 +24,17 @@ _rlctl() {
         --data|-d) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --device) COMPREPLY=($(compgen -W "auto cuda cpu" -- "$cur")); return ;;
         --dtype) COMPREPLY=($(compgen -W "bf16 fp16 fp32" -- "$cur")); return ;;
+        --engine) return ;;
         --epochs) return ;;
         --eval-every) return ;;
         --gpu) COMPREPLY=($(compgen -W "A100-40GB A100-80GB A10G B200 H100-80GB H100-PCIe-80GB H20-96GB H200-141GB L40S RTX-4090" -- "$cur")); return ;;
         --gpus) return ;;
         --hf-config) return ;;
+        --host-memory) return ;;
         --keep-last) return ;;
         --kl-coef) return ;;
         --kl-kind) COMPREPLY=($(compgen -W "k1 abs k2 k3" -- "$cur")); return ;;
+        --lengths) return ;;
         --log) return ;;
         --lora-alpha) return ;;
         --lora-rank) return ;;
@@ -45,6 +48,7 @@ _rlctl() {
         --max-response-len) return ;;
         --max-shard-size) return ;;
         --max-steps) return ;;
+        --max-tokens) return ;;
         --mem-fraction) return ;;
         --method) COMPREPLY=($(compgen -W "sft grpo ppo" -- "$cur")); return ;;
         --micro-batch) return ;;
@@ -56,11 +60,15 @@ _rlctl() {
         --nodes) return ;;
         --nproc) return ;;
         --output-dir|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        --peer) return ;;
+        --plot) return ;;
         --pp) return ;;
         --ppo-epochs) return ;;
         --preset) COMPREPLY=($(compgen -W "grpo ppo sft tiers" -- "$cur")); return ;;
         --prompt-len) return ;;
+        --prompts) return ;;
         --rdzv-endpoint) return ;;
+        --reps) return ;;
         --response-len) return ;;
         --resume) return ;;
         --reward) COMPREPLY=($(compgen -W "gsm8k math exact format length" -- "$cur")); return ;;
@@ -68,17 +76,21 @@ _rlctl() {
         --rollout-tp) return ;;
         --save-every) return ;;
         --seed) return ;;
+        --seq-len) return ;;
         --set|-s) return ;;
+        --steps) return ;;
         --temperature) return ;;
         --tp) return ;;
         --val-fraction) return ;;
+        --work) return ;;
     esac
     case "$path" in
         "") words="bench convert estimate grpo ppo presets sft --version --help" ;;
-        "/bench") words="convert rollout train --help" ;;
-        "/bench/convert") words="--help" ;;
-        "/bench/rollout") words="--help" ;;
-        "/bench/train") words="--help" ;;
+        "/bench") words="compare convert rollout train --help" ;;
+        "/bench/compare") words="--model --peer --random-init --work --reps --steps --device --engine --prompts --n --prompt-len --max-tokens --batch-size --seq-len --lengths --seed --json --plot --help" ;;
+        "/bench/convert") words="--verify --work --json --plot --help" ;;
+        "/bench/rollout") words="--model --random-init --engine --prompts --n --prompt-len --max-tokens --reps --device --dtype --mem-fraction --seed --json --plot --help" ;;
+        "/bench/train") words="--model --method --random-init --device --gpus --gpu --nproc --steps --batch-size --seq-len --lengths --n --prompt-len --max-tokens --rollout --micro-batch-size --lora-rank --set --output-dir --seed --json --plot --help" ;;
         "/convert") words="fsdp-to-hf hf-to-megatron inspect lora-merge megatron-to-hf --help" ;;
         "/convert/fsdp-to-hf") words="--dtype --keep-adapter --verify --no-verify --force --max-shard-size --help" ;;
         "/convert/hf-to-megatron") words="--tp --pp --verify --no-verify --force --help" ;;
@@ -86,7 +98,7 @@ _rlctl() {
         "/convert/lora-merge") words="--dtype --verify --no-verify --force --max-shard-size --help" ;;
         "/convert/megatron-to-hf") words="--hf-config --dtype --verify --no-verify --force --max-shard-size --help" ;;
         "/estimate") words="memory --help" ;;
-        "/estimate/memory") words="--model --method --lora-rank --lora-targets --max-len --prompt-len --response-len --n --batch-size --micro-batch --gpus --nodes --gpu --device --backend --tp --pp --activation-checkpointing --no-activation-checkpointing --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --dtype --rollout --rollout-tp --mem-fraction --what-to-rent --json --help" ;;
+        "/estimate/memory") words="--model --method --lora-rank --lora-targets --max-len --prompt-len --response-len --n --batch-size --micro-batch --gpus --nodes --gpu --device --host-memory --backend --tp --pp --activation-checkpointing --no-activation-checkpointing --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --dtype --rollout --rollout-tp --mem-fraction --what-to-rent --json --help" ;;
         "/grpo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --help" ;;
         "/ppo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --help" ;;
         "/presets") words="list show --help" ;;

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from rlctl.config import RunConfig, save_config
@@ -86,6 +87,22 @@ def build_command(cfg: RunConfig, plan, run_dir: str | Path) -> list[str]:
         port = hw.master_port or (29500 if nnodes > 1 else free_port())
         argv += ["--node-rank", str(hw.node_rank), "--master-addr", hw.master_addr, "--master-port", str(port)]
     return argv + ["-m", f"rlctl.recipes.{cfg.method}", "--run-dir", str(run_dir)]
+
+
+def job_env(plan, base: Mapping[str, str]) -> dict[str, str]:
+    """The ranks' environment: ``base`` plus what the job needs before any CUDA call, such as the
+    Megatron engine's ``CUDA_DEVICE_MAX_CONNECTIONS`` (:func:`rlctl.engines.megatron_parallel.megatron_env`)."""
+    from rlctl.engines.megatron_parallel import megatron_env
+
+    env = dict(base)
+    if _plan_get(plan, "device", "cpu") == "cpu":
+        env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONUNBUFFERED"] = "1"
+    package_root = str(Path(__file__).resolve().parent.parent)  # so the ranks import this rlctl
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    env.update(megatron_env(plan))
+    return env
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,13 +247,7 @@ def launch_job(cfg: RunConfig, plan) -> int:
     paths.plan.write_text(json.dumps(plan_to_dict(plan), indent=2, default=str) + "\n")
 
     argv = build_command(cfg, plan, run_dir)
-    env = dict(os.environ)
-    if _plan_get(plan, "device", "cpu") == "cpu":
-        env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env["PYTHONUNBUFFERED"] = "1"
-    package_root = str(Path(__file__).resolve().parent.parent)  # so the ranks import this rlctl
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    env = job_env(plan, os.environ)
 
     progress = _Progress(f"{cfg.method} {model_slug(cfg.model.name)}")
     progress.console.print(f"run directory: {run_dir}  (log: {paths.train_log})")

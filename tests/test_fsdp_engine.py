@@ -348,3 +348,92 @@ def test_tied_embeddings(tmp_path, data_file):
     full = dict(engine.iter_full_params())
     assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
     assert not torch.equal(full["model.embed_tokens.weight"], ref.model.embed_tokens.weight)
+
+
+def test_lora_keeps_the_frozen_base_in_the_compute_dtype(tiny_model_dir, data_file, tmp_path):
+    """With LoRA only the adapters are trained: they get fp32 master weights, the frozen base stays in
+    the compute dtype (bf16 here, forced on CPU; fp32 is the CPU default)."""
+    from rlctl.engines.fsdp import FSDPEngine
+
+    cfg = make_cfg(tiny_model_dir, data_file, tmp_path, lora__rank=4, lora__targets="q_proj,v_proj")
+    engine = FSDPEngine(cfg, SimpleNamespace(**cpu_plan(1, dtype="bf16")), total_steps=1)
+    params = dict(engine._state_module.named_parameters())
+    adapters = {n: p for n, p in params.items() if p.requires_grad}
+    assert adapters and all("lora_" in n for n in adapters)
+    assert {p.dtype for p in adapters.values()} == {torch.float32}
+    assert {p.dtype for n, p in params.items() if n not in adapters} == {torch.bfloat16}
+    base = hf_model(tiny_model_dir)
+    q = "model.layers.0.self_attn.q_proj.weight"  # B = 0 at the start: the merged weight is the base
+    assert torch.equal(dict(engine.iter_full_params())[q], base.get_parameter(q).to(torch.bfloat16))
+    ids, pos = torch.randint(0, 100, (1, 16)), torch.arange(16)[None]
+    logits = engine.forward(ids, pos)
+    with torch.no_grad():
+        ref = base(input_ids=ids, position_ids=pos).logits
+    assert logits.dtype == torch.bfloat16 and (logits.float() - ref).abs().max().item() < 0.1
+    engine.backward(logits.float().logsumexp(-1).mean())
+    assert math.isfinite(engine.step())
+    assert {p.dtype for p in adapters.values()} == {torch.float32}
+    # on CPU without a forced dtype everything stays fp32
+    plain = FSDPEngine(cfg, PLAN, total_steps=1)
+    assert {p.dtype for p in plain._state_module.parameters()} == {torch.float32}
+
+
+class _RecordingEngine:
+    """Stands in for an engine in the checkpoint module: records where it was asked to save and load."""
+
+    backend = "megatron"
+
+    def __init__(self):
+        self.saved, self.loaded = [], []
+
+    def save_checkpoint(self, path):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / ".metadata").write_text("written by the engine")
+        self.saved.append(Path(path))
+
+    def load_checkpoint(self, path):
+        self.loaded.append(Path(path))
+
+    def lora_info(self):
+        return None
+
+
+def test_checkpoints_are_written_and_read_by_the_engines(tmp_path, tiny_model_dir, data_file):
+    """checkpoint.py leaves the files of each model to its engine's save_checkpoint / load_checkpoint
+    (the Megatron engine writes megatron-core dist checkpoints there) and keeps the backend in
+    trainer_state.json: another backend cannot load it."""
+    from rlctl.engines.checkpoint import load_checkpoint, save_checkpoint
+    from rlctl.errors import UserError
+    from rlctl.recipes.common import rng_state
+
+    actor, critic = _RecordingEngine(), _RecordingEngine()
+    final = save_checkpoint(tmp_path / "ckpts", 5, {"": actor, "critic": critic}, trainer_state={"method": "ppo"},
+                            meta_dir=None, rng_state=rng_state(), keep_last=2)
+    tmp = tmp_path / "ckpts" / ".tmp-step_000005"
+    assert actor.saved == [tmp] and critic.saved == [tmp / "critic"]  # written before the rename
+    assert (final / ".metadata").read_text() == "written by the engine" and (final / "critic" / ".metadata").is_file()
+    state, rng = load_checkpoint(final, {"": actor, "critic": critic})
+    assert actor.loaded == [final] and critic.loaded == [final / "critic"]
+    assert state["backend"] == "megatron" and state["step"] == 5 and rng is not None
+    fsdp = make_engine(make_cfg(tiny_model_dir, data_file, tmp_path), trainable=False)
+    with pytest.raises(UserError, match=r"saved by the megatron engine; resume it with --set parallel.backend=mega"):
+        load_checkpoint(final, {"": fsdp})
+
+
+def test_build_engine_picks_the_backend_of_the_plan(tiny_model_dir, data_file, tmp_path, monkeypatch):
+    from rlctl.engines import build_engine, megatron
+    from rlctl.engines.fsdp import FSDPEngine
+    from rlctl.errors import UserError
+
+    cfg = make_cfg(tiny_model_dir, data_file, tmp_path)
+    engine = build_engine(cfg, PLAN, role="ref", trainable=False)
+    assert isinstance(engine, FSDPEngine) and engine.backend == "fsdp" and engine.role == "ref"
+    assert (engine.dp_rank, engine.dp_size, engine.dp_group, engine.mp_size) == (0, 1, None, 1)
+    calls = []
+    monkeypatch.setattr(megatron, "build_engine", lambda cfg, plan, **kw: calls.append((plan, kw)) or "mg")
+    plan = {**cpu_plan(1), "backend": "megatron"}
+    assert build_engine(cfg, plan, role="actor", total_steps=7, lr=0.5) == "mg"
+    assert calls == [(plan, {"role": "actor", "trainable": True, "total_steps": 7, "lr": 0.5, "source": None,
+                             "lora": None})]
+    with pytest.raises(UserError, match="unknown parallel.backend 'fdsp' \\(did you mean fsdp"):
+        build_engine(cfg, {**plan, "backend": "fdsp"}, role="actor")

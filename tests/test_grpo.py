@@ -14,9 +14,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import REPO, run_cli
-from rl_helpers import REWARDS, UPDATE_STEP, arith_rows, error_line, failure, rl_args, train_records, verl_rows
+from rl_helpers import (
+    REWARDS,
+    UPDATE_STEP,
+    arith_rows,
+    error_line,
+    failure,
+    rl_args,
+    train_records,
+    verl_rows,
+)
 from sft_helpers import cpu_plan, write_jsonl
 
 LOGPROB_TOL = 1e-3  # fp32 on CPU: the engines agree with the trainer to ~1e-6
@@ -132,6 +140,46 @@ def _random_batch(n_prompts: int, n: int, vocab: int, *, width: int, seed: int =
                               n=n, batch_size=n_prompts, mini_batch_size=0, width=width)
 
 
+def test_samples_are_pooled_by_model_replica():
+    """A fake Megatron layout on 4 ranks, tp 2 x dp 2: every rank generates its own prompts' samples
+    (rank_positions by global rank); the two TP ranks of a replica join theirs (RolloutBatch.join, in rank
+    order), so both train on the same batch, and the two replicas split every mini-batch evenly, each
+    sample once, its tensors carried along."""
+    from rlctl.engines.megatron_parallel import rank_coords
+    from rlctl.recipes.rl import RolloutBatch, rank_positions
+
+    n, n_prompts, mini, width = 2, 8, 4, 5
+    full = _random_batch(n_prompts, n, 50, width=width, seed=3)
+    full.scores = torch.arange(len(full), dtype=torch.float32)
+
+    def generated_by(rank: int) -> RolloutBatch:
+        rows = [u for p in rank_positions(n_prompts, mini, rank, 4) for u in range(p * n, p * n + n)]
+        b = RolloutBatch.build([full.prompts[u] for u in rows], [full.responses[u] for u in rows],
+                               [full.rollout_logp[u, :len(full.responses[u])].tolist() for u in rows], rows, n=n,
+                               batch_size=n_prompts, mini_batch_size=mini, width=width)
+        b.scores = full.scores[rows]
+        return b
+
+    replicas: dict[int, list[int]] = {}
+    for rank in range(4):
+        replicas.setdefault(rank_coords(rank, 4, tp=2, pp=1)["dp"], []).append(rank)
+    assert replicas == {0: [0, 1], 1: [2, 3]}
+    pooled = {dp: RolloutBatch.join([generated_by(r) for r in ranks]) for dp, ranks in replicas.items()}
+    uids = [pooled[dp].uid.tolist() for dp in (0, 1)]
+    assert sorted(uids[0] + uids[1]) == list(range(n_prompts * n))
+    for dp in (0, 1):
+        b = pooled[dp]
+        assert b.total == n_prompts * n and b.num_minis == 2 and b.n == n
+        assert len(b) == len(b.prompts) == len(b.truncated) == n_prompts * n // 2
+        assert torch.equal(b.mini, b.uid // n // mini)
+        for k in range(2):  # each mini-batch: half its prompts on each replica
+            assert int((b.mini == k).sum()) == mini * n // 2
+        for i, u in enumerate(b.uid.tolist()):
+            assert b.responses[i] == full.responses[u] and b.prompts[i] == full.prompts[u]
+            assert torch.equal(b.mask[i], full.mask[u]) and torch.equal(b.rollout_logp[i], full.rollout_logp[u])
+            assert float(b.scores[i]) == float(full.scores[u])
+
+
 def test_packed_log_probs_and_values_match_one_sequence_at_a_time(tiny_model_dir, process_group):
     """Packing several samples per row (positions restarting) gives each sample's own log-probs."""
     from transformers import AutoModelForCausalLM
@@ -195,7 +243,7 @@ def _run_update(world: int, batch_json: Path, out: Path, model_dir: Path) -> dic
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
            str(UPDATE_STEP), str(model_dir), str(batch_json), str(out)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return torch.load(out)
 

@@ -1,11 +1,13 @@
 """The Megatron engine (rlctl/engines/megatron.py) and its layout math (rlctl/engines/megatron_parallel.py).
 
-Fast tests: the rank layout worked out by hand, the env megatron needs, the layout errors, the
-unpacking of packed rows, megatron-core's TransformerConfig derived from HF configs.
+Fast tests: the rank layout worked out by hand, the env megatron needs (and that the launcher passes
+it), the layout errors, uneven pipeline stages (the stage shards against the layout module's, the
+TransformerConfig field), the optimizer-offload settings, the unpacking of packed rows,
+megatron-core's TransformerConfig derived from HF configs.
 
 Slow tests (torchrun on gloo, CPU; megatron-core required): a tiny Qwen2 (4 layers, 4 heads, 2 kv
-heads, head_dim 64 != hidden/heads, QKV bias, tied and untied) loaded by the engine at tp x pp in
-{2x2 (4 processes), 2x1, 1x2, 1x1 with dp=2}:
+heads, head_dim 64 != hidden/heads, QKV bias, tied and untied; and a 5-layer one) loaded by the
+engine at tp x pp in {2x2 (4 processes), 2x1, 1x2 (also 3 + 2 layers), 1x1 with dp=2}:
 
 * every GPTModel parameter of every rank equals the slice of the HF tensor computed HERE by explicit
   per-head / per-row index arithmetic;
@@ -14,13 +16,18 @@ heads, head_dim 64 != hidden/heads, QKV bias, tied and untied) loaded by the eng
   ``rlctl.convert.megatron_io.load_megatron_to_hf`` equal the HF tensors exactly;
 * a checkpoint saved at tp2 x pp2 loads into a randomly initialised engine at tp1 x pp1 (resharding).
 
-Not here: training (megatron-core's DistributedOptimizer needs CUDA): benchmarks/megatron_gpu_check.py.
+And the recipes on the engine (training: DDP, the distributed optimizer, checkpoints with optimizer
+state): ``rlctl sft``'s recipe at tp2, stopped, resumed at pp2 (2 + 1 layers), and ``rlctl grpo``'s
+recipe (hf rollout) at tp2 follow FSDP runs of the same configs step by step.
+
 The worker processes replace a few CUDA calls (tests/megatron_engine_helpers/cpu_patches.py); the
-pytest process itself never imports those patches.
+pytest process itself never imports those patches. What still needs a GPU (bf16, Transformer
+Engine, sequence parallelism, optimizer offload): benchmarks/megatron_gpu_check.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -93,6 +100,15 @@ def test_megatron_env():
     assert megatron_env({**plan, "device": "cpu"}) == {}
 
 
+def test_the_launcher_gives_the_ranks_the_megatron_env():
+    from rlctl.launch import job_env
+
+    plan = {"backend": "megatron", "device": "cuda", "tp": 2, "sequence_parallel": True}
+    env = job_env(plan, {"PATH": "/bin", "CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and env["PATH"] == "/bin"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in job_env({**plan, "backend": "fsdp"}, {})
+
+
 def test_launch_command_is_the_plain_torchrun_command():
     from rlctl.launch import build_command
 
@@ -120,7 +136,7 @@ def test_layout_errors_name_what_would_work():
     cfg = _layout()
     with pytest.raises(UserError, match=r"tp=4 does not divide .* valid tp: 1, 2"):
         check_megatron_layout(cfg, world=4, tp=4, pp=1)
-    with pytest.raises(UserError, match=r"pp=3 does not divide the model's 4 layers; valid pp: 1, 2, 4"):
+    with pytest.raises(UserError, match=r"pp=3 cannot split the model's 4 layers .*; valid pp: 1, 2, 4$"):
         check_megatron_layout(cfg, world=3, tp=1, pp=3)
     with pytest.raises(UserError, match=r"ep=2: expert parallelism needs a MoE model"):
         check_megatron_layout(cfg, world=2, tp=1, pp=1, ep=2)
@@ -129,6 +145,17 @@ def test_layout_errors_name_what_would_work():
     with pytest.raises(UserError, match=r"3 processes cannot be split into tp 2"):
         check_megatron_layout(cfg, world=3, tp=2, pp=1)
     check_megatron_layout(cfg, world=8, tp=2, pp=2)
+    check_megatron_layout(_layout(num_hidden_layers=5), world=2, tp=1, pp=2)  # 3 + 2 layers
+
+
+def test_pipeline_stages_put_the_remainder_on_a_shorter_last_stage():
+    from rlctl.engines.megatron_parallel import layer_stages, pipeline_stages
+
+    assert pipeline_stages(61, 16) == [4] * 15 + [1]  # 61 = 15 x 4 + 1
+    assert pipeline_stages(64, 4) == [16] * 4 and pipeline_stages(5, 2) == [3, 2]
+    assert layer_stages(5, 2) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    with pytest.raises(UserError, match=r"pp=4 cannot split the model's 6 layers.*valid pp: 1, 2, 3, 6$"):
+        pipeline_stages(6, 4)  # 2+2+2+0 leaves a stage empty, 1+1+1+3 makes the last stage longer
 
 
 def test_unmapped_architecture_names_the_supported_ones():
@@ -165,14 +192,89 @@ def test_unsupported_uses_fail_before_anything_starts(monkeypatch, tmp_path):
         mg.build_engine(cfg, plan, role="critic")
     cfg.lora.rank = 8
     with pytest.raises(UserError, match="LoRA is not supported by the megatron engine"):
-        mg.build_engine(cfg, plan)
+        mg.build_engine(cfg, plan, role="actor")
     cfg.lora.rank = 0
-    with pytest.raises(UserError, match="offloading to CPU is not supported"):
-        mg.build_engine(cfg, SimpleNamespace(**vars(plan), offload_optimizer=True))
+    with pytest.raises(UserError, match="parallel.offload_params .* is not supported by the megatron engine yet"):
+        mg.build_engine(cfg, SimpleNamespace(**vars(plan), offload_params=True), role="actor")
+    gpu_plan = SimpleNamespace(**{**vars(plan), "device": "cuda"}, offload_optimizer=True)
+    monkeypatch.setattr(mg, "have_transformer_engine", lambda: False)
+    with pytest.raises(UserError, match="offload_optimizer on the megatron engine needs Transformer Engine"):
+        mg.build_engine(cfg, gpu_plan, role="actor")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("megatron") else real(name, *a))
     with pytest.raises(UserError, match=r"needs megatron-core.*pip install 'rlctl\[megatron\]'"):
-        mg.build_engine(cfg, plan)
+        mg.build_engine(cfg, plan, role="actor")
+
+
+# ----------------------------------------------------------------------------- uneven pipeline stages
+
+
+def _random_hf_state(layers: int, tied: bool) -> dict[str, torch.Tensor]:
+    """Random HF tensors of the test model's shapes (every tensor distinct)."""
+    g = torch.Generator().manual_seed(layers)
+    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
+    if not tied:
+        shapes["lm_head.weight"] = (VOCAB, HIDDEN)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (HIDDEN,), p + "post_attention_layernorm.weight": (HIDDEN,),
+                       p + "self_attn.q_proj.weight": (HEADS * D, HIDDEN), p + "self_attn.q_proj.bias": (HEADS * D,),
+                       p + "self_attn.k_proj.weight": (KV * D, HIDDEN), p + "self_attn.k_proj.bias": (KV * D,),
+                       p + "self_attn.v_proj.weight": (KV * D, HIDDEN), p + "self_attn.v_proj.bias": (KV * D,),
+                       p + "self_attn.o_proj.weight": (HIDDEN, HEADS * D), p + "mlp.gate_proj.weight": (FFN, HIDDEN),
+                       p + "mlp.up_proj.weight": (FFN, HIDDEN), p + "mlp.down_proj.weight": (HIDDEN, FFN)})
+    return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_stage_shard_splits_five_layers_into_three_and_two(tied):
+    """pp=2 on 5 layers: stage 0 holds HF layers 0-2 (and the embedding), stage 1 layers 3-4 numbered
+    0-1 (and the final norm, the output layer; a copy of the embedding when tied). Compared with the
+    layout module's single-stage shard, renumbered here."""
+    from rlctl.convert.megatron_layout import megatron_shard_for_rank
+
+    layout = _layout(num_hidden_layers=5, tie_word_embeddings=tied)
+    hf = _random_hf_state(5, tied)
+    for t in range(2):
+        whole = megatron_shard_for_rank(hf.__getitem__, layout, 2, 1, t, 0)  # tp 2, one stage
+        first, last = (mg.stage_shard(hf.__getitem__, layout, tp=2, pp=2, tp_rank=t, pp_rank=p) for p in (0, 1))
+        first_names = ("embedding.", "decoder.layers.0.", "decoder.layers.1.", "decoder.layers.2.")
+        want_first = {n: v for n, v in whole.items() if n.startswith(first_names)}
+        want_last = {n.replace(f"decoder.layers.{i}.", f"decoder.layers.{i - 3}."): v for n, v in whole.items()
+                     for i in (3, 4) if n.startswith(f"decoder.layers.{i}.")}
+        want_last["decoder.final_layernorm.weight"] = whole["decoder.final_layernorm.weight"]
+        output = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
+        want_last["output_layer.weight"] = whole[output]
+        for got, want in ((first, want_first), (last, want_last)):
+            assert sorted(got) == sorted(want)
+            assert all(torch.equal(got[n], want[n]) for n in want)
+    # an even split reads exactly what the layout module gives per stage
+    layout4 = _layout(num_hidden_layers=4, tie_word_embeddings=tied)
+    hf4 = _random_hf_state(4, tied)
+    for p in range(2):
+        got = mg.stage_shard(hf4.__getitem__, layout4, tp=1, pp=2, tp_rank=0, pp_rank=p)
+        want = megatron_shard_for_rank(hf4.__getitem__, layout4, 1, 2, 0, p)
+        assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    single = mg.stage_shard(hf4.__getitem__, layout4, tp=1, pp=1, tp_rank=0, pp_rank=0)
+    assert ("output_layer.weight" in single) == (not tied)
+
+
+@needs_mcore
+def test_uneven_stages_and_optimizer_offload_in_megatron_core_configs():
+    from megatron.core.optimizer import OptimizerConfig
+
+    hf = {"model_type": "qwen2", "hidden_size": HIDDEN, "num_hidden_layers": 5, "num_attention_heads": HEADS,
+          "num_key_value_heads": KV, "head_dim": D, "intermediate_size": FFN, "vocab_size": VOCAB}
+    assert mg.transformer_config(hf, pp=2).num_layers_in_last_pipeline_stage == 2
+    assert mg.transformer_config({**hf, "num_hidden_layers": 4}, pp=2).num_layers_in_last_pipeline_stage is None
+    cfg = RunConfig(method="sft")
+    plain = mg.optimizer_settings(cfg, lr=1e-5, dtype=torch.bfloat16, offload=False)
+    offload = mg.optimizer_settings(cfg, lr=1e-5, dtype=torch.bfloat16, offload=True)
+    assert set(offload) <= {f.name for f in dataclasses.fields(OptimizerConfig)}
+    assert {k: v for k, v in offload.items() if k not in plain} == {
+        "optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0, "use_precision_aware_optimizer": True}
+    assert plain["bf16"] and plain["use_distributed_optimizer"] and plain["lr"] == 1e-5
+    OptimizerConfig(**plain)
 
 
 # ----------------------------------------------------------------------------- packed rows
@@ -224,15 +326,17 @@ def test_transformer_config_from_hf(arch):
 # ----------------------------------------------------------------------------- torchrun on gloo
 
 # (tp, pp) -> the HF model each run loads; the 1x1 run (dp=2) starts from random weights and loads the
-# dist checkpoint saved by the 2x2 run.
-LAUNCHES = {4: [(2, 2, "tied")], 2: [(2, 1, "untied"), (1, 2, "untied"), (1, 1, "tied-from-2x2")]}
+# dist checkpoint saved by the 2x2 run. "five" has 5 layers, which pp=2 splits unevenly.
+LAUNCHES = {4: [(2, 2, "tied")], 2: [(2, 1, "untied"), (1, 2, "untied"), (1, 2, "five"), (1, 1, "tied-from-2x2")]}
 CASES = [(tp, pp, m) for runs in LAUNCHES.values() for tp, pp, m in runs]
+#: (layers, pp) -> the HF layers of each pipeline stage, worked out by hand (the last stage may hold fewer)
+STAGES = {(4, 1): [range(4)], (4, 2): [range(2), range(2, 4)], (5, 2): [range(3), range(3, 5)]}
 
 
-def _build_hf(path: Path, tied: bool) -> Path:
+def _build_hf(path: Path, tied: bool, layers: int = LAYERS) -> Path:
     from rlctl.testing import build_tiny_model
 
-    build_tiny_model(path, seed=1, vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+    build_tiny_model(path, seed=1, vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers,
                      num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=D, intermediate_size=FFN,
                      tie_word_embeddings=tied)
     from transformers import AutoModelForCausalLM
@@ -262,15 +366,16 @@ def runs(tmp_path_factory):
     if not HAVE_MCORE:
         pytest.skip("megatron-core not installed")
     root = tmp_path_factory.mktemp("megatron_engine")
-    hf = {"tied": _build_hf(root / "hf_tied", True), "untied": _build_hf(root / "hf_untied", False)}
+    hf = {"tied": _build_hf(root / "hf_tied", True), "untied": _build_hf(root / "hf_untied", False),
+          "five": _build_hf(root / "hf_five", False, layers=5)}
     torch.save(BATCH, root / "batch.pt")
     out = {}
     for nproc, launch in LAUNCHES.items():
         specs = []
         for tp, pp, name in launch:
-            run = {"tp": tp, "pp": pp, "model": str(hf[name.split("-")[0]]), "out": str(root / f"tp{tp}pp{pp}")}
+            run = {"tp": tp, "pp": pp, "model": str(hf[name.split("-")[0]]), "out": str(root / f"tp{tp}pp{pp}-{name}")}
             if name == "tied-from-2x2":
-                run["load"] = str(root / "tp2pp2" / "ckpt")
+                run["load"] = str(root / "tp2pp2-tied" / "ckpt")
             specs.append(run)
             out[(tp, pp, name)] = (Path(run["out"]), hf[name.split("-")[0]])
         spec_file = root / f"spec{nproc}.json"
@@ -285,7 +390,8 @@ def runs(tmp_path_factory):
 
 def _expected_rank(hf: dict[str, torch.Tensor], tied: bool, tp: int, pp: int, t: int, p: int) -> dict[str, torch.Tensor]:
     """Rank (t, p)'s GPTModel parameters (local-spec module names), slice by slice from the HF tensors."""
-    per_rank_vocab, layers_per_stage = PADDED_VOCAB // tp, LAYERS // pp
+    per_rank_vocab = PADDED_VOCAB // tp
+    layers = sum(name.endswith(".input_layernorm.weight") for name in hf)
     groups, q_per_group, heads = KV // tp, HEADS // KV, HEADS // tp
     ffn = FFN // tp
 
@@ -308,8 +414,8 @@ def _expected_rank(hf: dict[str, torch.Tensor], tied: bool, tp: int, pp: int, t:
     exp = {}
     if p == 0:
         exp["embedding.word_embeddings.weight"] = vocab_rows(hf["model.embed_tokens.weight"])
-    for i in range(layers_per_stage):
-        src, dst = f"model.layers.{p * layers_per_stage + i}.", f"decoder.layers.{i}."
+    for i, layer in enumerate(STAGES[layers, pp][p]):
+        src, dst = f"model.layers.{layer}.", f"decoder.layers.{i}."
         a = {n: hf[src + "self_attn." + n] for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight",
                                                        "q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.weight")}
         exp[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
@@ -390,3 +496,124 @@ def test_full_params_and_dist_checkpoint_give_the_hf_tensors(runs, tp, pp, model
     assert sorted(converted) == sorted(hf)
     for name, tensor in hf.items():
         assert torch.equal(converted[name], tensor), name
+
+
+# ----------------------------------------------------------------------------- the recipes on the Megatron engine
+
+RECIPE = Path(__file__).parent / "megatron_engine_helpers" / "recipe.py"
+
+
+@pytest.fixture(scope="module")
+def recipe_model(tmp_path_factory) -> Path:
+    """A tiny Qwen2 with a tokenizer that tp=2 can split (4 heads, 2 kv heads) and 3 layers, which
+    pp=2 splits unevenly (2 + 1)."""
+    from rlctl.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("recipe") / "model", seed=0, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, num_hidden_layers=3)
+
+
+def _megatron_run(cfg, tp: int, pp: int, env: dict | None = None) -> subprocess.CompletedProcess:
+    """What rlctl's launcher does (RUN/config.yaml, plan.json, torchrun on 2 processes), with the
+    Megatron engine's plan, the recipe started through the CPU patches."""
+    from sft_helpers import cpu_plan
+
+    from rlctl.config import save_config
+    from rlctl.launch import free_port, job_env
+
+    run = Path(cfg.output_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run / "config.yaml")
+    plan = cpu_plan(2, method=cfg.method, backend="megatron", tp=tp, pp=pp, dp=2 // (tp * pp), rollout="hf",
+                    rollout_tp=1)
+    (run / "plan.json").write_text(json.dumps(plan))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(RECIPE), cfg.method, "--run-dir", str(run)]
+    env = job_env(plan, {**os.environ, **(env or {})})
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, env=env)
+    error = run / "error.txt"
+    assert proc.returncode == 0, error.read_text() if error.is_file() else proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def _steps(run: Path) -> dict[int, dict]:
+    from rlctl.metrics import read_metrics
+
+    return {r["step"]: r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") != "eval"}
+
+
+@needs_mcore
+@pytest.mark.slow
+def test_sft_on_megatron_tp2_then_uneven_pp2_follows_fsdp(recipe_model, tmp_path):
+    """`rlctl sft`'s recipe with plan backend megatron: 2 steps at tp2 (one replica: both ranks get every
+    micro-batch), stopped with a checkpoint, resumed at pp2 (layers 2 + 1) for 2 more steps. Every step's
+    loss and grad norm equal an FSDP run's on 2 processes (dp 2) of the same config, so the gradients,
+    their clipping, the optimizer state and the lr schedule survive the change of layout."""
+    from sft_helpers import chat_rows, cpu_plan, sft_config, write_jsonl
+
+    from rlctl.launch import launch_job
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(40))
+    ref = tmp_path / "fsdp"
+    assert launch_job(sft_config(recipe_model, data, ref, train__max_steps=4), cpu_plan(2)) == 0
+    run = tmp_path / "megatron"
+    _megatron_run(sft_config(recipe_model, data, run, train__max_steps=4), tp=2, pp=1,
+                  env={"RLCTL_STOP_AFTER_STEP": "2"})
+    step2 = run / "checkpoints" / "step_000002"
+    state = json.loads((step2 / "trainer_state.json").read_text())
+    assert state["backend"] == "megatron" and state["step"] == 2
+    assert (step2 / "metadata.json").is_file() and (step2 / "common.pt").is_file()  # megatron-core's dist checkpoint
+    resumed = _megatron_run(sft_config(recipe_model, data, run, train__max_steps=4, checkpoint__resume="auto"), tp=1, pp=2)
+    assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
+    want, got = _steps(ref), _steps(run)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), step
+        assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-4), step
+        assert got[step]["lr"] == pytest.approx(want[step]["lr"], rel=1e-9), step
+    # the exported HF model is the trained one: same logits as FSDP's export
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[5, 9, 17, 33, 2, 41, 7, 8]])
+    logits = [AutoModelForCausalLM.from_pretrained(str(r / "hf")).eval()(ids).logits for r in (ref, run)]
+    assert (logits[0] - logits[1]).abs().max().item() < 1e-3
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+
+
+@needs_mcore
+@pytest.mark.slow
+def test_grpo_on_megatron_tp2_follows_fsdp(recipe_model, tmp_path):
+    """`rlctl grpo --rollout hf`'s recipe on the Megatron engine at tp2: each rank generates its own
+    prompts, the two ranks pool their samples (one replica), and log-probs, advantages, the update and
+    the weight sync to the rollout engine go through the engine. The same seeds give the same samples as
+    an FSDP run on 2 processes (dp 2): the rewards, the grad norm and the KL of each step match it."""
+    from rl_helpers import REWARDS, arith_rows
+    from sft_helpers import cpu_plan, write_jsonl
+
+    from rlctl.config import build_config, dotted_to_nested
+    from rlctl.launch import launch_job
+
+    data = write_jsonl(tmp_path / "rl.jsonl", arith_rows(16))
+
+    def cfg_for(out: Path):
+        sets = {"model.name": str(recipe_model), "data.path": str(data), "output_dir": str(out),
+                "hardware.device": "cpu", "rollout.max_prompt_len": 48, "rollout.max_response_len": 12,
+                "model.attn": "sdpa", "model.dtype": "fp32", "train.batch_size": 4, "rollout.n": 4, "train.lr": 1e-2,
+                "reward.fn": f"{REWARDS}:digits", "train.max_steps": 2, "rollout.engine": "hf", "algo.kl_coef": 0.001,
+                "checkpoint.export_hf": False}
+        return build_config("grpo", [dotted_to_nested(sets)])
+
+    ref, run = tmp_path / "fsdp", tmp_path / "megatron"
+    assert launch_job(cfg_for(ref), cpu_plan(2, method="grpo", rollout="hf", rollout_tp=1)) == 0
+    _megatron_run(cfg_for(run), tp=2, pp=1)
+    want, got = _steps(ref), _steps(run)
+    assert sorted(got) == [1, 2]
+    for step in (1, 2):
+        for key in ("reward/mean", "tokens", "response_len/mean"):
+            assert got[step][key] == want[step][key], (step, key)  # the same samples
+        for key in ("grad_norm", "entropy", "kl", "kl_loss"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-7), (step, key)
+        assert got[step]["rollout/logprob_diff"] < 1e-5  # the rollout engine holds the trainer's weights
+    assert got[2]["time/weight_sync"] > 0 and got[2]["kl"] > 0
+    state = json.loads((run / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    assert state["backend"] == "megatron" and state["method"] == "grpo"

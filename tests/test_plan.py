@@ -336,3 +336,35 @@ def test_detect_local_is_cheap_and_imports_no_torch():
             "assert 'torch' not in sys.modules; print(env.gpu_count, sorted(env.installed))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.split()[0].isdigit()
+
+
+def test_ppo_and_lora_are_planned_on_fsdp_because_the_megatron_engine_cannot_run_them():
+    """rlctl's Megatron engine runs no PPO critic and no LoRA yet: where Megatron would be chosen, the plan
+    falls back to FSDP2 (offloading when it has to) and says why; --what-to-rent never rents Megatron for it."""
+    grpo = plan_for("grpo", model={"name": "Qwen2.5-32B"}, hardware={"gpus": 8})
+    assert grpo.backend == "megatron"  # the same job without a critic
+    ppo = plan_for("ppo", model={"name": "Qwen2.5-32B"}, hardware={"gpus": 8})
+    assert ppo.backend == "fsdp" and (ppo.tp, ppo.pp, ppo.dp) == (1, 1, 8)
+    assert "backend fsdp: the Megatron engine does not run a PPO critic yet: FSDP2" in ppo.reasons
+    assert not any(r.startswith("rejected megatron") for r in ppo.reasons)
+    moe_lora = plan_for("sft", model={"name": "Qwen3-30B-A3B"}, hardware={"gpus": 8}, lora={"rank": 16})
+    assert moe_lora.backend == "fsdp" and moe_lora.ep == 1
+    assert "backend fsdp: the Megatron engine does not run LoRA yet: FSDP2" in moe_lora.reasons
+    rows = what_to_rent(cfg_for("ppo", model={"name": "Qwen2.5-72B"}), local=LAPTOP)
+    assert rows and all(r.plan.backend == "fsdp" for r in rows if r.plan is not None)
+
+
+def test_megatron_for_ppo_or_lora_set_by_hand_is_refused():
+    with pytest.raises(UserError, match=r"parallel.backend=megatron needs the Megatron engine, which does not run a PPO "
+                                        r"critic yet; use parallel.backend=fsdp"):
+        plan_for("ppo", model={"name": "Qwen2.5-7B"}, hardware={"gpus": 8}, parallel={"backend": "megatron"})
+    with pytest.raises(UserError, match=r"^parallel.tp=4 needs the Megatron engine, which does not run LoRA yet"):
+        plan_for("grpo", model={"name": "Qwen3-30B-A3B"}, hardware={"gpus": 8}, parallel={"tp": 4}, lora={"rank": 8})
+
+
+def test_moe_keeps_megatron_with_a_warning_that_the_engine_does_not_run_it():
+    p = plan_for("sft", model={"name": "Qwen3-30B-A3B"}, hardware={"gpus": 8})
+    assert p.backend == "megatron" and p.ep > 1
+    assert any(w.startswith("the Megatron engine does not run MoE models yet (Qwen3-30B-A3B)") for w in p.warnings)
+    dense = plan_for("grpo", model={"name": "Qwen2.5-32B"}, hardware={"gpus": 8})
+    assert not any("MoE" in w for w in dense.warnings)

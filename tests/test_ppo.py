@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import run_cli
 from rl_helpers import arith_rows, failure, rl_args, train_records
 from sft_helpers import write_jsonl

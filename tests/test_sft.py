@@ -214,6 +214,30 @@ def test_rank_split_covers_the_global_batch_for_any_world_size(packing):
     assert s.indices(3) != s.indices(0) and StepSampler(10, 4, seed=3).indices(4) == s.indices(4)
 
 
+def test_micro_batches_are_dealt_by_data_parallel_replica(tiny_model_dir, tmp_path):
+    """A fake Megatron layout on 4 ranks, tp 2 x dp 2 (megatron_parallel.rank_coords: ranks 0, 1 are
+    replica 0, ranks 2, 3 replica 1): the two TP ranks of a replica get the same micro-batches, the two
+    replicas split the global batch (every document once, every loss token counted once)."""
+    from rlctl.engines.megatron_parallel import rank_coords
+    from rlctl.recipes.sft import SFTTrainer
+
+    cfg = cfg_for(tiny_model_dir, tmp_path / "unused.jsonl", tmp_path, train__max_tokens_per_micro_batch=16,
+                  train__max_len=16)
+    batch = _examples([5, 9, 3, 7, 12, 4, 8])
+    dealt = {}
+    for rank in range(4):
+        dp = rank_coords(rank, 4, tp=2, pp=1)["dp"]
+        engine = SimpleNamespace(dp_rank=dp, dp_size=2, device=torch.device("cpu"))
+        trainer = SFTTrainer(SimpleNamespace(cfg=cfg, plan=SimpleNamespace()), engine, None, None, pad_id=0)
+        dealt[rank] = trainer._micro_batches(batch)
+    as_lists = {r: [(mb.input_ids.tolist(), mb.labels.tolist()) for mb in mbs] for r, mbs in dealt.items()}
+    assert as_lists[0] == as_lists[1] and as_lists[2] == as_lists[3] and as_lists[0] != as_lists[2]
+    firsts = sorted(int(t) for r in (0, 2) for mb in dealt[r] if mb.num_seqs  # a document's first token is 100 k
+                    for t, p in zip(mb.input_ids.flatten(), mb.position_ids.flatten()) if p == 0)
+    assert firsts == [100 * k for k in range(len(batch))]
+    assert sum(mb.num_loss_tokens for r in (0, 2) for mb in dealt[r]) == sum(ex.num_loss_tokens for ex in batch)
+
+
 # ---------------------------------------------------------------------------------------------
 # Whole runs (torchrun, gloo)
 

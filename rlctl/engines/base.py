@@ -1,30 +1,43 @@
 """The small training-engine interface the recipes use, and where a model's files come from.
 
-An engine owns one model (actor, reference or critic) sharded over the data-parallel ranks,
-its optimizer and its learning-rate schedule. The recipes (sft, grpo, ppo) only talk to this
-interface, so the FSDP2 engine (:mod:`rlctl.engines.fsdp`) and a Megatron engine can be swapped.
+An engine owns one model (actor, reference or critic) split over the ranks, its optimizer and its
+learning-rate schedule. The recipes (sft, grpo, ppo) only talk to this interface, and
+:func:`rlctl.engines.build_engine` picks the engine from the plan's ``backend``: the FSDP2 engine
+(:mod:`rlctl.engines.fsdp`) or the Megatron engine (:mod:`rlctl.engines.megatron`).
 
 Contract of a training step, for every engine::
 
-    for i, mb in enumerate(micro_batches):            # the same count on every rank
-        out = engine.forward(mb.input_ids, mb.position_ids, mb.attention_mask)
-        loss = <this rank's share of the global loss>  # the ranks' shares SUM to the global loss
-        engine.backward(loss, sync=(i == last))
-    grad_norm = engine.step()                          # clip, optimizer step, lr schedule, zero grads
+    results = engine.forward_backward(micro_batches, loss_fn)   # the same count on every rank
+    grad_norm = engine.step()                                    # clip, optimizer step, lr schedule, zero grads
 
-Gradients are summed over ranks (not averaged), so a loss normalised by the global number of
-loss tokens gives the same update for any world size or number of micro-batches.
+``loss_fn(output, mb) -> (loss, result)`` gets the model's output for one micro-batch (logits
+``[B, T, V]``, or values ``[B, T]`` for a critic) and returns this rank's share of the global loss
+(the ranks' shares SUM to the global loss) and anything the caller wants back (a tensor or a dict of
+tensors), which ``forward_backward`` returns detached, one per micro-batch, on every rank.
+``forward_only=True`` runs the same without gradients (``loss`` may be None).
+
+Gradients are summed over data-parallel ranks (not averaged), so a loss normalised by the global
+number of loss tokens gives the same update for any world size or number of micro-batches.
+
+Data-parallel coordinates: the ranks that split one copy of the model (Megatron's tensor and
+pipeline ranks; :attr:`TrainEngine.mp_size` of them) must be fed the same micro-batches. Data is
+dealt by :attr:`~TrainEngine.dp_rank` over :attr:`~TrainEngine.dp_size` replicas, and sums over the
+data (metrics, token counts) are reduced over :attr:`~TrainEngine.dp_group`: summing over every rank
+would count each value ``mp_size`` times. For FSDP every rank is its own replica (dp = world).
 """
 
 from __future__ import annotations
 
 import abc
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from rlctl.errors import UserError
 
@@ -32,11 +45,18 @@ ROLES = ("actor", "ref", "critic")
 
 
 class TrainEngine(abc.ABC):
-    """A (possibly sharded) model with its optimizer; see the module docstring for the step contract."""
+    """A (possibly sharded) model with its optimizer; see the module docstring for the step contract.
 
+    The defaults here are what FSDP does (every rank a data-parallel replica, steps as a loop of
+    :meth:`forward` / :meth:`backward`, checkpoints with torch.distributed.checkpoint); the Megatron
+    engine overrides them.
+    """
+
+    backend: str  # "fsdp" | "megatron": recorded in checkpoints, which only the same backend loads
     role: str
     model: torch.nn.Module
     device: torch.device
+    compute_dtype: torch.dtype  # the dtype of the forward and backward
     hf_config: object  # the transformers config of the underlying model
 
     @abc.abstractmethod
@@ -47,6 +67,25 @@ class TrainEngine(abc.ABC):
     @abc.abstractmethod
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
         """Accumulate gradients of this rank's share of the loss; ``sync`` on the last micro-batch."""
+
+    def forward_backward(self, micro_batches: Sequence[Any], loss_fn: LossFn, *,
+                         forward_only: bool = False) -> list[Any]:
+        """Run every micro-batch of a step (collective: the same count on every rank of the group).
+
+        A micro-batch has ``input_ids`` and ``position_ids`` [B, T] (and maybe ``attention_mask``).
+        ``loss_fn(output, mb) -> (loss, result)``: ``loss`` (this rank's share of the global loss) is
+        back-propagated unless ``forward_only``; the detached ``result`` of every micro-batch is
+        returned. Training leaves the gradients reduced, ready for :meth:`step`.
+        """
+        results = []
+        with torch.set_grad_enabled(not forward_only):
+            for i, mb in enumerate(micro_batches):
+                output = self.forward(mb.input_ids, mb.position_ids, getattr(mb, "attention_mask", None))
+                loss, result = loss_fn(output, mb)
+                if not forward_only:
+                    self.backward(loss, sync=i == len(micro_batches) - 1)
+                results.append(detached(result))
+        return results
 
     @abc.abstractmethod
     def step(self) -> float:
@@ -61,6 +100,35 @@ class TrainEngine(abc.ABC):
     def train(self, mode: bool = True) -> None:
         """Switch dropout etc. on (train) or off (eval)."""
 
+    # ------------------------------------------------------------------ data-parallel coordinates
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel replica: which share of the data it takes."""
+        return dist.get_rank()
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel replicas share the data."""
+        return dist.get_world_size()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The group to reduce sums over the data in (None: the default group, every rank)."""
+        return None
+
+    @property
+    def mp_size(self) -> int:
+        """Ranks that split one copy of the model between them and see the same data (Megatron: tp x pp)."""
+        return 1
+
+    @property
+    def mp_group(self) -> dist.ProcessGroup | None:
+        """The group of those ranks (only meaningful when :attr:`mp_size` > 1)."""
+        return None
+
+    # ------------------------------------------------------------------ checkpoints
+
     @abc.abstractmethod
     def state_dict(self) -> dict:
         """A distributed-checkpoint state: {"model", "optim", "scheduler"} (only "model" when frozen)."""
@@ -68,6 +136,18 @@ class TrainEngine(abc.ABC):
     @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned (after ``dcp.load`` filled it in)."""
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        """Write model (+ optimizer, schedule) into the directory ``path`` (collective)."""
+        dcp.save(self.state_dict(), checkpoint_id=str(path))
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Load what :meth:`save_checkpoint` wrote, resharding to this world size (collective)."""
+        state = self.state_dict()
+        dcp.load(state, checkpoint_id=str(path))
+        self.load_state_dict(state)
+
+    # ------------------------------------------------------------------ full weights
 
     @abc.abstractmethod
     def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -83,6 +163,19 @@ class TrainEngine(abc.ABC):
 
     def save_lora_config(self, out_dir: str | Path) -> None:
         """Write peft's adapter_config.json into ``out_dir`` (LoRA only)."""
+
+
+#: ``loss_fn(output, micro_batch) -> (loss or None, result)``, see :meth:`TrainEngine.forward_backward`.
+LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor | None, Any]]
+
+
+def detached(result: Any) -> Any:
+    """A loss_fn result (a tensor, a dict of tensors, or plain values) without autograd history."""
+    if isinstance(result, torch.Tensor):
+        return result.detach()
+    if isinstance(result, dict):
+        return {k: detached(v) for k, v in result.items()}
+    return result
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,16 +5,21 @@
     RUN/checkpoints/
       latest                       # text: the name of the last complete checkpoint, e.g. step_000200
       step_000200/
-        .metadata, __*_*.distcp    # torch.distributed.checkpoint of {"model", "optim", "scheduler"}
+        .metadata, __*_*.distcp    # the engine's save_checkpoint: FSDP: torch.distributed.checkpoint of
+                                   #   {"model", "optim", "scheduler"}; Megatron: megatron-core's
+                                   #   dist_checkpointing (torch_dist, plus metadata.json and common.pt)
         critic/                    # PPO only: the critic's engine, same layout
         rng/rank_{r}.pt            # each rank's RNG states
-        trainer_state.json         # {"step", "epoch", "world_size", "method", "lora", "data", ...}
+        trainer_state.json         # {"step", "epoch", "world_size", "backend", "method", "lora", "data", ...}
         huggingface/               # config.json, generation_config.json, tokenizer files
         lora_adapter/adapter_config.json   # when LoRA was used
 
-A checkpoint is written under ``.tmp-step_N`` and renamed only once every rank has finished, so a
-crash mid-write leaves the previous checkpoint (and ``latest``) intact. DCP stores each tensor with
-its global shape, so a checkpoint loads on any number of processes (it reshards on load).
+The engines write and read their own files (:meth:`TrainEngine.save_checkpoint` /
+:meth:`~TrainEngine.load_checkpoint`); this module owns the directory, the RNG states, the trainer
+state and the atomic rename. A checkpoint is written under ``.tmp-step_N`` and renamed only once
+every rank has finished, so a crash mid-write leaves the previous checkpoint (and ``latest``)
+intact. Both formats store each tensor with its global shape, so a checkpoint loads on any number
+of processes (FSDP) or any tp/pp (Megatron); it loads with the backend that saved it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from rlctl.engines.base import TrainEngine
 from rlctl.errors import UserError
@@ -110,14 +114,15 @@ def save_checkpoint(root: str | Path, step: int, engines: dict[str, TrainEngine]
         tmp.mkdir()
     dist.barrier()
     for sub, engine in engines.items():
-        dcp.save(engine.state_dict(), checkpoint_id=str(tmp / sub) if sub else str(tmp))
+        engine.save_checkpoint(tmp / sub if sub else tmp)
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(rng_state, tmp / "rng" / f"rank_{rank}.pt")
     if rank == 0 and os.environ.get(KILL_DURING_SAVE_ENV, "") == str(step):
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
     if rank == 0:
-        state = {**trainer_state, "step": step, "world_size": dist.get_world_size(),
+        backend = next(iter(engines.values())).backend  # every engine of a run has the plan's backend
+        state = {**trainer_state, "step": step, "world_size": dist.get_world_size(), "backend": backend,
                  "lora": engines[""].lora_info() if "" in engines else None}
         if "critic" in engines:
             state["critic_lora"] = engines["critic"].lora_info()
@@ -147,13 +152,16 @@ def load_checkpoint(path: str | Path, engines: dict[str, TrainEngine]) -> tuple[
     path = Path(path)
     if not _is_complete(path):
         raise UserError(f"{path} is not a complete rlctl checkpoint (no trainer_state.json or .metadata)")
+    trainer_state = read_trainer_state(path)
+    saved_by = trainer_state.get("backend", "fsdp")
     for sub, engine in engines.items():
+        if engine.backend != saved_by:
+            raise UserError(f"{path} was saved by the {saved_by} engine; resume it with --set parallel.backend="
+                            f"{saved_by} (or convert it: rlctl convert)")
         where = path / sub if sub else path
         if not (where / ".metadata").is_file():
             raise UserError(f"{path} has no '{sub}' model; it was saved by another method")
-        state = engine.state_dict()
-        dcp.load(state, checkpoint_id=str(where))
-        engine.load_state_dict(state)
+        engine.load_checkpoint(where)
     rng_file = path / "rng" / f"rank_{dist.get_rank()}.pt"
     rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None
-    return read_trainer_state(path), rng
+    return trainer_state, rng

@@ -11,9 +11,11 @@ How a model is built (the same on every rank, see :class:`FSDPEngine`):
    them one tensor at a time, each rank keeping its shard; non-persistent buffers (RoPE's
    ``inv_freq``), which no state dict carries, are broadcast from rank 0's copy too.
 
-Precision: parameters (the master weights) and optimizer states are fp32; on GPU the forward and
-backward run in bf16 and gradients are reduced in fp32 (``MixedPrecisionPolicy``); on CPU
-everything is fp32. A frozen model (the reference policy) keeps its weights in the compute dtype.
+Precision: trained parameters (the master weights) and optimizer states are fp32; on GPU the
+forward and backward run in bf16 and gradients are reduced in fp32 (``MixedPrecisionPolicy``); on
+CPU everything is fp32. Frozen weights are held in the compute dtype: a frozen model (the reference
+policy), and with LoRA the frozen base model (only the adapters, and a critic's value head, are
+trained and kept in fp32).
 
 Gradients are SUMMED over ranks (see :mod:`rlctl.engines.base`), clipped by their global norm,
 and AdamW steps with a linear warmup then cosine decay to ``min_lr_ratio`` of the peak.
@@ -112,6 +114,8 @@ class FSDPEngine(TrainEngine):
         lora: apply ``cfg.lora`` when its rank > 0 (default: for trainable actors and critics).
     """
 
+    backend = "fsdp"
+
     def __init__(self, cfg: RunConfig, plan, *, role: str = "actor", trainable: bool = True, total_steps: int = 0,
                  lr: float | None = None, source: ModelSource | None = None, lora: bool | None = None):
         if role not in ROLES:
@@ -132,7 +136,8 @@ class FSDPEngine(TrainEngine):
         self.hf_config = self.source.load_config()
         use_lora = (trainable and role != "ref") if lora is None else lora
         self.lora_rank = cfg.lora.rank if use_lora else 0
-        self.param_dtype = torch.float32 if trainable else self.compute_dtype
+        self.param_dtype = torch.float32 if trainable else self.compute_dtype  # what the optimizer steps
+        self.frozen_dtype = self.compute_dtype if self.lora_rank or not trainable else torch.float32  # the base
 
         with torch.device("meta"):
             self.model, self._state_module = self._build(self.hf_config)
@@ -171,7 +176,7 @@ class FSDPEngine(TrainEngine):
         from transformers import AutoModel, AutoModelForCausalLM
 
         cls = AutoModel if self.role == "critic" else AutoModelForCausalLM
-        kwargs = {"attn_implementation": self.attn, "dtype": self.param_dtype}
+        kwargs = {"attn_implementation": self.attn, "dtype": self.frozen_dtype}
         if pretrained and not self.source.random_init:
             try:  # the checkpoint's own dtype: half the host memory for bf16 weights; copies upcast exactly
                 model = cls.from_pretrained(self.source.path, config=config, **{**kwargs, "dtype": "auto"})
@@ -207,6 +212,9 @@ class FSDPEngine(TrainEngine):
             raise UserError(f"--lora-targets {lc.targets}: {str(e).splitlines()[0]}{did_you_mean(bad, names)}; "
                             f"linear layers here: {', '.join(names)}") from None
         self._check_lora_layers(peft_model)
+        for p in peft_model.parameters():  # the adapters: fp32 master weights beside the frozen base
+            if p.requires_grad:
+                p.data = p.data.to(self.param_dtype)
         if self.role == "critic":
             model.model = peft_model
             return model, model

@@ -1,8 +1,9 @@
 """The Megatron training engine: megatron-core's ``GPTModel`` with tensor, pipeline and data parallelism.
 
 The planner picks ``backend=megatron`` for models too large for FSDP alone (14B-72B dense). The
-recipe then builds :func:`build_engine` instead of the FSDP engine; the launch command is the same
-torchrun command (the environment of :func:`rlctl.engines.megatron_parallel.megatron_env` added).
+recipes build their engines with :func:`rlctl.engines.build_engine`, which calls :func:`build_engine`
+here for that backend; the launch command is the same torchrun command (the environment of
+:func:`rlctl.engines.megatron_parallel.megatron_env` added).
 
 How a model is built (every rank, see :class:`MegatronEngine`):
 
@@ -12,24 +13,24 @@ How a model is built (every rank, see :class:`MegatronEngine`):
    RMSNorm, SwiGLU, RoPE with the model's theta, GQA, QKV bias (Qwen2), q/k norm (Qwen3), tied
    embeddings, the vocabulary padded to a multiple of :data:`VOCAB_MULTIPLE` (the same for any tp up
    to 8, so checkpoints reshard across tp). Transformer Engine's layer spec on GPU when installed,
-   megatron-core's local spec otherwise;
-3. the rank reads only its slices of the HF safetensors through
-   :func:`rlctl.convert.megatron_layout.megatron_shard_for_rank`, and every parameter must be set;
+   megatron-core's local spec otherwise. When pp does not divide the layers the last stage holds
+   fewer (``num_layers_in_last_pipeline_stage``, :func:`rlctl.engines.megatron_parallel.pipeline_stages`);
+3. the rank reads only its slices of the HF safetensors (:func:`stage_shard`), and every parameter
+   must be set;
 4. trainable models are wrapped in megatron-core's ``DistributedDataParallel`` and get its
    ``DistributedOptimizer`` (AdamW; bf16 parameters with fp32 master weights and fp32 gradient
-   reduction on GPU).
+   reduction on GPU). With the plan's ``offload_optimizer`` the master weights, gradient copies and
+   AdamW states live on the CPU, which steps the optimizer (:func:`optimizer_settings`).
 
 Gradients are SUMMED over data-parallel ranks (``calculate_per_token_loss=True``: no averaging by
 the DP size nor by the number of micro-batches), as :mod:`rlctl.engines.base` requires. Tensor- and
 pipeline-parallel ranks of one data-parallel replica must be fed the same micro-batches
-(:attr:`MegatronEngine.dp_rank` / :attr:`dp_size` say which share a rank takes).
+(:attr:`MegatronEngine.dp_rank` / :attr:`~MegatronEngine.dp_size` say which share a rank takes;
+sums over the data go over :attr:`~MegatronEngine.dp_group`).
 
-Two ways to run a step:
-
-* :meth:`MegatronEngine.forward_backward` runs megatron-core's pipeline schedule
-  (``get_forward_backward_func``) over all micro-batches of a step; it works for any pp.
-* :meth:`~MegatronEngine.forward` / :meth:`~MegatronEngine.backward` (the generic engine contract)
-  work when pp = 1.
+Steps: :meth:`MegatronEngine.forward_backward` (what the recipes call) runs megatron-core's pipeline
+schedule (``get_forward_backward_func``) over all micro-batches of a step, for any pp;
+:meth:`~MegatronEngine.forward` / :meth:`~MegatronEngine.backward` work when pp = 1.
 
 Packed rows (several documents in one row, positions restarting at 0) are unpacked into one padded
 row per document before the model (:func:`unpack_rows`), because megatron-core's RoPE numbers
@@ -43,11 +44,12 @@ checkpoint loads at another tp/pp, and ``rlctl convert megatron-to-hf`` reads it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -61,8 +63,20 @@ from rlctl.convert.megatron_layout import (
     megatron_shard_for_rank,
     megatron_to_hf,
 )
-from rlctl.engines.base import ROLES, ModelSource, TrainEngine, model_source
-from rlctl.engines.megatron_parallel import CUDA_MAX_CONNECTIONS, check_megatron_layout
+from rlctl.engines.base import (
+    ROLES,
+    LossFn,
+    ModelSource,
+    TrainEngine,
+    detached,
+    model_source,
+)
+from rlctl.engines.megatron_parallel import (
+    CUDA_MAX_CONNECTIONS,
+    check_megatron_layout,
+    layer_stages,
+    pipeline_stages,
+)
 from rlctl.errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -124,7 +138,7 @@ def _check_sliding_window(hf: Mapping[str, Any], max_seq_len: int) -> None:
 
 def transformer_config(hf: Mapping[str, Any], *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                        sequence_parallel: bool = False, dtype: torch.dtype = torch.float32, cuda: bool = False,
-                       recompute: bool = False, init_weights: bool = True):
+                       recompute: bool = False):
     """megatron-core's ``TransformerConfig`` for an HF Qwen2/Qwen2.5/Qwen3/Llama/Mistral config."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -135,6 +149,9 @@ def transformer_config(hf: Mapping[str, Any], *, tp: int = 1, pp: int = 1, cp: i
     kwargs: dict[str, Any] = {}
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    stages = pipeline_stages(layout.num_layers, pp)
+    if stages[-1] != stages[0]:  # pp does not divide the layers: even stages, then a shorter last one
+        kwargs["num_layers_in_last_pipeline_stage"] = stages[-1]
     return TransformerConfig(
         num_layers=layout.num_layers,
         hidden_size=layout.hidden_size,
@@ -152,7 +169,9 @@ def transformer_config(hf: Mapping[str, Any], *, tp: int = 1, pp: int = 1, cp: i
         hidden_dropout=0.0,
         attention_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
         init_method_std=float(hf.get("initializer_range", 0.02)),
-        perform_initialization=init_weights,
+        # always: megatron-core marks TP-split weights (``tensor_model_parallel``) only while initialising
+        # them, and without the mark the grad norm (and so clipping) counts one TP rank's shard only
+        perform_initialization=True,
         use_cpu_initialization=not cuda,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -222,10 +241,36 @@ def layout_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+_LAYER0 = "decoder.layers.0."
+
+
+def _in_stage(name: str, local: int) -> str:
+    """A one-layer stage's name (``decoder.layers.0.*``) as layer ``local`` of a real stage."""
+    return f"decoder.layers.{local}." + name[len(_LAYER0):] if name.startswith(_LAYER0) else name
+
+
+def stage_shard(get_hf_tensor, layout: MegatronLayoutConfig, *, tp: int, pp: int, tp_rank: int,
+                pp_rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``(tp_rank, pp_rank)``'s Megatron state dict for any pipeline split (:func:`pipeline_stages`).
+
+    The layout numbers even stages only, so each layer of this stage is read as the one layer of a
+    stage of a ``pp = num_layers`` split and renumbered; layer 0 brings the embedding and the last
+    layer the final norm and output layer, which are on the first and last stage in any split.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for layer, (stage, local) in enumerate(layer_stages(layout.num_layers, pp)):
+        if stage == pp_rank:
+            part = megatron_shard_for_rank(get_hf_tensor, layout, tp, layout.num_layers, tp_rank, layer)
+            out.update((_in_stage(name, local), t) for name, t in part.items())
+    if layout.tied_embeddings and pp == 1:  # one stage: the output layer IS the embedding
+        out.pop("output_layer.weight", None)
+    return out
+
+
 def load_hf_weights(model: torch.nn.Module, get_hf_tensor, layout: MegatronLayoutConfig, *, tp: int, pp: int,
                     tp_rank: int, pp_rank: int) -> None:
     """Copy rank ``(tp_rank, pp_rank)``'s slices of the HF tensors into ``model``; every parameter must be set."""
-    shard = megatron_shard_for_rank(get_hf_tensor, layout, tp, pp, tp_rank, pp_rank)
+    shard = stage_shard(get_hf_tensor, layout, tp=tp, pp=pp, tp_rank=tp_rank, pp_rank=pp_rank)
     params = layout_state(model)
     missing, unexpected = sorted(set(params) - set(shard)), sorted(set(shard) - set(params))
     if missing or unexpected:
@@ -283,6 +328,21 @@ def unpack_rows(input_ids: torch.Tensor, position_ids: torch.Tensor, attention_m
 # The engine
 
 
+def optimizer_settings(cfg: RunConfig, *, lr: float, dtype: torch.dtype, offload: bool) -> dict[str, Any]:
+    """megatron-core ``OptimizerConfig`` fields: AdamW over the distributed optimizer (fp32 master weights
+    beside bf16 parameters), clipping by ``train.grad_clip``. ``offload``: all optimizer states and the
+    step on the CPU (``optimizer_cpu_offload`` with fraction 1.0, which needs the precision-aware optimizer)."""
+    t = cfg.train
+    settings: dict[str, Any] = {
+        "optimizer": "adam", "lr": lr, "weight_decay": t.weight_decay, "adam_beta1": float(t.betas[0]),
+        "adam_beta2": float(t.betas[1]), "adam_eps": 1e-8,
+        "clip_grad": t.grad_clip if t.grad_clip > 0 else 1e30,  # a huge clip still reports the norm
+        "bf16": dtype == torch.bfloat16, "params_dtype": dtype, "use_distributed_optimizer": True}
+    if offload:
+        settings.update(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, use_precision_aware_optimizer=True)
+    return settings
+
+
 def _plan_get(plan, key: str, default=None):
     return plan.get(key, default) if isinstance(plan, Mapping) else getattr(plan, key, default)
 
@@ -309,8 +369,10 @@ class MegatronEngine(TrainEngine):
     """One model split by megatron-core (TP x PP, replicated over DP), with its optimizer when trainable.
 
     The constructor mirrors :class:`rlctl.engines.fsdp.FSDPEngine` (same arguments); plan fields used:
-    device, dtype, tp, pp, cp, ep, sequence_parallel, activation_checkpointing.
+    device, dtype, tp, pp, cp, ep, sequence_parallel, activation_checkpointing, offload_optimizer.
     """
+
+    backend = "megatron"
 
     def __init__(self, cfg: RunConfig, plan, *, role: str = "actor", trainable: bool = True, total_steps: int = 0,
                  lr: float | None = None, source: ModelSource | None = None, lora: bool | None = None):
@@ -323,22 +385,28 @@ class MegatronEngine(TrainEngine):
             raise UserError("LoRA is not supported by the megatron engine; set lora.rank=0 or parallel.backend=fsdp")
         if cfg.train.compile:
             raise UserError("train.compile is not supported by the megatron engine; set train.compile=false")
-        if _plan_get(plan, "offload_params") or _plan_get(plan, "offload_optimizer"):
-            raise UserError("offloading to CPU is not supported by the megatron engine; set "
-                            "parallel.offload_params=false parallel.offload_optimizer=false and use more GPUs or pp")
+        self.cuda = _plan_get(plan, "device", "cpu") == "cuda"
+        if _plan_get(plan, "offload_params"):
+            raise UserError("parallel.offload_params (weights on the CPU between phases) is not supported by the "
+                            "megatron engine yet; set parallel.offload_params=false (parallel.offload_optimizer=true "
+                            "keeps the optimizer on the CPU) or use more GPUs")
+        self.offload_optimizer = bool(_plan_get(plan, "offload_optimizer")) and trainable and self.cuda
+        if self.offload_optimizer and not have_transformer_engine():
+            raise UserError("parallel.offload_optimizer on the megatron engine needs Transformer Engine "
+                            "(megatron-core's precision-aware optimizer): pip install 'transformer-engine[pytorch]', "
+                            "or set parallel.offload_optimizer=false")
         require_megatron_core()
         from megatron.core import parallel_state
 
         self.cfg, self.role, self.trainable = cfg, role, trainable
         self.total_steps = total_steps
         self.peak_lr = cfg.train.lr if lr is None else lr
-        self.cuda = _plan_get(plan, "device", "cpu") == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         name = _plan_get(plan, "dtype") or cfg.model.dtype
         name = ("bf16" if self.cuda else "fp32") if name in (None, "auto") else name
         if name not in DTYPES:
             raise UserError(f"the megatron engine trains in bf16 or fp32, not {name}; set model.dtype=bf16")
-        self.dtype = DTYPES[name]
+        self.compute_dtype = DTYPES[name]
         self.tp, self.pp = int(_plan_get(plan, "tp", 1) or 1), int(_plan_get(plan, "pp", 1) or 1)
         cp, ep = int(_plan_get(plan, "cp", 1) or 1), int(_plan_get(plan, "ep", 1) or 1)
         self.sequence_parallel = bool(_plan_get(plan, "sequence_parallel", False)) and self.tp > 1
@@ -357,14 +425,10 @@ class MegatronEngine(TrainEngine):
         init_model_parallel(self.tp, self.pp, cp, ep, seed=cfg.train.seed, cuda=self.cuda)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
-        #: the ranks holding the other replicas of this rank's shard (reduce per-replica metrics over it)
-        self.dp_group = parallel_state.get_data_parallel_group()
         self.config = transformer_config(
-            hf, tp=self.tp, pp=self.pp, cp=cp, ep=ep, sequence_parallel=self.sequence_parallel, dtype=self.dtype,
-            cuda=self.cuda, recompute=trainable and bool(_plan_get(plan, "activation_checkpointing", False)),
-            init_weights=self.source.random_init)
+            hf, tp=self.tp, pp=self.pp, cp=cp, ep=ep, sequence_parallel=self.sequence_parallel,
+            dtype=self.compute_dtype,
+            cuda=self.cuda, recompute=trainable and bool(_plan_get(plan, "activation_checkpointing", False)))
         torch.manual_seed(cfg.train.seed)
         self.gpt = build_gpt_model(hf, self.config, tp=self.tp, cuda=self.cuda)
         if self.cuda:
@@ -401,13 +465,9 @@ class MegatronEngine(TrainEngine):
         self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=self.gpt)
         if self.source.random_init:
             self.model.broadcast_params()  # the same random weights on every data-parallel replica
-        t = self.cfg.train
-        opt_config = OptimizerConfig(
-            optimizer="adam", lr=self.peak_lr * self._lr_factor(0), weight_decay=t.weight_decay,
-            adam_beta1=float(t.betas[0]), adam_beta2=float(t.betas[1]), adam_eps=1e-8,
-            clip_grad=t.grad_clip if t.grad_clip > 0 else 1e30,  # a huge clip still reports the norm
-            bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype, use_distributed_optimizer=True)
-        self.optimizer = get_megatron_optimizer(opt_config, [self.model])
+        settings = optimizer_settings(self.cfg, lr=self.peak_lr * self._lr_factor(0), dtype=self.compute_dtype,
+                                      offload=self.offload_optimizer)
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(**settings), [self.model])
         # the pipeline schedule syncs gradients through these hooks; no per-token scaling (the
         # recipe's loss is already normalised by the global token count)
         self.config.no_sync_func = self.model.no_sync
@@ -466,16 +526,12 @@ class MegatronEngine(TrainEngine):
         if sync:
             self.config.finalize_model_grads_func([self.model])
 
-    def forward_backward(self, micro_batches: Sequence[Any], loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
-                         *, forward_only: bool = False) -> list[torch.Tensor]:
+    def forward_backward(self, micro_batches: Sequence[Any], loss_fn: LossFn, *,
+                         forward_only: bool = False) -> list[Any]:
         """Run ``micro_batches`` through megatron-core's pipeline schedule (any pp); collective over the
-        model-parallel group.
-
-        Each micro-batch has ``input_ids`` and ``position_ids`` [B, T] (and optionally
-        ``attention_mask``); ``loss_fn(logits [B, T, V], mb)`` returns this rank's share of the
-        global loss (training) or any tensor (``forward_only``). Returns ``loss_fn``'s detached results
-        in fp32, one per micro-batch, on every rank (sent from the last pipeline stage). Training leaves
-        the gradients reduced over DP, ready for :meth:`step`.
+        model-parallel group. The contract of :meth:`TrainEngine.forward_backward`: ``loss_fn(logits
+        [B, T, V], mb) -> (loss, result)`` runs on the last pipeline stage, and its results are sent to
+        the other stages, so every rank gets them. Training leaves the gradients reduced over DP.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -490,40 +546,61 @@ class MegatronEngine(TrainEngine):
             return self._run(model, up), partial(loss_func, mb, up)
 
         def loss_func(mb, up, output, non_loss_data=False):
-            result = loss_fn(up.repack(output[..., :self.layout.vocab_size]), mb)
-            if non_loss_data:
-                return result.detach()
-            return result, torch.ones((), dtype=torch.int, device=self.device), {"out": result.detach()}
+            loss, result = loss_fn(up.repack(output[..., :self.layout.vocab_size]), mb)
+            if non_loss_data:  # forward_only
+                return detached(result)
+            # (calculate_per_token_loss: the schedule neither divides by this count nor by the micro-batches)
+            return loss, torch.ones((), dtype=torch.int, device=self.device), {"result": detached(result)}
 
-        results = get_forward_backward_func()(  # (shapes are sent between stages: variable_seq_lengths)
-            forward_step_func=step_fn, data_iterator=data, model=[self.model], num_microbatches=len(micro_batches),
-            seq_length=max((up.tokens.shape[1] for up in unpacked), default=1),
-            micro_batch_size=max((up.tokens.shape[0] for up in unpacked), default=1),
-            forward_only=forward_only, collect_non_loss_data=forward_only)
-        outs = [r if forward_only else r["out"] for r in results]
-        return self._from_last_stage(outs, len(micro_batches))
+        with torch.set_grad_enabled(not forward_only):
+            results = get_forward_backward_func()(  # (shapes are sent between stages: variable_seq_lengths)
+                forward_step_func=step_fn, data_iterator=data, model=[self.model],
+                num_microbatches=len(micro_batches),
+                seq_length=max((up.tokens.shape[1] for up in unpacked), default=1),
+                micro_batch_size=max((up.tokens.shape[0] for up in unpacked), default=1),
+                forward_only=forward_only, collect_non_loss_data=forward_only)
+        return self._from_last_stage([r if forward_only else r["result"] for r in results])
 
-    def _from_last_stage(self, outs: list[torch.Tensor], count: int) -> list[torch.Tensor]:
-        """The last pipeline stage's results on every stage (shapes first, then values)."""
+    def _from_last_stage(self, results: list[Any]) -> list[Any]:
+        """The last pipeline stage's results on every stage of the pipeline."""
         if self.pp == 1:
-            return [o.float() for o in outs]
+            return results
         from megatron.core import parallel_state
 
-        group = parallel_state.get_pipeline_model_parallel_group()
-        src = parallel_state.get_pipeline_model_parallel_last_rank()
-        last = parallel_state.is_pipeline_last_stage()
-        received = []
-        for i in range(count):
-            header = torch.zeros(9, dtype=torch.long, device=self.device)
-            if last:
-                header[0] = outs[i].ndim
-                header[1:1 + outs[i].ndim] = torch.tensor(outs[i].shape)
-            dist.broadcast(header, src=src, group=group)
-            shape = tuple(header[1:1 + int(header[0])].tolist())
-            value = outs[i].float().contiguous() if last else torch.empty(shape, device=self.device)
-            dist.broadcast(value, src=src, group=group)
-            received.append(value)
-        return received
+        box = [_moved(results, "cpu") if parallel_state.is_pipeline_last_stage() else None]
+        dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                   group=parallel_state.get_pipeline_model_parallel_group(), device=self.device)
+        return _moved(box[0], self.device)
+
+    # ------------------------------------------------------------------ data-parallel coordinates
+
+    @property
+    def dp_rank(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank()
+
+    @property
+    def dp_size(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_world_size()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+    @property
+    def mp_size(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def mp_group(self) -> dist.ProcessGroup:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_model_parallel_group()
 
     def step(self) -> float:
         """Clip, step the distributed optimizer at the current lr, zero gradients; the global grad norm."""
@@ -542,7 +619,7 @@ class MegatronEngine(TrainEngine):
         return self._sharded_state(is_loading=False)
 
     def _sharded_state(self, *, is_loading: bool) -> dict:
-        model_state = self.model.sharded_state_dict()
+        model_state = self.gpt.sharded_state_dict()  # the GPTModel's names, without DDP's "module." prefix
         state = {"model": model_state}
         if self.trainable:
             state["optimizer"] = self.optimizer.sharded_state_dict(
@@ -552,9 +629,10 @@ class MegatronEngine(TrainEngine):
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``dist_checkpointing.load`` returned for :meth:`state_dict`."""
-        self.model.load_state_dict(state["model"])
+        self.gpt.load_state_dict(state["model"])
         if self.trainable and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+            with _torch_adam_load_fix(self.optimizer):
+                self.optimizer.load_state_dict(state["optimizer"])
             self.global_step = int(state["scheduler"]["step"])
 
     def save_checkpoint(self, path: str | Path) -> None:
@@ -572,6 +650,8 @@ class MegatronEngine(TrainEngine):
         if not (Path(path) / "metadata.json").is_file():
             raise UserError(f"{path} is not a megatron-core dist checkpoint (no metadata.json); "
                             f"was it saved with parallel.backend=fsdp?")
+        if self.trainable:
+            _init_torch_adam_state(self.optimizer)
         self.load_state_dict(dist_checkpointing.load(self._sharded_state(is_loading=True), str(path)))
 
     # ------------------------------------------------------------------ full weights
@@ -580,9 +660,16 @@ class MegatronEngine(TrainEngine):
         """(HF name, full tensor on this engine's device) for every weight, on every rank, layer by layer.
 
         Each tensor is gathered over TP and sent from its pipeline stage to the others, one at a time.
+        As in :func:`stage_shard`, every layer is read as the one layer of a ``pp = num_layers`` split.
         """
-        gather = _StageGather(layout_state(self.gpt), self.tp, self.pp, self.device, self.dtype)
-        for name, t in megatron_to_hf(gather, self.layout, self.tp, self.pp):
+        gather = _StageGather(layout_state(self.gpt), self.tp, self.pp, self.device, self.compute_dtype)
+        where = layer_stages(self.layout.num_layers, self.pp)
+
+        def get(tp_rank: int, layer: int, name: str) -> torch.Tensor:
+            stage, local = where[layer]
+            return gather(tp_rank, stage, _in_stage(name, local))
+
+        for name, t in megatron_to_hf(get, self.layout, self.tp, self.layout.num_layers):
             yield name, t.to(dtype) if dtype is not None else t
 
     def export_hf(self, out_dir: str | Path, meta_dir: str | Path, *, dtype: torch.dtype | None = None) -> Path:
@@ -598,6 +685,71 @@ class MegatronEngine(TrainEngine):
                 pass
         dist.barrier()
         return Path(out_dir)
+
+
+# megatron-core 0.16.1 without Transformer Engine or apex steps with torch's AdamW, whose per-parameter
+# state holds the step count; its distributed optimizer cannot load a checkpoint into it as it is:
+
+
+def _torch_adam_optimizers(optimizer) -> list:
+    """The distributed optimizers (of a chained one) that step with torch's Adam/AdamW."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [opt for opt in chained if isinstance(opt.optimizer, torch.optim.Adam | torch.optim.AdamW)]
+
+
+def _init_torch_adam_state(optimizer) -> None:
+    """Give a fresh torch AdamW its state (megatron-core reads the step count there before loading), by
+    one step of zero gradients at lr 0, which changes no weight."""
+    for opt in _torch_adam_optimizers(optimizer):
+        inner = opt.optimizer
+        if inner.state:
+            continue
+        lrs = [group["lr"] for group in inner.param_groups]
+        for group in inner.param_groups:
+            group["lr"] = 0.0
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p)
+        inner.step()
+        inner.zero_grad(set_to_none=True)
+        for group, lr in zip(inner.param_groups, lrs):
+            group["lr"] = lr
+
+
+@contextlib.contextmanager
+def _torch_adam_load_fix(optimizer) -> Iterator[None]:
+    """While loading: megatron-core puts the checkpoint's step count into every torch AdamW state (one
+    tensor shared by all: AdamW would then add 1 to it once per parameter at every step), then copies
+    each parameter's checkpointed tensors over that state and expects a 'step' among them, which the
+    checkpoint keeps elsewhere (KeyError 'step'). Let the states keep that step, each its own copy."""
+    patched = _torch_adam_optimizers(optimizer)
+    for opt in patched:
+        copy_states = opt._set_main_param_and_optimizer_states
+
+        def keep_step(model_param, tensors, opt=opt, copy_states=copy_states):
+            group, order = opt.model_param_group_index_map[model_param]
+            state = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
+            copy_states(model_param, {**tensors, "step": state["step"]} if "step" in state else tensors)
+
+        opt._set_main_param_and_optimizer_states = keep_step
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+            for state in opt.optimizer.state.values():
+                if "step" in state:
+                    state["step"] = state["step"].clone()
+
+
+def _moved(x: Any, device: torch.device | str) -> Any:
+    """Tensors (also inside lists and dicts) moved to ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: _moved(v, device) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_moved(v, device) for v in x]
+    return x
 
 
 class _StageGather:
@@ -648,7 +800,8 @@ class _StageGather:
         return list(stacked.unbind(0))
 
 
-def build_engine(cfg: RunConfig, plan, role: str = "actor", **kwargs) -> MegatronEngine:
-    """The Megatron engine for ``plan.backend == "megatron"``; same arguments as ``FSDPEngine``
-    (``trainable``, ``total_steps``, ``lr``, ``source``, ``lora``)."""
-    return MegatronEngine(cfg, plan, role=role, **kwargs)
+def build_engine(cfg: RunConfig, plan, *, role: str, trainable: bool = True, total_steps: int = 0,
+                 lr: float | None = None, source: ModelSource | None = None, lora: bool | None = None) -> MegatronEngine:
+    """The Megatron engine for ``plan.backend == "megatron"``; the arguments of :func:`rlctl.engines.build_engine`."""
+    return MegatronEngine(cfg, plan, role=role, trainable=trainable, total_steps=total_steps, lr=lr, source=source,
+                          lora=lora)

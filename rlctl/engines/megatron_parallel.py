@@ -76,15 +76,36 @@ def rank_layout(world: int, tp: int, pp: int, cp: int = 1) -> dict[str, Any]:
     }
 
 
+def pipeline_stages(num_layers: int, pp: int) -> list[int]:
+    """Decoder layers of each pipeline stage: even stages, or (when pp does not divide the layers) even
+    stages and a last one with fewer, megatron-core's ``num_layers_in_last_pipeline_stage`` (61 layers
+    in 16 stages: 15 x 4 + 1). UserError naming the valid pp when there is no such split."""
+    from rlctl.estimate.memory import pipeline_split
+
+    split = pipeline_split(num_layers, pp)
+    if split is None:
+        valid = [p for p in range(1, num_layers + 1) if pipeline_split(num_layers, p)]
+        raise UserError(f"pp={pp} cannot split the model's {num_layers} layers into pipeline stages (even stages, "
+                        f"the last may hold fewer); valid pp: {', '.join(map(str, valid))}")
+    return split
+
+
+def layer_stages(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """(pipeline stage, layer index within the stage) of every decoder layer, in order."""
+    return [(stage, local) for stage, n in enumerate(pipeline_stages(num_layers, pp)) for local in range(n)]
+
+
 def check_megatron_layout(layout_cfg, *, world: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> None:
     """UserError, naming what would work, for a layout megatron-core (or rlctl's engine) cannot run.
 
     ``layout_cfg`` is a :class:`rlctl.convert.megatron_layout.MegatronLayoutConfig` (heads, kv heads,
-    ffn and layers); tp must divide the heads, kv heads and ffn, pp the layers, tp x pp x cp the world.
+    ffn and layers); tp must divide the heads, kv heads and ffn, pp must split the layers
+    (:func:`pipeline_stages`), tp x pp x cp must divide the world.
     """
     from rlctl.convert.megatron_layout import check_parallelism
 
-    check_parallelism(layout_cfg, tp, pp)
+    check_parallelism(layout_cfg, tp, 1)
+    pipeline_stages(layout_cfg.num_layers, pp)
     data_parallel_size(world, tp, pp, cp)
     if ep > 1:
         raise UserError(f"ep={ep}: expert parallelism needs a MoE model, and rlctl's Megatron engine maps dense "

@@ -218,6 +218,24 @@ def _resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) ->
     return _Job(cfg, spec, params, device, gpu, world, nodes, nproc, dtype, attn, engine, host_memory_bytes, reasons, later, warnings)
 
 
+def _backend_the_engine_runs(job: _Job, tier: str, reasons: list[str]) -> str:
+    """The backend, after what rlctl's Megatron engine cannot run yet: a PPO critic and LoRA go to FSDP2
+    (with offload when needed, as the search decides); a Megatron backend or Megatron-only sizes set
+    in the config are a UserError there."""
+    c = job.cfg
+    missing = "a PPO critic" if c.method == "ppo" else "LoRA" if c.lora.rank else None
+    if tier != "megatron" or missing is None:
+        return tier
+    p = c.parallel
+    forced = [f"parallel.{k}={v}" for k, v in (("backend", p.backend), ("tp", p.tp), ("pp", p.pp), ("ep", p.ep))
+              if (k == "backend" and v == "megatron") or (k != "backend" and v > 1)]
+    if forced:
+        raise UserError(f"{', '.join(forced)} needs the Megatron engine, which does not run {missing} yet; "
+                        f"use parallel.backend=fsdp (tp = pp = ep = 1)")
+    reasons.append(f"backend fsdp: the Megatron engine does not run {missing} yet: FSDP2")
+    return "fsdp"
+
+
 def _resolve_engine(cfg: RunConfig, device: str, local: LocalEnv, reasons: list[str], warnings: list[str]) -> str:
     chosen = cfg.rollout.engine
     if chosen == "auto":
@@ -547,6 +565,7 @@ def _plan(cfg: RunConfig, local: LocalEnv, *, explain: bool, host_memory_bytes: 
         tier = p.backend
         if tier == "megatron" and job.device == "cpu":
             raise UserError("parallel.backend=megatron needs CUDA GPUs; on CPU use fsdp")
+    tier = _backend_the_engine_runs(job, tier, reasons)
     rules.check_overrides(job.spec, backend=tier, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, world=job.world,
                           rollout_tp=cfg.rollout.tp, is_rl=job.is_rl)  # fmt: skip
 
@@ -563,6 +582,9 @@ def _plan(cfg: RunConfig, local: LocalEnv, *, explain: bool, host_memory_bytes: 
         reasons.append(f"backend {backend}: {result.option.label} {how}")
     if cfg.parallel.sequence_parallel == "true" and backend == "fsdp":
         warnings.append("parallel.sequence_parallel applies to Megatron with tp > 1; ignored with fsdp")
+    if backend == "megatron" and job.spec.is_moe:
+        warnings.append(f"the Megatron engine does not run MoE models yet ({job.spec.name}): rlctl's layout maps dense "
+                        "Qwen2/Qwen3/Llama/Mistral layers only, so this plan is an estimate that training cannot run")
     if backend == "megatron" and job.device == "cuda" and "megatron" not in local.installed:
         warnings.append(f"megatron-core is not installed here: pip install '{OPTIONAL_PACKAGES['megatron']}' on the machines "
                         "that run the job")  # fmt: skip

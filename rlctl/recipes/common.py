@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -136,11 +137,12 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """Sum a few floats over all ranks in one collective (float64 for exact token counts)."""
+def all_reduce_sum(values: list[float], device: torch.device, group: dist.ProcessGroup | None = None) -> list[float]:
+    """Sum a few floats over the ranks of ``group`` (default: all) in one collective (float64 for exact
+    token counts). Sums over the data use the engine's ``dp_group``."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized():
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
     return t.tolist()
 
 
@@ -261,5 +263,9 @@ def recipe_main(body: Callable[[RunContext], None], argv: list[str] | None = Non
         sys.stdout.flush()
         if dist.is_initialized() and code == 0:
             dist.destroy_process_group()
+        # os._exit skips the shutdown that would end the helper processes libraries started (megatron-core's
+        # checkpoint writer keeps a multiprocessing Manager per rank): end them, or they outlive the run
+        for child in multiprocessing.active_children():
+            child.terminate()
     # os._exit: a rank that failed must not wait in interpreter shutdown on peers that hang
     os._exit(code)

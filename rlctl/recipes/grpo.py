@@ -1,4 +1,4 @@
-"""GRPO on the FSDP2 engine: ``python -m rlctl.recipes.grpo --run-dir RUN`` (under torchrun).
+"""GRPO on the plan's engine (FSDP2 or Megatron): ``python -m rlctl.recipes.grpo --run-dir RUN`` (under torchrun).
 
 No critic: each prompt gets ``rollout.n`` samples and a sample's advantage is its reward compared
 with its group's (``algo.adv``: grpo, rloo or reinforce_pp). The KL to the frozen reference policy
@@ -16,6 +16,7 @@ def train_step(rl: RLTrainer, step: int) -> None:
     """One GRPO step; its metrics land in ``rl.m``."""
     batch = rl.generate(step)  # this rank's prompts, n samples each (weights synced after the last update)
     rl.score(batch, step)  # reward function -> one score per sample
+    batch = rl.pool(batch)  # the ranks of one model replica (Megatron TP x PP) train on their samples together
     if rl.ref is not None:
         rl.ref_logprobs(batch)  # frozen reference policy, for the KL term
     rl.old_logprobs(batch)  # the actor before the update (+ rollout/logprob_diff)

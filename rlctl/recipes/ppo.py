@@ -1,7 +1,8 @@
-"""PPO with a critic on the FSDP2 engine: ``python -m rlctl.recipes.ppo --run-dir RUN`` (under torchrun).
+"""PPO with a critic: ``python -m rlctl.recipes.ppo --run-dir RUN`` (under torchrun).
 
-A second FSDP engine holds the critic (the policy's backbone plus a scalar value head, its own
-optimizer at ``algo.critic_lr``). Advantages come from GAE over per-token rewards: the score on the
+A second engine holds the critic: the policy's backbone plus a scalar value head, its own optimizer
+at ``algo.critic_lr`` (FSDP2 only: the Megatron engine does not run a critic yet, so the planner
+does not choose it for ppo). Advantages come from GAE over per-token rewards: the score on the
 last response token minus ``kl_coef * KL`` on every token (``algo.kl_in_reward``; adaptive towards
 ``algo.kl_target`` when set). The critic learns the returns with a clipped value loss; for the first
 ``algo.critic_warmup`` steps only the critic is trained. Shared machinery: :mod:`rlctl.recipes.rl`.
@@ -17,6 +18,7 @@ def train_step(rl: RLTrainer, step: int) -> None:
     """One PPO step; its metrics land in ``rl.m``."""
     batch = rl.generate(step)  # this rank's prompts, n samples each (weights synced after the last update)
     rl.score(batch, step)  # reward function -> one score per sample
+    batch = rl.pool(batch)  # the ranks of one model replica (Megatron TP x PP) train on their samples together
     if rl.ref is not None:
         rl.ref_logprobs(batch)  # frozen reference policy, for the KL penalty
     rl.old_logprobs(batch)  # the actor before the update (+ rollout/logprob_diff)

@@ -4,6 +4,7 @@ One RL step (the recipes spell it out in order)::
 
     batch = rl.generate(step)    # prompts -> n samples each, on every rank's colocated rollout engine
     rl.score(batch, step)        # reward function -> one score per sample
+    batch = rl.pool(batch)       # the ranks of one model replica (Megatron TP x PP) pool their samples
     rl.ref_logprobs(batch)       # frozen reference policy (when algo.kl_coef > 0)
     rl.old_logprobs(batch)       # the trainer's log-probs of the samples (+ rollout/logprob_diff)
     rl.values(batch)             # PPO: the critic's values
@@ -16,15 +17,19 @@ number alone (:class:`~rlctl.data.packing.StepSampler`). It is cut into mini-bat
 ``algo.mini_batch_size`` prompts (one optimizer step each) and the prompts of each mini-batch are
 dealt round-robin to the ranks (:func:`rank_positions`). A rank generates all ``n`` samples of its
 prompts, so a prompt's group never crosses ranks, and every rank holds its share of every
-mini-batch, so no sample moves between ranks. Sample ``j`` of the prompt at position ``p`` of the
-step has the global id ``uid = p * n + j``.
+mini-batch. Sample ``j`` of the prompt at position ``p`` of the step has the global id
+``uid = p * n + j``. After scoring, the ranks that split one copy of the model between them
+(Megatron's tensor and pipeline ranks: the engine's ``mp_group``) pool their samples, so every rank of
+a data-parallel replica trains on the same batch (:meth:`RolloutBatch.join`); with FSDP every rank is
+its own replica and no sample moves.
 
 Why the update does not depend on the number of ranks. Advantages are computed on the gathered
 global batch (ordered by uid), so batch-level statistics (whitening) are global. Each mini-batch's
-loss is aggregated with *global* denominators (tokens and sequences all-reduced over the ranks),
-each rank back-propagates its share, and the engine SUMS gradients over ranks
-(:mod:`rlctl.engines.base`). Micro-batches are packed per rank under a token budget; ranks with
-fewer micro-batches run empty dummy ones, so the collectives line up.
+loss is aggregated with *global* denominators (tokens and sequences all-reduced over the
+data-parallel replicas: the engine's ``dp_group``), each replica back-propagates its share, and the
+engine SUMS gradients over replicas (:mod:`rlctl.engines.base`). Micro-batches are packed per
+replica under a token budget; replicas with fewer micro-batches run empty dummy ones, so the
+collectives line up.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -57,11 +62,25 @@ from rlctl.algos import (
 from rlctl.config import RunConfig
 from rlctl.data.packing import StepSampler, pack_bins
 from rlctl.data.rl import Prompt, RLData, build_rl_data
-from rlctl.engines.base import TrainEngine, load_tokenizer, model_source, write_model_meta
+from rlctl.engines import build_engine
+from rlctl.engines.base import (
+    LossFn,
+    TrainEngine,
+    load_tokenizer,
+    model_source,
+    write_model_meta,
+)
 from rlctl.engines.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from rlctl.errors import UserError
 from rlctl.metrics import MetricsLogger
-from rlctl.recipes.common import RunContext, all_reduce_sum, barrier, rng_state, set_rng_state, write_json_atomic
+from rlctl.recipes.common import (
+    RunContext,
+    all_reduce_sum,
+    barrier,
+    rng_state,
+    set_rng_state,
+    write_json_atomic,
+)
 
 LOGPROB_DIFF_WARN = 0.1  # mean |rollout - trainer| log-prob above this: the engines disagree
 ENTROPY_CHUNK_ROWS = 1024  # rows of logits per entropy chunk (bounds the float32 copy)
@@ -78,17 +97,18 @@ def all_reduce_max(value: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def global_sums(values: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Sum a dict of floats over the ranks (every rank must pass the same keys)."""
+def global_sums(values: dict[str, float], device: torch.device, group: dist.ProcessGroup | None = None
+                ) -> dict[str, float]:
+    """Sum a dict of floats over the ranks of ``group`` (default: all; every rank must pass the same keys)."""
     keys = sorted(values)
-    return dict(zip(keys, all_reduce_sum([float(values[k]) for k in keys], device)))
+    return dict(zip(keys, all_reduce_sum([float(values[k]) for k in keys], device, group)))
 
 
-def all_gather_objects(obj) -> list:
+def all_gather_objects(obj, group: dist.ProcessGroup | None = None) -> list:
     if not dist.is_initialized():
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -162,6 +182,25 @@ class RolloutBatch:
     @property
     def lengths(self) -> list[int]:
         return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """A copy with every tensor on ``device``."""
+        moved = {f.name: v.to(device) for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
+
+    @classmethod
+    def join(cls, parts: list[RolloutBatch]) -> RolloutBatch:
+        """One batch holding the samples of ``parts`` (batches of the same step), in order."""
+        out = {}
+        for f in fields(cls):
+            values = [getattr(p, f.name) for p in parts]
+            if isinstance(values[0], list):
+                out[f.name] = [x for v in values for x in v]
+            elif isinstance(values[0], torch.Tensor):
+                out[f.name] = torch.cat(values)
+            else:  # the step's n, num_minis, total; None for what is not computed yet
+                out[f.name] = values[0]
+        return cls(**out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,12 +288,6 @@ def token_budget(cfg: RunConfig, plan) -> int:
 # Forward passes
 
 
-def _response_logits(engine: TrainEngine, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(full logits [1, T, V], the rows that predict response tokens [N, V])."""
-    logits = engine.forward(mb.input_ids, mb.position_ids)
-    return logits, logits[0, mb.logit_index]
-
-
 def chunked_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) per row [N, V] -> [N], without gradient, in row chunks."""
     with torch.no_grad():
@@ -262,34 +295,40 @@ def chunked_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
 
 
-@torch.no_grad()
 def compute_logprobs(engine: TrainEngine, batch: RolloutBatch, *, temperature: float, budget: int, pad_id: int,
                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [b, W] of the sampled tokens under ``engine`` (and the per-token entropy when asked)."""
+    def per_token(logits, mb):
+        sel = logits[0, mb.logit_index]  # the positions that predict response tokens
+        out = {"logp": logprobs_from_logits(sel, mb.labels, temperature).float()}
+        if with_entropy:
+            out["entropy"] = chunked_entropy(sel, temperature)
+        return None, out
+
+    micro = micro_batches(batch, list(range(len(batch))), budget=budget, pad_id=pad_id, device=batch.mask.device)
     engine.train(False)
+    outs = engine.forward_backward(micro, per_token, forward_only=True)
+    engine.train(True)
     logp = torch.zeros_like(batch.mask)
     ent = torch.zeros_like(batch.mask) if with_entropy else None
-    for mb in micro_batches(batch, list(range(len(batch))), budget=budget, pad_id=pad_id, device=batch.mask.device):
-        _, sel = _response_logits(engine, mb)
-        if mb.dummy:
-            continue
-        logp[mb.rows, :mb.width] = mb.to_matrix(logprobs_from_logits(sel, mb.labels, temperature).float())
-        if ent is not None:
-            ent[mb.rows, :mb.width] = mb.to_matrix(chunked_entropy(sel, temperature))
-    engine.train(True)
+    for mb, out in zip(micro, outs):
+        if not mb.dummy:
+            logp[mb.rows, :mb.width] = mb.to_matrix(out["logp"])
+            if ent is not None:
+                ent[mb.rows, :mb.width] = mb.to_matrix(out["entropy"])
     return logp, ent
 
 
-@torch.no_grad()
 def compute_values(critic: TrainEngine, batch: RolloutBatch, *, budget: int, pad_id: int) -> torch.Tensor:
     """The critic's value [b, W] of the state before each response token."""
+    micro = micro_batches(batch, list(range(len(batch))), budget=budget, pad_id=pad_id, device=batch.mask.device)
     critic.train(False)
-    values = torch.zeros_like(batch.mask)
-    for mb in micro_batches(batch, list(range(len(batch))), budget=budget, pad_id=pad_id, device=batch.mask.device):
-        v = critic.forward(mb.input_ids, mb.position_ids)
-        if not mb.dummy:
-            values[mb.rows, :mb.width] = mb.to_matrix(v[0, mb.logit_index].float())
+    outs = critic.forward_backward(micro, lambda v, mb: (None, v[0, mb.logit_index].float()), forward_only=True)
     critic.train(True)
+    values = torch.zeros_like(batch.mask)
+    for mb, v in zip(micro, outs):
+        if not mb.dummy:
+            values[mb.rows, :mb.width] = mb.to_matrix(v)
     return values
 
 
@@ -307,21 +346,23 @@ def token_rewards(batch: RolloutBatch, kl_coef: float = 0.0, kl: torch.Tensor | 
     return r
 
 
-def gather_global(batch: RolloutBatch, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each [b, W] tensor of every rank gathered into one [total, W] tensor ordered by uid."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def gather_global(batch: RolloutBatch, tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None
+                  ) -> list[torch.Tensor]:
+    """Each [b, W] tensor of every data-parallel replica (the ranks of ``group``, default all) gathered
+    into one [total, W] tensor ordered by uid."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         out = []
         for t in tensors:
             g = t.new_zeros((batch.total, *t.shape[1:]))
             g[batch.uid] = t
             out.append(g)
         return out
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     b_max = all_reduce_max(len(batch), batch.mask.device)
     uid = torch.full((b_max,), -1, dtype=torch.int64, device=batch.mask.device)
     uid[:len(batch)] = batch.uid
     uids = [torch.empty_like(uid) for _ in range(world)]
-    dist.all_gather(uids, uid)
+    dist.all_gather(uids, uid, group=group)
     all_uid = torch.cat(uids)
     valid = all_uid >= 0
     out = []
@@ -329,18 +370,20 @@ def gather_global(batch: RolloutBatch, tensors: list[torch.Tensor]) -> list[torc
         padded = t.new_zeros((b_max, *t.shape[1:]))
         padded[:len(batch)] = t
         parts = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(parts, padded)
+        dist.all_gather(parts, padded, group=group)
         g = t.new_zeros((batch.total, *t.shape[1:]))
         g[all_uid[valid]] = torch.cat(parts)[valid]
         out.append(g)
     return out
 
 
-def compute_advantages(batch: RolloutBatch, cfg: RunConfig, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns), both [b, W], from token rewards; computed on the global batch."""
+def compute_advantages(batch: RolloutBatch, cfg: RunConfig, rewards: torch.Tensor,
+                       group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), both [b, W], from token rewards; computed on the global batch gathered
+    over the data-parallel ``group``."""
     a = cfg.algo
     wanted = [rewards, batch.mask] + ([batch.values] if a.adv == "gae" else [])
-    g = gather_global(batch, wanted)
+    g = gather_global(batch, wanted, group)
     g_rewards, g_mask = g[0], g[1]
     if a.adv in ("grpo", "rloo"):
         scores = (g_rewards * g_mask).sum(-1)
@@ -363,8 +406,8 @@ def compute_advantages(batch: RolloutBatch, cfg: RunConfig, rewards: torch.Tenso
 
 
 class Sums:
-    """Local sums of metrics, reduced over the ranks once at the end. The keys are fixed up front:
-    a rank without samples must still take part in the reduction with the same keys."""
+    """Local sums of metrics, reduced over the data-parallel replicas once at the end. The keys are
+    fixed up front: a replica without samples must still take part in the reduction with the same keys."""
 
     def __init__(self, *keys: str) -> None:
         self.values: dict[str, float] = dict.fromkeys(keys, 0.0)
@@ -372,68 +415,77 @@ class Sums:
     def add(self, key: str, value: float | torch.Tensor) -> None:
         self.values[key] += float(value)
 
-    def reduce(self, device: torch.device) -> dict[str, float]:
-        return global_sums(self.values, device)
+    def add_all(self, results: list[dict]) -> None:
+        """Add the metric dicts that loss functions returned (one per micro-batch)."""
+        for result in results:
+            for key, value in result.items():
+                self.add(key, value)
+
+    def reduce(self, device: torch.device, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        return global_sums(self.values, device, group)
 
 
-def _denominators(batch: RolloutBatch, rows: list[int]) -> tuple[float, float]:
-    """Response tokens and sequences of one mini-batch over all ranks."""
+def _denominators(batch: RolloutBatch, rows: list[int], group: dist.ProcessGroup | None) -> tuple[float, float]:
+    """Response tokens and sequences of one mini-batch over all data-parallel replicas."""
     idx = torch.tensor(rows, dtype=torch.int64, device=batch.mask.device)
     tokens, seqs = all_reduce_sum([float(batch.mask[idx].sum()) if rows else 0.0, float(len(rows))],
-                                  batch.mask.device)
+                                  batch.mask.device, group)
     return tokens, seqs
 
 
 def _minis(batch: RolloutBatch) -> list[list[int]]:
-    """This rank's rows of each mini-batch (some may be empty); the same count on every rank."""
+    """This replica's rows of each mini-batch (some may be empty); the same count on every rank."""
     mini = batch.mini.tolist()
     return [[i for i in range(len(batch)) if mini[i] == k] for k in range(batch.num_minis)]
 
 
-def update_actor(engine: TrainEngine, batch: RolloutBatch, cfg: RunConfig, *, budget: int, pad_id: int,
-                 kl_loss_coef: float = 0.0) -> dict[str, float]:
-    """``algo.ppo_epochs`` passes over the mini-batches, one optimizer step each.
-
-    Loss per mini-batch: ``pg + kl_loss_coef * agg(kl(logp, ref)) - entropy_coef * agg(entropy)``,
-    every term aggregated with the mini-batch's global token / sequence counts.
-    """
+def policy_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict, kl_loss_coef: float) -> LossFn:
+    """The engine's ``loss_fn`` for one mini-batch of the actor update:
+    ``pg + kl_loss_coef * agg(kl(logp, ref)) - entropy_coef * agg(entropy)``, every term aggregated with
+    the mini-batch's global token / sequence counts (``denoms``); returns the loss and its metrics."""
     a = cfg.algo
     temperature = cfg.rollout.temperature or 1.0
     policy_loss = gspo_policy_loss if a.policy_loss == "gspo" else ppo_policy_loss
-    device = batch.mask.device
+
+    def loss_fn(logits: torch.Tensor, mb: MicroBatch):
+        if mb.dummy:
+            return logits.sum() * 0.0, {}  # a backward pass keeps this replica in the collectives
+        sel = logits[0, mb.logit_index]  # the positions that predict response tokens
+        mask = mb.take(batch.mask)
+        logp = mb.to_matrix(logprobs_from_logits(sel, mb.labels, temperature))
+        loss, m = policy_loss(logp, mb.take(batch.old_logp), mb.take(batch.advantages), mask,
+                              clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip or None,
+                              agg=a.loss_agg, **denoms)
+        n_tok = mask.sum()
+        stats = {"pg/loss": loss.detach(), "pg/clip_frac": m["clip_frac"] * n_tok,
+                 "pg/approx_kl": m["approx_kl"] * n_tok}
+        if kl_loss_coef:
+            kl_loss = aggregate(kl_estimate(logp, mb.take(batch.ref_logp), a.kl_kind), mask, a.loss_agg, **denoms)
+            loss = loss + kl_loss_coef * kl_loss
+            stats["kl_loss"] = kl_loss.detach()
+        if a.entropy_coef:
+            ent = mb.to_matrix(entropy_from_logits(sel.float() / temperature))
+            loss = loss - a.entropy_coef * aggregate(ent, mask, a.loss_agg, **denoms)
+        return loss, stats
+
+    return loss_fn
+
+
+def update_actor(engine: TrainEngine, batch: RolloutBatch, cfg: RunConfig, *, budget: int, pad_id: int,
+                 kl_loss_coef: float = 0.0) -> dict[str, float]:
+    """``algo.ppo_epochs`` passes over the mini-batches, one optimizer step each (loss: :func:`policy_loss_fn`)."""
+    device, group = batch.mask.device, engine.dp_group
     sums = Sums("pg/loss", "pg/clip_frac", "pg/approx_kl", "kl_loss", "tokens")
     grad_norms: list[float] = []
-    for _ in range(a.ppo_epochs):
+    for _ in range(cfg.algo.ppo_epochs):
         for rows in _minis(batch):
-            tokens, seqs = _denominators(batch, rows)
+            tokens, seqs = _denominators(batch, rows, group)
             denoms = {"global_tokens": tokens, "global_seqs": seqs, "norm_len": cfg.rollout.max_response_len}
             micro = micro_batches(batch, rows, budget=budget, pad_id=pad_id, device=device)
-            for i, mb in enumerate(micro):
-                logits, sel = _response_logits(engine, mb)
-                if mb.dummy:
-                    loss = logits.sum() * 0.0  # a backward pass keeps this rank in the collectives
-                else:
-                    mask = mb.take(batch.mask)
-                    logp = mb.to_matrix(logprobs_from_logits(sel, mb.labels, temperature))
-                    loss, m = policy_loss(logp, mb.take(batch.old_logp), mb.take(batch.advantages), mask,
-                                          clip_low=a.clip_low, clip_high=a.clip_high,
-                                          dual_clip=a.dual_clip or None, agg=a.loss_agg, **denoms)
-                    n_tok = float(mask.sum())
-                    sums.add("pg/loss", loss.detach())
-                    sums.add("pg/clip_frac", m["clip_frac"] * n_tok)
-                    sums.add("pg/approx_kl", m["approx_kl"] * n_tok)
-                    if kl_loss_coef:
-                        kl = kl_estimate(logp, mb.take(batch.ref_logp), a.kl_kind)
-                        kl_loss = aggregate(kl, mask, a.loss_agg, **denoms)
-                        loss = loss + kl_loss_coef * kl_loss
-                        sums.add("kl_loss", kl_loss.detach())
-                    if a.entropy_coef:
-                        ent = mb.to_matrix(entropy_from_logits(sel.float() / temperature))
-                        loss = loss - a.entropy_coef * aggregate(ent, mask, a.loss_agg, **denoms)
-                engine.backward(loss, sync=i == len(micro) - 1)
+            sums.add_all(engine.forward_backward(micro, policy_loss_fn(batch, cfg, denoms, kl_loss_coef)))
             grad_norms.append(engine.step())  # the global norm, the same on every rank
             sums.add("tokens", float(batch.mask[rows].sum()) if rows else 0.0)
-    s = sums.reduce(device)
+    s = sums.reduce(device, group)
     steps = len(grad_norms)
     out = {"pg/loss": s["pg/loss"] / steps, "grad_norm": sum(grad_norms) / steps,
            "pg/clip_frac": s["pg/clip_frac"] / max(1.0, s["tokens"]),
@@ -443,33 +495,38 @@ def update_actor(engine: TrainEngine, batch: RolloutBatch, cfg: RunConfig, *, bu
     return out
 
 
+def value_loss_fn(batch: RolloutBatch, cfg: RunConfig, tokens: float, seqs: float) -> LossFn:
+    """The critic's ``loss_fn`` for one mini-batch: the clipped value loss on the returns, aggregated
+    with the mini-batch's global token / sequence counts."""
+    a = cfg.algo
+
+    def loss_fn(v: torch.Tensor, mb: MicroBatch):
+        if mb.dummy:
+            return v.sum() * 0.0, {}
+        mask = mb.take(batch.mask)
+        values = mb.to_matrix(v[0, mb.logit_index])
+        loss, m = value_loss(values, mb.take(batch.values), mb.take(batch.returns), mask, clip=a.vf_clip or None,
+                             agg=a.loss_agg, global_tokens=tokens, global_seqs=seqs,
+                             norm_len=cfg.rollout.max_response_len)
+        return loss, {"critic/value_loss": loss.detach(), "critic/vf_clip_frac": m["vf_clip_frac"] * mask.sum()}
+
+    return loss_fn
+
+
 def update_critic(critic: TrainEngine, batch: RolloutBatch, cfg: RunConfig, *, budget: int,
                   pad_id: int) -> dict[str, float]:
     """The clipped value loss on the returns, ``algo.ppo_epochs`` passes over the mini-batches."""
-    a = cfg.algo
-    device = batch.mask.device
+    device, group = batch.mask.device, critic.dp_group
     sums = Sums("critic/value_loss", "critic/vf_clip_frac", "tokens")
     grad_norms: list[float] = []
-    for _ in range(a.ppo_epochs):
+    for _ in range(cfg.algo.ppo_epochs):
         for rows in _minis(batch):
-            tokens, seqs = _denominators(batch, rows)
+            tokens, seqs = _denominators(batch, rows, group)
             micro = micro_batches(batch, rows, budget=budget, pad_id=pad_id, device=device)
-            for i, mb in enumerate(micro):
-                v = critic.forward(mb.input_ids, mb.position_ids)
-                if mb.dummy:
-                    loss = v.sum() * 0.0
-                else:
-                    mask = mb.take(batch.mask)
-                    values = mb.to_matrix(v[0, mb.logit_index])
-                    loss, m = value_loss(values, mb.take(batch.values), mb.take(batch.returns), mask,
-                                         clip=a.vf_clip or None, agg=a.loss_agg, global_tokens=tokens,
-                                         global_seqs=seqs, norm_len=cfg.rollout.max_response_len)
-                    sums.add("critic/value_loss", loss.detach())
-                    sums.add("critic/vf_clip_frac", m["vf_clip_frac"] * float(mask.sum()))
-                critic.backward(loss, sync=i == len(micro) - 1)
+            sums.add_all(critic.forward_backward(micro, value_loss_fn(batch, cfg, tokens, seqs)))
             grad_norms.append(critic.step())
             sums.add("tokens", float(batch.mask[rows].sum()) if rows else 0.0)
-    s = sums.reduce(device)
+    s = sums.reduce(device, group)
     steps = len(grad_norms)
     return {"critic/value_loss": s["critic/value_loss"] / steps,
             "critic/vf_clip_frac": s["critic/vf_clip_frac"] / max(1.0, s["tokens"]),
@@ -543,8 +600,6 @@ class RLTrainer:
     """Everything one GRPO / PPO run holds, and the steps the recipes call in order."""
 
     def __init__(self, ctx: RunContext, *, with_critic: bool):
-        from rlctl.engines.fsdp import FSDPEngine
-
         cfg, plan, d = ctx.cfg, ctx.plan, ctx.dist
         self.ctx, self.cfg, self.dist = ctx, cfg, d
         a = cfg.algo
@@ -573,12 +628,13 @@ class RLTrainer:
         self.budget = token_budget(cfg, plan)
         self.temperature = cfg.rollout.temperature or 1.0
 
-        self.actor = FSDPEngine(cfg, plan, role="actor", total_steps=optimizer_steps, source=self.source)
-        self.ref = (FSDPEngine(cfg, plan, role="ref", trainable=False, source=self.source)
+        self.actor = build_engine(cfg, plan, role="actor", total_steps=optimizer_steps, source=self.source)
+        self.ref = (build_engine(cfg, plan, role="ref", trainable=False, source=self.source)
                     if a.kl_coef > 0 else None)
-        self.critic = (FSDPEngine(cfg, plan, role="critic", total_steps=optimizer_steps, lr=a.critic_lr,
-                                  source=self.source) if with_critic else None)
+        self.critic = (build_engine(cfg, plan, role="critic", total_steps=optimizer_steps, lr=a.critic_lr,
+                                    source=self.source) if with_critic else None)
         self.device = self.actor.device
+        self.dp_group = self.actor.dp_group  # sums over the (pooled) data: over the data-parallel replicas
         if d.is_main:
             write_model_meta(ctx.paths.model_meta, self.actor.hf_config, self.tokenizer, self.source)
         barrier()
@@ -689,6 +745,14 @@ class RLTrainer:
             width=self.cfg.rollout.max_response_len, truncated=[s.finish_reason == "length" for s in samples],
             meta=[prompts[s.prompt_index] for s in samples], device=self.device)
 
+    def pool(self, batch: RolloutBatch) -> RolloutBatch:
+        """The samples of every rank that splits this rank's model replica (Megatron: its TP x PP group),
+        in rank order: those ranks train on them together. FSDP: the batch itself."""
+        if self.actor.mp_size == 1:
+            return batch
+        parts = all_gather_objects(batch.to("cpu"), self.actor.mp_group)
+        return RolloutBatch.join(parts).to(self.device)
+
     # ------------------------------------------------------------------ rewards
 
     def _score(self, responses: list[list[int]], meta: list[Prompt], step: int) -> tuple[torch.Tensor, dict]:
@@ -724,7 +788,8 @@ class RLTrainer:
         return t, out
 
     def score(self, batch: RolloutBatch, step: int) -> None:
-        """Score every sample; reward and response-length metrics."""
+        """Score this rank's samples (before :meth:`pool`, so sums run over every rank); reward and
+        response-length metrics."""
         batch.scores, metrics = self._score(batch.responses, batch.meta, step)
         self.m.update(metrics)
         lengths = batch.mask.sum(-1)
@@ -749,7 +814,7 @@ class RLTrainer:
                                                        budget=self.budget, pad_id=self.pad_id, with_entropy=True)
         mask = batch.mask
         s = global_sums({"diff": ((batch.old_logp - batch.rollout_logp).abs() * mask).sum(),
-                         "ent": (entropy * mask).sum(), "tok": mask.sum()}, self.device)
+                         "ent": (entropy * mask).sum(), "tok": mask.sum()}, self.device, self.dp_group)
         tokens = max(1.0, s["tok"])
         self.m["rollout/logprob_diff"] = s["diff"] / tokens
         self.m["entropy"] = s["ent"] / tokens
@@ -770,11 +835,11 @@ class RLTrainer:
         kl = None
         if batch.ref_logp is not None:
             kl = kl_estimate(batch.old_logp, batch.ref_logp, a.kl_kind) * batch.mask
-            s = global_sums({"kl": kl.sum(), "tok": batch.mask.sum()}, self.device)
+            s = global_sums({"kl": kl.sum(), "tok": batch.mask.sum()}, self.device, self.dp_group)
             self.m["kl"] = s["kl"] / max(1.0, s["tok"])
         coef = self.kl_ctl.value if a.kl_in_reward and kl is not None else 0.0
         rewards = token_rewards(batch, coef, kl)
-        batch.advantages, batch.returns = compute_advantages(batch, self.cfg, rewards)
+        batch.advantages, batch.returns = compute_advantages(batch, self.cfg, rewards, self.dp_group)
         if coef:
             self.m["kl_coef"] = coef
             self.kl_ctl.update(self.m["kl"], batch.total)

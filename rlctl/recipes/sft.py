@@ -1,8 +1,10 @@
-"""Supervised fine-tuning on the FSDP2 engine: ``python -m rlctl.recipes.sft --run-dir RUN`` (under torchrun).
+"""Supervised fine-tuning: ``python -m rlctl.recipes.sft --run-dir RUN`` (under torchrun).
 
-Per optimizer step: the global batch (``train.batch_size`` sequences, fixed by the step number
-alone) is cut into packed micro-batches, dealt over the ranks, and the loss is the per-token mean
-cross-entropy over the assistant tokens of the WHOLE global batch (each rank divides its summed
+The engine is the plan's (FSDP2 or Megatron, :func:`rlctl.engines.build_engine`). Per optimizer
+step: the global batch (``train.batch_size`` sequences, fixed by the step number alone) is cut into
+packed micro-batches, dealt over the data-parallel replicas (every rank with FSDP; with Megatron the
+tensor/pipeline ranks of a replica get the same ones), and the loss is the per-token mean
+cross-entropy over the assistant tokens of the WHOLE global batch (each replica divides its summed
 loss by the global count of loss tokens). So neither the number of processes nor the number of
 micro-batches changes the update, and a run resumed on another number of processes continues the
 same trajectory.
@@ -13,16 +15,23 @@ from __future__ import annotations
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlctl.convert.hf_writer import config_dtype
 from rlctl.data.packing import StepSampler, rank_micro_batches
 from rlctl.data.sft import IGNORE, SFTData, build_sft_data
-from rlctl.engines.base import load_tokenizer, model_source, write_model_meta
+from rlctl.engines import build_engine
+from rlctl.engines.base import (
+    TrainEngine,
+    load_tokenizer,
+    model_source,
+    write_model_meta,
+)
 from rlctl.engines.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from rlctl.engines.fsdp import FSDPEngine
 from rlctl.errors import UserError
 from rlctl.metrics import MetricsLogger
 from rlctl.recipes.common import (
@@ -47,7 +56,7 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 class SFTTrainer:
-    def __init__(self, ctx: RunContext, engine: FSDPEngine, data: SFTData, sampler: StepSampler, *, pad_id: int):
+    def __init__(self, ctx: RunContext, engine: TrainEngine, data: SFTData, sampler: StepSampler, *, pad_id: int):
         cfg = ctx.cfg
         self.ctx, self.engine, self.data, self.sampler, self.pad_id = ctx, engine, data, sampler, pad_id
         self.packing = cfg.data.packing
@@ -58,26 +67,30 @@ class SFTTrainer:
                             f"{cfg.train.max_len}; a sequence must fit in one micro-batch")
 
     def _micro_batches(self, batch):
-        d = self.ctx.dist
-        return rank_micro_batches(batch, d.rank, d.world_size, packing=self.packing, budget=self.budget,
-                                  micro_batch_size=self.micro_batch_size, pad_id=self.pad_id)
+        """This replica's share of ``batch``, on the engine's device."""
+        e = self.engine
+        micro = rank_micro_batches(batch, e.dp_rank, e.dp_size, packing=self.packing, budget=self.budget,
+                                   micro_batch_size=self.micro_batch_size, pad_id=self.pad_id)
+        return [mb.to(e.device) for mb in micro]
+
+    def _sum_over_replicas(self, value: float) -> float:
+        (total,) = all_reduce_sum([value], self.engine.device, self.engine.dp_group)
+        return total
 
     def train_step(self, step: int) -> dict:
         """One optimizer step (0-based ``step``); returns its metrics (the same on every rank)."""
         start = time.perf_counter()
         batch = [self.data.train[i] for i in self.sampler.indices(step)]
         loss_tokens = sum(ex.num_loss_tokens for ex in batch)  # global: every rank sees the batch
-        micro = self._micro_batches(batch)
-        lr = self.engine.lr
-        local_sum = 0.0
-        for i, mb in enumerate(micro):
-            mb = mb.to(self.engine.device)
-            logits = self.engine.forward(mb.input_ids, mb.position_ids, mb.attention_mask)
+
+        def loss_fn(logits, mb):
             loss_sum = token_loss_sum(logits, mb.labels)
-            self.engine.backward(loss_sum / loss_tokens, sync=i == len(micro) - 1)
-            local_sum += loss_sum.item()
+            return loss_sum / loss_tokens, loss_sum
+
+        lr = self.engine.lr
+        loss_sums = self.engine.forward_backward(self._micro_batches(batch), loss_fn)
         grad_norm = self.engine.step()
-        (total_sum,) = all_reduce_sum([local_sum], self.engine.device)
+        total_sum = self._sum_over_replicas(sum(float(x) for x in loss_sums))
         elapsed = time.perf_counter() - start
         tokens = sum(len(ex) for ex in batch)
         return {"step": step + 1, "total_steps": self.engine.total_steps,
@@ -85,20 +98,18 @@ class SFTTrainer:
                 "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "loss_tokens": loss_tokens,
                 "tokens_per_s": tokens / elapsed, "time/step": elapsed}
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Per-token loss over the whole validation set."""
         self.engine.train(False)
         local_sum = 0.0
         bs = self.ctx.cfg.train.batch_size
         for k in range(0, len(self.data.val), bs):
-            for mb in self._micro_batches(self.data.val[k:k + bs]):
-                mb = mb.to(self.engine.device)
-                local_sum += token_loss_sum(self.engine.forward(mb.input_ids, mb.position_ids, mb.attention_mask),
-                                            mb.labels).item()
+            micro = self._micro_batches(self.data.val[k:k + bs])
+            sums = self.engine.forward_backward(micro, lambda logits, mb: (None, token_loss_sum(logits, mb.labels)),
+                                                forward_only=True)
+            local_sum += sum(float(x) for x in sums)
         self.engine.train(True)
-        (total_sum,) = all_reduce_sum([local_sum], self.engine.device)
-        return total_sum / sum(ex.num_loss_tokens for ex in self.data.val)
+        return self._sum_over_replicas(local_sum) / sum(ex.num_loss_tokens for ex in self.data.val)
 
 
 def run(ctx: RunContext) -> None:
@@ -109,7 +120,7 @@ def run(ctx: RunContext) -> None:
     ctx.log(f"data: {data.report.summary()}; {len(data.train)} train / {len(data.val)} val sequences")
     sampler = StepSampler(len(data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
-    engine = FSDPEngine(cfg, ctx.plan, role="actor", total_steps=total_steps, source=source)
+    engine = build_engine(cfg, ctx.plan, role="actor", total_steps=total_steps, source=source)
     trainer = SFTTrainer(ctx, engine, data, sampler, pad_id=tokenizer.pad_token_id)
     if d.is_main:
         write_model_meta(paths.model_meta, engine.hf_config, tokenizer, source)
@@ -179,16 +190,14 @@ def run(ctx: RunContext) -> None:
         })
 
 
-def _dump_logits(engine: FSDPEngine, data: SFTData, path) -> None:
+def _dump_logits(engine: TrainEngine, data: SFTData, path) -> None:
     """Logits of the trained (sharded) model on the first training sequence, for the export test."""
-    ex = data.train[0]
-    ids = torch.as_tensor(ex.input_ids, dtype=torch.long)[None].to(engine.device)
-    pos = torch.arange(ids.shape[1], device=engine.device)[None]
+    ids = torch.as_tensor(data.train[0].input_ids, dtype=torch.long)[None].to(engine.device)
+    mb = SimpleNamespace(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=engine.device)[None])
     engine.train(False)
-    with torch.no_grad():
-        logits = engine.forward(ids, pos).float().cpu()
-    if engine.rank == 0:
-        torch.save({"input_ids": ids.cpu(), "logits": logits}, path)
+    (logits,) = engine.forward_backward([mb], lambda logits, mb: (None, logits), forward_only=True)
+    if dist.get_rank() == 0:
+        torch.save({"input_ids": ids.cpu(), "logits": logits.float().cpu()}, path)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,16 @@ megatron-core assumes CUDA in a few places that do not matter on CPU:
 * ``torch.cuda.synchronize()`` in the checkpoint writer -> no-op;
 * ``Tensor.cuda()`` when the last pipeline stage syncs its copy of tied embeddings -> the tensor itself;
 * attention forks the CUDA RNG tracker (for dropout, 0 here) -> a null context;
-* the pipeline schedules create small counters with ``device="cuda"`` -> created on CPU.
+* the pipeline schedules create small counters with ``device="cuda"`` -> created on CPU;
+* the distributed optimizer accepts only parameters whose ``Tensor.type()`` names a CUDA tensor ->
+  ``type()`` (without arguments) names CPU tensors as their CUDA counterparts.
 """
 
 import contextlib
 import functools
 
 import torch
+import torch.utils._device
 
 torch.cuda.synchronize = lambda *a, **k: None
 torch.cuda.current_device = lambda: "cpu"
@@ -30,8 +33,23 @@ def _on_cpu(factory):
     return wrapped
 
 
+# torch's device context managers (``with torch.device("meta")``, which transformers loads models
+# under) recognise factories by identity in a cached set: fill that cache with the real ones first.
+torch.utils._device._device_constructors()
 for _name in ("zeros", "ones", "empty", "tensor", "full"):
     setattr(torch, _name, _on_cpu(getattr(torch, _name)))
+
+_tensor_type = torch.Tensor.type
+
+
+def _type_as_if_cuda(self, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None and not kwargs:
+        name = _tensor_type(self)
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+    return _tensor_type(self, dtype, non_blocking, **kwargs)
+
+
+torch.Tensor.type = _type_as_if_cuda
 
 from megatron.core import tensor_parallel
 

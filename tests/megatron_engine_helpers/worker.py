@@ -17,8 +17,8 @@ run every rank builds a frozen engine (``build_engine(..., trainable=False)``) f
 With ``load`` set (a dist checkpoint, maybe saved at another tp/pp) the engine starts from random
 weights (``model.random_init``) and loads the checkpoint before all of the above.
 
-Training (DDP + DistributedOptimizer) is not run here: megatron-core's optimizer requires CUDA
-(see benchmarks/megatron_gpu_check.py).
+Training (DDP + DistributedOptimizer) runs in the recipe tests instead (recipe.py: the sft and grpo
+recipes on the Megatron engine, compared with FSDP runs).
 """
 
 import json
@@ -67,7 +67,7 @@ def run(spec: dict, batch: dict) -> None:
     if spec["pp"] == 1:
         with torch.no_grad():
             logits["forward"] = engine.forward(mb.input_ids, mb.position_ids, mb.attention_mask)
-    (logits["schedule"],) = engine.forward_backward([mb], lambda lg, m: lg, forward_only=True)
+    (logits["schedule"],) = engine.forward_backward([mb], lambda lg, m: (None, lg), forward_only=True)
     full = {name: t.clone() for name, t in engine.iter_full_params()}
     engine.save_checkpoint(out / "ckpt")
     if rank == 0:
