@@ -137,6 +137,10 @@ class DcpSource(TensorSource):
                 self._meta[name] = meta
                 self._raw[name] = key
         if not self._meta:
+            state = path / "trainer_state.json"
+            if state.is_file() and '"megatron"' in state.read_text():
+                raise UserError(f"{path} was written by the Megatron engine: convert it with "
+                                f"`rlctl convert megatron-to-hf {path} OUT`")
             raise UserError(f"{path}: the DCP checkpoint holds no '{prefix}*' tensors (not an rlctl checkpoint?)")
 
     def keys(self) -> list[str]:

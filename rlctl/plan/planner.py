@@ -326,8 +326,8 @@ class _Option:
 
     @property
     def cost(self) -> int:
-        """Preference rank: no offload, then Megatron's optimizer offload, then Megatron offloading its weights
-        too (between phases), then FSDP2 offloading every state (the CPU steps the whole optimizer)."""
+        """Preference rank: no offload, then Megatron's optimizer offload, then FSDP2 offloading every
+        state (the CPU steps the whole optimizer)."""
         if not self.offloads:
             return 0
         if self.backend == "fsdp":
@@ -366,8 +366,9 @@ def _offload_levels(job: _Job, backend: str) -> list[tuple[bool, bool]]:
     """(offload_params, offload_optimizer) pairs to try, least offload first.
 
     FSDP2 offloads all sharded states at once (either flag); Megatron offloads its optimizer
-    (megatron-core's ``optimizer_cpu_offload``), then (RL) its weights too between phases. CPU
-    runs have nothing to offload. Flags set in the config are kept.
+    (megatron-core's ``optimizer_cpu_offload``). The Megatron engine does not move its weights off
+    the GPU between RL phases yet, so that level is not planned (FSDP2 with offload comes next).
+    CPU runs have nothing to offload. Flags set in the config are kept.
     """
     user_p, user_o = tri_state(job.cfg.parallel.offload_params), tri_state(job.cfg.parallel.offload_optimizer)
     if job.device == "cpu":
@@ -375,7 +376,7 @@ def _offload_levels(job: _Job, backend: str) -> list[tuple[bool, bool]]:
     if backend == "fsdp":
         levels = [(False, False), (True, True)]
     else:
-        levels = [(False, False), (False, True)] + ([(True, True)] if job.is_rl else [])
+        levels = [(False, False), (False, True)]
     if user_p is not None or user_o is not None:
         levels = [(p, o) for p, o in levels if user_p in (None, p) and user_o in (None, o)] or [(bool(user_p), bool(user_o))]
     return levels
@@ -385,7 +386,7 @@ def _options(job: _Job, tier: str) -> list[_Option]:
     """The (backend, offload) options in order of preference.
 
     A Megatron-tier model tries Megatron, then FSDP2, each without offload, then Megatron with its
-    optimizer on the CPU (RL: and its weights too, between phases), then FSDP2 with CPU offload. A
+    optimizer on the CPU, then FSDP2 with CPU offload. A
     backend set in the config, or Megatron-only sizes (tp, pp, ep > 1), keep to that backend.
     """
     p = job.cfg.parallel
