@@ -164,16 +164,22 @@ def main() -> None:
                   f"reward (last {LAST} steps) {r['reward']:.3f}  held-out {100 * r['heldout_acc']:.1f}%", flush=True)
         rows.append((rollout, res))
     print()
+    trl_hf = dict(rows).get("hf", {}).get("trl", {"failed": "not run"})
     for rollout, res in rows:
         a, b = res["rlctl"], res["trl"]
-        if "failed" in a or "failed" in b:
-            print(f"{rollout}: no ratio ({'rlctl' if 'failed' in a else 'TRL'} failed)")
+        if "failed" in a:
+            print(f"{rollout}: no ratio (rlctl failed)")
             continue
+        if "failed" in b:
+            if "failed" in trl_hf:
+                print(f"{rollout}: no ratio (TRL failed)")
+                continue
+            print(f"{rollout}: TRL failed; against TRL with hf rollouts instead:")
+            b = trl_hf
         print(f"{rollout}: rlctl/TRL step time {a['s_per_step'] / b['s_per_step']:.2f}x wall, "
               f"{a['cpu_s_per_step'] / b['cpu_s_per_step']:.2f}x CPU (target <= 0.5x); reward after {args.steps} steps "
               f"{a['reward']:.3f} vs {b['reward']:.3f}; held-out {100 * a['heldout_acc']:.1f}% vs "
               f"{100 * b['heldout_acc']:.1f}%")
-
 
 if __name__ == "__main__":
     main()

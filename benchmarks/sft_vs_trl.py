@@ -81,7 +81,7 @@ def find_rank_pid(recipe: str, run_dir: Path) -> int | None:
         except OSError:
             continue
         worker = f"rlctl.recipes.{recipe}".encode() in args and b"torch.distributed.run" not in args
-        if worker and str(run_dir).encode() in args:
+        if worker and {str(run_dir).encode(), str(run_dir.resolve()).encode()} & set(args):
             return int(entry.name)
     return None
 

@@ -2,11 +2,14 @@
 
 A problem is ``What is 12 + 7?`` with the answer ``19``. :func:`make_problems` enumerates every pair
 of operands in a range, shuffles them with a fixed seed and splits them into a training set and a
-held-out set that share no problem. The rows are written in the two formats rlctl reads:
+held-out set that share no problem (``a + b`` and ``b + a`` are different problems and may fall on
+different sides). The rows are written in the two formats rlctl reads:
 
 * SFT chat rows ``{"messages": [{"role": "user", ...}, {"role": "assistant", "content": "19"}]}``
 * RL rows ``{"prompt": "What is 12 + 7?", "answer": "19", "data_source": "arith"}`` (``--reward exact``)
 
+:func:`teacher_answers` gives imperfect demonstrations, a teacher who sometimes forgets to carry
+(``15 + 27 = 32``): the demo fine-tunes on them, then lets GRPO's exact-match reward correct the habit.
 :func:`accuracy` is the held-out evaluation: greedy decoding through plain transformers
 (``AutoModelForCausalLM.from_pretrained`` + ``generate``), the share of answers that are exactly right.
 """
