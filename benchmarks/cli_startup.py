@@ -36,7 +36,9 @@ def main() -> None:
     print(f"python -c pass: {bare * 1000:.0f} ms (median of {args.runs})")
     for name, argv in cases.items():
         t = timed(argv, args.runs)
-        print(f"{name}: {t * 1000:.0f} ms  ({t / bare:.1f}x bare python)  {'OK' if t < 0.3 else 'over the 0.3 s target'}")
+        print(
+            f"{name}: {t * 1000:.0f} ms  ({t / bare:.1f}x bare python)  {'OK' if t < 0.3 else 'over the 0.3 s target'}"
+        )
     probe = "import sys; import rlctl.cli.app; print(sorted(m for m in ('torch','transformers','vllm','datasets','peft') if m in sys.modules))"
     heavy = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
     print(f"heavy modules imported by the CLI: {heavy}")

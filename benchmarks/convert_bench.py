@@ -31,10 +31,20 @@ def model_config(gb: float) -> dict:
     embed = 2 * vocab * hidden
     layers = max(1, round((gb * 1e9 / 4 - embed) / per_layer))
     return {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": 16,
-        "num_key_value_heads": kv, "head_dim": 64, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "tie_word_embeddings": False, "dtype": "float32",
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 16,
+        "num_key_value_heads": kv,
+        "head_dim": 64,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
     }
 
 
@@ -57,8 +67,9 @@ def _build_rank(rank: int, actor: str, init_file: str) -> None:
         rows = -(-shape[0] // WORLD)
         local_rows = max(0, min(rows, shape[0] - rank * rows))
         local = torch.rand((local_rows, *shape[1:]), generator=gen)
-        state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
-                                         stride=torch.empty(shape, device="meta").stride())
+        state[name] = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride()
+        )
     torch.save(state, Path(actor) / f"model_world_size_{WORLD}_rank_{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

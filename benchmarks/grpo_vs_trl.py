@@ -42,29 +42,87 @@ def step_times(marks: dict[int, tuple[float, float]]) -> dict:
     seen = sorted(n for n in marks if n >= WARMUP_STEPS)
     first, last = seen[0], seen[-1]
     steps = last - first
-    return {"cpu_s_per_step": (marks[last][0] - marks[first][0]) / steps,
-            "s_per_step": (marks[last][1] - marks[first][1]) / steps, "steps": steps}
+    return {
+        "cpu_s_per_step": (marks[last][0] - marks[first][0]) / steps,
+        "s_per_step": (marks[last][1] - marks[first][1]) / steps,
+        "steps": steps,
+    }
 
 
 def rlctl_run(args, data: Path, out: Path, rollout: str) -> dict:
-    argv = [sys.executable, "-m", "rlctl", "grpo", "--model", args.model, "--data", str(data), "--reward", "exact",
-            "--device", "cpu", "--nproc", "1", "--rollout", rollout, "-o", str(out), "--max-steps", str(args.steps),
-            "--batch-size", str(args.batch_size), "--n", str(args.n), "--lr", str(LR), "--temperature", "1.0",
-            "--max-prompt-len", str(MAX_PROMPT_LEN), "--max-response-len", str(MAX_RESPONSE_LEN), "--kl-coef", "0",
-            "--seed", "0"]
+    argv = [
+        sys.executable,
+        "-m",
+        "rlctl",
+        "grpo",
+        "--model",
+        args.model,
+        "--data",
+        str(data),
+        "--reward",
+        "exact",
+        "--device",
+        "cpu",
+        "--nproc",
+        "1",
+        "--rollout",
+        rollout,
+        "-o",
+        str(out),
+        "--max-steps",
+        str(args.steps),
+        "--batch-size",
+        str(args.batch_size),
+        "--n",
+        str(args.n),
+        "--lr",
+        str(LR),
+        "--temperature",
+        "1.0",
+        "--max-prompt-len",
+        str(MAX_PROMPT_LEN),
+        "--max-response-len",
+        str(MAX_RESPONSE_LEN),
+        "--kl-coef",
+        "0",
+        "--seed",
+        "0",
+    ]
     marks = run_rlctl_clocked(argv, out, "grpo", out.parent / f"{out.name}.log")
-    rewards = [json.loads(line)["reward"] for line in (out / "metrics.jsonl").read_text().splitlines()
-               if '"kind": "eval"' not in line]
+    rewards = [
+        json.loads(line)["reward"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if '"kind": "eval"' not in line
+    ]
     return {**step_times(marks), "reward": statistics.mean(rewards[-LAST:]), "model": str(out / "hf")}
 
 
 def trl_run(args, data: Path, out: Path, rollout: str) -> dict:
-    argv = [sys.executable, __file__, "--trl-worker", "--model", args.model, "--data", str(data), "--out", str(out),
-            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--n", str(args.n), "--rollout", rollout]
+    argv = [
+        sys.executable,
+        __file__,
+        "--trl-worker",
+        "--model",
+        args.model,
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--steps",
+        str(args.steps),
+        "--batch-size",
+        str(args.batch_size),
+        "--n",
+        str(args.n),
+        "--rollout",
+        rollout,
+    ]
     out.mkdir(parents=True, exist_ok=True)
     log_path = out.parent / f"{out.name}.log"
     with open(log_path, "w") as log:
-        code = subprocess.call(argv, env={**_env(), "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=log, stderr=subprocess.STDOUT)
+        code = subprocess.call(
+            argv, env={**_env(), "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=log, stderr=subprocess.STDOUT
+        )
     if code:
         lines = [line for line in log_path.read_text().splitlines() if "Error" in line]
         return {"failed": (lines[-1].strip() if lines else f"exit code {code}") + f" (log: {log_path})"}
@@ -86,7 +144,9 @@ def trl_worker(args) -> None:
     out = Path(args.out)
     tok = AutoTokenizer.from_pretrained(args.model)
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
-    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows])
+    ds = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
+    )
 
     def exact(completions, answer, **kwargs):
         return [exact_score("arith", c[0]["content"], a) for c, a in zip(completions, answer)]
@@ -104,20 +164,43 @@ def trl_worker(args) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
     config = GRPOConfig(
-        output_dir=str(out), per_device_train_batch_size=args.batch_size * args.n, num_generations=args.n,
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1, max_completion_length=MAX_RESPONSE_LEN,
-        max_steps=args.steps, learning_rate=LR, lr_scheduler_type="constant", beta=0.0, loss_type="dapo",
-        scale_rewards="group", epsilon=0.2, temperature=1.0, max_grad_norm=1.0, gradient_checkpointing=False,
-        use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, seed=0, disable_tqdm=True,
-        use_vllm=args.rollout == "vllm", vllm_mode="colocate", vllm_max_model_length=64,
+        output_dir=str(out),
+        per_device_train_batch_size=args.batch_size * args.n,
+        num_generations=args.n,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        max_completion_length=MAX_RESPONSE_LEN,
+        max_steps=args.steps,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        beta=0.0,
+        loss_type="dapo",
+        scale_rewards="group",
+        epsilon=0.2,
+        temperature=1.0,
+        max_grad_norm=1.0,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        use_vllm=args.rollout == "vllm",
+        vllm_mode="colocate",
+        vllm_max_model_length=64,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=exact, args=config, train_dataset=ds, processing_class=tok,
-                          callbacks=[Clock()])
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=exact, args=config, train_dataset=ds, processing_class=tok, callbacks=[Clock()]
+    )
     trainer.train()
     trainer.save_model(str(out / "model"))
     tok.save_pretrained(str(out / "model"))
-    (out / "result.json").write_text(json.dumps({**step_times(marks), "reward": statistics.mean(rewards[-LAST:]),
-                                                 "model": str(out / "model")}))
+    (out / "result.json").write_text(
+        json.dumps({**step_times(marks), "reward": statistics.mean(rewards[-LAST:]), "model": str(out / "model")})
+    )
 
 
 def main() -> None:
@@ -136,8 +219,10 @@ def main() -> None:
         trl_worker(args)
         return
     if not (Path(args.model) / "config.json").exists():
-        raise SystemExit(f"{args.model} is not an HF model directory; run `make demo` first (it writes "
-                         f"runs/demo/sft/hf) or pass --model")
+        raise SystemExit(
+            f"{args.model} is not an HF model directory; run `make demo` first (it writes "
+            f"runs/demo/sft/hf) or pass --model"
+        )
 
     import shutil
 
@@ -148,20 +233,28 @@ def main() -> None:
     train, heldout = arith.make_problems(FULL.max_operand, FULL.n_heldout, seed=SEED)
     data = arith.write_jsonl(arith.rl_rows(train), out / "rl.jsonl")
     start_acc = arith.accuracy(args.model, heldout)
-    print(f"model {args.model}: held-out accuracy {100 * start_acc:.1f}% before training; {args.steps} steps of "
-          f"{args.batch_size} prompts x {args.n} samples", flush=True)
+    print(
+        f"model {args.model}: held-out accuracy {100 * start_acc:.1f}% before training; {args.steps} steps of "
+        f"{args.batch_size} prompts x {args.n} samples",
+        flush=True,
+    )
 
     rows = []
     for rollout in args.rollouts.split(","):
-        res = {"rlctl": rlctl_run(args, data, out / f"rlctl-{rollout}", rollout),
-               "trl": trl_run(args, data, out / f"trl-{rollout}", rollout)}
+        res = {
+            "rlctl": rlctl_run(args, data, out / f"rlctl-{rollout}", rollout),
+            "trl": trl_run(args, data, out / f"trl-{rollout}", rollout),
+        }
         for name, r in res.items():
             if "failed" in r:
                 print(f"{rollout:5s} {name:6s} FAILED: {r['failed']}", flush=True)
                 continue
             r["heldout_acc"] = arith.accuracy(r["model"], heldout)
-            print(f"{rollout:5s} {name:6s} {r['s_per_step']:6.2f} s/step (CPU {r['cpu_s_per_step']:6.2f} s/step)  "
-                  f"reward (last {LAST} steps) {r['reward']:.3f}  held-out {100 * r['heldout_acc']:.1f}%", flush=True)
+            print(
+                f"{rollout:5s} {name:6s} {r['s_per_step']:6.2f} s/step (CPU {r['cpu_s_per_step']:6.2f} s/step)  "
+                f"reward (last {LAST} steps) {r['reward']:.3f}  held-out {100 * r['heldout_acc']:.1f}%",
+                flush=True,
+            )
         rows.append((rollout, res))
     print()
     trl_hf = dict(rows).get("hf", {}).get("trl", {"failed": "not run"})
@@ -176,10 +269,13 @@ def main() -> None:
                 continue
             print(f"{rollout}: TRL failed; against TRL with hf rollouts instead:")
             b = trl_hf
-        print(f"{rollout}: rlctl/TRL step time {a['s_per_step'] / b['s_per_step']:.2f}x wall, "
-              f"{a['cpu_s_per_step'] / b['cpu_s_per_step']:.2f}x CPU (target <= 0.5x); reward after {args.steps} steps "
-              f"{a['reward']:.3f} vs {b['reward']:.3f}; held-out {100 * a['heldout_acc']:.1f}% vs "
-              f"{100 * b['heldout_acc']:.1f}%")
+        print(
+            f"{rollout}: rlctl/TRL step time {a['s_per_step'] / b['s_per_step']:.2f}x wall, "
+            f"{a['cpu_s_per_step'] / b['cpu_s_per_step']:.2f}x CPU (target <= 0.5x); reward after {args.steps} steps "
+            f"{a['reward']:.3f} vs {b['reward']:.3f}; held-out {100 * a['heldout_acc']:.1f}% vs "
+            f"{100 * b['heldout_acc']:.1f}%"
+        )
+
 
 if __name__ == "__main__":
     main()

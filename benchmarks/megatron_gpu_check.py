@@ -61,9 +61,9 @@ def packed_batch():
         at = 0
         for doc in docs:
             n = len(doc)
-            ids[r, at:at + n] = torch.tensor(doc)
-            pos[r, at:at + n] = torch.arange(n)
-            labels[r, at:at + n - 1] = torch.tensor(doc[1:])
+            ids[r, at : at + n] = torch.tensor(doc)
+            pos[r, at : at + n] = torch.arange(n)
+            labels[r, at : at + n - 1] = torch.tensor(doc[1:])
             at += n
     spans = [(0, 0, len(DOCS[0])), (0, len(DOCS[0]), len(DOCS[0]) + len(DOCS[2])), (1, 0, len(DOCS[1]))]
     return SimpleNamespace(input_ids=ids, position_ids=pos, attention_mask=None, labels=labels), spans
@@ -82,8 +82,9 @@ def step_loss(loss):
     return loss, loss
 
 
-def make_engine(hf_dir: str, tp: int, pp: int, *, dtype: str, trainable: bool, lr: float = 1e-3,
-                random_init: bool = False):
+def make_engine(
+    hf_dir: str, tp: int, pp: int, *, dtype: str, trainable: bool, lr: float = 1e-3, random_init: bool = False
+):
     from rlctl.config import RunConfig
     from rlctl.engines.megatron import build_engine
 
@@ -92,8 +93,17 @@ def make_engine(hf_dir: str, tp: int, pp: int, *, dtype: str, trainable: bool, l
     cfg.train.lr, cfg.train.warmup_ratio, cfg.train.min_lr_ratio, cfg.train.grad_clip = lr, 0.0, 1.0, 1e9
     cfg.train.max_len = 128
     cfg.rollout.max_prompt_len = cfg.rollout.max_response_len = 32
-    plan = SimpleNamespace(backend="megatron", device="cuda", dtype=dtype, tp=tp, pp=pp, cp=1, ep=1,
-                           sequence_parallel=tp > 1, activation_checkpointing=False)
+    plan = SimpleNamespace(
+        backend="megatron",
+        device="cuda",
+        dtype=dtype,
+        tp=tp,
+        pp=pp,
+        cp=1,
+        ep=1,
+        sequence_parallel=tp > 1,
+        activation_checkpointing=False,
+    )
     return build_engine(cfg, plan, role="actor", trainable=trainable, total_steps=100)
 
 
@@ -115,7 +125,7 @@ def hf_logits(hf_dir: str, mb, spans, dtype):
     out = []
     with torch.no_grad():
         for row, a, b in spans:
-            out.append(model(mb.input_ids[row:row + 1, a:b].cuda()).logits[0].float())
+            out.append(model(mb.input_ids[row : row + 1, a:b].cuda()).logits[0].float())
     return out
 
 
@@ -140,7 +150,9 @@ def check_layout(c: Checks, hf_dir: str, tp: int, pp: int, prev_ckpt: Path | Non
             err = max((logits[r, a:b].float() - want).abs().max().item() for (r, a, b), want in zip(spans, ref32))
             hf16 = max((x - y).abs().max().item() for x, y in zip(ref16, ref32))
             limit = 5e-3 if dtype == "fp32" else 2 * hf16 + 0.02
-            c.record(f"{tag} logits {dtype} {kind}", err <= limit, f"max |megatron - hf fp32| {err:.3g} (limit {limit:.3g})")
+            c.record(
+                f"{tag} logits {dtype} {kind}", err <= limit, f"max |megatron - hf fp32| {err:.3g} (limit {limit:.3g})"
+            )
         del engine
 
     # 2. gradient sum over DP against HF's gradient of the same loss
@@ -151,12 +163,15 @@ def check_layout(c: Checks, hf_dir: str, tp: int, pp: int, prev_ckpt: Path | Non
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).cuda()
-    logits = torch.cat([hf(mb.input_ids[r:r + 1, a:b].cuda()).logits for r, a, b in spans], dim=1)
-    labels = torch.cat([mb.labels[r:r + 1, a:b] for r, a, b in spans], dim=1)
+    logits = torch.cat([hf(mb.input_ids[r : r + 1, a:b].cuda()).logits for r, a, b in spans], dim=1)
+    labels = torch.cat([mb.labels[r : r + 1, a:b] for r, a, b in spans], dim=1)
     sft_loss(logits, SimpleNamespace(labels=labels)).backward()
     want = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in hf.parameters() if p.grad is not None)).item()
-    c.record(f"{tag} grad norm (summed over dp={dp})", abs(norm - want) <= 1e-2 * want,
-             f"megatron {norm:.6g} vs hf {want:.6g}")
+    c.record(
+        f"{tag} grad norm (summed over dp={dp})",
+        abs(norm - want) <= 1e-2 * want,
+        f"megatron {norm:.6g} vs hf {want:.6g}",
+    )
     del engine, hf
 
     # 3. sft steps in bf16
@@ -188,8 +203,11 @@ def check_layout(c: Checks, hf_dir: str, tp: int, pp: int, prev_ckpt: Path | Non
         prev = torch.load(prev_ckpt.parent / f"{prev_ckpt.name}.full.pt")
         mine = {n: t.float().cpu() for n, t in fresh.iter_full_params()}
         same = sorted(mine) == sorted(prev["full"]) and all(torch.equal(mine[n], prev["full"][n]) for n in mine)
-        c.record(f"{tag} loads {prev_ckpt.name} (resharded)", same and fresh.global_step == prev["step"],
-                 f"weights equal: {same}, step {fresh.global_step} (saved {prev['step']})")
+        c.record(
+            f"{tag} loads {prev_ckpt.name} (resharded)",
+            same and fresh.global_step == prev["step"],
+            f"weights equal: {same}, step {fresh.global_step} (saved {prev['step']})",
+        )
         del fresh
     if dist.get_rank() == 0:
         torch.save({"full": full, "step": engine.global_step}, out / f"ckpt_{tag}.full.pt")
@@ -235,8 +253,11 @@ def check_layout(c: Checks, hf_dir: str, tp: int, pp: int, prev_ckpt: Path | Non
     after = {n: t.float().cpu() for n, t in engine.iter_full_params(torch.bfloat16)}
     same = all(torch.equal(synced[n], after[n]) for n in after)
     changed = any(not torch.equal(before[n].bfloat16().float(), after[n]) for n in after)
-    c.record(f"{tag} grpo step + weight sync to hf rollout", same and changed,
-             f"{len(after)} tensors synced, weights changed: {changed}")
+    c.record(
+        f"{tag} grpo step + weight sync to hf rollout",
+        same and changed,
+        f"{len(after)} tensors synced, weights changed: {changed}",
+    )
     rollout.close()
     del engine
     return ckpt
@@ -290,11 +311,33 @@ def main() -> int:
     gpus = args.gpus or min(torch.cuda.device_count(), 4)
     out = Path(args.out or tempfile.mkdtemp(prefix="megatron_gpu_check_"))
     out.mkdir(parents=True, exist_ok=True)
-    hf_dir = build_tiny_model(out / "hf", seed=0, vocab_size=512, hidden_size=256, intermediate_size=512,
-                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                              tie_word_embeddings=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "--master-port",
-           str(free_port()), __file__, "--rank-main", "--hf-dir", str(hf_dir), "--out", str(out)]
+    hf_dir = build_tiny_model(
+        out / "hf",
+        seed=0,
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(gpus),
+        "--master-port",
+        str(free_port()),
+        __file__,
+        "--rank-main",
+        "--hf-dir",
+        str(hf_dir),
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": str(ROOT)}
     print(f"running on {gpus} GPU(s); outputs in {out}", flush=True)
     engine_rc = subprocess.run(cmd, env=env, check=False).returncode
@@ -307,8 +350,15 @@ def main() -> int:
 
 
 def rlctl(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlctl", *args], cwd=ROOT, capture_output=True, text=True,
-                          check=False, timeout=1800, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.run(
+        [sys.executable, "-m", "rlctl", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=1800,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 def train_records(run: Path) -> list[dict]:
@@ -334,9 +384,28 @@ def cli_checks(hf_dir: Path, out: Path, gpus: int) -> int:
     common = ["--model", str(hf_dir), "--device", "cuda", "--gpus", str(gpus), "--max-steps", "6"]
     jobs = {
         "sft": ["sft", *common, "--data", str(chat), "--batch-size", "16", "--max-len", "128", "--lr", "2e-3"],
-        "grpo": ["grpo", *common, "--data", str(prompts), "--rollout", "hf", "--batch-size", "8", "--n", "4",
-                 "--max-prompt-len", "48", "--max-response-len", "16", "--lr", "2e-3", "--reward",
-                 f"{REWARDS}:digits", "--kl-coef", "0.001"],
+        "grpo": [
+            "grpo",
+            *common,
+            "--data",
+            str(prompts),
+            "--rollout",
+            "hf",
+            "--batch-size",
+            "8",
+            "--n",
+            "4",
+            "--max-prompt-len",
+            "48",
+            "--max-response-len",
+            "16",
+            "--lr",
+            "2e-3",
+            "--reward",
+            f"{REWARDS}:digits",
+            "--kl-coef",
+            "0.001",
+        ],
     }
     c = Checks(0)
     for method, args in jobs.items():
@@ -347,8 +416,11 @@ def cli_checks(hf_dir: Path, out: Path, gpus: int) -> int:
             t0 = time.time()
             res = rlctl(*args, "--output-dir", str(run), *extra)
             ok = res.returncode == 0
-            c.record(f"rlctl {method} on {backend}{f' tp{tp}' if extra else ''}", ok,
-                     f"exit {res.returncode} in {time.time() - t0:.0f}s" + ("" if ok else f": {res.stderr[-1500:]}"))
+            c.record(
+                f"rlctl {method} on {backend}{f' tp{tp}' if extra else ''}",
+                ok,
+                f"exit {res.returncode} in {time.time() - t0:.0f}s" + ("" if ok else f": {res.stderr[-1500:]}"),
+            )
             runs[backend] = train_records(run) if ok else []
         mg, fs = runs["megatron"], runs["fsdp"]
         if not mg or not fs:
@@ -359,13 +431,19 @@ def cli_checks(hf_dir: Path, out: Path, gpus: int) -> int:
         c.record(f"{method} megatron checkpoint", written, f"trainer_state backend: {state.get('backend')}")
         if method == "sft":
             first = abs(mg[0]["loss"] - fs[0]["loss"]) / fs[0]["loss"]
-            c.record("sft megatron follows fsdp", first < 0.02 and mg[-1]["loss"] < mg[0]["loss"],
-                     f"losses megatron {[round(r['loss'], 3) for r in mg]} fsdp {[round(r['loss'], 3) for r in fs]}")
+            c.record(
+                "sft megatron follows fsdp",
+                first < 0.02 and mg[-1]["loss"] < mg[0]["loss"],
+                f"losses megatron {[round(r['loss'], 3) for r in mg]} fsdp {[round(r['loss'], 3) for r in fs]}",
+            )
         else:
             diff = max(r["rollout/logprob_diff"] for r in mg)
-            c.record("grpo megatron follows fsdp", mg[0]["reward/mean"] == fs[0]["reward/mean"] and diff < 0.05,
-                     f"rewards megatron {[round(r['reward/mean'], 3) for r in mg]} fsdp "
-                     f"{[round(r['reward/mean'], 3) for r in fs]}; max rollout/logprob_diff {diff:.3g}")
+            c.record(
+                "grpo megatron follows fsdp",
+                mg[0]["reward/mean"] == fs[0]["reward/mean"] and diff < 0.05,
+                f"rewards megatron {[round(r['reward/mean'], 3) for r in mg]} fsdp "
+                f"{[round(r['reward/mean'], 3) for r in fs]}; max rollout/logprob_diff {diff:.3g}",
+            )
     (out / "summary.json").write_text(json.dumps(c.results, indent=2))
     return 0 if c.results and all(r["ok"] for r in c.results) else 1
 

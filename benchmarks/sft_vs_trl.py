@@ -36,9 +36,33 @@ from pathlib import Path
 WARMUP_STEPS = 2  # steps left out of the throughput (first-call allocations, lazy inits)
 PACKED_ROWS_PER_BATCH = 3  # a batch of 8 chats (~190 tokens each) fills about 3 rows of 512
 WORDS = (
-    "the", "model", "learns", "to", "answer", "questions", "about", "numbers", "words", "and", "tokens",
-    "with", "short", "and", "long", "replies", "while", "the", "trainer", "packs", "sequences", "into",
-    "batches", "on", "a", "small", "processor",
+    "the",
+    "model",
+    "learns",
+    "to",
+    "answer",
+    "questions",
+    "about",
+    "numbers",
+    "words",
+    "and",
+    "tokens",
+    "with",
+    "short",
+    "and",
+    "long",
+    "replies",
+    "while",
+    "the",
+    "trainer",
+    "packs",
+    "sequences",
+    "into",
+    "batches",
+    "on",
+    "a",
+    "small",
+    "processor",
 )
 
 
@@ -52,7 +76,7 @@ def make_chats(n: int, max_len: int, tokenizer, seed: int = 0) -> list[dict]:
         target = int(2 ** rng.uniform(5, math.log2(max_len)))
         words = tokenizer(" ".join(rng.choice(WORDS) for _ in range(max_len)), add_special_tokens=False)["input_ids"]
         prompt_len = len(_render(tokenizer, [{"role": "user", "content": user}], add_generation_prompt=True))
-        reply = tokenizer.decode(words[:max(2, target - prompt_len - 2)]).strip()
+        reply = tokenizer.decode(words[: max(2, target - prompt_len - 2)]).strip()
         messages = [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
         if len(_render(tokenizer, messages)) <= max_len:
             chats.append({"messages": messages})
@@ -117,16 +141,49 @@ def measured(marks: dict[int, tuple[float, float]], step_tokens: list[float]) ->
     tokens = sum(step_tokens[first:last])
     cpu = marks[last][0] - marks[first][0]
     wall = marks[last][1] - marks[first][1]
-    return {"tokens": tokens, "cpu_s": cpu, "wall_s": wall, "steps": last - first,
-            "tokens_per_cpu_s": tokens / cpu, "tokens_per_s": tokens / wall}
+    return {
+        "tokens": tokens,
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "steps": last - first,
+        "tokens_per_cpu_s": tokens / cpu,
+        "tokens_per_s": tokens / wall,
+    }
 
 
 def rlctl_run(args, model: Path, data: Path, out: Path) -> dict:
-    argv = [sys.executable, "-m", "rlctl", "sft", "--model", str(model), "--data", str(data), "--device", "cpu",
-            "--nproc", "1", "--max-len", str(args.max_len), "--batch-size", str(args.batch_size),
-            "--max-steps", str(args.steps), "--lr", "1e-4", "-o", str(out), "--seed", "0",
-            "--micro-batch-size", "1", "--set", "parallel.activation_checkpointing=false",
-            "--set", "checkpoint.export_hf=false"]
+    argv = [
+        sys.executable,
+        "-m",
+        "rlctl",
+        "sft",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--device",
+        "cpu",
+        "--nproc",
+        "1",
+        "--max-len",
+        str(args.max_len),
+        "--batch-size",
+        str(args.batch_size),
+        "--max-steps",
+        str(args.steps),
+        "--lr",
+        "1e-4",
+        "-o",
+        str(out),
+        "--seed",
+        "0",
+        "--micro-batch-size",
+        "1",
+        "--set",
+        "parallel.activation_checkpointing=false",
+        "--set",
+        "checkpoint.export_hf=false",
+    ]
     marks = run_rlctl_clocked(argv, out, "sft", out.parent / f"{out.name}.log")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return measured(marks, [r["tokens"] for r in records if r.get("kind") != "eval"])
@@ -137,8 +194,23 @@ def trl_run(args, model: Path, data: Path, out: Path, packing: bool) -> dict:
     # attention is quadratic in that length; one packed row per step (max-len tokens, about as many
     # tokens as a padded step holds) is its fast setting, with the steps scaled to the same token budget.
     batch, steps = (1, args.steps * PACKED_ROWS_PER_BATCH) if packing else (args.batch_size, args.steps)
-    argv = [sys.executable, __file__, "--trl-worker", "--model", str(model), "--data", str(data), "--out", str(out),
-            "--max-len", str(args.max_len), "--batch-size", str(batch), "--steps", str(steps)]
+    argv = [
+        sys.executable,
+        __file__,
+        "--trl-worker",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--max-len",
+        str(args.max_len),
+        "--batch-size",
+        str(batch),
+        "--steps",
+        str(steps),
+    ]
     if packing:
         argv.append("--packing")
     out.mkdir(parents=True, exist_ok=True)
@@ -174,11 +246,24 @@ def trl_worker(args) -> None:
             step_tokens[-1] += int((inputs["input_ids"] != tok.pad_token_id).sum())
             return super().training_step(model, inputs, *a, **k)
 
-    config = SFTConfig(output_dir=str(out), max_length=args.max_len, per_device_train_batch_size=args.batch_size,
-                       max_steps=args.steps, learning_rate=1e-4, lr_scheduler_type="cosine",
-                       gradient_checkpointing=False, packing=args.packing, use_cpu=True, bf16=False,
-                       report_to="none", save_strategy="no", logging_steps=1000, seed=0, dataloader_num_workers=0,
-                       disable_tqdm=True)
+    config = SFTConfig(
+        output_dir=str(out),
+        max_length=args.max_len,
+        per_device_train_batch_size=args.batch_size,
+        max_steps=args.steps,
+        learning_rate=1e-4,
+        lr_scheduler_type="cosine",
+        gradient_checkpointing=False,
+        packing=args.packing,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1000,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     trainer = CountingTrainer(model=model, args=config, train_dataset=ds, processing_class=tok, callbacks=[Clock()])
     trainer.train()
     out.mkdir(parents=True, exist_ok=True)
@@ -213,29 +298,46 @@ def main() -> None:
 
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
-    model = build_tiny_model(out / "model", seed=0, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                             num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 128),
-                             num_hidden_layers=args.layers, max_position_embeddings=args.max_len)
+    model = build_tiny_model(
+        out / "model",
+        seed=0,
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 128),
+        num_hidden_layers=args.layers,
+        max_position_embeddings=args.max_len,
+    )
     tok = build_tokenizer()
     chats = make_chats(args.steps * args.batch_size * 2, args.max_len, tok)
     data = out / "chats.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in chats))
 
     lengths = [len(_render(tok, c["messages"])) for c in chats]
-    batches = [lengths[i:i + args.batch_size] for i in range(0, len(lengths), args.batch_size)]
+    batches = [lengths[i : i + args.batch_size] for i in range(0, len(lengths), args.batch_size)]
     padded = sum(len(b) * max(b) for b in batches) / sum(lengths)
-    print(f"data: {len(chats)} chats, {statistics.mean(lengths):.0f} tokens on average (max {max(lengths)}); "
-          f"padded batches of {args.batch_size} hold {padded:.2f}x the real tokens", flush=True)
-    runs = {"rlctl": lambda k: rlctl_run(args, model, data, out / f"rlctl-{k}"),
-            "trl": lambda k: trl_run(args, model, data, out / f"trl-{k}", packing=False),
-            "trl-packing": lambda k: trl_run(args, model, data, out / f"trl-packing-{k}", packing=True)}
+    print(
+        f"data: {len(chats)} chats, {statistics.mean(lengths):.0f} tokens on average (max {max(lengths)}); "
+        f"padded batches of {args.batch_size} hold {padded:.2f}x the real tokens",
+        flush=True,
+    )
+    runs = {
+        "rlctl": lambda k: rlctl_run(args, model, data, out / f"rlctl-{k}"),
+        "trl": lambda k: trl_run(args, model, data, out / f"trl-{k}", packing=False),
+        "trl-packing": lambda k: trl_run(args, model, data, out / f"trl-packing-{k}", packing=True),
+    }
     results: dict[str, list[dict]] = {name: [] for name in runs}
     for k in range(args.rounds):
         for name, run in runs.items():
             results[name].append(run(k))
-        print(f"round {k + 1}: " + ", ".join(f"{name} {r[-1]['tokens_per_cpu_s']:,.0f} tok/cpu-s "
-                                             f"({r[-1]['tokens_per_s']:,.0f} tok/s)" for name, r in results.items()),
-              flush=True)
+        print(
+            f"round {k + 1}: "
+            + ", ".join(
+                f"{name} {r[-1]['tokens_per_cpu_s']:,.0f} tok/cpu-s ({r[-1]['tokens_per_s']:,.0f} tok/s)"
+                for name, r in results.items()
+            ),
+            flush=True,
+        )
     print(f"\nmedian over {args.rounds} rounds (one process, one thread each):")
     print(f"  {'':12s} {'tokens/CPU-s':>13s} {'tokens/s':>10s}")
     med = {}
@@ -245,8 +347,10 @@ def main() -> None:
     for other in ("trl", "trl-packing"):
         cpu = med["rlctl"]["tokens_per_cpu_s"] / med[other]["tokens_per_cpu_s"]
         wall = med["rlctl"]["tokens_per_s"] / med[other]["tokens_per_s"]
-        print(f"rlctl / {other:12s} = {cpu:.2f}x per CPU second, {wall:.2f}x per wall second"
-              + ("  (target >= 2x)" if other == "trl" else ""))
+        print(
+            f"rlctl / {other:12s} = {cpu:.2f}x per CPU second, {wall:.2f}x per wall second"
+            + ("  (target >= 2x)" if other == "trl" else "")
+        )
 
 
 if __name__ == "__main__":

@@ -272,7 +272,9 @@ def _apply(obj: Any, updates: dict, prefix: str = "") -> None:
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise UserError(f"'{path}' is a section; set one of its keys, e.g. {path}.{dataclasses.fields(current)[0].name}=...")
+                raise UserError(
+                    f"'{path}' is a section; set one of its keys, e.g. {path}.{dataclasses.fields(current)[0].name}=..."
+                )
             _apply(current, value, prefix=f"{path}.")
         else:
             setattr(obj, key, _coerce(value, hints[key], path))
@@ -390,15 +392,37 @@ def validate(cfg: RunConfig) -> None:
     for key, choices in CHOICES.items():
         value = get_key(cfg, key)
         if value not in choices:
-            raise UserError(f"{key}={value!r} is not valid{did_you_mean(str(value), choices)}; choose one of {', '.join(choices)}")
-    positive = ["train.batch_size", "train.max_len", "train.epochs", "rollout.n", "hardware.nodes",
-                "rollout.max_prompt_len", "rollout.max_response_len", "algo.ppo_epochs"]
+            raise UserError(
+                f"{key}={value!r} is not valid{did_you_mean(str(value), choices)}; choose one of {', '.join(choices)}"
+            )
+    positive = [
+        "train.batch_size",
+        "train.max_len",
+        "train.epochs",
+        "rollout.n",
+        "hardware.nodes",
+        "rollout.max_prompt_len",
+        "rollout.max_response_len",
+        "algo.ppo_epochs",
+    ]
     for key in positive:
         if get_key(cfg, key) < 1:
             raise UserError(f"{key} must be at least 1, got {get_key(cfg, key)}")
-    non_negative = ["train.max_steps", "train.micro_batch_size", "hardware.gpus", "hardware.nproc",
-                    "parallel.tp", "parallel.pp", "rollout.tp", "lora.rank", "checkpoint.save_every",
-                    "train.eval_every", "algo.kl_coef", "train.lr", "algo.mini_batch_size"]
+    non_negative = [
+        "train.max_steps",
+        "train.micro_batch_size",
+        "hardware.gpus",
+        "hardware.nproc",
+        "parallel.tp",
+        "parallel.pp",
+        "rollout.tp",
+        "lora.rank",
+        "checkpoint.save_every",
+        "train.eval_every",
+        "algo.kl_coef",
+        "train.lr",
+        "algo.mini_batch_size",
+    ]
     for key in non_negative:
         if get_key(cfg, key) < 0:
             raise UserError(f"{key} must not be negative, got {get_key(cfg, key)}")

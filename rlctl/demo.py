@@ -57,12 +57,38 @@ class DemoSize:
     temperature: float
 
 
-FULL = DemoSize(max_operand=49, n_heldout=300, slip_rate=0.7, hidden=128, intermediate=512, layers=2,
-                sft_steps=600, sft_batch=128, sft_lr=1e-3,
-                grpo_steps=40, grpo_batch=32, grpo_n=8, grpo_lr=1e-4, temperature=1.0)
-QUICK = DemoSize(max_operand=19, n_heldout=60, slip_rate=0.7, hidden=128, intermediate=256, layers=2,
-                 sft_steps=30, sft_batch=32, sft_lr=1e-3,
-                 grpo_steps=3, grpo_batch=8, grpo_n=4, grpo_lr=3e-4, temperature=1.0)
+FULL = DemoSize(
+    max_operand=49,
+    n_heldout=300,
+    slip_rate=0.7,
+    hidden=128,
+    intermediate=512,
+    layers=2,
+    sft_steps=600,
+    sft_batch=128,
+    sft_lr=1e-3,
+    grpo_steps=40,
+    grpo_batch=32,
+    grpo_n=8,
+    grpo_lr=1e-4,
+    temperature=1.0,
+)
+QUICK = DemoSize(
+    max_operand=19,
+    n_heldout=60,
+    slip_rate=0.7,
+    hidden=128,
+    intermediate=256,
+    layers=2,
+    sft_steps=30,
+    sft_batch=32,
+    sft_lr=1e-3,
+    grpo_steps=3,
+    grpo_batch=8,
+    grpo_n=4,
+    grpo_lr=3e-4,
+    temperature=1.0,
+)
 SEED = 0  # default seed of everything: model init, data split, teacher, training
 MAX_LEN = 64  # tokens of one SFT conversation (they are about 23)
 MAX_PROMPT_LEN = 32
@@ -86,9 +112,15 @@ def build_model(out: Path, size: DemoSize, seed: int = SEED) -> int:
     from rlctl.testing import build_tokenizer, tiny_qwen2_config
 
     tok = build_tokenizer(out, vocab_size=320, corpus=arith.tokenizer_corpus())
-    config = tiny_qwen2_config(vocab_size=len(tok), hidden_size=size.hidden, intermediate_size=size.intermediate,
-                               num_hidden_layers=size.layers, num_attention_heads=size.hidden // 64,
-                               num_key_value_heads=1, max_position_embeddings=128)
+    config = tiny_qwen2_config(
+        vocab_size=len(tok),
+        hidden_size=size.hidden,
+        intermediate_size=size.intermediate,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.hidden // 64,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+    )
     config.eos_token_id = tok.eos_token_id
     config.pad_token_id = tok.pad_token_id
     torch.manual_seed(seed)
@@ -110,19 +142,69 @@ def write_data(out: Path, size: DemoSize, seed: int = SEED) -> tuple[list[arith.
 
 
 def sft_args(out: Path, base: Path, data: Path, size: DemoSize, *, nproc: int, seed: int) -> list[str]:
-    return ["--model", str(base), "--data", str(data), "--device", "cpu", "--nproc", str(nproc),
-            "-o", str(out), "--max-steps", str(size.sft_steps), "--batch-size", str(size.sft_batch),
-            "--lr", str(size.sft_lr), "--max-len", str(MAX_LEN), "--seed", str(seed),
-            "--set", f"train.max_tokens_per_micro_batch={MICRO_BATCH_TOKENS}"]
+    return [
+        "--model",
+        str(base),
+        "--data",
+        str(data),
+        "--device",
+        "cpu",
+        "--nproc",
+        str(nproc),
+        "-o",
+        str(out),
+        "--max-steps",
+        str(size.sft_steps),
+        "--batch-size",
+        str(size.sft_batch),
+        "--lr",
+        str(size.sft_lr),
+        "--max-len",
+        str(MAX_LEN),
+        "--seed",
+        str(seed),
+        "--set",
+        f"train.max_tokens_per_micro_batch={MICRO_BATCH_TOKENS}",
+    ]
 
 
 def grpo_args(out: Path, model: Path, data: Path, size: DemoSize, *, nproc: int, seed: int, rollout: str) -> list[str]:
-    return ["--model", str(model), "--data", str(data), "--reward", "exact", "--device", "cpu",
-            "--nproc", str(nproc), "--rollout", rollout, "-o", str(out), "--max-steps", str(size.grpo_steps),
-            "--batch-size", str(size.grpo_batch), "--n", str(size.grpo_n), "--lr", str(size.grpo_lr),
-            "--temperature", str(size.temperature), "--max-prompt-len", str(MAX_PROMPT_LEN),
-            "--max-response-len", str(MAX_RESPONSE_LEN), "--kl-coef", "0", "--seed", str(seed),
-            "--set", f"train.max_tokens_per_micro_batch={MICRO_BATCH_TOKENS}"]
+    return [
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--reward",
+        "exact",
+        "--device",
+        "cpu",
+        "--nproc",
+        str(nproc),
+        "--rollout",
+        rollout,
+        "-o",
+        str(out),
+        "--max-steps",
+        str(size.grpo_steps),
+        "--batch-size",
+        str(size.grpo_batch),
+        "--n",
+        str(size.grpo_n),
+        "--lr",
+        str(size.grpo_lr),
+        "--temperature",
+        str(size.temperature),
+        "--max-prompt-len",
+        str(MAX_PROMPT_LEN),
+        "--max-response-len",
+        str(MAX_RESPONSE_LEN),
+        "--kl-coef",
+        "0",
+        "--seed",
+        str(seed),
+        "--set",
+        f"train.max_tokens_per_micro_batch={MICRO_BATCH_TOKENS}",
+    ]
 
 
 def run_rlctl(console: Console, method: str, args: list[str]) -> None:
@@ -143,8 +225,11 @@ def split_accuracy(model_dir: Path, problems: list[arith.Problem]) -> dict[str, 
         picked = [r for r, p in zip(right, problems) if keep(p)]
         return sum(picked) / len(picked) if picked else float("nan")
 
-    return {"all": share(lambda p: True), "carry": share(lambda p: p.carries),
-            "no carry": share(lambda p: not p.carries)}
+    return {
+        "all": share(lambda p: True),
+        "carry": share(lambda p: p.carries),
+        "no carry": share(lambda p: not p.carries),
+    }
 
 
 def sample_answer(model_dir: Path, problem: arith.Problem) -> str:
@@ -154,12 +239,13 @@ def sample_answer(model_dir: Path, problem: arith.Problem) -> str:
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))
-    prompt = tok.apply_chat_template([{"role": "user", "content": problem.question}], tokenize=False,
-                                     add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": problem.question}], tokenize=False, add_generation_prompt=True
+    )
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=MAX_RESPONSE_LEN, do_sample=False)
-    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    return tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
 def prepare_out(out: Path) -> None:
@@ -176,8 +262,15 @@ def prepare_out(out: Path) -> None:
 # The whole job
 
 
-def run_demo(out: Path, *, quick: bool = False, rollout: str = "hf", nproc: int = 2, seed: int = SEED,
-             console: Console | None = None) -> dict:
+def run_demo(
+    out: Path,
+    *,
+    quick: bool = False,
+    rollout: str = "hf",
+    nproc: int = 2,
+    seed: int = SEED,
+    console: Console | None = None,
+) -> dict:
     """Run every step; return the accuracies, the HF model's path, one answer and the timings."""
     from transformers.utils import logging as hf_logging
 
@@ -198,15 +291,21 @@ def run_demo(out: Path, *, quick: bool = False, rollout: str = "hf", nproc: int 
     base, data, sft_dir, grpo_dir = out / "base", out / "data", out / "sft", out / "grpo"
     with step("1/6  a tiny model from scratch", "model"):
         n_params = build_model(base, size, seed)
-        console.print(f"Qwen2 architecture, {size.layers} layers, hidden {size.hidden}, {n_params / 1e6:.2f}M "
-                      f"parameters, random weights; tokenizer trained here, digits are single tokens ({base})")
+        console.print(
+            f"Qwen2 architecture, {size.layers} layers, hidden {size.hidden}, {n_params / 1e6:.2f}M "
+            f"parameters, random weights; tokenizer trained here, digits are single tokens ({base})"
+        )
 
     with step("2/6  the task: two-digit addition", "data"):
         train, heldout, slips = write_data(data, size, seed)
-        console.print(f"{len(train)} training problems, {len(heldout)} held out (no overlap), e.g. "
-                      f"'{heldout[0].question}' -> {heldout[0].answer}")
-        console.print(f"SFT demonstrations by a sloppy teacher: {slips} of {len(train)} answers forget the carry "
-                      f"(15 + 27 = 32); the GRPO reward checks the true sum (exact match)")
+        console.print(
+            f"{len(train)} training problems, {len(heldout)} held out (no overlap), e.g. "
+            f"'{heldout[0].question}' -> {heldout[0].answer}"
+        )
+        console.print(
+            f"SFT demonstrations by a sloppy teacher: {slips} of {len(train)} answers forget the carry "
+            f"(15 + 27 = 32); the GRPO reward checks the true sum (exact match)"
+        )
 
     with step("3/6  rlctl sft: the answer format (and the teacher's habits)", "sft"):
         run_rlctl(console, "sft", sft_args(sft_dir, base, data / "sft.jsonl", size, nproc=nproc, seed=seed))
@@ -216,8 +315,11 @@ def run_demo(out: Path, *, quick: bool = False, rollout: str = "hf", nproc: int 
         console.print(_accuracy_line("after SFT", before))
 
     with step(f"5/6  rlctl grpo --reward exact (rollout: {rollout})", "grpo"):
-        run_rlctl(console, "grpo", grpo_args(grpo_dir, sft_dir / "hf", data / "rl.jsonl", size, nproc=nproc,
-                                             seed=seed, rollout=rollout))
+        run_rlctl(
+            console,
+            "grpo",
+            grpo_args(grpo_dir, sft_dir / "hf", data / "rl.jsonl", size, nproc=nproc, seed=seed, rollout=rollout),
+        )
 
     with step("6/6  held-out accuracy after GRPO, and the exported model", "eval"):
         after = split_accuracy(grpo_dir / "hf", heldout)
@@ -228,21 +330,31 @@ def run_demo(out: Path, *, quick: bool = False, rollout: str = "hf", nproc: int 
         for name, acc in (("after SFT", before), ("after GRPO", after)):
             table.add_row(name, *(f"{100 * acc[k]:.1f}%" for k in ("all", "carry", "no carry")))
         console.print(table)
-        console.print(f"[bold]held-out accuracy: {100 * before['all']:.1f}% -> {100 * after['all']:.1f}% "
-                      f"({100 * (after['all'] - before['all']):+.1f} points)")
+        console.print(
+            f"[bold]held-out accuracy: {100 * before['all']:.1f}% -> {100 * after['all']:.1f}% "
+            f"({100 * (after['all'] - before['all']):+.1f} points)"
+        )
         example = next((p for p in heldout if p.carries), heldout[0])
         answer = sample_answer(grpo_dir / "hf", example)
         console.print(f"the exported model {grpo_dir / 'hf'}, loaded with AutoModelForCausalLM.from_pretrained:")
         console.print(f"  {example.question} -> [bold]{answer}[/bold] (true answer {example.answer})")
     total = time.perf_counter() - began
     console.print(f"total time {total / 60:.1f} min (" + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()) + ")")
-    return {"before": before, "after": after, "hf": str(grpo_dir / "hf"), "example": (example.question, answer),
-            "times": times, "total_s": total}
+    return {
+        "before": before,
+        "after": after,
+        "hf": str(grpo_dir / "hf"),
+        "example": (example.question, answer),
+        "times": times,
+        "total_s": total,
+    }
 
 
 def _accuracy_line(name: str, acc: dict[str, float]) -> str:
-    return (f"{name}: {100 * acc['all']:.1f}% of the held-out problems right "
-            f"(carry {100 * acc['carry']:.1f}%, no carry {100 * acc['no carry']:.1f}%)")
+    return (
+        f"{name}: {100 * acc['all']:.1f}% of the held-out problems right "
+        f"(carry {100 * acc['carry']:.1f}%, no carry {100 * acc['no carry']:.1f}%)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,8 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console()
     try:
-        run_demo(Path(args.out), quick=args.quick, rollout=args.rollout, nproc=args.nproc, seed=args.seed,
-                 console=console)
+        run_demo(
+            Path(args.out), quick=args.quick, rollout=args.rollout, nproc=args.nproc, seed=args.seed, console=console
+        )
     except UserError as e:
         console.print(f"[red]error:[/red] {e}")
         return 2

@@ -166,9 +166,16 @@ class _Progress:
                 TimeRemainingColumn,
             )
 
-            self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[info]}"), TextColumn("ETA"), TimeRemainingColumn(),
-                                console=self.console, transient=False)
+            self.bar = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
             self.bar.__enter__()
             self.task = self.bar.add_task(self.label, total=None, info="starting (loading model and data)")
         return self
@@ -177,7 +184,8 @@ class _Progress:
         for rec in records:
             if rec.get("kind") == "eval":
                 msg = f"eval at step {rec.get('step')}: " + ", ".join(
-                    f"{k} {v:.4g}" for k, v in rec.items() if isinstance(v, float) and k != "time")
+                    f"{k} {v:.4g}" for k, v in rec.items() if isinstance(v, float) and k != "time"
+                )
                 self.console.print(msg)
                 continue
             if "step" not in rec:
@@ -209,8 +217,10 @@ def _check_inputs(cfg: RunConfig, run_dir: Path) -> None:
     check_backends_installed(cfg.log.backends)
     resolve_resume(cfg.checkpoint.resume, run_dir)  # a bad --resume PATH fails here
     if not cfg.checkpoint.resume and latest_checkpoint(run_dir / "checkpoints") is not None:
-        raise UserError(f"{run_dir} already holds checkpoints; pass --resume auto to continue that run "
-                        f"or choose another --output-dir")
+        raise UserError(
+            f"{run_dir} already holds checkpoints; pass --resume auto to continue that run "
+            f"or choose another --output-dir"
+        )
 
 
 def _worker_pids(torchrun_pid: int) -> list[int]:

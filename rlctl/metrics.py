@@ -58,8 +58,16 @@ def format_record(record: dict) -> str:
 class MetricsLogger:
     """Writes records on the main rank only (other ranks get a no-op logger)."""
 
-    def __init__(self, path: str | Path, *, backends: str = "console", enabled: bool = True,
-                 project: str = "rlctl", run_name: str = "", config: dict | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        backends: str = "console",
+        enabled: bool = True,
+        project: str = "rlctl",
+        run_name: str = "",
+        config: dict | None = None,
+    ):
         self.enabled = enabled
         self.names = parse_backends(backends)
         self._file = None
@@ -81,8 +89,9 @@ class MetricsLogger:
                 import wandb
             except ImportError:
                 raise UserError("--log wandb needs the `wandb` package: pip install wandb") from None
-            self._wandb = wandb.init(project=project, name=run_name or path.parent.name, config=config or {},
-                                     dir=str(path.parent))
+            self._wandb = wandb.init(
+                project=project, name=run_name or path.parent.name, config=config or {}, dir=str(path.parent)
+            )
 
     def log(self, record: dict) -> None:
         if not self.enabled:

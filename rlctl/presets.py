@@ -12,7 +12,7 @@ named preset on top of them. `tiers.yaml` holds the planner's hardware rules (se
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 from rlctl.errors import UserError, did_you_mean
@@ -24,7 +24,7 @@ def presets_dir() -> Path:
     return shipped if shipped.is_dir() else here.parent / "presets"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load(path: str) -> dict:
     import yaml
 

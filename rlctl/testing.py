@@ -99,8 +99,6 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 51
     config.pad_token_id = tok.pad_token_id
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-    )
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model.save_pretrained(str(out), safe_serialization=True)
     return out

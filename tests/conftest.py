@@ -25,10 +25,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
-def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
     """Run `python -m rlctl ...` in a subprocess, as a user would."""
     full_env = dict(os.environ)
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "rlctl", *args], cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "rlctl", *args],
+        cwd=cwd or REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )

@@ -10,17 +10,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 
-from rlctl.algos import advantages, kl, logprobs, losses
 from rlctl.algos import (
     AdaptiveKLController,
     FixedKLController,
+    advantages,
     aggregate,
     entropy_from_logits,
     gae,
     grpo,
     gspo_policy_loss,
+    kl,
     kl_estimate,
+    logprobs,
     logprobs_from_logits,
+    losses,
     masked_mean,
     masked_var,
     masked_whiten,

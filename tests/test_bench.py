@@ -45,8 +45,19 @@ def rendered(doc: dict) -> str:
 # FLOPs and MFU, by hand
 
 
-TINY = ModelSpec(name="t", hf_id="t", arch="qwen2", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2,
-                 num_kv_heads=1, head_dim=64, vocab_size=512, qkv_bias=True)
+TINY = ModelSpec(
+    name="t",
+    hf_id="t",
+    arch="qwen2",
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=64,
+    vocab_size=512,
+    qkv_bias=True,
+)
 
 
 def test_flops_per_token_worked_by_hand():
@@ -107,8 +118,9 @@ def test_catalog_model_needs_random_init_and_builds_from_the_catalog(tmp_path, m
     assert m.random_init and not list(m.path.glob("*.safetensors"))  # training builds the weights in memory
     config = json.loads((m.path / "config.json").read_text())
     expected = hf_config_dict(resolve_model("Qwen2.5-0.5B"))
-    assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")} == \
-           {k: expected[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
+    assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")} == {
+        k: expected[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")
+    }
     assert (m.path / "tokenizer.json").is_file()
 
 
@@ -130,8 +142,25 @@ def test_tiny_is_built_once_into_the_cache(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def rollout_doc(tiny_model_dir) -> dict:
     """hf engine, plus sglang which cannot start here: its row carries the error."""
-    return bench_json("rollout", "--model", str(tiny_model_dir), "--engine", "hf,sglang", "--prompts", "2", "--n", "2",
-                      "--prompt-len", "8", "--max-tokens", "4", "--reps", "2", "--device", "cpu")
+    return bench_json(
+        "rollout",
+        "--model",
+        str(tiny_model_dir),
+        "--engine",
+        "hf,sglang",
+        "--prompts",
+        "2",
+        "--n",
+        "2",
+        "--prompt-len",
+        "8",
+        "--max-tokens",
+        "4",
+        "--reps",
+        "2",
+        "--device",
+        "cpu",
+    )
 
 
 def test_rollout_json(rollout_doc):
@@ -158,8 +187,25 @@ def test_rollout_json(rollout_doc):
 
 @pytest.mark.slow
 def test_rollout_hf_and_vllm_in_one_table(tiny_model_dir):
-    doc = bench_json("rollout", "--model", str(tiny_model_dir), "--engine", "hf,vllm", "--prompts", "2", "--n", "2",
-                     "--prompt-len", "8", "--max-tokens", "4", "--reps", "1", "--device", "cpu")
+    doc = bench_json(
+        "rollout",
+        "--model",
+        str(tiny_model_dir),
+        "--engine",
+        "hf,vllm",
+        "--prompts",
+        "2",
+        "--n",
+        "2",
+        "--prompt-len",
+        "8",
+        "--max-tokens",
+        "4",
+        "--reps",
+        "1",
+        "--device",
+        "cpu",
+    )
     rows = {r["engine"]: r for r in doc["results"]}
     assert set(rows) == {"hf", "vllm"} and not any(r["error"] for r in rows.values())
     assert rows["vllm"]["tokens_per_s"] > 0 and rows["vllm"]["peak_memory_bytes"] > rows["hf"]["peak_memory_bytes"]
@@ -205,7 +251,9 @@ def test_benchmarks_md_keeps_the_hand_written_part(rollout_doc, tmp_path):
 def _check_train(doc: dict, method: str, steps: int) -> dict:
     assert doc["kind"] == "train"
     (r,) = doc["results"]
-    assert r["method"] == method and r["device"] == "cpu" and [s["step"] for s in r["steps"]] == list(range(1, steps + 1))
+    assert (
+        r["method"] == method and r["device"] == "cpu" and [s["step"] for s in r["steps"]] == list(range(1, steps + 1))
+    )
     steady = r["steps"][1:]
     assert r["tokens_per_s"] == pytest.approx(statistics.median(s["tokens_per_s"] for s in steady))
     assert r["mfu"] == pytest.approx(r["flops_per_step"] / r["time_s"]["step"] / r["peak_flops"]["flops"])
@@ -223,8 +271,25 @@ def _check_train(doc: dict, method: str, steps: int) -> dict:
 
 @pytest.mark.slow
 def test_train_sft_json(tiny_model_dir, tmp_path):
-    doc = bench_json("train", "--model", str(tiny_model_dir), "--method", "sft", "--device", "cpu", "--nproc", "1",
-                     "--steps", "3", "--batch-size", "4", "--seq-len", "32", "--output-dir", str(tmp_path / "b"))
+    doc = bench_json(
+        "train",
+        "--model",
+        str(tiny_model_dir),
+        "--method",
+        "sft",
+        "--device",
+        "cpu",
+        "--nproc",
+        "1",
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--output-dir",
+        str(tmp_path / "b"),
+    )
     r = _check_train(doc, "sft", 3)
     assert r["tokens_per_step"] == 4 * 32  # every synthetic sequence fills seq_len exactly
     assert set(r["time_s"]) == {"step"}
@@ -236,9 +301,29 @@ def test_train_sft_json(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_train_grpo_json_splits_the_step(tiny_model_dir):
-    doc = bench_json("train", "--model", str(tiny_model_dir), "--method", "grpo", "--device", "cpu", "--nproc", "1",
-                     "--steps", "3", "--batch-size", "2", "--n", "2", "--prompt-len", "8", "--max-tokens", "8",
-                     "--rollout", "hf")
+    doc = bench_json(
+        "train",
+        "--model",
+        str(tiny_model_dir),
+        "--method",
+        "grpo",
+        "--device",
+        "cpu",
+        "--nproc",
+        "1",
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--n",
+        "2",
+        "--prompt-len",
+        "8",
+        "--max-tokens",
+        "8",
+        "--rollout",
+        "hf",
+    )
     r = _check_train(doc, "grpo", 3)
     assert {"rollout", "logprobs", "update", "weight_sync", "other"} <= set(r["time_s"])
     t = r["time_s"]
@@ -288,7 +373,9 @@ def _dcp_checkpoint(model_dir: Path, step_dir: Path) -> int:
     for f in model_dir.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, step_dir / "huggingface" / f.name)
-    (step_dir / "trainer_state.json").write_text(json.dumps({"step": 1, "world_size": 1, "method": "sft", "lora": None}))
+    (step_dir / "trainer_state.json").write_text(
+        json.dumps({"step": 1, "world_size": 1, "method": "sft", "lora": None})
+    )
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
@@ -327,9 +414,33 @@ def test_compare_without_trl_says_how_to_install(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed")
 def test_compare_trl_json(tiny_model_dir):
-    doc = bench_json("compare", "--peer", "trl", "--model", str(tiny_model_dir), "--work", "rollout,sft,grpo",
-                     "--reps", "1", "--steps", "2", "--device", "cpu", "--prompts", "2", "--n", "2",
-                     "--max-tokens", "8", "--prompt-len", "8", "--batch-size", "4", "--seq-len", "32")
+    doc = bench_json(
+        "compare",
+        "--peer",
+        "trl",
+        "--model",
+        str(tiny_model_dir),
+        "--work",
+        "rollout,sft,grpo",
+        "--reps",
+        "1",
+        "--steps",
+        "2",
+        "--device",
+        "cpu",
+        "--prompts",
+        "2",
+        "--n",
+        "2",
+        "--max-tokens",
+        "8",
+        "--prompt-len",
+        "8",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+    )
     rows = {r["work"]: r for r in doc["results"]}
     assert set(rows) == {"rollout", "sft", "grpo"}
     for r in rows.values():

@@ -100,16 +100,50 @@ def write_config(config, tmp_path: Path, name: str) -> Path:
 @pytest.mark.parametrize(
     "config",
     [
-        LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, vocab_size=100, attention_bias=True, mlp_bias=True),
-        DeepseekV3Config(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=4, vocab_size=100, n_routed_experts=8,
-                         num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=None,
-                         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
-                         attention_bias=True, n_group=2, topk_group=1),
-        Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=100,
-                       num_experts=8, num_experts_per_tok=2, tie_word_embeddings=True),
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=100,
+            attention_bias=True,
+            mlp_bias=True,
+        ),
+        DeepseekV3Config(
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=100,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            attention_bias=True,
+            n_group=2,
+            topk_group=1,
+        ),
+        Qwen3MoeConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            vocab_size=100,
+            num_experts=8,
+            num_experts_per_tok=2,
+            tie_word_embeddings=True,
+        ),
     ],
     ids=["llama-biases", "deepseek-no-q-lora", "qwen3-moe-tied"],
 )
@@ -158,9 +192,14 @@ def test_resolve_a_config_saved_by_transformers(spec, tmp_path):
 def test_resolve_reads_plain_json(tmp_path):
     """A hand-written config.json (transformers 4 style, no head_dim) gets head_dim = hidden / heads."""
     config = {
-        "model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-        "num_attention_heads": 8, "vocab_size": 1000, "rope_theta": 500000.0,
-    }  # fmt: skip
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "vocab_size": 1000,
+        "rope_theta": 500000.0,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     spec = resolve_model(str(tmp_path))
     assert (spec.head_dim, spec.num_kv_heads, spec.rope_theta) == (32, 8, 500000.0)
@@ -230,8 +269,18 @@ def test_gpu_figures():
     assert resolve_gpu("A10G").gpus_per_node == 4
     assert resolve_gpu("L40S").interconnect == "PCIe"
     # torch's total is 90-100% of the GiB in the marketing name (ECC and reservations take the rest).
-    nominal_gib = {"H100-80GB": 80, "H100-PCIe-80GB": 80, "H200-141GB": 141, "H20-96GB": 96, "A100-40GB": 40,
-                   "A100-80GB": 80, "L40S": 48, "A10G": 24, "RTX-4090": 24, "B200": 192}  # fmt: skip
+    nominal_gib = {
+        "H100-80GB": 80,
+        "H100-PCIe-80GB": 80,
+        "H200-141GB": 141,
+        "H20-96GB": 96,
+        "A100-40GB": 40,
+        "A100-80GB": 80,
+        "L40S": 48,
+        "A10G": 24,
+        "RTX-4090": 24,
+        "B200": 192,
+    }
     assert sorted(nominal_gib) == sorted(g.name for g in list_gpus())
     for gpu in list_gpus():
         assert 0.9 <= gpu.memory_bytes / (nominal_gib[gpu.name] * 2**30) <= 1.0, gpu.name
@@ -246,10 +295,7 @@ def test_unknown_gpu_lists_the_catalog():
 
 
 def test_catalog_imports_no_torch():
-    code = (
-        "import sys, rlctl.catalog\n"
-        "print(any(m.split('.')[0] in ('torch', 'transformers') for m in sys.modules))"
-    )
+    code = "import sys, rlctl.catalog\nprint(any(m.split('.')[0] in ('torch', 'transformers') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "False"
 

@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run_cli
 
 
@@ -56,8 +54,21 @@ def test_grpo_dry_run_json_for_a_cluster(tmp_path):
 def test_dry_run_precedence_and_set(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("rollout:\n  n: 4\ntrain:\n  lr: 3.0e-6\n")
-    r = run_cli("grpo", "--model", "Qwen2.5-1.5B", "--gpus", "2", "--config", str(cfg), "--n", "6",
-                "--set", "train.lr=5e-6", "--dry-run", "--json")
+    r = run_cli(
+        "grpo",
+        "--model",
+        "Qwen2.5-1.5B",
+        "--gpus",
+        "2",
+        "--config",
+        str(cfg),
+        "--n",
+        "6",
+        "--set",
+        "train.lr=5e-6",
+        "--dry-run",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     c = json.loads(r.stdout)["config"]
     assert c["rollout"]["n"] == 6 and c["train"]["lr"] == 5e-6
@@ -70,10 +81,44 @@ def test_dry_run_precedence_and_set(tmp_path):
         (["grpo", "--model", "Qwen2.5-7B", "--gpus", "8", "--gpu", "H1000", "--dry-run"], "unknown GPU"),
         (["grpo", "--model", "Qwen2.5-7B", "--gpus", "8", "--set", "train.lrr=1", "--dry-run"], "did you mean"),
         (["grpo", "--model", "Qwen2.5-7B", "--gpus", "8", "--set", "rollout.n=x", "--dry-run"], "must be an integer"),
-        (["sft", "--model", "Qwen2.5-7B", "--gpus", "8", "--set", "parallel.backend=megatron", "--set", "parallel.tp=3", "--dry-run"], "heads"),
-        (["sft", "--model", "Qwen2.5-7B", "--gpus", "6", "--set", "parallel.backend=megatron", "--set", "parallel.tp=4", "--dry-run"], "cannot be split"),
-        (["sft", "--model", "Qwen2.5-7B", "--gpus", "8", "--set", "parallel.tp=2", "--dry-run"], "needs parallel.backend=megatron"),
-        (["sft", "--model", "Qwen2.5-7B", "--gpus", "8", "--nproc", "16", "--dry-run"], "more than the 8 GPUs per node"),
+        (
+            [
+                "sft",
+                "--model",
+                "Qwen2.5-7B",
+                "--gpus",
+                "8",
+                "--set",
+                "parallel.backend=megatron",
+                "--set",
+                "parallel.tp=3",
+                "--dry-run",
+            ],
+            "heads",
+        ),
+        (
+            [
+                "sft",
+                "--model",
+                "Qwen2.5-7B",
+                "--gpus",
+                "6",
+                "--set",
+                "parallel.backend=megatron",
+                "--set",
+                "parallel.tp=4",
+                "--dry-run",
+            ],
+            "cannot be split",
+        ),
+        (
+            ["sft", "--model", "Qwen2.5-7B", "--gpus", "8", "--set", "parallel.tp=2", "--dry-run"],
+            "needs parallel.backend=megatron",
+        ),
+        (
+            ["sft", "--model", "Qwen2.5-7B", "--gpus", "8", "--nproc", "16", "--dry-run"],
+            "more than the 8 GPUs per node",
+        ),
         (["sft", "--model", "Qwen2.5-7B", "--config", "/nonexistent.yaml", "--dry-run"], "config file not found"),
         (["grpo", "--gpus", "8", "--dry-run"], "no model given"),
         (["grpo", "--model", "Qwen2.5-7B", "--preset", "grp", "--dry-run"], "unknown preset"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlctl.config import RunConfig, all_config_keys, build_config, parse_set_options, load_config, save_config
+from rlctl.config import RunConfig, all_config_keys, build_config, load_config, parse_set_options, save_config
 from rlctl.errors import UserError
 from rlctl.presets import method_layers
 
@@ -31,7 +31,10 @@ def test_unknown_key_suggests_the_right_one():
 
 
 def test_types_are_checked_and_coerced():
-    cfg = build_config("grpo", [parse_set_options(["rollout.n=4", "train.lr=2e-6", "data.packing=false", "parallel.offload_params=true"])])
+    cfg = build_config(
+        "grpo",
+        [parse_set_options(["rollout.n=4", "train.lr=2e-6", "data.packing=false", "parallel.offload_params=true"])],
+    )
     assert cfg.rollout.n == 4 and isinstance(cfg.rollout.n, int)
     assert cfg.train.lr == 2e-6
     assert cfg.data.packing is False

@@ -74,7 +74,16 @@ def ckpts(tmp_path_factory) -> Path:
     """One torchrun launch writing every FSDP2 scenario (see the helper's docstring)."""
     root = tmp_path_factory.mktemp("fsdp")
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(HELPER), str(root)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(HELPER),
+        str(root),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return root
@@ -128,8 +137,15 @@ def test_fsdp2_checkpoint_converts_to_the_trained_model(ckpts, tmp_path, case):
 
 @pytest.mark.slow
 def test_latest_step_is_announced_and_dtype_and_shards(ckpts, tmp_path):
-    code, output = cli("fsdp-to-hf", str(ckpts / "plain" / "verl"), str(tmp_path / "bf16"), "--dtype", "bf16",
-                       "--max-shard-size", "300KB")
+    code, output = cli(
+        "fsdp-to-hf",
+        str(ckpts / "plain" / "verl"),
+        str(tmp_path / "bf16"),
+        "--dtype",
+        "bf16",
+        "--max-shard-size",
+        "300KB",
+    )
     assert code == 0, output
     assert "global_step_2" in flat(output) and "PASSED" in output
     out = tmp_path / "bf16"
@@ -178,8 +194,9 @@ def test_lora_checkpoint_is_folded_by_the_formula(ckpts, tmp_path, scenario, sub
     result = fsdp_to_hf(ckpts / scenario / sub, tmp_path / "hf")
     assert result.committed and result.verdict.ok, result.verdict.to_dict()
     kinds = LORA_SCALES[scenario]
-    assert result.folded == sorted(f"model.layers.{i}.{'mlp' if k == 'gate_proj' else 'self_attn'}.{k}"
-                                   for i in range(2) for k in kinds)
+    assert result.folded == sorted(
+        f"model.layers.{i}.{'mlp' if k == 'gate_proj' else 'self_attn'}.{k}" for i in range(2) for k in kinds
+    )
     expected = lora_expectation(truth, kinds)
     got = read_model(tmp_path / "hf")
     assert set(got) == set(expected)
@@ -342,9 +359,18 @@ def test_lora_merge_matches_the_formula(tiny_model_dir, tmp_path):
     for name, w in base.items():
         prefix = f"base_model.model.{name.removesuffix('.weight')}"
         if f"{prefix}.lora_A.default.weight" in lora_state:
-            w = w + scale * lora_state[f"{prefix}.lora_B.default.weight"] @ lora_state[f"{prefix}.lora_A.default.weight"]
+            w = (
+                w
+                + scale * lora_state[f"{prefix}.lora_B.default.weight"] @ lora_state[f"{prefix}.lora_A.default.weight"]
+            )
         elif f"{prefix}.lora_embedding_A.default" in lora_state:  # embeddings: (B @ A) transposed
-            w = w + scale * (lora_state[f"{prefix}.lora_embedding_B.default"] @ lora_state[f"{prefix}.lora_embedding_A.default"]).T
+            w = (
+                w
+                + scale
+                * (
+                    lora_state[f"{prefix}.lora_embedding_B.default"] @ lora_state[f"{prefix}.lora_embedding_A.default"]
+                ).T
+            )
         torch.testing.assert_close(got[name], w, rtol=1e-6, atol=1e-7, msg=name)
     for name in ("model.layers.0.self_attn.o_proj.weight", "model.embed_tokens.weight"):
         assert not torch.equal(got[name], base[name])
@@ -354,7 +380,9 @@ def test_lora_merge_bad_adapter(tiny_model_dir, tmp_path):
     (tmp_path / "adapter").mkdir()
     code, msg = cli("lora-merge", str(tiny_model_dir), str(tmp_path / "adapter"), str(tmp_path / "out"))
     assert code == 2 and "no adapter_config.json" in msg
-    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "use_dora": True}))
+    (tmp_path / "adapter" / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "use_dora": True})
+    )
     (tmp_path / "adapter" / "adapter_model.safetensors").write_bytes(b"")
     code, msg = cli("lora-merge", str(tiny_model_dir), str(tmp_path / "adapter"), str(tmp_path / "out"))
     assert code == 2 and "DoRA" in msg
@@ -372,12 +400,19 @@ def test_writer_streams_odd_sizes_and_mixed_dtypes(tiny_model_dir, tmp_path, mon
     monkeypatch.setattr(w, "_STREAM_AFTER", 0)  # stream every tensor to disk behind a reserved header
     torch.manual_seed(0)
     tensors = [
-        ("a", torch.randn(3, dtype=torch.bfloat16)), ("b", torch.randn(100, 10)), ("c", torch.arange(5)),
-        ("d", torch.ones(3, dtype=torch.bool)), ("e", torch.randn(64, 64).half()), ("f", torch.tensor(2.5)),
-        ("g", torch.randn(7).half()), ("h", torch.randn(0, 4)),
+        ("a", torch.randn(3, dtype=torch.bfloat16)),
+        ("b", torch.randn(100, 10)),
+        ("c", torch.arange(5)),
+        ("d", torch.ones(3, dtype=torch.bool)),
+        ("e", torch.randn(64, 64).half()),
+        ("f", torch.tensor(2.5)),
+        ("g", torch.randn(7).half()),
+        ("h", torch.randn(0, 4)),
     ]
     for max_bytes in (10**9, 3000):
-        out = w.save_hf_model(tmp_path / f"o{max_bytes}", iter(tensors), meta_dir=tiny_model_dir, max_shard_bytes=max_bytes)
+        out = w.save_hf_model(
+            tmp_path / f"o{max_bytes}", iter(tensors), meta_dir=tiny_model_dir, max_shard_bytes=max_bytes
+        )
         got = read_model(out)
         assert set(got) == {n for n, _ in tensors}
         for name, t in tensors:

@@ -56,8 +56,9 @@ def test_answers_are_the_sums():
 def test_rows_in_the_formats_rlctl_reads(tmp_path):
     problems = [arith.Problem(12, 7), arith.Problem(15, 27)]
     sft = arith.sft_rows(problems)
-    assert sft[1] == {"messages": [{"role": "user", "content": "What is 15 + 27?"},
-                                   {"role": "assistant", "content": "42"}]}
+    assert sft[1] == {
+        "messages": [{"role": "user", "content": "What is 15 + 27?"}, {"role": "assistant", "content": "42"}]
+    }
     rl = arith.rl_rows(problems)
     assert rl[0] == {"prompt": "What is 12 + 7?", "answer": "19", "data_source": "arith"}
     path = arith.write_jsonl(rl, tmp_path / "d" / "rl.jsonl")
@@ -132,8 +133,9 @@ def test_batched_greedy_answers_match_a_one_by_one_decode(random_model):
     problems = [arith.Problem(a, b) for a, b in [(3, 4), (12, 7), (40, 49), (9, 1), (25, 25)]]
     expected = []
     for p in problems:
-        text = tok.apply_chat_template([{"role": "user", "content": p.question}], tokenize=False,
-                                       add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": p.question}], tokenize=False, add_generation_prompt=True
+        )
         ids = tok(text, add_special_tokens=False)["input_ids"]
         new: list[int] = []
         with torch.no_grad():
@@ -177,8 +179,15 @@ def test_out_dir_is_replaced_only_when_the_demo_made_it(tmp_path):
 @pytest.mark.slow
 def test_quick_demo_runs_end_to_end(tmp_path):
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "rlctl.demo", "--quick", "--out", str(out)], cwd=REPO, check=False,
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "200"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlctl.demo", "--quick", "--out", str(out)],
+        cwd=REPO,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = proc.stdout
     assert re.search(r"after SFT: \d+\.\d% of the held-out problems right", text), text[-2000:]

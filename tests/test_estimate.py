@@ -70,16 +70,64 @@ def test_inventory_adds_up_to_catalog_count(spec):
 
 
 TINY = {
-    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=100),
-    "llama": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=120),
-    "gemma2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=100),
-    "qwen3_moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=100),
-    "deepseek_v3": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
-                        n_shared_experts=1, num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2,
-                        vocab_size=100, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-                        n_group=1, topk_group=1),
-}  # fmt: skip
+    "qwen2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=100,
+    ),
+    "llama": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=120,
+    ),
+    "gemma2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=100,
+    ),
+    "qwen3_moe": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=100,
+    ),
+    "deepseek_v3": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=100,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        n_group=1,
+        topk_group=1,
+    ),
+}
 
 
 def _hf_meta(model_type: str, **kw):
@@ -135,7 +183,10 @@ def test_model_states_equal_real_tensors_after_an_adamw_step():
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
     moments = sum(
-        t.numel() * t.element_size() for state in opt.state.values() for key, t in state.items() if key in ("exp_avg", "exp_avg_sq")
+        t.numel() * t.element_size()
+        for state in opt.state.values()
+        for key, t in state.items()
+        if key in ("exp_avg", "exp_avg_sq")
     )
     bf16 = sum(p.numel() * 2 for p in model.to(torch.bfloat16).parameters())
 
@@ -354,9 +405,20 @@ def test_fsdp_cpu_offload_moves_every_sharded_state_to_cpu():
     for flags in (dict(offload_params=True), dict(offload_optimizer=True)):  # CPUOffloadPolicy moves all three
         off = est(gpus=8, rollout="sglang", mem_fraction=0.5, **flags)
         for phase in (train(off), rollout(off)):
-            assert all(phase.get(k, 0) == 0 for k in ("weights", "gradients", "optimizer_states", "trainer_weights",
-                                                      "trainer_optimizer", "reference_model"))  # fmt: skip
-        assert train(off)["unsharded_buffers"] == train(est(gpus=8))["unsharded_buffers"]  # gathered layers still on GPU
+            assert all(
+                phase.get(k, 0) == 0
+                for k in (
+                    "weights",
+                    "gradients",
+                    "optimizer_states",
+                    "trainer_weights",
+                    "trainer_optimizer",
+                    "reference_model",
+                )
+            )
+        assert (
+            train(off)["unsharded_buffers"] == train(est(gpus=8))["unsharded_buffers"]
+        )  # gathered layers still on GPU
     sft = est(gpus=1, method="sft", offload_params=True)
     assert train(sft)["weights"] == train(sft)["optimizer_states"] == 0  # it shrinks the update too
     cpu = est(gpus=1, method="sft", device="cpu", dtype="fp32", offload_params=True)
@@ -415,7 +477,9 @@ def test_fsdp_offload_host_memory_by_hand():
 def test_megatron_optimizer_offload_host_memory_by_hand():
     """Megatron tp 4 x dp 2, optimizer_cpu_offload: pinned fp32 master and gradient copies of each rank's
     pieces (tp-split, then halved by the distributed optimizer), pageable AdamW states."""
-    pieces = (2 * 2**23 + 2 * 2**20 + 2048 + 256 * 2 + 3 * 2**26 + 16384)  # as FSDP/8, but norms are replicated: 3584 x 4 -> 16 KiB
+    pieces = (
+        2 * 2**23 + 2 * 2**20 + 2048 + 256 * 2 + 3 * 2**26 + 16384
+    )  # as FSDP/8, but norms are replicated: 3584 x 4 -> 16 KiB
     pinned = L * pieces + 2 * 2**29 + 8192  # embedding, head (vocabulary parallel), final norm 1792 x 4 -> 8 KiB
     e = est(method="sft", gpus=8, backend="megatron", tp=4, offload_optimizer=True, gpu=H100)
     t = host(e)
@@ -430,21 +494,27 @@ def test_host_memory_per_node_is_a_share_of_the_gpu_types_node():
     assert est(gpu=H100, gpus=1, method="sft", host_memory_bytes=100 * GIB).host_memory_bytes == 100 * GIB
     unknown = est(gpus=1, method="sft")  # a GPU type without host memory: not checked
     assert unknown.host_memory_bytes == 0 and unknown.host_fits
-    assert est(gpus=1, method="sft", device="cpu", dtype="fp32").host_phases == {}  # CPU runs: the GPU budget is the host
+    assert (
+        est(gpus=1, method="sft", device="cpu", dtype="fp32").host_phases == {}
+    )  # CPU runs: the GPU budget is the host
 
 
 def test_vllm_asleep_keeps_its_weights_in_host_memory():
     e = est(gpu=H100, gpus=8, rollout="vllm", rollout_tp=2, mem_fraction=0.5)
     assert host(e)["engine_weights"] == 8 * 2 * P7 // 2  # bf16 weights over rollout tp 2, 8 processes
     assert "engine_weights" not in host(e, "rollout")  # awake: on the GPU
-    assert host(est(gpu=H100, gpus=8, rollout="sglang", mem_fraction=0.5))["engine_weights"] == 0  # SGLang releases them
+    assert (
+        host(est(gpu=H100, gpus=8, rollout="sglang", mem_fraction=0.5))["engine_weights"] == 0
+    )  # SGLang releases them
 
 
 def test_72b_full_sft_on_one_a10g_does_not_fit_its_host():
     from rlctl.catalog import resolve_gpu
 
     p72 = count_params(resolve_model("Qwen2.5-72B"))
-    e = estimate_memory(resolve_model("Qwen2.5-72B"), resolve_gpu("A10G"), MemorySettings(method="sft", gpus=1, offload_params=True))
+    e = estimate_memory(
+        resolve_model("Qwen2.5-72B"), resolve_gpu("A10G"), MemorySettings(method="sft", gpus=1, offload_params=True)
+    )
     assert e.headroom_bytes > 0  # the GPU holds the gathered layers and activations
     assert e.host_memory_bytes == 192 * GIB // 4  # a g5.12xlarge's share
     assert e.host_bytes > 16 * p72 > e.host_memory_bytes  # 16 bytes per parameter, 1.2 TB
@@ -469,9 +539,24 @@ def test_fits_headroom_and_json():
     gpu = GpuSpec("H100-80GB", 81089 * 2**20, 989.0, "NVLink", 900.0, 8)
     e = estimate_memory(qwen7(), gpu, MemorySettings(gpus=8, rollout="sglang", mem_fraction=0.5))
     d = json.loads(json.dumps(e.to_dict()))
-    for key in ("model", "params", "gpu", "gpu_memory_bytes", "phases", "peak_bytes", "fits", "kv_cache_tokens",
-                "kv_cache_sequences", "headroom_bytes", "assumptions", "verdict", "host_bytes", "host_memory_bytes",
-                "host_phases", "host_fits"):  # fmt: skip
+    for key in (
+        "model",
+        "params",
+        "gpu",
+        "gpu_memory_bytes",
+        "phases",
+        "peak_bytes",
+        "fits",
+        "kv_cache_tokens",
+        "kv_cache_sequences",
+        "headroom_bytes",
+        "assumptions",
+        "verdict",
+        "host_bytes",
+        "host_memory_bytes",
+        "host_phases",
+        "host_fits",
+    ):
         assert key in d
     assert d["params"] == P7 and d["model"] == "Qwen2.5-7B"
     assert d["peak_bytes"] == max(p["total_bytes"] for p in d["phases"].values())
@@ -479,7 +564,9 @@ def test_fits_headroom_and_json():
         assert phase["total_bytes"] == sum(phase["components"].values())
     assert d["headroom_bytes"] == d["gpu_memory_bytes"] - d["peak_bytes"]
     assert d["fits"] is True and d["verdict"].startswith("fits")
-    small = estimate_memory(qwen7(), GpuSpec("g", 16 * 2**30, 0.0, "PCIe", 0.0, 8), MemorySettings(gpus=1, method="sft"))
+    small = estimate_memory(
+        qwen7(), GpuSpec("g", 16 * 2**30, 0.0, "PCIe", 0.0, 8), MemorySettings(gpus=1, method="sft")
+    )
     assert not small.fits and small.headroom_bytes < 0 and small.verdict.startswith("does not fit")
 
 
@@ -489,13 +576,16 @@ def test_fp32_on_cpu_has_no_cuda_context():
     assert train(e)["weights"] == P7 * 4 // 2
 
 
-@pytest.mark.parametrize("kw, words", [
-    (dict(method="dpo"), "method"),
-    (dict(gpus=2, backend="fsdp", tp=2), "fsdp"),
-    (dict(gpus=6, backend="megatron", tp=4), "do not split"),
-    (dict(gpus=8, backend="megatron", pp=8), "pp 8"),
-    (dict(gpus=8, rollout_tp=3), "rollout tp"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(method="dpo"), "method"),
+        (dict(gpus=2, backend="fsdp", tp=2), "fsdp"),
+        (dict(gpus=6, backend="megatron", tp=4), "do not split"),
+        (dict(gpus=8, backend="megatron", pp=8), "pp 8"),
+        (dict(gpus=8, rollout_tp=3), "rollout tp"),
+    ],
+)
 def test_impossible_settings_are_user_errors(kw, words):
     with pytest.raises(UserError, match=words):
         est(**kw)
@@ -531,13 +621,44 @@ def test_cli_json_gives_a_full_answer():
 
 
 def test_cli_options_reach_the_estimate():
-    r = _cli("--model", "Qwen2.5-7B", "--gpus", "8", "--prompt-len", "1024", "--response-len", "3072", "--n", "4",
-             "--rollout", "vllm", "--rollout-tp", "2", "--mem-fraction", "0.5", "--micro-batch", "1",
-             "--no-activation-checkpointing", "--offload-optimizer", "--json")  # fmt: skip
+    r = _cli(
+        "--model",
+        "Qwen2.5-7B",
+        "--gpus",
+        "8",
+        "--prompt-len",
+        "1024",
+        "--response-len",
+        "3072",
+        "--n",
+        "4",
+        "--rollout",
+        "vllm",
+        "--rollout-tp",
+        "2",
+        "--mem-fraction",
+        "0.5",
+        "--micro-batch",
+        "1",
+        "--no-activation-checkpointing",
+        "--offload-optimizer",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     s = json.loads(r.output)["settings"]
-    assert (s["prompt_len"], s["response_len"], s["rollout_n"], s["rollout"], s["rollout_tp"]) == (1024, 3072, 4, "vllm", 2)
-    assert (s["mem_fraction"], s["micro_batch"], s["activation_checkpointing"], s["offload_optimizer"]) == (0.5, 1, False, True)
+    assert (s["prompt_len"], s["response_len"], s["rollout_n"], s["rollout"], s["rollout_tp"]) == (
+        1024,
+        3072,
+        4,
+        "vllm",
+        2,
+    )
+    assert (s["mem_fraction"], s["micro_batch"], s["activation_checkpointing"], s["offload_optimizer"]) == (
+        0.5,
+        1,
+        False,
+        True,
+    )
 
 
 def test_cli_what_to_rent_rows():
@@ -560,8 +681,21 @@ def test_cli_what_to_rent_rows():
     h100 = rows[1]  # H100-80GB, offload allowed
     assert h100["fits"] and h100["gpus"] < rows[0]["gpus"] and h100["plan"]["offload_optimizer"]
     # the row is the plan `rlctl estimate memory` gives at that count
-    at = json.loads(_cli("--model", "Qwen2.5-32B", "--method", "sft", "--gpus", str(h100["gpus"]), "--nodes",
-                         str(h100["nodes"]), "--gpu", "H100-80GB", "--json").output)  # fmt: skip
+    at = json.loads(
+        _cli(
+            "--model",
+            "Qwen2.5-32B",
+            "--method",
+            "sft",
+            "--gpus",
+            str(h100["gpus"]),
+            "--nodes",
+            str(h100["nodes"]),
+            "--gpu",
+            "H100-80GB",
+            "--json",
+        ).output
+    )
     assert at["fits"] and {k: at["plan"][k] for k in h100["plan"] if k in at["plan"]} == h100["plan"]
     assert at["peak_bytes"] == h100["peak_bytes"] and at["host_bytes"] == h100["host_bytes"]
 
@@ -569,8 +703,15 @@ def test_cli_what_to_rent_rows():
 def test_cli_text_output():
     r = _cli("--model", "Qwen2.5-72B", "--method", "sft", "--gpus", "8", "--gpu", "H100-80GB", "--what-to-rent")
     assert r.exit_code == 0, r.output
-    for words in ("plan: rlctl sft Qwen2.5-72B", "training (GiB)", "host memory per node", "rejected megatron",
-                  "what to rent", "+ offload", "B200"):  # fmt: skip
+    for words in (
+        "plan: rlctl sft Qwen2.5-72B",
+        "training (GiB)",
+        "host memory per node",
+        "rejected megatron",
+        "what to rent",
+        "+ offload",
+        "B200",
+    ):
         assert words in r.output
     r = _cli("--model", "Qwen2.5-72B", "--method", "sft", "--gpus", "1", "--gpu", "A10G")
     for words in ("does not fit", "host memory", "what would fit", "x A10G"):
@@ -595,7 +736,9 @@ def test_cli_host_memory_option():
 
 
 def test_cli_unknown_model_is_one_line_exit_2():
-    r = subprocess.run([sys.executable, "-m", "rlctl", "estimate", "memory", "--model", "Qwen9-7B"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "rlctl", "estimate", "memory", "--model", "Qwen9-7B"], capture_output=True, text=True
+    )
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: unknown model 'Qwen9-7B'")
     assert "Traceback" not in r.stderr
@@ -608,7 +751,9 @@ def test_docs_tables_are_the_generated_ones():
     from rlctl.estimate.compare import embedded, markdown
 
     doc = Path(__file__).resolve().parent.parent / "docs" / "estimate.md"
-    assert embedded(doc.read_text()) == markdown().strip(), "run: python -m rlctl.estimate.compare --write docs/estimate.md"
+    assert embedded(doc.read_text()) == markdown().strip(), (
+        "run: python -m rlctl.estimate.compare --write docs/estimate.md"
+    )
 
 
 def test_kv_bytes_per_token_agree_with_the_catalog():

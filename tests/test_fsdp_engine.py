@@ -112,7 +112,10 @@ def test_packed_rows_keep_documents_apart(tiny_model_dir):
     def packed_losses(pos):
         with torch.no_grad():
             logits = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False).logits[0]
-        return [F.cross_entropy(logits[s:e - 1], ids[0, s + 1:e], reduction="none") for s, e in itertools.pairwise(bounds)]
+        return [
+            F.cross_entropy(logits[s : e - 1], ids[0, s + 1 : e], reduction="none")
+            for s, e in itertools.pairwise(bounds)
+        ]
 
     packed = packed_losses(restart)
     for a, p in zip(alone, packed):
@@ -165,8 +168,9 @@ def test_micro_batch_split_does_not_change_the_update(tiny_model_dir, data_file,
         tok = load_tokenizer(model_source(cfg.model.name))
         data = build_sft_data(cfg, tok)
         engine = make_engine(cfg, total_steps=4)
-        trainer = SFTTrainer(_fake_ctx(cfg, PLAN), engine, data, StepSampler(len(data.train), 8, seed=0),
-                             pad_id=tok.pad_token_id)
+        trainer = SFTTrainer(
+            _fake_ctx(cfg, PLAN), engine, data, StepSampler(len(data.train), 8, seed=0), pad_id=tok.pad_token_id
+        )
         n_micro = len(trainer._micro_batches([data.train[i] for i in trainer.sampler.indices(0)]))
         assert n_micro == 1 if budget > 1000 else n_micro > 1
         grads = {}
@@ -252,8 +256,15 @@ def test_checkpoint_save_load_roundtrip(tiny_model_dir, data_file, tmp_path):
     for step in (1, 2, 3):
         engine.backward(engine.forward(ids, pos).float().logsumexp(-1).mean())
         engine.step()
-        save_checkpoint(root, step, {"": engine}, trainer_state={"method": "sft"}, meta_dir=tiny_model_dir,
-                        rng_state=rng_state(), keep_last=2)
+        save_checkpoint(
+            root,
+            step,
+            {"": engine},
+            trainer_state={"method": "sft"},
+            meta_dir=tiny_model_dir,
+            rng_state=rng_state(),
+            keep_last=2,
+        )
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_000002", "step_000003"]
     assert (root / "latest").read_text().strip() == "step_000003"
     assert (root / "step_000003" / "huggingface" / "config.json").is_file()
@@ -407,8 +418,15 @@ def test_checkpoints_are_written_and_read_by_the_engines(tmp_path, tiny_model_di
     from rlctl.recipes.common import rng_state
 
     actor, critic = _RecordingEngine(), _RecordingEngine()
-    final = save_checkpoint(tmp_path / "ckpts", 5, {"": actor, "critic": critic}, trainer_state={"method": "ppo"},
-                            meta_dir=None, rng_state=rng_state(), keep_last=2)
+    final = save_checkpoint(
+        tmp_path / "ckpts",
+        5,
+        {"": actor, "critic": critic},
+        trainer_state={"method": "ppo"},
+        meta_dir=None,
+        rng_state=rng_state(),
+        keep_last=2,
+    )
     tmp = tmp_path / "ckpts" / ".tmp-step_000005"
     assert actor.saved == [tmp] and critic.saved == [tmp / "critic"]  # written before the rename
     assert (final / ".metadata").read_text() == "written by the engine" and (final / "critic" / ".metadata").is_file()
@@ -433,7 +451,8 @@ def test_build_engine_picks_the_backend_of_the_plan(tiny_model_dir, data_file, t
     monkeypatch.setattr(megatron, "build_engine", lambda cfg, plan, **kw: calls.append((plan, kw)) or "mg")
     plan = {**cpu_plan(1), "backend": "megatron"}
     assert build_engine(cfg, plan, role="actor", total_steps=7, lr=0.5) == "mg"
-    assert calls == [(plan, {"role": "actor", "trainable": True, "total_steps": 7, "lr": 0.5, "source": None,
-                             "lora": None})]
+    assert calls == [
+        (plan, {"role": "actor", "trainable": True, "total_steps": 7, "lr": 0.5, "source": None, "lora": None})
+    ]
     with pytest.raises(UserError, match="unknown parallel.backend 'fdsp' \\(did you mean fsdp"):
         build_engine(cfg, {**plan, "backend": "fdsp"}, role="actor")

@@ -46,8 +46,14 @@ def process_group():
 def rl_config(model_dir, data="", **sets):
     from rlctl.config import build_config, dotted_to_nested
 
-    base = {"model.name": str(model_dir), "data.path": str(data), "rollout.max_prompt_len": 48,
-            "rollout.max_response_len": 12, "model.attn": "sdpa", "model.dtype": "fp32"}
+    base = {
+        "model.name": str(model_dir),
+        "data.path": str(data),
+        "rollout.max_prompt_len": 48,
+        "rollout.max_response_len": 12,
+        "model.attn": "sdpa",
+        "model.dtype": "fp32",
+    }
     base.update({k.replace("__", "."): v for k, v in sets.items()})
     return build_config("grpo", [dotted_to_nested(base)])
 
@@ -64,8 +70,10 @@ def test_plain_and_verl_rows_render_through_the_chat_template(tiny_model_dir, tm
     from rlctl.data.rl import build_rl_data
 
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    plain = write_jsonl(tmp_path / "plain.jsonl", arith_rows(5) + [{"prompt": "What is " + "1 + " * 60 + "1?",
-                                                                    "answer": "61"}, {"answer": "3"}])
+    plain = write_jsonl(
+        tmp_path / "plain.jsonl",
+        arith_rows(5) + [{"prompt": "What is " + "1 + " * 60 + "1?", "answer": "61"}, {"answer": "3"}],
+    )
     data = build_rl_data(rl_config(tiny_model_dir, plain, data__max_bad_fraction=0.5), tok)
     assert len(data.train) == 5 and data.too_long == 1
     assert data.report.bad["missing field 'prompt'"] == 1
@@ -136,8 +144,16 @@ def _random_batch(n_prompts: int, n: int, vocab: int, *, width: int, seed: int =
     prompts = [[rng.randrange(4, vocab) for _ in range(rng.randint(3, 14))] for _ in range(n_prompts)]
     uid = list(range(n_prompts * n))
     responses = [[rng.randrange(4, vocab) for _ in range(rng.randint(1, width))] for _ in uid]
-    return RolloutBatch.build([prompts[u // n] for u in uid], responses, [[0.0] * len(r) for r in responses], uid,
-                              n=n, batch_size=n_prompts, mini_batch_size=0, width=width)
+    return RolloutBatch.build(
+        [prompts[u // n] for u in uid],
+        responses,
+        [[0.0] * len(r) for r in responses],
+        uid,
+        n=n,
+        batch_size=n_prompts,
+        mini_batch_size=0,
+        width=width,
+    )
 
 
 def test_samples_are_pooled_by_model_replica():
@@ -154,9 +170,16 @@ def test_samples_are_pooled_by_model_replica():
 
     def generated_by(rank: int) -> RolloutBatch:
         rows = [u for p in rank_positions(n_prompts, mini, rank, 4) for u in range(p * n, p * n + n)]
-        b = RolloutBatch.build([full.prompts[u] for u in rows], [full.responses[u] for u in rows],
-                               [full.rollout_logp[u, :len(full.responses[u])].tolist() for u in rows], rows, n=n,
-                               batch_size=n_prompts, mini_batch_size=mini, width=width)
+        b = RolloutBatch.build(
+            [full.prompts[u] for u in rows],
+            [full.responses[u] for u in rows],
+            [full.rollout_logp[u, : len(full.responses[u])].tolist() for u in rows],
+            rows,
+            n=n,
+            batch_size=n_prompts,
+            mini_batch_size=mini,
+            width=width,
+        )
         b.scores = full.scores[rows]
         return b
 
@@ -192,23 +215,24 @@ def test_packed_log_probs_and_values_match_one_sequence_at_a_time(tiny_model_dir
     batch = _random_batch(3, 2, 400, width=12)
     ref = FSDPEngine(cfg, plan, role="ref", trainable=False)
     logp, ent = compute_logprobs(ref, batch, temperature=0.7, budget=40, pad_id=0, with_entropy=True)
-    plain = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    plain = AutoModelForCausalLM.from_pretrained(
+        str(tiny_model_dir), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     critic = FSDPEngine(cfg, plan, role="critic", total_steps=1)
     values = compute_values(critic, batch, budget=40, pad_id=0)
     for i in range(len(batch)):
         p, r = batch.prompts[i], batch.responses[i]
         ids = torch.tensor([p + r])
         with torch.no_grad():
-            logits = plain(input_ids=ids).logits[0, len(p) - 1:len(p) + len(r) - 1] / 0.7
-            v = critic.forward(ids, torch.arange(ids.shape[1])[None])[0, len(p) - 1:len(p) + len(r) - 1]
+            logits = plain(input_ids=ids).logits[0, len(p) - 1 : len(p) + len(r) - 1] / 0.7
+            v = critic.forward(ids, torch.arange(ids.shape[1])[None])[0, len(p) - 1 : len(p) + len(r) - 1]
         want = logits.log_softmax(-1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
         probs = logits.softmax(-1)
         want_ent = -(probs * probs.log()).sum(-1)
-        assert torch.allclose(logp[i, :len(r)], want, atol=1e-5)
-        assert torch.allclose(ent[i, :len(r)], want_ent, atol=1e-4)
-        assert torch.allclose(values[i, :len(r)], v, atol=1e-5)
-        assert logp[i, len(r):].abs().sum() == 0 and values[i, len(r):].abs().sum() == 0
+        assert torch.allclose(logp[i, : len(r)], want, atol=1e-5)
+        assert torch.allclose(ent[i, : len(r)], want_ent, atol=1e-4)
+        assert torch.allclose(values[i, : len(r)], v, atol=1e-5)
+        assert logp[i, len(r) :].abs().sum() == 0 and values[i, len(r) :].abs().sum() == 0
 
 
 def test_advantages_and_token_rewards_by_hand(process_group):
@@ -222,7 +246,7 @@ def test_advantages_and_token_rewards_by_hand(process_group):
     for i in range(6):
         want = [-0.1] * int(lengths[i])
         want[-1] += float(batch.scores[i])
-        assert torch.allclose(r[i, :lengths[i]], torch.tensor(want)) and r[i, lengths[i]:].abs().sum() == 0
+        assert torch.allclose(r[i, : lengths[i]], torch.tensor(want)) and r[i, lengths[i] :].abs().sum() == 0
 
     r0 = token_rewards(batch)
     adv, _ = compute_advantages(batch, rl_config("m", algo__adv="grpo"), r0)
@@ -241,8 +265,18 @@ def test_advantages_and_token_rewards_by_hand(process_group):
 
 def _run_update(world: int, batch_json: Path, out: Path, model_dir: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           str(UPDATE_STEP), str(model_dir), str(batch_json), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        str(UPDATE_STEP),
+        str(model_dir),
+        str(batch_json),
+        str(out),
+    ]
     res = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return torch.load(out)
@@ -261,7 +295,7 @@ def _plain_update(model_dir: Path, spec: dict, agg: str) -> tuple[dict, dict, fl
     per_seq, tokens = [], 0
     for u, resp in enumerate(spec["responses"]):
         prompt = spec["prompts"][u // n]
-        logits = model(input_ids=torch.tensor([prompt + resp])).logits[0, len(prompt) - 1:len(prompt) + len(resp) - 1]
+        logits = model(input_ids=torch.tensor([prompt + resp])).logits[0, len(prompt) - 1 : len(prompt) + len(resp) - 1]
         logp = (logits / t).log_softmax(-1).gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)
         ratio = torch.exp(logp - logp.detach())  # old = current: one optimizer step on fresh samples
         per_seq.append(-adv[u] * ratio)
@@ -286,12 +320,29 @@ def test_update_is_the_same_on_one_and_two_processes_and_matches_plain_torch(tin
     responses = [[rng.randrange(4, 400) for _ in range(rng.randint(1, 8))] for _ in range(n_prompts * n)]
     scores = [float(rng.random() < 0.5) for _ in responses]
     scores[:n] = [1.0, 1.0, 1.0, 1.0]  # one group without signal
-    settings = {"train.lr": 1e-3, "train.warmup_ratio": 0.0, "train.min_lr_ratio": 1.0, "train.grad_clip": 1.0,
-                "train.max_tokens_per_micro_batch": 30, "rollout.n": n, "rollout.temperature": 0.7,
-                "rollout.max_prompt_len": 16, "rollout.max_response_len": 8, "algo.kl_coef": 0.05,
-                "algo.mini_batch_size": 0, "model.attn": "sdpa", "model.dtype": "fp32"}
-    spec = {"n": n, "prompts": prompts, "responses": responses, "scores": scores, "settings": settings,
-            "aggs": ["token-mean", "seq-mean-token-mean"]}
+    settings = {
+        "train.lr": 1e-3,
+        "train.warmup_ratio": 0.0,
+        "train.min_lr_ratio": 1.0,
+        "train.grad_clip": 1.0,
+        "train.max_tokens_per_micro_batch": 30,
+        "rollout.n": n,
+        "rollout.temperature": 0.7,
+        "rollout.max_prompt_len": 16,
+        "rollout.max_response_len": 8,
+        "algo.kl_coef": 0.05,
+        "algo.mini_batch_size": 0,
+        "model.attn": "sdpa",
+        "model.dtype": "fp32",
+    }
+    spec = {
+        "n": n,
+        "prompts": prompts,
+        "responses": responses,
+        "scores": scores,
+        "settings": settings,
+        "aggs": ["token-mean", "seq-mean-token-mean"],
+    }
     batch_json = tmp_path / "batch.json"
     batch_json.write_text(json.dumps(spec))
     one = _run_update(1, batch_json, tmp_path / "one.pt", tiny_model_dir)
@@ -312,7 +363,9 @@ def test_update_is_the_same_on_one_and_two_processes_and_matches_plain_torch(tin
             clear = g.abs() > 1e-5
             a, b = one[agg]["params"][name], two[agg]["params"][name]
             assert torch.allclose(a[clear], b[clear], atol=1e-7), f"{agg}: {name} differs between 1 and 2 processes"
-            assert torch.allclose(a[clear], want[name][clear], atol=1e-7), f"{agg}: {name} differs from the plain update"
+            assert torch.allclose(a[clear], want[name][clear], atol=1e-7), (
+                f"{agg}: {name} differs from the plain update"
+            )
             assert clear.any() and not torch.equal(a, init[name]), name
 
 
@@ -339,16 +392,48 @@ def test_grpo_hf_rollout_learns_an_easy_reward(tiny_model_dir, tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", rows)
     val = write_jsonl(tmp_path / "val.jsonl", arith_rows(4, seed=9))
     run = tmp_path / "run"
-    res = run_cli("grpo", *rl_args(tiny_model_dir, data, run, "--rollout", "hf", "--max-steps", "8",
-                                   "--kl-coef", "0.001", "--set", "algo.entropy_coef=0.001",
-                                   "--set", f"data.val_path={val}", "--set", "train.eval_every=4"))
+    res = run_cli(
+        "grpo",
+        *rl_args(
+            tiny_model_dir,
+            data,
+            run,
+            "--rollout",
+            "hf",
+            "--max-steps",
+            "8",
+            "--kl-coef",
+            "0.001",
+            "--set",
+            "algo.entropy_coef=0.001",
+            "--set",
+            f"data.val_path={val}",
+            "--set",
+            "train.eval_every=4",
+        ),
+    )
     assert res.returncode == 0, failure(res, run)
     records = train_records(run)
     assert [r["step"] for r in records] == list(range(1, 9))
     _check_learning(records, synced=[2, 3, 4, 6, 7, 8])  # step 5 uses the weights synced for the eval at 4
-    keys = {"reward/mean", "reward/std", "time/step", "response_len/mean", "kl", "entropy", "pg/clip_frac",
-            "grad_norm", "rollout/logprob_diff", "time/rollout", "time/logprobs", "time/update",
-            "time/weight_sync", "tokens_per_s", "reward/errors", "kl_loss"}
+    keys = {
+        "reward/mean",
+        "reward/std",
+        "time/step",
+        "response_len/mean",
+        "kl",
+        "entropy",
+        "pg/clip_frac",
+        "grad_norm",
+        "rollout/logprob_diff",
+        "time/rollout",
+        "time/logprobs",
+        "time/update",
+        "time/weight_sync",
+        "tokens_per_s",
+        "reward/errors",
+        "kl_loss",
+    }
     assert keys <= set(records[-1]), keys - set(records[-1])
     assert sum(r["reward/errors"] for r in records) == 8  # the "boom" prompt once (8 steps = 1 epoch), n = 8
     assert "the reward function failed on 8 of 32 samples" in (run / "train.log").read_text()
@@ -363,8 +448,12 @@ def test_grpo_hf_rollout_learns_an_easy_reward(tiny_model_dir, tmp_path):
 def test_grpo_vllm_rollout_learns_an_easy_reward(tiny_model_dir, tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", arith_rows(32))
     run = tmp_path / "run"
-    res = run_cli("grpo", *rl_args(tiny_model_dir, data, run, "--rollout", "vllm", "--max-steps", "7",
-                                   "--set", "checkpoint.export_hf=false"))
+    res = run_cli(
+        "grpo",
+        *rl_args(
+            tiny_model_dir, data, run, "--rollout", "vllm", "--max-steps", "7", "--set", "checkpoint.export_hf=false"
+        ),
+    )
     assert res.returncode == 0, failure(res, run)
     records = train_records(run)
     assert len(records) == 7

@@ -60,9 +60,17 @@ def _build_hf(arch: str, tied: bool, dtype: torch.dtype, path: Path) -> None:
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     }[arch]
-    config = config_cls(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                        num_hidden_layers=LAYERS, intermediate_size=FFN, vocab_size=VOCAB,
-                        max_position_embeddings=64, tie_word_embeddings=tied, head_dim=HEAD_DIM[arch])
+    config = config_cls(
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        num_hidden_layers=LAYERS,
+        intermediate_size=FFN,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        head_dim=HEAD_DIM[arch],
+    )
     torch.manual_seed(0)
     model = model_cls(config)
     with torch.no_grad():  # norms and biases start at 1 / 0: make them distinct so a mix-up shows
@@ -134,8 +142,9 @@ def test_save_hf_writes_loadable_sharded_model(hf_model, tmp_path):
 # ----------------------------------------------------------------------------- independent layout check
 
 
-def _expected_rank(hf: dict[str, torch.Tensor], arch: str, tied: bool, tp: int, pp: int, t: int,
-                   p: int) -> dict[str, torch.Tensor]:
+def _expected_rank(
+    hf: dict[str, torch.Tensor], arch: str, tied: bool, tp: int, pp: int, t: int, p: int
+) -> dict[str, torch.Tensor]:
     """Rank (t, p)'s Megatron tensors, built row by row from the layout description."""
     d = HEAD_DIM[arch]
     per_rank_vocab = PADDED_VOCAB[tp] // tp
@@ -161,8 +170,8 @@ def _expected_rank(hf: dict[str, torch.Tensor], arch: str, tied: bool, tp: int, 
             rows = []
             for group in range(t * kv_per_rank, (t + 1) * kv_per_rank):
                 for head in range(group * q_per_kv, (group + 1) * q_per_kv):
-                    rows.append(q[head * d:(head + 1) * d])
-                rows += [k[group * d:(group + 1) * d], v[group * d:(group + 1) * d]]
+                    rows.append(q[head * d : (head + 1) * d])
+                rows += [k[group * d : (group + 1) * d], v[group * d : (group + 1) * d]]
             return torch.cat(rows)
 
         exp[mgp + "self_attention.linear_qkv.layer_norm_weight"] = hf[hfp + "input_layernorm.weight"]
@@ -173,11 +182,11 @@ def _expected_rank(hf: dict[str, torch.Tensor], arch: str, tied: bool, tp: int, 
             exp[mgp + "self_attention.q_layernorm.weight"] = hf[hfp + "self_attn.q_norm.weight"]
             exp[mgp + "self_attention.k_layernorm.weight"] = hf[hfp + "self_attn.k_norm.weight"]
         o = hf[hfp + "self_attn.o_proj.weight"]
-        exp[mgp + "self_attention.linear_proj.weight"] = o[:, t * heads_per_rank * d:(t + 1) * heads_per_rank * d]
+        exp[mgp + "self_attention.linear_proj.weight"] = o[:, t * heads_per_rank * d : (t + 1) * heads_per_rank * d]
         exp[mgp + "mlp.linear_fc1.layer_norm_weight"] = hf[hfp + "post_attention_layernorm.weight"]
         gate, up = hf[hfp + "mlp.gate_proj.weight"], hf[hfp + "mlp.up_proj.weight"]
-        exp[mgp + "mlp.linear_fc1.weight"] = torch.cat([gate[t * ffn:(t + 1) * ffn], up[t * ffn:(t + 1) * ffn]])
-        exp[mgp + "mlp.linear_fc2.weight"] = hf[hfp + "mlp.down_proj.weight"][:, t * ffn:(t + 1) * ffn]
+        exp[mgp + "mlp.linear_fc1.weight"] = torch.cat([gate[t * ffn : (t + 1) * ffn], up[t * ffn : (t + 1) * ffn]])
+        exp[mgp + "mlp.linear_fc2.weight"] = hf[hfp + "mlp.down_proj.weight"][:, t * ffn : (t + 1) * ffn]
     if p == pp - 1:
         exp["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
         if not tied:
@@ -233,8 +242,11 @@ def _real_megatron(hf_dirs: list[Path], tmp_path: Path, tp: int, pp: int, single
         outs[-1].mkdir()
         args += ["--model", str(tmp_path / f"shards{n}"), str(outs[-1])]
     nproc = tp * pp
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    launcher = (
+        [sys.executable]
+        if nproc == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(launcher + [str(HELPER), *args], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"megatron helper failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -296,10 +308,13 @@ def test_pp_not_dividing_layers(hf_model):
         megatron_shard_for_rank(lambda name: None, cfg, 1, 3, 0, 0)
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "'GPT2LMHeadModel' has no Megatron layout"),
-    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": True}, "o_proj"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "'GPT2LMHeadModel' has no Megatron layout"),
+        ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": True}, "o_proj"),
+    ],
+)
 def test_unsupported_architecture(hf_model, change, message):
     with pytest.raises(UserError, match=message):
         MegatronLayoutConfig.from_hf_config({**_config(hf_model("qwen2")), **change})

@@ -55,7 +55,9 @@ from rlctl.errors import UserError
 
 WORKER = Path(__file__).parent / "megatron_engine_helpers" / "worker.py"
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
-needs_mcore = pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core not installed (pip install --no-deps megatron-core)")
+needs_mcore = pytest.mark.skipif(
+    not HAVE_MCORE, reason="megatron-core not installed (pip install --no-deps megatron-core)"
+)
 
 HIDDEN, HEADS, KV, D, LAYERS, FFN, VOCAB = 128, 4, 2, 64, 4, 256, 300
 PADDED_VOCAB = 1024  # rlctl pads the vocabulary to a multiple of 1024 at every tp
@@ -126,9 +128,17 @@ def test_launch_command_is_the_plain_torchrun_command():
 
 
 def _layout(**overrides) -> MegatronLayoutConfig:
-    hf = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
-          "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": D, "intermediate_size": FFN,
-          "vocab_size": VOCAB, **overrides}
+    hf = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV,
+        "head_dim": D,
+        "intermediate_size": FFN,
+        "vocab_size": VOCAB,
+        **overrides,
+    }
     return mg.layout_config(hf, 1)
 
 
@@ -166,16 +176,29 @@ def test_unmapped_architecture_names_the_supported_ones():
 def test_vocab_padding_is_the_same_at_every_tp():
     from rlctl.convert.megatron_layout import padded_vocab_size
 
-    hf = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8,
-          "num_key_value_heads": 8, "intermediate_size": 128, "vocab_size": 152064}
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "intermediate_size": 128,
+        "vocab_size": 152064,
+    }
     assert {padded_vocab_size(mg.layout_config(hf, tp), tp) for tp in (1, 2, 4, 8)} == {152576}  # 149 * 1024
 
 
 def test_rope_settings():
     assert mg._rope({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}) == (1e6, None)
     assert mg._rope({"rope_theta": 5e5}) == (5e5, None)
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 8192, "rope_theta": 5e5}
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_theta": 5e5,
+    }
     assert mg._rope({"rope_parameters": llama3}) == (5e5, 8.0)
     with pytest.raises(UserError, match="RoPE scaling 'yarn'"):
         mg._rope({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}})
@@ -201,7 +224,9 @@ def test_unsupported_uses_fail_before_anything_starts(monkeypatch, tmp_path):
     with pytest.raises(UserError, match="offload_optimizer on the megatron engine needs Transformer Engine"):
         mg.build_engine(cfg, gpu_plan, role="actor")
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.startswith("megatron") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name.startswith("megatron") else real(name, *a)
+    )
     with pytest.raises(UserError, match=r"needs megatron-core.*pip install 'rlctl\[megatron\]'"):
         mg.build_engine(cfg, plan, role="actor")
 
@@ -217,12 +242,22 @@ def _random_hf_state(layers: int, tied: bool) -> dict[str, torch.Tensor]:
         shapes["lm_head.weight"] = (VOCAB, HIDDEN)
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (HIDDEN,), p + "post_attention_layernorm.weight": (HIDDEN,),
-                       p + "self_attn.q_proj.weight": (HEADS * D, HIDDEN), p + "self_attn.q_proj.bias": (HEADS * D,),
-                       p + "self_attn.k_proj.weight": (KV * D, HIDDEN), p + "self_attn.k_proj.bias": (KV * D,),
-                       p + "self_attn.v_proj.weight": (KV * D, HIDDEN), p + "self_attn.v_proj.bias": (KV * D,),
-                       p + "self_attn.o_proj.weight": (HIDDEN, HEADS * D), p + "mlp.gate_proj.weight": (FFN, HIDDEN),
-                       p + "mlp.up_proj.weight": (FFN, HIDDEN), p + "mlp.down_proj.weight": (HIDDEN, FFN)})
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (HIDDEN,),
+                p + "post_attention_layernorm.weight": (HIDDEN,),
+                p + "self_attn.q_proj.weight": (HEADS * D, HIDDEN),
+                p + "self_attn.q_proj.bias": (HEADS * D,),
+                p + "self_attn.k_proj.weight": (KV * D, HIDDEN),
+                p + "self_attn.k_proj.bias": (KV * D,),
+                p + "self_attn.v_proj.weight": (KV * D, HIDDEN),
+                p + "self_attn.v_proj.bias": (KV * D,),
+                p + "self_attn.o_proj.weight": (HIDDEN, HEADS * D),
+                p + "mlp.gate_proj.weight": (FFN, HIDDEN),
+                p + "mlp.up_proj.weight": (FFN, HIDDEN),
+                p + "mlp.down_proj.weight": (HIDDEN, FFN),
+            }
+        )
     return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
 
 
@@ -240,8 +275,12 @@ def test_stage_shard_splits_five_layers_into_three_and_two(tied):
         first, last = (mg.stage_shard(hf.__getitem__, layout, tp=2, pp=2, tp_rank=t, pp_rank=p) for p in (0, 1))
         first_names = ("embedding.", "decoder.layers.0.", "decoder.layers.1.", "decoder.layers.2.")
         want_first = {n: v for n, v in whole.items() if n.startswith(first_names)}
-        want_last = {n.replace(f"decoder.layers.{i}.", f"decoder.layers.{i - 3}."): v for n, v in whole.items()
-                     for i in (3, 4) if n.startswith(f"decoder.layers.{i}.")}
+        want_last = {
+            n.replace(f"decoder.layers.{i}.", f"decoder.layers.{i - 3}."): v
+            for n, v in whole.items()
+            for i in (3, 4)
+            if n.startswith(f"decoder.layers.{i}.")
+        }
         want_last["decoder.final_layernorm.weight"] = whole["decoder.final_layernorm.weight"]
         output = "embedding.word_embeddings.weight" if tied else "output_layer.weight"
         want_last["output_layer.weight"] = whole[output]
@@ -263,8 +302,16 @@ def test_stage_shard_splits_five_layers_into_three_and_two(tied):
 def test_uneven_stages_and_optimizer_offload_in_megatron_core_configs():
     from megatron.core.optimizer import OptimizerConfig
 
-    hf = {"model_type": "qwen2", "hidden_size": HIDDEN, "num_hidden_layers": 5, "num_attention_heads": HEADS,
-          "num_key_value_heads": KV, "head_dim": D, "intermediate_size": FFN, "vocab_size": VOCAB}
+    hf = {
+        "model_type": "qwen2",
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": 5,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV,
+        "head_dim": D,
+        "intermediate_size": FFN,
+        "vocab_size": VOCAB,
+    }
     assert mg.transformer_config(hf, pp=2).num_layers_in_last_pipeline_stage == 2
     assert mg.transformer_config({**hf, "num_hidden_layers": 4}, pp=2).num_layers_in_last_pipeline_stage is None
     cfg = RunConfig(method="sft")
@@ -272,7 +319,10 @@ def test_uneven_stages_and_optimizer_offload_in_megatron_core_configs():
     offload = mg.optimizer_settings(cfg, lr=1e-5, dtype=torch.bfloat16, offload=True)
     assert set(offload) <= {f.name for f in dataclasses.fields(OptimizerConfig)}
     assert {k: v for k, v in offload.items() if k not in plain} == {
-        "optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0, "use_precision_aware_optimizer": True}
+        "optimizer_cpu_offload": True,
+        "optimizer_offload_fraction": 1.0,
+        "use_precision_aware_optimizer": True,
+    }
     assert plain["bf16"] and plain["use_distributed_optimizer"] and plain["lr"] == 1e-5
     OptimizerConfig(**plain)
 
@@ -305,12 +355,27 @@ def test_unpack_rows_keeps_padding_with_its_document_and_rounds_width():
 def test_transformer_config_from_hf(arch):
     import torch.nn.functional as F
 
-    hf = {"model_type": arch, "hidden_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
-          "num_key_value_heads": KV, "head_dim": D, "intermediate_size": FFN, "vocab_size": VOCAB,
-          "rms_norm_eps": 1e-5, "initializer_range": 0.01}
+    hf = {
+        "model_type": arch,
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV,
+        "head_dim": D,
+        "intermediate_size": FFN,
+        "vocab_size": VOCAB,
+        "rms_norm_eps": 1e-5,
+        "initializer_range": 0.01,
+    }
     c = mg.transformer_config(hf, tp=2, pp=2, sequence_parallel=True, dtype=torch.bfloat16)
-    assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels,
-            c.ffn_hidden_size) == (LAYERS, HIDDEN, HEADS, KV, D, FFN)
+    assert (
+        c.num_layers,
+        c.hidden_size,
+        c.num_attention_heads,
+        c.num_query_groups,
+        c.kv_channels,
+        c.ffn_hidden_size,
+    ) == (LAYERS, HIDDEN, HEADS, KV, D, FFN)
     assert c.normalization == "RMSNorm" and c.layernorm_epsilon == 1e-5 and c.init_method_std == 0.01
     assert c.gated_linear_unit and c.activation_func is F.silu and not c.add_bias_linear
     assert c.add_qkv_bias == (arch == "qwen2") and c.qk_layernorm == (arch == "qwen3")
@@ -336,9 +401,18 @@ STAGES = {(4, 1): [range(4)], (4, 2): [range(2), range(2, 4)], (5, 2): [range(3)
 def _build_hf(path: Path, tied: bool, layers: int = LAYERS) -> Path:
     from rlctl.testing import build_tiny_model
 
-    build_tiny_model(path, seed=1, vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=layers,
-                     num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=D, intermediate_size=FFN,
-                     tie_word_embeddings=tied)
+    build_tiny_model(
+        path,
+        seed=1,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV,
+        head_dim=D,
+        intermediate_size=FFN,
+        tie_word_embeddings=tied,
+    )
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -352,9 +426,11 @@ def _build_hf(path: Path, tied: bool, layers: int = LAYERS) -> Path:
 
 
 # row 0 packs two documents (positions restart at 0); row 1 is one document then padding
-BATCH = {"input_ids": torch.tensor([[5, 9, 17, 33, 2, 41, 7, 8, 60], [11, 12, 13, 14, 15, 16, 0, 0, 0]]),
-         "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 7, 8]]),
-         "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0, 0, 0]])}
+BATCH = {
+    "input_ids": torch.tensor([[5, 9, 17, 33, 2, 41, 7, 8, 60], [11, 12, 13, 14, 15, 16, 0, 0, 0]]),
+    "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 7, 8]]),
+    "attention_mask": torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0, 0, 0]]),
+}
 DOCUMENTS = [(0, 0, 4), (0, 4, 9), (1, 0, 6)]  # (row, start, end) of each real document
 
 
@@ -366,8 +442,11 @@ def runs(tmp_path_factory):
     if not HAVE_MCORE:
         pytest.skip("megatron-core not installed")
     root = tmp_path_factory.mktemp("megatron_engine")
-    hf = {"tied": _build_hf(root / "hf_tied", True), "untied": _build_hf(root / "hf_untied", False),
-          "five": _build_hf(root / "hf_five", False, layers=5)}
+    hf = {
+        "tied": _build_hf(root / "hf_tied", True),
+        "untied": _build_hf(root / "hf_untied", False),
+        "five": _build_hf(root / "hf_five", False, layers=5),
+    }
     torch.save(BATCH, root / "batch.pt")
     out = {}
     for nproc, launch in LAUNCHES.items():
@@ -380,15 +459,27 @@ def runs(tmp_path_factory):
             out[(tp, pp, name)] = (Path(run["out"]), hf[name.split("-")[0]])
         spec_file = root / f"spec{nproc}.json"
         spec_file.write_text(json.dumps({"batch": str(root / "batch.pt"), "runs": specs}))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), str(WORKER), str(spec_file)]
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(free_port()),
+            str(WORKER),
+            str(spec_file),
+        ]
+        proc = subprocess.run(
+            cmd, check=False, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return out
 
 
-def _expected_rank(hf: dict[str, torch.Tensor], tied: bool, tp: int, pp: int, t: int, p: int) -> dict[str, torch.Tensor]:
+def _expected_rank(
+    hf: dict[str, torch.Tensor], tied: bool, tp: int, pp: int, t: int, p: int
+) -> dict[str, torch.Tensor]:
     """Rank (t, p)'s GPTModel parameters (local-spec module names), slice by slice from the HF tensors."""
     per_rank_vocab = PADDED_VOCAB // tp
     layers = sum(name.endswith(".input_layernorm.weight") for name in hf)
@@ -416,18 +507,32 @@ def _expected_rank(hf: dict[str, torch.Tensor], tied: bool, tp: int, pp: int, t:
         exp["embedding.word_embeddings.weight"] = vocab_rows(hf["model.embed_tokens.weight"])
     for i, layer in enumerate(STAGES[layers, pp][p]):
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{i}."
-        a = {n: hf[src + "self_attn." + n] for n in ("q_proj.weight", "k_proj.weight", "v_proj.weight",
-                                                       "q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.weight")}
+        a = {
+            n: hf[src + "self_attn." + n]
+            for n in (
+                "q_proj.weight",
+                "k_proj.weight",
+                "v_proj.weight",
+                "q_proj.bias",
+                "k_proj.bias",
+                "v_proj.bias",
+                "o_proj.weight",
+            )
+        }
         exp[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
-        exp[dst + "self_attention.linear_qkv.weight"] = fused_qkv(a["q_proj.weight"], a["k_proj.weight"], a["v_proj.weight"])
+        exp[dst + "self_attention.linear_qkv.weight"] = fused_qkv(
+            a["q_proj.weight"], a["k_proj.weight"], a["v_proj.weight"]
+        )
         exp[dst + "self_attention.linear_qkv.bias"] = fused_qkv(a["q_proj.bias"], a["k_proj.bias"], a["v_proj.bias"])
         o = a["o_proj.weight"]
         exp[dst + "self_attention.linear_proj.weight"] = torch.stack(
-            [o[:, c] for c in range(t * heads * D, (t + 1) * heads * D)], dim=1)
+            [o[:, c] for c in range(t * heads * D, (t + 1) * heads * D)], dim=1
+        )
         exp[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
         gate, up, down = (hf[src + f"mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))
-        exp[dst + "mlp.linear_fc1.weight"] = torch.stack([gate[r] for r in range(t * ffn, (t + 1) * ffn)]
-                                                         + [up[r] for r in range(t * ffn, (t + 1) * ffn)])
+        exp[dst + "mlp.linear_fc1.weight"] = torch.stack(
+            [gate[r] for r in range(t * ffn, (t + 1) * ffn)] + [up[r] for r in range(t * ffn, (t + 1) * ffn)]
+        )
         exp[dst + "mlp.linear_fc2.weight"] = torch.stack([down[:, c] for c in range(t * ffn, (t + 1) * ffn)], dim=1)
     if p == pp - 1:
         exp["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
@@ -452,7 +557,8 @@ def test_every_parameter_is_the_right_hf_slice(runs, tp, pp, model):
         dp = world // (tp * pp)
         assert (got["tp_rank"], got["dp_rank"], got["pp_rank"]) == (rank % tp, rank // tp % dp, rank // (tp * dp))
         assert {k: got[k + "_rank"] for k in ("tp", "dp", "pp")} == {
-            k: v for k, v in rank_coords(rank, world, tp, pp).items() if k != "cp"}
+            k: v for k, v in rank_coords(rank, world, tp, pp).items() if k != "cp"
+        }
         want = _expected_rank(hf, model.startswith("tied"), tp, pp, got["tp_rank"], got["pp_rank"])
         assert sorted(got["params"]) == sorted(want), rank
         for name, tensor in want.items():
@@ -475,7 +581,7 @@ def test_logits_on_packed_rows_match_hf(runs, tp, pp, model):
         assert got.shape == (2, 9, VOCAB), kind
         for row, start, end in DOCUMENTS:  # each document alone through HF
             with torch.no_grad():
-                want = ref(BATCH["input_ids"][row:row + 1, start:end]).logits[0]
+                want = ref(BATCH["input_ids"][row : row + 1, start:end]).logits[0]
             torch.testing.assert_close(got[row, start:end].float(), want, atol=2e-5, rtol=1e-4, msg=kind)
 
 
@@ -509,8 +615,14 @@ def recipe_model(tmp_path_factory) -> Path:
     pp=2 splits unevenly (2 + 1)."""
     from rlctl.testing import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("recipe") / "model", seed=0, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=64, num_hidden_layers=3)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("recipe") / "model",
+        seed=0,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_hidden_layers=3,
+    )
 
 
 def _megatron_run(cfg, tp: int, pp: int, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -524,11 +636,23 @@ def _megatron_run(cfg, tp: int, pp: int, env: dict | None = None) -> subprocess.
     run = Path(cfg.output_dir)
     run.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run / "config.yaml")
-    plan = cpu_plan(2, method=cfg.method, backend="megatron", tp=tp, pp=pp, dp=2 // (tp * pp), rollout="hf",
-                    rollout_tp=1)
+    plan = cpu_plan(
+        2, method=cfg.method, backend="megatron", tp=tp, pp=pp, dp=2 // (tp * pp), rollout="hf", rollout_tp=1
+    )
     (run / "plan.json").write_text(json.dumps(plan))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(RECIPE), cfg.method, "--run-dir", str(run)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(RECIPE),
+        cfg.method,
+        "--run-dir",
+        str(run),
+    ]
     env = job_env(plan, {**os.environ, **(env or {})})
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, env=env)
     error = run / "error.txt"
@@ -557,13 +681,16 @@ def test_sft_on_megatron_tp2_then_uneven_pp2_follows_fsdp(recipe_model, tmp_path
     ref = tmp_path / "fsdp"
     assert launch_job(sft_config(recipe_model, data, ref, train__max_steps=4), cpu_plan(2)) == 0
     run = tmp_path / "megatron"
-    _megatron_run(sft_config(recipe_model, data, run, train__max_steps=4), tp=2, pp=1,
-                  env={"RLCTL_STOP_AFTER_STEP": "2"})
+    _megatron_run(
+        sft_config(recipe_model, data, run, train__max_steps=4), tp=2, pp=1, env={"RLCTL_STOP_AFTER_STEP": "2"}
+    )
     step2 = run / "checkpoints" / "step_000002"
     state = json.loads((step2 / "trainer_state.json").read_text())
     assert state["backend"] == "megatron" and state["step"] == 2
     assert (step2 / "metadata.json").is_file() and (step2 / "common.pt").is_file()  # megatron-core's dist checkpoint
-    resumed = _megatron_run(sft_config(recipe_model, data, run, train__max_steps=4, checkpoint__resume="auto"), tp=1, pp=2)
+    resumed = _megatron_run(
+        sft_config(recipe_model, data, run, train__max_steps=4, checkpoint__resume="auto"), tp=1, pp=2
+    )
     assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
     want, got = _steps(ref), _steps(run)
     assert sorted(got) == [1, 2, 3, 4]
@@ -596,11 +723,24 @@ def test_grpo_on_megatron_tp2_follows_fsdp(recipe_model, tmp_path):
     data = write_jsonl(tmp_path / "rl.jsonl", arith_rows(16))
 
     def cfg_for(out: Path):
-        sets = {"model.name": str(recipe_model), "data.path": str(data), "output_dir": str(out),
-                "hardware.device": "cpu", "rollout.max_prompt_len": 48, "rollout.max_response_len": 12,
-                "model.attn": "sdpa", "model.dtype": "fp32", "train.batch_size": 4, "rollout.n": 4, "train.lr": 1e-2,
-                "reward.fn": f"{REWARDS}:digits", "train.max_steps": 2, "rollout.engine": "hf", "algo.kl_coef": 0.001,
-                "checkpoint.export_hf": False}
+        sets = {
+            "model.name": str(recipe_model),
+            "data.path": str(data),
+            "output_dir": str(out),
+            "hardware.device": "cpu",
+            "rollout.max_prompt_len": 48,
+            "rollout.max_response_len": 12,
+            "model.attn": "sdpa",
+            "model.dtype": "fp32",
+            "train.batch_size": 4,
+            "rollout.n": 4,
+            "train.lr": 1e-2,
+            "reward.fn": f"{REWARDS}:digits",
+            "train.max_steps": 2,
+            "rollout.engine": "hf",
+            "algo.kl_coef": 0.001,
+            "checkpoint.export_hf": False,
+        }
         return build_config("grpo", [dotted_to_nested(sets)])
 
     ref, run = tmp_path / "fsdp", tmp_path / "megatron"

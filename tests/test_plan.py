@@ -71,11 +71,18 @@ def test_qwen72b_sft_on_8_h100_offloads_the_megatron_optimizer():
     # the preferred options come first in the reasons, rejected with their numbers: Megatron without offload needs
     # bf16 weights 2 + fp32 gradients 4 + master and AdamW 12 bytes per parameter over tp 8
     spec, gpu = resolve_model("Qwen2.5-72B"), resolve_gpu("H100-80GB")
-    plain = estimate_memory(spec, gpu, MemorySettings(method="sft", gpus=8, backend="megatron", tp=8, sequence_parallel=True,
-                                                      max_len=cfg.train.max_len))  # fmt: skip
+    plain = estimate_memory(
+        spec,
+        gpu,
+        MemorySettings(
+            method="sft", gpus=8, backend="megatron", tp=8, sequence_parallel=True, max_len=cfg.train.max_len
+        ),
+    )
     assert plain.phases["training"].components["optimizer_states"] == 12 * math.ceil(P72 / 8)
-    assert (f"rejected megatron, tp 8 x pp 1 (the closest of 3 layouts): training needs "
-            f"{plain.peak_bytes / 2**30:.1f} GiB per GPU > {0.95 * gpu.memory_bytes / 2**30:.1f} GiB") in "\n".join(p.reasons)
+    assert (
+        f"rejected megatron, tp 8 x pp 1 (the closest of 3 layouts): training needs "
+        f"{plain.peak_bytes / 2**30:.1f} GiB per GPU > {0.95 * gpu.memory_bytes / 2**30:.1f} GiB"
+    ) in "\n".join(p.reasons)
     assert any(r.startswith("rejected fsdp, dp 8: training needs") for r in p.reasons)
     assert any(r.startswith("offload optimizer: fits only with Megatron's optimizer CPU offload") for r in p.reasons)
     # fp32 master weights, gradient copies and AdamW states of all 72.7B parameters wait in one node's host memory
@@ -104,8 +111,11 @@ def test_qwen72b_sft_on_4_h100_says_what_would_fit():
     rows = {(r.gpu, r.offload): r for r in what_to_rent(cfg_for("sft", model={"name": "Qwen2.5-72B"}), local=LAPTOP)}
     assert rows["H100-80GB", True].gpus == more  # --what-to-rent names the same count
     need = int(re.search(r"(\d+) GiB of host memory", why).group(1))
-    roomy = resolve_plan(cfg_for("sft", model={"name": "Qwen2.5-72B"}, hardware={"gpus": 4, "gpu": "H100-80GB"}),
-                         local=LAPTOP, host_memory_bytes=need * 2**30)  # fmt: skip
+    roomy = resolve_plan(
+        cfg_for("sft", model={"name": "Qwen2.5-72B"}, hardware={"gpus": 4, "gpu": "H100-80GB"}),
+        local=LAPTOP,
+        host_memory_bytes=need * 2**30,
+    )
     assert good_fit(roomy) and roomy.estimate.host_memory_bytes == need * 2**30
 
 
@@ -134,18 +144,36 @@ def test_moe_that_fits_a_node_needs_no_pipeline():
 
 @pytest.fixture()
 def tiny_dir(tmp_path):
-    config = {"model_type": "qwen2", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 512,
-              "tie_word_embeddings": False}  # fmt: skip
+    config = {
+        "model_type": "qwen2",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "vocab_size": 512,
+        "tie_word_embeddings": False,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     return tmp_path
 
 
 def test_cpu_tiny_local_model(tiny_dir):
     p = plan_for("grpo", model={"name": str(tiny_dir)}, hardware={"nproc": 2})
-    assert (p.device, p.backend, p.rollout, p.dtype, p.attn, p.gpus, p.nproc_per_node) == ("cpu", "fsdp", "hf", "fp32", "sdpa", 0, 2)
+    assert (p.device, p.backend, p.rollout, p.dtype, p.attn, p.gpus, p.nproc_per_node) == (
+        "cpu",
+        "fsdp",
+        "hf",
+        "fp32",
+        "sdpa",
+        0,
+        2,
+    )
     assert p.fits and p.rollout_mem_fraction == 0.0 and p.model == str(tiny_dir)
-    with_vllm = plan_for("grpo", local=LocalEnv(0, None, frozenset({"vllm"}), 16 * 2**30), model={"name": str(tiny_dir)})
+    with_vllm = plan_for(
+        "grpo", local=LocalEnv(0, None, frozenset({"vllm"}), 16 * 2**30), model={"name": str(tiny_dir)}
+    )
     assert with_vllm.rollout == "vllm"
 
 
@@ -164,9 +192,11 @@ def test_cuda_plans_do_not_depend_on_local_packages():
         d.pop("warnings")
         return d
 
-    for method, sections in [("grpo", {"model": {"name": "Qwen2.5-7B"}, "hardware": {"gpus": 8}}),
-                             ("grpo", {"model": {"name": "Qwen2.5-7B"}, "hardware": {"gpus": 2}, "lora": {"rank": 16}}),
-                             ("ppo", {"model": {"name": "Qwen2.5-32B"}, "hardware": {"gpus": 16, "nodes": 2}})]:  # fmt: skip
+    for method, sections in [
+        ("grpo", {"model": {"name": "Qwen2.5-7B"}, "hardware": {"gpus": 8}}),
+        ("grpo", {"model": {"name": "Qwen2.5-7B"}, "hardware": {"gpus": 2}, "lora": {"rank": 16}}),
+        ("ppo", {"model": {"name": "Qwen2.5-32B"}, "hardware": {"gpus": 16, "nodes": 2}}),
+    ]:
         bare, full = plan_for(method, LAPTOP, **sections), plan_for(method, CLUSTER_LIKE, **sections)
         assert strip(bare) == strip(full)
         assert any("not installed here" in w for w in bare.warnings)
@@ -175,29 +205,54 @@ def test_cuda_plans_do_not_depend_on_local_packages():
 
 def test_overrides_are_honoured():
     p = plan_for(
-        "grpo", model={"name": "Qwen2.5-7B"}, hardware={"gpus": 8},
+        "grpo",
+        model={"name": "Qwen2.5-7B"},
+        hardware={"gpus": 8},
         parallel={"backend": "megatron", "tp": 2, "activation_checkpointing": "false", "offload_optimizer": "true"},
-        rollout={"engine": "vllm", "tp": 2, "mem_fraction": 0.4}, train={"micro_batch_size": 2},
-    )  # fmt: skip
+        rollout={"engine": "vllm", "tp": 2, "mem_fraction": 0.4},
+        train={"micro_batch_size": 2},
+    )
     assert (p.backend, p.tp, p.pp, p.dp) == ("megatron", 2, 1, 4)
     assert (p.rollout, p.rollout_tp, p.rollout_mem_fraction) == ("vllm", 2, 0.4)
     assert (p.micro_batch_size, p.activation_checkpointing, p.offload_optimizer) == (2, False, True)
     s = p.estimate.settings
-    assert (s.backend, s.tp, s.rollout, s.rollout_tp, s.mem_fraction, s.micro_batch) == ("megatron", 2, "vllm", 2, 0.4, 2)
+    assert (s.backend, s.tp, s.rollout, s.rollout_tp, s.mem_fraction, s.micro_batch) == (
+        "megatron",
+        2,
+        "vllm",
+        2,
+        0.4,
+        2,
+    )
 
 
-@pytest.mark.parametrize("sections, words", [
-    ({"parallel": {"backend": "megatron", "tp": 8}}, r"parallel.tp=8: 8 does not divide the 28 attention heads of Qwen2.5-7B; valid tp: 1, 2, 4$"),
-    ({"parallel": {"backend": "megatron", "tp": 7}}, r"parallel.tp=7: 7 does not divide the 4 KV heads"),
-    ({"parallel": {"backend": "megatron", "pp": 8}}, r"parallel.pp=8 cannot split the 28 layers.*valid pp: 1, 2, 3, 4, 5, 6, 7, 10"),
-    ({"parallel": {"backend": "megatron", "tp": 4, "pp": 4}}, r"8 GPUs cannot be split into tp 4 x pp 4.*\(1, 2, 4, 8\)"),
-    ({"hardware": {"gpus": 8, "nproc": 16}}, r"hardware.nproc=16 is more than the 8 GPUs per node"),
-    ({"hardware": {"gpus": 9, "nodes": 2}}, r"9 GPUs do not split evenly over 2 nodes"),
-    ({"parallel": {"tp": 2}}, r"parallel.tp=2 needs parallel.backend=megatron"),
-    ({"parallel": {"backend": "megatron", "ep": 2}}, r"dense"),
-    ({"rollout": {"tp": 7}}, r"rollout.tp=7: 7 neither divides nor is a multiple of the 4 KV heads; valid rollout tp: 1, 2, 4$"),
-    ({"lora": {"rank": 8, "targets": "q_proj,vproj"}}, r"no linear module 'vproj' \(did you mean v_proj"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "sections, words",
+    [
+        (
+            {"parallel": {"backend": "megatron", "tp": 8}},
+            r"parallel.tp=8: 8 does not divide the 28 attention heads of Qwen2.5-7B; valid tp: 1, 2, 4$",
+        ),
+        ({"parallel": {"backend": "megatron", "tp": 7}}, r"parallel.tp=7: 7 does not divide the 4 KV heads"),
+        (
+            {"parallel": {"backend": "megatron", "pp": 8}},
+            r"parallel.pp=8 cannot split the 28 layers.*valid pp: 1, 2, 3, 4, 5, 6, 7, 10",
+        ),
+        (
+            {"parallel": {"backend": "megatron", "tp": 4, "pp": 4}},
+            r"8 GPUs cannot be split into tp 4 x pp 4.*\(1, 2, 4, 8\)",
+        ),
+        ({"hardware": {"gpus": 8, "nproc": 16}}, r"hardware.nproc=16 is more than the 8 GPUs per node"),
+        ({"hardware": {"gpus": 9, "nodes": 2}}, r"9 GPUs do not split evenly over 2 nodes"),
+        ({"parallel": {"tp": 2}}, r"parallel.tp=2 needs parallel.backend=megatron"),
+        ({"parallel": {"backend": "megatron", "ep": 2}}, r"dense"),
+        (
+            {"rollout": {"tp": 7}},
+            r"rollout.tp=7: 7 neither divides nor is a multiple of the 4 KV heads; valid rollout tp: 1, 2, 4$",
+        ),
+        ({"lora": {"rank": 8, "targets": "q_proj,vproj"}}, r"no linear module 'vproj' \(did you mean v_proj"),
+    ],
+)
 def test_invalid_overrides_name_the_problem(sections, words):
     sections.setdefault("hardware", {}).setdefault("gpus", 8)
     with pytest.raises(UserError, match=words):
@@ -229,12 +284,33 @@ def test_apply_plan_fills_every_auto_field_and_is_stable():
     assert applied.rollout.engine == plan.rollout and applied.rollout.tp == plan.rollout_tp
     assert applied.rollout.mem_fraction == plan.rollout_mem_fraction
     assert applied.train.micro_batch_size == plan.micro_batch_size
-    assert (applied.model.dtype, applied.model.attn, applied.hardware.device, applied.hardware.gpu) == ("bf16", "auto", "cuda", "H100-80GB")
+    assert (applied.model.dtype, applied.model.attn, applied.hardware.device, applied.hardware.gpu) == (
+        "bf16",
+        "auto",
+        "cuda",
+        "H100-80GB",
+    )
     for key in ("sequence_parallel", "activation_checkpointing", "offload_params", "offload_optimizer"):
         assert tri_state(getattr(applied.parallel, key)) == getattr(plan, key)
     again = resolve_plan(applied, local=LAPTOP)
-    same = ("backend", "tp", "pp", "dp", "ep", "rollout", "rollout_tp", "rollout_mem_fraction", "micro_batch_size",
-            "activation_checkpointing", "offload_params", "offload_optimizer", "dtype", "attn", "gpus", "gpu")  # fmt: skip
+    same = (
+        "backend",
+        "tp",
+        "pp",
+        "dp",
+        "ep",
+        "rollout",
+        "rollout_tp",
+        "rollout_mem_fraction",
+        "micro_batch_size",
+        "activation_checkpointing",
+        "offload_params",
+        "offload_optimizer",
+        "dtype",
+        "attn",
+        "gpus",
+        "gpu",
+    )
     assert {k: getattr(again, k) for k in same} == {k: getattr(plan, k) for k in same}
 
 
@@ -251,11 +327,16 @@ def test_offload_only_when_needed():
     roomy = plan_for("grpo", model={"name": "Qwen2.5-7B"}, hardware={"gpus": 8})
     assert not roomy.offload_params and not roomy.offload_optimizer
     assert not roomy.estimate.settings.cpu_offload
-    for method, hardware in (("grpo", {"gpus": 4, "gpu": "A100-40GB"}), ("sft", {"gpus": 2, "gpu": "A100-40GB"}),
-                             ("sft", {"gpus": 1, "gpu": "H100-80GB"})):  # fmt: skip
+    for method, hardware in (
+        ("grpo", {"gpus": 4, "gpu": "A100-40GB"}),
+        ("sft", {"gpus": 2, "gpu": "A100-40GB"}),
+        ("sft", {"gpus": 1, "gpu": "H100-80GB"}),
+    ):
         tight = plan_for(method, model={"name": "Qwen2.5-7B"}, hardware=hardware)
         assert tight.fits and tight.offload_params and tight.offload_optimizer  # FSDP2 offloads all states at once
-        assert any(r.startswith("offload params and optimizer: fits only with FSDP2 CPU offload") for r in tight.reasons)
+        assert any(
+            r.startswith("offload params and optimizer: fits only with FSDP2 CPU offload") for r in tight.reasons
+        )
         no = plan_for(method, model={"name": "Qwen2.5-7B"}, hardware=hardware, parallel={"offload_params": "false"})
         assert not good_fit(no) and not no.offload_optimizer
     # one A100 of a p4d gets 1152 / 8 = 144 GiB of host memory: less than the offloaded 7B needs, pinned
@@ -276,8 +357,20 @@ def test_checkpointing_off_only_when_comfortable():
 
 
 def _summary(plan) -> tuple:
-    return (plan.backend, plan.tp, plan.pp, plan.dp, plan.ep, plan.rollout, plan.rollout_tp, plan.rollout_mem_fraction,
-            plan.micro_batch_size, plan.offload_params, plan.offload_optimizer, plan.fits)  # fmt: skip
+    return (
+        plan.backend,
+        plan.tp,
+        plan.pp,
+        plan.dp,
+        plan.ep,
+        plan.rollout,
+        plan.rollout_tp,
+        plan.rollout_mem_fraction,
+        plan.micro_batch_size,
+        plan.offload_params,
+        plan.offload_optimizer,
+        plan.fits,
+    )
 
 
 def test_what_to_rent_rows_are_the_smallest_counts():
@@ -302,7 +395,12 @@ def test_what_to_rent_rows_are_the_smallest_counts():
         if row.gpus > 1 and checked < 4:  # one count fewer does not fit
             checked += 1
             fewer_gpus = counts[counts.index(row.gpus) - 1]
-            fewer_hw = {"gpus": fewer_gpus, "nodes": max(1, row.nodes * fewer_gpus // row.gpus), "gpu": row.gpu, "device": "cuda"}
+            fewer_hw = {
+                "gpus": fewer_gpus,
+                "nodes": max(1, row.nodes * fewer_gpus // row.gpus),
+                "gpu": row.gpu,
+                "device": "cuda",
+            }
             fewer = resolve_plan(cfg_for("grpo", **{**_layers(base), "hardware": fewer_hw}), local=LAPTOP)
             assert not good_fit(fewer)
     assert checked
@@ -311,8 +409,13 @@ def test_what_to_rent_rows_are_the_smallest_counts():
 
 def _layers(cfg) -> dict:
     """The sections of a config that the tests above set (model, parallel offload flags)."""
-    return {"model": {"name": cfg.model.name},
-            "parallel": {"offload_params": cfg.parallel.offload_params, "offload_optimizer": cfg.parallel.offload_optimizer}}
+    return {
+        "model": {"name": cfg.model.name},
+        "parallel": {
+            "offload_params": cfg.parallel.offload_params,
+            "offload_optimizer": cfg.parallel.offload_optimizer,
+        },
+    }
 
 
 def test_missing_packages_name_their_extra():
@@ -327,13 +430,17 @@ def test_missing_packages_name_their_extra():
     text = console.export_text()
     for extra in ("rlctl[sglang]", "rlctl[flash-attn]", "rlctl[megatron]"):
         assert f"pip install '{extra}'" in text  # rich markup would eat an unescaped [extra]
-    assert "attn flash_attention_2: flash_attention_2 where flash-attn is installed on the GPU hosts; rlctl falls back to " \
-           "sdpa at run time otherwise" in p.reasons
+    assert (
+        "attn flash_attention_2: flash_attention_2 where flash-attn is installed on the GPU hosts; rlctl falls back to "
+        "sdpa at run time otherwise" in p.reasons
+    )
 
 
 def test_detect_local_is_cheap_and_imports_no_torch():
-    code = ("import sys; from rlctl.plan import detect_local; env = detect_local(); "
-            "assert 'torch' not in sys.modules; print(env.gpu_count, sorted(env.installed))")  # fmt: skip
+    code = (
+        "import sys; from rlctl.plan import detect_local; env = detect_local(); "
+        "assert 'torch' not in sys.modules; print(env.gpu_count, sorted(env.installed))"
+    )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.split()[0].isdigit()
 
@@ -355,8 +462,11 @@ def test_ppo_and_lora_are_planned_on_fsdp_because_the_megatron_engine_cannot_run
 
 
 def test_megatron_for_ppo_or_lora_set_by_hand_is_refused():
-    with pytest.raises(UserError, match=r"parallel.backend=megatron needs the Megatron engine, which does not run a PPO "
-                                        r"critic yet; use parallel.backend=fsdp"):
+    with pytest.raises(
+        UserError,
+        match=r"parallel.backend=megatron needs the Megatron engine, which does not run a PPO "
+        r"critic yet; use parallel.backend=fsdp",
+    ):
         plan_for("ppo", model={"name": "Qwen2.5-7B"}, hardware={"gpus": 8}, parallel={"backend": "megatron"})
     with pytest.raises(UserError, match=r"^parallel.tp=4 needs the Megatron engine, which does not run LoRA yet"):
         plan_for("grpo", model={"name": "Qwen3-30B-A3B"}, hardware={"gpus": 8}, parallel={"tp": 4}, lora={"rank": 8})

@@ -15,9 +15,27 @@ from sft_helpers import write_jsonl
 def test_ppo_critic_learns_and_resumes(tiny_model_dir, tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", arith_rows(32))
     run = tmp_path / "run"
-    args = rl_args(tiny_model_dir, data, run, "--rollout", "hf", "--max-steps", "6", "--n", "4",
-                   "--mini-batch-size", "2", "--kl-coef", "0.001", "--set", "algo.critic_lr=5e-3",
-                   "--set", "algo.kl_target=0.01", "--set", "checkpoint.export_hf=false")
+    args = rl_args(
+        tiny_model_dir,
+        data,
+        run,
+        "--rollout",
+        "hf",
+        "--max-steps",
+        "6",
+        "--n",
+        "4",
+        "--mini-batch-size",
+        "2",
+        "--kl-coef",
+        "0.001",
+        "--set",
+        "algo.critic_lr=5e-3",
+        "--set",
+        "algo.kl_target=0.01",
+        "--set",
+        "checkpoint.export_hf=false",
+    )
     first = run_cli("ppo", *args, env={"RLCTL_STOP_AFTER_STEP": "3"})
     assert first.returncode == 130, failure(first, run)
     state = json.loads((run / "checkpoints" / "step_000003" / "trainer_state.json").read_text())

@@ -9,8 +9,7 @@ import types
 import pytest
 
 from rlctl.errors import UserError
-from rlctl.rewards import BUILTINS, default_for_data_source, get_reward, score_batch
-from rlctl.rewards import builtin
+from rlctl.rewards import BUILTINS, builtin, default_for_data_source, get_reward, score_batch
 from rlctl.rewards.builtin import (
     exact_score,
     extract_gsm8k_answer,

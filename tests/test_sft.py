@@ -48,13 +48,17 @@ def trained_text(tok, ex) -> str:
 def test_chat_loss_covers_exactly_the_assistant_turns(tok, tiny_model_dir, tmp_path):
     from rlctl.data.sft import build_sft_data
 
-    rows = [{"messages": [
-        {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "What is 3 + 4?"},
-        {"role": "assistant", "content": "The answer is 7. #### 7"},
-        {"role": "user", "content": "Compute 3 * 4"},
-        {"role": "assistant", "content": "3 * 4 = 12"},
-    ]}]
+    rows = [
+        {
+            "messages": [
+                {"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What is 3 + 4?"},
+                {"role": "assistant", "content": "The answer is 7. #### 7"},
+                {"role": "user", "content": "Compute 3 * 4"},
+                {"role": "assistant", "content": "3 * 4 = 12"},
+            ]
+        }
+    ]
     cfg = cfg_for(tiny_model_dir, write_jsonl(tmp_path / "d.jsonl", rows), tmp_path, train__max_len=512)
     (ex,) = build_sft_data(cfg, tok).train
     # ChatML: each assistant turn renders as "<|im_start|>assistant\n{content}<|im_end|>\n"
@@ -69,16 +73,27 @@ def test_chat_loss_covers_exactly_the_assistant_turns(tok, tiny_model_dir, tmp_p
 def test_pairs_train_on_the_response_only(tok, tiny_model_dir, tmp_path):
     from rlctl.data.sft import build_sft_data
 
-    rows = [{"prompt": "Compute 9 - 4", "response": "9 - 4 = 5"},
-            {"question": "Compute 2 - 1", "answer": "2 - 1 = 1"}]
-    cfg = cfg_for(tiny_model_dir, write_jsonl(tmp_path / "p.jsonl", rows), tmp_path,
-                  data__prompt_field="prompt", data__max_bad_fraction=0.5)
+    rows = [{"prompt": "Compute 9 - 4", "response": "9 - 4 = 5"}, {"question": "Compute 2 - 1", "answer": "2 - 1 = 1"}]
+    cfg = cfg_for(
+        tiny_model_dir,
+        write_jsonl(tmp_path / "p.jsonl", rows),
+        tmp_path,
+        data__prompt_field="prompt",
+        data__max_bad_fraction=0.5,
+    )
     data = build_sft_data(cfg, tok)
     assert [trained_text(tok, ex) for ex in data.train] == [f"9 - 4 = 5{IM_END}\n"]
     assert data.report.num_bad == 1
     # other field names
-    cfg = cfg_for(tiny_model_dir, tmp_path / "p.jsonl", tmp_path, data__prompt_field="question",
-                  data__response_field="answer", data__format="pairs", data__max_bad_fraction=0.5)
+    cfg = cfg_for(
+        tiny_model_dir,
+        tmp_path / "p.jsonl",
+        tmp_path,
+        data__prompt_field="question",
+        data__response_field="answer",
+        data__format="pairs",
+        data__max_bad_fraction=0.5,
+    )
     assert [trained_text(tok, ex) for ex in build_sft_data(cfg, tok).train] == [f"2 - 1 = 1{IM_END}\n"]
 
 
@@ -90,7 +105,7 @@ def test_pairs_without_chat_template(tok, tiny_model_dir, tmp_path):
     cfg = cfg_for(tiny_model_dir, tmp_path / "x.jsonl", tmp_path)
     ids, mask = row_tokens({"prompt": "Compute 9 - 4", "response": " 9 - 4 = 5"}, tok, cfg)
     prompt_ids = tok("Compute 9 - 4")["input_ids"]
-    assert ids[:len(prompt_ids)] == prompt_ids and ids[-1] == tok.eos_token_id
+    assert ids[: len(prompt_ids)] == prompt_ids and ids[-1] == tok.eos_token_id
     assert tok.decode([t for t, m in zip(ids, mask) if m]) == f" 9 - 4 = 5{IM_END}"
 
 
@@ -122,7 +137,9 @@ def test_bad_rows_are_counted_and_too_many_fail(tok, tiny_model_dir, tmp_path):
     msg = str(e.value)
     assert "too many bad rows" in msg and "3 of 10" in msg and "\n" not in msg
     # rows longer than max_len count as bad under truncation=skip
-    long = build_sft_data(cfg_for(tiny_model_dir, data_file, tmp_path, train__max_len=60, data__max_bad_fraction=1.0), tok)
+    long = build_sft_data(
+        cfg_for(tiny_model_dir, data_file, tmp_path, train__max_len=60, data__max_bad_fraction=1.0), tok
+    )
     assert long.report.bad["longer than max_len 60 (raise --max-len or set data.truncation=right)"] == 2
 
 
@@ -140,8 +157,10 @@ def test_parquet_and_datasets_dir_read_like_jsonl(tok, tiny_model_dir, tmp_path)
     pq.write_table(pa.Table.from_pylist(chats), tmp_path / "d.parquet")
     datasets.Dataset.from_list(chats).save_to_disk(str(tmp_path / "ds"))
     jsonl = write_jsonl(tmp_path / "d.jsonl", chats)
-    got = {name: build_sft_data(cfg_for(tiny_model_dir, path, tmp_path), tok).train
-           for name, path in [("jsonl", jsonl), ("parquet", tmp_path / "d.parquet"), ("ds", tmp_path / "ds")]}
+    got = {
+        name: build_sft_data(cfg_for(tiny_model_dir, path, tmp_path), tok).train
+        for name, path in [("jsonl", jsonl), ("parquet", tmp_path / "d.parquet"), ("ds", tmp_path / "ds")]
+    }
     ref = [ex.input_ids.tolist() for ex in got["jsonl"]]
     assert len(ref) == 6
     for name in ("parquet", "ds"):
@@ -198,11 +217,18 @@ def test_rank_split_covers_the_global_batch_for_any_world_size(packing):
     batch = _examples([5, 9, 3, 7, 12, 4, 8])
     seen = {}
     for world in (1, 2, 3, 4):
-        per_rank = [rank_micro_batches(batch, r, world, packing=packing, budget=16, micro_batch_size=2, pad_id=0)
-                    for r in range(world)]
+        per_rank = [
+            rank_micro_batches(batch, r, world, packing=packing, budget=16, micro_batch_size=2, pad_id=0)
+            for r in range(world)
+        ]
         assert len({len(m) for m in per_rank}) == 1  # same number of passes on every rank
-        docs = sorted(int(t) for mbs in per_rank for mb in mbs for t, p in
-                      zip(mb.input_ids.flatten(), mb.position_ids.flatten()) if p == 0 and mb.num_seqs)
+        docs = sorted(
+            int(t)
+            for mbs in per_rank
+            for mb in mbs
+            for t, p in zip(mb.input_ids.flatten(), mb.position_ids.flatten())
+            if p == 0 and mb.num_seqs
+        )
         tokens = sum(mb.num_loss_tokens for mbs in per_rank for mb in mbs)
         seen[world] = (docs, tokens)
     assert all(v == seen[1] for v in seen.values())
@@ -221,8 +247,9 @@ def test_micro_batches_are_dealt_by_data_parallel_replica(tiny_model_dir, tmp_pa
     from rlctl.engines.megatron_parallel import rank_coords
     from rlctl.recipes.sft import SFTTrainer
 
-    cfg = cfg_for(tiny_model_dir, tmp_path / "unused.jsonl", tmp_path, train__max_tokens_per_micro_batch=16,
-                  train__max_len=16)
+    cfg = cfg_for(
+        tiny_model_dir, tmp_path / "unused.jsonl", tmp_path, train__max_tokens_per_micro_batch=16, train__max_len=16
+    )
     batch = _examples([5, 9, 3, 7, 12, 4, 8])
     dealt = {}
     for rank in range(4):
@@ -232,8 +259,14 @@ def test_micro_batches_are_dealt_by_data_parallel_replica(tiny_model_dir, tmp_pa
         dealt[rank] = trainer._micro_batches(batch)
     as_lists = {r: [(mb.input_ids.tolist(), mb.labels.tolist()) for mb in mbs] for r, mbs in dealt.items()}
     assert as_lists[0] == as_lists[1] and as_lists[2] == as_lists[3] and as_lists[0] != as_lists[2]
-    firsts = sorted(int(t) for r in (0, 2) for mb in dealt[r] if mb.num_seqs  # a document's first token is 100 k
-                    for t, p in zip(mb.input_ids.flatten(), mb.position_ids.flatten()) if p == 0)
+    firsts = sorted(
+        int(t)
+        for r in (0, 2)
+        for mb in dealt[r]
+        if mb.num_seqs  # a document's first token is 100 k
+        for t, p in zip(mb.input_ids.flatten(), mb.position_ids.flatten())
+        if p == 0
+    )
     assert firsts == [100 * k for k in range(len(batch))]
     assert sum(mb.num_loss_tokens for r in (0, 2) for mb in dealt[r]) == sum(ex.num_loss_tokens for ex in batch)
 
@@ -336,8 +369,16 @@ def test_lora_run_exports_merged_weights(tiny_model_dir, chat_file, tmp_path):
     from rlctl.launch import launch_job
 
     out = tmp_path / "run"
-    cfg = sft_config(tiny_model_dir, chat_file, out, train__max_steps=3, lora__rank=4, lora__alpha=16,
-                     lora__targets="q_proj,v_proj", train__lr=1e-2)
+    cfg = sft_config(
+        tiny_model_dir,
+        chat_file,
+        out,
+        train__max_steps=3,
+        lora__rank=4,
+        lora__alpha=16,
+        lora__targets="q_proj,v_proj",
+        train__lr=1e-2,
+    )
     assert launch_job(cfg, cpu_plan(2)) == 0
     step = out / "checkpoints" / "step_000003"
     assert json.loads((step / "lora_adapter" / "adapter_config.json").read_text())["r"] == 4
@@ -368,8 +409,23 @@ def test_bad_data_ends_in_one_line_error(tiny_model_dir, tmp_path):
     from conftest import run_cli
 
     data_file = write_jsonl(tmp_path / "bad.jsonl", chat_rows(3) + [{"text": "x"}] * 3)
-    proc = run_cli("sft", "--model", str(tiny_model_dir), "--data", str(data_file), "--device", "cpu", "--nproc", "1",
-                   "--max-len", "96", "--max-steps", "2", "-o", str(tmp_path / "run"))
+    proc = run_cli(
+        "sft",
+        "--model",
+        str(tiny_model_dir),
+        "--data",
+        str(data_file),
+        "--device",
+        "cpu",
+        "--nproc",
+        "1",
+        "--max-len",
+        "96",
+        "--max-steps",
+        "2",
+        "-o",
+        str(tmp_path / "run"),
+    )
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "too many bad rows" in line]
     assert len(errors) == 1 and errors[0].startswith("error: ") and "3 of 6 rows" in errors[0]
@@ -409,8 +465,9 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_130(tiny_model_dir, chat_file, tmp_
         "sys.exit(launch_job(cfg, cpu_plan(2)))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     deadline = time.time() + 240
     while time.time() < deadline and not any(r.get("step", 0) >= 2 for r in _records(out)):
         time.sleep(0.3)

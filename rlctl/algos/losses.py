@@ -132,9 +132,7 @@ def ppo_policy_loss(
     log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     per_token, metrics = _clipped_surrogate(log_ratio, advantages, mask, clip_low, clip_high, dual_clip)
     metrics["approx_kl"] = masked_mean(old_logp - logp, mask).detach()
-    loss = aggregate(
-        per_token, mask, agg, norm_len=norm_len, global_tokens=global_tokens, global_seqs=global_seqs
-    )
+    loss = aggregate(per_token, mask, agg, norm_len=norm_len, global_tokens=global_tokens, global_seqs=global_seqs)
     return loss, metrics
 
 
@@ -163,9 +161,7 @@ def gspo_policy_loss(
     log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach()
     per_token, metrics = _clipped_surrogate(log_ratio, advantages, mask, clip_low, clip_high, dual_clip)
     metrics["approx_kl"] = masked_mean(old_logp - logp, mask).detach()
-    loss = aggregate(
-        per_token, mask, agg, norm_len=norm_len, global_tokens=global_tokens, global_seqs=global_seqs
-    )
+    loss = aggregate(per_token, mask, agg, norm_len=norm_len, global_tokens=global_tokens, global_seqs=global_seqs)
     return loss, metrics
 
 

@@ -112,8 +112,14 @@ def run_measured(code: str, *, threads: int | None = None, timeout: float | None
     """
     tail = "\nimport resource as _r; print('MAXRSS', _r.getrusage(_r.RUSAGE_SELF).ru_maxrss, flush=True)"
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code + tail], env=child_env(threads), capture_output=True,
-                          text=True, timeout=timeout, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code + tail],
+        env=child_env(threads),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"measured process failed:\n{proc.stderr[-3000:]}")
@@ -131,8 +137,13 @@ def stdout_value(stdout: str, key: str) -> float:
 
 def gpu_memory_used() -> dict[str, int]:
     """Memory in use on each visible GPU (``nvidia-smi``), bytes, keyed ``gpu0``, ``gpu1``, ..."""
-    out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=10, check=False).stdout
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+    ).stdout
     used = {}
     for line in out.splitlines():
         index, mib = (x.strip() for x in line.split(",", 1))

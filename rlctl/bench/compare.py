@@ -64,7 +64,9 @@ class CompareSettings:
 
     def check(self) -> None:
         if self.peer not in PEERS:
-            raise UserError(f"unknown --peer {self.peer!r}{did_you_mean(self.peer, PEERS)}; supported: {', '.join(PEERS)}")
+            raise UserError(
+                f"unknown --peer {self.peer!r}{did_you_mean(self.peer, PEERS)}; supported: {', '.join(PEERS)}"
+            )
         for w in self.work:
             if w not in WORK:
                 raise UserError(f"unknown work {w!r}{did_you_mean(w, WORK)}; choose from {', '.join(WORK)}")
@@ -113,11 +115,19 @@ class TrlGenerate:
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_ids[0]
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        config = GenerationConfig(max_new_tokens=sampling.max_tokens, do_sample=True, pad_token_id=pad,
-                                  bos_token_id=self.tok.bos_token_id, eos_token_id=self.eos_ids,
-                                  temperature=sampling.temperature or 1.0, top_p=sampling.top_p,
-                                  top_k=max(sampling.top_k, 0), min_p=None, repetition_penalty=1.0,
-                                  disable_compile=True)
+        config = GenerationConfig(
+            max_new_tokens=sampling.max_tokens,
+            do_sample=True,
+            pad_token_id=pad,
+            bos_token_id=self.tok.bos_token_id,
+            eos_token_id=self.eos_ids,
+            temperature=sampling.temperature or 1.0,
+            top_p=sampling.top_p,
+            top_k=max(sampling.top_k, 0),
+            min_p=None,
+            repetition_penalty=1.0,
+            disable_compile=True,
+        )
         with torch.no_grad():
             out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         samples = []
@@ -164,10 +174,21 @@ def _step_timer():
 
 
 def _common_args(spec: dict, out_dir: str) -> dict:
-    return {"output_dir": out_dir, "max_steps": spec["steps"], "learning_rate": spec["lr"], "logging_steps": 1,
-            "save_strategy": "no", "report_to": [], "seed": spec["seed"], "use_cpu": spec["device"] == "cpu",
-            "bf16": spec["device"] == "cuda", "gradient_accumulation_steps": 1, "dataloader_num_workers": 0,
-            "dataloader_pin_memory": False, "disable_tqdm": True}
+    return {
+        "output_dir": out_dir,
+        "max_steps": spec["steps"],
+        "learning_rate": spec["lr"],
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "seed": spec["seed"],
+        "use_cpu": spec["device"] == "cpu",
+        "bf16": spec["device"] == "cuda",
+        "gradient_accumulation_steps": 1,
+        "dataloader_num_workers": 0,
+        "dataloader_pin_memory": False,
+        "disable_tqdm": True,
+    }
 
 
 def trl_sft(spec: dict, out_dir: str):
@@ -177,9 +198,14 @@ def trl_sft(spec: dict, out_dir: str):
     rows = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines() if line.strip()]
     # prompt/completion rows: TRL's loss then covers the answer only, as rlctl's does
     data = Dataset.from_list([{"prompt": r["messages"][:1], "completion": r["messages"][1:]} for r in rows])
-    args = SFTConfig(**_common_args(spec, out_dir), per_device_train_batch_size=spec["batch"],
-                     max_length=spec["seq_len"], packing=spec["packing"], shuffle_dataset=False,
-                     gradient_checkpointing=False)
+    args = SFTConfig(
+        **_common_args(spec, out_dir),
+        per_device_train_batch_size=spec["batch"],
+        max_length=spec["seq_len"],
+        packing=spec["packing"],
+        shuffle_dataset=False,
+        gradient_checkpointing=False,
+    )
     return SFTTrainer(model=spec["model"], args=args, train_dataset=data)
 
 
@@ -196,9 +222,18 @@ def trl_grpo(spec: dict, out_dir: str):
     def length_reward(completions, **kw):
         return [length_score("", c[-1]["content"], "", {"target_length": target}) for c in completions]
 
-    args = GRPOConfig(**_common_args(spec, out_dir), per_device_train_batch_size=spec["batch"] * spec["n"],
-                      num_generations=spec["n"], max_completion_length=spec["max_tokens"], steps_per_generation=1,
-                      num_iterations=1, beta=0.0, temperature=1.0, shuffle_dataset=False, gradient_checkpointing=False)
+    args = GRPOConfig(
+        **_common_args(spec, out_dir),
+        per_device_train_batch_size=spec["batch"] * spec["n"],
+        num_generations=spec["n"],
+        max_completion_length=spec["max_tokens"],
+        steps_per_generation=1,
+        num_iterations=1,
+        beta=0.0,
+        temperature=1.0,
+        shuffle_dataset=False,
+        gradient_checkpointing=False,
+    )
     return GRPOTrainer(model=spec["model"], reward_funcs=length_reward, args=args, train_dataset=data)
 
 
@@ -212,8 +247,10 @@ def run_trl(kind: str, spec_path: str, out_path: str) -> None:
         trainer.add_callback(timer)
         trainer.train()
     tokens = [b - a for a, b in zip([0.0] + timer.tokens, timer.tokens)]
-    steps = [{"step": i + 1, "time/step": t, "tokens": k, "tokens_per_s": k / t}
-             for i, (t, k) in enumerate(zip(timer.times, tokens))]
+    steps = [
+        {"step": i + 1, "time/step": t, "tokens": k, "tokens_per_s": k / t}
+        for i, (t, k) in enumerate(zip(timer.times, tokens))
+    ]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     Path(out_path).write_text(json.dumps({"steps": steps, "peak_rss_bytes": peak}))
 
@@ -223,9 +260,13 @@ def _trl_process(kind: str, spec: dict, work: Path) -> dict:
 
     spec_path, out_path = work / f"trl-{kind}.json", work / f"trl-{kind}-out.json"
     spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, "-m", "rlctl.bench.compare", f"trl-{kind}", str(spec_path), str(out_path)],
-                          env=child_env(int(os.environ.get("OMP_NUM_THREADS") or 1)), capture_output=True, text=True,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlctl.bench.compare", f"trl-{kind}", str(spec_path), str(out_path)],
+        env=child_env(int(os.environ.get("OMP_NUM_THREADS") or 1)),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode != 0:
         last = proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else ""
         raise UserError(f"the TRL {kind} run failed (exit {proc.returncode}): {last}")
@@ -243,15 +284,21 @@ def periods(records: list[dict]) -> list[dict]:
     for r in records:
         seconds = r["time/step"] if last is None else r["time"] - last
         last = r["time"]
-        out.append({"step": r["step"], "time/step": seconds, "tokens": r["tokens"], "tokens_per_s": r["tokens"] / seconds})
+        out.append(
+            {"step": r["step"], "time/step": seconds, "tokens": r["tokens"], "tokens_per_s": r["tokens"] / seconds}
+        )
     return out
 
 
 def _side(runs: list[list[dict]], peak_rss: list[int]) -> dict:
     steady = [r for steps in runs for r in steps[1:]]
-    return {"tokens_per_s": median(r["tokens_per_s"] for r in steady), "step_s": median(r["time/step"] for r in steady),
-            "tokens_per_step": median(r["tokens"] for r in steady), "peak_rss_bytes": max(peak_rss) if peak_rss else None,
-            "runs": runs}
+    return {
+        "tokens_per_s": median(r["tokens_per_s"] for r in steady),
+        "step_s": median(r["time/step"] for r in steady),
+        "tokens_per_step": median(r["tokens"] for r in steady),
+        "peak_rss_bytes": max(peak_rss) if peak_rss else None,
+        "runs": runs,
+    }
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -261,35 +308,69 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def compare_rollout(model: BenchModel, s: CompareSettings, log) -> dict:
     from rlctl.bench.rollout import RolloutSettings, bench_rollout
 
-    rs = RolloutSettings(prompts=s.prompts, n=s.n, prompt_len=s.prompt_len, max_tokens=s.max_tokens, reps=s.reps * 2,
-                         device=s.device, dtype="fp32" if s.device == "cpu" else "bf16", seed=s.seed)
+    rs = RolloutSettings(
+        prompts=s.prompts,
+        n=s.n,
+        prompt_len=s.prompt_len,
+        max_tokens=s.max_tokens,
+        reps=s.reps * 2,
+        device=s.device,
+        dtype="fp32" if s.device == "cpu" else "bf16",
+        seed=s.seed,
+    )
     ours, peer = bench_rollout(model.path, [s.engine, "trl"], rs, log=log)
     for row in (ours, peer):
         if row.get("error"):
             raise UserError(f"rollout compare: {row['engine']}: {row['error']}")
-    return {"work": "rollout", "rlctl": ours, s.peer: peer, "ratio_tokens_per_s": _ratio(ours["tokens_per_s"], peer["tokens_per_s"]),
-            "ratio_tokens_per_s_distinct": _ratio(ours["tokens_per_s_distinct"], peer["tokens_per_s_distinct"]),
-            "ratio_ttft": _ratio(ours["ttft_s"], peer["ttft_s"])}
+    return {
+        "work": "rollout",
+        "rlctl": ours,
+        s.peer: peer,
+        "ratio_tokens_per_s": _ratio(ours["tokens_per_s"], peer["tokens_per_s"]),
+        "ratio_tokens_per_s_distinct": _ratio(ours["tokens_per_s_distinct"], peer["tokens_per_s_distinct"]),
+        "ratio_ttft": _ratio(ours["ttft_s"], peer["ttft_s"]),
+    }
 
 
 def compare_training(method: str, model: BenchModel, s: CompareSettings, work: Path, log) -> dict:
     from rlctl.bench.train import TrainSettings, prepare_job, run_job, write_data
 
     is_rl = method != "sft"
-    ts = TrainSettings(method=method, steps=s.steps, device=s.device, nproc=1, seed=s.seed, seq_len=s.seq_len,
-                       lengths=s.lengths, batch_size=s.prompts if is_rl else s.batch_size, n=s.n,
-                       prompt_len=s.prompt_len, max_tokens=s.max_tokens, rollout=s.engine,
-                       micro_batch_size=s.prompts * s.n if is_rl else s.batch_size,
-                       sets=["parallel.activation_checkpointing=false"] + (["algo.kl_coef=0"] if is_rl else []))
+    ts = TrainSettings(
+        method=method,
+        steps=s.steps,
+        device=s.device,
+        nproc=1,
+        seed=s.seed,
+        seq_len=s.seq_len,
+        lengths=s.lengths,
+        batch_size=s.prompts if is_rl else s.batch_size,
+        n=s.n,
+        prompt_len=s.prompt_len,
+        max_tokens=s.max_tokens,
+        rollout=s.engine,
+        micro_batch_size=s.prompts * s.n if is_rl else s.batch_size,
+        sets=["parallel.activation_checkpointing=false"] + (["algo.kl_coef=0"] if is_rl else []),
+    )
     data = write_data(model.path, ts, work)
-    spec = {"model": str(model.path), "data": str(data), "steps": s.steps, "lr": cfg_lr(method), "seed": s.seed,
-            "device": s.device, "batch": ts.batch, "seq_len": s.seq_len, "n": s.n, "max_tokens": s.max_tokens,
-            "packing": False}
+    spec = {
+        "model": str(model.path),
+        "data": str(data),
+        "steps": s.steps,
+        "lr": cfg_lr(method),
+        "seed": s.seed,
+        "device": s.device,
+        "batch": ts.batch,
+        "seq_len": s.seq_len,
+        "n": s.n,
+        "max_tokens": s.max_tokens,
+        "packing": False,
+    }
     sides = ["rlctl", s.peer] + ([f"{s.peer}_packing"] if method == "sft" and s.lengths == "spread" else [])
     runs: dict[str, list] = {side: [] for side in sides}
     rss: dict[str, list] = {side: [] for side in sides}
     for rep in range(s.reps):
-        for side in sides[rep % len(sides):] + sides[:rep % len(sides)]:  # rotated: drift hits every side alike
+        for side in sides[rep % len(sides) :] + sides[: rep % len(sides)]:  # rotated: drift hits every side alike
             log(f"{method}: repetition {rep + 1}/{s.reps}, {side}")
             if side == "rlctl":
                 cfg, plan = prepare_job(model, ts, work / f"rlctl-{rep}", data=data)
@@ -304,7 +385,9 @@ def compare_training(method: str, model: BenchModel, s: CompareSettings, work: P
     row["ratio_tokens_per_s"] = _ratio(row["rlctl"]["tokens_per_s"], row[s.peer]["tokens_per_s"])
     row["ratio_step_s"] = _ratio(row["rlctl"]["step_s"], row[s.peer]["step_s"])
     if f"{s.peer}_packing" in row:
-        row["ratio_tokens_per_s_packing"] = _ratio(row["rlctl"]["tokens_per_s"], row[f"{s.peer}_packing"]["tokens_per_s"])
+        row["ratio_tokens_per_s_packing"] = _ratio(
+            row["rlctl"]["tokens_per_s"], row[f"{s.peer}_packing"]["tokens_per_s"]
+        )
     return row
 
 

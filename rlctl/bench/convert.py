@@ -49,12 +49,15 @@ def measure_copies(files: list[Path], dest: Path) -> dict:
     """Seconds to copy ``files`` into ``dest``, in the kernel and through user space."""
     total = sum(f.stat().st_size for f in files)
     out = {}
-    for label, line in (("copy", "shutil.copyfile({src!r}, {dst!r})\n"),
-                        ("user_copy", "with open({src!r}, 'rb') as a, open({dst!r}, 'wb') as b: "
-                                      "shutil.copyfileobj(a, b, 16 << 20)\n")):
-        code = (f"import shutil, os, time\nos.makedirs({str(dest)!r})\nt = time.perf_counter()\n"
-                + "".join(line.format(src=str(f), dst=str(dest / f.name)) for f in files)
-                + "print('ELAPSED', time.perf_counter() - t)")
+    for label, line in (
+        ("copy", "shutil.copyfile({src!r}, {dst!r})\n"),
+        ("user_copy", "with open({src!r}, 'rb') as a, open({dst!r}, 'wb') as b: shutil.copyfileobj(a, b, 16 << 20)\n"),
+    ):
+        code = (
+            f"import shutil, os, time\nos.makedirs({str(dest)!r})\nt = time.perf_counter()\n"
+            + "".join(line.format(src=str(f), dst=str(dest / f.name)) for f in files)
+            + "print('ELAPSED', time.perf_counter() - t)"
+        )
         _, _, stdout = run_measured(code)
         seconds = stdout_value(stdout, "ELAPSED")
         out.update({f"{label}_s": seconds, f"{label}_gbps": total / seconds / 1e9})
@@ -63,14 +66,20 @@ def measure_copies(files: list[Path], dest: Path) -> dict:
 
 
 def measure_conversion(path: Path, out: Path, *, verify: bool, baseline_rss: int, model_bytes: int, label: str) -> dict:
-    code = (IMPORTS + "import time\nfrom rlctl.convert.fsdp import fsdp_to_hf\nt = time.perf_counter()\n"
-            f"r = fsdp_to_hf({str(path)!r}, {str(out)!r}, verify={verify})\n"
-            "assert r.committed\nprint('ELAPSED', time.perf_counter() - t)")
+    code = (
+        IMPORTS + "import time\nfrom rlctl.convert.fsdp import fsdp_to_hf\nt = time.perf_counter()\n"
+        f"r = fsdp_to_hf({str(path)!r}, {str(out)!r}, verify={verify})\n"
+        "assert r.committed\nprint('ELAPSED', time.perf_counter() - t)"
+    )
     _, rss, stdout = run_measured(code)
     seconds = stdout_value(stdout, "ELAPSED")
     shutil.rmtree(out, ignore_errors=True)
-    return {f"{label}_s": seconds, f"{label}_gbps": model_bytes / seconds / 1e9, f"{label}_peak_rss": rss,
-            f"{label}_rss_over_baseline": rss - baseline_rss}
+    return {
+        f"{label}_s": seconds,
+        f"{label}_gbps": model_bytes / seconds / 1e9,
+        f"{label}_peak_rss": rss,
+        f"{label}_rss_over_baseline": rss - baseline_rss,
+    }
 
 
 def bench_convert(path: str | Path, *, verify: bool = False, work: str | Path | None = None) -> dict:
@@ -82,15 +91,29 @@ def bench_convert(path: str | Path, *, verify: bool = False, work: str | Path | 
     model_bytes, largest = tensor_bytes(ckpt.open())
     scratch = Path(tempfile.mkdtemp(prefix="rlctl-bench-convert-", dir=work))
     try:
-        result = {"checkpoint": str(ckpt.weights_dir), "format": ckpt.format, "world_size": ckpt.world_size,
-                  "files": len(files), "checkpoint_bytes": sum(f.stat().st_size for f in files),
-                  "model_bytes": model_bytes, "tensors_largest_bytes": largest}
+        result = {
+            "checkpoint": str(ckpt.weights_dir),
+            "format": ckpt.format,
+            "world_size": ckpt.world_size,
+            "files": len(files),
+            "checkpoint_bytes": sum(f.stat().st_size for f in files),
+            "model_bytes": model_bytes,
+            "tensors_largest_bytes": largest,
+        }
         result.update(measure_copies(files, scratch / "copy"))
         base_s, base_rss, _ = run_measured(IMPORTS)
         result.update({"baseline_rss": base_rss, "baseline_s": base_s})
         for label, check in [("convert", False)] + ([("verify", True)] if verify else []):
-            result.update(measure_conversion(ckpt.weights_dir, scratch / f"hf-{label}", verify=check,
-                                             baseline_rss=base_rss, model_bytes=model_bytes, label=label))
+            result.update(
+                measure_conversion(
+                    ckpt.weights_dir,
+                    scratch / f"hf-{label}",
+                    verify=check,
+                    baseline_rss=base_rss,
+                    model_bytes=model_bytes,
+                    label=label,
+                )
+            )
         result["convert_vs_copy"] = result["convert_gbps"] / result["user_copy_gbps"]
         return result
     finally:

@@ -92,4 +92,3 @@ def measure_cpu_peak(threads: int, *, n: int = 1024, seconds: float = 1.0) -> fl
     code = f"from rlctl.bench.mfu import matmul_rate\nprint('RATE', matmul_rate({n}, {seconds}), flush=True)"
     _, _, out = run_measured(code, threads=threads)
     return stdout_value(out, "RATE")
-

@@ -78,17 +78,23 @@ def resolve_bench_model(name: str, *, random_init: bool = False, need_weights: b
         local = local.parent
     if local.is_dir():
         if not (local / "config.json").is_file():
-            raise UserError(f"{local} has no config.json; pass a Hugging Face model directory, `tiny`, or a catalog name with --random-init")
+            raise UserError(
+                f"{local} has no config.json; pass a Hugging Face model directory, `tiny`, or a catalog name with --random-init"
+            )
         weights = _has_weights(local)
         if need_weights and not weights and not random_init:
             raise UserError(f"{local} holds no weights (*.safetensors); add --random-init to benchmark random ones")
         if random_init and need_weights and not weights:
-            raise UserError(f"{local} holds no weights and this benchmark loads them from disk; use a directory with weights")
+            raise UserError(
+                f"{local} holds no weights and this benchmark loads them from disk; use a directory with weights"
+            )
         return BenchModel(name, local.absolute(), resolve_model(str(local)), random_init)
     spec = resolve_model(name)  # UserError with the closest names when unknown
     if not random_init:
-        raise UserError(f"{spec.name}: nothing is downloaded by `rlctl bench`; add --random-init (weights built from "
-                        f"the catalog config) or pass a local model directory")
+        raise UserError(
+            f"{spec.name}: nothing is downloaded by `rlctl bench`; add --random-init (weights built from "
+            f"the catalog config) or pass a local model directory"
+        )
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", spec.name)
     path = _build_once(cache_dir() / "random" / slug, lambda d: _write_config_and_tokenizer(spec, d))
     if need_weights and not _has_weights(path):
@@ -104,8 +110,9 @@ def _write_config_and_tokenizer(spec: ModelSpec, out: Path) -> None:
     tok = build_tokenizer(out)
     config.update(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}, indent=2) + "\n"
+    )
 
 
 def _write_random_weights(path: Path) -> None:

@@ -30,7 +30,9 @@ def bars(doc: dict) -> tuple[str, dict[str, float], dict[str, float]]:
         return "tokens/s", speed, memory
     if kind == "convert":
         for r in rows:
-            speed.update({"copyfile": r["copy_gbps"], "read+write": r["user_copy_gbps"], "fsdp-to-hf": r["convert_gbps"]})
+            speed.update(
+                {"copyfile": r["copy_gbps"], "read+write": r["user_copy_gbps"], "fsdp-to-hf": r["convert_gbps"]}
+            )
             memory.update({"import baseline": r["baseline_rss"], "fsdp-to-hf": r["convert_peak_rss"]})
             if "verify_gbps" in r:
                 speed["--verify"] = r["verify_gbps"]
@@ -59,8 +61,9 @@ def plot(doc: dict, path: str | Path) -> Path:
     try:
         import matplotlib
     except ImportError:
-        raise UserError("--plot needs matplotlib, which is not installed: pip install matplotlib "
-                        "(or pip install 'rlctl[plot]')") from None
+        raise UserError(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib (or pip install 'rlctl[plot]')"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

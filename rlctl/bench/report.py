@@ -35,30 +35,45 @@ def _header(console: Console, doc: dict) -> None:
 
 def render_rollout(console: Console, doc: dict) -> None:
     s = doc["settings"]
-    t = Table(title=f"rollout: {s['prompts']} prompts x n={s['n']}, prompt {s['prompt_len']} tokens, "
-                    f"up to {s['max_tokens']} new tokens, {s['device']} {s['dtype']}, median of {s['reps']}")
+    t = Table(
+        title=f"rollout: {s['prompts']} prompts x n={s['n']}, prompt {s['prompt_len']} tokens, "
+        f"up to {s['max_tokens']} new tokens, {s['device']} {s['dtype']}, median of {s['reps']}"
+    )
     for col in ("engine", "load s", "tokens/s", "tokens/s n=1", "shared prefix", "TTFT", "decode tok/s", "peak memory"):
         t.add_column(col, justify="left" if col == "engine" else "right")
     for r in doc["results"]:
         if r.get("error"):
             t.add_row(r["engine"], "[red]failed[/red]", *["-"] * 6)
             continue
-        t.add_row(r["engine"], fmt(r["load_s"], ".1f"), fmt(r["tokens_per_s"]), fmt(r["tokens_per_s_distinct"]),
-                  fmt_ratio(r["shared_prefix_speedup"]), fmt(r["ttft_s"] * 1000, ",.1f", " ms"),
-                  fmt(r["decode_tokens_per_s"]), fmt_bytes(r["peak_memory_bytes"]))
+        t.add_row(
+            r["engine"],
+            fmt(r["load_s"], ".1f"),
+            fmt(r["tokens_per_s"]),
+            fmt(r["tokens_per_s_distinct"]),
+            fmt_ratio(r["shared_prefix_speedup"]),
+            fmt(r["ttft_s"] * 1000, ",.1f", " ms"),
+            fmt(r["decode_tokens_per_s"]),
+            fmt_bytes(r["peak_memory_bytes"]),
+        )
     console.print(t)
     for r in doc["results"]:
         if r.get("error"):
             console.print(f"[red]{r['engine']}:[/red] {r['error']}", markup=True, highlight=False)
-    console.print("[dim]tokens/s n=1: the same number of samples from distinct prompts (nothing shared); "
-                  "TTFT: the whole batch's first token (max_tokens=1); peak memory: "
-                  + (doc["results"][0].get("memory", {}).get("source", "") if doc["results"] else "") + "[/dim]")
+    console.print(
+        "[dim]tokens/s n=1: the same number of samples from distinct prompts (nothing shared); "
+        "TTFT: the whole batch's first token (max_tokens=1); peak memory: "
+        + (doc["results"][0].get("memory", {}).get("source", "") if doc["results"] else "")
+        + "[/dim]"
+    )
 
 
 def render_train(console: Console, doc: dict) -> None:
     for r in doc["results"]:
-        t = Table(title=f"train {r['method']}: {r['model']} ({r['params']:,} params), {r['world_size']} x {r['device']}"
-                        + (f", rollout {r['rollout']}" if r.get("rollout") else ""), show_header=False)
+        t = Table(
+            title=f"train {r['method']}: {r['model']} ({r['params']:,} params), {r['world_size']} x {r['device']}"
+            + (f", rollout {r['rollout']}" if r.get("rollout") else ""),
+            show_header=False,
+        )
         t.add_column("metric")
         t.add_column("value", justify="right")
         t.add_row("tokens/s", fmt(r["tokens_per_s"]))
@@ -70,8 +85,15 @@ def render_train(console: Console, doc: dict) -> None:
             t.add_row("MFU of the update", fmt_pct(r["mfu_update"]))
         t.add_row("peak FLOP/s", f"{r['peak_flops']['flops'] / 1e12:.3g} TFLOP/s ({r['peak_flops']['source']})")
         m = r["memory"]
-        t.add_row("peak memory, measured", fmt_bytes(m["measured_bytes"]) + (
-            f" ({fmt_bytes(m['rank_peak_bytes'])} - {fmt_bytes(m['baseline_bytes'])} import baseline)" if m["baseline_bytes"] else ""))
+        t.add_row(
+            "peak memory, measured",
+            fmt_bytes(m["measured_bytes"])
+            + (
+                f" ({fmt_bytes(m['rank_peak_bytes'])} - {fmt_bytes(m['baseline_bytes'])} import baseline)"
+                if m["baseline_bytes"]
+                else ""
+            ),
+        )
         t.add_row("peak memory, estimated", f"{fmt_bytes(m['estimated_bytes'])} ({m['estimated_phase']} phase)")
         t.add_row("relative error", fmt_pct(m["relative_error"]) + " of measured")
         console.print(t)
@@ -80,8 +102,10 @@ def render_train(console: Console, doc: dict) -> None:
 
 def render_convert(console: Console, doc: dict) -> None:
     for r in doc["results"]:
-        t = Table(title=f"fsdp-to-hf: {r['format']}, {fmt_bytes(r['checkpoint_bytes'])} in {r['files']} files, "
-                        f"model tensors {fmt_bytes(r['model_bytes'])} (largest {fmt_bytes(r['tensors_largest_bytes'])})")
+        t = Table(
+            title=f"fsdp-to-hf: {r['format']}, {fmt_bytes(r['checkpoint_bytes'])} in {r['files']} files, "
+            f"model tensors {fmt_bytes(r['model_bytes'])} (largest {fmt_bytes(r['tensors_largest_bytes'])})"
+        )
         for col in ("step", "seconds", "GB/s", "peak RSS", "RSS - baseline"):
             t.add_column(col, justify="left" if col == "step" else "right")
         t.add_row("plain copy (copyfile)", fmt(r["copy_s"], ".3f"), fmt(r["copy_gbps"], ".2f"), "", "")
@@ -89,32 +113,57 @@ def render_convert(console: Console, doc: dict) -> None:
         t.add_row("import baseline", fmt(r["baseline_s"], ".2f"), "", fmt_bytes(r["baseline_rss"]), "")
         for label, name in (("convert", "fsdp-to-hf"), ("verify", "fsdp-to-hf --verify")):
             if f"{label}_s" in r:
-                t.add_row(name, fmt(r[f"{label}_s"], ".3f"), fmt(r[f"{label}_gbps"], ".2f"),
-                          fmt_bytes(r[f"{label}_peak_rss"]), fmt_bytes(r[f"{label}_rss_over_baseline"]))
+                t.add_row(
+                    name,
+                    fmt(r[f"{label}_s"], ".3f"),
+                    fmt(r[f"{label}_gbps"], ".2f"),
+                    fmt_bytes(r[f"{label}_peak_rss"]),
+                    fmt_bytes(r[f"{label}_rss_over_baseline"]),
+                )
         console.print(t)
-        console.print("[dim]copies: GB/s over the weight files' bytes; conversions: over the model tensors' bytes[/dim]")
+        console.print(
+            "[dim]copies: GB/s over the weight files' bytes; conversions: over the model tensors' bytes[/dim]"
+        )
 
 
 def render_compare(console: Console, doc: dict) -> None:
     peer = doc["settings"]["peer"]
-    t = Table(title=f"rlctl vs {peer} ({doc['results'][0].get('peer_version', '') if doc['results'] else ''}): same work, "
-                    f"interleaved; ratio = rlctl / {peer}")
+    t = Table(
+        title=f"rlctl vs {peer} ({doc['results'][0].get('peer_version', '') if doc['results'] else ''}): same work, "
+        f"interleaved; ratio = rlctl / {peer}"
+    )
     for col in ("work", "rlctl tokens/s", f"{peer} tokens/s", "ratio", "rlctl step / TTFT", f"{peer} step / TTFT"):
         t.add_column(col, justify="left" if col == "work" else "right")
     for r in doc["results"]:
         a, b = r["rlctl"], r[peer]
         if r["work"] == "rollout":
-            t.add_row(f"rollout ({a['engine']} engine)", fmt(a["tokens_per_s"]), fmt(b["tokens_per_s"]),
-                      fmt_ratio(r["ratio_tokens_per_s"]), fmt(a["ttft_s"] * 1000, ",.1f", " ms"),
-                      fmt(b["ttft_s"] * 1000, ",.1f", " ms"))
+            t.add_row(
+                f"rollout ({a['engine']} engine)",
+                fmt(a["tokens_per_s"]),
+                fmt(b["tokens_per_s"]),
+                fmt_ratio(r["ratio_tokens_per_s"]),
+                fmt(a["ttft_s"] * 1000, ",.1f", " ms"),
+                fmt(b["ttft_s"] * 1000, ",.1f", " ms"),
+            )
             continue
-        t.add_row(r["work"], fmt(a["tokens_per_s"]), fmt(b["tokens_per_s"]), fmt_ratio(r["ratio_tokens_per_s"]),
-                  fmt(a["step_s"] * 1000, ",.1f", " ms"), fmt(b["step_s"] * 1000, ",.1f", " ms"))
+        t.add_row(
+            r["work"],
+            fmt(a["tokens_per_s"]),
+            fmt(b["tokens_per_s"]),
+            fmt_ratio(r["ratio_tokens_per_s"]),
+            fmt(a["step_s"] * 1000, ",.1f", " ms"),
+            fmt(b["step_s"] * 1000, ",.1f", " ms"),
+        )
         packed = r.get(f"{peer}_packing")
         if packed:
-            t.add_row(f"{r['work']} ({peer} with packing)", fmt(a["tokens_per_s"]), fmt(packed["tokens_per_s"]),
-                      fmt_ratio(r["ratio_tokens_per_s_packing"]), fmt(a["step_s"] * 1000, ",.1f", " ms"),
-                      fmt(packed["step_s"] * 1000, ",.1f", " ms"))
+            t.add_row(
+                f"{r['work']} ({peer} with packing)",
+                fmt(a["tokens_per_s"]),
+                fmt(packed["tokens_per_s"]),
+                fmt_ratio(r["ratio_tokens_per_s_packing"]),
+                fmt(a["step_s"] * 1000, ",.1f", " ms"),
+                fmt(packed["step_s"] * 1000, ",.1f", " ms"),
+            )
     console.print(t)
 
 

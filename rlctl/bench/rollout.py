@@ -70,8 +70,15 @@ def _build(kind: str, model_path: str, s: RolloutSettings):
         return getattr(importlib.import_module(module), name)(model_path, device=s.device, dtype=s.dtype, seed=s.seed)
     from rlctl.rollout import make_rollout_engine
 
-    return make_rollout_engine(kind, model_path, device=s.device, dtype=s.dtype, mem_fraction=s.mem_fraction,
-                               max_model_len=s.prompt_len + s.max_tokens, seed=s.seed)
+    return make_rollout_engine(
+        kind,
+        model_path,
+        device=s.device,
+        dtype=s.dtype,
+        mem_fraction=s.mem_fraction,
+        max_model_len=s.prompt_len + s.max_tokens,
+        seed=s.seed,
+    )
 
 
 def _preload(kind: str) -> None:
@@ -119,13 +126,20 @@ class _Memory:
         if self.cuda:
             import torch
 
-            return {"source": "torch.cuda.max_memory_allocated", "peak_bytes": torch.cuda.max_memory_allocated() - self.baseline,
-                    "device_used_bytes": self.device_used}
+            return {
+                "source": "torch.cuda.max_memory_allocated",
+                "peak_bytes": torch.cuda.max_memory_allocated() - self.baseline,
+                "device_used_bytes": self.device_used,
+            }
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return {"source": "ru_maxrss - rss before the engine", "peak_bytes": peak - self.baseline,
-                "process_peak_bytes": peak, "baseline_bytes": self.baseline}
+        return {
+            "source": "ru_maxrss - rss before the engine",
+            "peak_bytes": peak - self.baseline,
+            "process_peak_bytes": peak,
+            "baseline_bytes": self.baseline,
+        }
 
 
 def _sync(device: str) -> None:
@@ -153,8 +167,9 @@ def worker_main(conn: Connection, kind: str, model_path: str, s: RolloutSettings
         memory = _Memory(s.device)
         start = time.perf_counter()
         engine = _build(kind, model_path, s)
-        conn.send({"ok": True, "load_s": time.perf_counter() - start, "threads": torch.get_num_threads(),
-                   "pid": os.getpid()})
+        conn.send(
+            {"ok": True, "load_s": time.perf_counter() - start, "threads": torch.get_num_threads(), "pid": os.getpid()}
+        )
     except BaseException as e:  # noqa: BLE001 - reported to the parent as this engine's error
         conn.send({"ok": False, "error": _one_line(e)})
         return
@@ -169,8 +184,14 @@ def worker_main(conn: Connection, kind: str, model_path: str, s: RolloutSettings
                 _sync(s.device)
                 seconds = time.perf_counter() - t
                 memory.observe()
-                conn.send({"ok": True, "seconds": seconds, "samples": len(samples),
-                           "tokens": sum(len(x.token_ids) for x in samples)})
+                conn.send(
+                    {
+                        "ok": True,
+                        "seconds": seconds,
+                        "samples": len(samples),
+                        "tokens": sum(len(x.token_ids) for x in samples),
+                    }
+                )
             elif msg["op"] == "memory":
                 conn.send({"ok": True, "memory": memory.report()})
             elif msg["op"] == "close":
@@ -288,15 +309,24 @@ def summarize(kind: str, info: dict, runs: dict[str, list[dict]], memory: dict) 
     ttft = median(r["seconds"] for r in runs["first_token"])
     decode = median(
         (a["tokens"] - a["samples"]) / (a["seconds"] - b["seconds"])
-        for a, b in zip(runs["shared"], runs["first_token"]) if a["seconds"] > b["seconds"] and a["tokens"] > a["samples"]
+        for a, b in zip(runs["shared"], runs["first_token"])
+        if a["seconds"] > b["seconds"] and a["tokens"] > a["samples"]
     )
     return {
-        "engine": kind, "error": None, "load_s": info["load_s"], "threads": info["threads"],
-        "samples": runs["shared"][0]["samples"], "generated_tokens": median(r["tokens"] for r in runs["shared"]),
-        "tokens_per_s": shared, "tokens_per_s_distinct": distinct,
+        "engine": kind,
+        "error": None,
+        "load_s": info["load_s"],
+        "threads": info["threads"],
+        "samples": runs["shared"][0]["samples"],
+        "generated_tokens": median(r["tokens"] for r in runs["shared"]),
+        "tokens_per_s": shared,
+        "tokens_per_s_distinct": distinct,
         "shared_prefix_speedup": shared / distinct if shared and distinct else None,
-        "ttft_s": ttft, "decode_tokens_per_s": decode,
-        "peak_memory_bytes": memory["peak_bytes"], "memory": memory, "runs": runs,
+        "ttft_s": ttft,
+        "decode_tokens_per_s": decode,
+        "peak_memory_bytes": memory["peak_bytes"],
+        "memory": memory,
+        "runs": runs,
     }
 
 

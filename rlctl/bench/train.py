@@ -66,7 +66,9 @@ class TrainSettings:
         if self.method not in METHODS:
             from rlctl.errors import did_you_mean
 
-            raise UserError(f"unknown --method {self.method!r}{did_you_mean(self.method, METHODS)}; use sft, grpo or ppo")
+            raise UserError(
+                f"unknown --method {self.method!r}{did_you_mean(self.method, METHODS)}; use sft, grpo or ppo"
+            )
         if self.steps < 1:
             raise UserError(f"--steps must be at least 1, got {self.steps}")
         if self.lengths not in LENGTHS:
@@ -96,15 +98,28 @@ def write_data(model_path: Path, s: TrainSettings, out: Path) -> Path:
     rng = random.Random(s.seed)
     rows_needed = s.batch * s.steps
     if not s.is_rl:  # a short question and a random answer, cut at seq_len (data.truncation=right)
+
         def answer_tokens() -> int:  # fixed: more than fits, so every sequence is seq_len; spread: like real chats
             return 2 * s.seq_len if s.lengths == "fixed" else round(2 ** rng.uniform(4, math.log2(max(17, s.seq_len))))
 
-        rows = [{"messages": [{"role": "user", "content": "Write some text."},
-                              {"role": "assistant", "content": random_text(tok, allowed, answer_tokens(), rng)}]}
-                for _ in range(rows_needed)]
+        rows = [
+            {
+                "messages": [
+                    {"role": "user", "content": "Write some text."},
+                    {"role": "assistant", "content": random_text(tok, allowed, answer_tokens(), rng)},
+                ]
+            }
+            for _ in range(rows_needed)
+        ]
     else:
-        rows = [{"prompt": random_text(tok, allowed, s.prompt_len, rng), "answer": "",
-                 "extra_info": {"target_length": s.max_tokens}} for _ in range(rows_needed)]
+        rows = [
+            {
+                "prompt": random_text(tok, allowed, s.prompt_len, rng),
+                "answer": "",
+                "extra_info": {"target_length": s.max_tokens},
+            }
+            for _ in range(rows_needed)
+        ]
     path = out / "data.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -113,16 +128,33 @@ def write_data(model_path: Path, s: TrainSettings, out: Path) -> Path:
 def job_options(model: BenchModel, s: TrainSettings, data: Path, prompt_tokens: int, run_dir: Path) -> dict:
     """The options of ``rlctl <method>`` that this benchmark sets (None = the preset's)."""
     opts = {
-        "model.name": str(model.path), "model.random_init": model.random_init or None, "data.path": str(data),
-        "hardware.device": s.device, "hardware.nproc": s.nproc or None, "hardware.gpus": s.gpus or None,
-        "hardware.gpu": s.gpu or None, "output_dir": str(run_dir), "train.max_steps": s.steps,
-        "train.batch_size": s.batch, "train.micro_batch_size": s.micro_batch_size or None,
-        "train.seed": s.seed, "lora.rank": s.lora_rank or None, "checkpoint.export_hf": False,
-        "data.val_fraction": 0.0, "data.shuffle": False,
+        "model.name": str(model.path),
+        "model.random_init": model.random_init or None,
+        "data.path": str(data),
+        "hardware.device": s.device,
+        "hardware.nproc": s.nproc or None,
+        "hardware.gpus": s.gpus or None,
+        "hardware.gpu": s.gpu or None,
+        "output_dir": str(run_dir),
+        "train.max_steps": s.steps,
+        "train.batch_size": s.batch,
+        "train.micro_batch_size": s.micro_batch_size or None,
+        "train.seed": s.seed,
+        "lora.rank": s.lora_rank or None,
+        "checkpoint.export_hf": False,
+        "data.val_fraction": 0.0,
+        "data.shuffle": False,
     }
     if s.is_rl:
-        opts.update({"rollout.n": s.n, "rollout.max_prompt_len": prompt_tokens, "rollout.max_response_len": s.max_tokens,
-                     "rollout.engine": s.rollout, "reward.fn": "length"})
+        opts.update(
+            {
+                "rollout.n": s.n,
+                "rollout.max_prompt_len": prompt_tokens,
+                "rollout.max_response_len": s.max_tokens,
+                "rollout.engine": s.rollout,
+                "reward.fn": "length",
+            }
+        )
     else:
         opts.update({"train.max_len": s.seq_len, "data.truncation": "right"})
     return opts
@@ -154,8 +186,12 @@ def device_peak(plan, world: int) -> dict:
     one = M.measure_cpu_peak(threads)
     cores = os.cpu_count() or 1
     usable = min(world * threads, cores) / threads  # ranks beyond the cores share them
-    return {"flops": one * usable, "per_device_flops": one, "threads_per_process": threads,
-            "source": f"measured fp32 matmul, {threads} thread(s) per process x {usable:g} processes"}
+    return {
+        "flops": one * usable,
+        "per_device_flops": one,
+        "threads_per_process": threads,
+        "source": f"measured fp32 matmul, {threads} thread(s) per process x {usable:g} processes",
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,9 +217,11 @@ def step_flops(spec, cfg, record: dict, sequences: int) -> dict[str, float]:
     if cfg.method == "sft":
         return {"update": tokens * train}
     a = cfg.algo
-    out = {"rollout": tokens * fwd,  # every token of every sample goes through the engine once
-           "logprobs": tokens * fwd * (1 + (a.kl_coef > 0)),  # the actor's old log-probs, the reference's
-           "update": tokens * train * a.ppo_epochs}
+    out = {
+        "rollout": tokens * fwd,  # every token of every sample goes through the engine once
+        "logprobs": tokens * fwd * (1 + (a.kl_coef > 0)),  # the actor's old log-probs, the reference's
+        "update": tokens * train * a.ppo_epochs,
+    }
     if cfg.method == "ppo":  # values, then the critic's update
         scale = critic_flops_params(spec) / M.flops_params(spec)
         out["logprobs"] += tokens * fwd * scale
@@ -227,15 +265,23 @@ def measured_memory(records: list[dict], sampler: ProcessSampler, baseline: int,
             raise UserError("no rank process was seen while the job ran; cannot measure its memory")
         raw = max(sampler.peak.values())
         base = baseline if device == "cpu" else 0
-        source = ("nvidia-smi memory.used per GPU less its use before the job, sampled" if device == "cuda"
-                  else "psutil RSS per rank, sampled")
+        source = (
+            "nvidia-smi memory.used per GPU less its use before the job, sampled"
+            if device == "cuda"
+            else "psutil RSS per rank, sampled"
+        )
     measured = raw - base
     estimated = estimate.peak_bytes
     return {
-        "source": source, "ranks": dict(sorted(sampler.peak.items())),
-        "samples": sampler.samples, "rank_peak_bytes": raw, "baseline_bytes": base,
+        "source": source,
+        "ranks": dict(sorted(sampler.peak.items())),
+        "samples": sampler.samples,
+        "rank_peak_bytes": raw,
+        "baseline_bytes": base,
         "baseline": "RSS of a process that only imports the recipe" if base else None,
-        "measured_bytes": measured, "estimated_bytes": estimated, "estimated_phase": estimate.peak_phase,
+        "measured_bytes": measured,
+        "estimated_bytes": estimated,
+        "estimated_phase": estimate.peak_phase,
         "relative_error": relative_error(measured, estimated) if measured > 0 else None,
     }
 
@@ -292,18 +338,30 @@ def bench_train(model: BenchModel, s: TrainSettings, *, output_dir: str | None =
     try:
         cfg, plan = prepare_job(model, s, work)
         world = plan.nproc_per_node * plan.nodes
-        log(f"plan: {plan.device}, {world} process(es), micro batch {plan.micro_batch_size}"
-            + (f", rollout {plan.rollout}" if plan.rollout else ""))
+        log(
+            f"plan: {plan.device}, {world} process(es), micro batch {plan.micro_batch_size}"
+            + (f", rollout {plan.rollout}" if plan.rollout else "")
+        )
         log("measuring the device peak" + (" (fp32 matmul)" if plan.device == "cpu" else ""))
         peak = device_peak(plan, world)
         baseline = import_baseline_bytes(s.method, plan.rollout) if plan.device == "cpu" else 0
         records, sampler = run_job(cfg, plan)
         memory = measured_memory(records, sampler, baseline, plan.estimate, plan.device)
-        result = {"method": s.method, "model": model.label, "params": plan.params, "device": plan.device,
-                  "gpu": plan.gpu, "world_size": world, "rollout": plan.rollout, "micro_batch_size": plan.micro_batch_size,
-                  "steps": [{k: v for k, v in r.items() if k in ("step", "tokens", "tokens_per_s", "time/step", *SPLIT_KEYS)}
-                            for r in records],
-                  **summarize(model, cfg, records, peak, memory)}
+        result = {
+            "method": s.method,
+            "model": model.label,
+            "params": plan.params,
+            "device": plan.device,
+            "gpu": plan.gpu,
+            "world_size": world,
+            "rollout": plan.rollout,
+            "micro_batch_size": plan.micro_batch_size,
+            "steps": [
+                {k: v for k, v in r.items() if k in ("step", "tokens", "tokens_per_s", "time/step", *SPLIT_KEYS)}
+                for r in records
+            ],
+            **summarize(model, cfg, records, peak, memory),
+        }
         if keep:
             result["run_dir"] = cfg.output_dir
         return result

@@ -69,11 +69,7 @@ def moe_mlp_params(spec: ModelSpec) -> int:
     """A MoE block: routed experts, router and shared experts."""
     experts = spec.num_experts * dense_mlp_params(spec, spec.expert_intermediate_size)
     router = spec.num_experts * spec.hidden_size
-    shared = (
-        dense_mlp_params(spec, spec.expert_intermediate_size * spec.shared_experts)
-        if spec.shared_experts
-        else 0
-    )
+    shared = dense_mlp_params(spec, spec.expert_intermediate_size * spec.shared_experts) if spec.shared_experts else 0
     return experts + router + shared
 
 

@@ -31,23 +31,64 @@ _MIB = 2**20
 _GIB = 2**30
 
 _GPUS: tuple[GpuSpec, ...] = (
-    GpuSpec("H100-80GB", 81089 * _MIB, 989.0, "NVLink", 900.0, 8,
-            aliases=("H100", "H100-SXM", "H100-SXM5", "H100 80GB HBM3"), host_memory_bytes=2048 * _GIB),
-    GpuSpec("H100-PCIe-80GB", 81008 * _MIB, 756.0, "PCIe", 128.0, 8,
-            aliases=("H100-PCIe", "H100 PCIe"), host_memory_bytes=1024 * _GIB),
+    GpuSpec(
+        "H100-80GB",
+        81089 * _MIB,
+        989.0,
+        "NVLink",
+        900.0,
+        8,
+        aliases=("H100", "H100-SXM", "H100-SXM5", "H100 80GB HBM3"),
+        host_memory_bytes=2048 * _GIB,
+    ),
+    GpuSpec(
+        "H100-PCIe-80GB",
+        81008 * _MIB,
+        756.0,
+        "PCIe",
+        128.0,
+        8,
+        aliases=("H100-PCIe", "H100 PCIe"),
+        host_memory_bytes=1024 * _GIB,
+    ),
     GpuSpec("H200-141GB", 143156 * _MIB, 989.0, "NVLink", 900.0, 8, aliases=("H200",), host_memory_bytes=2048 * _GIB),
     GpuSpec("H20-96GB", 97285 * _MIB, 148.0, "NVLink", 900.0, 8, aliases=("H20",), host_memory_bytes=2048 * _GIB),
-    GpuSpec("A100-40GB", 40536 * _MIB, 312.0, "NVLink", 600.0, 8,
-            aliases=("A100-SXM4-40GB",), host_memory_bytes=1152 * _GIB),
-    GpuSpec("A100-80GB", 81050 * _MIB, 312.0, "NVLink", 600.0, 8,
-            aliases=("A100", "A100-SXM4-80GB"), host_memory_bytes=1152 * _GIB),
+    GpuSpec(
+        "A100-40GB", 40536 * _MIB, 312.0, "NVLink", 600.0, 8, aliases=("A100-SXM4-40GB",), host_memory_bytes=1152 * _GIB
+    ),
+    GpuSpec(
+        "A100-80GB",
+        81050 * _MIB,
+        312.0,
+        "NVLink",
+        600.0,
+        8,
+        aliases=("A100", "A100-SXM4-80GB"),
+        host_memory_bytes=1152 * _GIB,
+    ),
     GpuSpec("L40S", 45589 * _MIB, 362.0, "PCIe", 64.0, 8, aliases=("L40S-48GB",), host_memory_bytes=1024 * _GIB),
     GpuSpec("A10G", 22587 * _MIB, 125.0, "PCIe", 64.0, 4, aliases=("A10G-24GB",), host_memory_bytes=192 * _GIB),
-    GpuSpec("RTX-4090", 24563 * _MIB, 165.0, "PCIe", 64.0, 8,
-            aliases=("4090", "RTX-4090-24GB", "GeForce RTX 4090"), host_memory_bytes=256 * _GIB),
-    GpuSpec("B200", 182642 * _MIB, 2250.0, "NVLink", 1800.0, 8,
-            aliases=("B200-180GB", "B200-192GB"), host_memory_bytes=2048 * _GIB),
-)  # fmt: skip
+    GpuSpec(
+        "RTX-4090",
+        24563 * _MIB,
+        165.0,
+        "PCIe",
+        64.0,
+        8,
+        aliases=("4090", "RTX-4090-24GB", "GeForce RTX 4090"),
+        host_memory_bytes=256 * _GIB,
+    ),
+    GpuSpec(
+        "B200",
+        182642 * _MIB,
+        2250.0,
+        "NVLink",
+        1800.0,
+        8,
+        aliases=("B200-180GB", "B200-192GB"),
+        host_memory_bytes=2048 * _GIB,
+    ),
+)
 
 
 def _normalize(name: str) -> str:
@@ -68,6 +109,4 @@ def resolve_gpu(name: str) -> GpuSpec:
         if key in {_normalize(n) for n in (gpu.name, *gpu.aliases)}:
             return gpu
     names = [g.name for g in _GPUS]
-    raise UserError(
-        f"unknown GPU '{name}'{did_you_mean(name, names)}; known GPUs: {', '.join(names)}"
-    )
+    raise UserError(f"unknown GPU '{name}'{did_you_mean(name, names)}; known GPUs: {', '.join(names)}")

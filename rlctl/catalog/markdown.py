@@ -59,8 +59,7 @@ def catalog_markdown() -> str:
     """The whole docs/catalog.md: model and GPU tables plus the conventions behind them."""
     lines = [_INTRO]
     lines.append(
-        "| name | HF id | arch | params | active | layers | hidden | heads / kv | head dim"
-        " | vocab | tied | KV/token |"
+        "| name | HF id | arch | params | active | layers | hidden | heads / kv | head dim | vocab | tied | KV/token |"
     )
     lines.append("|" + "---|" * 12)
     for s in list_models():

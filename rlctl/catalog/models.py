@@ -25,49 +25,94 @@ _QWEN25_EXTRA = {"rms_norm_eps": 1e-6, "hidden_act": "silu"}
 
 def _qwen25(size, hidden, inter, layers, heads, kv, vocab, tied) -> ModelSpec:
     return ModelSpec(
-        name=f"Qwen2.5-{size}", hf_id=f"Qwen/Qwen2.5-{size}", arch="qwen2",
-        hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv, head_dim=hidden // heads, vocab_size=vocab, tie_embeddings=tied,
-        qkv_bias=True, max_position=32768 if size in ("0.5B", "1.5B", "3B") else 131072,
-        rope_theta=1e6, extra=dict(_QWEN25_EXTRA),
-    )  # fmt: skip
+        name=f"Qwen2.5-{size}",
+        hf_id=f"Qwen/Qwen2.5-{size}",
+        arch="qwen2",
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=hidden // heads,
+        vocab_size=vocab,
+        tie_embeddings=tied,
+        qkv_bias=True,
+        max_position=32768 if size in ("0.5B", "1.5B", "3B") else 131072,
+        rope_theta=1e6,
+        extra=dict(_QWEN25_EXTRA),
+    )
 
 
 def _qwen3(size, hidden, inter, layers, heads, kv, tied) -> ModelSpec:
     return ModelSpec(
-        name=f"Qwen3-{size}", hf_id=f"Qwen/Qwen3-{size}", arch="qwen3",
-        hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv, head_dim=128, vocab_size=151936, tie_embeddings=tied, qk_norm=True,
-        max_position=40960, rope_theta=1e6, extra={"rms_norm_eps": 1e-6, "hidden_act": "silu"},
-    )  # fmt: skip
+        name=f"Qwen3-{size}",
+        hf_id=f"Qwen/Qwen3-{size}",
+        arch="qwen3",
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=128,
+        vocab_size=151936,
+        tie_embeddings=tied,
+        qk_norm=True,
+        max_position=40960,
+        rope_theta=1e6,
+        extra={"rms_norm_eps": 1e-6, "hidden_act": "silu"},
+    )
 
 
 def _llama(name, hidden, inter, layers, heads, tied, rope_factor) -> ModelSpec:
     rope_scaling = {
-        "rope_type": "llama3", "factor": rope_factor, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-    }  # fmt: skip
+        "rope_type": "llama3",
+        "factor": rope_factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     return ModelSpec(
-        name=name, hf_id=f"meta-llama/{name}", arch="llama",
-        hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
-        num_kv_heads=8, head_dim=hidden // heads, vocab_size=128256, tie_embeddings=tied,
-        max_position=131072, rope_theta=500000.0,
+        name=name,
+        hf_id=f"meta-llama/{name}",
+        arch="llama",
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=8,
+        head_dim=hidden // heads,
+        vocab_size=128256,
+        tie_embeddings=tied,
+        max_position=131072,
+        rope_theta=500000.0,
         extra={"rms_norm_eps": 1e-5, "hidden_act": "silu", "rope_scaling": rope_scaling},
-    )  # fmt: skip
+    )
 
 
 def _gemma2(size, hidden, inter, layers, heads, kv, head_dim, query_scalar) -> ModelSpec:
     return ModelSpec(
-        name=f"Gemma-2-{size}", hf_id=f"google/gemma-2-{size.lower()}", arch="gemma2",
-        hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv, head_dim=head_dim, vocab_size=256000, tie_embeddings=True,
-        max_position=8192, rope_theta=10000.0,
+        name=f"Gemma-2-{size}",
+        hf_id=f"google/gemma-2-{size.lower()}",
+        arch="gemma2",
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim,
+        vocab_size=256000,
+        tie_embeddings=True,
+        max_position=8192,
+        rope_theta=10000.0,
         extra={
-            "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": query_scalar, "sliding_window": 4096,
-            "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+            "rms_norm_eps": 1e-6,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": query_scalar,
+            "sliding_window": 4096,
+            "final_logit_softcapping": 30.0,
+            "attn_logit_softcapping": 50.0,
         },
-    )  # fmt: skip
+    )
 
 
 _MODELS: tuple[ModelSpec, ...] = (
@@ -85,47 +130,97 @@ _MODELS: tuple[ModelSpec, ...] = (
     _qwen3("14B", 5120, 17408, 40, 40, 8, False),
     _qwen3("32B", 5120, 25600, 64, 64, 8, False),
     ModelSpec(
-        name="Qwen3-30B-A3B", hf_id="Qwen/Qwen3-30B-A3B", arch="qwen3_moe",
-        hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32, num_kv_heads=4,
-        head_dim=128, vocab_size=151936, qk_norm=True, max_position=40960, rope_theta=1e6,
-        num_experts=128, experts_per_token=8, expert_intermediate_size=768,
+        name="Qwen3-30B-A3B",
+        hf_id="Qwen/Qwen3-30B-A3B",
+        arch="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        qk_norm=True,
+        max_position=40960,
+        rope_theta=1e6,
+        num_experts=128,
+        experts_per_token=8,
+        expert_intermediate_size=768,
         extra={
-            "rms_norm_eps": 1e-6, "hidden_act": "silu", "norm_topk_prob": True,
-            "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "rms_norm_eps": 1e-6,
+            "hidden_act": "silu",
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
         },
-    ),  # fmt: skip
+    ),
     _llama("Llama-3.2-1B", 2048, 8192, 16, 32, True, 32.0),
     _llama("Llama-3.2-3B", 3072, 8192, 28, 24, True, 32.0),
     _llama("Llama-3.1-8B", 4096, 14336, 32, 32, False, 8.0),
     _llama("Llama-3.1-70B", 8192, 28672, 80, 64, False, 8.0),
     _llama("Llama-3.1-405B", 16384, 53248, 126, 128, False, 8.0),
     ModelSpec(
-        name="Mistral-7B", hf_id="mistralai/Mistral-7B-v0.3", arch="mistral",
-        hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-        head_dim=128, vocab_size=32768, max_position=32768, rope_theta=1e6,
+        name="Mistral-7B",
+        hf_id="mistralai/Mistral-7B-v0.3",
+        arch="mistral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=32768,
+        max_position=32768,
+        rope_theta=1e6,
         extra={"rms_norm_eps": 1e-5, "hidden_act": "silu", "sliding_window": None},
-    ),  # fmt: skip
+    ),
     _gemma2("2B", 2304, 9216, 26, 8, 4, 256, 256),
     _gemma2("9B", 3584, 14336, 42, 16, 8, 256, 256),
     _gemma2("27B", 4608, 36864, 46, 32, 16, 128, 144),
     ModelSpec(
-        name="DeepSeek-V3", hf_id="deepseek-ai/DeepSeek-V3", arch="deepseek_v3",
-        hidden_size=7168, intermediate_size=18432, num_layers=61, num_heads=128,
-        num_kv_heads=128, head_dim=192, vocab_size=129280, max_position=163840,
-        rope_theta=10000.0, num_experts=256, experts_per_token=8, shared_experts=1,
-        expert_intermediate_size=2048, first_dense_layers=3, q_lora_rank=1536,
-        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        name="DeepSeek-V3",
+        hf_id="deepseek-ai/DeepSeek-V3",
+        arch="deepseek_v3",
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_layers=61,
+        num_heads=128,
+        num_kv_heads=128,
+        head_dim=192,
+        vocab_size=129280,
+        max_position=163840,
+        rope_theta=10000.0,
+        num_experts=256,
+        experts_per_token=8,
+        shared_experts=1,
+        expert_intermediate_size=2048,
+        first_dense_layers=3,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
         mtp_layers=1,
         extra={
-            "rms_norm_eps": 1e-6, "hidden_act": "silu", "n_group": 8, "topk_group": 4,
-            "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid",
+            "rms_norm_eps": 1e-6,
+            "hidden_act": "silu",
+            "n_group": 8,
+            "topk_group": 4,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "scoring_func": "sigmoid",
             "topk_method": "noaux_tc",
             "rope_scaling": {
-                "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                "type": "yarn",
+                "factor": 40,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
             },
         },
-    ),  # fmt: skip
+    ),
 )
 
 # Other published names for the same architecture (normalised like everything else).
@@ -201,11 +296,24 @@ _HEAD_DIM_DEFAULT = {"qwen3": 128, "gemma2": 256}
 _TIED_DEFAULT = {"gemma2": True}
 # Keys copied into spec.extra so hf_config_dict can rebuild the same config.
 _EXTRA_KEYS = (
-    "rms_norm_eps", "hidden_act", "hidden_activation", "rope_scaling", "rope_parameters", "sliding_window",
-    "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping",
-    "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "n_group", "topk_group",
-    "routed_scaling_factor", "scoring_func", "topk_method",
-)  # fmt: skip
+    "rms_norm_eps",
+    "hidden_act",
+    "hidden_activation",
+    "rope_scaling",
+    "rope_parameters",
+    "sliding_window",
+    "query_pre_attn_scalar",
+    "final_logit_softcapping",
+    "attn_logit_softcapping",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "scoring_func",
+    "topk_method",
+)
 
 
 def spec_from_path(path: str | Path) -> ModelSpec:
@@ -225,9 +333,7 @@ def spec_from_hf_config(config: dict, *, source: str, name: str) -> ModelSpec:
     """Map a transformers config.json dict onto a ModelSpec (the architectures in SUPPORTED_ARCHS)."""
     arch = config.get("model_type")
     if arch not in SUPPORTED_ARCHS:
-        raise UserError(
-            f"{source}: model_type '{arch}' is not supported; supported: {', '.join(SUPPORTED_ARCHS)}"
-        )
+        raise UserError(f"{source}: model_type '{arch}' is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
 
     def need(key: str, *alternatives: str):
         for k in (key, *alternatives):

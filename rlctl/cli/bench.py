@@ -10,7 +10,7 @@ import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -33,13 +33,31 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 
-Model = Annotated[str, typer.Option("--model", "-m", help="`tiny` (built-in demo model), a local HF directory, or a catalog name with --random-init.")]
-RandomInit = Annotated[bool, typer.Option("--random-init", help="Random weights from the catalog config (nothing is downloaded).")]
+Model = Annotated[
+    str,
+    typer.Option(
+        "--model",
+        "-m",
+        help="`tiny` (built-in demo model), a local HF directory, or a catalog name with --random-init.",
+    ),
+]
+RandomInit = Annotated[
+    bool, typer.Option("--random-init", help="Random weights from the catalog config (nothing is downloaded).")
+]
 Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda.")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object (progress goes to stderr).")]
-Plot = Annotated[Optional[Path], typer.Option("--plot", help="Draw throughput and memory bars into this file (.png, .svg; needs matplotlib).")]
+Plot = Annotated[
+    Path | None,
+    typer.Option("--plot", help="Draw throughput and memory bars into this file (.png, .svg; needs matplotlib)."),
+]
 Seed = Annotated[int, typer.Option("--seed", help="Random seed of the prompts and sampling.")]
-Lengths = Annotated[str, typer.Option("--lengths", help="sft: fixed (every sequence --seq-len tokens) | spread (16 to --seq-len, log-uniform, like real chats; compare adds TRL with packing).")]
+Lengths = Annotated[
+    str,
+    typer.Option(
+        "--lengths",
+        help="sft: fixed (every sequence --seq-len tokens) | spread (16 to --seq-len, log-uniform, like real chats; compare adds TRL with packing).",
+    ),
+]
 
 
 def _log():
@@ -53,7 +71,9 @@ def _device(device: str) -> str:
     from rlctl.errors import UserError, did_you_mean
 
     if device not in ("auto", "cpu", "cuda"):
-        raise UserError(f"unknown --device {device!r}{did_you_mean(device, ['auto', 'cpu', 'cuda'])}; use auto, cpu or cuda")
+        raise UserError(
+            f"unknown --device {device!r}{did_you_mean(device, ['auto', 'cpu', 'cuda'])}; use auto, cpu or cuda"
+        )
     if device != "auto":
         return device
     import torch
@@ -78,15 +98,22 @@ def _emit(doc: dict, as_json: bool, plot: Path | None) -> None:
 def rollout(
     model: Model,
     random_init: RandomInit = False,
-    engine: Annotated[str, typer.Option("--engine", help="Comma list of rollout engines: hf, vllm, sglang.")] = "hf,vllm",
+    engine: Annotated[
+        str, typer.Option("--engine", help="Comma list of rollout engines: hf, vllm, sglang.")
+    ] = "hf,vllm",
     prompts: Annotated[int, typer.Option("--prompts", help="Prompts per batch.")] = 8,
     n: Annotated[int, typer.Option("--n", help="Samples per prompt.")] = 4,
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="Tokens per (random) prompt.")] = 64,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens generated per sample.")] = 32,
     reps: Annotated[int, typer.Option("--reps", help="Timed repetitions (interleaved across engines).")] = 3,
     device: Device = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", help="auto (fp32 on CPU, bf16 on GPU) | fp32 | bf16 | fp16.")] = "auto",
-    mem_fraction: Annotated[float, typer.Option("--mem-fraction", help="GPU memory share of each vLLM/SGLang engine (they run side by side).")] = 0.4,
+    dtype: Annotated[
+        str, typer.Option("--dtype", help="auto (fp32 on CPU, bf16 on GPU) | fp32 | bf16 | fp16.")
+    ] = "auto",
+    mem_fraction: Annotated[
+        float,
+        typer.Option("--mem-fraction", help="GPU memory share of each vLLM/SGLang engine (they run side by side)."),
+    ] = 0.4,
     seed: Seed = 0,
     json_: Json = False,
     plot: Plot = None,
@@ -97,9 +124,17 @@ def rollout(
     from rlctl.bench.rollout import RolloutSettings, bench_rollout
 
     dev = _device(device)
-    s = RolloutSettings(prompts=prompts, n=n, prompt_len=prompt_len, max_tokens=max_tokens, reps=reps, device=dev,
-                        dtype=dtype if dtype != "auto" else ("fp32" if dev == "cpu" else "bf16"),
-                        mem_fraction=mem_fraction, seed=seed)
+    s = RolloutSettings(
+        prompts=prompts,
+        n=n,
+        prompt_len=prompt_len,
+        max_tokens=max_tokens,
+        reps=reps,
+        device=dev,
+        dtype=dtype if dtype != "auto" else ("fp32" if dev == "cpu" else "bf16"),
+        mem_fraction=mem_fraction,
+        seed=seed,
+    )
     s.check()
     m = resolve_bench_model(model, random_init=random_init)
     engines = [e.strip() for e in engine.split(",") if e.strip()]
@@ -119,18 +154,31 @@ def train(
     gpus: Annotated[int, typer.Option("--gpus", help="GPUs in total (0 = every visible GPU).")] = 0,
     gpu: Annotated[str, typer.Option("--gpu", help="GPU type for the plan and the MFU peak (default: detected).")] = "",
     nproc: Annotated[int, typer.Option("--nproc", help="Processes (default: GPUs, or 1 on CPU).")] = 0,
-    steps: Annotated[int, typer.Option("--steps", help="Optimizer steps (the first is a warm-up, left out of the medians).")] = 3,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences (sft) or prompts (RL) per step (default 8 / 4).")] = 0,
+    steps: Annotated[
+        int, typer.Option("--steps", help="Optimizer steps (the first is a warm-up, left out of the medians).")
+    ] = 3,
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", help="Sequences (sft) or prompts (RL) per step (default 8 / 4).")
+    ] = 0,
     seq_len: Annotated[int, typer.Option("--seq-len", help="sft: tokens per sequence.")] = 128,
     lengths: Lengths = "fixed",
     n: Annotated[int, typer.Option("--n", help="RL: samples per prompt.")] = 4,
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="RL: tokens per prompt (about).")] = 32,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="RL: most tokens per response.")] = 32,
     rollout: Annotated[str, typer.Option("--rollout", help="RL: auto | hf | vllm | sglang.")] = "auto",
-    micro_batch_size: Annotated[int, typer.Option("--micro-batch-size", help="Sequences per forward (default: the plan's).")] = 0,
+    micro_batch_size: Annotated[
+        int, typer.Option("--micro-batch-size", help="Sequences per forward (default: the plan's).")
+    ] = 0,
     lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank (0 = full fine-tuning).")] = 0,
-    set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="key=value passed to the job's config, repeatable.")] = None,
-    output_dir: Annotated[Optional[str], typer.Option("--output-dir", "-o", help="Keep the data and the run here (default: a temporary directory, removed).")] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", "-s", help="key=value passed to the job's config, repeatable.")
+    ] = None,
+    output_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--output-dir", "-o", help="Keep the data and the run here (default: a temporary directory, removed)."
+        ),
+    ] = None,
     seed: Seed = 0,
     json_: Json = False,
     plot: Plot = None,
@@ -140,9 +188,25 @@ def train(
     from rlctl.bench.models import resolve_bench_model
     from rlctl.bench.train import TrainSettings, bench_train
 
-    s = TrainSettings(method=method, steps=steps, device=device, nproc=nproc, gpus=gpus, gpu=gpu, batch_size=batch_size,
-                      seq_len=seq_len, lengths=lengths, n=n, prompt_len=prompt_len, max_tokens=max_tokens, rollout=rollout,
-                      micro_batch_size=micro_batch_size, lora_rank=lora_rank, sets=list(set_ or []), seed=seed)
+    s = TrainSettings(
+        method=method,
+        steps=steps,
+        device=device,
+        nproc=nproc,
+        gpus=gpus,
+        gpu=gpu,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        lengths=lengths,
+        n=n,
+        prompt_len=prompt_len,
+        max_tokens=max_tokens,
+        rollout=rollout,
+        micro_batch_size=micro_batch_size,
+        lora_rank=lora_rank,
+        sets=list(set_ or []),
+        seed=seed,
+    )
     s.check()
     m = resolve_bench_model(model, random_init=random_init, need_weights=False)
     row = bench_train(m, s, output_dir=output_dir, log=_log())
@@ -151,9 +215,14 @@ def train(
 
 @app.command()
 def convert(
-    checkpoint: Annotated[Path, typer.Argument(help="An rlctl step dir, a verl actor dir, or a run / checkpoints dir (latest step).")],
+    checkpoint: Annotated[
+        Path, typer.Argument(help="An rlctl step dir, a verl actor dir, or a run / checkpoints dir (latest step).")
+    ],
     verify: Annotated[bool, typer.Option("--verify", help="Also time the conversion with verification.")] = False,
-    work: Annotated[Optional[Path], typer.Option("--work", help="Scratch directory for the copies and outputs (default: the system temp dir).")] = None,
+    work: Annotated[
+        Path | None,
+        typer.Option("--work", help="Scratch directory for the copies and outputs (default: the system temp dir)."),
+    ] = None,
     json_: Json = False,
     plot: Plot = None,
 ) -> None:
@@ -174,7 +243,9 @@ def compare(
     reps: Annotated[int, typer.Option("--reps", help="Runs of each side, alternating.")] = 2,
     steps: Annotated[int, typer.Option("--steps", help="Steps per training run (the first is a warm-up).")] = 3,
     device: Device = "auto",
-    engine: Annotated[str, typer.Option("--engine", help="rlctl's rollout engine for the rollout and grpo work.")] = "hf",
+    engine: Annotated[
+        str, typer.Option("--engine", help="rlctl's rollout engine for the rollout and grpo work.")
+    ] = "hf",
     prompts: Annotated[int, typer.Option("--prompts", help="Prompts per batch (rollout, grpo).")] = 4,
     n: Annotated[int, typer.Option("--n", help="Samples per prompt (rollout, grpo).")] = 4,
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="Tokens per prompt (about).")] = 32,
@@ -191,9 +262,22 @@ def compare(
     from rlctl.bench.compare import CompareSettings, bench_compare
     from rlctl.bench.models import resolve_bench_model
 
-    s = CompareSettings(peer=peer, work=[w.strip() for w in work.split(",") if w.strip()], reps=reps, steps=steps,
-                        device=_device(device), engine=engine, prompts=prompts, n=n, prompt_len=prompt_len,
-                        max_tokens=max_tokens, batch_size=batch_size, seq_len=seq_len, lengths=lengths, seed=seed)
+    s = CompareSettings(
+        peer=peer,
+        work=[w.strip() for w in work.split(",") if w.strip()],
+        reps=reps,
+        steps=steps,
+        device=_device(device),
+        engine=engine,
+        prompts=prompts,
+        n=n,
+        prompt_len=prompt_len,
+        max_tokens=max_tokens,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        lengths=lengths,
+        seed=seed,
+    )
     s.check()
     m = resolve_bench_model(model, random_init=random_init)
     rows = bench_compare(m, s, log=_log())

@@ -23,10 +23,19 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 
-DType = Annotated[str | None, typer.Option("--dtype", help="bf16 | fp16 | fp32 (default: the dtype config.json declares).")]
-Verify = Annotated[bool, typer.Option("--verify/--no-verify", help="Load the result with transformers and compare tensors and logits with the source.")]
+DType = Annotated[
+    str | None, typer.Option("--dtype", help="bf16 | fp16 | fp32 (default: the dtype config.json declares).")
+]
+Verify = Annotated[
+    bool,
+    typer.Option(
+        "--verify/--no-verify", help="Load the result with transformers and compare tensors and logits with the source."
+    ),
+]
 Force = Annotated[bool, typer.Option("--force", help="Replace OUT if it exists.")]
-ShardSize = Annotated[str, typer.Option("--max-shard-size", help="Split safetensors files beyond this size (e.g. 5GB, 500MB).")]
+ShardSize = Annotated[
+    str, typer.Option("--max-shard-size", help="Split safetensors files beyond this size (e.g. 5GB, 500MB).")
+]
 Out = Annotated[Path, typer.Argument(help="Output directory (written under a temporary name, renamed when complete).")]
 
 _DTYPES = ("bf16", "fp16", "fp32")
@@ -77,12 +86,16 @@ def _report(result, what: str) -> None:
     _verdict_and_exit(result.verdict, result.committed, result.out_dir, what, result.tensors, result.dtype)
 
 
-def _verdict_and_exit(verdict, committed: bool, out_dir: Path, what: str, tensors: int | None = None, dtype=None) -> None:
+def _verdict_and_exit(
+    verdict, committed: bool, out_dir: Path, what: str, tensors: int | None = None, dtype=None
+) -> None:
     console = _console()
     if verdict is not None:
         console.print(verdict.table())
     if not committed:
-        console.print(f"[red]verification failed: {out_dir} was not written[/] (rerun with --no-verify to inspect the raw output)")
+        console.print(
+            f"[red]verification failed: {out_dir} was not written[/] (rerun with --no-verify to inspect the raw output)"
+        )
         raise typer.Exit(1)
     count = f"{tensors} tensors, " if tensors is not None else ""
     dt = f"{str(dtype).removeprefix('torch.')}, " if dtype is not None else ""
@@ -92,10 +105,15 @@ def _verdict_and_exit(verdict, committed: bool, out_dir: Path, what: str, tensor
 
 @app.command("fsdp-to-hf")
 def fsdp_to_hf(
-    ckpt: Annotated[Path, typer.Argument(help="rlctl step dir, verl global_step_N or actor dir, or a run/checkpoint root (latest step).")],
+    ckpt: Annotated[
+        Path,
+        typer.Argument(help="rlctl step dir, verl global_step_N or actor dir, or a run/checkpoint root (latest step)."),
+    ],
     out: Out,
     dtype: DType = None,
-    keep_adapter: Annotated[bool, typer.Option("--keep-adapter", help="Write LoRA as a peft adapter in OUT/adapter instead of folding it.")] = False,
+    keep_adapter: Annotated[
+        bool, typer.Option("--keep-adapter", help="Write LoRA as a peft adapter in OUT/adapter instead of folding it.")
+    ] = False,
     verify: Verify = True,
     force: Force = False,
     max_shard_size: ShardSize = "5GB",
@@ -104,8 +122,14 @@ def fsdp_to_hf(
     from rlctl.convert.fsdp import fsdp_to_hf as convert
 
     result = convert(
-        ckpt, out, dtype=_check_dtype(dtype), keep_adapter=keep_adapter, verify=verify, force=force,
-        progress=True, max_shard_bytes=parse_size(max_shard_size),
+        ckpt,
+        out,
+        dtype=_check_dtype(dtype),
+        keep_adapter=keep_adapter,
+        verify=verify,
+        force=force,
+        progress=True,
+        max_shard_bytes=parse_size(max_shard_size),
     )
     _report(result, "Hugging Face model")
 
@@ -113,7 +137,9 @@ def fsdp_to_hf(
 @app.command("lora-merge")
 def lora_merge(
     base: Annotated[Path, typer.Argument(help="Base Hugging Face model directory (safetensors).")],
-    adapter: Annotated[Path, typer.Argument(help="peft adapter directory (adapter_config.json + adapter_model.safetensors).")],
+    adapter: Annotated[
+        Path, typer.Argument(help="peft adapter directory (adapter_config.json + adapter_model.safetensors).")
+    ],
     out: Out,
     dtype: DType = None,
     verify: Verify = True,
@@ -123,8 +149,16 @@ def lora_merge(
     """Fold a LoRA adapter into its base model: W + (alpha/r)·B@A (alpha/sqrt(r) with rsLoRA)."""
     from rlctl.convert.lora import lora_merge as merge
 
-    result = merge(base, adapter, out, dtype=_check_dtype(dtype), verify=verify, force=force,
-                   progress=True, max_shard_bytes=parse_size(max_shard_size))
+    result = merge(
+        base,
+        adapter,
+        out,
+        dtype=_check_dtype(dtype),
+        verify=verify,
+        force=force,
+        progress=True,
+        max_shard_bytes=parse_size(max_shard_size),
+    )
     _report(result, "merged model")
 
 
@@ -153,7 +187,9 @@ def hf_to_megatron(
     out: Out,
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")] = 1,
     pp: Annotated[int, typer.Option("--pp", help="Pipeline-parallel size.")] = 1,
-    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Read the shards back and compare with the HF tensors.")] = True,
+    verify: Annotated[
+        bool, typer.Option("--verify/--no-verify", help="Read the shards back and compare with the HF tensors.")
+    ] = True,
     force: Force = False,
 ) -> None:
     """Split a Hugging Face model into Megatron TP/PP shards (mcore GPTModel layout)."""
@@ -181,9 +217,17 @@ def hf_to_megatron(
 
 @app.command("megatron-to-hf")
 def megatron_to_hf(
-    ckpt: Annotated[Path, typer.Argument(help="rlctl Megatron shards, a megatron-core torch_dist dir, or a verl actor dir with dist_ckpt/.")],
+    ckpt: Annotated[
+        Path,
+        typer.Argument(
+            help="rlctl Megatron shards, a megatron-core torch_dist dir, or a verl actor dir with dist_ckpt/."
+        ),
+    ],
     out: Out,
-    hf_config: Annotated[Path | None, typer.Option("--hf-config", help="HF model dir (config + tokenizer) when the checkpoint carries none.")] = None,
+    hf_config: Annotated[
+        Path | None,
+        typer.Option("--hf-config", help="HF model dir (config + tokenizer) when the checkpoint carries none."),
+    ] = None,
     dtype: DType = None,
     verify: Verify = True,
     force: Force = False,
@@ -202,7 +246,12 @@ def megatron_to_hf(
     target = resolve_dtype(_check_dtype(dtype)) or config_dtype(json.loads((meta_dir / "config.json").read_text()))
     stream = load_megatron_to_hf(ckpt, hf_config)
     written = write_verified(
-        out, stream, meta_dir=meta_dir, dtype=target, force=force, progress=True,
+        out,
+        stream,
+        meta_dir=meta_dir,
+        dtype=target,
+        force=force,
+        progress=True,
         verify=(lambda tmp: verify_model(tmp, load_megatron_to_hf(ckpt, hf_config), dtype=target)) if verify else None,
         max_shard_bytes=parse_size(max_shard_size),
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -47,32 +47,110 @@ def _tri(value: bool | None) -> str | None:
 
 @app.command("memory", epilog=EXAMPLES)
 def memory(
-    model: Annotated[str, typer.Option("--model", "-m", help="Catalog name (Qwen2.5-7B), HF id, local HF directory or config.json.", rich_help_panel=JOB)],
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Catalog name (Qwen2.5-7B), HF id, local HF directory or config.json.",
+            rich_help_panel=JOB,
+        ),
+    ],
     method: Annotated[str, typer.Option("--method", help="sft | grpo | ppo.", rich_help_panel=JOB)] = "grpo",
-    lora_rank: Annotated[Optional[int], typer.Option("--lora-rank", help="LoRA rank (0 = full fine-tuning).", rich_help_panel=JOB)] = None,
-    lora_targets: Annotated[Optional[str], typer.Option("--lora-targets", help="all-linear or a comma list such as q_proj,v_proj.", rich_help_panel=JOB)] = None,
-    max_len: Annotated[Optional[int], typer.Option("--max-len", help="SFT sequence length.", rich_help_panel=JOB)] = None,
-    prompt_len: Annotated[Optional[int], typer.Option("--prompt-len", help="RL: longest prompt in tokens.", rich_help_panel=JOB)] = None,
-    response_len: Annotated[Optional[int], typer.Option("--response-len", help="RL: longest response in tokens.", rich_help_panel=JOB)] = None,
-    n: Annotated[Optional[int], typer.Option("--n", help="RL: samples per prompt.", rich_help_panel=JOB)] = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences (SFT) or prompts (RL) per step.", rich_help_panel=JOB)] = None,
-    micro_batch: Annotated[Optional[int], typer.Option("--micro-batch", help="Sequences per GPU per forward (default: the plan's).", rich_help_panel=JOB)] = None,
-    gpus: Annotated[Optional[int], typer.Option("--gpus", help="GPUs in total (default: the local ones, else one full node).", rich_help_panel=HW)] = None,
-    nodes: Annotated[Optional[int], typer.Option("--nodes", help="Number of nodes.", rich_help_panel=HW)] = None,
-    gpu: Annotated[Optional[str], typer.Option("--gpu", help="GPU type, e.g. H100-80GB (default: detected, else H100-80GB).", rich_help_panel=HW)] = None,
-    device: Annotated[Optional[str], typer.Option("--device", help="cuda | cpu (default cuda: estimates are for GPUs).", rich_help_panel=HW)] = None,
-    host_memory: Annotated[Optional[float], typer.Option("--host-memory", help="Host (CPU) memory of one node in GiB (default: the GPU type's typical node, shared by the GPUs used on it).", rich_help_panel=HW)] = None,
-    backend: Annotated[Optional[str], typer.Option("--backend", help="fsdp | megatron.", rich_help_panel=PAR)] = None,
-    tp: Annotated[Optional[int], typer.Option("--tp", help="Megatron tensor-parallel size.", rich_help_panel=PAR)] = None,
-    pp: Annotated[Optional[int], typer.Option("--pp", help="Megatron pipeline stages.", rich_help_panel=PAR)] = None,
-    activation_checkpointing: Annotated[Optional[bool], typer.Option("--activation-checkpointing/--no-activation-checkpointing", help="Force checkpointing on or off (default: the plan's).", rich_help_panel=PAR)] = None,
-    offload_params: Annotated[Optional[bool], typer.Option("--offload-params/--no-offload-params", help="Move the trainer's weights to CPU between phases.", rich_help_panel=PAR)] = None,
-    offload_optimizer: Annotated[Optional[bool], typer.Option("--offload-optimizer/--no-offload-optimizer", help="Move the optimizer states to CPU between phases.", rich_help_panel=PAR)] = None,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="bf16 | fp16 | fp32.", rich_help_panel=PAR)] = None,
-    rollout: Annotated[Optional[str], typer.Option("--rollout", help="hf | vllm | sglang.", rich_help_panel=RO)] = None,
-    rollout_tp: Annotated[Optional[int], typer.Option("--rollout-tp", help="Tensor parallelism of the rollout engine.", rich_help_panel=RO)] = None,
-    mem_fraction: Annotated[Optional[float], typer.Option("--mem-fraction", help="vLLM gpu_memory_utilization / SGLang mem_fraction_static.", rich_help_panel=RO)] = None,
-    what_to_rent: Annotated[bool, typer.Option("--what-to-rent", help="Also list, for every catalog GPU type, the fewest GPUs that fit without and with offload, and their plans.")] = False,
+    lora_rank: Annotated[
+        int | None, typer.Option("--lora-rank", help="LoRA rank (0 = full fine-tuning).", rich_help_panel=JOB)
+    ] = None,
+    lora_targets: Annotated[
+        str | None,
+        typer.Option("--lora-targets", help="all-linear or a comma list such as q_proj,v_proj.", rich_help_panel=JOB),
+    ] = None,
+    max_len: Annotated[
+        int | None, typer.Option("--max-len", help="SFT sequence length.", rich_help_panel=JOB)
+    ] = None,
+    prompt_len: Annotated[
+        int | None, typer.Option("--prompt-len", help="RL: longest prompt in tokens.", rich_help_panel=JOB)
+    ] = None,
+    response_len: Annotated[
+        int | None, typer.Option("--response-len", help="RL: longest response in tokens.", rich_help_panel=JOB)
+    ] = None,
+    n: Annotated[int | None, typer.Option("--n", help="RL: samples per prompt.", rich_help_panel=JOB)] = None,
+    batch_size: Annotated[
+        int | None,
+        typer.Option("--batch-size", help="Sequences (SFT) or prompts (RL) per step.", rich_help_panel=JOB),
+    ] = None,
+    micro_batch: Annotated[
+        int | None,
+        typer.Option("--micro-batch", help="Sequences per GPU per forward (default: the plan's).", rich_help_panel=JOB),
+    ] = None,
+    gpus: Annotated[
+        int | None,
+        typer.Option("--gpus", help="GPUs in total (default: the local ones, else one full node).", rich_help_panel=HW),
+    ] = None,
+    nodes: Annotated[int | None, typer.Option("--nodes", help="Number of nodes.", rich_help_panel=HW)] = None,
+    gpu: Annotated[
+        str | None,
+        typer.Option("--gpu", help="GPU type, e.g. H100-80GB (default: detected, else H100-80GB).", rich_help_panel=HW),
+    ] = None,
+    device: Annotated[
+        str | None,
+        typer.Option("--device", help="cuda | cpu (default cuda: estimates are for GPUs).", rich_help_panel=HW),
+    ] = None,
+    host_memory: Annotated[
+        float | None,
+        typer.Option(
+            "--host-memory",
+            help="Host (CPU) memory of one node in GiB (default: the GPU type's typical node, shared by the GPUs used on it).",
+            rich_help_panel=HW,
+        ),
+    ] = None,
+    backend: Annotated[str | None, typer.Option("--backend", help="fsdp | megatron.", rich_help_panel=PAR)] = None,
+    tp: Annotated[
+        int | None, typer.Option("--tp", help="Megatron tensor-parallel size.", rich_help_panel=PAR)
+    ] = None,
+    pp: Annotated[int | None, typer.Option("--pp", help="Megatron pipeline stages.", rich_help_panel=PAR)] = None,
+    activation_checkpointing: Annotated[
+        bool | None,
+        typer.Option(
+            "--activation-checkpointing/--no-activation-checkpointing",
+            help="Force checkpointing on or off (default: the plan's).",
+            rich_help_panel=PAR,
+        ),
+    ] = None,
+    offload_params: Annotated[
+        bool | None,
+        typer.Option(
+            "--offload-params/--no-offload-params",
+            help="Move the trainer's weights to CPU between phases.",
+            rich_help_panel=PAR,
+        ),
+    ] = None,
+    offload_optimizer: Annotated[
+        bool | None,
+        typer.Option(
+            "--offload-optimizer/--no-offload-optimizer",
+            help="Move the optimizer states to CPU between phases.",
+            rich_help_panel=PAR,
+        ),
+    ] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="bf16 | fp16 | fp32.", rich_help_panel=PAR)] = None,
+    rollout: Annotated[str | None, typer.Option("--rollout", help="hf | vllm | sglang.", rich_help_panel=RO)] = None,
+    rollout_tp: Annotated[
+        int | None,
+        typer.Option("--rollout-tp", help="Tensor parallelism of the rollout engine.", rich_help_panel=RO),
+    ] = None,
+    mem_fraction: Annotated[
+        float | None,
+        typer.Option(
+            "--mem-fraction", help="vLLM gpu_memory_utilization / SGLang mem_fraction_static.", rich_help_panel=RO
+        ),
+    ] = None,
+    what_to_rent: Annotated[
+        bool,
+        typer.Option(
+            "--what-to-rent",
+            help="Also list, for every catalog GPU type, the fewest GPUs that fit without and with offload, and their plans.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Per-GPU memory of the training and rollout phases, the KV cache, and whether it fits."""
@@ -82,19 +160,37 @@ def memory(
     from rlctl.presets import method_layers
 
     if host_memory is not None and host_memory <= 0:
-        raise UserError(f"--host-memory {host_memory:g}: give the host memory of one node in GiB, e.g. --host-memory 1024")
+        raise UserError(
+            f"--host-memory {host_memory:g}: give the host memory of one node in GiB, e.g. --host-memory 1024"
+        )
     host_bytes = int((host_memory or 0) * 2**30)
     if device is None and not gpus and detect_local().gpu_count == 0:
         device = "cuda"  # an estimate is for GPUs, even printed on a laptop
     options = {
-        "model.name": model, "lora.rank": lora_rank, "lora.targets": lora_targets, "train.max_len": max_len,
-        "rollout.max_prompt_len": prompt_len, "rollout.max_response_len": response_len, "rollout.n": n,
-        "train.batch_size": batch_size, "train.micro_batch_size": micro_batch, "hardware.gpus": gpus,
-        "hardware.nodes": nodes, "hardware.gpu": gpu, "hardware.device": device, "parallel.backend": backend,
-        "parallel.tp": tp, "parallel.pp": pp, "parallel.activation_checkpointing": _tri(activation_checkpointing),
-        "parallel.offload_params": _tri(offload_params), "parallel.offload_optimizer": _tri(offload_optimizer),
-        "model.dtype": dtype, "rollout.engine": rollout, "rollout.tp": rollout_tp, "rollout.mem_fraction": mem_fraction,
-    }  # fmt: skip
+        "model.name": model,
+        "lora.rank": lora_rank,
+        "lora.targets": lora_targets,
+        "train.max_len": max_len,
+        "rollout.max_prompt_len": prompt_len,
+        "rollout.max_response_len": response_len,
+        "rollout.n": n,
+        "train.batch_size": batch_size,
+        "train.micro_batch_size": micro_batch,
+        "hardware.gpus": gpus,
+        "hardware.nodes": nodes,
+        "hardware.gpu": gpu,
+        "hardware.device": device,
+        "parallel.backend": backend,
+        "parallel.tp": tp,
+        "parallel.pp": pp,
+        "parallel.activation_checkpointing": _tri(activation_checkpointing),
+        "parallel.offload_params": _tri(offload_params),
+        "parallel.offload_optimizer": _tri(offload_optimizer),
+        "model.dtype": dtype,
+        "rollout.engine": rollout,
+        "rollout.tp": rollout_tp,
+        "rollout.mem_fraction": mem_fraction,
+    }
     layer = dotted_to_nested({k: v for k, v in options.items() if v is not None})
     cfg = build_config(method, method_layers(method, None) + [layer])
     plan = resolve_plan(cfg, host_memory_bytes=host_bytes)

@@ -9,41 +9,157 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-Model = Annotated[Optional[str], typer.Option("--model", "-m", help="Catalog name (Qwen2.5-7B), HF id, local HF directory or config.json.", rich_help_panel="Job")]
-Data = Annotated[Optional[str], typer.Option("--data", "-d", help="JSONL, Parquet or a `datasets` directory.", rich_help_panel="Job")]
-Gpus = Annotated[Optional[int], typer.Option("--gpus", help="GPUs in total across nodes (plan for them even when this machine has none).", rich_help_panel="Hardware")]
-Nodes = Annotated[Optional[int], typer.Option("--nodes", help="Number of nodes.", rich_help_panel="Hardware")]
-Gpu = Annotated[Optional[str], typer.Option("--gpu", help="GPU type, e.g. H100-80GB, A100-40GB (default: detected, else H100-80GB).", rich_help_panel="Hardware")]
-Device = Annotated[Optional[str], typer.Option("--device", help="auto | cuda | cpu.", rich_help_panel="Hardware")]
-Nproc = Annotated[Optional[int], typer.Option("--nproc", help="Processes per node (default: GPUs per node, or 1 on CPU).", rich_help_panel="Hardware")]
-NodeRank = Annotated[Optional[int], typer.Option("--node-rank", help="This node's rank (multi-node).", rich_help_panel="Hardware")]
-MasterAddr = Annotated[Optional[str], typer.Option("--master-addr", help="Address of node 0 (multi-node).", rich_help_panel="Hardware")]
-MasterPort = Annotated[Optional[int], typer.Option("--master-port", help="Port on node 0 (default: a free one).", rich_help_panel="Hardware")]
-Rdzv = Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="host:port of a c10d rendezvous (torchrun's elastic launch).", rich_help_panel="Hardware")]
-Preset = Annotated[Optional[str], typer.Option("--preset", help="A named preset applied over the method's defaults (`rlctl presets list`).", rich_help_panel="Configuration")]
-ConfigFile = Annotated[Optional[str], typer.Option("--config", "-c", help="YAML file of config sections (overrides the preset).", rich_help_panel="Configuration")]
-Set = Annotated[Optional[list[str]], typer.Option("--set", "-s", help="key=value with a dotted key, repeatable; wins over everything (e.g. --set train.lr=2e-5).", rich_help_panel="Configuration")]
-OutputDir = Annotated[Optional[str], typer.Option("--output-dir", "-o", help="Run directory (default: runs/<method>-<model>-<time>).", rich_help_panel="Configuration")]
-DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the plan, the resolved config, the memory estimate and the launch command; write nothing.", rich_help_panel="Configuration")]
-Json = Annotated[bool, typer.Option("--json", help="With --dry-run: print one JSON object.", rich_help_panel="Configuration")]
+Model = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="Catalog name (Qwen2.5-7B), HF id, local HF directory or config.json.",
+        rich_help_panel="Job",
+    ),
+]
+Data = Annotated[
+    str | None, typer.Option("--data", "-d", help="JSONL, Parquet or a `datasets` directory.", rich_help_panel="Job")
+]
+Gpus = Annotated[
+    int | None,
+    typer.Option(
+        "--gpus",
+        help="GPUs in total across nodes (plan for them even when this machine has none).",
+        rich_help_panel="Hardware",
+    ),
+]
+Nodes = Annotated[int | None, typer.Option("--nodes", help="Number of nodes.", rich_help_panel="Hardware")]
+Gpu = Annotated[
+    str | None,
+    typer.Option(
+        "--gpu",
+        help="GPU type, e.g. H100-80GB, A100-40GB (default: detected, else H100-80GB).",
+        rich_help_panel="Hardware",
+    ),
+]
+Device = Annotated[str | None, typer.Option("--device", help="auto | cuda | cpu.", rich_help_panel="Hardware")]
+Nproc = Annotated[
+    int | None,
+    typer.Option(
+        "--nproc", help="Processes per node (default: GPUs per node, or 1 on CPU).", rich_help_panel="Hardware"
+    ),
+]
+NodeRank = Annotated[
+    int | None, typer.Option("--node-rank", help="This node's rank (multi-node).", rich_help_panel="Hardware")
+]
+MasterAddr = Annotated[
+    str | None, typer.Option("--master-addr", help="Address of node 0 (multi-node).", rich_help_panel="Hardware")
+]
+MasterPort = Annotated[
+    int | None,
+    typer.Option("--master-port", help="Port on node 0 (default: a free one).", rich_help_panel="Hardware"),
+]
+Rdzv = Annotated[
+    str | None,
+    typer.Option(
+        "--rdzv-endpoint",
+        help="host:port of a c10d rendezvous (torchrun's elastic launch).",
+        rich_help_panel="Hardware",
+    ),
+]
+Preset = Annotated[
+    str | None,
+    typer.Option(
+        "--preset",
+        help="A named preset applied over the method's defaults (`rlctl presets list`).",
+        rich_help_panel="Configuration",
+    ),
+]
+ConfigFile = Annotated[
+    str | None,
+    typer.Option(
+        "--config", "-c", help="YAML file of config sections (overrides the preset).", rich_help_panel="Configuration"
+    ),
+]
+Set = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        "-s",
+        help="key=value with a dotted key, repeatable; wins over everything (e.g. --set train.lr=2e-5).",
+        rich_help_panel="Configuration",
+    ),
+]
+OutputDir = Annotated[
+    str | None,
+    typer.Option(
+        "--output-dir",
+        "-o",
+        help="Run directory (default: runs/<method>-<model>-<time>).",
+        rich_help_panel="Configuration",
+    ),
+]
+DryRun = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run",
+        help="Print the plan, the resolved config, the memory estimate and the launch command; write nothing.",
+        rich_help_panel="Configuration",
+    ),
+]
+Json = Annotated[
+    bool, typer.Option("--json", help="With --dry-run: print one JSON object.", rich_help_panel="Configuration")
+]
 
-MaxSteps = Annotated[Optional[int], typer.Option("--max-steps", help="Stop after this many optimizer steps (0 = run the epochs).", rich_help_panel="Training")]
-Epochs = Annotated[Optional[int], typer.Option("--epochs", help="Passes over the data.", rich_help_panel="Training")]
-Lr = Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate.", rich_help_panel="Training")]
-MicroBatch = Annotated[Optional[int], typer.Option("--micro-batch-size", help="Sequences per device per forward (default: from the plan).", rich_help_panel="Training")]
-Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed.", rich_help_panel="Training")]
-SaveEvery = Annotated[Optional[int], typer.Option("--save-every", help="Checkpoint every N steps (and always at the end).", rich_help_panel="Checkpoints")]
-KeepLast = Annotated[Optional[int], typer.Option("--keep-last", help="Keep the last K checkpoints.", rich_help_panel="Checkpoints")]
-Resume = Annotated[Optional[str], typer.Option("--resume", help="auto (latest checkpoint of the run dir) or a checkpoint path.", rich_help_panel="Checkpoints")]
-EvalEvery = Annotated[Optional[int], typer.Option("--eval-every", help="Evaluate every N steps (0 = never).", rich_help_panel="Training")]
-LoraRank = Annotated[Optional[int], typer.Option("--lora-rank", help="LoRA rank (0 = full fine-tuning).", rich_help_panel="LoRA")]
-LoraAlpha = Annotated[Optional[float], typer.Option("--lora-alpha", help="LoRA alpha (default 2 x rank).", rich_help_panel="LoRA")]
-LoraTargets = Annotated[Optional[str], typer.Option("--lora-targets", help="all-linear or a comma list of module names.", rich_help_panel="LoRA")]
-Log = Annotated[Optional[str], typer.Option("--log", help="Comma list of metric sinks: console, tensorboard, wandb.", rich_help_panel="Training")]
+MaxSteps = Annotated[
+    int | None,
+    typer.Option(
+        "--max-steps", help="Stop after this many optimizer steps (0 = run the epochs).", rich_help_panel="Training"
+    ),
+]
+Epochs = Annotated[int | None, typer.Option("--epochs", help="Passes over the data.", rich_help_panel="Training")]
+Lr = Annotated[float | None, typer.Option("--lr", help="Peak learning rate.", rich_help_panel="Training")]
+MicroBatch = Annotated[
+    int | None,
+    typer.Option(
+        "--micro-batch-size",
+        help="Sequences per device per forward (default: from the plan).",
+        rich_help_panel="Training",
+    ),
+]
+Seed = Annotated[int | None, typer.Option("--seed", help="Random seed.", rich_help_panel="Training")]
+SaveEvery = Annotated[
+    int | None,
+    typer.Option(
+        "--save-every", help="Checkpoint every N steps (and always at the end).", rich_help_panel="Checkpoints"
+    ),
+]
+KeepLast = Annotated[
+    int | None, typer.Option("--keep-last", help="Keep the last K checkpoints.", rich_help_panel="Checkpoints")
+]
+Resume = Annotated[
+    str | None,
+    typer.Option(
+        "--resume", help="auto (latest checkpoint of the run dir) or a checkpoint path.", rich_help_panel="Checkpoints"
+    ),
+]
+EvalEvery = Annotated[
+    int | None, typer.Option("--eval-every", help="Evaluate every N steps (0 = never).", rich_help_panel="Training")
+]
+LoraRank = Annotated[
+    int | None, typer.Option("--lora-rank", help="LoRA rank (0 = full fine-tuning).", rich_help_panel="LoRA")
+]
+LoraAlpha = Annotated[
+    float | None, typer.Option("--lora-alpha", help="LoRA alpha (default 2 x rank).", rich_help_panel="LoRA")
+]
+LoraTargets = Annotated[
+    str | None,
+    typer.Option("--lora-targets", help="all-linear or a comma list of module names.", rich_help_panel="LoRA"),
+]
+Log = Annotated[
+    str | None,
+    typer.Option("--log", help="Comma list of metric sinks: console, tensorboard, wandb.", rich_help_panel="Training"),
+]
 
 
 def option_layer(mapping: dict[str, object]) -> dict:
@@ -83,13 +199,17 @@ def resolve_job(method: str, *, preset: str | None, config_file: str | None, opt
     if config_file:
         file_layer = load_yaml_file(config_file)
         if file_layer.get("method") not in (None, method):
-            raise UserError(f"{config_file} is a `{file_layer['method']}` config; run `rlctl {file_layer['method']}` with it")
+            raise UserError(
+                f"{config_file} is a `{file_layer['method']}` config; run `rlctl {file_layer['method']}` with it"
+            )
         layers.append(file_layer)
     layers.append(option_layer(options))
     layers.append(parse_set_options(sets or []))
     cfg = build_config(method, layers)
     if not cfg.model.name:
-        raise UserError(f"no model given: pass --model (e.g. `rlctl {method} --model Qwen2.5-7B ...`) or set model.name in --config")
+        raise UserError(
+            f"no model given: pass --model (e.g. `rlctl {method} --model Qwen2.5-7B ...`) or set model.name in --config"
+        )
     plan = resolve_plan(cfg)
     return apply_plan(cfg, plan), plan
 
@@ -116,7 +236,9 @@ def run_training(method: str, *, preset, config_file, options: dict, sets, dry_r
         raise UserError("--json goes with --dry-run (a real run writes metrics.jsonl in its run directory)")
     check_inputs(cfg)
     if importlib.util.find_spec(f"rlctl.recipes.{method}") is None:
-        raise NotAvailableYet(f"`rlctl {method}` is not available yet (its training recipe has not landed); --dry-run works")
+        raise NotAvailableYet(
+            f"`rlctl {method}` is not available yet (its training recipe has not landed); --dry-run works"
+        )
     from rlctl.launch import launch_job
 
     raise typer.Exit(launch_job(cfg, plan))
@@ -129,11 +251,15 @@ def check_inputs(cfg) -> None:
     from rlctl.errors import UserError
 
     if not cfg.data.path:
-        raise UserError(f"no data given: pass --data FILE (JSONL, Parquet or a datasets directory) to `rlctl {cfg.method}`")
+        raise UserError(
+            f"no data given: pass --data FILE (JSONL, Parquet or a datasets directory) to `rlctl {cfg.method}`"
+        )
     for key in ("path", "val_path"):
         value = getattr(cfg.data, key)
         if value and not Path(value).exists():
-            raise UserError(f"data file not found: {value} (data.{key}); pass an existing JSONL/Parquet file or datasets directory")
+            raise UserError(
+                f"data file not found: {value} (data.{key}); pass an existing JSONL/Parquet file or datasets directory"
+            )
     if cfg.method in ("grpo", "ppo") and cfg.reward.fn != "auto":
         from rlctl.rewards import get_reward
 
@@ -153,6 +279,14 @@ def print_dry_run(cfg, plan, argv: list[str]) -> None:
 
     console = Console()
     render_plan(console, plan)
-    console.print(Panel(Syntax(yaml.safe_dump(cfg.to_dict(), sort_keys=False), "yaml"), title="resolved configuration", expand=False))
+    console.print(
+        Panel(
+            Syntax(yaml.safe_dump(cfg.to_dict(), sort_keys=False), "yaml"), title="resolved configuration", expand=False
+        )
+    )
     render_estimate(console, plan.estimate)
-    console.print(Panel(" ".join(shlex.quote(a) for a in argv), title="launch command (dry run: nothing was written)", expand=False))
+    console.print(
+        Panel(
+            " ".join(shlex.quote(a) for a in argv), title="launch command (dry run: nothing was written)", expand=False
+        )
+    )

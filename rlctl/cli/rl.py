@@ -6,7 +6,7 @@ ppo: a critic and GAE).
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -57,22 +57,69 @@ def _rl_command(method: str):
         max_steps: o.MaxSteps = None,
         epochs: o.Epochs = None,
         lr: o.Lr = None,
-        batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Prompts per step (global).", rich_help_panel=RL)] = None,
-        n: Annotated[Optional[int], typer.Option("--n", help="Samples per prompt.", rich_help_panel=RL)] = None,
-        max_prompt_len: Annotated[Optional[int], typer.Option("--max-prompt-len", help="Longest prompt in tokens (longer ones are skipped).", rich_help_panel=RL)] = None,
-        max_response_len: Annotated[Optional[int], typer.Option("--max-response-len", help="Most tokens generated per sample.", rich_help_panel=RL)] = None,
-        temperature: Annotated[Optional[float], typer.Option("--temperature", help="Sampling temperature.", rich_help_panel=RL)] = None,
-        mini_batch_size: Annotated[Optional[int], typer.Option("--mini-batch-size", help="Prompts per optimizer step (default: the whole batch).", rich_help_panel=RL)] = None,
+        batch_size: Annotated[
+            int | None, typer.Option("--batch-size", help="Prompts per step (global).", rich_help_panel=RL)
+        ] = None,
+        n: Annotated[int | None, typer.Option("--n", help="Samples per prompt.", rich_help_panel=RL)] = None,
+        max_prompt_len: Annotated[
+            int | None,
+            typer.Option(
+                "--max-prompt-len", help="Longest prompt in tokens (longer ones are skipped).", rich_help_panel=RL
+            ),
+        ] = None,
+        max_response_len: Annotated[
+            int | None,
+            typer.Option("--max-response-len", help="Most tokens generated per sample.", rich_help_panel=RL),
+        ] = None,
+        temperature: Annotated[
+            float | None, typer.Option("--temperature", help="Sampling temperature.", rich_help_panel=RL)
+        ] = None,
+        mini_batch_size: Annotated[
+            int | None,
+            typer.Option(
+                "--mini-batch-size", help="Prompts per optimizer step (default: the whole batch).", rich_help_panel=RL
+            ),
+        ] = None,
         micro_batch_size: o.MicroBatch = None,
-        ppo_epochs: Annotated[Optional[int], typer.Option("--ppo-epochs", help="Passes over each rollout batch.", rich_help_panel=RL)] = None,
-        kl_coef: Annotated[Optional[float], typer.Option("--kl-coef", help="KL coefficient against the reference model (0 = no reference).", rich_help_panel=RL)] = None,
-        kl_kind: Annotated[Optional[str], typer.Option("--kl-kind", help="k1 | abs | k2 | k3.", rich_help_panel=RL)] = None,
-        adv: Annotated[Optional[str], typer.Option("--adv", help="grpo | rloo | reinforce_pp | gae.", rich_help_panel=RL)] = None,
-        loss_agg: Annotated[Optional[str], typer.Option("--loss-agg", help="token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm.", rich_help_panel=RL)] = None,
-        clip_low: Annotated[Optional[float], typer.Option("--clip-low", help="PPO clip below 1.", rich_help_panel=RL)] = None,
-        clip_high: Annotated[Optional[float], typer.Option("--clip-high", help="PPO clip above 1 (0.28 = DAPO's clip-higher).", rich_help_panel=RL)] = None,
-        rollout: Annotated[Optional[str], typer.Option("--rollout", help="auto | hf | vllm | sglang.", rich_help_panel=RL)] = None,
-        reward: Annotated[Optional[str], typer.Option("--reward", help="gsm8k | math | exact | format | length | file.py:fn | module:fn.", rich_help_panel=RL)] = None,
+        ppo_epochs: Annotated[
+            int | None, typer.Option("--ppo-epochs", help="Passes over each rollout batch.", rich_help_panel=RL)
+        ] = None,
+        kl_coef: Annotated[
+            float | None,
+            typer.Option(
+                "--kl-coef", help="KL coefficient against the reference model (0 = no reference).", rich_help_panel=RL
+            ),
+        ] = None,
+        kl_kind: Annotated[
+            str | None, typer.Option("--kl-kind", help="k1 | abs | k2 | k3.", rich_help_panel=RL)
+        ] = None,
+        adv: Annotated[
+            str | None, typer.Option("--adv", help="grpo | rloo | reinforce_pp | gae.", rich_help_panel=RL)
+        ] = None,
+        loss_agg: Annotated[
+            str | None,
+            typer.Option(
+                "--loss-agg",
+                help="token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm.",
+                rich_help_panel=RL,
+            ),
+        ] = None,
+        clip_low: Annotated[
+            float | None, typer.Option("--clip-low", help="PPO clip below 1.", rich_help_panel=RL)
+        ] = None,
+        clip_high: Annotated[
+            float | None,
+            typer.Option("--clip-high", help="PPO clip above 1 (0.28 = DAPO's clip-higher).", rich_help_panel=RL),
+        ] = None,
+        rollout: Annotated[
+            str | None, typer.Option("--rollout", help="auto | hf | vllm | sglang.", rich_help_panel=RL)
+        ] = None,
+        reward: Annotated[
+            str | None,
+            typer.Option(
+                "--reward", help="gsm8k | math | exact | format | length | file.py:fn | module:fn.", rich_help_panel=RL
+            ),
+        ] = None,
         save_every: o.SaveEvery = None,
         keep_last: o.KeepLast = None,
         resume: o.Resume = None,
@@ -82,20 +129,52 @@ def _rl_command(method: str):
         log: o.Log = None,
     ) -> None:
         mapping = o.common_mapping(
-            model=model, data=data, gpus=gpus, nodes=nodes, gpu=gpu, device=device, nproc=nproc, node_rank=node_rank,
-            master_addr=master_addr, master_port=master_port, rdzv_endpoint=rdzv_endpoint, output_dir=output_dir,
+            model=model,
+            data=data,
+            gpus=gpus,
+            nodes=nodes,
+            gpu=gpu,
+            device=device,
+            nproc=nproc,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            rdzv_endpoint=rdzv_endpoint,
+            output_dir=output_dir,
         )
-        mapping.update({
-            "train.max_steps": max_steps, "train.epochs": epochs, "train.lr": lr, "train.batch_size": batch_size,
-            "rollout.n": n, "rollout.max_prompt_len": max_prompt_len, "rollout.max_response_len": max_response_len,
-            "rollout.temperature": temperature, "algo.mini_batch_size": mini_batch_size,
-            "train.micro_batch_size": micro_batch_size, "algo.ppo_epochs": ppo_epochs, "algo.kl_coef": kl_coef,
-            "algo.kl_kind": kl_kind, "algo.adv": adv, "algo.loss_agg": loss_agg, "algo.clip_low": clip_low,
-            "algo.clip_high": clip_high, "rollout.engine": rollout, "reward.fn": reward,
-            "checkpoint.save_every": save_every, "checkpoint.keep_last": keep_last, "checkpoint.resume": resume,
-            "train.seed": seed, "lora.rank": lora_rank, "lora.alpha": lora_alpha, "log.backends": log,
-        })
-        o.run_training(method, preset=preset, config_file=config, options=mapping, sets=set_, dry_run=dry_run, as_json=json_)
+        mapping.update(
+            {
+                "train.max_steps": max_steps,
+                "train.epochs": epochs,
+                "train.lr": lr,
+                "train.batch_size": batch_size,
+                "rollout.n": n,
+                "rollout.max_prompt_len": max_prompt_len,
+                "rollout.max_response_len": max_response_len,
+                "rollout.temperature": temperature,
+                "algo.mini_batch_size": mini_batch_size,
+                "train.micro_batch_size": micro_batch_size,
+                "algo.ppo_epochs": ppo_epochs,
+                "algo.kl_coef": kl_coef,
+                "algo.kl_kind": kl_kind,
+                "algo.adv": adv,
+                "algo.loss_agg": loss_agg,
+                "algo.clip_low": clip_low,
+                "algo.clip_high": clip_high,
+                "rollout.engine": rollout,
+                "reward.fn": reward,
+                "checkpoint.save_every": save_every,
+                "checkpoint.keep_last": keep_last,
+                "checkpoint.resume": resume,
+                "train.seed": seed,
+                "lora.rank": lora_rank,
+                "lora.alpha": lora_alpha,
+                "log.backends": log,
+            }
+        )
+        o.run_training(
+            method, preset=preset, config_file=config, options=mapping, sets=set_, dry_run=dry_run, as_json=json_
+        )
 
     return command
 

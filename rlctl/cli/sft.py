@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -42,11 +42,29 @@ def sft(
     max_steps: o.MaxSteps = None,
     epochs: o.Epochs = None,
     lr: o.Lr = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per optimizer step (global).", rich_help_panel="Training")] = None,
+    batch_size: Annotated[
+        int | None,
+        typer.Option("--batch-size", help="Sequences per optimizer step (global).", rich_help_panel="Training"),
+    ] = None,
     micro_batch_size: o.MicroBatch = None,
-    max_len: Annotated[Optional[int], typer.Option("--max-len", help="Longest sequence in tokens (also the packing budget per sequence slot).", rich_help_panel="Training")] = None,
-    packing: Annotated[Optional[bool], typer.Option("--packing/--no-packing", help="Pack several documents per row (default on).", rich_help_panel="Training")] = None,
-    val_fraction: Annotated[Optional[float], typer.Option("--val-fraction", help="Share of the data held out for eval loss.", rich_help_panel="Training")] = None,
+    max_len: Annotated[
+        int | None,
+        typer.Option(
+            "--max-len",
+            help="Longest sequence in tokens (also the packing budget per sequence slot).",
+            rich_help_panel="Training",
+        ),
+    ] = None,
+    packing: Annotated[
+        bool | None,
+        typer.Option(
+            "--packing/--no-packing", help="Pack several documents per row (default on).", rich_help_panel="Training"
+        ),
+    ] = None,
+    val_fraction: Annotated[
+        float | None,
+        typer.Option("--val-fraction", help="Share of the data held out for eval loss.", rich_help_panel="Training"),
+    ] = None,
     eval_every: o.EvalEvery = None,
     save_every: o.SaveEvery = None,
     keep_last: o.KeepLast = None,
@@ -59,14 +77,38 @@ def sft(
 ) -> None:
     """Supervised fine-tuning: packed sequences, loss on assistant tokens, LoRA or full, exact resume."""
     mapping = o.common_mapping(
-        model=model, data=data, gpus=gpus, nodes=nodes, gpu=gpu, device=device, nproc=nproc, node_rank=node_rank,
-        master_addr=master_addr, master_port=master_port, rdzv_endpoint=rdzv_endpoint, output_dir=output_dir,
+        model=model,
+        data=data,
+        gpus=gpus,
+        nodes=nodes,
+        gpu=gpu,
+        device=device,
+        nproc=nproc,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        rdzv_endpoint=rdzv_endpoint,
+        output_dir=output_dir,
     )
-    mapping.update({
-        "train.max_steps": max_steps, "train.epochs": epochs, "train.lr": lr, "train.batch_size": batch_size,
-        "train.micro_batch_size": micro_batch_size, "train.max_len": max_len, "data.packing": packing,
-        "data.val_fraction": val_fraction, "train.eval_every": eval_every, "checkpoint.save_every": save_every,
-        "checkpoint.keep_last": keep_last, "checkpoint.resume": resume, "train.seed": seed,
-        "lora.rank": lora_rank, "lora.alpha": lora_alpha, "lora.targets": lora_targets, "log.backends": log,
-    })
+    mapping.update(
+        {
+            "train.max_steps": max_steps,
+            "train.epochs": epochs,
+            "train.lr": lr,
+            "train.batch_size": batch_size,
+            "train.micro_batch_size": micro_batch_size,
+            "train.max_len": max_len,
+            "data.packing": packing,
+            "data.val_fraction": val_fraction,
+            "train.eval_every": eval_every,
+            "checkpoint.save_every": save_every,
+            "checkpoint.keep_last": keep_last,
+            "checkpoint.resume": resume,
+            "train.seed": seed,
+            "lora.rank": lora_rank,
+            "lora.alpha": lora_alpha,
+            "lora.targets": lora_targets,
+            "log.backends": log,
+        }
+    )
     o.run_training("sft", preset=preset, config_file=config, options=mapping, sets=set_, dry_run=dry_run, as_json=json_)

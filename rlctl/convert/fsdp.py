@@ -110,9 +110,18 @@ class SafetensorsSource(TensorSource):
 
 
 _ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -133,14 +142,16 @@ class DcpSource(TensorSource):
         self._raw: dict[str, str] = {}
         for key, meta in metadata.state_dict_metadata.items():
             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
-                name = clean_name(key[len(prefix):])
+                name = clean_name(key[len(prefix) :])
                 self._meta[name] = meta
                 self._raw[name] = key
         if not self._meta:
             state = path / "trainer_state.json"
             if state.is_file() and '"megatron"' in state.read_text():
-                raise UserError(f"{path} was written by the Megatron engine: convert it with "
-                                f"`rlctl convert megatron-to-hf {path} OUT`")
+                raise UserError(
+                    f"{path} was written by the Megatron engine: convert it with "
+                    f"`rlctl convert megatron-to-hf {path} OUT`"
+                )
             raise UserError(f"{path}: the DCP checkpoint holds no '{prefix}*' tensors (not an rlctl checkpoint?)")
 
     def keys(self) -> list[str]:
@@ -248,7 +259,9 @@ def assemble_dtensor(key: str, shards: list, files: list[Path]) -> torch.Tensor:
                 lo = min(start + coord[mesh_dim] * chunk, stop)
                 region[placement.dim] = (lo, min(lo + chunk, stop))
             elif not isinstance(placement, Replicate):
-                raise UserError(f"{files[rank]}: {key} has placement {placement}; only Shard and Replicate are supported")
+                raise UserError(
+                    f"{files[rank]}: {key} has placement {placement}; only Shard and Replicate are supported"
+                )
         region_key = tuple(region)
         if region_key in filled:
             continue
@@ -424,7 +437,9 @@ def _step_of(path: Path) -> int | None:
 
 def _require_meta(meta_dir: Path, ckpt: Path) -> Path:
     if not (meta_dir / "config.json").is_file():
-        raise UserError(f"{ckpt}: no huggingface/config.json beside the weights; the checkpoint cannot describe its model")
+        raise UserError(
+            f"{ckpt}: no huggingface/config.json beside the weights; the checkpoint cannot describe its model"
+        )
     return meta_dir
 
 
@@ -441,8 +456,13 @@ def _rlctl_checkpoint(path: Path, notes: list[str]) -> Checkpoint:
         world = state.get("world_size")
     adapter = path / "lora_adapter"
     return Checkpoint(
-        format="rlctl-dcp", weights_dir=path, meta_dir=_require_meta(path / "huggingface", path),
-        step=step, world_size=world, adapter_dir=adapter if adapter.is_dir() else None, notes=notes,
+        format="rlctl-dcp",
+        weights_dir=path,
+        meta_dir=_require_meta(path / "huggingface", path),
+        step=step,
+        world_size=world,
+        adapter_dir=adapter if adapter.is_dir() else None,
+        notes=notes,
     )
 
 
@@ -464,12 +484,19 @@ def _verl_checkpoint(path: Path, notes: list[str]) -> Checkpoint:
         notes.append(f"no fsdp_config.json; world size {world} taken from the rank file names")
     missing = [r for r in range(world) if r not in ranks]
     if missing:
-        raise UserError(f"{path}: missing model_world_size_{world}_rank_{missing[0]}.pt ({len(missing)} of {world} rank files absent)")
+        raise UserError(
+            f"{path}: missing model_world_size_{world}_rank_{missing[0]}.pt ({len(missing)} of {world} rank files absent)"
+        )
     adapter = path / "lora_adapter"
     return Checkpoint(
-        format="verl-fsdp", weights_dir=path, meta_dir=_require_meta(path / "huggingface", path),
-        step=_step_of(path), world_size=world, fsdp_version=version,
-        adapter_dir=adapter if adapter.is_dir() else None, notes=notes,
+        format="verl-fsdp",
+        weights_dir=path,
+        meta_dir=_require_meta(path / "huggingface", path),
+        step=_step_of(path),
+        world_size=world,
+        fsdp_version=version,
+        adapter_dir=adapter if adapter.is_dir() else None,
+        notes=notes,
     )
 
 
@@ -531,7 +558,9 @@ def convert_source(
     spec = None
     if layout.has_lora:
         if adapter_dir is None or not (adapter_dir / "adapter_config.json").is_file():
-            raise UserError(f"{where}: LoRA weights but no lora_adapter/adapter_config.json to read the rank and alpha from")
+            raise UserError(
+                f"{where}: LoRA weights but no lora_adapter/adapter_config.json to read the rank and alpha from"
+            )
         spec = LoraSpec.from_dir(adapter_dir)
     elif keep_adapter:
         raise UserError(f"{where}: --keep-adapter given but the checkpoint holds no LoRA weights")
@@ -560,14 +589,27 @@ def convert_source(
         return verify_model(tmp, expected.items(), dtype=target, rounding=True)
 
     written = write_verified(
-        out_dir, tensors, meta_dir=meta_dir, dtype=target, force=force,
-        verify=check if verify else None, before_verify=add_adapter if keep_adapter else None,
-        total=len(layout.base), progress=progress, max_shard_bytes=max_shard_bytes,
+        out_dir,
+        tensors,
+        meta_dir=meta_dir,
+        dtype=target,
+        force=force,
+        verify=check if verify else None,
+        before_verify=add_adapter if keep_adapter else None,
+        total=len(layout.base),
+        progress=progress,
+        max_shard_bytes=max_shard_bytes,
     )
     return ConvertResult(
-        out_dir=out_dir, committed=written.committed, dtype=target, tensors=len(layout.base),
-        folded=sorted(layout.lora) if fold else [], adapter_kept=keep_adapter, unknown=unknown,
-        notes=list(notes or []), verdict=written.verdict,
+        out_dir=out_dir,
+        committed=written.committed,
+        dtype=target,
+        tensors=len(layout.base),
+        folded=sorted(layout.lora) if fold else [],
+        adapter_kept=keep_adapter,
+        unknown=unknown,
+        notes=list(notes or []),
+        verdict=written.verdict,
     )
 
 
@@ -578,8 +620,13 @@ def fsdp_to_hf(path: str | Path, out_dir: str | Path, **options) -> ConvertResul
     """
     ckpt = locate_checkpoint(path)
     result = convert_source(
-        ckpt.open(), out_dir, meta_dir=ckpt.meta_dir, adapter_dir=ckpt.adapter_dir,
-        where=str(ckpt.weights_dir), notes=ckpt.notes, **options,
+        ckpt.open(),
+        out_dir,
+        meta_dir=ckpt.meta_dir,
+        adapter_dir=ckpt.adapter_dir,
+        where=str(ckpt.weights_dir),
+        notes=ckpt.notes,
+        **options,
     )
     result.checkpoint = ckpt
     return result

@@ -35,7 +35,12 @@ def inspect_checkpoint(path: str | Path) -> dict:
     megatron = _megatron_format(path)
     if megatron is not None:
         return _inspect_megatron(path, megatron)
-    if (path / "config.json").is_file() and any(path.glob("*.safetensors")) and not is_dcp_dir(path) and not rank_files(path):
+    if (
+        (path / "config.json").is_file()
+        and any(path.glob("*.safetensors"))
+        and not is_dcp_dir(path)
+        and not rank_files(path)
+    ):
         return _inspect_hf(path)
     try:
         ckpt = locate_checkpoint(path)
@@ -96,8 +101,9 @@ def _lora_info(source: TensorSource, adapter_dir: Path | None, where: str) -> di
     info: dict = {"modules": len(lora), "weights_in": weights_in}
     if adapter_dir is not None and (adapter_dir / "adapter_config.json").is_file():
         spec = LoraSpec.from_dir(adapter_dir)
-        info.update(r=spec.r, alpha=spec.alpha, use_rslora=spec.use_rslora,
-                    target_modules=spec.raw.get("target_modules"))
+        info.update(
+            r=spec.r, alpha=spec.alpha, use_rslora=spec.use_rslora, target_modules=spec.raw.get("target_modules")
+        )
         if spec.rank_pattern or spec.alpha_pattern:
             info.update(rank_pattern=spec.rank_pattern, alpha_pattern=spec.alpha_pattern)
     else:
@@ -108,17 +114,29 @@ def _lora_info(source: TensorSource, adapter_dir: Path | None, where: str) -> di
 def _inspect_hf(path: Path) -> dict:
     config = json.loads((path / "config.json").read_text())
     source = SafetensorsSource(path)
-    info = {"format": "hf", "path": str(path), "model_type": config.get("model_type"),
-            "config_dtype": _name(config_dtype(config))}
+    info = {
+        "format": "hf",
+        "path": str(path),
+        "model_type": config.get("model_type"),
+        "config_dtype": _name(config_dtype(config)),
+    }
     info.update(_tensor_stats(source, config, str(path)))
     return info
 
 
 def _inspect_adapter(path: Path) -> dict:
     spec = LoraSpec.from_dir(path)
-    info = {"format": "peft-adapter", "path": str(path), "base_model": spec.raw.get("base_model_name_or_path"),
-            "lora": {"r": spec.r, "alpha": spec.alpha, "use_rslora": spec.use_rslora,
-                     "target_modules": spec.raw.get("target_modules")}}
+    info = {
+        "format": "peft-adapter",
+        "path": str(path),
+        "base_model": spec.raw.get("base_model_name_or_path"),
+        "lora": {
+            "r": spec.r,
+            "alpha": spec.alpha,
+            "use_rslora": spec.use_rslora,
+            "target_modules": spec.raw.get("target_modules"),
+        },
+    }
     weights = path / "adapter_model.safetensors"
     if weights.is_file():
         source = SafetensorsSource(weights)
@@ -148,8 +166,12 @@ def _inspect_megatron(path: Path, fmt: str) -> dict:
     if meta_file.is_file():
         meta = json.loads(meta_file.read_text())
         config = meta.get("hf_config") or {}
-        info.update(tp=meta.get("tp"), pp=meta.get("pp"), model_type=config.get("model_type"),
-                    config_dtype=_name(config_dtype(config)))
+        info.update(
+            tp=meta.get("tp"),
+            pp=meta.get("pp"),
+            model_type=config.get("model_type"),
+            config_dtype=_name(config_dtype(config)),
+        )
         shard = next(path.glob("mp_rank_*/model.safetensors"), None)
         if shard is not None:
             source = SafetensorsSource(shard)

@@ -45,7 +45,9 @@ class LoraSpec:
         if d.get("peft_type", "LORA") != "LORA":
             raise UserError(f"{where}: peft_type {d.get('peft_type')} is not LoRA; only LoRA adapters can be merged")
         if d.get("use_dora"):
-            raise UserError(f"{where}: DoRA adapters (use_dora) are not supported; merge them with peft's merge_and_unload")
+            raise UserError(
+                f"{where}: DoRA adapters (use_dora) are not supported; merge them with peft's merge_and_unload"
+            )
         if "r" not in d:
             raise UserError(f"{where}: no rank 'r' in the adapter config")
         return cls(
@@ -146,7 +148,9 @@ def split_peft_keys(keys: list[str], where: str) -> tuple[dict[str, str], dict[s
             raise UserError(f"{where}: two tensors map to {name} ({base[name]} and {key})")
         base[name] = key
     if len(adapters) > 1:
-        raise UserError(f"{where}: several LoRA adapters ({', '.join(sorted(adapters))}); merge one at a time with peft")
+        raise UserError(
+            f"{where}: several LoRA adapters ({', '.join(sorted(adapters))}); merge one at a time with peft"
+        )
     for module, pair in lora.items():
         if pair.a_key is None or pair.b_key is None:
             raise UserError(f"{where}: LoRA of {module} has only one of lora_A / lora_B")
@@ -191,7 +195,9 @@ def merged_tensors(source: TensorSource, layout: HFLayout, spec: LoraSpec | None
             lsrc = layout.lora_source
             d = delta(spec, module, lsrc.get(pair.a_key), lsrc.get(pair.b_key), pair.embedding)
             if d.shape != tensor.shape:
-                raise UserError(f"{source.where(key)}: LoRA delta of {module} has shape {list(d.shape)}, weight {list(tensor.shape)}")
+                raise UserError(
+                    f"{source.where(key)}: LoRA delta of {module} has shape {list(d.shape)}, weight {list(tensor.shape)}"
+                )
             tensor = tensor.float() + d
         yield name, tensor
 
@@ -236,8 +242,9 @@ def peft_reference(meta_dir: Path, base: dict[str, torch.Tensor], adapter_dir: P
 
     config = AutoConfig.from_pretrained(str(meta_dir))
     # copies: merge_and_unload works in place and must not touch the caller's tensors
-    model = model_from_state(config, {k: v.to(torch.float32, copy=True) if v.is_floating_point() else v.clone()
-                                      for k, v in base.items()})
+    model = model_from_state(
+        config, {k: v.to(torch.float32, copy=True) if v.is_floating_point() else v.clone() for k, v in base.items()}
+    )
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir), torch_device="cpu")
     merged = peft_model.merge_and_unload()
     return {k: v.detach() for k, v in merged.state_dict().items()}
@@ -262,4 +269,3 @@ def lora_merge(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pat
         raise UserError(f"{weights}: the adapter holds no LoRA weights")
     source = SafetensorsSource(base_dir)
     return convert_source(source, out_dir, meta_dir=base_dir, adapter_dir=adapter_dir, where=str(base_dir), **options)
-

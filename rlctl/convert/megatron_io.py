@@ -156,8 +156,9 @@ class _ShardFiles:
 
     def __init__(self, ckpt_dir: Path, tp: int, pp: int):
         self._dir = ckpt_dir
-        self._files = {(t, p): ckpt_dir / shard_dir_name(t, p) / "model.safetensors"
-                       for p in range(pp) for t in range(tp)}
+        self._files = {
+            (t, p): ckpt_dir / shard_dir_name(t, p) / "model.safetensors" for p in range(pp) for t in range(tp)
+        }
         missing = [str(f) for f in self._files.values() if not f.is_file()]
         if missing:
             raise UserError(
@@ -209,9 +210,7 @@ class _TorchDistReader:
         self._meta = FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
         model_keys = [k for k in self._meta if k.endswith(self._EMBEDDING) and not k.startswith("optimizer")]
         if not model_keys:
-            raise UserError(
-                f"{ckpt_dir} has no {self._EMBEDDING}: not a megatron-core GPTModel checkpoint"
-            )
+            raise UserError(f"{ckpt_dir} has no {self._EMBEDDING}: not a megatron-core GPTModel checkpoint")
         self._prefix = min(model_keys, key=len)[: -len(self._EMBEDDING)]
 
     def _parts(self, name: str) -> list[tuple[str, int | None]]:
@@ -298,8 +297,9 @@ def _torch_dist_hf_config(ckpt_dir: Path, hf_config: HFConfigArg) -> tuple[dict[
     )
 
 
-def _open_megatron(ckpt_dir: str | Path, hf_config: HFConfigArg
-                   ) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any], Path | None]:
+def _open_megatron(
+    ckpt_dir: str | Path, hf_config: HFConfigArg
+) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any], Path | None]:
     """The HF tensor stream of a checkpoint, its HF config and the directory of its HF side files."""
     ckpt_dir, fmt = _resolve(Path(ckpt_dir))
     if fmt == "rlctl-shards":
@@ -328,8 +328,9 @@ def load_megatron_to_hf(ckpt_dir: str | Path, hf_config: HFConfigArg = None) -> 
     return tensors
 
 
-def save_hf_from_megatron(ckpt_dir: str | Path, out_dir: str | Path, hf_config: HFConfigArg = None,
-                          max_shard_bytes: int = 5 * 1024**3) -> Path:
+def save_hf_from_megatron(
+    ckpt_dir: str | Path, out_dir: str | Path, hf_config: HFConfigArg = None, max_shard_bytes: int = 5 * 1024**3
+) -> Path:
     """Convert a Megatron checkpoint (see :func:`load_megatron_to_hf`) to an HF model directory.
 
     Streams through the shared writer (:func:`rlctl.convert.hf_writer.save_hf_model`): safetensors

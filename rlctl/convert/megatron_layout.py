@@ -129,8 +129,11 @@ def check_parallelism(cfg: MegatronLayoutConfig, tp: int, pp: int) -> None:
     if tp < 1 or pp < 1:
         raise UserError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
     if cfg.num_kv_heads % tp or cfg.num_heads % tp or cfg.ffn_hidden_size % tp:
-        valid = [t for t in range(1, cfg.num_kv_heads + 1) if cfg.num_kv_heads % t == 0
-                 and cfg.num_heads % t == 0 and cfg.ffn_hidden_size % t == 0]
+        valid = [
+            t
+            for t in range(1, cfg.num_kv_heads + 1)
+            if cfg.num_kv_heads % t == 0 and cfg.num_heads % t == 0 and cfg.ffn_hidden_size % t == 0
+        ]
         raise UserError(
             f"tp={tp} does not divide the model's {cfg.num_heads} attention heads / {cfg.num_kv_heads} "
             f"kv heads / ffn {cfg.ffn_hidden_size} (replicating kv heads is not supported); "
@@ -139,8 +142,7 @@ def check_parallelism(cfg: MegatronLayoutConfig, tp: int, pp: int) -> None:
     if cfg.num_layers % pp:
         valid = [p for p in range(1, cfg.num_layers + 1) if cfg.num_layers % p == 0]
         raise UserError(
-            f"pp={pp} does not divide the model's {cfg.num_layers} layers; "
-            f"valid pp: {', '.join(map(str, valid))}"
+            f"pp={pp} does not divide the model's {cfg.num_layers} layers; valid pp: {', '.join(map(str, valid))}"
         )
 
 
@@ -157,28 +159,30 @@ def _vocab_rows(get: TensorSource, name: str, cfg: MegatronLayoutConfig, tp: int
     """The rank's rows of the padded vocabulary; padding rows are zero."""
     per_rank = padded_vocab_size(cfg, tp) // tp
     start = tp_rank * per_rank
-    rows = get(name)[start:max(start, min(start + per_rank, cfg.vocab_size))]  # empty when all padding
+    rows = get(name)[start : max(start, min(start + per_rank, cfg.vocab_size))]  # empty when all padding
     pad = torch.zeros(per_rank - rows.shape[0], rows.shape[1], dtype=rows.dtype)
     return torch.cat([rows, pad])
 
 
-def _fused_qkv(get: TensorSource, prefix: str, suffix: str, cfg: MegatronLayoutConfig,
-               tp: int, tp_rank: int) -> torch.Tensor:
+def _fused_qkv(
+    get: TensorSource, prefix: str, suffix: str, cfg: MegatronLayoutConfig, tp: int, tp_rank: int
+) -> torch.Tensor:
     """The rank's groups of [Q rows of the group; K rows; V rows] (``suffix`` is weight or bias)."""
     d = cfg.head_dim
     q_per_group = cfg.num_heads // cfg.num_kv_heads
     groups = cfg.num_kv_heads // tp
     first = tp_rank * groups
-    q = get(f"{prefix}q_proj.{suffix}")[first * q_per_group * d:(first + groups) * q_per_group * d]
-    k = get(f"{prefix}k_proj.{suffix}")[first * d:(first + groups) * d]
-    v = get(f"{prefix}v_proj.{suffix}")[first * d:(first + groups) * d]
+    q = get(f"{prefix}q_proj.{suffix}")[first * q_per_group * d : (first + groups) * q_per_group * d]
+    k = get(f"{prefix}k_proj.{suffix}")[first * d : (first + groups) * d]
+    v = get(f"{prefix}v_proj.{suffix}")[first * d : (first + groups) * d]
     rest = q.shape[1:]
     parts = [q.reshape(groups, q_per_group * d, *rest), k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)]
     return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
-def megatron_shard_for_rank(get_hf_tensor: TensorSource, cfg: MegatronLayoutConfig, tp: int, pp: int,
-                            tp_rank: int, pp_rank: int) -> dict[str, torch.Tensor]:
+def megatron_shard_for_rank(
+    get_hf_tensor: TensorSource, cfg: MegatronLayoutConfig, tp: int, pp: int, tp_rank: int, pp_rank: int
+) -> dict[str, torch.Tensor]:
     """The Megatron state dict of rank ``(tp_rank, pp_rank)``, reading only the slices it holds."""
     check_parallelism(cfg, tp, pp)
     get = get_hf_tensor
@@ -214,12 +218,14 @@ def megatron_shard_for_rank(get_hf_tensor: TensorSource, cfg: MegatronLayoutConf
     return out
 
 
-def hf_to_megatron_shards(hf_state: Mapping[str, torch.Tensor], cfg: MegatronLayoutConfig, tp: int,
-                          pp: int) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
+def hf_to_megatron_shards(
+    hf_state: Mapping[str, torch.Tensor], cfg: MegatronLayoutConfig, tp: int, pp: int
+) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
     """All ranks' state dicts at once, keyed ``(tp_rank, pp_rank)`` (for in-memory state dicts)."""
     check_parallelism(cfg, tp, pp)
-    return {(t, p): megatron_shard_for_rank(hf_state.__getitem__, cfg, tp, pp, t, p)
-            for p in range(pp) for t in range(tp)}
+    return {
+        (t, p): megatron_shard_for_rank(hf_state.__getitem__, cfg, tp, pp, t, p) for p in range(pp) for t in range(tp)
+    }
 
 
 def _expect(t: torch.Tensor, shape: tuple[int, ...], where: str) -> torch.Tensor:
@@ -231,8 +237,9 @@ def _expect(t: torch.Tensor, shape: tuple[int, ...], where: str) -> torch.Tensor
     return t
 
 
-def megatron_to_hf(get_shard_tensor: ShardSource, cfg: MegatronLayoutConfig, tp: int,
-                   pp: int) -> Iterator[tuple[str, torch.Tensor]]:
+def megatron_to_hf(
+    get_shard_tensor: ShardSource, cfg: MegatronLayoutConfig, tp: int, pp: int
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream HF ``(name, tensor)`` pairs, layer by layer, from ``get_shard_tensor(tp_rank, pp_rank, name)``.
 
     Padded vocabulary rows are dropped (any padded size >= ``cfg.vocab_size`` is accepted, so a
@@ -243,8 +250,9 @@ def megatron_to_hf(get_shard_tensor: ShardSource, cfg: MegatronLayoutConfig, tp:
     return _megatron_to_hf(get_shard_tensor, cfg, tp, pp)
 
 
-def _megatron_to_hf(get_shard_tensor: ShardSource, cfg: MegatronLayoutConfig, tp: int,
-                    pp: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _megatron_to_hf(
+    get_shard_tensor: ShardSource, cfg: MegatronLayoutConfig, tp: int, pp: int
+) -> Iterator[tuple[str, torch.Tensor]]:
     d, h = cfg.head_dim, cfg.hidden_size
     per_stage = cfg.num_layers // pp
     q_per_group = cfg.num_heads // cfg.num_kv_heads
@@ -252,8 +260,9 @@ def _megatron_to_hf(get_shard_tensor: ShardSource, cfg: MegatronLayoutConfig, tp
     ffn = cfg.ffn_hidden_size // tp
 
     def gather(pp_rank: int, name: str, dim: int, shape: tuple[int, ...]) -> torch.Tensor:
-        parts = [_expect(get_shard_tensor(t, pp_rank, name)[:], shape, f"{name} (tp {t}, pp {pp_rank})")
-                 for t in range(tp)]
+        parts = [
+            _expect(get_shard_tensor(t, pp_rank, name)[:], shape, f"{name} (tp {t}, pp {pp_rank})") for t in range(tp)
+        ]
         return torch.cat(parts, dim=dim)
 
     def vocab(pp_rank: int, name: str) -> torch.Tensor:
@@ -264,7 +273,7 @@ def _megatron_to_hf(get_shard_tensor: ShardSource, cfg: MegatronLayoutConfig, tp
                 f"Megatron tensor {name} has shape {tuple(full.shape)} after joining tp, expected at "
                 f"least ({cfg.vocab_size}, {h}); is this the checkpoint's config?"
             )
-        return full[:cfg.vocab_size].clone()
+        return full[: cfg.vocab_size].clone()
 
     def one(pp_rank: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return _expect(get_shard_tensor(0, pp_rank, name)[:], shape, f"{name} (pp {pp_rank})")
@@ -289,11 +298,19 @@ def _megatron_to_hf(get_shard_tensor: ShardSource, cfg: MegatronLayoutConfig, tp
         if cfg.qk_norm:
             yield hf + "self_attn.q_norm.weight", one(stage, mg + "self_attention.q_layernorm.weight", (d,))
             yield hf + "self_attn.k_norm.weight", one(stage, mg + "self_attention.k_layernorm.weight", (d,))
-        yield hf + "self_attn.o_proj.weight", gather(
-            stage, mg + "self_attention.linear_proj.weight", 1, (h, cfg.num_heads * d // tp))
+        yield (
+            hf + "self_attn.o_proj.weight",
+            gather(stage, mg + "self_attention.linear_proj.weight", 1, (h, cfg.num_heads * d // tp)),
+        )
         yield hf + "post_attention_layernorm.weight", one(stage, mg + "mlp.linear_fc1.layer_norm_weight", (h,))
-        fc1 = [_expect(get_shard_tensor(t, stage, mg + "mlp.linear_fc1.weight")[:], (2 * ffn, h),
-                       f"{mg}mlp.linear_fc1.weight (tp {t}, pp {stage})") for t in range(tp)]
+        fc1 = [
+            _expect(
+                get_shard_tensor(t, stage, mg + "mlp.linear_fc1.weight")[:],
+                (2 * ffn, h),
+                f"{mg}mlp.linear_fc1.weight (tp {t}, pp {stage})",
+            )
+            for t in range(tp)
+        ]
         yield hf + "mlp.gate_proj.weight", torch.cat([x[:ffn] for x in fc1])
         yield hf + "mlp.up_proj.weight", torch.cat([x[ffn:] for x in fc1])
         yield hf + "mlp.down_proj.weight", gather(stage, mg + "mlp.linear_fc2.weight", 1, (h, ffn))

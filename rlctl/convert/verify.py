@@ -103,7 +103,9 @@ class Architecture:
                 raise UserError(f"{where}: {name} has shape {list(shape)} but config.json implies {list(want)}")
         missing = [n for n in self.shapes if n not in shapes and n not in self.aliases]
         if missing:
-            raise UserError(f"{where}: the checkpoint lacks {missing[0]} ({len(missing)} weight(s) of the architecture missing)")
+            raise UserError(
+                f"{where}: the checkpoint lacks {missing[0]} ({len(missing)} weight(s) of the architecture missing)"
+            )
         return [n for n in shapes if n not in self.shapes]
 
 
@@ -177,18 +179,31 @@ def verify_model(
     detail = f"{count} tensors {rule}; max |diff| {worst:.3g}"
     verdict.add("tensors", not bad, detail if not bad else f"{len(bad)} bad: {', '.join(bad[:3])}")
     extra = sorted(out_names - seen)
-    verdict.add("names", not extra, "no tensor beyond the source" if not extra else f"not in the source: {', '.join(extra[:3])}")
+    verdict.add(
+        "names", not extra, "no tensor beyond the source" if not extra else f"not in the source: {', '.join(extra[:3])}"
+    )
     if dtype is not None:
         wrong = [k for k in out_names if out.dtype(k).is_floating_point and out.dtype(k) != dtype]
         declared = config_dtype(config)
         ok = not wrong and declared in (None, dtype)
-        verdict.add("dtype", ok, f"{dtype_name(dtype)}" if ok else f"{len(wrong)} tensor(s) not {dtype_name(dtype)}; config says {declared}")
+        verdict.add(
+            "dtype",
+            ok,
+            f"{dtype_name(dtype)}" if ok else f"{len(wrong)} tensor(s) not {dtype_name(dtype)}; config says {declared}",
+        )
     _check_logits(verdict, out_dir, reference if reference is not None else state, adapter, n_inputs, seq_len, rounding)
     return verdict
 
 
-def _check_logits(verdict: Verdict, out_dir: Path, state: dict[str, torch.Tensor], adapter: dict | None,
-                  n_inputs: int, seq_len: int, loose: bool) -> None:
+def _check_logits(
+    verdict: Verdict,
+    out_dir: Path,
+    state: dict[str, torch.Tensor],
+    adapter: dict | None,
+    n_inputs: int,
+    seq_len: int,
+    loose: bool,
+) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(str(out_dir))
@@ -225,7 +240,9 @@ def _check_logits(verdict: Verdict, out_dir: Path, state: dict[str, torch.Tensor
     diff = (logits - ref_logits).abs().max().item()
     scale = max(1.0, ref_logits.abs().max().item())
     tol = (1e-3 if loose or adapter is not None else 1e-4) * scale
-    verdict.add("logits", diff <= tol, f"max |diff| {diff:.3g} (tolerance {tol:.3g}) on {n_inputs}x{seq_len} fixed tokens")
+    verdict.add(
+        "logits", diff <= tol, f"max |diff| {diff:.3g} (tolerance {tol:.3g}) on {n_inputs}x{seq_len} fixed tokens"
+    )
 
 
 def _check_adapter(adapter_dir: Path, expected: dict[str, torch.Tensor]) -> Verdict:
@@ -237,7 +254,11 @@ def _check_adapter(adapter_dir: Path, expected: dict[str, torch.Tensor]) -> Verd
     bad = [k for k, v in expected.items() if k not in names or not torch.equal(got.get(k), v.to(got.dtype(k)))]
     extra = names - set(expected)
     ok = not bad and not extra
-    verdict.add("adapter", ok, f"{len(expected)} LoRA tensors equal to the source" if ok else f"differs: {(bad + sorted(extra))[:3]}")
+    verdict.add(
+        "adapter",
+        ok,
+        f"{len(expected)} LoRA tensors equal to the source" if ok else f"differs: {(bad + sorted(extra))[:3]}",
+    )
     return verdict
 
 
@@ -323,8 +344,15 @@ def write_verified(
 
     stream = track(tensors, total, "writing tensors", progress)
     try:
-        save_hf_model(out_dir, stream, meta_dir=meta_dir, dtype=dtype, force=force,
-                      max_shard_bytes=max_shard_bytes, before_commit=finish)
+        save_hf_model(
+            out_dir,
+            stream,
+            meta_dir=meta_dir,
+            dtype=dtype,
+            force=force,
+            max_shard_bytes=max_shard_bytes,
+            before_commit=finish,
+        )
     except VerificationFailed as failed:
         return Written(Path(out_dir), False, failed.verdict)
     return Written(Path(out_dir), True, verdict)
@@ -348,6 +376,12 @@ def verify_roundtrip(hf_dir: Path, stream: Iterable[tuple[str, torch.Tensor]]) -
             bad.append(f"{name} differs")
     missing = sorted(names - seen)
     verdict = Verdict()
-    verdict.add("tensors", not bad, f"{len(seen)} tensors read back equal to the source" if not bad else f"{len(bad)} bad: {', '.join(bad[:3])}")
-    verdict.add("names", not missing, "every source tensor written" if not missing else f"not written: {', '.join(missing[:3])}")
+    verdict.add(
+        "tensors",
+        not bad,
+        f"{len(seen)} tensors read back equal to the source" if not bad else f"{len(bad)} bad: {', '.join(bad[:3])}",
+    )
+    verdict.add(
+        "names", not missing, "every source tensor written" if not missing else f"not written: {', '.join(missing[:3])}"
+    )
     return verdict

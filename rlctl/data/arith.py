@@ -75,8 +75,10 @@ def sft_rows(problems: Iterable[Problem], answers: Iterable[str] | None = None) 
     default the right ones) as the assistant's."""
     problems = list(problems)
     answers = [p.answer for p in problems] if answers is None else list(answers)
-    return [{"messages": [{"role": "user", "content": p.question}, {"role": "assistant", "content": a}]}
-            for p, a in zip(problems, answers, strict=True)]
+    return [
+        {"messages": [{"role": "user", "content": p.question}, {"role": "assistant", "content": a}]}
+        for p, a in zip(problems, answers, strict=True)
+    ]
 
 
 def rl_rows(problems: Iterable[Problem]) -> list[dict]:
@@ -97,8 +99,9 @@ def tokenizer_corpus() -> list[str]:
     return ["What is + ?", "user assistant system", "What is the answer ?"] * 10
 
 
-def generate_answers(model_dir: str | Path, problems: list[Problem], *, batch_size: int = 256,
-                     max_new_tokens: int = 6) -> list[str]:
+def generate_answers(
+    model_dir: str | Path, problems: list[Problem], *, batch_size: int = 256, max_new_tokens: int = 6
+) -> list[str]:
     """Greedy answers of the HF model in ``model_dir`` (special tokens dropped, whitespace stripped)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -108,14 +111,23 @@ def generate_answers(model_dir: str | Path, problems: list[Problem], *, batch_si
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     answers: list[str] = []
     for start in range(0, len(problems), batch_size):
-        chunk = problems[start:start + batch_size]
-        texts = [tok.apply_chat_template([{"role": "user", "content": p.question}], tokenize=False,
-                                         add_generation_prompt=True) for p in chunk]
+        chunk = problems[start : start + batch_size]
+        texts = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": p.question}], tokenize=False, add_generation_prompt=True
+            )
+            for p in chunk
+        ]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
-            out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        new = out[:, enc["input_ids"].shape[1]:]
+            out = model.generate(
+                **enc,
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+        new = out[:, enc["input_ids"].shape[1] :]
         answers += [t.strip() for t in tok.batch_decode(new, skip_special_tokens=True)]
     return answers
 

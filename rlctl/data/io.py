@@ -96,7 +96,9 @@ def _read_datasets_dir(p: Path, split: str) -> list[dict]:
     try:
         ds = datasets.load_from_disk(str(p))
     except (FileNotFoundError, ValueError) as e:
-        raise UserError(f"{p} is not a `datasets` directory saved with save_to_disk: {str(e).splitlines()[0]}") from None
+        raise UserError(
+            f"{p} is not a `datasets` directory saved with save_to_disk: {str(e).splitlines()[0]}"
+        ) from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
             raise UserError(f"{p} has splits {', '.join(ds)} but no '{split}' split")

@@ -50,8 +50,9 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> MicroBatch:
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
-        return MicroBatch(self.input_ids.to(device), self.position_ids.to(device), self.labels.to(device), mask,
-                          self.num_seqs)
+        return MicroBatch(
+            self.input_ids.to(device), self.position_ids.to(device), self.labels.to(device), mask, self.num_seqs
+        )
 
 
 class StepSampler:
@@ -82,7 +83,7 @@ class StepSampler:
     def indices(self, step: int) -> list[int]:
         """The global batch: the last batch of an epoch may be smaller (no example is dropped)."""
         epoch, k = divmod(step, self.steps_per_epoch)
-        return self._permutation(epoch)[k * self.batch_size:(k + 1) * self.batch_size].tolist()
+        return self._permutation(epoch)[k * self.batch_size : (k + 1) * self.batch_size].tolist()
 
 
 def pack_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -109,7 +110,9 @@ def pack_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return bins
 
 
-def group_micro_batches(lengths: Sequence[int], *, packing: bool, budget: int, micro_batch_size: int) -> list[list[int]]:
+def group_micro_batches(
+    lengths: Sequence[int], *, packing: bool, budget: int, micro_batch_size: int
+) -> list[list[int]]:
     """Index groups (into the global batch), one per micro-batch; identical on every rank."""
     if packing:
         return pack_bins(lengths, budget)
@@ -149,11 +152,13 @@ def dummy_micro_batch(pad_id: int) -> MicroBatch:
     return MicroBatch(one, torch.zeros_like(one), torch.full_like(one, IGNORE), None, 0)
 
 
-def rank_micro_batches(batch: Sequence[Example], rank: int, world: int, *, packing: bool, budget: int,
-                       micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
+def rank_micro_batches(
+    batch: Sequence[Example], rank: int, world: int, *, packing: bool, budget: int, micro_batch_size: int, pad_id: int
+) -> list[MicroBatch]:
     """This rank's micro-batches of a global batch: ``ceil(groups / world)`` of them on every rank."""
-    groups = group_micro_batches([len(ex) for ex in batch], packing=packing, budget=budget,
-                                 micro_batch_size=micro_batch_size)
+    groups = group_micro_batches(
+        [len(ex) for ex in batch], packing=packing, budget=budget, micro_batch_size=micro_batch_size
+    )
     per_rank = max(1, math.ceil(len(groups) / world))
     out = []
     for k in range(per_rank):

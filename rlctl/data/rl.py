@@ -121,15 +121,19 @@ def build_rl_data(cfg: RunConfig, tokenizer) -> RLData:
     against ``data.max_bad_fraction``); other bad rows are. UserError when nothing is left.
     """
     if cfg.data.format not in ("auto", "rl"):
-        raise UserError(f"data.format={cfg.data.format} is for sft; grpo/ppo read RL prompt rows (data.format=rl or auto)")
+        raise UserError(
+            f"data.format={cfg.data.format} is for sft; grpo/ppo read RL prompt rows (data.format=rl or auto)"
+        )
     if not cfg.data.path:
         raise UserError("no data given: pass --data FILE (JSONL, Parquet or a datasets directory of prompts)")
     prompts, report = read_prompts(cfg.data.path, tokenizer, cfg)
     too_long = report.bad.get(TOO_LONG, 0)
     malformed = report.num_bad - too_long
     if report.total and malformed / report.total > cfg.data.max_bad_fraction:
-        raise UserError(f"{cfg.data.path}: too many bad rows, more than data.max_bad_fraction="
-                        f"{cfg.data.max_bad_fraction}: {report.summary()}")
+        raise UserError(
+            f"{cfg.data.path}: too many bad rows, more than data.max_bad_fraction="
+            f"{cfg.data.max_bad_fraction}: {report.summary()}"
+        )
     if not prompts:
         hint = " (raise --max-prompt-len)" if too_long else ""
         raise UserError(f"{cfg.data.path}: no usable prompts{hint}: {report.summary()}")
@@ -141,7 +145,9 @@ def build_rl_data(cfg: RunConfig, tokenizer) -> RLData:
 
         n_val = max(1, round(cfg.data.val_fraction * len(prompts)))
         if n_val >= len(prompts):
-            raise UserError(f"data.val_fraction={cfg.data.val_fraction} leaves no training prompts out of {len(prompts)}")
+            raise UserError(
+                f"data.val_fraction={cfg.data.val_fraction} leaves no training prompts out of {len(prompts)}"
+            )
         held = set(np.random.default_rng(cfg.train.seed).permutation(len(prompts))[:n_val].tolist())
         val = [p for i, p in enumerate(prompts) if i in held]
         prompts = [p for i, p in enumerate(prompts) if i not in held]

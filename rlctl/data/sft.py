@@ -109,7 +109,7 @@ def assistant_spans(tokenizer, messages: list[dict], *, last_only: bool = False)
             span = (len(start_text), len(end_text))
         else:
             # The template rewrites earlier turns or cannot render a prefix: find this turn's text.
-            piece = end_text[len(start_text):] if i and end_text.startswith(start_text) else messages[i]["content"]
+            piece = end_text[len(start_text) :] if i and end_text.startswith(start_text) else messages[i]["content"]
             at = text.find(piece, search_from)
             if at < 0 or not piece:
                 continue
@@ -177,8 +177,14 @@ def row_tokens(row: dict, tokenizer, cfg: RunConfig) -> tuple[list[int], list[in
             raise BadRow(f"'{d.response_field}' is not text")
         prompt = row[d.prompt_field]
         if tokenizer.chat_template:
-            messages = checked_messages(prompt, d.prompt_field) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            text, spans = assistant_spans(tokenizer, messages + [{"role": "assistant", "content": response}], last_only=True)
+            messages = (
+                checked_messages(prompt, d.prompt_field)
+                if isinstance(prompt, list)
+                else [{"role": "user", "content": prompt}]
+            )
+            text, spans = assistant_spans(
+                tokenizer, messages + [{"role": "assistant", "content": response}], last_only=True
+            )
         else:
             if not isinstance(prompt, str):
                 raise BadRow(f"'{d.prompt_field}' is a message list but the tokenizer has no chat template")
@@ -239,8 +245,10 @@ def build_sft_data(cfg: RunConfig, tokenizer) -> SFTData:
         raise UserError("no data given: pass --data FILE (JSONL, Parquet or a datasets directory)")
     examples, report = tokenize_rows(cfg.data.path, tokenizer, cfg)
     if report.bad_fraction > cfg.data.max_bad_fraction:
-        raise UserError(f"{cfg.data.path}: too many bad rows, more than data.max_bad_fraction="
-                        f"{cfg.data.max_bad_fraction}: {report.summary()}")
+        raise UserError(
+            f"{cfg.data.path}: too many bad rows, more than data.max_bad_fraction="
+            f"{cfg.data.max_bad_fraction}: {report.summary()}"
+        )
     if not examples:
         raise UserError(f"{cfg.data.path}: no usable rows ({report.summary()})")
     val: list[Example] = []

@@ -19,16 +19,31 @@ if TYPE_CHECKING:
 BACKENDS = ("fsdp", "megatron")
 
 
-def build_engine(cfg: RunConfig, plan, *, role: str, trainable: bool = True, total_steps: int = 0,
-                 lr: float | None = None, source: ModelSource | None = None, lora: bool | None = None) -> TrainEngine:
+def build_engine(
+    cfg: RunConfig,
+    plan,
+    *,
+    role: str,
+    trainable: bool = True,
+    total_steps: int = 0,
+    lr: float | None = None,
+    source: ModelSource | None = None,
+    lora: bool | None = None,
+) -> TrainEngine:
     """The engine for ``plan.backend`` ("fsdp" or "megatron"; the plan as a Plan, a dict or plan.json's namespace).
 
     Args: see :class:`rlctl.engines.fsdp.FSDPEngine` (role "actor" / "ref" / "critic", ``trainable``,
     ``total_steps`` of the lr schedule, peak ``lr``, weight ``source``, ``lora``).
     """
     backend = (plan.get("backend") if isinstance(plan, Mapping) else getattr(plan, "backend", None)) or "fsdp"
-    kwargs = {"role": role, "trainable": trainable, "total_steps": total_steps, "lr": lr, "source": source,
-              "lora": lora}
+    kwargs = {
+        "role": role,
+        "trainable": trainable,
+        "total_steps": total_steps,
+        "lr": lr,
+        "source": source,
+        "lora": lora,
+    }
     if backend == "fsdp":
         from rlctl.engines.fsdp import FSDPEngine
 
@@ -37,5 +52,6 @@ def build_engine(cfg: RunConfig, plan, *, role: str, trainable: bool = True, tot
         from rlctl.engines import megatron
 
         return megatron.build_engine(cfg, plan, **kwargs)
-    raise UserError(f"unknown parallel.backend {backend!r}{did_you_mean(str(backend), BACKENDS)}; "
-                    f"use {' or '.join(BACKENDS)}")
+    raise UserError(
+        f"unknown parallel.backend {backend!r}{did_you_mean(str(backend), BACKENDS)}; use {' or '.join(BACKENDS)}"
+    )

@@ -60,16 +60,18 @@ class TrainEngine(abc.ABC):
     hf_config: object  # the transformers config of the underlying model
 
     @abc.abstractmethod
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits [B, T, V] (actor/ref) or values [B, T] (critic). Packed rows: attention_mask None."""
 
     @abc.abstractmethod
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
         """Accumulate gradients of this rank's share of the loss; ``sync`` on the last micro-batch."""
 
-    def forward_backward(self, micro_batches: Sequence[Any], loss_fn: LossFn, *,
-                         forward_only: bool = False) -> list[Any]:
+    def forward_backward(
+        self, micro_batches: Sequence[Any], loss_fn: LossFn, *, forward_only: bool = False
+    ) -> list[Any]:
         """Run every micro-batch of a step (collective: the same count on every rank of the group).
 
         A micro-batch has ``input_ids`` and ``position_ids`` [B, T] (and maybe ``attention_mask``).

@@ -86,8 +86,10 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
         found = latest_checkpoint(root) if root.is_dir() else None
         if found is not None:
             return found
-    raise UserError(f"--resume {resume}: no complete checkpoint there (expected a step_N directory with "
-                    f"trainer_state.json, or a run directory with checkpoints/)")
+    raise UserError(
+        f"--resume {resume}: no complete checkpoint there (expected a step_N directory with "
+        f"trainer_state.json, or a run directory with checkpoints/)"
+    )
 
 
 def read_trainer_state(path: str | Path) -> dict:
@@ -100,8 +102,16 @@ def _write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(root: str | Path, step: int, engines: dict[str, TrainEngine], *, trainer_state: dict,
-                    meta_dir: str | Path | None, rng_state: dict, keep_last: int) -> Path:
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    engines: dict[str, TrainEngine],
+    *,
+    trainer_state: dict,
+    meta_dir: str | Path | None,
+    rng_state: dict,
+    keep_last: int,
+) -> Path:
     """Write a checkpoint (collective: every rank calls it). ``engines`` maps sub-directory -> engine
     ("" for the main model, "critic" for PPO's critic). Returns the final directory."""
     root = Path(root)
@@ -122,8 +132,13 @@ def save_checkpoint(root: str | Path, step: int, engines: dict[str, TrainEngine]
     dist.barrier()
     if rank == 0:
         backend = next(iter(engines.values())).backend  # every engine of a run has the plan's backend
-        state = {**trainer_state, "step": step, "world_size": dist.get_world_size(), "backend": backend,
-                 "lora": engines[""].lora_info() if "" in engines else None}
+        state = {
+            **trainer_state,
+            "step": step,
+            "world_size": dist.get_world_size(),
+            "backend": backend,
+            "lora": engines[""].lora_info() if "" in engines else None,
+        }
         if "critic" in engines:
             state["critic_lora"] = engines["critic"].lora_info()
         if meta_dir is not None:
@@ -156,8 +171,10 @@ def load_checkpoint(path: str | Path, engines: dict[str, TrainEngine]) -> tuple[
     saved_by = trainer_state.get("backend", "fsdp")
     for sub, engine in engines.items():
         if engine.backend != saved_by:
-            raise UserError(f"{path} was saved by the {saved_by} engine; resume it with --set parallel.backend="
-                            f"{saved_by} (or convert it: rlctl convert)")
+            raise UserError(
+                f"{path} was saved by the {saved_by} engine; resume it with --set parallel.backend="
+                f"{saved_by} (or convert it: rlctl convert)"
+            )
         where = path / sub if sub else path
         if not (where / ".metadata").is_file():
             raise UserError(f"{path} has no '{sub}' model; it was saved by another method")

@@ -81,8 +81,9 @@ class CriticModel(nn.Module):
         self.value_head = nn.Linear(hidden_size, 1)
 
     def forward(self, input_ids, position_ids=None, attention_mask=None):
-        hidden = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                            use_cache=False).last_hidden_state
+        hidden = self.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)  # a copy, not a view
 
 
@@ -90,14 +91,19 @@ def _full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The whole tensor behind a (possibly sharded, possibly CPU-offloaded) parameter."""
     if isinstance(t, DTensor):
         local = t.to_local().to(device)
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                  stride=t.stride()).full_tensor()
+        return DTensor.from_local(
+            local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        ).full_tensor()
     return t.detach().to(device)
 
 
 def _non_persistent_buffers(module: nn.Module) -> list[tuple[str, str]]:
-    return [(mod_name, name) for mod_name, mod in module.named_modules()
-            for name, _ in mod.named_buffers(recurse=False) if name in mod._non_persistent_buffers_set]
+    return [
+        (mod_name, name)
+        for mod_name, mod in module.named_modules()
+        for name, _ in mod.named_buffers(recurse=False)
+        if name in mod._non_persistent_buffers_set
+    ]
 
 
 class FSDPEngine(TrainEngine):
@@ -116,8 +122,18 @@ class FSDPEngine(TrainEngine):
 
     backend = "fsdp"
 
-    def __init__(self, cfg: RunConfig, plan, *, role: str = "actor", trainable: bool = True, total_steps: int = 0,
-                 lr: float | None = None, source: ModelSource | None = None, lora: bool | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        plan,
+        *,
+        role: str = "actor",
+        trainable: bool = True,
+        total_steps: int = 0,
+        lr: float | None = None,
+        source: ModelSource | None = None,
+        lora: bool | None = None,
+    ):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if cfg.train.compile:
@@ -127,11 +143,14 @@ class FSDPEngine(TrainEngine):
         self.peak_lr = cfg.train.lr if lr is None else lr
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         device_type = getattr(plan, "device", "cpu")
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        )
         self.compute_dtype = self._compute_dtype(cfg, plan)
         self.attn = self._attn(cfg, plan)
         self.offload = self.device.type == "cuda" and bool(
-            getattr(plan, "offload_params", False) or getattr(plan, "offload_optimizer", False))
+            getattr(plan, "offload_params", False) or getattr(plan, "offload_optimizer", False)
+        )
         self.source = source or model_source(cfg.model.name, random_init=cfg.model.random_init)
         self.hf_config = self.source.load_config()
         use_lora = (trainable and role != "ref") if lora is None else lora
@@ -200,17 +219,28 @@ class FSDPEngine(TrainEngine):
         from peft import LoraConfig, get_peft_model
 
         lc = self.cfg.lora
-        targets = "all-linear" if lc.targets in ("", "all-linear") else [t.strip() for t in lc.targets.split(",") if t.strip()]
-        lora_cfg = LoraConfig(r=self.lora_rank, lora_alpha=lc.alpha or 2 * self.lora_rank, lora_dropout=lc.dropout,
-                              target_modules=targets, bias="none")
+        targets = (
+            "all-linear"
+            if lc.targets in ("", "all-linear")
+            else [t.strip() for t in lc.targets.split(",") if t.strip()]
+        )
+        lora_cfg = LoraConfig(
+            r=self.lora_rank,
+            lora_alpha=lc.alpha or 2 * self.lora_rank,
+            lora_dropout=lc.dropout,
+            target_modules=targets,
+            bias="none",
+        )
         hf = model.model if self.role == "critic" else model
         try:
             peft_model = get_peft_model(hf, lora_cfg)
         except ValueError as e:
             names = sorted({n.rsplit(".", 1)[-1] for n, m in hf.named_modules() if isinstance(m, nn.Linear)})
             bad = targets[0] if isinstance(targets, list) else targets
-            raise UserError(f"--lora-targets {lc.targets}: {str(e).splitlines()[0]}{did_you_mean(bad, names)}; "
-                            f"linear layers here: {', '.join(names)}") from None
+            raise UserError(
+                f"--lora-targets {lc.targets}: {str(e).splitlines()[0]}{did_you_mean(bad, names)}; "
+                f"linear layers here: {', '.join(names)}"
+            ) from None
         self._check_lora_layers(peft_model)
         for p in peft_model.parameters():  # the adapters: fp32 master weights beside the frozen base
             if p.requires_grad:
@@ -226,8 +256,10 @@ class FSDPEngine(TrainEngine):
 
         for name, m in peft_model.named_modules():
             if isinstance(m, LoraLayer) and not isinstance(m.get_base_layer(), nn.Linear):
-                raise UserError(f"LoRA on {name} ({type(m.get_base_layer()).__name__}) is not supported; "
-                                f"target linear layers only (e.g. --lora-targets all-linear)")
+                raise UserError(
+                    f"LoRA on {name} ({type(m.get_base_layer()).__name__}) is not supported; "
+                    f"target linear layers only (e.g. --lora-targets all-linear)"
+                )
 
     def _hf_model(self) -> nn.Module:
         """The transformers model inside: the CausalLM (actor/ref) or the critic's backbone, without peft."""
@@ -242,8 +274,10 @@ class FSDPEngine(TrainEngine):
         names = set(getattr(hf, "_no_split_modules", None) or [])
         units = [m for m in hf.modules() if type(m).__name__ in names]
         if not units:
-            raise UserError(f"{type(hf).__name__} declares no decoder layer class (_no_split_modules); "
-                            f"the FSDP engine cannot shard it")
+            raise UserError(
+                f"{type(hf).__name__} declares no decoder layer class (_no_split_modules); "
+                f"the FSDP engine cannot shard it"
+            )
         return units
 
     def _apply_fsdp(self, activation_checkpointing: bool) -> None:
@@ -280,8 +314,9 @@ class FSDPEngine(TrainEngine):
             for module in self.model.modules():
                 for name, buf in module.named_buffers(recurse=False):
                     if buf.device != self.device:
-                        module.register_buffer(name, buf.to(self.device),
-                                               persistent=name not in module._non_persistent_buffers_set)
+                        module.register_buffer(
+                            name, buf.to(self.device), persistent=name not in module._non_persistent_buffers_set
+                        )
         del full_sd, ref
 
     def _scatter_from_rank0(self, full_sd: dict[str, torch.Tensor]) -> None:
@@ -311,7 +346,10 @@ class FSDPEngine(TrainEngine):
         t = self.cfg.train
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.peak_lr * self._lr_factor(0), betas=tuple(t.betas), eps=1e-8)
+            lr=self.peak_lr * self._lr_factor(0),
+            betas=tuple(t.betas),
+            eps=1e-8,
+        )
         self._trainable = params
 
     # ------------------------------------------------------------------ training
@@ -330,8 +368,9 @@ class FSDPEngine(TrainEngine):
     def forward(self, input_ids, position_ids, attention_mask=None) -> torch.Tensor:
         if self.role == "critic":
             return self.model(input_ids, position_ids=position_ids, attention_mask=attention_mask)
-        return self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                          use_cache=False).logits
+        return self.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+        ).logits
 
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
         if not self.trainable:
@@ -380,8 +419,11 @@ class FSDPEngine(TrainEngine):
             return None
         peft_model = self._state_module.model if self.role == "critic" else self._state_module
         cfg = peft_model.peft_config["default"].to_dict()
-        return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()
-                if k in ("r", "lora_alpha", "lora_dropout", "target_modules", "bias")}
+        return {
+            k: (sorted(v) if isinstance(v, set) else v)
+            for k, v in cfg.items()
+            if k in ("r", "lora_alpha", "lora_dropout", "target_modules", "bias")
+        }
 
     def save_lora_config(self, out_dir: str | Path) -> None:
         peft_model = self._state_module.model if self.role == "critic" else self._state_module

@@ -94,8 +94,10 @@ _LOCAL_TO_LAYOUT = {
 def require_megatron_core() -> None:
     """UserError naming the install command when megatron-core is missing."""
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        raise UserError(f"parallel.backend=megatron needs megatron-core, which is not installed: {INSTALL_HINT}; "
-                        f"or use parallel.backend=fsdp")
+        raise UserError(
+            f"parallel.backend=megatron needs megatron-core, which is not installed: {INSTALL_HINT}; "
+            f"or use parallel.backend=fsdp"
+        )
 
 
 def have_transformer_engine() -> bool:
@@ -124,21 +126,34 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, float | None]:
     llama3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     if kind == "llama3" and all(float(params.get(k, v)) == v for k, v in llama3.items()):
         return theta, float(params["factor"])
-    raise UserError(f"RoPE scaling {kind!r} ({params}) is not supported by the megatron engine (only llama3 "
-                    f"scaling with low/high freq factors 1/4 and 8192 original positions); use parallel.backend=fsdp")
+    raise UserError(
+        f"RoPE scaling {kind!r} ({params}) is not supported by the megatron engine (only llama3 "
+        f"scaling with low/high freq factors 1/4 and 8192 original positions); use parallel.backend=fsdp"
+    )
 
 
 def _check_sliding_window(hf: Mapping[str, Any], max_seq_len: int) -> None:
     window = hf.get("sliding_window")
     active = window and (hf.get("model_type") == "mistral" or hf.get("use_sliding_window"))
     if active and window < max_seq_len:
-        raise UserError(f"the model attends within a sliding window of {window} tokens, which the megatron "
-                        f"engine does not implement; keep sequences <= {window} tokens or use parallel.backend=fsdp")
+        raise UserError(
+            f"the model attends within a sliding window of {window} tokens, which the megatron "
+            f"engine does not implement; keep sequences <= {window} tokens or use parallel.backend=fsdp"
+        )
 
 
-def transformer_config(hf: Mapping[str, Any], *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                       sequence_parallel: bool = False, dtype: torch.dtype = torch.float32, cuda: bool = False,
-                       recompute: bool = False):
+def transformer_config(
+    hf: Mapping[str, Any],
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    sequence_parallel: bool = False,
+    dtype: torch.dtype = torch.float32,
+    cuda: bool = False,
+    recompute: bool = False,
+):
     """megatron-core's ``TransformerConfig`` for an HF Qwen2/Qwen2.5/Qwen3/Llama/Mistral config."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -246,11 +261,12 @@ _LAYER0 = "decoder.layers.0."
 
 def _in_stage(name: str, local: int) -> str:
     """A one-layer stage's name (``decoder.layers.0.*``) as layer ``local`` of a real stage."""
-    return f"decoder.layers.{local}." + name[len(_LAYER0):] if name.startswith(_LAYER0) else name
+    return f"decoder.layers.{local}." + name[len(_LAYER0) :] if name.startswith(_LAYER0) else name
 
 
-def stage_shard(get_hf_tensor, layout: MegatronLayoutConfig, *, tp: int, pp: int, tp_rank: int,
-                pp_rank: int) -> dict[str, torch.Tensor]:
+def stage_shard(
+    get_hf_tensor, layout: MegatronLayoutConfig, *, tp: int, pp: int, tp_rank: int, pp_rank: int
+) -> dict[str, torch.Tensor]:
     """Rank ``(tp_rank, pp_rank)``'s Megatron state dict for any pipeline split (:func:`pipeline_stages`).
 
     The layout numbers even stages only, so each layer of this stage is read as the one layer of a
@@ -267,15 +283,18 @@ def stage_shard(get_hf_tensor, layout: MegatronLayoutConfig, *, tp: int, pp: int
     return out
 
 
-def load_hf_weights(model: torch.nn.Module, get_hf_tensor, layout: MegatronLayoutConfig, *, tp: int, pp: int,
-                    tp_rank: int, pp_rank: int) -> None:
+def load_hf_weights(
+    model: torch.nn.Module, get_hf_tensor, layout: MegatronLayoutConfig, *, tp: int, pp: int, tp_rank: int, pp_rank: int
+) -> None:
     """Copy rank ``(tp_rank, pp_rank)``'s slices of the HF tensors into ``model``; every parameter must be set."""
     shard = stage_shard(get_hf_tensor, layout, tp=tp, pp=pp, tp_rank=tp_rank, pp_rank=pp_rank)
     params = layout_state(model)
     missing, unexpected = sorted(set(params) - set(shard)), sorted(set(shard) - set(params))
     if missing or unexpected:
-        raise RuntimeError(f"rank tp {tp_rank} pp {pp_rank}: the GPTModel and the weight layout disagree: "
-                           f"parameters without weights {missing[:4]}, weights without parameters {unexpected[:4]}")
+        raise RuntimeError(
+            f"rank tp {tp_rank} pp {pp_rank}: the GPTModel and the weight layout disagree: "
+            f"parameters without weights {missing[:4]}, weights without parameters {unexpected[:4]}"
+        )
     with torch.no_grad():
         for name, p in params.items():
             if tuple(p.shape) != tuple(shard[name].shape):
@@ -300,8 +319,13 @@ class Unpacked:
         return x.reshape(-1, *x.shape[2:])[self.index].reshape(*self.shape, *x.shape[2:])
 
 
-def unpack_rows(input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                *, multiple: int = 1) -> Unpacked:
+def unpack_rows(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    multiple: int = 1,
+) -> Unpacked:
     """Split rows at every position-id restart (pos[t] != pos[t-1] + 1) into one row per document.
 
     Padding (``attention_mask`` 0) never starts a document: it stays at the end of the one before.
@@ -334,10 +358,17 @@ def optimizer_settings(cfg: RunConfig, *, lr: float, dtype: torch.dtype, offload
     step on the CPU (``optimizer_cpu_offload`` with fraction 1.0, which needs the precision-aware optimizer)."""
     t = cfg.train
     settings: dict[str, Any] = {
-        "optimizer": "adam", "lr": lr, "weight_decay": t.weight_decay, "adam_beta1": float(t.betas[0]),
-        "adam_beta2": float(t.betas[1]), "adam_eps": 1e-8,
+        "optimizer": "adam",
+        "lr": lr,
+        "weight_decay": t.weight_decay,
+        "adam_beta1": float(t.betas[0]),
+        "adam_beta2": float(t.betas[1]),
+        "adam_eps": 1e-8,
         "clip_grad": t.grad_clip if t.grad_clip > 0 else 1e30,  # a huge clip still reports the norm
-        "bf16": dtype == torch.bfloat16, "params_dtype": dtype, "use_distributed_optimizer": True}
+        "bf16": dtype == torch.bfloat16,
+        "params_dtype": dtype,
+        "use_distributed_optimizer": True,
+    }
     if offload:
         settings.update(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, use_precision_aware_optimizer=True)
     return settings
@@ -352,15 +383,21 @@ def init_model_parallel(tp: int, pp: int, cp: int = 1, ep: int = 1, *, seed: int
     from megatron.core import parallel_state, tensor_parallel
 
     if parallel_state.model_parallel_is_initialized():
-        have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size(),
-                parallel_state.get_context_parallel_world_size(),
-                parallel_state.get_expert_model_parallel_world_size())
+        have = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_context_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(),
+        )
         if have != (tp, pp, cp, ep):
             raise RuntimeError(f"megatron parallel state already set to tp/pp/cp/ep {have}, not {(tp, pp, cp, ep)}")
         return
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             context_parallel_size=cp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+    )
     if cuda:  # TP weight init and dropout draw from megatron's CUDA RNG tracker
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -374,27 +411,43 @@ class MegatronEngine(TrainEngine):
 
     backend = "megatron"
 
-    def __init__(self, cfg: RunConfig, plan, *, role: str = "actor", trainable: bool = True, total_steps: int = 0,
-                 lr: float | None = None, source: ModelSource | None = None, lora: bool | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        plan,
+        *,
+        role: str = "actor",
+        trainable: bool = True,
+        total_steps: int = 0,
+        lr: float | None = None,
+        source: ModelSource | None = None,
+        lora: bool | None = None,
+    ):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if role == "critic":
-            raise UserError("the PPO critic is not supported by the megatron engine yet; "
-                            "use method grpo, or parallel.backend=fsdp for ppo")
+            raise UserError(
+                "the PPO critic is not supported by the megatron engine yet; "
+                "use method grpo, or parallel.backend=fsdp for ppo"
+            )
         if (trainable if lora is None else lora) and cfg.lora.rank > 0:
             raise UserError("LoRA is not supported by the megatron engine; set lora.rank=0 or parallel.backend=fsdp")
         if cfg.train.compile:
             raise UserError("train.compile is not supported by the megatron engine; set train.compile=false")
         self.cuda = _plan_get(plan, "device", "cpu") == "cuda"
         if _plan_get(plan, "offload_params"):
-            raise UserError("parallel.offload_params (weights on the CPU between phases) is not supported by the "
-                            "megatron engine yet; set parallel.offload_params=false (parallel.offload_optimizer=true "
-                            "keeps the optimizer on the CPU) or use more GPUs")
+            raise UserError(
+                "parallel.offload_params (weights on the CPU between phases) is not supported by the "
+                "megatron engine yet; set parallel.offload_params=false (parallel.offload_optimizer=true "
+                "keeps the optimizer on the CPU) or use more GPUs"
+            )
         self.offload_optimizer = bool(_plan_get(plan, "offload_optimizer")) and trainable and self.cuda
         if self.offload_optimizer and not have_transformer_engine():
-            raise UserError("parallel.offload_optimizer on the megatron engine needs Transformer Engine "
-                            "(megatron-core's precision-aware optimizer): pip install 'transformer-engine[pytorch]', "
-                            "or set parallel.offload_optimizer=false")
+            raise UserError(
+                "parallel.offload_optimizer on the megatron engine needs Transformer Engine "
+                "(megatron-core's precision-aware optimizer): pip install 'transformer-engine[pytorch]', "
+                "or set parallel.offload_optimizer=false"
+            )
         require_megatron_core()
         from megatron.core import parallel_state
 
@@ -419,16 +472,27 @@ class MegatronEngine(TrainEngine):
         _rope(hf)
         _check_sliding_window(hf, max(cfg.train.max_len, cfg.rollout.max_prompt_len + cfg.rollout.max_response_len))
         if self.cuda and (self.tp > 1 or self.sequence_parallel) and os.environ.get(CUDA_MAX_CONNECTIONS) != "1":
-            print(f"warning: {CUDA_MAX_CONNECTIONS}=1 is not set; megatron-core's TP communication overlap "
-                  f"needs it (rlctl's launcher sets it)", file=sys.stderr, flush=True)
+            print(
+                f"warning: {CUDA_MAX_CONNECTIONS}=1 is not set; megatron-core's TP communication overlap "
+                f"needs it (rlctl's launcher sets it)",
+                file=sys.stderr,
+                flush=True,
+            )
 
         init_model_parallel(self.tp, self.pp, cp, ep, seed=cfg.train.seed, cuda=self.cuda)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.config = transformer_config(
-            hf, tp=self.tp, pp=self.pp, cp=cp, ep=ep, sequence_parallel=self.sequence_parallel,
+            hf,
+            tp=self.tp,
+            pp=self.pp,
+            cp=cp,
+            ep=ep,
+            sequence_parallel=self.sequence_parallel,
             dtype=self.compute_dtype,
-            cuda=self.cuda, recompute=trainable and bool(_plan_get(plan, "activation_checkpointing", False)))
+            cuda=self.cuda,
+            recompute=trainable and bool(_plan_get(plan, "activation_checkpointing", False)),
+        )
         torch.manual_seed(cfg.train.seed)
         self.gpt = build_gpt_model(hf, self.config, tp=self.tp, cuda=self.cuda)
         if self.cuda:
@@ -449,8 +513,15 @@ class MegatronEngine(TrainEngine):
     def _load_hf(self) -> None:
         from rlctl.convert.megatron_io import HFSafetensors
 
-        load_hf_weights(self.gpt, HFSafetensors(Path(self.source.path)), self.layout, tp=self.tp, pp=self.pp,
-                        tp_rank=self.tp_rank, pp_rank=self.pp_rank)
+        load_hf_weights(
+            self.gpt,
+            HFSafetensors(Path(self.source.path)),
+            self.layout,
+            tp=self.tp,
+            pp=self.pp,
+            tp_rank=self.tp_rank,
+            pp_rank=self.pp_rank,
+        )
 
     def _wrap_ddp_and_optimizer(self) -> None:
         from megatron.core.distributed import (
@@ -460,19 +531,25 @@ class MegatronEngine(TrainEngine):
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True,
-                                                   overlap_grad_reduce=False, check_for_nan_in_grad=True)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=False,
+            check_for_nan_in_grad=True,
+        )
         self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=self.gpt)
         if self.source.random_init:
             self.model.broadcast_params()  # the same random weights on every data-parallel replica
-        settings = optimizer_settings(self.cfg, lr=self.peak_lr * self._lr_factor(0), dtype=self.compute_dtype,
-                                      offload=self.offload_optimizer)
+        settings = optimizer_settings(
+            self.cfg, lr=self.peak_lr * self._lr_factor(0), dtype=self.compute_dtype, offload=self.offload_optimizer
+        )
         self.optimizer = get_megatron_optimizer(OptimizerConfig(**settings), [self.model])
         # the pipeline schedule syncs gradients through these hooks; no per-token scaling (the
         # recipe's loss is already normalised by the global token count)
         self.config.no_sync_func = self.model.no_sync
         self.config.finalize_model_grads_func = lambda models, num_tokens=None, **kw: finalize_model_grads(
-            models, None, **kw)
+            models, None, **kw
+        )
 
     # ------------------------------------------------------------------ training
 
@@ -503,9 +580,12 @@ class MegatronEngine(TrainEngine):
         return torch.triu(torch.ones(width, width, dtype=torch.bool), diagonal=1)[None, None]
 
     def _unpack(self, input_ids, position_ids, attention_mask=None) -> Unpacked:
-        return unpack_rows(input_ids.to(self.device), position_ids.to(self.device),
-                           None if attention_mask is None else attention_mask.to(self.device),
-                           multiple=self.tp if self.sequence_parallel else 1)
+        return unpack_rows(
+            input_ids.to(self.device),
+            position_ids.to(self.device),
+            None if attention_mask is None else attention_mask.to(self.device),
+            multiple=self.tp if self.sequence_parallel else 1,
+        )
 
     def _single_stage(self, what: str) -> None:
         if self.pp > 1:
@@ -515,7 +595,7 @@ class MegatronEngine(TrainEngine):
         """Logits [B, T, V] over the HF vocabulary (pp=1 only; gathered over TP)."""
         self._single_stage("forward")
         unpacked = self._unpack(input_ids, position_ids, attention_mask)
-        return unpacked.repack(self._run(self.model, unpacked)[..., :self.layout.vocab_size])
+        return unpacked.repack(self._run(self.model, unpacked)[..., : self.layout.vocab_size])
 
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
         """Accumulate gradients (pp=1); on ``sync`` reduce them over DP (and TP for sequence-parallel norms)."""
@@ -526,8 +606,9 @@ class MegatronEngine(TrainEngine):
         if sync:
             self.config.finalize_model_grads_func([self.model])
 
-    def forward_backward(self, micro_batches: Sequence[Any], loss_fn: LossFn, *,
-                         forward_only: bool = False) -> list[Any]:
+    def forward_backward(
+        self, micro_batches: Sequence[Any], loss_fn: LossFn, *, forward_only: bool = False
+    ) -> list[Any]:
         """Run ``micro_batches`` through megatron-core's pipeline schedule (any pp); collective over the
         model-parallel group. The contract of :meth:`TrainEngine.forward_backward`: ``loss_fn(logits
         [B, T, V], mb) -> (loss, result)`` runs on the last pipeline stage, and its results are sent to
@@ -537,8 +618,9 @@ class MegatronEngine(TrainEngine):
 
         if not forward_only and not self.trainable:
             raise RuntimeError(f"the {self.role} engine is frozen")
-        unpacked = [self._unpack(mb.input_ids, mb.position_ids, getattr(mb, "attention_mask", None))
-                    for mb in micro_batches]
+        unpacked = [
+            self._unpack(mb.input_ids, mb.position_ids, getattr(mb, "attention_mask", None)) for mb in micro_batches
+        ]
         data = iter(zip(micro_batches, unpacked))
 
         def step_fn(data_iterator, model):
@@ -546,7 +628,7 @@ class MegatronEngine(TrainEngine):
             return self._run(model, up), partial(loss_func, mb, up)
 
         def loss_func(mb, up, output, non_loss_data=False):
-            loss, result = loss_fn(up.repack(output[..., :self.layout.vocab_size]), mb)
+            loss, result = loss_fn(up.repack(output[..., : self.layout.vocab_size]), mb)
             if non_loss_data:  # forward_only
                 return detached(result)
             # (calculate_per_token_loss: the schedule neither divides by this count nor by the micro-batches)
@@ -554,11 +636,15 @@ class MegatronEngine(TrainEngine):
 
         with torch.set_grad_enabled(not forward_only):
             results = get_forward_backward_func()(  # (shapes are sent between stages: variable_seq_lengths)
-                forward_step_func=step_fn, data_iterator=data, model=[self.model],
+                forward_step_func=step_fn,
+                data_iterator=data,
+                model=[self.model],
                 num_microbatches=len(micro_batches),
                 seq_length=max((up.tokens.shape[1] for up in unpacked), default=1),
                 micro_batch_size=max((up.tokens.shape[0] for up in unpacked), default=1),
-                forward_only=forward_only, collect_non_loss_data=forward_only)
+                forward_only=forward_only,
+                collect_non_loss_data=forward_only,
+            )
         return self._from_last_stage([r if forward_only else r["result"] for r in results])
 
     def _from_last_stage(self, results: list[Any]) -> list[Any]:
@@ -568,8 +654,12 @@ class MegatronEngine(TrainEngine):
         from megatron.core import parallel_state
 
         box = [_moved(results, "cpu") if parallel_state.is_pipeline_last_stage() else None]
-        dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                   group=parallel_state.get_pipeline_model_parallel_group(), device=self.device)
+        dist.broadcast_object_list(
+            box,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+            device=self.device,
+        )
         return _moved(box[0], self.device)
 
     # ------------------------------------------------------------------ data-parallel coordinates
@@ -623,7 +713,8 @@ class MegatronEngine(TrainEngine):
         state = {"model": model_state}
         if self.trainable:
             state["optimizer"] = self.optimizer.sharded_state_dict(
-                model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+                model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+            )
             state["scheduler"] = {"step": self.global_step}
         return state
 
@@ -648,8 +739,10 @@ class MegatronEngine(TrainEngine):
         from megatron.core import dist_checkpointing
 
         if not (Path(path) / "metadata.json").is_file():
-            raise UserError(f"{path} is not a megatron-core dist checkpoint (no metadata.json); "
-                            f"was it saved with parallel.backend=fsdp?")
+            raise UserError(
+                f"{path} is not a megatron-core dist checkpoint (no metadata.json); "
+                f"was it saved with parallel.backend=fsdp?"
+            )
         if self.trainable:
             _init_torch_adam_state(self.optimizer)
         self.load_state_dict(dist_checkpointing.load(self._sharded_state(is_loading=True), str(path)))
@@ -780,8 +873,7 @@ class _StageGather:
         if self.stage == pp_rank:
             mine = self.local[name].detach().to(self.device).contiguous()
             if self.tp > 1:
-                joined = torch.empty((self.tp * mine.shape[0], *mine.shape[1:]), dtype=mine.dtype,
-                                     device=self.device)
+                joined = torch.empty((self.tp * mine.shape[0], *mine.shape[1:]), dtype=mine.dtype, device=self.device)
                 dist.all_gather_into_tensor(joined, mine, group=self.tp_group)
                 stacked = joined.view(self.tp, *mine.shape)
             else:
@@ -790,18 +882,29 @@ class _StageGather:
             header = torch.zeros(9, dtype=torch.long, device=self.device)
             if stacked is not None:
                 header[0] = stacked.ndim
-                header[1:1 + stacked.ndim] = torch.tensor(stacked.shape)
+                header[1 : 1 + stacked.ndim] = torch.tensor(stacked.shape)
             src = self.pp_ranks[pp_rank]
             dist.broadcast(header, src=src, group=self.pp_group)
             if stacked is None:
-                stacked = torch.empty(tuple(header[1:1 + int(header[0])].tolist()), dtype=self.dtype,
-                                      device=self.device)
+                stacked = torch.empty(
+                    tuple(header[1 : 1 + int(header[0])].tolist()), dtype=self.dtype, device=self.device
+                )
             dist.broadcast(stacked, src=src, group=self.pp_group)
         return list(stacked.unbind(0))
 
 
-def build_engine(cfg: RunConfig, plan, *, role: str, trainable: bool = True, total_steps: int = 0,
-                 lr: float | None = None, source: ModelSource | None = None, lora: bool | None = None) -> MegatronEngine:
+def build_engine(
+    cfg: RunConfig,
+    plan,
+    *,
+    role: str,
+    trainable: bool = True,
+    total_steps: int = 0,
+    lr: float | None = None,
+    source: ModelSource | None = None,
+    lora: bool | None = None,
+) -> MegatronEngine:
     """The Megatron engine for ``plan.backend == "megatron"``; the arguments of :func:`rlctl.engines.build_engine`."""
-    return MegatronEngine(cfg, plan, role=role, trainable=trainable, total_steps=total_steps, lr=lr, source=source,
-                          lora=lora)
+    return MegatronEngine(
+        cfg, plan, role=role, trainable=trainable, total_steps=total_steps, lr=lr, source=source, lora=lora
+    )

@@ -41,8 +41,10 @@ def data_parallel_size(world: int, tp: int, pp: int, cp: int = 1) -> int:
         raise UserError(f"world, tp, pp and cp must be >= 1, got world={world} tp={tp} pp={pp} cp={cp}")
     if world % (tp * pp * cp):
         ok = [d for d in range(1, world + 1) if world % d == 0]
-        raise UserError(f"{world} processes cannot be split into tp {tp} x pp {pp} x cp {cp} = {tp * pp * cp}; "
-                        f"tp x pp x cp must divide the process count (one of {', '.join(map(str, ok))})")
+        raise UserError(
+            f"{world} processes cannot be split into tp {tp} x pp {pp} x cp {cp} = {tp * pp * cp}; "
+            f"tp x pp x cp must divide the process count (one of {', '.join(map(str, ok))})"
+        )
     return world // (tp * pp * cp)
 
 
@@ -85,8 +87,10 @@ def pipeline_stages(num_layers: int, pp: int) -> list[int]:
     split = pipeline_split(num_layers, pp)
     if split is None:
         valid = [p for p in range(1, num_layers + 1) if pipeline_split(num_layers, p)]
-        raise UserError(f"pp={pp} cannot split the model's {num_layers} layers into pipeline stages (even stages, "
-                        f"the last may hold fewer); valid pp: {', '.join(map(str, valid))}")
+        raise UserError(
+            f"pp={pp} cannot split the model's {num_layers} layers into pipeline stages (even stages, "
+            f"the last may hold fewer); valid pp: {', '.join(map(str, valid))}"
+        )
     return split
 
 
@@ -108,11 +112,15 @@ def check_megatron_layout(layout_cfg, *, world: int, tp: int, pp: int, cp: int =
     pipeline_stages(layout_cfg.num_layers, pp)
     data_parallel_size(world, tp, pp, cp)
     if ep > 1:
-        raise UserError(f"ep={ep}: expert parallelism needs a MoE model, and rlctl's Megatron engine maps dense "
-                        f"models only (Qwen2/Qwen2.5/Qwen3/Llama/Mistral); use ep=1")
+        raise UserError(
+            f"ep={ep}: expert parallelism needs a MoE model, and rlctl's Megatron engine maps dense "
+            f"models only (Qwen2/Qwen2.5/Qwen3/Llama/Mistral); use ep=1"
+        )
     if cp > 1:
-        raise UserError(f"cp={cp}: context parallelism is not supported by rlctl's Megatron engine yet; use cp=1 "
-                        f"(and tp/pp for memory)")
+        raise UserError(
+            f"cp={cp}: context parallelism is not supported by rlctl's Megatron engine yet; use cp=1 "
+            f"(and tp/pp for memory)"
+        )
 
 
 def megatron_env(plan: Mapping[str, Any] | Any) -> dict[str, str]:

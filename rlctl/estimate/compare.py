@@ -28,9 +28,16 @@ def _states(est) -> int:
 
 def llama_factory() -> str:
     """LLaMA-Factory's README table (GB for the whole job, estimated): SFT, one process."""
-    rows = [("7B", "Qwen2.5-7B", 120, 16), ("14B", "Qwen2.5-14B", 240, 32), ("30B", "Qwen2.5-32B", 600, 64), ("70B", "Llama-3.1-70B", 1200, 160)]
-    out = ["| size | rlctl model | LLaMA-Factory full (AMP) | rlctl full: states / peak | LLaMA-Factory LoRA | rlctl LoRA r16: states / peak |",
-           "|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        ("7B", "Qwen2.5-7B", 120, 16),
+        ("14B", "Qwen2.5-14B", 240, 32),
+        ("30B", "Qwen2.5-32B", 600, 64),
+        ("70B", "Llama-3.1-70B", 1200, 160),
+    ]
+    out = [
+        "| size | rlctl model | LLaMA-Factory full (AMP) | rlctl full: states / peak | LLaMA-Factory LoRA | rlctl LoRA r16: states / peak |",
+        "|---|---|---|---|---|---|",
+    ]
     for size, name, full_gb, lora_gb in rows:
         spec = resolve_model(name)
         cells = []
@@ -53,8 +60,15 @@ def torchtune() -> str:
     for label, name, gpus, rank, theirs in cases:
         cells = []
         for offload in (False, True):
-            s = MemorySettings(method="sft", gpus=gpus, max_len=2048, micro_batch=2, lora_rank=rank, offload_params=offload,
-                               lora_targets="q_proj,v_proj,o_proj" if rank else "all-linear")  # fmt: skip
+            s = MemorySettings(
+                method="sft",
+                gpus=gpus,
+                max_len=2048,
+                micro_batch=2,
+                lora_rank=rank,
+                offload_params=offload,
+                lora_targets="q_proj,v_proj,o_proj" if rank else "all-linear",
+            )
             cells.append(f"{estimate_memory(resolve_model(name), UNBOUNDED, s).peak_bytes / GIB:.1f} GiB")
         out.append(f"| {label} | {theirs} | {cells[0]} | {cells[1]} |")
     return "\n".join(out)
@@ -92,8 +106,10 @@ def verl_min_gpus() -> str:
         ("Qwen2-70B full", "Qwen2.5-72B", 0, "H100-80GB", "32 x H800 (rollout TP 16)"),
         ("Qwen2.5-72B LoRA", "Qwen2.5-72B", 32, "H100-80GB", "8 x H100"),
     ]
-    out = ["| job (verl) | rlctl model | verl minimum | rlctl without offload | rlctl with offload allowed |",
-           "|---|---|---|---|---|"]  # fmt: skip
+    out = [
+        "| job (verl) | rlctl model | verl minimum | rlctl without offload | rlctl with offload allowed |",
+        "|---|---|---|---|---|",
+    ]
     for label, name, rank, gpu_name, theirs in cases:
         layers = method_layers("grpo", None) + [{"model": {"name": name}, "lora": {"rank": rank}}]
         cfg, gpu = build_config("grpo", layers), resolve_gpu(gpu_name)
@@ -107,8 +123,11 @@ def verl_min_gpus() -> str:
             layout = f"fsdp dp{p.dp}" if p.backend == "fsdp" else f"megatron tp{p.tp} pp{p.pp} dp{p.dp}"
             moved = "+".join(k for k, on in (("params", p.offload_params), ("optimizer", p.offload_optimizer)) if on)
             host = f", host {est.host_bytes / GIB:.0f}/{est.host_memory_bytes / GIB:.0f} GiB" if moved else ""
-            cells.append(f"{row.gpus} x {gpu_name}: {layout}, {p.rollout} tp{p.rollout_tp} @{p.rollout_mem_fraction:.2f}"
-                         + (f", offload {moved}" if moved else "") + host)  # fmt: skip
+            cells.append(
+                f"{row.gpus} x {gpu_name}: {layout}, {p.rollout} tp{p.rollout_tp} @{p.rollout_mem_fraction:.2f}"
+                + (f", offload {moved}" if moved else "")
+                + host
+            )
         out.append(f"| {label} | {name} | {theirs} | {cells[0]} | {cells[1]} |")
     return "\n".join(out)
 
@@ -134,13 +153,17 @@ def example() -> str:
     from rlctl.plan import LocalEnv, resolve_plan
     from rlctl.presets import method_layers
 
-    layers = method_layers("grpo", None) + [{"model": {"name": "Qwen2.5-7B"}, "hardware": {"gpus": 8, "gpu": "H100-80GB"}}]
+    layers = method_layers("grpo", None) + [
+        {"model": {"name": "Qwen2.5-7B"}, "hardware": {"gpus": 8, "gpu": "H100-80GB"}}
+    ]
     plan = resolve_plan(build_config("grpo", layers), local=LocalEnv())
     est = plan.estimate
-    head = (f"Plan: {plan.backend} dp {plan.dp}, rollout {plan.rollout} tp {plan.rollout_tp} at memory fraction "
-            f"{plan.rollout_mem_fraction:.2f}, micro batch {plan.micro_batch_size}, activation checkpointing "
-            f"{'on' if plan.activation_checkpointing else 'off'}. KV cache: {est.kv_cache_tokens:,} tokens = "
-            f"{est.kv_cache_sequences} sequences of {est.settings.seq_len} tokens. Verdict: {est.verdict}.")  # fmt: skip
+    head = (
+        f"Plan: {plan.backend} dp {plan.dp}, rollout {plan.rollout} tp {plan.rollout_tp} at memory fraction "
+        f"{plan.rollout_mem_fraction:.2f}, micro batch {plan.micro_batch_size}, activation checkpointing "
+        f"{'on' if plan.activation_checkpointing else 'off'}. KV cache: {est.kv_cache_tokens:,} tokens = "
+        f"{est.kv_cache_sequences} sequences of {est.settings.seq_len} tokens. Verdict: {est.verdict}."
+    )
     host = f"Host memory of the node ({est.settings.gpus_per_node} GPU processes):"
     return "\n\n".join([head, "\n".join(_phase_table(est.phases)), host, "\n".join(_phase_table(est.host_phases))])
 
@@ -148,21 +171,25 @@ def example() -> str:
 def markdown() -> str:
     gpus = ", ".join(f"{g.name} {g.memory_bytes / GIB:.1f} GiB" for g in list_gpus())
     hosts = ", ".join(f"{g.name} {g.host_memory_bytes / GIB:.0f} GiB / {g.gpus_per_node} GPUs" for g in list_gpus())
-    return "\n\n".join([
-        "#### Worked example: `rlctl estimate memory --model Qwen2.5-7B --method grpo --gpus 8 --gpu H100-80GB`",
-        example(),
-        "#### LLaMA-Factory (SFT, whole job on one GPU; rlctl at 1024 tokens, micro batch 1, checkpointing on)",
-        llama_factory(),
-        "#### torchtune (SFT, batch 2 x 2048 tokens, activation checkpointing; rlctl LoRA on q, v, o like torchtune's default)",
-        torchtune(),
-        "#### DeepSpeed ZeRO-3 model states (per GPU)",
-        deepspeed_zero3(),
-        ("#### verl minimum GPUs for GRPO (rlctl: prompt 512 + response 1024, n 8, 32 prompts per step, 5% margin, "
-         "host memory of the GPU type's node)"),
-        verl_min_gpus(),
-        f"GPU memory as torch reports it: {gpus}.",
-        f"Host memory per node (a rental of fewer GPUs gets its share): {hosts}.",
-    ])  # fmt: skip
+    return "\n\n".join(
+        [
+            "#### Worked example: `rlctl estimate memory --model Qwen2.5-7B --method grpo --gpus 8 --gpu H100-80GB`",
+            example(),
+            "#### LLaMA-Factory (SFT, whole job on one GPU; rlctl at 1024 tokens, micro batch 1, checkpointing on)",
+            llama_factory(),
+            "#### torchtune (SFT, batch 2 x 2048 tokens, activation checkpointing; rlctl LoRA on q, v, o like torchtune's default)",
+            torchtune(),
+            "#### DeepSpeed ZeRO-3 model states (per GPU)",
+            deepspeed_zero3(),
+            (
+                "#### verl minimum GPUs for GRPO (rlctl: prompt 512 + response 1024, n 8, 32 prompts per step, 5% margin, "
+                "host memory of the GPU type's node)"
+            ),
+            verl_min_gpus(),
+            f"GPU memory as torch reports it: {gpus}.",
+            f"Host memory per node (a rental of fewer GPUs gets its share): {hosts}.",
+        ]
+    )
 
 
 BEGIN, END = "<!-- compare:begin -->", "<!-- compare:end -->"

@@ -130,8 +130,9 @@ class Tensor:
     split: str  # Megatron: "tp" (tensor or vocabulary parallel), "ep" (routed experts), "" (replicated)
 
 
-def tensors(spec: ModelSpec, start: int = 0, stop: int | None = None, *, embedding: bool = True,
-            head: bool = True) -> list[Tensor]:  # fmt: skip
+def tensors(
+    spec: ModelSpec, start: int = 0, stop: int | None = None, *, embedding: bool = True, head: bool = True
+) -> list[Tensor]:
     """The parameter tensors of decoder layers [start, stop), plus the embedding and the output
     head (untied) with the final norm when asked; their elements add up to the parameter count.
 
@@ -176,7 +177,9 @@ def lora_targets(targets: str) -> tuple[str, ...] | None:
 _FUSED_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
-def lora_params(spec: ModelSpec, rank: int, targets: str = "all-linear", start: int = 0, stop: int | None = None) -> int:
+def lora_params(
+    spec: ModelSpec, rank: int, targets: str = "all-linear", start: int = 0, stop: int | None = None
+) -> int:
     """Adapter parameters peft adds: rank x (fan_in + fan_out) per targeted linear layer.
 
     ``all-linear`` is every ``nn.Linear`` of the decoder layers (peft leaves the output head out).
@@ -195,7 +198,9 @@ def lora_params(spec: ModelSpec, rank: int, targets: str = "all-linear", start: 
     names = set(wanted) if wanted is not None else lora_target_names(spec)
     if spec.is_moe:
         if 0 < len(names & {"gate_proj", "up_proj"}) < 2:
-            raise UserError("lora.targets: on a MoE model gate_proj and up_proj go together (fused gate_up_proj experts)")
+            raise UserError(
+                "lora.targets: on a MoE model gate_proj and up_proj go together (fused gate_up_proj experts)"
+            )
     total = 0
     for layer, n in layer_kinds(spec, start, stop):
         for lin in layer.linears:

@@ -162,7 +162,9 @@ class MemorySettings:
         if self.gpus % self.nodes:
             raise UserError(f"{self.gpus} GPUs do not split evenly over {self.nodes} nodes")
         if self.host_memory_bytes < 0:
-            raise UserError(f"host_memory_bytes must be positive (0 = the GPU type's typical node), got {self.host_memory_bytes}")
+            raise UserError(
+                f"host_memory_bytes must be positive (0 = the GPU type's typical node), got {self.host_memory_bytes}"
+            )
         if self.gpus % (self.tp * self.pp * self.cp):
             raise UserError(f"{self.gpus} GPUs do not split into tp {self.tp} x pp {self.pp} x cp {self.cp}")
         if self.backend == "fsdp" and (self.tp, self.pp, self.ep) != (1, 1, 1):
@@ -254,19 +256,29 @@ class MemoryEstimate:
         peak, total = self.peak_bytes / GIB, self.gpu_memory_bytes / GIB
         problems = []
         if not self.engine_starts:
-            problems.append(f"the rollout engine has no room for one {self.settings.seq_len}-token sequence of KV cache "
-                            f"(raise the memory fraction, the rollout TP, or offload the trainer)")  # fmt: skip
+            problems.append(
+                f"the rollout engine has no room for one {self.settings.seq_len}-token sequence of KV cache "
+                f"(raise the memory fraction, the rollout TP, or offload the trainer)"
+            )
         elif self.headroom_bytes < 0:
-            problems.append(f"the {self.peak_phase} phase needs {peak:.1f} GiB per GPU, the {self.gpu} has {total:.1f} GiB")
+            problems.append(
+                f"the {self.peak_phase} phase needs {peak:.1f} GiB per GPU, the {self.gpu} has {total:.1f} GiB"
+            )
         if not self.host_fits:
-            problems.append(f"host memory: the {self.host_peak_phase} phase needs {self.host_bytes / GIB:.1f} GiB per node, "
-                            f"a node has {self.host_memory_bytes / GIB:.0f} GiB ({self.host_limit_bytes / GIB:.1f} GiB usable "
-                            f"after the {HOST_MARGIN_FRACTION:.0%} kept for the system)")  # fmt: skip
+            problems.append(
+                f"host memory: the {self.host_peak_phase} phase needs {self.host_bytes / GIB:.1f} GiB per node, "
+                f"a node has {self.host_memory_bytes / GIB:.0f} GiB ({self.host_limit_bytes / GIB:.1f} GiB usable "
+                f"after the {HOST_MARGIN_FRACTION:.0%} kept for the system)"
+            )
         if problems:
             return "does not fit: " + "; ".join(problems)
         share = self.headroom_bytes / self.gpu_memory_bytes
         tight = " (tight: allocator fragmentation may not fit)" if share < 0.05 else ""
-        host = f"; host {self.host_bytes / GIB:.0f} of {self.host_memory_bytes / GIB:.0f} GiB per node" if self.host_memory_bytes else ""
+        host = (
+            f"; host {self.host_bytes / GIB:.0f} of {self.host_memory_bytes / GIB:.0f} GiB per node"
+            if self.host_memory_bytes
+            else ""
+        )
         return f"fits: peak {peak:.1f} GiB ({self.peak_phase}) of {total:.1f} GiB, {share:.0%} headroom{tight}{host}"
 
     def to_dict(self) -> dict:
@@ -345,8 +357,18 @@ def _stages(spec: ModelSpec, s: MemorySettings) -> list[_Stage]:
     rank, targets = s.lora_rank, s.lora_targets
     if s.backend == "fsdp":
         experts = expert_params(spec)
-        return [_Stage("every GPU", layer_kinds(spec), count_params(spec) - experts, experts,
-                       lora_params(spec, rank, targets), True, 1, tensors(spec))]  # fmt: skip
+        return [
+            _Stage(
+                "every GPU",
+                layer_kinds(spec),
+                count_params(spec) - experts,
+                experts,
+                lora_params(spec, rank, targets),
+                True,
+                1,
+                tensors(spec),
+            )
+        ]
     split = pipeline_split(spec.num_layers, s.pp)
     assert split is not None
     out = []
@@ -363,8 +385,18 @@ def _stages(spec: ModelSpec, s: MemorySettings) -> list[_Stage]:
         parts = tensors(spec, start, start + split[i], embedding=i == 0, head=last)
         if last and s.pp > 1 and spec.tie_embeddings:
             parts.append(Tensor(spec.vocab_size, spec.hidden_size, 1, "tp"))  # the tied head's copy
-        out.append(_Stage(label, kinds, dense, sum(layer.experts * n for layer, n in kinds),
-                          lora_params(spec, rank, targets, start, start + split[i]), last, s.pp - i, parts))  # fmt: skip
+        out.append(
+            _Stage(
+                label,
+                kinds,
+                dense,
+                sum(layer.experts * n for layer, n in kinds),
+                lora_params(spec, rank, targets, start, start + split[i]),
+                last,
+                s.pp - i,
+                parts,
+            )
+        )
     return out
 
 
@@ -572,7 +604,8 @@ def _host_offload(s: MemorySettings, stage: _Stage, states: dict[str, int]) -> t
             edp = s.gpus // (s.pp * s.ep)
             fp32 = pinned_bytes(s, stage.tensors, 4)  # the master weights, and the gradient copies
             adam = _ceil(ADAM_STATE_BYTES * _ceil(stage.dense_params / s.tp) / s.dp) + _ceil(
-                ADAM_STATE_BYTES * _ceil(stage.expert_params / s.ep) / edp)
+                ADAM_STATE_BYTES * _ceil(stage.expert_params / s.ep) / edp
+            )
             whole["offloaded_gradients"] = fp32
             whole["offloaded_optimizer"] = fp32 + adam
     if s.backend == "megatron" and s.offload_params and s.is_rl:
@@ -580,8 +613,9 @@ def _host_offload(s: MemorySettings, stage: _Stage, states: dict[str, int]) -> t
     return whole, rollout
 
 
-def _host_phases(spec: ModelSpec, s: MemorySettings, stages: list[_Stage], stage_states: list[dict[str, int]],
-                 critic_ratio: float) -> dict[str, Phase]:  # fmt: skip
+def _host_phases(
+    spec: ModelSpec, s: MemorySettings, stages: list[_Stage], stage_states: list[dict[str, int]], critic_ratio: float
+) -> dict[str, Phase]:
     """Host memory of the busiest node in each phase: what its ``gpus_per_node`` processes keep in CPU memory.
 
     - training: offloaded states (and the idle reference and critic when offloaded), a sleeping
@@ -597,8 +631,11 @@ def _host_phases(spec: ModelSpec, s: MemorySettings, stages: list[_Stage], stage
         whole, between = _host_offload(s, stage, states)
         reference = 0
         if s.is_rl and s.kl and not s.lora_rank and s.idle_weights_offloaded:
-            reference = pinned_bytes(s, stage.tensors, cb) if s.cpu_offload else cb * (
-                _ceil(stage.dense_params / s.tp) + _ceil(stage.expert_params / s.ep))
+            reference = (
+                pinned_bytes(s, stage.tensors, cb)
+                if s.cpu_offload
+                else cb * (_ceil(stage.dense_params / s.tp) + _ceil(stage.expert_params / s.ep))
+            )
         critic = _ceil(critic_ratio * (sum(whole.values()) + sum(between.values()))) if s.has_critic else 0
         common = {**whole, "reference_model": reference, "critic": critic, "processes": HOST_PROCESS_BYTES}
         engine = 0
@@ -608,9 +645,15 @@ def _host_phases(spec: ModelSpec, s: MemorySettings, stages: list[_Stage], stage
         phases["rollout"].append({**common, **{key: common.get(key, 0) + v for key, v in between.items()}})
         if s.backend == "fsdp":
             critic_weights = _ceil(critic_ratio * whole.get("offloaded_weights", 0)) if s.has_critic else 0
-            phases["loading"].append({"checkpoint": 0, "offloaded_weights": whole.get("offloaded_weights", 0),
-                                      "reference_model": reference, "critic": critic_weights,
-                                      "processes": HOST_PROCESS_BYTES})  # fmt: skip
+            phases["loading"].append(
+                {
+                    "checkpoint": 0,
+                    "offloaded_weights": whole.get("offloaded_weights", 0),
+                    "reference_model": reference,
+                    "critic": critic_weights,
+                    "processes": HOST_PROCESS_BYTES,
+                }
+            )
     out = {}
     for name, per_gpu in phases.items():
         if not per_gpu or (name == "rollout" and not s.is_rl):
@@ -652,12 +695,17 @@ def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> Memory
         reference = 0
         if s.is_rl and s.kl and not s.lora_rank and not weights_off:  # LoRA: the base with adapters off
             whole = stage.dense_params + stage.expert_params
-            reference = _ceil(cb * whole / s.gpus) if s.backend == "fsdp" else cb * (
-                _ceil(stage.dense_params / s.tp) + _ceil(stage.expert_params / s.ep))
+            reference = (
+                _ceil(cb * whole / s.gpus)
+                if s.backend == "fsdp"
+                else cb * (_ceil(stage.dense_params / s.tp) + _ceil(stage.expert_params / s.ep))
+            )
         idle_critic = 0
         if s.has_critic:  # idle while the actor updates: weights and optimizer unless offloaded
-            idle_critic = _ceil(critic_ratio * (
-                (0 if weights_off else states["weights"]) + (0 if optimizer_off else states["optimizer_states"])))
+            idle_critic = _ceil(
+                critic_ratio
+                * ((0 if weights_off else states["weights"]) + (0 if optimizer_off else states["optimizer_states"]))
+            )
         train["reference_model"] = reference
         train["critic"] = idle_critic
         train["cuda_context"] = context
@@ -676,9 +724,14 @@ def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> Memory
 
     phases = {"training": max(train_phases, key=lambda p: p.total_bytes)}
     est = MemoryEstimate(
-        model=model.name, params=count_params(model), trainable_params=trainable, gpu=gpu.name,
-        gpu_memory_bytes=gpu.memory_bytes, settings=s, phases=phases,
-    )  # fmt: skip
+        model=model.name,
+        params=count_params(model),
+        trainable_params=trainable,
+        gpu=gpu.name,
+        gpu_memory_bytes=gpu.memory_bytes,
+        settings=s,
+        phases=phases,
+    )
     if s.is_rl:
         engine = _engine(model, gpu, s, est)
         rollout = []
@@ -713,8 +766,12 @@ def _engine(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEstima
             kv = budget - weights - act
         else:  # sglang's mem_fraction_static covers weights and the KV pool; activations come on top
             kv = budget - weights
-        parts = {"engine_weights": weights, "kv_cache": max(kv, 0), "engine_activations": act,
-                 "cuda_graphs": ENGINE_GRAPH_BYTES}  # fmt: skip
+        parts = {
+            "engine_weights": weights,
+            "kv_cache": max(kv, 0),
+            "engine_activations": act,
+            "cuda_graphs": ENGINE_GRAPH_BYTES,
+        }
     est.kv_bytes_per_token = per_token
     est.kv_cache_bytes = parts["kv_cache"]
     est.kv_cache_tokens = parts["kv_cache"] // per_token
@@ -731,77 +788,125 @@ def _assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryE
     cb = s.compute_bytes
     out = []
     if s.is_rl:
-        out.append(f"sequence length {s.seq_len} tokens (prompt {s.prompt_len} + response {s.response_len}), "
-                   f"micro batch {s.micro_batch}: {s.tokens_per_micro_batch} tokens per forward")  # fmt: skip
+        out.append(
+            f"sequence length {s.seq_len} tokens (prompt {s.prompt_len} + response {s.response_len}), "
+            f"micro batch {s.micro_batch}: {s.tokens_per_micro_batch} tokens per forward"
+        )
     else:
-        out.append(f"sequence length {s.seq_len} tokens, micro batch {s.micro_batch}: "
-                   f"{s.tokens_per_micro_batch} tokens per forward (packed)")  # fmt: skip
-    what = f"LoRA rank {s.lora_rank} on {s.lora_targets} ({est.trainable_params:,} adapter parameters), frozen base in {s.dtype}" \
-        if s.lora_rank else "full fine-tuning"
+        out.append(
+            f"sequence length {s.seq_len} tokens, micro batch {s.micro_batch}: "
+            f"{s.tokens_per_micro_batch} tokens per forward (packed)"
+        )
+    what = (
+        f"LoRA rank {s.lora_rank} on {s.lora_targets} ({est.trainable_params:,} adapter parameters), frozen base in {s.dtype}"
+        if s.lora_rank
+        else "full fine-tuning"
+    )
     if s.backend == "fsdp":
         states = "fp32 master weights, fp32 gradients and AdamW m, v" if not s.lora_rank else "the adapters' states"
         out.append(f"{what}; FSDP2 full shard over {s.gpus} GPUs: {states} divided by {s.gpus}")
-        out.append(f"FSDP gathers two decoder layers ({largest_layer_params(model):,} parameters each) and keeps the "
-                   f"output head gathered through the backward, in {s.dtype}")  # fmt: skip
+        out.append(
+            f"FSDP gathers two decoder layers ({largest_layer_params(model):,} parameters each) and keeps the "
+            f"output head gathered through the backward, in {s.dtype}"
+        )
     else:
-        out.append(f"{what}; Megatron tp {s.tp} x pp {s.pp} x dp {s.dp}" + (f", ep {s.ep}" if s.ep > 1 else "")
-                   + f": {s.dtype} weights and fp32 gradients per shard, fp32 master and AdamW m, v divided by dp "
-                   "(distributed optimizer)")  # fmt: skip
+        out.append(
+            f"{what}; Megatron tp {s.tp} x pp {s.pp} x dp {s.dp}"
+            + (f", ep {s.ep}" if s.ep > 1 else "")
+            + f": {s.dtype} weights and fp32 gradients per shard, fp32 master and AdamW m, v divided by dp "
+            "(distributed optimizer)"
+        )
         if s.pp > 1:
-            out.append(f"pipeline 1F1B: stage i keeps pp - i micro batches of activations; the busiest stage is reported "
-                       f"({est.phases['training'].note})")  # fmt: skip
+            out.append(
+                f"pipeline 1F1B: stage i keeps pp - i micro batches of activations; the busiest stage is reported "
+                f"({est.phases['training'].note})"
+            )
     if model.is_moe:
-        out.append(f"MoE: all {model.num_experts} experts count for weights and optimizer states; activations follow the "
-                   f"{model.experts_per_token} routed experts a token uses (balanced routing assumed)")  # fmt: skip
+        out.append(
+            f"MoE: all {model.num_experts} experts count for weights and optimizer states; activations follow the "
+            f"{model.experts_per_token} routed experts a token uses (balanced routing assumed)"
+        )
     if s.cpu_offload:
-        out.append("FSDP2 CPU offload: sharded weights, gradients and AdamW states live on the CPU (weights and gradients "
-                   "pinned), the optimizer steps there; only the gathered layers and activations use the GPU")  # fmt: skip
+        out.append(
+            "FSDP2 CPU offload: sharded weights, gradients and AdamW states live on the CPU (weights and gradients "
+            "pinned), the optimizer steps there; only the gathered layers and activations use the GPU"
+        )
     if s.megatron_optimizer_offload:
-        out.append("Megatron optimizer CPU offload (megatron-core optimizer_cpu_offload, fraction 1.0, precision-aware "
-                   "optimizer): fp32 master weights, gradient copies and AdamW states on the CPU, the optimizer steps "
-                   "there; the GPU keeps the bf16 weights and the fp32 gradient buffer")  # fmt: skip
+        out.append(
+            "Megatron optimizer CPU offload (megatron-core optimizer_cpu_offload, fraction 1.0, precision-aware "
+            "optimizer): fp32 master weights, gradient copies and AdamW states on the CPU, the optimizer steps "
+            "there; the GPU keeps the bf16 weights and the fp32 gradient buffer"
+        )
     if s.backend == "megatron" and s.offload_params and s.is_rl:
-        out.append("Megatron weight offload between phases: the weights and the gradient buffer wait on the CPU while the "
-                   "engine generates and return for the update")  # fmt: skip
+        out.append(
+            "Megatron weight offload between phases: the weights and the gradient buffer wait on the CPU while the "
+            "engine generates and return for the update"
+        )
     ckpt = "on: each layer keeps its input, one layer at a time is recomputed" if s.activation_checkpointing else "off"
     out.append(f"activation checkpointing {ckpt}; attention by FlashAttention/SDPA kernels (no s x s scores stored)")
-    out.append(f"logits: {s.dtype} output + fp32 copy + fp32 log-softmax ({cb + LOGIT_EXTRA_BYTES} bytes per token per "
-               f"vocabulary entry)")  # fmt: skip
+    out.append(
+        f"logits: {s.dtype} output + fp32 copy + fp32 log-softmax ({cb + LOGIT_EXTRA_BYTES} bytes per token per "
+        f"vocabulary entry)"
+    )
     if s.is_rl:
         if s.kl and s.lora_rank:
             out.append("reference model: the base with the adapters disabled (no second copy)")
         elif s.kl:
-            out.append(f"reference model: {s.dtype} weights sharded like the policy" + (", on the CPU" if s.idle_weights_offloaded else ""))
+            out.append(
+                f"reference model: {s.dtype} weights sharded like the policy"
+                + (", on the CPU" if s.idle_weights_offloaded else "")
+            )
         if s.has_critic:
-            out.append("critic: the policy's body with a value head, trained after the actor (its own activations are "
-                       "smaller: no vocabulary logits); idle, it keeps its weights and optimizer states unless offloaded")  # fmt: skip
-        out.append("the rollout engine sleeps while the trainer updates (weights to CPU, KV cache freed, as verl's colocated engines)")
-        kept = [name for name, off in (("weights", s.idle_weights_offloaded), ("optimizer states", s.idle_optimizer_offloaded)) if not off]
+            out.append(
+                "critic: the policy's body with a value head, trained after the actor (its own activations are "
+                "smaller: no vocabulary logits); idle, it keeps its weights and optimizer states unless offloaded"
+            )
+        out.append(
+            "the rollout engine sleeps while the trainer updates (weights to CPU, KV cache freed, as verl's colocated engines)"
+        )
+        kept = [
+            name
+            for name, off in (("weights", s.idle_weights_offloaded), ("optimizer states", s.idle_optimizer_offloaded))
+            if not off
+        ]
         freed = "gradients freed" if s.backend == "fsdp" else "gradient buffer kept unless params are offloaded"
         out.append(f"during rollout the trainer keeps its {' and '.join(kept) or 'nothing'} on the GPU ({freed})")
         if s.rollout == "hf" or s.device == "cpu":
-            out.append(f"{s.rollout} engine: KV cache sized for its share of the batch ({s.rollout_batch} prompts x {s.rollout_n})")
+            out.append(
+                f"{s.rollout} engine: KV cache sized for its share of the batch ({s.rollout_batch} prompts x {s.rollout_n})"
+            )
         else:
             frac = f"{s.mem_fraction:.2f} x {_gib(gpu.memory_bytes)}"
-            cover = "weights, activations and KV cache" if s.rollout == "vllm" else "weights and KV pool (activations on top)"
-            out.append(f"{s.rollout} (tp {s.rollout_tp}): memory fraction {frac} covers its {cover}; "
-                       f"CUDA graphs {_gib(ENGINE_GRAPH_BYTES)} on top; {ENGINE_BATCHED_TOKENS} tokens per engine step")  # fmt: skip
+            cover = (
+                "weights, activations and KV cache"
+                if s.rollout == "vllm"
+                else "weights and KV pool (activations on top)"
+            )
+            out.append(
+                f"{s.rollout} (tp {s.rollout_tp}): memory fraction {frac} covers its {cover}; "
+                f"CUDA graphs {_gib(ENGINE_GRAPH_BYTES)} on top; {ENGINE_BATCHED_TOKENS} tokens per engine step"
+            )
     if s.device == "cuda":
         out.append(f"CUDA context, cuBLAS workspaces and NCCL buffers: {_gib(CUDA_CONTEXT_BYTES)} per GPU")
         k = s.gpus_per_node
         if s.host_memory_bytes:
             where = "as given"
         elif gpu.host_memory_bytes:
-            where = (f"a {gpu.name} node's {_gib(gpu.host_memory_bytes)}" + (f" shared by {gpu.gpus_per_node} GPUs, {k} used"
-                     if k != gpu.gpus_per_node else ""))  # fmt: skip
+            where = f"a {gpu.name} node's {_gib(gpu.host_memory_bytes)}" + (
+                f" shared by {gpu.gpus_per_node} GPUs, {k} used" if k != gpu.gpus_per_node else ""
+            )
         else:
             where = "unknown for this GPU type: not checked"
-        out.append(f"host memory per node: {_gib(est.host_memory_bytes)} ({where}); {HOST_MARGIN_FRACTION:.0%} kept for the "
-                   f"system; {_gib(HOST_PROCESS_BYTES)} per GPU process; pinned offloaded tensors rounded up to powers of two "
-                   "(torch's caching host allocator)")  # fmt: skip
+        out.append(
+            f"host memory per node: {_gib(est.host_memory_bytes)} ({where}); {HOST_MARGIN_FRACTION:.0%} kept for the "
+            f"system; {_gib(HOST_PROCESS_BYTES)} per GPU process; pinned offloaded tensors rounded up to powers of two "
+            "(torch's caching host allocator)"
+        )
         if s.backend == "fsdp":
-            out.append(f"loading: FSDP's rank 0 reads the whole checkpoint into host memory ({CHECKPOINT_BYTES} bytes per "
-                       "parameter) and scatters it to the other ranks")  # fmt: skip
+            out.append(
+                f"loading: FSDP's rank 0 reads the whole checkpoint into host memory ({CHECKPOINT_BYTES} bytes per "
+                "parameter) and scatters it to the other ranks"
+            )
         if s.is_rl and s.rollout == "vllm":
             out.append("vLLM sleeps at level 1 while the trainer updates: its weights wait in host memory")
     return out

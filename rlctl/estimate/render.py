@@ -86,7 +86,11 @@ def render_estimate(console: Console, est: MemoryEstimate) -> None:
         f"headroom {gib(est.headroom_bytes)} GiB"
     )
     if est.host_phases:
-        known = f"of {gib(est.host_memory_bytes)} GiB ({gib(est.host_limit_bytes)} usable)" if est.host_memory_bytes else "(host memory unknown: not checked)"
+        known = (
+            f"of {gib(est.host_memory_bytes)} GiB ({gib(est.host_limit_bytes)} usable)"
+            if est.host_memory_bytes
+            else "(host memory unknown: not checked)"
+        )
         console.print(f"host memory per node: {gib(est.host_bytes)} GiB ({est.host_peak_phase}) {known}")
     console.print(f"[{color}]{escape(est.verdict)}[/{color}]")
     console.print("[dim]assumptions:[/dim]")

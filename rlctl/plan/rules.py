@@ -36,8 +36,9 @@ def describe_model(spec: ModelSpec, params: int, active: int) -> str:
 # Backend
 
 
-def choose_backend(spec: ModelSpec, params: int, active: int, *, device: str, world: int, gpu: str,
-                   lora: bool) -> tuple[str, str]:  # fmt: skip
+def choose_backend(
+    spec: ModelSpec, params: int, active: int, *, device: str, world: int, gpu: str, lora: bool
+) -> tuple[str, str]:
     """FSDP2 for dense models up to ``fsdp_max_params`` and for dense LoRA, Megatron above and for MoE."""
     t = tiers()["backend"]
     what = describe_model(spec, params, active)
@@ -54,8 +55,10 @@ def choose_backend(spec: ModelSpec, params: int, active: int, *, device: str, wo
         return "fsdp", f"backend fsdp: {what} <= {billions(int(limit))} fits FSDP2 full shard on {world} x {gpu}"
     if params <= t["megatron_tp_max_params"]:
         return "megatron", f"backend megatron: {what} > {billions(int(limit))}: Megatron with tensor parallelism"
-    return "megatron", (f"backend megatron: {what} > {billions(int(t['megatron_tp_max_params']))}: "
-                        "Megatron with tensor and pipeline parallelism")  # fmt: skip
+    return "megatron", (
+        f"backend megatron: {what} > {billions(int(t['megatron_tp_max_params']))}: "
+        "Megatron with tensor and pipeline parallelism"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,13 +88,16 @@ def rollout_tp_problem(spec: ModelSpec, tp: int) -> str | None:
     return None
 
 
-def check_overrides(spec: ModelSpec, *, backend: str, tp: int, pp: int, ep: int, cp: int, world: int,
-                    rollout_tp: int, is_rl: bool) -> None:  # fmt: skip
+def check_overrides(
+    spec: ModelSpec, *, backend: str, tp: int, pp: int, ep: int, cp: int, world: int, rollout_tp: int, is_rl: bool
+) -> None:
     """Validate the parallel sizes a user set (0 = not set); UserError names the valid values."""
     if backend == "fsdp":
         for key, value in (("parallel.tp", tp), ("parallel.pp", pp), ("parallel.ep", ep)):
             if value > 1:
-                raise UserError(f"{key}={value} needs parallel.backend=megatron; fsdp shards over all GPUs (tp = pp = ep = 1)")
+                raise UserError(
+                    f"{key}={value} needs parallel.backend=megatron; fsdp shards over all GPUs (tp = pp = ep = 1)"
+                )
     if tp:
         problem = tp_problem(spec, tp)
         if problem:
@@ -117,17 +123,24 @@ def check_overrides(spec: ModelSpec, *, backend: str, tp: int, pp: int, ep: int,
         per_stage = world // (pp or 1)
         if spec.num_experts % ep or per_stage % ep:
             ok = ", ".join(str(e) for e in POWERS_OF_TWO if spec.num_experts % e == 0 and per_stage % e == 0)
-            raise UserError(f"parallel.ep={ep} must divide the {spec.num_experts} experts and the {per_stage} GPUs "
-                            f"per pipeline stage; valid ep: {ok}")  # fmt: skip
+            raise UserError(
+                f"parallel.ep={ep} must divide the {spec.num_experts} experts and the {per_stage} GPUs "
+                f"per pipeline stage; valid ep: {ok}"
+            )
     if is_rl and rollout_tp:
         problem = rollout_tp_problem(spec, rollout_tp) or (
-            None if world % rollout_tp == 0 else f"{rollout_tp} does not divide the {world} GPUs")
+            None if world % rollout_tp == 0 else f"{rollout_tp} does not divide the {world} GPUs"
+        )
         if problem:
-            ok = ", ".join(str(t) for t in POWERS_OF_TWO if t <= world and world % t == 0 and not rollout_tp_problem(spec, t))
+            ok = ", ".join(
+                str(t) for t in POWERS_OF_TWO if t <= world and world % t == 0 and not rollout_tp_problem(spec, t)
+            )
             raise UserError(f"rollout.tp={rollout_tp}: {problem}; valid rollout tp: {ok}")
 
 
-def megatron_layouts(spec: ModelSpec, *, world: int, per_node: int, tp: int, pp: int, ep: int, cp: int) -> list[tuple[int, int, int]]:
+def megatron_layouts(
+    spec: ModelSpec, *, world: int, per_node: int, tp: int, pp: int, ep: int, cp: int
+) -> list[tuple[int, int, int]]:
     """(tp, pp, ep) layouts to try, most preferred first; user-set sizes (non-zero) are kept.
 
     Dense: tensor parallel inside a node, smallest first, then pipeline stages at the largest TP.
@@ -143,7 +156,11 @@ def megatron_layouts(spec: ModelSpec, *, world: int, per_node: int, tp: int, pp:
         pps = [pp]
     else:
         pps = [p for p in range(1, spec.num_layers + 1) if world % (p * cp) == 0 and pipeline_split(spec.num_layers, p)]
-    pairs = [(t, p) for p in pps for t in tps] if spec.is_moe else [(t, pps[0]) for t in tps] + [(tps[-1], p) for p in pps[1:]]
+    pairs = (
+        [(t, p) for p in pps for t in tps]
+        if spec.is_moe
+        else [(t, pps[0]) for t in tps] + [(tps[-1], p) for p in pps[1:]]
+    )
     out = []
     for t, p in pairs:
         if world % (t * p * cp):
@@ -183,5 +200,8 @@ def choose_engine(*, device: str, n: int, lora: bool, installed: frozenset[str])
     if lora:
         return "vllm", "rollout vllm: LoRA adapters are synced to vLLM's LoRA support without merging"
     if n > 1:
-        return "sglang", f"rollout sglang: n={n} samples per prompt share their prompt; SGLang's prefix cache (RadixAttention) pays off"
+        return (
+            "sglang",
+            f"rollout sglang: n={n} samples per prompt share their prompt; SGLang's prefix cache (RadixAttention) pays off",
+        )
     return "vllm", "rollout vllm: one sample per prompt, no prefix to share"

@@ -118,8 +118,9 @@ def init_distributed(device_type: str) -> Dist:
     if device_type == "cuda" and not torch.cuda.is_available():
         raise UserError("the plan asks for CUDA but no GPU is visible; pass --device cpu or run on a GPU machine")
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if device_type == "cuda":
         torch.cuda.set_device(local)
@@ -127,8 +128,11 @@ def init_distributed(device_type: str) -> Dist:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(minutes=30),
-                                device_id=device if device_type == "cuda" else None)
+        dist.init_process_group(
+            "nccl" if device_type == "cuda" else "gloo",
+            timeout=timedelta(minutes=30),
+            device_id=device if device_type == "cuda" else None,
+        )
     return Dist(rank, world, local, device)
 
 

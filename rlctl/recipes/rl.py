@@ -97,8 +97,9 @@ def all_reduce_max(value: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def global_sums(values: dict[str, float], device: torch.device, group: dist.ProcessGroup | None = None
-                ) -> dict[str, float]:
+def global_sums(
+    values: dict[str, float], device: torch.device, group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
     """Sum a dict of floats over the ranks of ``group`` (default: all; every rank must pass the same keys)."""
     keys = sorted(values)
     return dict(zip(keys, all_reduce_sum([float(values[k]) for k in keys], device, group)))
@@ -158,10 +159,21 @@ class RolloutBatch:
         return len(self.responses)
 
     @classmethod
-    def build(cls, prompts: list[list[int]], responses: list[list[int]], rollout_logp: list[list[float]],
-              uid: list[int], *, n: int, batch_size: int, mini_batch_size: int, width: int,
-              truncated: list[bool] | None = None, meta: list[Prompt] | None = None,
-              device: torch.device | str = "cpu") -> RolloutBatch:
+    def build(
+        cls,
+        prompts: list[list[int]],
+        responses: list[list[int]],
+        rollout_logp: list[list[float]],
+        uid: list[int],
+        *,
+        n: int,
+        batch_size: int,
+        mini_batch_size: int,
+        width: int,
+        truncated: list[bool] | None = None,
+        meta: list[Prompt] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> RolloutBatch:
         """A batch from plain lists (one entry per sample); ``batch_size`` = prompts in the step."""
         b = len(responses)
         mask = torch.zeros(b, width, device=device)
@@ -169,15 +181,23 @@ class RolloutBatch:
         for i, (resp, lp) in enumerate(zip(responses, rollout_logp)):
             if not 0 < len(resp) <= width:
                 raise ValueError(f"response {i} has {len(resp)} tokens; expected 1..{width}")
-            mask[i, :len(resp)] = 1.0
-            logp[i, :len(resp)] = torch.tensor(lp, dtype=torch.float32)
+            mask[i, : len(resp)] = 1.0
+            logp[i, : len(resp)] = torch.tensor(lp, dtype=torch.float32)
         m = mini_batch_size or batch_size
         uid_t = torch.tensor(uid, dtype=torch.int64, device=device).reshape(-1)
-        return cls(prompts=[list(p) for p in prompts], responses=[list(r) for r in responses], uid=uid_t,
-                   mini=uid_t // n // m, n=n, num_minis=math.ceil(batch_size / m), total=batch_size * n,
-                   mask=mask, rollout_logp=logp,
-                   truncated=torch.tensor(truncated or [False] * b, dtype=torch.bool, device=device),
-                   meta=list(meta or []))
+        return cls(
+            prompts=[list(p) for p in prompts],
+            responses=[list(r) for r in responses],
+            uid=uid_t,
+            mini=uid_t // n // m,
+            n=n,
+            num_minis=math.ceil(batch_size / m),
+            total=batch_size * n,
+            mask=mask,
+            rollout_logp=logp,
+            truncated=torch.tensor(truncated or [False] * b, dtype=torch.bool, device=device),
+            meta=list(meta or []),
+        )
 
     @property
     def lengths(self) -> list[int]:
@@ -231,7 +251,7 @@ class MicroBatch:
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """This micro-batch's rows of a per-token batch tensor [b, W] -> [k, width]."""
-        return t[self.rows, :self.width]
+        return t[self.rows, : self.width]
 
 
 def _collate(batch: RolloutBatch, rows: list[int], device: torch.device) -> MicroBatch:
@@ -255,8 +275,16 @@ def _collate(batch: RolloutBatch, rows: list[int], device: torch.device) -> Micr
     def t(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.int64, device=device)
 
-    return MicroBatch(t(ids)[None], t(pos)[None], t(rows), t(logit_index), t(labels), t(token_row), t(token_col),
-                      max(len(batch.responses[i]) for i in rows))
+    return MicroBatch(
+        t(ids)[None],
+        t(pos)[None],
+        t(rows),
+        t(logit_index),
+        t(labels),
+        t(token_row),
+        t(token_col),
+        max(len(batch.responses[i]) for i in rows),
+    )
 
 
 def _dummy(pad_id: int, device: torch.device) -> MicroBatch:
@@ -265,8 +293,9 @@ def _dummy(pad_id: int, device: torch.device) -> MicroBatch:
     return MicroBatch(one, torch.zeros_like(one), empty, empty, empty, empty, empty, 0)
 
 
-def micro_batches(batch: RolloutBatch, rows: list[int], *, budget: int, pad_id: int,
-                  device: torch.device) -> list[MicroBatch]:
+def micro_batches(
+    batch: RolloutBatch, rows: list[int], *, budget: int, pad_id: int, device: torch.device
+) -> list[MicroBatch]:
     """The given rows packed first-fit-decreasing into micro-batches of at most ``budget`` tokens,
     padded with dummies to the same count on every rank (collective)."""
     lengths = batch.lengths
@@ -295,9 +324,17 @@ def chunked_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
 
 
-def compute_logprobs(engine: TrainEngine, batch: RolloutBatch, *, temperature: float, budget: int, pad_id: int,
-                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def compute_logprobs(
+    engine: TrainEngine,
+    batch: RolloutBatch,
+    *,
+    temperature: float,
+    budget: int,
+    pad_id: int,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [b, W] of the sampled tokens under ``engine`` (and the per-token entropy when asked)."""
+
     def per_token(logits, mb):
         sel = logits[0, mb.logit_index]  # the positions that predict response tokens
         out = {"logp": logprobs_from_logits(sel, mb.labels, temperature).float()}
@@ -313,9 +350,9 @@ def compute_logprobs(engine: TrainEngine, batch: RolloutBatch, *, temperature: f
     ent = torch.zeros_like(batch.mask) if with_entropy else None
     for mb, out in zip(micro, outs):
         if not mb.dummy:
-            logp[mb.rows, :mb.width] = mb.to_matrix(out["logp"])
+            logp[mb.rows, : mb.width] = mb.to_matrix(out["logp"])
             if ent is not None:
-                ent[mb.rows, :mb.width] = mb.to_matrix(out["entropy"])
+                ent[mb.rows, : mb.width] = mb.to_matrix(out["entropy"])
     return logp, ent
 
 
@@ -328,7 +365,7 @@ def compute_values(critic: TrainEngine, batch: RolloutBatch, *, budget: int, pad
     values = torch.zeros_like(batch.mask)
     for mb, v in zip(micro, outs):
         if not mb.dummy:
-            values[mb.rows, :mb.width] = mb.to_matrix(v)
+            values[mb.rows, : mb.width] = mb.to_matrix(v)
     return values
 
 
@@ -346,8 +383,9 @@ def token_rewards(batch: RolloutBatch, kl_coef: float = 0.0, kl: torch.Tensor | 
     return r
 
 
-def gather_global(batch: RolloutBatch, tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None
-                  ) -> list[torch.Tensor]:
+def gather_global(
+    batch: RolloutBatch, tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None
+) -> list[torch.Tensor]:
     """Each [b, W] tensor of every data-parallel replica (the ranks of ``group``, default all) gathered
     into one [total, W] tensor ordered by uid."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
@@ -360,7 +398,7 @@ def gather_global(batch: RolloutBatch, tensors: list[torch.Tensor], group: dist.
     world = dist.get_world_size(group)
     b_max = all_reduce_max(len(batch), batch.mask.device)
     uid = torch.full((b_max,), -1, dtype=torch.int64, device=batch.mask.device)
-    uid[:len(batch)] = batch.uid
+    uid[: len(batch)] = batch.uid
     uids = [torch.empty_like(uid) for _ in range(world)]
     dist.all_gather(uids, uid, group=group)
     all_uid = torch.cat(uids)
@@ -368,7 +406,7 @@ def gather_global(batch: RolloutBatch, tensors: list[torch.Tensor], group: dist.
     out = []
     for t in tensors:
         padded = t.new_zeros((b_max, *t.shape[1:]))
-        padded[:len(batch)] = t
+        padded[: len(batch)] = t
         parts = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(parts, padded, group=group)
         g = t.new_zeros((batch.total, *t.shape[1:]))
@@ -377,8 +415,9 @@ def gather_global(batch: RolloutBatch, tensors: list[torch.Tensor], group: dist.
     return out
 
 
-def compute_advantages(batch: RolloutBatch, cfg: RunConfig, rewards: torch.Tensor,
-                       group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_advantages(
+    batch: RolloutBatch, cfg: RunConfig, rewards: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns), both [b, W], from token rewards; computed on the global batch gathered
     over the data-parallel ``group``."""
     a = cfg.algo
@@ -428,8 +467,9 @@ class Sums:
 def _denominators(batch: RolloutBatch, rows: list[int], group: dist.ProcessGroup | None) -> tuple[float, float]:
     """Response tokens and sequences of one mini-batch over all data-parallel replicas."""
     idx = torch.tensor(rows, dtype=torch.int64, device=batch.mask.device)
-    tokens, seqs = all_reduce_sum([float(batch.mask[idx].sum()) if rows else 0.0, float(len(rows))],
-                                  batch.mask.device, group)
+    tokens, seqs = all_reduce_sum(
+        [float(batch.mask[idx].sum()) if rows else 0.0, float(len(rows))], batch.mask.device, group
+    )
     return tokens, seqs
 
 
@@ -453,12 +493,23 @@ def policy_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict, kl_loss_co
         sel = logits[0, mb.logit_index]  # the positions that predict response tokens
         mask = mb.take(batch.mask)
         logp = mb.to_matrix(logprobs_from_logits(sel, mb.labels, temperature))
-        loss, m = policy_loss(logp, mb.take(batch.old_logp), mb.take(batch.advantages), mask,
-                              clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip or None,
-                              agg=a.loss_agg, **denoms)
+        loss, m = policy_loss(
+            logp,
+            mb.take(batch.old_logp),
+            mb.take(batch.advantages),
+            mask,
+            clip_low=a.clip_low,
+            clip_high=a.clip_high,
+            dual_clip=a.dual_clip or None,
+            agg=a.loss_agg,
+            **denoms,
+        )
         n_tok = mask.sum()
-        stats = {"pg/loss": loss.detach(), "pg/clip_frac": m["clip_frac"] * n_tok,
-                 "pg/approx_kl": m["approx_kl"] * n_tok}
+        stats = {
+            "pg/loss": loss.detach(),
+            "pg/clip_frac": m["clip_frac"] * n_tok,
+            "pg/approx_kl": m["approx_kl"] * n_tok,
+        }
         if kl_loss_coef:
             kl_loss = aggregate(kl_estimate(logp, mb.take(batch.ref_logp), a.kl_kind), mask, a.loss_agg, **denoms)
             loss = loss + kl_loss_coef * kl_loss
@@ -471,8 +522,9 @@ def policy_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict, kl_loss_co
     return loss_fn
 
 
-def update_actor(engine: TrainEngine, batch: RolloutBatch, cfg: RunConfig, *, budget: int, pad_id: int,
-                 kl_loss_coef: float = 0.0) -> dict[str, float]:
+def update_actor(
+    engine: TrainEngine, batch: RolloutBatch, cfg: RunConfig, *, budget: int, pad_id: int, kl_loss_coef: float = 0.0
+) -> dict[str, float]:
     """``algo.ppo_epochs`` passes over the mini-batches, one optimizer step each (loss: :func:`policy_loss_fn`)."""
     device, group = batch.mask.device, engine.dp_group
     sums = Sums("pg/loss", "pg/clip_frac", "pg/approx_kl", "kl_loss", "tokens")
@@ -487,9 +539,12 @@ def update_actor(engine: TrainEngine, batch: RolloutBatch, cfg: RunConfig, *, bu
             sums.add("tokens", float(batch.mask[rows].sum()) if rows else 0.0)
     s = sums.reduce(device, group)
     steps = len(grad_norms)
-    out = {"pg/loss": s["pg/loss"] / steps, "grad_norm": sum(grad_norms) / steps,
-           "pg/clip_frac": s["pg/clip_frac"] / max(1.0, s["tokens"]),
-           "pg/approx_kl": s["pg/approx_kl"] / max(1.0, s["tokens"])}
+    out = {
+        "pg/loss": s["pg/loss"] / steps,
+        "grad_norm": sum(grad_norms) / steps,
+        "pg/clip_frac": s["pg/clip_frac"] / max(1.0, s["tokens"]),
+        "pg/approx_kl": s["pg/approx_kl"] / max(1.0, s["tokens"]),
+    }
     if kl_loss_coef:
         out["kl_loss"] = s["kl_loss"] / steps
     return out
@@ -505,16 +560,25 @@ def value_loss_fn(batch: RolloutBatch, cfg: RunConfig, tokens: float, seqs: floa
             return v.sum() * 0.0, {}
         mask = mb.take(batch.mask)
         values = mb.to_matrix(v[0, mb.logit_index])
-        loss, m = value_loss(values, mb.take(batch.values), mb.take(batch.returns), mask, clip=a.vf_clip or None,
-                             agg=a.loss_agg, global_tokens=tokens, global_seqs=seqs,
-                             norm_len=cfg.rollout.max_response_len)
+        loss, m = value_loss(
+            values,
+            mb.take(batch.values),
+            mb.take(batch.returns),
+            mask,
+            clip=a.vf_clip or None,
+            agg=a.loss_agg,
+            global_tokens=tokens,
+            global_seqs=seqs,
+            norm_len=cfg.rollout.max_response_len,
+        )
         return loss, {"critic/value_loss": loss.detach(), "critic/vf_clip_frac": m["vf_clip_frac"] * mask.sum()}
 
     return loss_fn
 
 
-def update_critic(critic: TrainEngine, batch: RolloutBatch, cfg: RunConfig, *, budget: int,
-                  pad_id: int) -> dict[str, float]:
+def update_critic(
+    critic: TrainEngine, batch: RolloutBatch, cfg: RunConfig, *, budget: int, pad_id: int
+) -> dict[str, float]:
     """The clipped value loss on the returns, ``algo.ppo_epochs`` passes over the mini-batches."""
     device, group = batch.mask.device, critic.dp_group
     sums = Sums("critic/value_loss", "critic/vf_clip_frac", "tokens")
@@ -528,9 +592,11 @@ def update_critic(critic: TrainEngine, batch: RolloutBatch, cfg: RunConfig, *, b
             sums.add("tokens", float(batch.mask[rows].sum()) if rows else 0.0)
     s = sums.reduce(device, group)
     steps = len(grad_norms)
-    return {"critic/value_loss": s["critic/value_loss"] / steps,
-            "critic/vf_clip_frac": s["critic/vf_clip_frac"] / max(1.0, s["tokens"]),
-            "critic/grad_norm": sum(grad_norms) / steps}
+    return {
+        "critic/value_loss": s["critic/value_loss"] / steps,
+        "critic/vf_clip_frac": s["critic/vf_clip_frac"] / max(1.0, s["tokens"]),
+        "critic/grad_norm": sum(grad_norms) / steps,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -557,8 +623,7 @@ class Rewards:
             name = default_for_data_source(source)
             if name is None:
                 what = f"no built-in reward for data_source {source!r}" if source else "rows without a data_source"
-                raise UserError(f"{what}: pass --reward with one of {', '.join(BUILTINS)}, "
-                                f"or path/to/file.py:function")
+                raise UserError(f"{what}: pass --reward with one of {', '.join(BUILTINS)}, or path/to/file.py:function")
             fns[source] = get_reward(name)
         self.fn_of = fns.__getitem__
 
@@ -577,8 +642,13 @@ class Rewards:
             groups.setdefault(id(fn), []).append(i)
         for key, idx in groups.items():
             try:
-                s, ex, n_err, err = score_batch(fns[key], [meta[i].data_source for i in idx], [texts[i] for i in idx],
-                                                [meta[i].ground_truth for i in idx], [meta[i].extra_info for i in idx])
+                s, ex, n_err, err = score_batch(
+                    fns[key],
+                    [meta[i].data_source for i in idx],
+                    [texts[i] for i in idx],
+                    [meta[i].ground_truth for i in idx],
+                    [meta[i].extra_info for i in idx],
+                )
             except UserError as e:  # failed on every sample of this group
                 s, ex, n_err, err = [0.0] * len(idx), {}, len(idx), str(e)
             for i, v in zip(idx, s):
@@ -604,8 +674,10 @@ class RLTrainer:
         self.ctx, self.cfg, self.dist = ctx, cfg, d
         a = cfg.algo
         if with_critic and a.adv != "gae":
-            raise UserError(f"rlctl ppo trains a critic for GAE advantages; algo.adv={a.adv} needs no critic: "
-                            f"use `rlctl grpo --adv {a.adv}` or set algo.adv=gae")
+            raise UserError(
+                f"rlctl ppo trains a critic for GAE advantages; algo.adv={a.adv} needs no critic: "
+                f"use `rlctl grpo --adv {a.adv}` or set algo.adv=gae"
+            )
         if not with_critic and a.adv == "gae":
             raise UserError("algo.adv=gae needs a critic: use `rlctl ppo`, or --adv grpo, rloo or reinforce_pp")
         if a.adv in ("grpo", "rloo") and cfg.rollout.n < 2:
@@ -619,27 +691,28 @@ class RLTrainer:
         self.data = build_rl_data(cfg, self.tokenizer)
         ctx.log(f"data: {self.data.report.summary()}; {len(self.data.train)} train / {len(self.data.val)} val prompts")
         self.rewards = Rewards(cfg, self.data)
-        self.sampler = StepSampler(len(self.data.train), cfg.train.batch_size, seed=cfg.train.seed,
-                                   shuffle=cfg.data.shuffle)
+        self.sampler = StepSampler(
+            len(self.data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle
+        )
         self.total_steps = cfg.train.max_steps or cfg.train.epochs * self.sampler.steps_per_epoch
         self.mini_batch_size = min(a.mini_batch_size or self.sampler.batch_size, self.sampler.batch_size)
-        optimizer_steps = (self.total_steps * a.ppo_epochs
-                           * math.ceil(self.sampler.batch_size / self.mini_batch_size))
+        optimizer_steps = self.total_steps * a.ppo_epochs * math.ceil(self.sampler.batch_size / self.mini_batch_size)
         self.budget = token_budget(cfg, plan)
         self.temperature = cfg.rollout.temperature or 1.0
 
         self.actor = build_engine(cfg, plan, role="actor", total_steps=optimizer_steps, source=self.source)
-        self.ref = (build_engine(cfg, plan, role="ref", trainable=False, source=self.source)
-                    if a.kl_coef > 0 else None)
-        self.critic = (build_engine(cfg, plan, role="critic", total_steps=optimizer_steps, lr=a.critic_lr,
-                                    source=self.source) if with_critic else None)
+        self.ref = build_engine(cfg, plan, role="ref", trainable=False, source=self.source) if a.kl_coef > 0 else None
+        self.critic = (
+            build_engine(cfg, plan, role="critic", total_steps=optimizer_steps, lr=a.critic_lr, source=self.source)
+            if with_critic
+            else None
+        )
         self.device = self.actor.device
         self.dp_group = self.actor.dp_group  # sums over the (pooled) data: over the data-parallel replicas
         if d.is_main:
             write_model_meta(ctx.paths.model_meta, self.actor.hf_config, self.tokenizer, self.source)
         barrier()
-        self.kl_ctl = (AdaptiveKLController(a.kl_coef, a.kl_target) if a.kl_target
-                       else FixedKLController(a.kl_coef))
+        self.kl_ctl = AdaptiveKLController(a.kl_coef, a.kl_target) if a.kl_target else FixedKLController(a.kl_coef)
         self.rollout_dtype = "fp32" if self.actor.compute_dtype == torch.float32 else "bf16"
         self.rollout = self._make_rollout(plan)
         self.weights_stale = False  # the rollout engine's weights lag the actor's
@@ -659,9 +732,15 @@ class RLTrainer:
         if d.world_size % self.rollout_tp:
             raise UserError(f"rollout.tp={self.rollout_tp} does not divide the {d.world_size} processes")
         engine = make_rollout_engine(
-            name, path, device=device, dtype=self.rollout_dtype, tp=self.rollout_tp,
+            name,
+            path,
+            device=device,
+            dtype=self.rollout_dtype,
+            tp=self.rollout_tp,
             mem_fraction=cfg.rollout.mem_fraction or getattr(plan, "rollout_mem_fraction", 0.0) or 0.5,
-            max_model_len=cfg.rollout.max_prompt_len + cfg.rollout.max_response_len, seed=cfg.train.seed + d.rank)
+            max_model_len=cfg.rollout.max_prompt_len + cfg.rollout.max_response_len,
+            seed=cfg.train.seed + d.rank,
+        )
         self.ctx.log(f"rollout: {name} engine on every rank ({self.rollout_dtype})")
         return engine
 
@@ -683,8 +762,13 @@ class RLTrainer:
 
         r, d = self.cfg.rollout, self.dist
         call = (step * (d.world_size // self.rollout_tp) + d.rank // self.rollout_tp) * 2 + seed_offset
-        return SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_tokens=r.max_response_len,
-                              seed=self.cfg.train.seed + call * 1_000_003)
+        return SamplingParams(
+            temperature=temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=r.max_response_len,
+            seed=self.cfg.train.seed + call * 1_000_003,
+        )
 
     def _group_generate(self, shares: list[list[Prompt]], n: int, sampling) -> list:
         """Samples of this rank's prompts. ``shares[i]`` are the prompts of the i-th rank of this rank's
@@ -697,8 +781,11 @@ class RLTrainer:
         everything = [p.token_ids for share in shares for p in share]
         samples = self.rollout.generate(everything, n, sampling) if everything else []
         start = sum(len(share) for share in shares[:own])
-        return [replace(s, prompt_index=s.prompt_index - start) for s in samples
-                if start <= s.prompt_index < start + len(shares[own])]
+        return [
+            replace(s, prompt_index=s.prompt_index - start)
+            for s in samples
+            if start <= s.prompt_index < start + len(shares[own])
+        ]
 
     def _wake_and_sync(self) -> None:
         """Wake the rollout engine and, after an update, load the actor's weights into it."""
@@ -740,10 +827,18 @@ class RLTrainer:
             seen[s.prompt_index] = j + 1
             uid.append(positions[s.prompt_index] * n + j)
         return RolloutBatch.build(
-            [prompts[s.prompt_index].token_ids for s in samples], [s.token_ids for s in samples],
-            [s.logprobs for s in samples], uid, n=n, batch_size=len(indices), mini_batch_size=self.mini_batch_size,
-            width=self.cfg.rollout.max_response_len, truncated=[s.finish_reason == "length" for s in samples],
-            meta=[prompts[s.prompt_index] for s in samples], device=self.device)
+            [prompts[s.prompt_index].token_ids for s in samples],
+            [s.token_ids for s in samples],
+            [s.logprobs for s in samples],
+            uid,
+            n=n,
+            batch_size=len(indices),
+            mini_batch_size=self.mini_batch_size,
+            width=self.cfg.rollout.max_response_len,
+            truncated=[s.finish_reason == "length" for s in samples],
+            meta=[prompts[s.prompt_index] for s in samples],
+            device=self.device,
+        )
 
     def pool(self, batch: RolloutBatch) -> RolloutBatch:
         """The samples of every rank that splits this rank's model replica (Megatron: its TP x PP group),
@@ -759,9 +854,15 @@ class RLTrainer:
         """Scores of this rank's samples and the global reward metrics (collective)."""
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         scores, errors, first, extras = self.rewards.score(texts, meta)
-        local = {"n": len(scores), "errors": errors, "first": first,
-                 "extras": {k: (sum(v for v in vals if v is not None), sum(v is not None for v in vals))
-                            for k, vals in extras.items()}}
+        local = {
+            "n": len(scores),
+            "errors": errors,
+            "first": first,
+            "extras": {
+                k: (sum(v for v in vals if v is not None), sum(v is not None for v in vals))
+                for k, vals in extras.items()
+            },
+        }
         everyone = all_gather_objects(local)
         total = sum(o["n"] for o in everyone)
         n_errors = sum(o["errors"] for o in everyone)
@@ -769,15 +870,22 @@ class RLTrainer:
         if total and n_errors == total:
             raise UserError(_one_line(first_error))
         if n_errors:
-            self.ctx.log(f"warning: step {step + 1}: the reward function failed on {n_errors} of {total} samples "
-                         f"(scored 0); first: {_one_line(first_error)}")
+            self.ctx.log(
+                f"warning: step {step + 1}: the reward function failed on {n_errors} of {total} samples "
+                f"(scored 0); first: {_one_line(first_error)}"
+            )
         t = torch.tensor(scores, dtype=torch.float32, device=self.device)
-        s = global_sums({"sum": t.sum(), "sq": (t * t).sum(), "n": len(scores),
-                         "nonbinary": ((t != 0) & (t != 1)).sum()}, self.device)
+        s = global_sums(
+            {"sum": t.sum(), "sq": (t * t).sum(), "n": len(scores), "nonbinary": ((t != 0) & (t != 1)).sum()},
+            self.device,
+        )
         n = max(1.0, s["n"])
         mean = s["sum"] / n
-        out = {"reward/mean": mean, "reward/std": math.sqrt(max(0.0, s["sq"] / n - mean * mean)),
-               "reward/errors": n_errors}
+        out = {
+            "reward/mean": mean,
+            "reward/std": math.sqrt(max(0.0, s["sq"] / n - mean * mean)),
+            "reward/errors": n_errors,
+        }
         if s["nonbinary"] == 0:
             out["acc"] = mean
         keys = sorted({k for o in everyone for k in o["extras"]})
@@ -793,8 +901,15 @@ class RLTrainer:
         batch.scores, metrics = self._score(batch.responses, batch.meta, step)
         self.m.update(metrics)
         lengths = batch.mask.sum(-1)
-        s = global_sums({"len": lengths.sum(), "trunc": batch.truncated.sum(), "n": len(batch),
-                         "prompt": sum(len(p) for p in batch.prompts)}, self.device)
+        s = global_sums(
+            {
+                "len": lengths.sum(),
+                "trunc": batch.truncated.sum(),
+                "n": len(batch),
+                "prompt": sum(len(p) for p in batch.prompts),
+            },
+            self.device,
+        )
         self.m["response_len/mean"] = s["len"] / max(1.0, s["n"])
         self.m["response_len/max"] = float(all_reduce_max(int(lengths.max()) if len(batch) else 0, self.device))
         self.m["response/truncated"] = s["trunc"] / max(1.0, s["n"])
@@ -804,24 +919,40 @@ class RLTrainer:
 
     def ref_logprobs(self, batch: RolloutBatch) -> None:
         with self.timed("time/logprobs"):
-            batch.ref_logp, _ = compute_logprobs(self.ref, batch, temperature=self.temperature,
-                                                 budget=self.budget, pad_id=self.pad_id)
+            batch.ref_logp, _ = compute_logprobs(
+                self.ref, batch, temperature=self.temperature, budget=self.budget, pad_id=self.pad_id
+            )
 
     def old_logprobs(self, batch: RolloutBatch) -> None:
         """The actor's log-probs before the update; compared with the rollout engine's."""
         with self.timed("time/logprobs"):
-            batch.old_logp, entropy = compute_logprobs(self.actor, batch, temperature=self.temperature,
-                                                       budget=self.budget, pad_id=self.pad_id, with_entropy=True)
+            batch.old_logp, entropy = compute_logprobs(
+                self.actor,
+                batch,
+                temperature=self.temperature,
+                budget=self.budget,
+                pad_id=self.pad_id,
+                with_entropy=True,
+            )
         mask = batch.mask
-        s = global_sums({"diff": ((batch.old_logp - batch.rollout_logp).abs() * mask).sum(),
-                         "ent": (entropy * mask).sum(), "tok": mask.sum()}, self.device, self.dp_group)
+        s = global_sums(
+            {
+                "diff": ((batch.old_logp - batch.rollout_logp).abs() * mask).sum(),
+                "ent": (entropy * mask).sum(),
+                "tok": mask.sum(),
+            },
+            self.device,
+            self.dp_group,
+        )
         tokens = max(1.0, s["tok"])
         self.m["rollout/logprob_diff"] = s["diff"] / tokens
         self.m["entropy"] = s["ent"] / tokens
         if self.m["rollout/logprob_diff"] > LOGPROB_DIFF_WARN:
-            self.ctx.log(f"warning: the rollout engine's log-probs differ from the trainer's by "
-                         f"{self.m['rollout/logprob_diff']:.3g} per token on average (weights out of sync, "
-                         f"or a precision mismatch)")
+            self.ctx.log(
+                f"warning: the rollout engine's log-probs differ from the trainer's by "
+                f"{self.m['rollout/logprob_diff']:.3g} per token on average (weights out of sync, "
+                f"or a precision mismatch)"
+            )
 
     def values(self, batch: RolloutBatch) -> None:
         with self.timed("time/logprobs"):
@@ -850,8 +981,11 @@ class RLTrainer:
         a = self.cfg.algo
         kl_loss_coef = a.kl_coef if self.ref is not None and not a.kl_in_reward else 0.0
         with self.timed("time/update"):
-            self.m.update(update_actor(self.actor, batch, self.cfg, budget=self.budget, pad_id=self.pad_id,
-                                       kl_loss_coef=kl_loss_coef))
+            self.m.update(
+                update_actor(
+                    self.actor, batch, self.cfg, budget=self.budget, pad_id=self.pad_id, kl_loss_coef=kl_loss_coef
+                )
+            )
         self.weights_stale = True
 
     def update_critic(self, batch: RolloutBatch) -> None:
@@ -863,17 +997,22 @@ class RLTrainer:
     def evaluate(self, step: int) -> dict:
         """Mean reward on the validation prompts (rollout.val_n samples at rollout.val_temperature)."""
         r, d, tp = self.cfg.rollout, self.dist, self.rollout_tp
-        group_prompts = self.data.val[d.rank // tp::d.world_size // tp]
+        group_prompts = self.data.val[d.rank // tp :: d.world_size // tp]
         shares = [group_prompts[i::tp] for i in range(tp)]
         mine = shares[d.rank % tp]
         began = time.perf_counter()
         self._wake_and_sync()
-        samples = self._group_generate(shares, r.val_n, self._sampling(step, temperature=r.val_temperature,
-                                                                       seed_offset=1))
+        samples = self._group_generate(
+            shares, r.val_n, self._sampling(step, temperature=r.val_temperature, seed_offset=1)
+        )
         self._sleep()
         _, metrics = self._score([s.token_ids for s in samples], [mine[s.prompt_index] for s in samples], step)
-        out = {"step": step, "kind": "eval", "val/reward/mean": metrics["reward/mean"],
-               "time/eval": time.perf_counter() - began}
+        out = {
+            "step": step,
+            "kind": "eval",
+            "val/reward/mean": metrics["reward/mean"],
+            "time/eval": time.perf_counter() - began,
+        }
         if "acc" in metrics:
             out["val/acc"] = metrics["acc"]
         return out
@@ -884,13 +1023,27 @@ class RLTrainer:
         return {"": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
     def checkpoint(self, step: int):
-        state = {"method": self.cfg.method, "epoch": self.sampler.epoch_of(step), "total_steps": self.total_steps,
-                 "kl_coef": self.kl_ctl.value,
-                 "data": {"num_prompts": len(self.data.train), "batch_size": self.sampler.batch_size,
-                          "steps_per_epoch": self.sampler.steps_per_epoch, "seed": self.cfg.train.seed}}
-        return save_checkpoint(self.ctx.paths.checkpoints, step, self._engines(), trainer_state=state,
-                               meta_dir=self.ctx.paths.model_meta, rng_state=rng_state(),
-                               keep_last=self.cfg.checkpoint.keep_last)
+        state = {
+            "method": self.cfg.method,
+            "epoch": self.sampler.epoch_of(step),
+            "total_steps": self.total_steps,
+            "kl_coef": self.kl_ctl.value,
+            "data": {
+                "num_prompts": len(self.data.train),
+                "batch_size": self.sampler.batch_size,
+                "steps_per_epoch": self.sampler.steps_per_epoch,
+                "seed": self.cfg.train.seed,
+            },
+        }
+        return save_checkpoint(
+            self.ctx.paths.checkpoints,
+            step,
+            self._engines(),
+            trainer_state=state,
+            meta_dir=self.ctx.paths.model_meta,
+            rng_state=rng_state(),
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
 
     def resume(self) -> int:
         """Load ``checkpoint.resume`` when set; return the step to start from."""
@@ -907,11 +1060,15 @@ class RLTrainer:
             set_rng_state(rng)
         self.kl_ctl.value = float(state.get("kl_coef", self.kl_ctl.value))
         if state.get("data", {}).get("num_prompts") != len(self.data.train):
-            ctx.log(f"warning: the data changed since {path.name} (prompts {state.get('data', {}).get('num_prompts')}"
-                    f" -> {len(self.data.train)}); the prompt order differs")
+            ctx.log(
+                f"warning: the data changed since {path.name} (prompts {state.get('data', {}).get('num_prompts')}"
+                f" -> {len(self.data.train)}); the prompt order differs"
+            )
         self.weights_stale = True
-        ctx.log(f"resumed from {path} at step {state['step']} (saved by {state.get('world_size')} processes, "
-                f"now {self.dist.world_size})")
+        ctx.log(
+            f"resumed from {path} at step {state['step']} (saved by {state.get('world_size')} processes, "
+            f"now {self.dist.world_size})"
+        )
         return int(state["step"])
 
     # ------------------------------------------------------------------ the loop
@@ -921,8 +1078,14 @@ class RLTrainer:
         and at the end the final checkpoint, the HF export and summary.json."""
         cfg, ctx, paths = self.cfg, self.ctx, self.ctx.paths
         start = self.resume()
-        metrics = MetricsLogger(paths.metrics, backends=cfg.log.backends, enabled=self.dist.is_main,
-                                project=cfg.log.project, run_name=cfg.log.run_name, config=cfg.to_dict())
+        metrics = MetricsLogger(
+            paths.metrics,
+            backends=cfg.log.backends,
+            enabled=self.dist.is_main,
+            project=cfg.log.project,
+            run_name=cfg.log.run_name,
+            config=cfg.to_dict(),
+        )
         saved, interrupted, step = None, False, start
         evaluate = bool(self.data.val and cfg.train.eval_every)
         while step < self.total_steps:
@@ -932,10 +1095,16 @@ class RLTrainer:
             train_step(self, step)
             elapsed = time.perf_counter() - began
             step += 1
-            record = {"step": step, "total_steps": self.total_steps, "reward": self.m["reward/mean"],
-                      **{k: self.m[k] for k in sorted(self.m)}, "lr": lr,
-                      "epoch": round(step / self.sampler.steps_per_epoch, 4), "time/step": elapsed,
-                      "tokens_per_s": self.m.get("tokens", 0.0) / elapsed}
+            record = {
+                "step": step,
+                "total_steps": self.total_steps,
+                "reward": self.m["reward/mean"],
+                **{k: self.m[k] for k in sorted(self.m)},
+                "lr": lr,
+                "epoch": round(step / self.sampler.steps_per_epoch, 4),
+                "time/step": elapsed,
+                "tokens_per_s": self.m.get("tokens", 0.0) / elapsed,
+            }
             if step % cfg.log.every == 0 or step == self.total_steps:
                 metrics.log(record)
             if evaluate and step % cfg.train.eval_every == 0:
@@ -963,8 +1132,15 @@ class RLTrainer:
         metrics.close()
         self.rollout.close()
         if self.dist.is_main:
-            write_json_atomic(paths.summary, {
-                "status": "interrupted" if interrupted else "completed", "step": step,
-                "total_steps": self.total_steps, "checkpoint": str(saved) if saved else None,
-                "hf": str(hf_dir) if hf_dir else None, "data": self.data.report.to_dict(),
-                "prompts_too_long": self.data.too_long})
+            write_json_atomic(
+                paths.summary,
+                {
+                    "status": "interrupted" if interrupted else "completed",
+                    "step": step,
+                    "total_steps": self.total_steps,
+                    "checkpoint": str(saved) if saved else None,
+                    "hf": str(hf_dir) if hf_dir else None,
+                    "data": self.data.report.to_dict(),
+                    "prompts_too_long": self.data.too_long,
+                },
+            )

@@ -63,14 +63,23 @@ class SFTTrainer:
         self.micro_batch_size = cfg.train.micro_batch_size or getattr(ctx.plan, "micro_batch_size", 0) or 1
         self.budget = cfg.train.max_tokens_per_micro_batch or self.micro_batch_size * cfg.train.max_len
         if self.packing and self.budget < cfg.train.max_len:
-            raise UserError(f"train.max_tokens_per_micro_batch={self.budget} is below train.max_len="
-                            f"{cfg.train.max_len}; a sequence must fit in one micro-batch")
+            raise UserError(
+                f"train.max_tokens_per_micro_batch={self.budget} is below train.max_len="
+                f"{cfg.train.max_len}; a sequence must fit in one micro-batch"
+            )
 
     def _micro_batches(self, batch):
         """This replica's share of ``batch``, on the engine's device."""
         e = self.engine
-        micro = rank_micro_batches(batch, e.dp_rank, e.dp_size, packing=self.packing, budget=self.budget,
-                                   micro_batch_size=self.micro_batch_size, pad_id=self.pad_id)
+        micro = rank_micro_batches(
+            batch,
+            e.dp_rank,
+            e.dp_size,
+            packing=self.packing,
+            budget=self.budget,
+            micro_batch_size=self.micro_batch_size,
+            pad_id=self.pad_id,
+        )
         return [mb.to(e.device) for mb in micro]
 
     def _sum_over_replicas(self, value: float) -> float:
@@ -93,10 +102,18 @@ class SFTTrainer:
         total_sum = self._sum_over_replicas(sum(float(x) for x in loss_sums))
         elapsed = time.perf_counter() - start
         tokens = sum(len(ex) for ex in batch)
-        return {"step": step + 1, "total_steps": self.engine.total_steps,
-                "epoch": round((step + 1) / self.sampler.steps_per_epoch, 4), "loss": total_sum / loss_tokens,
-                "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "loss_tokens": loss_tokens,
-                "tokens_per_s": tokens / elapsed, "time/step": elapsed}
+        return {
+            "step": step + 1,
+            "total_steps": self.engine.total_steps,
+            "epoch": round((step + 1) / self.sampler.steps_per_epoch, 4),
+            "loss": total_sum / loss_tokens,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": tokens,
+            "loss_tokens": loss_tokens,
+            "tokens_per_s": tokens / elapsed,
+            "time/step": elapsed,
+        }
 
     def evaluate(self) -> float:
         """Per-token loss over the whole validation set."""
@@ -104,9 +121,10 @@ class SFTTrainer:
         local_sum = 0.0
         bs = self.ctx.cfg.train.batch_size
         for k in range(0, len(self.data.val), bs):
-            micro = self._micro_batches(self.data.val[k:k + bs])
-            sums = self.engine.forward_backward(micro, lambda logits, mb: (None, token_loss_sum(logits, mb.labels)),
-                                                forward_only=True)
+            micro = self._micro_batches(self.data.val[k : k + bs])
+            sums = self.engine.forward_backward(
+                micro, lambda logits, mb: (None, token_loss_sum(logits, mb.labels)), forward_only=True
+            )
             local_sum += sum(float(x) for x in sums)
         self.engine.train(True)
         return self._sum_over_replicas(local_sum) / sum(ex.num_loss_tokens for ex in self.data.val)
@@ -134,22 +152,47 @@ def run(ctx: RunContext) -> None:
         if rng is not None:
             set_rng_state(rng)
         if state.get("data", {}).get("num_train") != len(data.train):
-            ctx.log(f"warning: the data changed since {resume_from.name} (train sequences "
-                    f"{state.get('data', {}).get('num_train')} -> {len(data.train)}); the data order differs")
-        ctx.log(f"resumed from {resume_from} at step {start} (saved by {state.get('world_size')} processes, "
-                f"now {d.world_size})")
+            ctx.log(
+                f"warning: the data changed since {resume_from.name} (train sequences "
+                f"{state.get('data', {}).get('num_train')} -> {len(data.train)}); the data order differs"
+            )
+        ctx.log(
+            f"resumed from {resume_from} at step {start} (saved by {state.get('world_size')} processes, "
+            f"now {d.world_size})"
+        )
     elif cfg.checkpoint.resume == "auto":
         ctx.log("resume=auto: no checkpoint found, starting from step 0")
 
-    metrics = MetricsLogger(paths.metrics, backends=cfg.log.backends, enabled=d.is_main, project=cfg.log.project,
-                            run_name=cfg.log.run_name, config=cfg.to_dict())
+    metrics = MetricsLogger(
+        paths.metrics,
+        backends=cfg.log.backends,
+        enabled=d.is_main,
+        project=cfg.log.project,
+        run_name=cfg.log.run_name,
+        config=cfg.to_dict(),
+    )
 
     def checkpoint(step: int):
-        trainer_state = {"method": "sft", "epoch": sampler.epoch_of(step), "total_steps": total_steps,
-                         "data": {"num_train": len(data.train), "batch_size": sampler.batch_size,
-                                  "steps_per_epoch": sampler.steps_per_epoch, "seed": cfg.train.seed}}
-        return save_checkpoint(paths.checkpoints, step, {"": engine}, trainer_state=trainer_state,
-                               meta_dir=paths.model_meta, rng_state=rng_state(), keep_last=cfg.checkpoint.keep_last)
+        trainer_state = {
+            "method": "sft",
+            "epoch": sampler.epoch_of(step),
+            "total_steps": total_steps,
+            "data": {
+                "num_train": len(data.train),
+                "batch_size": sampler.batch_size,
+                "steps_per_epoch": sampler.steps_per_epoch,
+                "seed": cfg.train.seed,
+            },
+        }
+        return save_checkpoint(
+            paths.checkpoints,
+            step,
+            {"": engine},
+            trainer_state=trainer_state,
+            meta_dir=paths.model_meta,
+            rng_state=rng_state(),
+            keep_last=cfg.checkpoint.keep_last,
+        )
 
     saved = None
     step = start
@@ -183,11 +226,18 @@ def run(ctx: RunContext) -> None:
             hf_dir = engine.export_hf(paths.hf, paths.model_meta, dtype=dtype)
     metrics.close()
     if d.is_main:
-        write_json_atomic(paths.summary, {
-            "status": "interrupted" if interrupted else "completed", "step": step, "total_steps": total_steps,
-            "checkpoint": str(saved) if saved else None, "hf": str(hf_dir) if hf_dir else None,
-            "data": data.report.to_dict(), "val_data": data.val_report.to_dict() if data.val_report else None,
-        })
+        write_json_atomic(
+            paths.summary,
+            {
+                "status": "interrupted" if interrupted else "completed",
+                "step": step,
+                "total_steps": total_steps,
+                "checkpoint": str(saved) if saved else None,
+                "hf": str(hf_dir) if hf_dir else None,
+                "data": data.report.to_dict(),
+                "val_data": data.val_report.to_dict() if data.val_report else None,
+            },
+        )
 
 
 def _dump_logits(engine: TrainEngine, data: SFTData, path) -> None:

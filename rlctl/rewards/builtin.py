@@ -53,9 +53,7 @@ def extract_gsm8k_answer(solution_str: str, method: str = "strict") -> str | Non
     return _clean_number(found[-1]) if found else None
 
 
-def gsm8k_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
-) -> float:
+def gsm8k_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     """1.0 when the number after the last ``#### `` equals the ground truth (as strings), else 0.0."""
     answer = extract_gsm8k_answer(solution_str, "strict")
     return float(answer is not None and answer == _clean_number(str(ground_truth)))
@@ -99,9 +97,7 @@ def _math_verify_equal(prediction: str, reference: str) -> bool:
         return False
 
 
-def math_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
-) -> float:
+def math_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     r"""1.0 when the last ``\boxed{}`` of the response is equivalent to the ground truth, else 0.0.
 
     Equivalent: equal after :func:`~rlctl.rewards.math_normalize.normalize_answer`, equal as
@@ -125,9 +121,7 @@ def _normalize_text(text: str) -> str:
     return " ".join(text.lower().split()).rstrip(".!?;:,").strip()
 
 
-def exact_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
-) -> float:
+def exact_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     """1.0 when the response, or the text after its last ``answer:``, equals the ground truth.
 
     Both sides are lower-cased, whitespace-collapsed and stripped of trailing ``.!?;:,``.
@@ -148,9 +142,7 @@ def _compiled(pattern: str) -> re.Pattern[str]:
     return re.compile(pattern, re.DOTALL)
 
 
-def format_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
-) -> float:
+def format_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     """1.0 when ``re.search(pattern, response, re.DOTALL)`` matches, else 0.0.
 
     ``pattern`` is ``extra_info["pattern"]`` or :data:`DEFAULT_FORMAT_PATTERN`: reasoning closed by
@@ -164,9 +156,7 @@ def format_score(
 DEFAULT_TARGET_LENGTH = 1024
 
 
-def length_score(
-    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
-) -> float:
+def length_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
     """Shorter is better, up to a target: 1.0 up to ``target`` characters, then a linear decay
     to 0.0 at ``2 * target``. ``target`` is ``extra_info["target_length"]`` (default 1024).
     """

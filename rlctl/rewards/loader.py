@@ -54,8 +54,7 @@ def get_reward(spec: str) -> RewardFn:
     if name and target:
         return _function(_import_module(target), name, target)
     raise UserError(
-        f"unknown reward {spec!r}{did_you_mean(spec, BUILTINS)}; give {_FORMS} "
-        f"(built-ins: {', '.join(BUILTINS)})"
+        f"unknown reward {spec!r}{did_you_mean(spec, BUILTINS)}; give {_FORMS} (built-ins: {', '.join(BUILTINS)})"
     )
 
 
@@ -84,9 +83,7 @@ def _import_module(name: str) -> ModuleType:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
         if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
-            raise UserError(
-                f"reward module {name!r} not found; install it or add its folder to PYTHONPATH"
-            ) from exc
+            raise UserError(f"reward module {name!r} not found; install it or add its folder to PYTHONPATH") from exc
         raise UserError(f"reward module {name!r} failed to import: {exc}") from exc
     except Exception as exc:
         raise UserError(f"reward module {name!r} failed to import: {type(exc).__name__}: {exc}") from exc

@@ -28,9 +28,7 @@ def _parse(result: Any) -> tuple[float, dict[str, float]]:
         return _as_score(result), {}
     if "score" not in result:
         raise KeyError(f"returned a dict without 'score' (keys: {', '.join(map(str, result))})")
-    metrics = {
-        str(k): float(v) for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)
-    }
+    metrics = {str(k): float(v) for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)}
     return _as_score(result["score"]), metrics
 
 

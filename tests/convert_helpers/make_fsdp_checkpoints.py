@@ -156,9 +156,13 @@ def main() -> None:
     lora = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
     scenario(root, "lora", mesh=mesh, lora=lora)
     rslora = {
-        "r": 4, "lora_alpha": 8, "use_rslora": True, "lora_dropout": 0.0,
+        "r": 4,
+        "lora_alpha": 8,
+        "use_rslora": True,
+        "lora_dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"],
-        "rank_pattern": {"gate_proj": 2}, "alpha_pattern": {"o_proj": 16},
+        "rank_pattern": {"gate_proj": 2},
+        "alpha_pattern": {"o_proj": 16},
     }
     scenario(root, "rslora", mesh=mesh, lora=rslora)
     dist.destroy_process_group()

@@ -46,8 +46,17 @@ def make(hf_dir: str, tp: int, pp: int, random_init: bool = False):
     cfg.model.name, cfg.model.random_init = hf_dir, random_init
     cfg.train.max_len = 64
     cfg.rollout.max_prompt_len = cfg.rollout.max_response_len = 16
-    plan = SimpleNamespace(backend="megatron", device="cpu", dtype="fp32", tp=tp, pp=pp, cp=1, ep=1,
-                           sequence_parallel=False, activation_checkpointing=False)
+    plan = SimpleNamespace(
+        backend="megatron",
+        device="cpu",
+        dtype="fp32",
+        tp=tp,
+        pp=pp,
+        cp=1,
+        ep=1,
+        sequence_parallel=False,
+        activation_checkpointing=False,
+    )
     return build_engine(cfg, plan, role="actor", trainable=False)
 
 
@@ -59,8 +68,10 @@ def run(spec: dict, batch: dict) -> None:
     if spec.get("load"):
         engine.load_checkpoint(spec["load"])
     params = {n: p.detach().clone() for n, p in engine.gpt.named_parameters()}
-    torch.save({"tp_rank": engine.tp_rank, "pp_rank": engine.pp_rank, "dp_rank": engine.dp_rank,
-                "params": params}, out / f"params_rank{rank}.pt")
+    torch.save(
+        {"tp_rank": engine.tp_rank, "pp_rank": engine.pp_rank, "dp_rank": engine.dp_rank, "params": params},
+        out / f"params_rank{rank}.pt",
+    )
 
     logits = {}
     mb = SimpleNamespace(**batch)

@@ -44,7 +44,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from safetensors.torch import load_file  # noqa: E402
 
 
-
 class _NoRngTracker:
     def fork(self, *args, **kwargs):
         return contextlib.nullcontext()
@@ -139,8 +138,15 @@ def convert_one(shards: Path, out: Path, tokens_file: Path | None, singleton: bo
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", nargs=2, type=Path, action="append", required=True,
-                        metavar=("SHARDS", "OUT"), help="rlctl shards dir and output dir (repeatable)")
+    parser.add_argument(
+        "--model",
+        nargs=2,
+        type=Path,
+        action="append",
+        required=True,
+        metavar=("SHARDS", "OUT"),
+        help="rlctl shards dir and output dir (repeatable)",
+    )
     parser.add_argument("--tp", type=int, required=True)
     parser.add_argument("--pp", type=int, required=True)
     parser.add_argument("--tokens", type=Path)
@@ -148,8 +154,12 @@ def main() -> None:
     args = parser.parse_args()
 
     store = f"file://{args.model[0][1].resolve()}/store"  # single-process runs (no torchrun)
-    dist.init_process_group("gloo", init_method=None if "RANK" in os.environ else store,
-                            rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    dist.init_process_group(
+        "gloo",
+        init_method=None if "RANK" in os.environ else store,
+        rank=int(os.environ.get("RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+    )
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     for shards, out in args.model:
         convert_one(shards, out, args.tokens, args.singleton, args.tp, args.pp)

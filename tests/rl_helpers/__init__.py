@@ -22,16 +22,45 @@ def arith_rows(n: int, *, seed: int = 0, answer_field: str = "answer") -> list[d
 
 def verl_rows(n: int, *, seed: int = 0) -> list[dict]:
     """Rows in verl's RL parquet schema."""
-    return [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": r["prompt"]}],
-             "ability": "math", "reward_model": {"style": "rule", "ground_truth": r["answer"]},
-             "extra_info": {"split": "train", "index": i}} for i, r in enumerate(arith_rows(n, seed=seed))]
+    return [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": r["prompt"]}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": r["answer"]},
+            "extra_info": {"split": "train", "index": i},
+        }
+        for i, r in enumerate(arith_rows(n, seed=seed))
+    ]
 
 
 def rl_args(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
     """CLI arguments of a fast 2-process CPU run (tiny model, short responses, high lr)."""
-    return ["--model", str(model_dir), "--data", str(data), "--output-dir", str(out), "--device", "cpu",
-            "--nproc", "2", "--batch-size", "4", "--n", "8", "--max-prompt-len", "48", "--max-response-len", "12",
-            "--lr", "1e-2", "--reward", f"{REWARDS}:digits", *extra]
+    return [
+        "--model",
+        str(model_dir),
+        "--data",
+        str(data),
+        "--output-dir",
+        str(out),
+        "--device",
+        "cpu",
+        "--nproc",
+        "2",
+        "--batch-size",
+        "4",
+        "--n",
+        "8",
+        "--max-prompt-len",
+        "48",
+        "--max-response-len",
+        "12",
+        "--lr",
+        "1e-2",
+        "--reward",
+        f"{REWARDS}:digits",
+        *extra,
+    ]
 
 
 def train_records(run_dir: Path) -> list[dict]:

@@ -17,6 +17,7 @@ import sys
 from types import SimpleNamespace
 
 import torch
+from sft_helpers import cpu_plan
 
 from rlctl.config import build_config, dotted_to_nested
 from rlctl.engines.fsdp import FSDPEngine
@@ -30,7 +31,6 @@ from rlctl.recipes.rl import (
     token_rewards,
     update_actor,
 )
-from sft_helpers import cpu_plan
 
 
 def one_update(model_dir: str, spec: dict, agg: str, d) -> tuple[FSDPEngine, dict]:
@@ -43,9 +43,16 @@ def one_update(model_dir: str, spec: dict, agg: str, d) -> tuple[FSDPEngine, dic
     mini = cfg.algo.mini_batch_size
     positions = rank_positions(len(prompts), mini, d.rank, d.world_size)
     uid = [p * n + j for p in positions for j in range(n)]
-    batch = RolloutBatch.build([prompts[u // n] for u in uid], [spec["responses"][u] for u in uid],
-                               [[0.0] * len(spec["responses"][u]) for u in uid], uid, n=n,
-                               batch_size=len(prompts), mini_batch_size=mini, width=cfg.rollout.max_response_len)
+    batch = RolloutBatch.build(
+        [prompts[u // n] for u in uid],
+        [spec["responses"][u] for u in uid],
+        [[0.0] * len(spec["responses"][u]) for u in uid],
+        uid,
+        n=n,
+        batch_size=len(prompts),
+        mini_batch_size=mini,
+        width=cfg.rollout.max_response_len,
+    )
     batch.scores = torch.tensor([spec["scores"][u] for u in uid])
     budget, t = token_budget(cfg, plan), cfg.rollout.temperature
     batch.old_logp, _ = compute_logprobs(actor, batch, temperature=t, budget=budget, pad_id=0)

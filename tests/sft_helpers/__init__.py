@@ -13,11 +13,15 @@ def chat_rows(n: int, *, seed: int = 0, multi_turn_every: int = 4) -> list[dict]
     rows = []
     for i in range(n):
         a, b = rng.randrange(0, 100, 3), rng.randrange(0, 100, 7)
-        messages = [{"role": "user", "content": f"What is {a} + {b}?"},
-                    {"role": "assistant", "content": f"The answer is {a + b}. #### {a + b}"}]
+        messages = [
+            {"role": "user", "content": f"What is {a} + {b}?"},
+            {"role": "assistant", "content": f"The answer is {a + b}. #### {a + b}"},
+        ]
         if multi_turn_every and i % multi_turn_every == 0:
-            messages += [{"role": "user", "content": f"Compute {a} * {b}"},
-                         {"role": "assistant", "content": f"{a} * {b} = {a * b}"}]
+            messages += [
+                {"role": "user", "content": f"Compute {a} * {b}"},
+                {"role": "assistant", "content": f"{a} * {b} = {a * b}"},
+            ]
         rows.append({"messages": messages})
     return rows
 
@@ -39,11 +43,31 @@ def write_jsonl(path: str | Path, rows: list) -> Path:
 
 def cpu_plan(nproc: int, **overrides) -> dict:
     """The fields of rlctl.plan.Plan that the launcher and the engine read, for a CPU run."""
-    plan = {"method": "sft", "device": "cpu", "gpu": "", "gpus": 0, "nodes": 1, "nproc_per_node": nproc,
-            "backend": "fsdp", "tp": 1, "pp": 1, "dp": nproc, "cp": 1, "ep": 1, "sequence_parallel": False,
-            "rollout": None, "micro_batch_size": 2, "activation_checkpointing": False, "offload_params": False,
-            "offload_optimizer": False, "dtype": "fp32", "attn": "sdpa", "lora_rank": 0, "reasons": [],
-            "warnings": []}
+    plan = {
+        "method": "sft",
+        "device": "cpu",
+        "gpu": "",
+        "gpus": 0,
+        "nodes": 1,
+        "nproc_per_node": nproc,
+        "backend": "fsdp",
+        "tp": 1,
+        "pp": 1,
+        "dp": nproc,
+        "cp": 1,
+        "ep": 1,
+        "sequence_parallel": False,
+        "rollout": None,
+        "micro_batch_size": 2,
+        "activation_checkpointing": False,
+        "offload_params": False,
+        "offload_optimizer": False,
+        "dtype": "fp32",
+        "attn": "sdpa",
+        "lora_rank": 0,
+        "reasons": [],
+        "warnings": [],
+    }
     plan.update(overrides)
     return plan
 
@@ -52,9 +76,20 @@ def sft_config(model_dir: Path, data: Path, out: Path, **sets):
     """A RunConfig for a fast CPU SFT run; ``sets`` are dotted keys with '__' for '.' (train__lr=1e-3)."""
     from rlctl.config import build_config, dotted_to_nested
 
-    base = {"model.name": str(model_dir), "data.path": str(data), "output_dir": str(out), "hardware.device": "cpu",
-            "train.max_len": 96, "train.batch_size": 8, "train.lr": 3e-3, "train.warmup_ratio": 0.0,
-            "train.min_lr_ratio": 0.1, "train.max_steps": 6, "model.attn": "sdpa", "model.dtype": "fp32"}
+    base = {
+        "model.name": str(model_dir),
+        "data.path": str(data),
+        "output_dir": str(out),
+        "hardware.device": "cpu",
+        "train.max_len": 96,
+        "train.batch_size": 8,
+        "train.lr": 3e-3,
+        "train.warmup_ratio": 0.0,
+        "train.min_lr_ratio": 0.1,
+        "train.max_steps": 6,
+        "model.attn": "sdpa",
+        "model.dtype": "fp32",
+    }
     base.update({k.replace("__", "."): v for k, v in sets.items()})
     return build_config("sft", [dotted_to_nested(base)])
 
