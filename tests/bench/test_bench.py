@@ -1,0 +1,458 @@
+"""`rlctl bench`: every subcommand on the tiny model on CPU (well-formed JSON with the documented
+fields), the FLOP arithmetic against a hand-worked case, and the estimator-vs-measured comparison
+checked from the JSON's own numbers and a real process."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from rlctl.catalog.spec import ModelSpec
+from tests.support.cli import REPO, run_cli
+
+ENVELOPE = {"kind", "command", "date", "machine", "settings", "results"}
+
+
+def bench_json(*args: str, timeout: int = 900) -> dict:
+    res = run_cli("bench", *args, "--json", timeout=timeout)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads(res.stdout)
+    assert ENVELOPE <= set(doc)
+    assert doc["command"].startswith("rlctl bench " + args[0])
+    assert doc["machine"]["cores"] >= 1 and doc["machine"]["cpu"] and doc["date"][:2] == "20"
+    return doc
+
+
+def rendered(doc: dict) -> str:
+    """The tables `rlctl bench` prints without --json."""
+    from rich.console import Console
+
+    from rlctl.bench.report import render
+
+    console = Console(record=True, width=200)
+    render(doc, console)
+    return console.export_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs and MFU, by hand
+
+
+TINY = ModelSpec(
+    name="t",
+    hf_id="t",
+    arch="qwen2",
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=64,
+    vocab_size=512,
+    qkv_bias=True,
+)
+
+
+def test_flops_per_token_worked_by_hand():
+    from rlctl.bench.mfu import (
+        flops_params,
+        forward_flops_per_token,
+        mfu,
+        train_flops_per_token,
+    )
+
+    # One layer: q 128x128, k and v 128x64 each, o 128x128 = 49152; q/k/v biases 128+64+64 = 256;
+    # gate/up/down 3x128x256 = 98304; two RMSNorms 256. Total 147968.
+    layer = 49152 + 256 + 98304 + 256
+    # N: 2 layers + final norm 128 + lm_head 512x128; the input embedding is a lookup, not counted.
+    assert flops_params(TINY) == 2 * layer + 128 + 65536 == 361600
+    # Tied embeddings: the lm_head matmul still runs, so N is the same.
+    assert flops_params(replace(TINY, tie_embeddings=True)) == 361600
+    # Forward at s = 100: 2N + 2 * L * s * (d_qk + d_v) = 723200 + 2*2*100*(128+128) = 723200 + 102400.
+    assert forward_flops_per_token(TINY, 100) == 825600
+    # Training = 3 x forward = 6N + 12 * L * s * heads * head_dim (PaLM) = 2169600 + 307200.
+    assert train_flops_per_token(TINY, 100) == 2476800
+    # 1000 such tokens in 2 s on a 1 GFLOP/s device.
+    assert mfu(2476800 * 1000, 2.0, 1e9) == pytest.approx(1.2384)
+
+
+def test_flops_params_matches_a_real_model(tiny_model_dir):
+    """N equals transformers' own parameter count less the input embedding."""
+    from transformers import AutoModelForCausalLM
+
+    from rlctl.bench.mfu import flops_params
+    from rlctl.catalog import resolve_model
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    real = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    assert flops_params(resolve_model(str(tiny_model_dir))) == real
+
+
+def test_relative_error_sign():
+    from rlctl.bench.common import relative_error
+
+    assert relative_error(200, 150) == 0.25  # the estimate is 25% too low
+    assert relative_error(100, 150) == -0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+def test_catalog_model_needs_random_init_and_builds_from_the_catalog(tmp_path, monkeypatch):
+    from rlctl.bench.models import resolve_bench_model
+    from rlctl.catalog import hf_config_dict, resolve_model
+    from rlctl.errors import UserError
+
+    monkeypatch.setenv("RLCTL_CACHE_DIR", str(tmp_path))
+    with pytest.raises(UserError, match="--random-init"):
+        resolve_bench_model("Qwen2.5-0.5B")
+    m = resolve_bench_model("Qwen2.5-0.5B", random_init=True, need_weights=False)
+    assert m.random_init and not list(m.path.glob("*.safetensors"))  # training builds the weights in memory
+    config = json.loads((m.path / "config.json").read_text())
+    expected = hf_config_dict(resolve_model("Qwen2.5-0.5B"))
+    assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")} == {
+        k: expected[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")
+    }
+    assert (m.path / "tokenizer.json").is_file()
+
+
+def test_tiny_is_built_once_into_the_cache(tmp_path, monkeypatch):
+    from rlctl.bench.models import resolve_bench_model
+
+    monkeypatch.setenv("RLCTL_CACHE_DIR", str(tmp_path))
+    first = resolve_bench_model("tiny")
+    stamp = (first.path / "config.json").stat().st_mtime_ns
+    again = resolve_bench_model("tiny")
+    assert again.path == first.path and (again.path / "config.json").stat().st_mtime_ns == stamp
+    assert list(first.path.glob("*.safetensors")) and first.spec.num_layers == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# bench rollout
+
+
+@pytest.fixture(scope="module")
+def rollout_doc(tiny_model_dir) -> dict:
+    """hf engine, plus sglang which cannot start here: its row carries the error."""
+    return bench_json(
+        "rollout",
+        "--model",
+        str(tiny_model_dir),
+        "--engine",
+        "hf,sglang",
+        "--prompts",
+        "2",
+        "--n",
+        "2",
+        "--prompt-len",
+        "8",
+        "--max-tokens",
+        "4",
+        "--reps",
+        "2",
+        "--device",
+        "cpu",
+    )
+
+
+def test_rollout_json(rollout_doc):
+    assert rollout_doc["kind"] == "rollout"
+    hf, sglang = rollout_doc["results"]
+    assert sglang["engine"] == "sglang" and sglang["error"]
+    assert hf["engine"] == "hf" and hf["error"] is None
+    assert hf["samples"] == 4 and 4 <= hf["generated_tokens"] <= 16
+    for key in ("tokens_per_s", "tokens_per_s_distinct", "ttft_s", "load_s"):
+        assert hf[key] > 0, key
+    assert hf["shared_prefix_speedup"] == pytest.approx(hf["tokens_per_s"] / hf["tokens_per_s_distinct"])
+    # every repetition of every case was timed, and tokens/s is the median of tokens / seconds
+    runs = hf["runs"]
+    assert {len(v) for v in runs.values()} == {2} and set(runs) == {"shared", "distinct", "first_token"}
+    rates = sorted(r["tokens"] / r["seconds"] for r in runs["shared"])
+    assert hf["tokens_per_s"] == pytest.approx(sum(rates) / 2)
+    assert all(r["tokens"] == r["samples"] == 4 for r in runs["first_token"])  # max_tokens=1
+    mem = hf["memory"]  # from the worker process: peak RSS above its RSS before the engine
+    assert mem["peak_bytes"] == hf["peak_memory_bytes"] == mem["process_peak_bytes"] - mem["baseline_bytes"] > 0
+    assert mem["baseline_bytes"] > 100 * 2**20  # a python process with torch and transformers loaded
+    text = rendered(rollout_doc)
+    assert f"{hf['tokens_per_s']:,.1f}" in text and "sglang: " in text
+
+
+@pytest.mark.slow
+def test_rollout_hf_and_vllm_in_one_table(tiny_model_dir):
+    doc = bench_json(
+        "rollout",
+        "--model",
+        str(tiny_model_dir),
+        "--engine",
+        "hf,vllm",
+        "--prompts",
+        "2",
+        "--n",
+        "2",
+        "--prompt-len",
+        "8",
+        "--max-tokens",
+        "4",
+        "--reps",
+        "1",
+        "--device",
+        "cpu",
+    )
+    rows = {r["engine"]: r for r in doc["results"]}
+    assert set(rows) == {"hf", "vllm"} and not any(r["error"] for r in rows.values())
+    assert rows["vllm"]["tokens_per_s"] > 0 and rows["vllm"]["peak_memory_bytes"] > rows["hf"]["peak_memory_bytes"]
+
+
+def test_plot_writes_a_png_or_says_what_is_missing(rollout_doc, tmp_path, monkeypatch):
+    from rlctl.bench.plot import bars, plot
+    from rlctl.errors import UserError
+
+    unit, speed, memory = bars(rollout_doc)
+    assert unit == "generated tokens/s" and set(speed) == {"hf n=2", "hf n=1"} and set(memory) == {"hf"}
+    if importlib.util.find_spec("matplotlib") is not None:
+        out = plot(rollout_doc, tmp_path / "r.png")
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    with pytest.raises(UserError, match="pip install matplotlib"):
+        plot(rollout_doc, tmp_path / "s.png")
+
+
+def test_benchmarks_md_keeps_the_hand_written_part(rollout_doc, tmp_path):
+    spec = importlib.util.spec_from_file_location("make_benchmarks_md", REPO / "benchmarks" / "make_benchmarks_md.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "rollout.json").write_text(json.dumps(rollout_doc))
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"# Benchmarks\n\n{gen.START}\nH100: 12,345 tokens/s (by hand)\n{gen.END}\n\nold generated text\n")
+    gen.main(["--results", str(results), "--out", str(page)])
+    text = page.read_text()
+    assert "H100: 12,345 tokens/s (by hand)" in text and "old generated text" not in text
+    assert rollout_doc["command"] in text and rollout_doc["machine"]["cpu"] in text and rollout_doc["date"] in text
+    hf = rollout_doc["results"][0]
+    assert f"| hf | {hf['load_s']:.1f} | {hf['tokens_per_s']:,.0f} |" in text
+    gen.main(["--results", str(results), "--out", str(page)])
+    assert page.read_text() == text  # regenerating changes nothing
+
+
+# ---------------------------------------------------------------------------------------------
+# bench train
+
+
+def _check_train(doc: dict, method: str, steps: int) -> dict:
+    assert doc["kind"] == "train"
+    (r,) = doc["results"]
+    assert (
+        r["method"] == method and r["device"] == "cpu" and [s["step"] for s in r["steps"]] == list(range(1, steps + 1))
+    )
+    steady = r["steps"][1:]
+    assert r["tokens_per_s"] == pytest.approx(statistics.median(s["tokens_per_s"] for s in steady))
+    assert r["mfu"] == pytest.approx(r["flops_per_step"] / r["time_s"]["step"] / r["peak_flops"]["flops"])
+    assert 0 < r["mfu"] < 1 and r["peak_flops"]["flops"] > 1e8  # a measured fp32 matmul peak
+    m = r["memory"]
+    # the comparison is computed from the two numbers it shows
+    assert m["measured_bytes"] == m["rank_peak_bytes"] - m["baseline_bytes"]
+    assert m["relative_error"] == pytest.approx((m["measured_bytes"] - m["estimated_bytes"]) / m["measured_bytes"])
+    # measured on real rank processes: sampled many times, each a python + torch process (> 100 MiB)
+    assert m["samples"] > 3 and m["ranks"] and m["rank_peak_bytes"] == max(m["ranks"].values())
+    assert all(100 * 2**20 < b < doc["machine"]["memory_bytes"] for b in m["ranks"].values())
+    assert m["baseline_bytes"] > 100 * 2**20 and m["estimated_bytes"] > 0
+    return r
+
+
+@pytest.mark.slow
+def test_train_sft_json(tiny_model_dir, tmp_path):
+    doc = bench_json(
+        "train",
+        "--model",
+        str(tiny_model_dir),
+        "--method",
+        "sft",
+        "--device",
+        "cpu",
+        "--nproc",
+        "1",
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--output-dir",
+        str(tmp_path / "b"),
+    )
+    r = _check_train(doc, "sft", 3)
+    assert r["tokens_per_step"] == 4 * 32  # every synthetic sequence fills seq_len exactly
+    assert set(r["time_s"]) == {"step"}
+    # the estimate is the plan's, as `rlctl estimate memory` prints it for the same job
+    plan = json.loads((Path(r["run_dir"]) / "plan.json").read_text())
+    assert r["memory"]["estimated_bytes"] == plan["estimate"]["peak_bytes"]
+    assert f"{r['memory']['relative_error']:.1%}" in rendered(doc)
+
+
+@pytest.mark.slow
+def test_train_grpo_json_splits_the_step(tiny_model_dir):
+    doc = bench_json(
+        "train",
+        "--model",
+        str(tiny_model_dir),
+        "--method",
+        "grpo",
+        "--device",
+        "cpu",
+        "--nproc",
+        "1",
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--n",
+        "2",
+        "--prompt-len",
+        "8",
+        "--max-tokens",
+        "8",
+        "--rollout",
+        "hf",
+    )
+    r = _check_train(doc, "grpo", 3)
+    assert {"rollout", "logprobs", "update", "weight_sync", "other"} <= set(r["time_s"])
+    t = r["time_s"]
+    assert t["other"] == pytest.approx(t["step"] - t["rollout"] - t["logprobs"] - t["update"] - t["weight_sync"])
+    assert 0 < r["mfu_update"] < 1
+    assert f"{r['mfu_update']:.1%}" in rendered(doc)
+
+
+def test_synthetic_sft_lengths(tiny_model_dir, tmp_path):
+    """fixed: every answer is longer than seq_len (cut to it); spread: answers of many lengths."""
+    from transformers import AutoTokenizer
+
+    from rlctl.bench.train import TrainSettings, write_data
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    lengths = {}
+    for kind in ("fixed", "spread"):
+        (tmp_path / kind).mkdir()
+        path = write_data(tiny_model_dir, TrainSettings(seq_len=64, lengths=kind, batch_size=16), tmp_path / kind)
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        lengths[kind] = [len(tok(r["messages"][1]["content"])["input_ids"]) for r in rows]
+    assert min(lengths["fixed"]) > 64
+    assert min(lengths["spread"]) < 40 and len(set(lengths["spread"])) > 10
+
+
+def test_train_bad_method_is_one_line():
+    res = run_cli("bench", "train", "--model", "tiny", "--method", "dpo")
+    assert res.returncode == 2 and "unknown --method 'dpo'" in res.stderr and "Traceback" not in res.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# bench convert
+
+
+def _dcp_checkpoint(model_dir: Path, step_dir: Path) -> int:
+    """An rlctl-layout checkpoint of the tiny model written by one process; returns its model bytes."""
+    import shutil
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    state = model.state_dict()
+    dcp.save({"model": state}, checkpoint_id=str(step_dir))
+    (step_dir / "huggingface").mkdir()
+    for f in model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, step_dir / "huggingface" / f.name)
+    (step_dir / "trainer_state.json").write_text(
+        json.dumps({"step": 1, "world_size": 1, "method": "sft", "lora": None})
+    )
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def test_convert_json(tiny_model_dir, tmp_path):
+    step = tmp_path / "checkpoints" / "step_000001"
+    model_bytes = _dcp_checkpoint(tiny_model_dir, step)
+    doc = bench_json("convert", str(step), "--work", str(tmp_path))
+    (r,) = doc["results"]
+    assert r["format"] == "rlctl-dcp" and r["model_bytes"] == model_bytes
+    assert r["checkpoint_bytes"] == sum(f.stat().st_size for f in step.iterdir() if f.is_file())
+    for key in ("copy", "user_copy", "convert"):
+        assert r[f"{key}_s"] > 0 and r[f"{key}_gbps"] > 0
+    assert r["convert_gbps"] == pytest.approx(model_bytes / r["convert_s"] / 1e9)
+    assert r["convert_rss_over_baseline"] == r["convert_peak_rss"] - r["baseline_rss"]
+    assert r["baseline_rss"] > 100 * 2**20
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints"]  # scratch removed
+    assert f"{r['convert_gbps']:.2f}" in rendered(doc)
+
+
+# ---------------------------------------------------------------------------------------------
+# bench compare
+
+
+def test_compare_without_trl_says_how_to_install(monkeypatch):
+    from rlctl.bench.compare import CompareSettings
+    from rlctl.errors import UserError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
+    with pytest.raises(UserError, match="pip install trl"):
+        CompareSettings().check()
+    with pytest.raises(UserError, match="unknown --peer 'verl'"):
+        CompareSettings(peer="verl").check()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed")
+def test_compare_trl_json(tiny_model_dir):
+    doc = bench_json(
+        "compare",
+        "--peer",
+        "trl",
+        "--model",
+        str(tiny_model_dir),
+        "--work",
+        "rollout,sft,grpo",
+        "--reps",
+        "1",
+        "--steps",
+        "2",
+        "--device",
+        "cpu",
+        "--prompts",
+        "2",
+        "--n",
+        "2",
+        "--max-tokens",
+        "8",
+        "--prompt-len",
+        "8",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+    )
+    rows = {r["work"]: r for r in doc["results"]}
+    assert set(rows) == {"rollout", "sft", "grpo"}
+    for r in rows.values():
+        assert r["rlctl"]["tokens_per_s"] > 0 and r["trl"]["tokens_per_s"] > 0
+        assert r["ratio_tokens_per_s"] == pytest.approx(r["rlctl"]["tokens_per_s"] / r["trl"]["tokens_per_s"])
+    assert rows["rollout"]["rlctl"]["engine"] == "hf" and rows["rollout"]["trl"]["engine"] == "trl"
+    # the same SFT work on both sides: 4 sequences of 32 tokens per step
+    assert rows["sft"]["rlctl"]["tokens_per_step"] == rows["sft"]["trl"]["tokens_per_step"] == 128
+    assert f"{rows['grpo']['ratio_tokens_per_s']:.2f}x" in rendered(doc)
+
+
+def test_cli_module_does_not_import_torch():
+    code = "import sys, rlctl.cli.bench; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,458 @@
+"""The FSDP2 engine in one process (gloo, world size 1): weights, buffers, packing, LoRA, critic, checkpoints.
+
+The multi-process behaviour (2 ranks, resharding on resume) is covered end to end in test_sft.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rlctl.launch import free_port
+from tests.support.sft import chat_rows, cpu_plan, sft_config, write_jsonl
+
+PLAN = SimpleNamespace(**cpu_plan(1))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    """A one-process gloo group, as torchrun would give a single rank."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("data") / "chat.jsonl", chat_rows(24))
+
+
+def make_cfg(tiny_model_dir, data_file, tmp_path, **sets):
+    return sft_config(tiny_model_dir, data_file, tmp_path / "run", **sets)
+
+
+def make_engine(cfg, **kw):
+    from rlctl.engines.fsdp import FSDPEngine
+
+    return FSDPEngine(cfg, PLAN, **kw)
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def test_lr_schedule_by_hand():
+    from rlctl.engines.fsdp import lr_factor
+
+    # 10 steps, warmup int(0.2 * 10) = 2 steps: 1/2, 2/2, then cosine from 1 down to 0.1 at step 10
+    assert lr_factor(0, 10, 0.2, 0.1) == pytest.approx(0.5)
+    assert lr_factor(1, 10, 0.2, 0.1) == pytest.approx(1.0)
+    assert lr_factor(2, 10, 0.2, 0.1) == pytest.approx(1.0)
+    assert lr_factor(6, 10, 0.2, 0.1) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway: cos(pi/2) = 0
+    assert lr_factor(10, 10, 0.2, 0.1) == pytest.approx(0.1)
+    assert lr_factor(3, 10, 0.0, 1.0) == pytest.approx(1.0)  # constant
+
+
+def test_sharded_model_matches_plain_hf(tiny_model_dir, data_file, tmp_path):
+    """Meta init + broadcast from rank 0 gives the HF model exactly, RoPE buffers included."""
+    engine = make_engine(make_cfg(tiny_model_dir, data_file, tmp_path), trainable=False)
+    ref = hf_model(tiny_model_dir)
+    assert torch.equal(engine.model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
+    ids = torch.randint(0, ref.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(40).expand(2, 40)
+    with torch.no_grad():
+        ours = engine.forward(ids, pos)
+        theirs = ref(input_ids=ids, position_ids=pos).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    # full parameters come back with HF names and the HF values
+    full = dict(engine.iter_full_params())
+    assert set(full) == set(dict(ref.named_parameters()))
+    assert all(torch.equal(full[n], p) for n, p in ref.named_parameters())
+
+
+def _docs(vocab: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(5, vocab, (n,), generator=g) for n in (7, 12, 5)]
+
+
+def _per_doc_losses(model, docs) -> list[torch.Tensor]:
+    out = []
+    with torch.no_grad():
+        for d in docs:
+            logits = model(input_ids=d[None], position_ids=torch.arange(len(d))[None]).logits[0]
+            out.append(F.cross_entropy(logits[:-1], d[1:], reduction="none"))
+    return out
+
+
+def test_packed_rows_keep_documents_apart(tiny_model_dir):
+    """transformers detects packed rows from restarting position ids (attention_mask=None): each
+    document's per-token losses equal those of the document alone. With positions that do NOT
+    restart, attention leaks across documents and the losses differ (the control)."""
+    model = hf_model(tiny_model_dir)
+    docs = _docs(model.config.vocab_size)
+    alone = _per_doc_losses(model, docs)
+    ids = torch.cat(docs)[None]
+    restart = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    bounds = torch.tensor([0] + [len(d) for d in docs]).cumsum(0).tolist()
+
+    def packed_losses(pos):
+        with torch.no_grad():
+            logits = model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False).logits[0]
+        return [
+            F.cross_entropy(logits[s : e - 1], ids[0, s + 1 : e], reduction="none")
+            for s, e in itertools.pairwise(bounds)
+        ]
+
+    packed = packed_losses(restart)
+    for a, p in zip(alone, packed):
+        assert (a - p).abs().max().item() <= 1e-5
+    leaked = packed_losses(torch.arange(ids.shape[1])[None])
+    assert (alone[1] - leaked[1]).abs().max().item() > 1e-3
+
+
+def test_packed_and_padded_micro_batches_give_the_same_loss(tiny_model_dir, data_file, tmp_path):
+    """The recipe's collators: one packed row vs right-padded rows, through the engine."""
+    from rlctl.data.packing import collate_packed, collate_padded
+    from rlctl.data.sft import build_sft_data
+    from rlctl.engines.base import load_tokenizer, model_source
+    from rlctl.recipes.sft import token_loss_sum
+
+    cfg = make_cfg(tiny_model_dir, data_file, tmp_path)
+    tok = load_tokenizer(model_source(cfg.model.name))
+    examples = build_sft_data(cfg, tok).train[:5]
+    engine = make_engine(cfg, trainable=False)
+
+    def per_token(mb):
+        with torch.no_grad():
+            logits = engine.forward(mb.input_ids, mb.position_ids, mb.attention_mask)
+        keep = mb.labels != -100
+        return F.cross_entropy(logits[keep], mb.labels[keep], reduction="none"), token_loss_sum(logits, mb.labels)
+
+    packed, packed_sum = per_token(collate_packed(examples))
+    padded, padded_sum = per_token(collate_padded(examples, tok.pad_token_id))
+    assert packed.shape == padded.shape and packed.numel() == sum(ex.num_loss_tokens for ex in examples)
+    assert (packed - padded).abs().max().item() <= 1e-5
+    assert packed_sum.item() == pytest.approx(padded_sum.item(), rel=1e-6)
+
+
+def _fake_ctx(cfg, plan):
+    from rlctl.recipes.common import Dist
+
+    return SimpleNamespace(cfg=cfg, plan=plan, dist=Dist(0, 1, 0, torch.device("cpu")))
+
+
+def test_micro_batch_split_does_not_change_the_update(tiny_model_dir, data_file, tmp_path):
+    """Loss normalised by the global loss-token count: 1 micro-batch or many give the same step."""
+    from rlctl.data.packing import StepSampler
+    from rlctl.data.sft import build_sft_data
+    from rlctl.engines.base import load_tokenizer, model_source
+    from rlctl.recipes.sft import SFTTrainer
+
+    params = []
+    for budget in (4096, 96):  # everything in one row vs several rows
+        cfg = make_cfg(tiny_model_dir, data_file, tmp_path, train__max_tokens_per_micro_batch=budget)
+        tok = load_tokenizer(model_source(cfg.model.name))
+        data = build_sft_data(cfg, tok)
+        engine = make_engine(cfg, total_steps=4)
+        trainer = SFTTrainer(
+            _fake_ctx(cfg, PLAN), engine, data, StepSampler(len(data.train), 8, seed=0), pad_id=tok.pad_token_id
+        )
+        n_micro = len(trainer._micro_batches([data.train[i] for i in trainer.sampler.indices(0)]))
+        assert n_micro == 1 if budget > 1000 else n_micro > 1
+        grads = {}
+
+        def capture_then_step(engine=engine, grads=grads, step=engine.step):
+            grads.update({n: p.grad.full_tensor().clone() for n, p in engine.model.named_parameters()})
+            return step()
+
+        engine.step = capture_then_step
+        params.append((trainer.train_step(0), grads))
+    (rec1, g1), (rec2, g2) = params
+    assert rec1["loss"] == pytest.approx(rec2["loss"], rel=1e-6)
+    assert rec1["grad_norm"] == pytest.approx(rec2["grad_norm"], rel=1e-5)
+    for n in g1:
+        assert (g1[n] - g2[n]).abs().max().item() <= 1e-5 * g1[n].abs().max().item() + 1e-8, n
+
+
+def test_lora_yields_merged_weights(tiny_model_dir, data_file, tmp_path):
+    cfg = make_cfg(tiny_model_dir, data_file, tmp_path, lora__rank=4, lora__alpha=8, lora__targets="q_proj,v_proj")
+    engine = make_engine(cfg, total_steps=1)
+    assert engine.lora_info()["r"] == 4
+    trainable = [n for n, p in engine._state_module.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    # peft initialises B to zero: give it values so the merge matters
+    q = engine.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():  # one rank: the local shard is the whole tensor
+        q.lora_B["default"].weight.to_local().copy_(torch.randn(q.lora_B["default"].weight.shape))
+    a, b = q.lora_A["default"].weight.full_tensor(), q.lora_B["default"].weight.full_tensor()
+    full = dict(engine.iter_full_params())
+    base = dict(hf_model(tiny_model_dir).named_parameters())
+    assert set(full) == set(base)  # HF names, no peft names
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.allclose(full[name], base[name] + (b @ a) * (8 / 4), atol=1e-6)
+    assert not torch.allclose(full[name], base[name])
+    assert torch.equal(full["model.layers.0.self_attn.k_proj.weight"], base["model.layers.0.self_attn.k_proj.weight"])
+    # the checkpoint keys are peft's names
+    keys = set(engine.state_dict()["model"])
+    assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in keys
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight" in keys
+
+
+def test_bad_lora_targets_are_a_user_error(tiny_model_dir, data_file, tmp_path):
+    from rlctl.errors import UserError
+
+    cfg = make_cfg(tiny_model_dir, data_file, tmp_path, lora__rank=4, lora__targets="q_prj")
+    with pytest.raises(UserError, match="q_proj") as e:
+        make_engine(cfg, total_steps=1)
+    assert "\n" not in str(e.value)
+
+
+def test_critic_values_and_names(tiny_model_dir, data_file, tmp_path):
+    engine = make_engine(make_cfg(tiny_model_dir, data_file, tmp_path), role="critic", total_steps=1)
+    ids = torch.randint(0, 100, (2, 9))
+    values = engine.forward(ids, torch.arange(9).expand(2, 9))
+    assert values.shape == (2, 9) and values.dtype == torch.float32
+    names = [n for n, _ in engine.iter_full_params()]
+    assert "value_head.weight" in names and "value_head.bias" in names
+    assert "model.layers.0.self_attn.q_proj.weight" in names and "lm_head.weight" not in names
+    # the backbone carries the pretrained weights
+    base = dict(hf_model(tiny_model_dir).named_parameters())
+    full = dict(engine.iter_full_params())
+    assert torch.equal(full["model.layers.1.mlp.up_proj.weight"], base["model.layers.1.mlp.up_proj.weight"])
+    values.sum().backward()
+    assert engine.step() > 0
+
+
+def test_checkpoint_save_load_roundtrip(tiny_model_dir, data_file, tmp_path):
+    """Model, optimizer and schedule come back; keep_last prunes; a half-written step is ignored."""
+    from rlctl.engines.checkpoint import (
+        latest_checkpoint,
+        load_checkpoint,
+        resolve_resume,
+        save_checkpoint,
+    )
+    from rlctl.errors import UserError
+    from rlctl.recipes.common import rng_state
+
+    cfg = make_cfg(tiny_model_dir, data_file, tmp_path)
+    engine = make_engine(cfg, total_steps=10)
+    ids = torch.randint(0, 100, (1, 16))
+    pos = torch.arange(16)[None]
+    root = tmp_path / "run" / "checkpoints"
+    for step in (1, 2, 3):
+        engine.backward(engine.forward(ids, pos).float().logsumexp(-1).mean())
+        engine.step()
+        save_checkpoint(
+            root,
+            step,
+            {"": engine},
+            trainer_state={"method": "sft"},
+            meta_dir=tiny_model_dir,
+            rng_state=rng_state(),
+            keep_last=2,
+        )
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) == ["step_000002", "step_000003"]
+    assert (root / "latest").read_text().strip() == "step_000003"
+    assert (root / "step_000003" / "huggingface" / "config.json").is_file()
+    (root / ".tmp-step_000004").mkdir()  # as if a save had died
+    assert latest_checkpoint(root).name == "step_000003"
+    assert resolve_resume("auto", root.parent).name == "step_000003"
+    assert resolve_resume(str(root.parent), tmp_path).name == "step_000003"  # a run directory
+    assert resolve_resume(str(root / "step_000002"), tmp_path).name == "step_000002"
+    with pytest.raises(UserError, match="no complete checkpoint"):
+        resolve_resume(str(tmp_path / "nowhere"), tmp_path)
+    want = {n: t.clone() for n, t in engine.iter_full_params()}
+    want_lr = engine.lr
+
+    fresh = make_engine(cfg, total_steps=10)
+    state, rng = load_checkpoint(root / "step_000003", {"": fresh})
+    assert state["step"] == 3 and state["world_size"] == 1 and rng is not None
+    assert fresh.global_step == 3 and fresh.lr == pytest.approx(want_lr)
+    got = dict(fresh.iter_full_params())
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    # the optimizer state came back too: one more identical step gives identical weights
+    for e in (engine, fresh):
+        e.backward(e.forward(ids, pos).float().logsumexp(-1).mean())
+        e.step()
+    a, b = dict(engine.iter_full_params()), dict(fresh.iter_full_params())
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_stop_request_catches_sigint():
+    from rlctl.recipes.common import StopRequest
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = StopRequest()
+        assert not stop.local(1)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested and stop.local(1)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _grads_after_one_backward(engine, ids, pos):
+    engine.backward(engine.forward(ids, pos).float().logsumexp(-1).mean())
+    return {n: p.grad.full_tensor().clone() for n, p in engine.model.named_parameters()}
+
+
+def test_activation_checkpointing_gives_the_same_gradients(tiny_model_dir, data_file, tmp_path):
+    from rlctl.engines.fsdp import FSDPEngine
+
+    cfg = make_cfg(tiny_model_dir, data_file, tmp_path)
+    ids, pos = torch.randint(0, 100, (2, 24)), torch.arange(24).expand(2, 24)
+    plain = _grads_after_one_backward(FSDPEngine(cfg, PLAN, total_steps=1), ids, pos)
+    ckpt_engine = FSDPEngine(cfg, SimpleNamespace(**cpu_plan(1, activation_checkpointing=True)), total_steps=1)
+    assert ckpt_engine.model.model.gradient_checkpointing
+    ckpt = _grads_after_one_backward(ckpt_engine, ids, pos)
+    for n in plain:
+        assert torch.allclose(plain[n], ckpt[n], atol=1e-6, rtol=1e-5), n
+
+
+def test_bf16_compute_keeps_fp32_master_weights(tiny_model_dir, data_file, tmp_path):
+    from rlctl.engines.fsdp import FSDPEngine
+
+    cfg = make_cfg(tiny_model_dir, data_file, tmp_path)
+    engine = FSDPEngine(cfg, SimpleNamespace(**cpu_plan(1, dtype="bf16")), total_steps=1)
+    assert all(p.dtype == torch.float32 for p in engine.model.parameters())
+    ids, pos = torch.randint(0, 100, (1, 16)), torch.arange(16)[None]
+    logits = engine.forward(ids, pos)
+    assert logits.dtype == torch.bfloat16
+    with torch.no_grad():
+        ref = hf_model(tiny_model_dir)(input_ids=ids, position_ids=pos).logits
+    assert (logits.float() - ref).abs().max().item() < 0.1  # bf16 rounding, same model
+    engine.backward(logits.float().logsumexp(-1).mean())
+    assert math.isfinite(engine.step())
+    assert all(p.dtype == torch.float32 for p in engine.model.parameters())
+
+
+def test_tied_embeddings(tmp_path, data_file):
+    """A tied model: one shared weight, yielded once under the embedding's name; logits match HF."""
+    from rlctl.testing import build_tiny_model
+
+    tied_dir = build_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+    engine = make_engine(make_cfg(tied_dir, data_file, tmp_path), total_steps=1)
+    names = [n for n, _ in engine.iter_full_params()]
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    ref = hf_model(tied_dir)
+    ids, pos = torch.randint(0, 100, (1, 12)), torch.arange(12)[None]
+    logits = engine.forward(ids, pos)
+    with torch.no_grad():
+        assert (logits - ref(input_ids=ids, position_ids=pos).logits).abs().max().item() <= 1e-5
+    engine.backward(logits.logsumexp(-1).mean())
+    engine.step()
+    full = dict(engine.iter_full_params())
+    assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
+    assert not torch.equal(full["model.embed_tokens.weight"], ref.model.embed_tokens.weight)
+
+
+def test_lora_keeps_the_frozen_base_in_the_compute_dtype(tiny_model_dir, data_file, tmp_path):
+    """With LoRA only the adapters are trained: they get fp32 master weights, the frozen base stays in
+    the compute dtype (bf16 here, forced on CPU; fp32 is the CPU default)."""
+    from rlctl.engines.fsdp import FSDPEngine
+
+    cfg = make_cfg(tiny_model_dir, data_file, tmp_path, lora__rank=4, lora__targets="q_proj,v_proj")
+    engine = FSDPEngine(cfg, SimpleNamespace(**cpu_plan(1, dtype="bf16")), total_steps=1)
+    params = dict(engine._state_module.named_parameters())
+    adapters = {n: p for n, p in params.items() if p.requires_grad}
+    assert adapters and all("lora_" in n for n in adapters)
+    assert {p.dtype for p in adapters.values()} == {torch.float32}
+    assert {p.dtype for n, p in params.items() if n not in adapters} == {torch.bfloat16}
+    base = hf_model(tiny_model_dir)
+    q = "model.layers.0.self_attn.q_proj.weight"  # B = 0 at the start: the merged weight is the base
+    assert torch.equal(dict(engine.iter_full_params())[q], base.get_parameter(q).to(torch.bfloat16))
+    ids, pos = torch.randint(0, 100, (1, 16)), torch.arange(16)[None]
+    logits = engine.forward(ids, pos)
+    with torch.no_grad():
+        ref = base(input_ids=ids, position_ids=pos).logits
+    assert logits.dtype == torch.bfloat16 and (logits.float() - ref).abs().max().item() < 0.1
+    engine.backward(logits.float().logsumexp(-1).mean())
+    assert math.isfinite(engine.step())
+    assert {p.dtype for p in adapters.values()} == {torch.float32}
+    # on CPU without a forced dtype everything stays fp32
+    plain = FSDPEngine(cfg, PLAN, total_steps=1)
+    assert {p.dtype for p in plain._state_module.parameters()} == {torch.float32}
+
+
+class _RecordingEngine:
+    """Stands in for an engine in the checkpoint module: records where it was asked to save and load."""
+
+    backend = "megatron"
+
+    def __init__(self):
+        self.saved, self.loaded = [], []
+
+    def save_checkpoint(self, path):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / ".metadata").write_text("written by the engine")
+        self.saved.append(Path(path))
+
+    def load_checkpoint(self, path):
+        self.loaded.append(Path(path))
+
+    def lora_info(self):
+        return None
+
+
+def test_checkpoints_are_written_and_read_by_the_engines(tmp_path, tiny_model_dir, data_file):
+    """checkpoint.py leaves the files of each model to its engine's save_checkpoint / load_checkpoint
+    (the Megatron engine writes megatron-core dist checkpoints there) and keeps the backend in
+    trainer_state.json: another backend cannot load it."""
+    from rlctl.engines.checkpoint import load_checkpoint, save_checkpoint
+    from rlctl.errors import UserError
+    from rlctl.recipes.common import rng_state
+
+    actor, critic = _RecordingEngine(), _RecordingEngine()
+    final = save_checkpoint(
+        tmp_path / "ckpts",
+        5,
+        {"": actor, "critic": critic},
+        trainer_state={"method": "ppo"},
+        meta_dir=None,
+        rng_state=rng_state(),
+        keep_last=2,
+    )
+    tmp = tmp_path / "ckpts" / ".tmp-step_000005"
+    assert actor.saved == [tmp] and critic.saved == [tmp / "critic"]  # written before the rename
+    assert (final / ".metadata").read_text() == "written by the engine" and (final / "critic" / ".metadata").is_file()
+    state, rng = load_checkpoint(final, {"": actor, "critic": critic})
+    assert actor.loaded == [final] and critic.loaded == [final / "critic"]
+    assert state["backend"] == "megatron" and state["step"] == 5 and rng is not None
+    fsdp = make_engine(make_cfg(tiny_model_dir, data_file, tmp_path), trainable=False)
+    with pytest.raises(UserError, match=r"saved by the megatron engine; resume it with --set parallel.backend=mega"):
+        load_checkpoint(final, {"": fsdp})
+
+
+def test_build_engine_picks_the_backend_of_the_plan(tiny_model_dir, data_file, tmp_path, monkeypatch):
+    from rlctl.engines import build_engine, megatron
+    from rlctl.engines.fsdp import FSDPEngine
+    from rlctl.errors import UserError
+
+    cfg = make_cfg(tiny_model_dir, data_file, tmp_path)
+    engine = build_engine(cfg, PLAN, role="ref", trainable=False)
+    assert isinstance(engine, FSDPEngine) and engine.backend == "fsdp" and engine.role == "ref"
+    assert (engine.dp_rank, engine.dp_size, engine.dp_group, engine.mp_size) == (0, 1, None, 1)
+    calls = []
+    monkeypatch.setattr(megatron, "build_engine", lambda cfg, plan, **kw: calls.append((plan, kw)) or "mg")
+    plan = {**cpu_plan(1), "backend": "megatron"}
+    assert build_engine(cfg, plan, role="actor", total_steps=7, lr=0.5) == "mg"
+    assert calls == [
+        (plan, {"role": "actor", "trainable": True, "total_steps": 7, "lr": 0.5, "source": None, "lora": None})
+    ]
+    with pytest.raises(UserError, match="unknown parallel.backend 'fdsp' \\(did you mean fsdp"):
+        build_engine(cfg, {**plan, "backend": "fdsp"}, role="actor")

@@ -1,0 +1,496 @@
+"""Rollout engines (rlctl.rollout): hf, vllm and the sglang adapter.
+
+Every engine is checked against an independent computation: a plain HF model's ``generate`` or a
+teacher-forced forward pass over prompt + response, never against its own output.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from rlctl.errors import UserError
+from rlctl.rollout import SamplingParams, make_rollout_engine
+from rlctl.rollout.base import default_stop_token_ids
+from rlctl.rollout.hf import filter_top_k_top_p
+from rlctl.testing import build_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+HELPERS = Path(__file__).resolve().parents[1] / "support" / "scripts"
+
+# Prompts of different lengths, so left padding matters.
+PROMPTS = [[5, 17, 33, 8], [100, 7, 250, 61, 90, 4, 12], [42, 43]]
+MAX_MODEL_LEN = 64
+
+
+def _build(path: Path, *, seed: int, tie: bool = False) -> Path:
+    # initializer_range 0.1 spreads the logits, so greedy decoding has few near-ties.
+    return build_tiny_model(path, seed=seed, initializer_range=0.1, tie_word_embeddings=tie)
+
+
+@pytest.fixture(scope="module")
+def model_a(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory.mktemp("rollout") / "a", seed=0)
+
+
+@pytest.fixture(scope="module")
+def model_a_tied(tmp_path_factory) -> Path:
+    return _build(tmp_path_factory.mktemp("rollout") / "a_tied", seed=0, tie=True)
+
+
+@pytest.fixture(scope="module")
+def model_b(tmp_path_factory) -> Path:
+    """Same architecture as model_a, other random weights: the 'trained' weights to push."""
+    return _build(tmp_path_factory.mktemp("rollout") / "b", seed=1)
+
+
+def load_reference(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) at each response token, from one unpadded forward pass."""
+    logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()
+    return (logits / temperature).log_softmax(-1).gather(-1, torch.tensor(response)[:, None]).squeeze(1)
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=sorted(stop_ids),
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def assert_prompt_major(samples, num_prompts: int, n: int) -> None:
+    assert len(samples) == num_prompts * n
+    assert [s.prompt_index for s in samples] == [i for i in range(num_prompts) for _ in range(n)]
+    for s in samples:
+        assert len(s.token_ids) == len(s.logprobs) > 0
+
+
+# --- interface and shared helpers -----------------------------------------------------------
+
+
+def test_sampling_params_validation():
+    assert SamplingParams(temperature=0).greedy
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": 0}, {"max_tokens": 0}):
+        with pytest.raises(UserError):
+            SamplingParams(**bad)
+
+
+def test_make_rollout_engine_rejects_unknown_names(model_a):
+    with pytest.raises(UserError, match="did you mean vllm"):
+        make_rollout_engine("vlm", str(model_a), device="cpu", dtype="float32", max_model_len=64)
+    with pytest.raises(UserError, match="dtype"):
+        make_rollout_engine("hf", str(model_a), device="cpu", dtype="float13", max_model_len=64)
+
+
+def test_filter_top_k_top_p_by_hand():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+
+    def kept(out):
+        return torch.isfinite(out[0]).tolist()
+
+    assert kept(filter_top_k_top_p(logits, top_k=3, top_p=1.0)) == [True, True, True, False]
+    # nucleus 0.8: 0.5 + 0.3 reaches it, so the rest goes
+    assert kept(filter_top_k_top_p(logits, top_k=-1, top_p=0.8)) == [True, True, False, False]
+    assert kept(filter_top_k_top_p(logits, top_k=-1, top_p=0.81)) == [True, True, True, False]
+    # top-p is applied to what top-k left: after top-2, renormalised probs are 0.625, 0.375
+    assert kept(filter_top_k_top_p(logits, top_k=2, top_p=0.6)) == [True, False, False, False]
+    assert kept(filter_top_k_top_p(logits, top_k=-1, top_p=0.01)) == [True, False, False, False]
+
+
+def test_default_stop_token_ids_merge_tokenizer_and_generation_config(tmp_path):
+    path = _build(tmp_path / "m", seed=0)
+    eos = default_stop_token_ids(str(path))
+    tokenizer_eos = AutoTokenizer.from_pretrained(path).eos_token_id
+    assert eos == {tokenizer_eos}
+    GenerationConfig(eos_token_id=[tokenizer_eos, 7, 9]).save_pretrained(path)
+    assert default_stop_token_ids(str(path)) == {tokenizer_eos, 7, 9}
+
+
+# --- hf engine ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hf_engine(model_a):
+    with make_rollout_engine("hf", str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN) as engine:
+        yield engine
+
+
+def test_hf_greedy_equals_generate(hf_engine, model_a):
+    reference = load_reference(model_a)
+    samples = hf_engine.generate(PROMPTS, n=2, sampling=SamplingParams(temperature=0, max_tokens=12))
+    assert_prompt_major(samples, len(PROMPTS), 2)
+    for s in samples:
+        prompt = PROMPTS[s.prompt_index]
+        assert s.token_ids == hf_greedy(reference, prompt, 12, hf_engine.stop_token_ids)
+        expected = teacher_forced_logprobs(reference, prompt, s.token_ids, temperature=1.0)
+        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-4, rtol=0)
+        assert s.finish_reason == "length" and len(s.token_ids) == 12
+
+
+def test_hf_stops_on_stop_token_and_keeps_it(hf_engine, model_a):
+    reference = load_reference(model_a)
+    free = hf_engine.generate(PROMPTS, n=1, sampling=SamplingParams(temperature=0, max_tokens=12))
+    stop = free[1].token_ids[3]  # a token prompt 1 produces at step 4
+    stopped = hf_engine.generate(
+        PROMPTS, n=1, sampling=SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop])
+    )
+    cut = free[1].token_ids.index(stop) + 1
+    assert stopped[1].token_ids == free[1].token_ids[:cut]
+    assert stopped[1].finish_reason == "stop"
+    for s in stopped:  # the other prompts keep decoding after prompt 1 stopped
+        prompt = PROMPTS[s.prompt_index]
+        assert s.token_ids == hf_greedy(reference, prompt, 12, hf_engine.stop_token_ids | {stop})
+
+
+def test_hf_max_model_len_bounds_the_response(hf_engine):
+    samples = hf_engine.generate(
+        [list(range(3, 3 + MAX_MODEL_LEN - 5))], n=1, sampling=SamplingParams(temperature=0, max_tokens=50)
+    )
+    assert len(samples[0].token_ids) == 5 and samples[0].finish_reason == "length"
+    with pytest.raises(UserError, match="max_model_len"):
+        hf_engine.generate([list(range(MAX_MODEL_LEN))], n=1, sampling=SamplingParams())
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_hf_sampled_logprobs_match_teacher_forcing(tie, model_a, model_a_tied):
+    path = model_a_tied if tie else model_a
+    reference = load_reference(path)
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_tokens=10, seed=3)
+    with make_rollout_engine("hf", str(path), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN) as engine:
+        samples = engine.generate(PROMPTS, n=3, sampling=sampling)
+        again = engine.generate(PROMPTS, n=3, sampling=sampling)
+        other_seed = engine.generate(
+            PROMPTS, n=3, sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_tokens=10, seed=4)
+        )
+    assert_prompt_major(samples, len(PROMPTS), 3)
+    for s in samples:
+        prompt = PROMPTS[s.prompt_index]
+        expected = teacher_forced_logprobs(reference, prompt, s.token_ids, temperature=0.7)
+        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-4, rtol=0)
+        # top-k 50 was applied when drawing: every token is among the 50 most likely
+        logits = reference(torch.tensor([prompt + s.token_ids])).logits[0, len(prompt) - 1 : -1]
+        rank = (logits > logits.gather(-1, torch.tensor(s.token_ids)[:, None])).sum(-1)
+        assert (rank < 50).all()
+    assert [s.token_ids for s in again] == [s.token_ids for s in samples]  # seeded: reproducible
+    assert [s.token_ids for s in other_seed] != [s.token_ids for s in samples]
+    group = [tuple(s.token_ids) for s in samples if s.prompt_index == 0]
+    assert len(set(group)) > 1  # the n samples of a prompt differ
+
+
+def test_hf_prefills_each_prompt_once_for_its_group(hf_engine):
+    shapes = []
+    hook = hf_engine.model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        hf_engine.generate(PROMPTS, n=4, sampling=SamplingParams(temperature=1.0, max_tokens=6, seed=0))
+    finally:
+        hook.remove()
+    longest = max(len(p) for p in PROMPTS)
+    assert shapes[0] == (len(PROMPTS), longest)  # one prefill row per prompt, not per sample
+    assert all(width == 1 and rows <= len(PROMPTS) * 4 for rows, width in shapes[1:])
+    assert len(shapes) == 6  # then one decode step per generated token
+
+
+def test_hf_update_weights_takes_effect(hf_engine, model_b):
+    new_model = load_reference(model_b)
+    consumed = []
+
+    def one_at_a_time():
+        for name, tensor in new_model.state_dict().items():
+            consumed.append(name)
+            yield name, tensor.clone()
+
+    before = hf_engine.generate(PROMPTS, n=1, sampling=SamplingParams(temperature=0, max_tokens=8))
+    hf_engine.update_weights(one_at_a_time())
+    after = hf_engine.generate(PROMPTS, n=1, sampling=SamplingParams(temperature=0, max_tokens=8))
+    assert len(consumed) == len(new_model.state_dict())
+    assert [s.token_ids for s in after] != [s.token_ids for s in before]
+    for s in after:
+        assert s.token_ids == hf_greedy(new_model, PROMPTS[s.prompt_index], 8, hf_engine.stop_token_ids)
+    with pytest.raises(UserError, match="no parameter"):
+        hf_engine.update_weights([("model.layers.0.mlp.gate_prj.weight", torch.zeros(1))])
+
+
+# --- vllm engine ----------------------------------------------------------------------------
+
+VLLM_GREEDY_TOLERANCE = 1e-4  # a vLLM token may differ from HF's argmax only at a near-tie
+VLLM_LOGPROB_TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(model_a):
+    pytest.importorskip("vllm")
+    engine = make_rollout_engine(
+        "vllm", str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0
+    )
+    yield engine
+    engine.close()
+
+
+def assert_greedy_under(reference, prompt, tokens):
+    logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    chosen = logits.gather(-1, torch.tensor(tokens)[:, None]).squeeze(1)
+    assert (chosen >= logits.max(-1).values - VLLM_GREEDY_TOLERANCE).all()
+
+
+@pytest.mark.slow
+def test_vllm_greedy_matches_hf(vllm_engine, model_a):
+    reference = load_reference(model_a)
+    samples = vllm_engine.generate(PROMPTS, n=2, sampling=SamplingParams(temperature=0, max_tokens=12))
+    assert_prompt_major(samples, len(PROMPTS), 2)
+    for s in samples:
+        prompt = PROMPTS[s.prompt_index]
+        assert_greedy_under(reference, prompt, s.token_ids)
+        expected = teacher_forced_logprobs(reference, prompt, s.token_ids, temperature=1.0)
+        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=VLLM_LOGPROB_TOLERANCE, rtol=0)
+        assert s.finish_reason == "length" and len(s.token_ids) == 12
+
+
+@pytest.mark.slow
+def test_vllm_sampled_logprobs_are_before_top_k_top_p(vllm_engine, model_a):
+    reference = load_reference(model_a)
+    sampling = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=10, seed=5)
+    samples = vllm_engine.generate(PROMPTS, n=3, sampling=sampling)
+    assert_prompt_major(samples, len(PROMPTS), 3)
+    for s in samples:
+        prompt = PROMPTS[s.prompt_index]
+        expected = teacher_forced_logprobs(reference, prompt, s.token_ids, temperature=0.7)
+        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=VLLM_LOGPROB_TOLERANCE, rtol=0)
+        logits = reference(torch.tensor([prompt + s.token_ids])).logits[0, len(prompt) - 1 : -1]
+        rank = (logits > logits.gather(-1, torch.tensor(s.token_ids)[:, None])).sum(-1)
+        assert (rank < 20).all()  # top-k was applied when drawing
+    assert [s.token_ids for s in vllm_engine.generate(PROMPTS, n=3, sampling=sampling)] == [
+        s.token_ids for s in samples
+    ]
+    assert len({tuple(s.token_ids) for s in samples if s.prompt_index == 1}) > 1
+
+
+@pytest.mark.slow
+def test_vllm_stops_on_stop_token_and_keeps_it(vllm_engine):
+    free = vllm_engine.generate(PROMPTS, n=1, sampling=SamplingParams(temperature=0, max_tokens=12))
+    stop = free[0].token_ids[2]
+    stopped = vllm_engine.generate(
+        PROMPTS, n=1, sampling=SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop])
+    )
+    assert stopped[0].token_ids == free[0].token_ids[: free[0].token_ids.index(stop) + 1]
+    assert stopped[0].finish_reason == "stop"
+    long_prompt = list(range(3, 3 + MAX_MODEL_LEN - 4))
+    (capped,) = vllm_engine.generate([long_prompt], n=1, sampling=SamplingParams(temperature=0, max_tokens=50))
+    assert len(capped.token_ids) == 4 and capped.finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_vllm_update_weights_takes_effect(vllm_engine, model_a, model_b):
+    def state_of(path):
+        yield from load_reference(path).state_dict().items()
+
+    new_model = load_reference(model_b)
+    sampling = SamplingParams(temperature=0, max_tokens=8)
+    before = vllm_engine.generate(PROMPTS, n=1, sampling=sampling)
+    vllm_engine.update_weights(state_of(model_b))
+    try:
+        after = vllm_engine.generate(PROMPTS, n=1, sampling=sampling)
+        assert [s.token_ids for s in after] != [s.token_ids for s in before]
+        for s in after:
+            prompt = PROMPTS[s.prompt_index]
+            assert_greedy_under(new_model, prompt, s.token_ids)
+            expected = teacher_forced_logprobs(new_model, prompt, s.token_ids, temperature=1.0)
+            torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=VLLM_LOGPROB_TOLERANCE, rtol=0)
+    finally:
+        vllm_engine.update_weights(state_of(model_a))
+    restored = vllm_engine.generate(PROMPTS, n=1, sampling=sampling)
+    assert [s.token_ids for s in restored] == [s.token_ids for s in before]
+
+
+@pytest.mark.slow
+def test_vllm_colocated_on_every_torchrun_rank(model_a):
+    """Two gloo ranks, torch.distributed already initialised, one vLLM engine per rank."""
+    pytest.importorskip("vllm")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(HELPERS / "vllm_colocated.py"),
+            str(model_a),
+        ],
+        check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert result.stdout.count("colocated rank ok") == 2
+
+
+# --- sglang adapter -------------------------------------------------------------------------
+# SGLang cannot be installed here. These tests drive the adapter's own logic through
+# FakeSGLangEngine, a FAKE OF THE sglang.Engine BOUNDARY that answers in SGLang's documented
+# output format; they say nothing about SGLang itself.
+
+
+class FakeSGLangEngine:
+    """Fake of sglang.Engine: records every call and answers like SGLang's offline engine."""
+
+    instances: ClassVar[list[FakeSGLangEngine]] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.calls: list[tuple] = []
+        FakeSGLangEngine.instances.append(self)
+
+    def generate(self, input_ids, sampling_params, return_logprob):
+        self.calls.append(("generate", input_ids, sampling_params, return_logprob))
+        outputs = []
+        for k, prompt in enumerate(input_ids):
+            # request k answers 3 tokens (the last one a stop token for odd k) or hits the length
+            tokens = [prompt[0] + k, 7, 2 if k % 2 else 9]
+            outputs.append(
+                {
+                    "output_ids": tokens,
+                    "meta_info": {
+                        "finish_reason": {"type": "stop", "matched": 2} if k % 2 else {"type": "length", "length": 3},
+                        "output_token_logprobs": [(-0.5 * (k + 1) - i, t, None) for i, t in enumerate(tokens)],
+                    },
+                }
+            )
+        return outputs
+
+    def update_weights_from_tensor(self, named_tensors, flush_cache):
+        self.calls.append(("update", [name for name, _ in named_tensors], flush_cache))
+        return True, "Success"
+
+    def flush_cache(self):
+        self.calls.append(("flush_cache",))
+
+    def release_memory_occupation(self):
+        self.calls.append(("release",))
+
+    def resume_memory_occupation(self):
+        self.calls.append(("resume",))
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch):
+    import rlctl.rollout.sglang as adapter
+
+    FakeSGLangEngine.instances.clear()
+    monkeypatch.setattr(adapter, "_import_engine_class", lambda: FakeSGLangEngine)
+    return FakeSGLangEngine
+
+
+def test_vllm_missing_is_a_user_error(monkeypatch, model_a):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail
+    monkeypatch.delitem(sys.modules, "rlctl.rollout.vllm", raising=False)
+    with pytest.raises(UserError, match=r"pip install 'rlctl\[vllm\]'"):
+        make_rollout_engine("vllm", str(model_a), device="cpu", dtype="float32", max_model_len=64)
+
+
+def test_sglang_missing_is_a_user_error(monkeypatch, model_a):
+    monkeypatch.setitem(sys.modules, "sglang", None)  # makes `import sglang` fail
+    with pytest.raises(UserError, match=r"pip install 'rlctl\[sglang\]'"):
+        make_rollout_engine("sglang", str(model_a), device="cpu", dtype="bf16", max_model_len=64)
+
+
+def test_sglang_generate_expands_n_and_reads_logprobs(fake_sglang, model_a):
+    engine = make_rollout_engine(
+        "sglang", str(model_a), device="cpu", dtype="bf16", tp=1, mem_fraction=0.3, max_model_len=64, seed=11
+    )
+    fake = fake_sglang.instances[0]
+    assert fake.kwargs["dtype"] == "bfloat16" and fake.kwargs["mem_fraction_static"] == 0.3
+    assert fake.kwargs["random_seed"] == 11 and fake.kwargs["context_length"] == 64
+    assert fake.kwargs["disable_radix_cache"] is False and fake.kwargs["skip_tokenizer_init"] is True
+    assert not engine.supports_sleep  # cpu
+
+    prompts = [[10, 11], [20, 21, 22]]
+    samples = engine.generate(
+        prompts, n=2, sampling=SamplingParams(temperature=0.5, top_k=-1, max_tokens=3, stop_token_ids=[7], seed=100)
+    )
+    _, input_ids, params, return_logprob = fake.calls[-1]
+    assert input_ids == [[10, 11], [10, 11], [20, 21, 22], [20, 21, 22]] and return_logprob
+    eos = AutoTokenizer.from_pretrained(model_a).eos_token_id
+    assert [p["sampling_seed"] for p in params] == [100, 101, 102, 103]
+    assert params[0] == {
+        "temperature": 0.5,
+        "top_p": 1.0,
+        "top_k": -1,
+        "max_new_tokens": 3,
+        "stop_token_ids": sorted({eos, 7}),
+        "sampling_seed": 100,
+    }
+    assert [s.prompt_index for s in samples] == [0, 0, 1, 1]
+    assert samples[3].token_ids == [23, 7, 2] and samples[3].finish_reason == "stop"
+    assert samples[2].token_ids == [22, 7, 9] and samples[2].finish_reason == "length"
+    assert samples[1].logprobs == [-1.0, -2.0, -3.0]
+    unseeded = engine.generate(prompts, n=1, sampling=SamplingParams(temperature=0))
+    assert isinstance(fake.calls[-1][2], dict) and fake.calls[-1][2]["temperature"] == 0
+    assert len(unseeded) == 2
+
+
+def test_sglang_update_weights_in_bounded_chunks(fake_sglang, model_a, monkeypatch):
+    import rlctl.rollout.sglang as adapter
+
+    engine = make_rollout_engine("sglang", str(model_a), device="cpu", dtype="float32", max_model_len=64)
+    fake = fake_sglang.instances[0]
+    monkeypatch.setattr(adapter, "WEIGHT_CHUNK_BYTES", 100 * 4)  # 100 float32s
+    pulled = []
+
+    def weights():
+        for name, numel in [("a", 60), ("b", 40), ("c", 30), ("d", 250), ("e", 10)]:
+            pulled.append(name)
+            yield name, torch.zeros(numel)
+
+    pulled_at_update = []
+    original = fake.update_weights_from_tensor
+
+    def update(named_tensors, flush_cache):
+        pulled_at_update.append(len(pulled))
+        return original(named_tensors, flush_cache)
+
+    fake.update_weights_from_tensor = update
+    engine.update_weights(weights())
+    # a chunk leaves as soon as the next tensor would overflow it: one tensor of lookahead, no more
+    assert pulled_at_update == [3, 4, 5, 5]
+    updates = [c for c in fake.calls if c[0] == "update"]
+    assert [names for _, names, _ in updates] == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert all(flush is False for _, _, flush in updates)
+    assert fake.calls[-1] == ("flush_cache",)
+
+
+def test_sglang_sleep_wake_and_close(fake_sglang, model_a):
+    engine = make_rollout_engine("sglang", str(model_a), device="cuda", dtype="bfloat16", max_model_len=64)
+    fake = fake_sglang.instances[0]
+    assert engine.supports_sleep and fake.kwargs["enable_memory_saver"] is True
+    engine.sleep()
+    engine.wake()
+    engine.close()
+    engine.close()
+    assert fake.calls == [("release",), ("resume",), ("shutdown",)]
