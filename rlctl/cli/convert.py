@@ -195,9 +195,9 @@ def hf_to_megatron(
     """Split a Hugging Face model into Megatron TP/PP shards (mcore GPTModel layout)."""
     import shutil
 
-    from rlctl.convert.hf_writer import check_out_dir, commit_dir, temp_sibling
     from rlctl.convert.megatron_io import load_megatron_to_hf, save_megatron_shards
     from rlctl.convert.verify import hf_quiet, verify_roundtrip
+    from rlctl.formats.hf_writer import check_out_dir, commit_dir, temp_sibling
 
     out = out.absolute()
     check_out_dir(out, force)
@@ -236,9 +236,9 @@ def megatron_to_hf(
     """Merge a Megatron checkpoint into a Hugging Face model."""
     import json
 
-    from rlctl.convert.hf_writer import check_out_dir, config_dtype, resolve_dtype
     from rlctl.convert.megatron_io import load_megatron_to_hf
     from rlctl.convert.verify import verify_model, write_verified
+    from rlctl.formats.hf_writer import check_out_dir, config_dtype, resolve_dtype
 
     out = out.absolute()
     check_out_dir(out, force)

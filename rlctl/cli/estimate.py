@@ -64,9 +64,7 @@ def memory(
         str | None,
         typer.Option("--lora-targets", help="all-linear or a comma list such as q_proj,v_proj.", rich_help_panel=JOB),
     ] = None,
-    max_len: Annotated[
-        int | None, typer.Option("--max-len", help="SFT sequence length.", rich_help_panel=JOB)
-    ] = None,
+    max_len: Annotated[int | None, typer.Option("--max-len", help="SFT sequence length.", rich_help_panel=JOB)] = None,
     prompt_len: Annotated[
         int | None, typer.Option("--prompt-len", help="RL: longest prompt in tokens.", rich_help_panel=JOB)
     ] = None,
@@ -104,9 +102,7 @@ def memory(
         ),
     ] = None,
     backend: Annotated[str | None, typer.Option("--backend", help="fsdp | megatron.", rich_help_panel=PAR)] = None,
-    tp: Annotated[
-        int | None, typer.Option("--tp", help="Megatron tensor-parallel size.", rich_help_panel=PAR)
-    ] = None,
+    tp: Annotated[int | None, typer.Option("--tp", help="Megatron tensor-parallel size.", rich_help_panel=PAR)] = None,
     pp: Annotated[int | None, typer.Option("--pp", help="Megatron pipeline stages.", rich_help_panel=PAR)] = None,
     activation_checkpointing: Annotated[
         bool | None,

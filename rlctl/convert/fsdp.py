@@ -540,7 +540,6 @@ def convert_source(
     """
     import tempfile
 
-    from rlctl.convert.hf_writer import check_out_dir, config_dtype, resolve_dtype
     from rlctl.convert.lora import (
         LoraSpec,
         adapter_tensors,
@@ -551,6 +550,7 @@ def convert_source(
         write_adapter,
     )
     from rlctl.convert.verify import Architecture, verify_model, write_verified
+    from rlctl.formats.hf_writer import check_out_dir, config_dtype, resolve_dtype
 
     out_dir = Path(out_dir).absolute()
     check_out_dir(out_dir, force)

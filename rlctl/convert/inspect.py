@@ -20,9 +20,9 @@ from rlctl.convert.fsdp import (
     locate_checkpoint,
     rank_files,
 )
-from rlctl.convert.hf_writer import config_dtype, config_ties_embeddings, dtype_name
 from rlctl.convert.lora import LoraSpec, split_peft_keys
 from rlctl.errors import UserError
+from rlctl.formats.hf_writer import config_dtype, config_ties_embeddings, dtype_name
 
 
 def inspect_checkpoint(path: str | Path) -> dict:

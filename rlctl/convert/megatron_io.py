@@ -36,14 +36,14 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
-from rlctl.convert.megatron_layout import (
+from rlctl.errors import UserError, did_you_mean
+from rlctl.formats.megatron_layout import (
     MegatronLayoutConfig,
     check_parallelism,
     megatron_shard_for_rank,
     megatron_to_hf,
     padded_vocab_size,
 )
-from rlctl.errors import UserError, did_you_mean
 
 META_FILE = "rlctl_megatron.json"
 HF_SUBDIR = "huggingface"
@@ -333,13 +333,13 @@ def save_hf_from_megatron(
 ) -> Path:
     """Convert a Megatron checkpoint (see :func:`load_megatron_to_hf`) to an HF model directory.
 
-    Streams through the shared writer (:func:`rlctl.convert.hf_writer.save_hf_model`): safetensors
+    Streams through the shared writer (:func:`rlctl.formats.hf_writer.save_hf_model`): safetensors
     shards with an index beyond ``max_shard_bytes``, the HF config/tokenizer files kept with the
     checkpoint, written under a temporary name and renamed when complete.
     """
     import tempfile
 
-    from rlctl.convert.hf_writer import save_hf_model
+    from rlctl.formats.hf_writer import save_hf_model
 
     tensors, config, side = _open_megatron(ckpt_dir, hf_config)
     with tempfile.TemporaryDirectory(prefix="rlctl-meta-") as meta:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from rlctl.convert.hf_writer import config_dtype, dtype_name, save_hf_model
 from rlctl.errors import UserError
+from rlctl.formats.hf_writer import config_dtype, dtype_name, save_hf_model
 
 
 @dataclass

@@ -472,7 +472,7 @@ class FSDPEngine(TrainEngine):
 
     def export_hf(self, out_dir: str | Path, meta_dir: str | Path, *, dtype: torch.dtype | None = None) -> Path:
         """Write the (merged) full model as a HF directory through the shared hf_writer; rank 0 writes."""
-        from rlctl.convert.hf_writer import save_hf_model
+        from rlctl.formats.hf_writer import save_hf_model
 
         stream = ((name, t.cpu()) for name, t in self.iter_full_params())
         try:

@@ -58,11 +58,6 @@ import torch
 import torch.distributed as dist
 
 from rlctl.config import RunConfig
-from rlctl.convert.megatron_layout import (
-    MegatronLayoutConfig,
-    megatron_shard_for_rank,
-    megatron_to_hf,
-)
 from rlctl.engines.base import (
     ROLES,
     LossFn,
@@ -78,6 +73,11 @@ from rlctl.engines.megatron_parallel import (
     pipeline_stages,
 )
 from rlctl.errors import UserError
+from rlctl.formats.megatron_layout import (
+    MegatronLayoutConfig,
+    megatron_shard_for_rank,
+    megatron_to_hf,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 INSTALL_HINT = "pip install 'rlctl[megatron]' (or: pip install --no-deps megatron-core)"
@@ -226,7 +226,7 @@ def build_gpt_model(hf: Mapping[str, Any], config, *, tp: int, cuda: bool):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from rlctl.convert.megatron_layout import padded_vocab_size
+    from rlctl.formats.megatron_layout import padded_vocab_size
 
     layout = layout_config(hf, tp)
     theta, llama3_factor = _rope(hf)
@@ -767,7 +767,7 @@ class MegatronEngine(TrainEngine):
 
     def export_hf(self, out_dir: str | Path, meta_dir: str | Path, *, dtype: torch.dtype | None = None) -> Path:
         """Write the full model as a HF directory through the shared hf_writer; rank 0 writes."""
-        from rlctl.convert.hf_writer import save_hf_model
+        from rlctl.formats.hf_writer import save_hf_model
 
         stream = ((name, t.cpu()) for name, t in self.iter_full_params())
         try:

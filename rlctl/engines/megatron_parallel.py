@@ -102,11 +102,11 @@ def layer_stages(num_layers: int, pp: int) -> list[tuple[int, int]]:
 def check_megatron_layout(layout_cfg, *, world: int, tp: int, pp: int, cp: int = 1, ep: int = 1) -> None:
     """UserError, naming what would work, for a layout megatron-core (or rlctl's engine) cannot run.
 
-    ``layout_cfg`` is a :class:`rlctl.convert.megatron_layout.MegatronLayoutConfig` (heads, kv heads,
+    ``layout_cfg`` is a :class:`rlctl.formats.megatron_layout.MegatronLayoutConfig` (heads, kv heads,
     ffn and layers); tp must divide the heads, kv heads and ffn, pp must split the layers
     (:func:`pipeline_stages`), tp x pp x cp must divide the world.
     """
-    from rlctl.convert.megatron_layout import check_parallelism
+    from rlctl.formats.megatron_layout import check_parallelism
 
     check_parallelism(layout_cfg, tp, 1)
     pipeline_stages(layout_cfg.num_layers, pp)

@@ -1125,7 +1125,7 @@ class RLTrainer:
             if saved is None or saved.name != f"step_{step:06d}":
                 saved = self.checkpoint(step)
             if cfg.checkpoint.export_hf:
-                from rlctl.convert.hf_writer import config_dtype
+                from rlctl.formats.hf_writer import config_dtype
 
                 dtype = config_dtype(json.loads((paths.model_meta / "config.json").read_text()))
                 hf_dir = self.actor.export_hf(paths.hf, paths.model_meta, dtype=dtype)

@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rlctl.convert.hf_writer import config_dtype
 from rlctl.data.packing import StepSampler, rank_micro_batches
 from rlctl.data.sft import IGNORE, SFTData, build_sft_data
 from rlctl.engines import build_engine
@@ -33,6 +32,7 @@ from rlctl.engines.base import (
 )
 from rlctl.engines.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
 from rlctl.errors import UserError
+from rlctl.formats.hf_writer import config_dtype
 from rlctl.metrics import MetricsLogger
 from rlctl.recipes.common import (
     RunContext,

@@ -395,7 +395,7 @@ def test_lora_merge_bad_adapter(tiny_model_dir, tmp_path):
 
 
 def test_writer_streams_odd_sizes_and_mixed_dtypes(tiny_model_dir, tmp_path, monkeypatch):
-    import rlctl.convert.hf_writer as w
+    import rlctl.formats.hf_writer as w
 
     monkeypatch.setattr(w, "_STREAM_AFTER", 0)  # stream every tensor to disk behind a reserved header
     torch.manual_seed(0)
@@ -430,7 +430,7 @@ def test_writer_streams_odd_sizes_and_mixed_dtypes(tiny_model_dir, tmp_path, mon
 def test_writer_drops_tied_head_casts_and_is_atomic(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from rlctl.convert.hf_writer import save_hf_model
+    from rlctl.formats.hf_writer import save_hf_model
 
     meta = tmp_path / "meta"
     shutil.copytree(tiny_model_dir, meta)

@@ -32,12 +32,12 @@ from rlctl.convert.megatron_io import (  # noqa: E402
     save_hf_from_megatron,
     save_megatron_shards,
 )
-from rlctl.convert.megatron_layout import (  # noqa: E402
+from rlctl.errors import UserError  # noqa: E402
+from rlctl.formats.megatron_layout import (  # noqa: E402
     MegatronLayoutConfig,
     hf_to_megatron_shards,
     megatron_shard_for_rank,
 )
-from rlctl.errors import UserError  # noqa: E402
 
 HELPER = Path(__file__).resolve().parents[1] / "support" / "scripts" / "mcore_save.py"
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None

@@ -43,7 +43,6 @@ import torch
 from safetensors.torch import load_file
 
 from rlctl.config import RunConfig
-from rlctl.convert.megatron_layout import MegatronLayoutConfig
 from rlctl.engines import megatron as mg
 from rlctl.engines.megatron_parallel import (
     check_megatron_layout,
@@ -52,6 +51,7 @@ from rlctl.engines.megatron_parallel import (
     rank_layout,
 )
 from rlctl.errors import UserError
+from rlctl.formats.megatron_layout import MegatronLayoutConfig
 
 WORKER = Path(__file__).resolve().parents[1] / "support" / "scripts" / "megatron_worker.py"
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
@@ -174,7 +174,7 @@ def test_unmapped_architecture_names_the_supported_ones():
 
 
 def test_vocab_padding_is_the_same_at_every_tp():
-    from rlctl.convert.megatron_layout import padded_vocab_size
+    from rlctl.formats.megatron_layout import padded_vocab_size
 
     hf = {
         "architectures": ["LlamaForCausalLM"],
@@ -266,7 +266,7 @@ def test_stage_shard_splits_five_layers_into_three_and_two(tied):
     """pp=2 on 5 layers: stage 0 holds HF layers 0-2 (and the embedding), stage 1 layers 3-4 numbered
     0-1 (and the final norm, the output layer; a copy of the embedding when tied). Compared with the
     layout module's single-stage shard, renumbered here."""
-    from rlctl.convert.megatron_layout import megatron_shard_for_rank
+    from rlctl.formats.megatron_layout import megatron_shard_for_rank
 
     layout = _layout(num_hidden_layers=5, tie_word_embeddings=tied)
     hf = _random_hf_state(5, tied)

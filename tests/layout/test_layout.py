@@ -1,0 +1,133 @@
+"""The layout rules: data flows one way, no import cycles, no module over 500 lines.
+
+Every top-level part of ``rlctl`` has a layer; a module may import its own part or a lower layer, never
+a higher one. Imports inside functions count too (a lazy import is still a dependency); imports under
+``if TYPE_CHECKING:`` do not (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "rlctl"
+MAX_LINES = 500
+
+# low -> high; a part may import parts of its own layer's index or lower
+LAYERS: list[set[str]] = [
+    {"errors", "catalog", "algos", "presets", "testing"},
+    {"config", "formats", "metrics"},
+    {"data", "estimate"},
+    {"plan"},
+    {"runtime"},
+    {"engines", "rollout", "rewards"},
+    {"recipes"},
+    {"launch", "job"},
+    {"convert"},
+    {"bench", "demo"},
+    {"cli", "__main__"},
+]
+# lower in the table, but still not theirs to import: engines model nothing about plans or estimates
+FORBIDDEN = {"engines": {"estimate", "plan"}, "rollout": {"estimate", "plan"}, "launch": {"job"}}
+
+
+def _layer(part: str) -> int:
+    for i, parts in enumerate(LAYERS):
+        if part in parts:
+            return i
+    raise AssertionError(f"rlctl/{part} has no layer in tests/layout/test_layout.py: add it")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(path: Path) -> set[str]:
+    """Every rlctl module ``path`` imports (at run time), resolved to the longest existing module name."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("rlctl"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("rlctl"):
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        graph[name] = {m for m in _imports(path) if m in modules and m != name}
+    return graph
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_every_import_goes_down_the_layers():
+    wrong = []
+    for module, deps in sorted(_graph().items()):
+        src = _part(module)
+        if src == "__init__":
+            continue
+        for dep in sorted(deps):
+            dst = _part(dep)
+            if dst == "__init__" or dst == src:
+                continue
+            if _layer(dst) > _layer(src) or dst in FORBIDDEN.get(src, set()):
+                wrong.append(f"{module} imports {dep}")
+    assert not wrong, "imports from a lower layer to a higher one:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    # a package imports its own submodules through __init__; count only module-to-module edges
+    graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def dfs(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join(stack[stack.index(dep) :] + [dep]))
+            elif dep not in state:
+                dfs(dep, stack + [dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            dfs(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_modules_stay_small(path):
+    n = len(path.read_text().splitlines())
+    assert n <= MAX_LINES, f"{path.relative_to(PACKAGE.parent)} has {n} lines (at most {MAX_LINES}): split it"
