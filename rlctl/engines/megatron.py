@@ -511,7 +511,7 @@ class MegatronEngine(TrainEngine):
     # ------------------------------------------------------------------ setup
 
     def _load_hf(self) -> None:
-        from rlctl.convert.megatron_io import HFSafetensors
+        from rlctl.formats.safetensors import HFSafetensors
 
         load_hf_weights(
             self.gpt,
