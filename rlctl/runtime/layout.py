@@ -4,6 +4,7 @@ A run directory::
 
     RUN/
       config.yaml  plan.json  train.log  metrics.jsonl  summary.json  error.txt
+      errors/rank_N.json           # one per rank that failed: kind, one-line message, traceback, time
       model_meta/                  # config.json + tokenizer of the trained model
       hf/                          # the final Hugging Face export
       checkpoints/
@@ -51,6 +52,16 @@ class RunPaths:
     @property
     def error(self) -> Path:
         return self.root / "error.txt"
+
+    @property
+    def errors(self) -> Path:
+        """One JSON file per failing rank (see :meth:`rank_error`); the launcher reports the first."""
+        return self.root / "errors"
+
+    def rank_error(self, rank: int) -> Path:
+        """``{"rank", "kind": "user" | "internal" | "interrupted", "message", "traceback", "time"}``:
+        ``message`` is one line, ``time`` a Unix timestamp (the first failure is the root cause)."""
+        return self.errors / f"rank_{rank}.json"
 
     @property
     def summary(self) -> Path:
