@@ -7,7 +7,7 @@ BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install test test-fast demo completions docs bench-cli benchmarks clean
+.PHONY: install lint test test-fast demo completions docs bench-cli benchmarks clean
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (rlctl needs Python 3.11+; set PYTHON=...)"; exit 2; }
@@ -23,7 +23,11 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
 	$(BIN)/python -m pytest -q --timeout=900
 
 test-fast: $(STAMP)
