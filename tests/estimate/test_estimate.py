@@ -748,17 +748,6 @@ def test_cli_unknown_model_is_one_line_exit_2():
     assert isinstance(_cli("--model", "Qwen9-7B").exception, UserError)
 
 
-def test_docs_tables_are_the_generated_ones():
-    from pathlib import Path
-
-    from rlctl.estimate.compare import embedded, markdown
-
-    doc = Path(__file__).resolve().parents[2] / "docs" / "estimate.md"
-    assert embedded(doc.read_text()) == markdown().strip(), (
-        "run: python -m rlctl.estimate.compare --write docs/estimate.md"
-    )
-
-
 def test_kv_bytes_per_token_agree_with_the_catalog():
     from rlctl.catalog import kv_cache_bytes_per_token
 
