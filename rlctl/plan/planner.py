@@ -14,6 +14,11 @@ estimate fits (GPU memory with the safety margin, the nodes' host memory) and wh
 an engine's share of the batch wins; every option before it is reported with its closest attempt.
 Checkpointing and the micro batch are then relaxed while the update still fits comfortably.
 `--what-to-rent` (rlctl.plan.rent) runs this same planner at each GPU count.
+
+The parts, each importing only those before it: types (the Plan), inputs (resolve the job), search
+(the options and the relaxing), reasons (in words), core (one plan, :func:`plan_config`), rent
+(each GPU count), fit (what would fit), and this module, which adds "what would fit" to a plan that
+does not. apply fills a config from a plan.
 """
 
 from __future__ import annotations
