@@ -9,6 +9,7 @@ from .count import (
     embedding_params,
     kv_cache_bytes_per_token,
     layer_params,
+    pipeline_split,
 )
 from .gpus import list_gpus, resolve_gpu
 from .markdown import catalog_markdown
@@ -27,6 +28,7 @@ __all__ = [
     "layer_params",
     "list_gpus",
     "list_models",
+    "pipeline_split",
     "resolve_gpu",
     "resolve_model",
 ]

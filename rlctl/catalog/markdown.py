@@ -77,6 +77,7 @@ def catalog_markdown() -> str:
     for g in list_gpus():
         lines.append(
             f"| {g.name} | {', '.join(g.aliases) or '-'} | {g.memory_bytes // 2**20} | "
-            f"{g.bf16_tflops:g} | {g.interconnect} | {g.interconnect_gbps:g} | {g.gpus_per_node} | {g.host_memory_bytes // 2**30} |"
+            f"{g.bf16_tflops:g} | {g.interconnect} | {g.interconnect_gbps:g} | {g.gpus_per_node} | "
+            f"{g.host_memory_bytes // 2**30} |"
         )
     return "\n".join(lines) + "\n"

@@ -45,6 +45,17 @@ def _tri(value: bool | None) -> str | None:
     return None if value is None else ("true" if value else "false")
 
 
+def _alias(name: str, value: int | None, old: str, old_value: int | None) -> int | None:
+    """The value of an option given by its name or by its old (hidden) one; both, if they differ, is an error."""
+    if old_value is None:
+        return value
+    if value is not None and value != old_value:
+        from rlctl.errors import UserError
+
+        raise UserError(f"{name} {value} and {old} {old_value} disagree: {old} is the old name of {name}; give one")
+    return old_value
+
+
 @app.command("memory", epilog=EXAMPLES)
 def memory(
     model: Annotated[
@@ -65,20 +76,23 @@ def memory(
         typer.Option("--lora-targets", help="all-linear or a comma list such as q_proj,v_proj.", rich_help_panel=JOB),
     ] = None,
     max_len: Annotated[int | None, typer.Option("--max-len", help="SFT sequence length.", rich_help_panel=JOB)] = None,
-    prompt_len: Annotated[
-        int | None, typer.Option("--prompt-len", help="RL: longest prompt in tokens.", rich_help_panel=JOB)
+    max_prompt_len: Annotated[
+        int | None, typer.Option("--max-prompt-len", help="RL: longest prompt in tokens.", rich_help_panel=JOB)
     ] = None,
-    response_len: Annotated[
-        int | None, typer.Option("--response-len", help="RL: longest response in tokens.", rich_help_panel=JOB)
+    max_response_len: Annotated[
+        int | None,
+        typer.Option("--max-response-len", help="RL: most tokens generated per sample.", rich_help_panel=JOB),
     ] = None,
     n: Annotated[int | None, typer.Option("--n", help="RL: samples per prompt.", rich_help_panel=JOB)] = None,
     batch_size: Annotated[
         int | None,
         typer.Option("--batch-size", help="Sequences (SFT) or prompts (RL) per step.", rich_help_panel=JOB),
     ] = None,
-    micro_batch: Annotated[
+    micro_batch_size: Annotated[
         int | None,
-        typer.Option("--micro-batch", help="Sequences per GPU per forward (default: the plan's).", rich_help_panel=JOB),
+        typer.Option(
+            "--micro-batch-size", help="Sequences per GPU per forward (default: the plan's).", rich_help_panel=JOB
+        ),
     ] = None,
     gpus: Annotated[
         int | None,
@@ -97,7 +111,8 @@ def memory(
         float | None,
         typer.Option(
             "--host-memory",
-            help="Host (CPU) memory of one node in GiB (default: the GPU type's typical node, shared by the GPUs used on it).",
+            help="Host (CPU) memory of one node in GiB (default: the GPU type's typical node, "
+            "shared by the GPUs used on it).",
             rich_help_panel=HW,
         ),
     ] = None,
@@ -144,10 +159,14 @@ def memory(
         bool,
         typer.Option(
             "--what-to-rent",
-            help="Also list, for every catalog GPU type, the fewest GPUs that fit without and with offload, and their plans.",
+            help="Also list, for every catalog GPU type, the fewest GPUs that fit without and with offload, "
+            "and their plans.",
         ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    prompt_len: Annotated[int | None, typer.Option("--prompt-len", hidden=True)] = None,  # old --max-prompt-len
+    response_len: Annotated[int | None, typer.Option("--response-len", hidden=True)] = None,  # old --max-response-len
+    micro_batch: Annotated[int | None, typer.Option("--micro-batch", hidden=True)] = None,  # old --micro-batch-size
 ) -> None:
     """Per-GPU memory of the training and rollout phases, the KV cache, and whether it fits."""
     from rlctl.config import build_config, dotted_to_nested
@@ -159,6 +178,11 @@ def memory(
         raise UserError(
             f"--host-memory {host_memory:g}: give the host memory of one node in GiB, e.g. --host-memory 1024"
         )
+    if gpus is not None and gpus < 1:
+        raise UserError(f"--gpus {gpus}: give the number of GPUs (at least 1), or --device cpu for a CPU run")
+    prompt_len = _alias("--max-prompt-len", max_prompt_len, "--prompt-len", prompt_len)
+    response_len = _alias("--max-response-len", max_response_len, "--response-len", response_len)
+    micro_batch = _alias("--micro-batch-size", micro_batch_size, "--micro-batch", micro_batch)
     host_bytes = int((host_memory or 0) * 2**30)
     if device is None and not gpus and detect_local().gpu_count == 0:
         device = "cuda"  # an estimate is for GPUs, even printed on a laptop

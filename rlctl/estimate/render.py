@@ -78,7 +78,8 @@ def render_estimate(console: Console, est: MemoryEstimate) -> None:
     if s.is_rl:
         console.print(
             f"KV cache: {gib(est.kv_cache_bytes)} GiB per GPU = {est.kv_cache_tokens:,} tokens "
-            f"({est.kv_bytes_per_token:,} bytes each) = {est.kv_cache_sequences:,} sequences of {s.seq_len} tokens at once"
+            f"({est.kv_bytes_per_token:,} bytes each) = {est.kv_cache_sequences:,} sequences "
+            f"of {s.seq_len} tokens at once"
         )
     color = "green" if est.fits else "red"
     console.print(

@@ -6,7 +6,18 @@ machine printing the plan has); :func:`apply_plan` fills a config's "auto" field
 """
 
 from rlctl.plan.local import LocalEnv, detect_local
-from rlctl.plan.planner import Plan, apply_plan, resolve_plan
+from rlctl.plan.planner import apply_plan, resolve_plan
 from rlctl.plan.rent import RentRow, what_to_rent
+from rlctl.plan.types import Plan, load_plan, save_plan
 
-__all__ = ["LocalEnv", "Plan", "RentRow", "apply_plan", "detect_local", "resolve_plan", "what_to_rent"]
+__all__ = [
+    "LocalEnv",
+    "Plan",
+    "RentRow",
+    "apply_plan",
+    "detect_local",
+    "load_plan",
+    "resolve_plan",
+    "save_plan",
+    "what_to_rent",
+]

@@ -16,8 +16,11 @@ from rlctl.catalog import list_gpus
 from rlctl.catalog.spec import GpuSpec
 from rlctl.config import RunConfig
 from rlctl.errors import UserError
+from rlctl.plan.core import plan_config
 from rlctl.plan.local import LocalEnv, detect_local
 from rlctl.plan.rules import tiers
+from rlctl.plan.search import good_fit
+from rlctl.plan.types import Plan
 
 
 @dataclass
@@ -25,7 +28,7 @@ class RentRow:
     gpu: str
     gpus: int  # 0 when nothing up to the node limit fits
     nodes: int
-    plan: object | None  # rlctl.plan.Plan
+    plan: Plan | None
     offload: bool = True  # False: the fewest GPUs without any offload; True: offload allowed where it must
 
     def to_dict(self) -> dict:
@@ -80,13 +83,11 @@ def without_offload(cfg: RunConfig) -> RunConfig:
 def plan_at(cfg: RunConfig, gpu: GpuSpec, gpus: int, nodes: int, local: LocalEnv, *, host_memory_bytes: int = 0):
     """The planner's plan for ``gpus`` GPUs of this type on ``nodes`` nodes, or None when the
     configuration cannot run there (e.g. a tp 8 override on 4 GPUs)."""
-    from rlctl.plan.planner import _plan
-
     trial = copy.deepcopy(cfg)
     hw = trial.hardware
     hw.device, hw.gpu, hw.gpus, hw.nodes, hw.nproc = "cuda", gpu.name, gpus, nodes, 0
     try:
-        return _plan(trial, local, explain=False, host_memory_bytes=host_memory_bytes)
+        return plan_config(trial, local, host_memory_bytes=host_memory_bytes)
     except UserError:
         return None
 
@@ -102,8 +103,6 @@ def smallest_fit(
 ) -> RentRow | None:
     """The fewest GPUs of this type (at least ``min_gpus``) the job fits on with the safety
     margin and a useful KV cache, or None. ``offload=False`` searches plans without offload."""
-    from rlctl.plan.planner import good_fit
-
     trial = cfg if offload else without_offload(cfg)
     for gpus, nodes in gpu_counts(gpu):
         if gpus < min_gpus:

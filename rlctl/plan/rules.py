@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from rlctl.catalog import pipeline_split
 from rlctl.catalog.spec import ModelSpec
 from rlctl.errors import UserError
-from rlctl.estimate.memory import pipeline_split
 
 POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -202,6 +202,7 @@ def choose_engine(*, device: str, n: int, lora: bool, installed: frozenset[str])
     if n > 1:
         return (
             "sglang",
-            f"rollout sglang: n={n} samples per prompt share their prompt; SGLang's prefix cache (RadixAttention) pays off",
+            f"rollout sglang: n={n} samples per prompt share their prompt; "
+            "SGLang's prefix cache (RadixAttention) pays off",
         )
     return "vllm", "rollout vllm: one sample per prompt, no prefix to share"

@@ -629,9 +629,9 @@ def test_cli_options_reach_the_estimate():
         "Qwen2.5-7B",
         "--gpus",
         "8",
-        "--prompt-len",
+        "--max-prompt-len",
         "1024",
-        "--response-len",
+        "--max-response-len",
         "3072",
         "--n",
         "4",
@@ -641,7 +641,7 @@ def test_cli_options_reach_the_estimate():
         "2",
         "--mem-fraction",
         "0.5",
-        "--micro-batch",
+        "--micro-batch-size",
         "1",
         "--no-activation-checkpointing",
         "--offload-optimizer",
@@ -662,6 +662,66 @@ def test_cli_options_reach_the_estimate():
         False,
         True,
     )
+
+
+def test_cli_takes_the_training_commands_names_and_the_old_ones_hidden():
+    # the names `rlctl grpo` uses; the old ones still work but are not in --help
+    new = _cli(
+        "--model",
+        "Qwen2.5-7B",
+        "--gpus",
+        "8",
+        "--max-prompt-len",
+        "300",
+        "--max-response-len",
+        "700",
+        "--micro-batch-size",
+        "2",
+        "--json",
+    )
+    old = _cli(
+        "--model",
+        "Qwen2.5-7B",
+        "--gpus",
+        "8",
+        "--prompt-len",
+        "300",
+        "--response-len",
+        "700",
+        "--micro-batch",
+        "2",
+        "--json",
+    )
+    assert new.exit_code == 0 and old.exit_code == 0, (new.output, old.output)
+    s = json.loads(new.output)["settings"]
+    assert (s["prompt_len"], s["response_len"], s["micro_batch"]) == (300, 700, 2)
+    assert json.loads(old.output) == json.loads(new.output)
+    both = _cli("--model", "Qwen2.5-7B", "--gpus", "8", "--max-prompt-len", "300", "--prompt-len", "300", "--json")
+    assert both.exit_code == 0 and json.loads(both.output)["settings"]["prompt_len"] == 300
+    clash = _cli("--model", "Qwen2.5-7B", "--gpus", "8", "--micro-batch-size", "2", "--micro-batch", "4")
+    assert isinstance(clash.exception, UserError)
+    assert str(clash.exception).count("\n") == 0 and "--micro-batch-size 2" in str(clash.exception)
+    import re
+
+    help_text = re.sub(r"\x1b\[[0-9;]*m", "", _cli("--help").output)
+    assert "--max-prompt-len" in help_text and "--micro-batch-size" in help_text
+    assert not re.search(r"--prompt-len\b|--response-len\b|--micro-batch\b(?!-)", help_text)
+
+
+@pytest.mark.parametrize("gpus", ["0", "-2"])
+def test_cli_gpus_below_one_is_a_one_line_error(gpus):
+    # it used to plan a full node of 8 GPUs without a word
+    r = _cli("--model", "Qwen2.5-7B", "--gpus", gpus, "--json")
+    assert isinstance(r.exception, UserError), r.output
+    msg = str(r.exception)
+    assert "\n" not in msg and msg.startswith(f"--gpus {gpus}:") and "--device cpu" in msg
+    r = subprocess.run(
+        [sys.executable, "-m", "rlctl", "estimate", "memory", "--model", "Qwen2.5-7B", "--gpus", gpus],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
 
 
 def test_cli_what_to_rent_rows():
@@ -746,17 +806,6 @@ def test_cli_unknown_model_is_one_line_exit_2():
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: unknown model 'Qwen9-7B'")
     assert "Traceback" not in r.stderr
     assert isinstance(_cli("--model", "Qwen9-7B").exception, UserError)
-
-
-def test_docs_tables_are_the_generated_ones():
-    from pathlib import Path
-
-    from rlctl.estimate.compare import embedded, markdown
-
-    doc = Path(__file__).resolve().parents[2] / "docs" / "estimate.md"
-    assert embedded(doc.read_text()) == markdown().strip(), (
-        "run: python -m rlctl.estimate.compare --write docs/estimate.md"
-    )
 
 
 def test_kv_bytes_per_token_agree_with_the_catalog():

@@ -1,6 +1,7 @@
-"""rlctl's estimates beside published figures, for docs/estimate.md.
+"""rlctl's estimates and plans beside published figures, for docs/estimate.md.
 
-``python -m rlctl.estimate.compare`` prints the comparison tables; ``--write docs/estimate.md``
+It sits in rlctl.plan, above the estimator, because some tables are plans (the worked example,
+verl's minimum GPUs). ``python -m rlctl.plan.compare`` prints the comparison tables; ``--write docs/estimate.md``
 puts them between the file's ``<!-- compare:begin -->`` and ``<!-- compare:end -->`` markers. A
 test checks the two agree, so every rlctl number in the docs is computed, never typed.
 """
@@ -15,7 +16,8 @@ from rlctl.catalog import (
     resolve_model,
 )
 from rlctl.catalog.spec import GpuSpec
-from rlctl.estimate.memory import GIB, MemorySettings, estimate_memory
+from rlctl.estimate import MemorySettings, estimate_memory
+from rlctl.estimate.memory import GIB
 
 UNBOUNDED = GpuSpec("unbounded", 10**15, 0.0, "NVLink", 0.0, 8)
 GB = 10**9
@@ -35,7 +37,8 @@ def llama_factory() -> str:
         ("70B", "Llama-3.1-70B", 1200, 160),
     ]
     out = [
-        "| size | rlctl model | LLaMA-Factory full (AMP) | rlctl full: states / peak | LLaMA-Factory LoRA | rlctl LoRA r16: states / peak |",
+        "| size | rlctl model | LLaMA-Factory full (AMP) | rlctl full: states / peak | LLaMA-Factory LoRA "
+        "| rlctl LoRA r16: states / peak |",
         "|---|---|---|---|---|---|",
     ]
     for size, name, full_gb, lora_gb in rows:
@@ -148,7 +151,8 @@ def _phase_table(phases: dict) -> list[str]:
 
 
 def example() -> str:
-    """The plan, per-GPU and per-node host memory of `rlctl estimate memory --model Qwen2.5-7B --method grpo --gpus 8`."""
+    """The plan, per-GPU and per-node host memory of
+    `rlctl estimate memory --model Qwen2.5-7B --method grpo --gpus 8`."""
     from rlctl.config import build_config
     from rlctl.plan import LocalEnv, resolve_plan
     from rlctl.presets import method_layers
@@ -177,13 +181,14 @@ def markdown() -> str:
             example(),
             "#### LLaMA-Factory (SFT, whole job on one GPU; rlctl at 1024 tokens, micro batch 1, checkpointing on)",
             llama_factory(),
-            "#### torchtune (SFT, batch 2 x 2048 tokens, activation checkpointing; rlctl LoRA on q, v, o like torchtune's default)",
+            "#### torchtune (SFT, batch 2 x 2048 tokens, activation checkpointing; rlctl LoRA on q, v, o "
+            "like torchtune's default)",
             torchtune(),
             "#### DeepSpeed ZeRO-3 model states (per GPU)",
             deepspeed_zero3(),
             (
-                "#### verl minimum GPUs for GRPO (rlctl: prompt 512 + response 1024, n 8, 32 prompts per step, 5% margin, "
-                "host memory of the GPU type's node)"
+                "#### verl minimum GPUs for GRPO (rlctl: prompt 512 + response 1024, n 8, 32 prompts per step, "
+                "5% margin, host memory of the GPU type's node)"
             ),
             verl_min_gpus(),
             f"GPU memory as torch reports it: {gpus}.",

@@ -1,0 +1,154 @@
+"""The assumptions behind an estimate, in words, so they can be checked and changed."""
+
+from __future__ import annotations
+
+from rlctl.catalog import layer_params as largest_layer_params
+from rlctl.catalog.spec import GpuSpec, ModelSpec
+from rlctl.estimate.result import MemoryEstimate
+from rlctl.estimate.settings import (
+    CHECKPOINT_BYTES,
+    CUDA_CONTEXT_BYTES,
+    ENGINE_BATCHED_TOKENS,
+    ENGINE_GRAPH_BYTES,
+    GIB,
+    HOST_MARGIN_FRACTION,
+    HOST_PROCESS_BYTES,
+    LOGIT_EXTRA_BYTES,
+    MemorySettings,
+)
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.1f} GiB"
+
+
+def assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEstimate) -> list[str]:
+    """The choices behind the numbers, in words, so they can be checked and changed."""
+    cb = s.compute_bytes
+    out = []
+    if s.is_rl:
+        out.append(
+            f"sequence length {s.seq_len} tokens (prompt {s.prompt_len} + response {s.response_len}), "
+            f"micro batch {s.micro_batch}: {s.tokens_per_micro_batch} tokens per forward"
+        )
+    else:
+        out.append(
+            f"sequence length {s.seq_len} tokens, micro batch {s.micro_batch}: "
+            f"{s.tokens_per_micro_batch} tokens per forward (packed)"
+        )
+    what = (
+        f"LoRA rank {s.lora_rank} on {s.lora_targets} ({est.trainable_params:,} adapter parameters), "
+        f"frozen base in {s.dtype}"
+        if s.lora_rank
+        else "full fine-tuning"
+    )
+    if s.backend == "fsdp":
+        states = "fp32 master weights, fp32 gradients and AdamW m, v" if not s.lora_rank else "the adapters' states"
+        out.append(f"{what}; FSDP2 full shard over {s.gpus} GPUs: {states} divided by {s.gpus}")
+        out.append(
+            f"FSDP gathers two decoder layers ({largest_layer_params(model):,} parameters each) and keeps the "
+            f"output head gathered through the backward, in {s.dtype}"
+        )
+    else:
+        out.append(
+            f"{what}; Megatron tp {s.tp} x pp {s.pp} x dp {s.dp}"
+            + (f", ep {s.ep}" if s.ep > 1 else "")
+            + f": {s.dtype} weights and fp32 gradients per shard, fp32 master and AdamW m, v divided by dp "
+            "(distributed optimizer)"
+        )
+        if s.pp > 1:
+            out.append(
+                f"pipeline 1F1B: stage i keeps pp - i micro batches of activations; the busiest stage is reported "
+                f"({est.phases['training'].note})"
+            )
+    if model.is_moe:
+        out.append(
+            f"MoE: all {model.num_experts} experts count for weights and optimizer states; activations follow the "
+            f"{model.experts_per_token} routed experts a token uses (balanced routing assumed)"
+        )
+    if s.cpu_offload:
+        out.append(
+            "FSDP2 CPU offload: sharded weights, gradients and AdamW states live on the CPU (weights and gradients "
+            "pinned), the optimizer steps there; only the gathered layers and activations use the GPU"
+        )
+    if s.megatron_optimizer_offload:
+        out.append(
+            "Megatron optimizer CPU offload (megatron-core optimizer_cpu_offload, fraction 1.0, precision-aware "
+            "optimizer): fp32 master weights, gradient copies and AdamW states on the CPU, the optimizer steps "
+            "there; the GPU keeps the bf16 weights and the fp32 gradient buffer"
+        )
+    if s.backend == "megatron" and s.offload_params and s.is_rl:
+        out.append(
+            "Megatron weight offload between phases: the weights and the gradient buffer wait on the CPU while the "
+            "engine generates and return for the update"
+        )
+    ckpt = "on: each layer keeps its input, one layer at a time is recomputed" if s.activation_checkpointing else "off"
+    out.append(f"activation checkpointing {ckpt}; attention by FlashAttention/SDPA kernels (no s x s scores stored)")
+    out.append(
+        f"logits: {s.dtype} output + fp32 copy + fp32 log-softmax ({cb + LOGIT_EXTRA_BYTES} bytes per token per "
+        f"vocabulary entry)"
+    )
+    if s.is_rl:
+        if s.kl and s.lora_rank:
+            out.append("reference model: the base with the adapters disabled (no second copy)")
+        elif s.kl:
+            out.append(
+                f"reference model: {s.dtype} weights sharded like the policy"
+                + (", on the CPU" if s.idle_weights_offloaded else "")
+            )
+        if s.has_critic:
+            out.append(
+                "critic: the policy's body with a value head, trained after the actor (its own activations are "
+                "smaller: no vocabulary logits); idle, it keeps its weights and optimizer states unless offloaded"
+            )
+        out.append(
+            "the rollout engine sleeps while the trainer updates (weights to CPU, KV cache freed, "
+            "as verl's colocated engines)"
+        )
+        kept = [
+            name
+            for name, off in (("weights", s.idle_weights_offloaded), ("optimizer states", s.idle_optimizer_offloaded))
+            if not off
+        ]
+        freed = "gradients freed" if s.backend == "fsdp" else "gradient buffer kept unless params are offloaded"
+        out.append(f"during rollout the trainer keeps its {' and '.join(kept) or 'nothing'} on the GPU ({freed})")
+        if s.rollout == "hf" or s.device == "cpu":
+            out.append(
+                f"{s.rollout} engine: KV cache sized for its share of the batch "
+                f"({s.rollout_batch} prompts x {s.rollout_n})"
+            )
+        else:
+            frac = f"{s.mem_fraction:.2f} x {_gib(gpu.memory_bytes)}"
+            cover = (
+                "weights, activations and KV cache"
+                if s.rollout == "vllm"
+                else "weights and KV pool (activations on top)"
+            )
+            out.append(
+                f"{s.rollout} (tp {s.rollout_tp}): memory fraction {frac} covers its {cover}; "
+                f"CUDA graphs {_gib(ENGINE_GRAPH_BYTES)} on top; {ENGINE_BATCHED_TOKENS} tokens per engine step"
+            )
+    if s.device == "cuda":
+        out.append(f"CUDA context, cuBLAS workspaces and NCCL buffers: {_gib(CUDA_CONTEXT_BYTES)} per GPU")
+        k = s.gpus_per_node
+        if s.host_memory_bytes:
+            where = "as given"
+        elif gpu.host_memory_bytes:
+            where = f"a {gpu.name} node's {_gib(gpu.host_memory_bytes)}" + (
+                f" shared by {gpu.gpus_per_node} GPUs, {k} used" if k != gpu.gpus_per_node else ""
+            )
+        else:
+            where = "unknown for this GPU type: not checked"
+        out.append(
+            f"host memory per node: {_gib(est.host_memory_bytes)} ({where}); {HOST_MARGIN_FRACTION:.0%} kept for the "
+            f"system; {_gib(HOST_PROCESS_BYTES)} per GPU process; pinned offloaded tensors rounded up to powers of two "
+            "(torch's caching host allocator)"
+        )
+        if s.backend == "fsdp":
+            out.append(
+                f"loading: FSDP's rank 0 reads the whole checkpoint into host memory ({CHECKPOINT_BYTES} bytes per "
+                "parameter) and scatters it to the other ranks"
+            )
+        if s.is_rl and s.rollout == "vllm":
+            out.append("vLLM sleeps at level 1 while the trainer updates: its weights wait in host memory")
+    return out

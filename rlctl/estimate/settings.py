@@ -1,0 +1,165 @@
+"""What a job is, for its memory estimate: :class:`MemorySettings` and the constants of the model.
+
+No torch import: the CLI estimates in milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
+
+from rlctl.catalog import pipeline_split
+from rlctl.catalog.spec import ModelSpec
+from rlctl.errors import UserError
+
+GIB = 2**30
+CUDA_CONTEXT_BYTES = 3 * GIB // 2  # CUDA context, cuBLAS workspaces, NCCL buffers, allocator slack
+ENGINE_GRAPH_BYTES = GIB // 2  # CUDA graphs captured by vLLM / SGLang
+ENGINE_BATCHED_TOKENS = 8192  # tokens per engine forward (vLLM's max_num_batched_tokens as verl sets it)
+ENGINE_MAX_SEQS = 256  # sequences per engine step (vLLM's max_num_seqs default): the sampler's logits
+ADAM_STATE_BYTES = 8  # AdamW m and v in fp32
+LOGIT_EXTRA_BYTES = 8  # per logit beyond the compute-dtype output: an fp32 copy and its log-softmax/grad
+HOST_PROCESS_BYTES = 4 * GIB  # host memory of one GPU process: Python, torch/CUDA/NCCL host allocations, data
+HOST_MARGIN_FRACTION = 0.10  # host memory kept free: the OS, page cache, allocator slack
+CHECKPOINT_BYTES = 2  # bytes per parameter of the HF checkpoint (bf16) that FSDP's rank 0 loads whole
+
+METHODS = ("sft", "grpo", "ppo")
+BACKENDS = ("fsdp", "megatron")
+ENGINES = ("hf", "vllm", "sglang")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def check_keys(what: str, d: object, keys: Iterable[str]) -> dict:
+    """``d`` as a dict with exactly ``keys``, else a one-line UserError naming the first odd key."""
+    if not isinstance(d, dict):
+        raise UserError(f"{what}: expected a JSON object, got {type(d).__name__}")
+    keys = list(keys)
+    unknown = [k for k in d if k not in keys]
+    missing = [k for k in keys if k not in d]
+    if unknown or missing:
+        problem = f"unknown key {unknown[0]!r}" if unknown else f"missing key {missing[0]!r}"
+        raise UserError(f"{what}: {problem}; it was written by another rlctl version: plan it again with this one")
+    return d
+
+
+@dataclass
+class MemorySettings:
+    """Everything about a job that changes its memory (sizes are per the whole job unless noted)."""
+
+    method: str = "grpo"  # sft | grpo | ppo
+    gpus: int = 1  # devices in total (processes on CPU)
+    nodes: int = 1
+    device: str = "cuda"  # cuda | cpu (cpu: no CUDA context, engines size the KV cache for the batch)
+    dtype: str = "bf16"  # compute dtype: bf16 | fp16 | fp32
+    lora_rank: int = 0  # 0 = full fine-tuning
+    lora_targets: str = "all-linear"
+    prompt_len: int = 512  # RL: longest prompt
+    response_len: int = 1024  # RL: longest response
+    max_len: int = 2048  # SFT: sequence length
+    micro_batch: int = 1  # sequences per GPU per forward
+    rollout_n: int = 8  # samples per prompt
+    rollout_batch: int = 32  # prompts per step (sizes the HF engine's batch and the KV target)
+    activation_checkpointing: bool = True
+    offload_params: bool = False
+    offload_optimizer: bool = False
+    host_memory_bytes: int = 0  # host memory of one node for the job; 0 = the GPU type's node, shared by the GPUs used
+    backend: str = "fsdp"  # fsdp | megatron
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    rollout: str | None = "vllm"  # hf | vllm | sglang (ignored for sft)
+    rollout_tp: int = 1
+    mem_fraction: float = 0.5  # vLLM gpu_memory_utilization / SGLang mem_fraction_static
+    kl: bool = True  # a reference model is kept (RL with a KL term)
+    critic: bool | None = None  # None = PPO has one
+    optimizer: str = "adamw"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MemorySettings:
+        """The inverse of :meth:`to_dict`; an unknown or missing key is a UserError."""
+        return cls(**check_keys("memory settings", d, [f.name for f in fields(cls)]))
+
+    @property
+    def is_rl(self) -> bool:
+        return self.method != "sft"
+
+    @property
+    def has_critic(self) -> bool:
+        return self.method == "ppo" if self.critic is None else self.critic
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens of one training sequence."""
+        return self.prompt_len + self.response_len if self.is_rl else self.max_len
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.micro_batch * self.seq_len // self.cp
+
+    @property
+    def cpu_offload(self) -> bool:
+        """FSDP2 CPU offload: sharded weights, gradients and optimizer states live on the CPU."""
+        return self.device == "cuda" and self.backend == "fsdp" and (self.offload_params or self.offload_optimizer)
+
+    @property
+    def megatron_optimizer_offload(self) -> bool:
+        """megatron-core's ``optimizer_cpu_offload``: fp32 master, gradient copy and AdamW states on the CPU."""
+        return self.device == "cuda" and self.backend == "megatron" and self.offload_optimizer
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.gpus // self.nodes
+
+    @property
+    def idle_weights_offloaded(self) -> bool:
+        """Weights (trainer, reference, critic) are off the GPU while their model is idle."""
+        return self.cpu_offload or (self.backend == "megatron" and self.offload_params)
+
+    @property
+    def idle_optimizer_offloaded(self) -> bool:
+        return self.cpu_offload or (self.backend == "megatron" and self.offload_optimizer)
+
+    @property
+    def compute_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    def check(self, spec: ModelSpec) -> None:
+        """Reject impossible settings with a one-line UserError."""
+        choices = {"method": METHODS, "backend": BACKENDS, "dtype": tuple(DTYPE_BYTES), "device": ("cuda", "cpu")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise UserError(f"{key}={getattr(self, key)!r} is not one of {', '.join(allowed)}")
+        if self.is_rl and self.rollout not in ENGINES:
+            raise UserError(f"rollout={self.rollout!r} is not one of {', '.join(ENGINES)}")
+        if self.optimizer != "adamw":
+            raise UserError(f"optimizer={self.optimizer!r}: the estimator models AdamW only")
+        for key in ("gpus", "nodes", "micro_batch", "tp", "pp", "cp", "ep", "rollout_tp", "rollout_n", "rollout_batch"):
+            if getattr(self, key) < 1:
+                raise UserError(f"{key} must be at least 1, got {getattr(self, key)}")
+        if self.gpus % self.nodes:
+            raise UserError(f"{self.gpus} GPUs do not split evenly over {self.nodes} nodes")
+        if self.host_memory_bytes < 0:
+            raise UserError(
+                f"host_memory_bytes must be positive (0 = the GPU type's typical node), got {self.host_memory_bytes}"
+            )
+        if self.gpus % (self.tp * self.pp * self.cp):
+            raise UserError(f"{self.gpus} GPUs do not split into tp {self.tp} x pp {self.pp} x cp {self.cp}")
+        if self.backend == "fsdp" and (self.tp, self.pp, self.ep) != (1, 1, 1):
+            raise UserError("the fsdp backend shards over every GPU: tp, pp and ep must be 1 (use megatron)")
+        if self.pp > 1 and pipeline_split(spec.num_layers, self.pp) is None:
+            raise UserError(f"pp {self.pp} cannot split {spec.num_layers} layers")
+        if self.ep > 1 and (not spec.is_moe or spec.num_experts % self.ep or (self.gpus // self.pp) % self.ep):
+            raise UserError(f"ep {self.ep} must divide the experts ({spec.num_experts}) and the GPUs per stage")
+        if self.is_rl and self.gpus % self.rollout_tp:
+            raise UserError(f"rollout tp {self.rollout_tp} must divide the {self.gpus} GPUs")
+        if self.is_rl and self.rollout != "hf" and self.device == "cuda" and not 0 < self.mem_fraction < 1:
+            raise UserError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")

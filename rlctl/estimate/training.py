@@ -1,0 +1,204 @@
+"""The training phase: which parameters and layers one GPU holds, its model states, the unsharded
+FSDP buffers, activations, logits, and the critic. Formulas and sources: docs/estimate.md."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from rlctl.catalog import count_params as _count_params
+from rlctl.catalog import layer_params as largest_layer_params
+from rlctl.catalog import pipeline_split
+from rlctl.catalog.count import embedding_params, lm_head_params
+from rlctl.catalog.spec import ModelSpec
+from rlctl.estimate.inventory import (
+    LayerParams,
+    Tensor,
+    expert_params,
+    layer_kinds,
+    lora_params,
+    tensors,
+)
+from rlctl.estimate.settings import ADAM_STATE_BYTES, LOGIT_EXTRA_BYTES, MemorySettings
+
+
+@lru_cache(maxsize=64)
+def count_params(spec: ModelSpec) -> int:
+    """The catalog's exact count, memoised (the planner estimates many layouts of one model)."""
+    return _count_params(spec)
+
+
+@dataclass
+class Stage:
+    """What one GPU holds: the busiest GPU of a pipeline stage (FSDP: every GPU)."""
+
+    label: str
+    layers: list[tuple[LayerParams, int]]  # (layer shape, how many)
+    dense_params: int  # non-expert parameters of the stage, whole (before TP / sharding)
+    expert_params: int  # routed experts of the stage, whole
+    adapter_params: int  # LoRA adapters of the stage, whole
+    has_head: bool  # computes the logits and the loss
+    in_flight: int  # micro batches whose activations are alive at once (1F1B: pp - stage index)
+    tensors: list[Tensor]  # its parameter tensors, whole (before TP / sharding)
+
+
+def job_stages(spec: ModelSpec, s: MemorySettings) -> list[Stage]:
+    """The stages worth evaluating: FSDP's one; for a pipeline the first, second and last."""
+    rank, targets = s.lora_rank, s.lora_targets
+    if s.backend == "fsdp":
+        experts = expert_params(spec)
+        return [
+            Stage(
+                "every GPU",
+                layer_kinds(spec),
+                count_params(spec) - experts,
+                experts,
+                lora_params(spec, rank, targets),
+                True,
+                1,
+                tensors(spec),
+            )
+        ]
+    split = pipeline_split(spec.num_layers, s.pp)
+    assert split is not None
+    out = []
+    for i in sorted({0, min(1, s.pp - 1), s.pp - 1}):
+        start = sum(split[:i])
+        kinds = layer_kinds(spec, start, start + split[i])
+        dense = sum((layer.total - layer.experts) * n for layer, n in kinds)
+        if i == 0:
+            dense += embedding_params(spec)
+        if i == s.pp - 1:  # final norm + output head (a tied head is a second copy once pp > 1)
+            dense += spec.hidden_size + (lm_head_params(spec) if s.pp == 1 else spec.vocab_size * spec.hidden_size)
+        label = f"pipeline stage {i} of {s.pp} ({split[i]} layers)" if s.pp > 1 else "every GPU"
+        last = i == s.pp - 1
+        parts = tensors(spec, start, start + split[i], embedding=i == 0, head=last)
+        if last and s.pp > 1 and spec.tie_embeddings:
+            parts.append(Tensor(spec.vocab_size, spec.hidden_size, 1, "tp"))  # the tied head's copy
+        out.append(
+            Stage(
+                label,
+                kinds,
+                dense,
+                sum(layer.experts * n for layer, n in kinds),
+                lora_params(spec, rank, targets, start, start + split[i]),
+                last,
+                s.pp - i,
+                parts,
+            )
+        )
+    return out
+
+
+def model_states(spec: ModelSpec, s: MemorySettings, stage: Stage) -> dict[str, int]:
+    """Weights, gradients and AdamW states one GPU holds for the policy (or any trained model).
+
+    FSDP2 full shard over N GPUs: fp32 master weights 4, fp32 gradients 4, Adam m+v 8 bytes per
+    parameter, all divided by N (the compute-dtype copy of a layer exists only while gathered).
+    Megatron with the distributed optimizer: compute-dtype weights and fp32 gradients on every
+    data-parallel rank of a (tp, pp, ep) shard, fp32 master + m + v divided by the DP size.
+    LoRA: the frozen base in the compute dtype, and the adapters' full states.
+    """
+    cb = s.compute_bytes
+    master = 0 if cb == 4 else 4  # fp32 training keeps no separate master copy
+    if s.backend == "fsdp":
+        n = s.gpus
+        if s.lora_rank:
+            return {
+                "weights": math.ceil((cb * (stage.dense_params + stage.expert_params) + 4 * stage.adapter_params) / n),
+                "gradients": math.ceil(4 * stage.adapter_params / n),
+                "optimizer_states": math.ceil(ADAM_STATE_BYTES * stage.adapter_params / n),
+            }
+        params = stage.dense_params + stage.expert_params
+        return {
+            "weights": math.ceil(4 * params / n),
+            "gradients": math.ceil(4 * params / n),
+            "optimizer_states": math.ceil(ADAM_STATE_BYTES * params / n),
+        }
+    dense = math.ceil(stage.dense_params / s.tp)
+    experts = math.ceil(stage.expert_params / s.ep)
+    edp = s.gpus // (s.pp * s.ep)  # expert data parallel (expert tensor parallel = 1)
+    if s.lora_rank:
+        adapters = math.ceil(stage.adapter_params / s.tp)
+        return {
+            "weights": cb * (dense + experts + adapters),
+            "gradients": 4 * adapters,
+            "optimizer_states": math.ceil((master + ADAM_STATE_BYTES) * adapters / s.dp),
+        }
+    return {
+        "weights": cb * (dense + experts),
+        "gradients": 4 * (dense + experts),
+        "optimizer_states": math.ceil((master + ADAM_STATE_BYTES) * dense / s.dp)
+        + math.ceil((master + ADAM_STATE_BYTES) * experts / edp),
+    }
+
+
+def fsdp_buffers(spec: ModelSpec, s: MemorySettings) -> int:
+    """Unsharded FSDP2 buffers: the layer being computed and the prefetched next one, gathered
+    in the compute dtype, plus the output head (the root unit stays gathered from the forward to
+    the end of the backward); full fine-tuning adds their unsharded gradients before the
+    reduce-scatter (one layer and the head)."""
+    cb = s.compute_bytes
+    layer, head = largest_layer_params(spec), spec.vocab_size * spec.hidden_size
+    gathered = cb * (2 * layer + head)
+    grads = 0 if s.lora_rank else cb * (layer + head)
+    return gathered + grads
+
+
+def layer_activation_values(spec: ModelSpec, layer: LayerParams) -> tuple[int, int]:
+    """Values stored per token for one layer's backward: (outside TP regions, inside TP regions).
+
+    Korthikanti et al. (2022) count ``34 s b h`` bytes per layer in bf16: 10 outside the tensor-
+    parallel regions (two layernorm inputs 4, the attention and MLP inputs 2 + 2, two dropout masks
+    2) and 24 inside (Q, K, V 6, attention output 2, the 4h MLP 16). For today's models: no dropout,
+    FlashAttention (no ``5 a s / h`` score matrix), grouped-query K and V, a gated MLP of width f that
+    keeps its gate, up, activation and product (4f values instead of 2 x 4h), MLA's latents, and
+    for MoE the k routed copies of each token with their expert activations plus the router logits.
+    """
+    h = spec.hidden_size
+    outside = (4 if spec.arch == "gemma2" else 2) * h + 2 * h  # norm inputs + attention/MLP inputs
+    if spec.uses_mla:
+        qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+        outside += 2 * spec.q_lora_rank + 2 * spec.kv_lora_rank + spec.qk_rope_head_dim
+        inside = spec.num_heads * (2 * qk + 2 * spec.v_head_dim)
+    else:
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        inside = 2 * q + 2 * kv  # Q, K, V and the attention output
+    inside += 4 * sum(lin.fan_out for lin in layer.mlp if lin.name.endswith("up_proj"))
+    if layer.is_moe:
+        f = spec.expert_intermediate_size
+        outside += spec.experts_per_token * (h + 4 * f) + 2 * spec.num_experts  # routed tokens, fp32 router logits
+    return outside, inside
+
+
+def activation_bytes(spec: ModelSpec, s: MemorySettings, stage: Stage) -> int:
+    """Activations alive on one GPU for its micro batches in flight.
+
+    Without checkpointing every layer keeps all its values; with full activation checkpointing a
+    layer keeps only its input (``2 s b h`` in bf16) and one layer at a time is recomputed with its
+    full activations. Tensor parallelism divides the inside values by t; sequence parallelism
+    divides the outside ones too (and the kept inputs). Context parallelism divides the tokens.
+    """
+    tokens, cb = s.tokens_per_micro_batch, s.compute_bytes
+    sp = s.tp if s.sequence_parallel else 1
+
+    def full(layer: LayerParams) -> int:
+        outside, inside = layer_activation_values(spec, layer)
+        return cb * tokens * math.ceil(outside / sp + inside / s.tp)
+
+    if not s.activation_checkpointing:
+        return stage.in_flight * sum(full(layer) * n for layer, n in stage.layers)
+    kept = cb * tokens * math.ceil(spec.hidden_size / sp) * sum(n for _, n in stage.layers)
+    return stage.in_flight * kept + max(full(layer) for layer, _ in stage.layers)
+
+
+def logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
+    """``b s V`` logits of the micro batch: the compute-dtype output, an fp32 copy for the loss,
+    and the fp32 log-softmax (reused for its gradient); vocabulary-parallel under TP."""
+    return s.tokens_per_micro_batch * math.ceil(spec.vocab_size / s.tp) * (s.compute_bytes + LOGIT_EXTRA_BYTES)
+
+
+def critic_params(spec: ModelSpec) -> int:
+    """A critic is the policy's body with a scalar value head instead of the output head."""
+    return count_params(spec) - lm_head_params(spec) + spec.hidden_size + 1

@@ -1,0 +1,277 @@
+"""The search over options: backend and offload, parallel layout, rollout TP; the first whose estimate
+fits with the margin wins. Then checkpointing and the micro batch are relaxed while the update fits
+comfortably. See :mod:`rlctl.plan.planner` for the order."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from rlctl.config import tri_state
+from rlctl.estimate.memory import GIB, MemoryEstimate, MemorySettings, estimate_memory
+from rlctl.plan import rules
+from rlctl.plan.inputs import Job, settings_for
+from rlctl.plan.types import Plan
+
+
+def _auto_fraction(job: Job, est: MemoryEstimate) -> float:
+    """The engine's memory fraction: what the trainer and the overheads leave, minus a margin."""
+    r = rules.tiers()["rollout"]
+    parts = est.phases["rollout"].components
+    covered = {"engine_weights", "kv_cache"} | ({"engine_activations"} if est.settings.rollout == "vllm" else set())
+    others = sum(v for k, v in parts.items() if k not in covered)
+    room = (job.memory * (1 - rules.tiers()["memory"]["margin_fraction"]) - others) / job.memory
+    step = r["fraction_step"]
+    return round(max(step, min(r["max_mem_fraction"], math.floor(room / step + 1e-9) * step)), 4)
+
+
+def gpu_margin_ok(est: MemoryEstimate) -> bool:
+    """The GPUs hold the job with the safety margin (estimates are not exact; allocators fragment)."""
+    margin = rules.tiers()["memory"]["margin_fraction"]
+    return est.engine_starts and est.peak_bytes <= est.gpu_memory_bytes * (1 - margin)
+
+
+def margin_ok(est: MemoryEstimate) -> bool:
+    """Fits, host memory included, with the GPU safety margin."""
+    return est.fits and gpu_margin_ok(est)
+
+
+def kv_target(s: MemorySettings) -> int:
+    """Sequences a useful KV cache holds at once: an engine's share of the batch, capped."""
+    share = math.ceil(s.rollout_batch * s.rollout_n / (s.gpus // s.rollout_tp))
+    return min(share, rules.tiers()["rollout"]["kv_target_sequences"])
+
+
+def kv_ok(est: MemoryEstimate) -> bool:
+    return not est.settings.is_rl or est.kv_cache_sequences >= kv_target(est.settings)
+
+
+def good_fit(plan: Plan) -> bool:
+    """Fits with the safety margin and (RL) a KV cache that holds an engine's share of the batch:
+    the bar `--what-to-rent` and "what would fit" use."""
+    return margin_ok(plan.estimate) and kv_ok(plan.estimate)
+
+
+def _comfortable(est: MemoryEstimate) -> bool:
+    """The update leaves enough room to trade memory for speed (no checkpointing, larger batches)."""
+    margin = rules.tiers()["memory"]["comfort_fraction"]
+    return est.phases["training"].total_bytes <= est.gpu_memory_bytes * (1 - margin)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to run the update: a backend and what it offloads."""
+
+    backend: str
+    offload_params: bool = False
+    offload_optimizer: bool = False
+
+    @property
+    def offloads(self) -> bool:
+        return self.offload_params or self.offload_optimizer
+
+    @property
+    def cost(self) -> int:
+        """Preference rank: no offload, then Megatron's optimizer offload, then FSDP2 offloading every
+        state (the CPU steps the whole optimizer)."""
+        if not self.offloads:
+            return 0
+        if self.backend == "fsdp":
+            return 3
+        return 1 + (self.offload_params and self.offload_optimizer)
+
+    @property
+    def label(self) -> str:
+        if self.backend == "fsdp":
+            return "fsdp with CPU offload" if self.offloads else "fsdp"
+        parts = ["optimizer CPU offload"] if self.offload_optimizer else []
+        parts += ["weights offloaded during rollout"] if self.offload_params else []
+        return "megatron" + (" with " + " and ".join(parts) if parts else "")
+
+
+@dataclass
+class Rejected:
+    option: Option
+    closest: MemoryEstimate  # its attempt nearest to a good fit
+    layouts: int  # layouts tried
+
+
+@dataclass
+class SearchResult:
+    est: MemoryEstimate
+    option: Option
+    kv_short: bool = False  # fits, but the KV cache holds less than an engine's share of the batch
+    rejected: list[Rejected] = field(default_factory=list)  # options tried before the winner (all when none fits)
+
+
+def _offload_levels(job: Job, backend: str) -> list[tuple[bool, bool]]:
+    """(offload_params, offload_optimizer) pairs to try, least offload first.
+
+    FSDP2 offloads all sharded states at once (either flag); Megatron offloads its optimizer
+    (megatron-core's ``optimizer_cpu_offload``). The Megatron engine does not move its weights off
+    the GPU between RL phases yet, so that level is not planned (FSDP2 with offload comes next).
+    CPU runs have nothing to offload. Flags set in the config are kept.
+    """
+    user_p, user_o = tri_state(job.cfg.parallel.offload_params), tri_state(job.cfg.parallel.offload_optimizer)
+    if job.device == "cpu":
+        return [(False, False)]
+    if backend == "fsdp":
+        levels = [(False, False), (True, True)]
+    else:
+        levels = [(False, False), (False, True)]
+    if user_p is not None or user_o is not None:
+        levels = [(p, o) for p, o in levels if user_p in (None, p) and user_o in (None, o)] or [
+            (bool(user_p), bool(user_o))
+        ]
+    return levels
+
+
+def options_for(job: Job, tier: str) -> list[Option]:
+    """The (backend, offload) options in order of preference.
+
+    A Megatron-tier model tries Megatron, then FSDP2, each without offload, then Megatron with its
+    optimizer on the CPU, then FSDP2 with CPU offload. A
+    backend set in the config, or Megatron-only sizes (tp, pp, ep > 1), keep to that backend.
+    """
+    p = job.cfg.parallel
+    if p.backend != "auto":
+        backends = [p.backend]
+    elif tier == "megatron" and job.device == "cuda" and max(p.tp, p.pp, p.ep) <= 1:
+        backends = ["megatron", "fsdp"]
+    else:
+        backends = [tier]
+    options = [Option(b, *level) for b in backends for level in _offload_levels(job, b)]
+    return sorted(options, key=lambda o: o.cost)  # stable: Megatron before FSDP2 at the same cost
+
+
+def _layouts(job: Job, backend: str) -> list[tuple[int, int, int]]:
+    p = job.cfg.parallel
+    if backend == "fsdp":
+        return [(1, 1, 1)]
+    return rules.megatron_layouts(job.spec, world=job.world, per_node=job.nproc, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp)
+
+
+def _rollout_tps(job: Job) -> list[int]:
+    if not job.is_rl:
+        return [1]
+    if job.cfg.rollout.tp:
+        return [job.cfg.rollout.tp]
+    if job.engine == "hf" or job.device == "cpu":
+        return [1]
+    return rules.rollout_tps(job.spec, job.world)
+
+
+def _shortfall(est: MemoryEstimate) -> tuple[float, float, float]:
+    """How far an estimate is from a good fit, for ordering attempts: first the memory overflow
+    (GPU with the margin, or host; 1 when both fit), then the KV cache's shortfall, then how full."""
+    margin = rules.tiers()["memory"]["margin_fraction"]
+    full = est.peak_bytes / (est.gpu_memory_bytes * (1 - margin))
+    if est.host_memory_bytes:
+        full = max(full, est.host_bytes / est.host_limit_bytes)
+    kv = kv_target(est.settings) / max(est.kv_cache_sequences, 0.5) if est.settings.is_rl else 0.0
+    return max(full, 1.0), kv, full
+
+
+def search(job: Job, options: list[Option]) -> SearchResult:
+    """The preferred (option, layout, rollout TP) whose estimate fits with the margin.
+
+    Preference: rollout TP inside a node before any offload, offload before a rollout TP that
+    spans nodes; then the option order (:func:`_options`), the layout order, the smaller rollout
+    TP. A combination whose KV cache is short of an engine's share of the batch, or that fits only
+    without the margin, is kept as a fallback. Every option before the winner is reported with the
+    attempt that came closest.
+    """
+    p = job.cfg.parallel
+    ckpt = tri_state(p.activation_checkpointing)
+    sp_user = tri_state(p.sequence_parallel)
+    auto_fraction = job.is_rl and not job.cfg.rollout.mem_fraction and job.engine != "hf" and job.device == "cuda"
+    tps = _rollout_tps(job)
+    inside, across = [t for t in tps if t <= job.nproc], [t for t in tps if t > job.nproc]
+    layouts = {o.backend: _layouts(job, o.backend) for o in options}
+    # rollout TP inside a node: option, then layout, then TP; across nodes: TP first
+    order = [(o, lay, t) for o in options for lay in layouts[o.backend] for t in inside]
+    order += [(o, lay, t) for t in across for o in options for lay in layouts[o.backend]]
+    fallback: SearchResult | None = None
+    closest: dict[Option, MemoryEstimate] = {}
+    tried: dict[Option, set] = {}
+    update_fits: dict[tuple, bool] = {}
+    for option, (tp, pp, ep), rollout_tp in order:
+        key = (option, tp, pp, ep)
+        if update_fits.get(key) is False:
+            continue  # the update does not depend on the rollout TP
+        megatron = option.backend == "megatron"
+        sp = (megatron and tp > 1) if sp_user is None else (sp_user and megatron)
+        s = settings_for(
+            job,
+            backend=option.backend,
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            sequence_parallel=sp,
+            rollout_tp=rollout_tp,
+            micro_batch=job.cfg.train.micro_batch_size or 1,
+            activation_checkpointing=True if ckpt is None else ckpt,
+            offload_params=option.offload_params,
+            offload_optimizer=option.offload_optimizer,
+        )
+        est = estimate_memory(job.spec, job.gpu, s)
+        update_fits[key] = est.phases["training"].total_bytes <= job.memory
+        if update_fits[key] and auto_fraction:
+            est = estimate_memory(job.spec, job.gpu, replace(s, mem_fraction=_auto_fraction(job, est)))
+        if option not in closest or _shortfall(est) < _shortfall(closest[option]):
+            closest[option] = est
+        tried.setdefault(option, set()).add((tp, pp, ep))
+        if not update_fits[key] or not est.fits:
+            continue
+        if not margin_ok(est):
+            fallback = fallback or SearchResult(est, option)
+        elif not kv_ok(est):
+            if fallback is None or not fallback.kv_short:
+                fallback = SearchResult(est, option, kv_short=True)
+        else:
+            before = options[: options.index(option)]
+            return SearchResult(
+                est, option, rejected=[Rejected(o, closest[o], len(tried[o])) for o in before if o in closest]
+            )
+    rejected = [Rejected(o, closest[o], len(tried[o])) for o in options if o in closest]
+    if fallback is not None:
+        fallback.rejected = rejected
+        return fallback
+    best = min(rejected, key=lambda r: _shortfall(r.closest))
+    return SearchResult(best.closest, best.option, rejected=rejected)
+
+
+def relax(job: Job, est: MemoryEstimate, reasons: list[str]) -> MemoryEstimate:
+    """Turn checkpointing off and raise the micro batch while the update fits comfortably."""
+    p, s = job.cfg.parallel, est.settings
+    margin = rules.tiers()["memory"]["comfort_fraction"]
+    limit = f"{(1 - margin) * job.memory / GIB:.1f} GiB"
+    if tri_state(p.activation_checkpointing) is None:
+        off = estimate_memory(job.spec, job.gpu, replace(s, activation_checkpointing=False))
+        need = off.phases["training"].total_bytes / GIB
+        if _comfortable(off):
+            s = off.settings
+            reasons.append(
+                f"activation checkpointing off: the update fits comfortably without it ({need:.1f} GiB <= {limit})"
+            )
+        else:
+            reasons.append(
+                f"activation checkpointing on: without it the update needs {need:.1f} GiB (comfortable: <= {limit})"
+            )
+    if not job.cfg.train.micro_batch_size:
+        mb = rules.tiers()["micro_batch"]
+        per_gpu = job.sequences_per_gpu(s.dp)
+        tokens = s.seq_len
+        chosen = 1
+        for c in mb["candidates"]:
+            if c > per_gpu or c * tokens > mb["max_tokens"] or c == 1:
+                continue
+            if _comfortable(estimate_memory(job.spec, job.gpu, replace(s, micro_batch=c))):
+                chosen = c
+                break
+        s = replace(s, micro_batch=chosen)
+        reasons.append(
+            f"micro batch {chosen}: the largest of {', '.join(map(str, mb['candidates']))} that fits comfortably, "
+            f"<= {per_gpu} sequences per GPU per step and <= {mb['max_tokens']} tokens ({tokens} per sequence)"
+        )
+    return estimate_memory(job.spec, job.gpu, s)
