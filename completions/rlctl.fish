@@ -111,11 +111,11 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l lora-targets -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l max-len -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l prompt-len -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l response-len -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l max-prompt-len -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l max-response-len -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l n -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l batch-size -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l micro-batch -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l micro-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gpu -x -a 'A100-40GB A100-80GB A10G B200 H100-80GB H100-PCIe-80GB H20-96GB H200-141GB L40S RTX-4090'
@@ -133,6 +133,9 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l what-to-rent
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l json
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l prompt-len -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l response-len -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l micro-batch -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l data -s d -r -F
