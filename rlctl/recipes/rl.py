@@ -62,7 +62,7 @@ from rlctl.algos import (
 from rlctl.config import RunConfig
 from rlctl.data.packing import StepSampler, pack_bins
 from rlctl.data.rl import Prompt, RLData, build_rl_data
-from rlctl.engines import build_engine
+from rlctl.engines import EngineSpec, build_engine
 from rlctl.engines.base import (
     LossFn,
     TrainEngine,
@@ -700,10 +700,11 @@ class RLTrainer:
         self.budget = token_budget(cfg, plan)
         self.temperature = cfg.rollout.temperature or 1.0
 
-        self.actor = build_engine(cfg, plan, role="actor", total_steps=optimizer_steps, source=self.source)
-        self.ref = build_engine(cfg, plan, role="ref", trainable=False, source=self.source) if a.kl_coef > 0 else None
+        spec = EngineSpec.from_config(cfg)
+        self.actor = build_engine(spec, cfg, role="actor", total_steps=optimizer_steps, source=self.source)
+        self.ref = build_engine(spec, cfg, role="ref", trainable=False, source=self.source) if a.kl_coef > 0 else None
         self.critic = (
-            build_engine(cfg, plan, role="critic", total_steps=optimizer_steps, lr=a.critic_lr, source=self.source)
+            build_engine(spec, cfg, role="critic", total_steps=optimizer_steps, lr=a.critic_lr, source=self.source)
             if with_critic
             else None
         )
