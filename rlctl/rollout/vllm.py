@@ -27,6 +27,7 @@ How the pieces map onto vLLM (checked against vLLM 0.32):
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -55,6 +56,32 @@ from rlctl.rollout.base import (
 )
 
 DEFAULT_CPU_KVCACHE_GIB = "1"
+
+
+class _KnownNoise(logging.Filter):
+    """Drops two vLLM warnings that report nothing wrong in this use of vLLM:
+
+    * "Chat template warmup failed" with a traceback, once per engine: ``LLM()`` warms up chat
+      rendering, which needs the tokenizer that ``skip_tokenizer_init`` leaves out (prompts arrive as
+      token ids; nothing here renders chat);
+    * "RotaryEmbedding: Failed to load weights" on every ``reload_weights``: vLLM's layer-wise reload
+      counts RoPE's cos/sin cache (a non-persistent buffer computed from the config, which no checkpoint
+      carries) as a weight of the layer, finds none for it and puts the existing cache back, which is
+      right. Every other layer's "Failed to load weights" still shows: it would mean a real missing weight.
+
+    (tests/rollout/test_rollout.py checks the logits after a sync against the HF model's.)
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (
+            message == "Chat template warmup failed" or message.endswith("RotaryEmbedding: Failed to load weights")
+        )
+
+
+for _name in ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise"):
+    if not any(isinstance(f, _KnownNoise) for f in logging.getLogger(_name).filters):
+        logging.getLogger(_name).addFilter(_KnownNoise())
 
 
 class NormalizeLogits(LogitsProcessor):
