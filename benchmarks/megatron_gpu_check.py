@@ -1,4 +1,4 @@
-"""GPU checks of the Megatron engine (rlctl/engines/megatron.py) that cannot run on CPU.
+"""GPU checks of the Megatron engine (rlctl/engines/megatron/) that cannot run on CPU.
 
     python benchmarks/megatron_gpu_check.py [--gpus N] [--out DIR]
 
@@ -87,24 +87,15 @@ def make_engine(
 ):
     from rlctl.config import RunConfig
     from rlctl.engines.megatron import build_engine
+    from rlctl.engines.spec import EngineSpec
 
     cfg = RunConfig(method="grpo")
     cfg.model.name, cfg.model.random_init = hf_dir, random_init
     cfg.train.lr, cfg.train.warmup_ratio, cfg.train.min_lr_ratio, cfg.train.grad_clip = lr, 0.0, 1.0, 1e9
     cfg.train.max_len = 128
     cfg.rollout.max_prompt_len = cfg.rollout.max_response_len = 32
-    plan = SimpleNamespace(
-        backend="megatron",
-        device="cuda",
-        dtype=dtype,
-        tp=tp,
-        pp=pp,
-        cp=1,
-        ep=1,
-        sequence_parallel=tp > 1,
-        activation_checkpointing=False,
-    )
-    return build_engine(cfg, plan, role="actor", trainable=trainable, total_steps=100)
+    spec = EngineSpec(backend="megatron", device="cuda", dtype=dtype, tp=tp, pp=pp, sequence_parallel=tp > 1)
+    return build_engine(spec, cfg, role="actor", trainable=trainable, total_steps=100)
 
 
 class Checks:

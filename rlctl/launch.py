@@ -91,8 +91,8 @@ def build_command(cfg: RunConfig, plan, run_dir: str | Path) -> list[str]:
 
 def job_env(plan, base: Mapping[str, str]) -> dict[str, str]:
     """The ranks' environment: ``base`` plus what the job needs before any CUDA call, such as the
-    Megatron engine's ``CUDA_DEVICE_MAX_CONNECTIONS`` (:func:`rlctl.engines.megatron_parallel.megatron_env`)."""
-    from rlctl.engines.megatron_parallel import megatron_env
+    Megatron engine's ``CUDA_DEVICE_MAX_CONNECTIONS`` (:func:`rlctl.engines.megatron.parallel.megatron_env`)."""
+    from rlctl.engines.megatron.parallel import megatron_env
 
     env = dict(base)
     if _plan_get(plan, "device", "cpu") == "cpu":
@@ -101,7 +101,14 @@ def job_env(plan, base: Mapping[str, str]) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     package_root = str(Path(__file__).resolve().parent.parent)  # so the ranks import this rlctl
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
-    env.update(megatron_env(plan))
+    env.update(
+        megatron_env(
+            backend=_plan_get(plan, "backend", "fsdp"),
+            device=_plan_get(plan, "device", "cuda"),
+            tp=int(_plan_get(plan, "tp", 1) or 1),
+            sequence_parallel=bool(_plan_get(plan, "sequence_parallel", False)),
+        )
+    )
     return env
 
 
@@ -242,6 +249,15 @@ def _cmdline(proc) -> list[str]:
         return []
 
 
+def _resolved(cfg: RunConfig, plan) -> RunConfig:
+    """``cfg`` with every "auto" the plan decides filled in (the ranks' engines read the resolved config)."""
+    from types import SimpleNamespace
+
+    from rlctl.plan import apply_plan
+
+    return apply_plan(cfg, SimpleNamespace(**plan) if isinstance(plan, dict) else plan)
+
+
 def launch_job(cfg: RunConfig, plan) -> int:
     """Run the job under torchrun on this node; return the exit status (0 ok, 130 interrupted)."""
     from rlctl.recipes.common import RunPaths
@@ -252,7 +268,7 @@ def launch_job(cfg: RunConfig, plan) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (paths.error, paths.summary):
         stale.unlink(missing_ok=True)
-    cfg = dataclasses.replace(cfg, output_dir=str(run_dir))
+    cfg = _resolved(dataclasses.replace(cfg, output_dir=str(run_dir)), plan)
     save_config(cfg, paths.config)
     paths.plan.write_text(json.dumps(plan_to_dict(plan), indent=2, default=str) + "\n")
 

@@ -1,27 +1,27 @@
-"""Training engines: :func:`build_engine` gives the one the plan's ``backend`` names.
+"""Training engines: :func:`build_engine` gives the one the spec's ``backend`` names.
 
 Both engines take the same arguments and implement :class:`rlctl.engines.base.TrainEngine`, so the
-recipes never branch on the backend. The engine modules are imported on demand (the Megatron one
-needs megatron-core).
+recipes never branch on the backend. What to build is an :class:`rlctl.engines.spec.EngineSpec`
+(``EngineSpec.from_config(cfg)`` of the resolved run config). The engine modules are imported on
+demand (the Megatron one needs megatron-core).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from rlctl.errors import UserError, did_you_mean
+from rlctl.engines.spec import BACKENDS, EngineSpec
 
 if TYPE_CHECKING:
     from rlctl.config import RunConfig
     from rlctl.engines.base import ModelSource, TrainEngine
 
-BACKENDS = ("fsdp", "megatron")
+__all__ = ["BACKENDS", "EngineSpec", "build_engine"]
 
 
 def build_engine(
+    spec: EngineSpec,
     cfg: RunConfig,
-    plan,
     *,
     role: str,
     trainable: bool = True,
@@ -30,12 +30,11 @@ def build_engine(
     source: ModelSource | None = None,
     lora: bool | None = None,
 ) -> TrainEngine:
-    """The engine for ``plan.backend`` ("fsdp" or "megatron"; the plan as a Plan, a dict or plan.json's namespace).
+    """The engine for ``spec.backend`` ("fsdp" or "megatron").
 
     Args: see :class:`rlctl.engines.fsdp.FSDPEngine` (role "actor" / "ref" / "critic", ``trainable``,
     ``total_steps`` of the lr schedule, peak ``lr``, weight ``source``, ``lora``).
     """
-    backend = (plan.get("backend") if isinstance(plan, Mapping) else getattr(plan, "backend", None)) or "fsdp"
     kwargs = {
         "role": role,
         "trainable": trainable,
@@ -44,14 +43,10 @@ def build_engine(
         "source": source,
         "lora": lora,
     }
-    if backend == "fsdp":
-        from rlctl.engines.fsdp import FSDPEngine
-
-        return FSDPEngine(cfg, plan, **kwargs)
-    if backend == "megatron":
+    if spec.backend == "megatron":
         from rlctl.engines import megatron
 
-        return megatron.build_engine(cfg, plan, **kwargs)
-    raise UserError(
-        f"unknown parallel.backend {backend!r}{did_you_mean(str(backend), BACKENDS)}; use {' or '.join(BACKENDS)}"
-    )
+        return megatron.build_engine(spec, cfg, **kwargs)
+    from rlctl.engines.fsdp import FSDPEngine
+
+    return FSDPEngine(spec, cfg, **kwargs)

@@ -2,8 +2,9 @@
 
 An engine owns one model (actor, reference or critic) split over the ranks, its optimizer and its
 learning-rate schedule. The recipes (sft, grpo, ppo) only talk to this interface, and
-:func:`rlctl.engines.build_engine` picks the engine from the plan's ``backend``: the FSDP2 engine
-(:mod:`rlctl.engines.fsdp`) or the Megatron engine (:mod:`rlctl.engines.megatron`).
+:func:`rlctl.engines.build_engine` picks the engine from the spec's ``backend``
+(:class:`rlctl.engines.spec.EngineSpec`): the FSDP2 engine (:mod:`rlctl.engines.fsdp`) or the Megatron
+engine (:mod:`rlctl.engines.megatron`).
 
 Contract of a training step, for every engine::
 
@@ -155,16 +156,28 @@ class TrainEngine(abc.ABC):
     def iter_full_params(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, full tensor) one at a time on EVERY rank (collective; LoRA merged)."""
 
-    @abc.abstractmethod
     def export_hf(self, out_dir: str | Path, meta_dir: str | Path, *, dtype: torch.dtype | None = None) -> Path:
-        """Write the full model as a Hugging Face directory (collective; rank 0 writes)."""
+        """Write the full (LoRA-merged) model as a Hugging Face directory through the shared hf_writer
+        (collective: every rank takes part in every gather; rank 0 writes)."""
+        from rlctl.formats.hf_writer import save_hf_model
+
+        stream = ((name, t.cpu()) for name, t in self.iter_full_params())
+        try:
+            if dist.get_rank() == 0:
+                save_hf_model(out_dir, stream, meta_dir=meta_dir, dtype=dtype, force=True)
+        finally:
+            for _ in stream:  # the other ranks (and rank 0 after an error) still join every gather
+                pass
+        dist.barrier()
+        return Path(out_dir)
 
     def lora_info(self) -> dict | None:
         """The LoRA settings (peft's adapter config as a dict), or None for full fine-tuning."""
         return None
 
     def save_lora_config(self, out_dir: str | Path) -> None:
-        """Write peft's adapter_config.json into ``out_dir`` (LoRA only)."""
+        """Write peft's adapter_config.json into ``out_dir`` (LoRA only; nothing to write otherwise)."""
+        return None
 
 
 #: ``loss_fn(output, micro_batch) -> (loss or None, result)``, see :meth:`TrainEngine.forward_backward`.

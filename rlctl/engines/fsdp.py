@@ -54,22 +54,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlctl.config import RunConfig
 from rlctl.engines.base import ROLES, ModelSource, TrainEngine, model_source
+from rlctl.engines.schedule import lr_factor
+from rlctl.engines.spec import EngineSpec
 from rlctl.errors import UserError, did_you_mean
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr for optimizer step ``step`` (0-based).
-
-    Linear warmup over ``w = int(warmup_ratio * total_steps)`` steps ((step+1)/w), then a cosine
-    from 1 at step w down towards ``min_lr_ratio`` at step ``total_steps``.
-    """
-    warmup = int(warmup_ratio * total_steps)
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class CriticModel(nn.Module):
@@ -110,8 +99,9 @@ class FSDPEngine(TrainEngine):
     """One model sharded with FSDP2 over all ranks, with its optimizer (when trainable).
 
     Args:
-        cfg, plan: the resolved run config and plan (plan fields: device, dtype, attn,
-            activation_checkpointing, offload_params, offload_optimizer).
+        spec: what to build (fields used: device, dtype, attn, activation_checkpointing,
+            offload_params, offload_optimizer).
+        cfg: the run config (model name, LoRA, train settings).
         role: "actor" / "ref" (a CausalLM, forward gives logits) or "critic" (values).
         trainable: False for a frozen model (no optimizer, weights in the compute dtype).
         total_steps: optimizer steps of the run (for the lr schedule).
@@ -124,8 +114,8 @@ class FSDPEngine(TrainEngine):
 
     def __init__(
         self,
+        spec: EngineSpec,
         cfg: RunConfig,
-        plan,
         *,
         role: str = "actor",
         trainable: bool = True,
@@ -142,15 +132,13 @@ class FSDPEngine(TrainEngine):
         self.total_steps = total_steps
         self.peak_lr = cfg.train.lr if lr is None else lr
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        device_type = getattr(plan, "device", "cpu")
+        self.spec = spec
         self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+            torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" else torch.device("cpu")
         )
-        self.compute_dtype = self._compute_dtype(cfg, plan)
-        self.attn = self._attn(cfg, plan)
-        self.offload = self.device.type == "cuda" and bool(
-            getattr(plan, "offload_params", False) or getattr(plan, "offload_optimizer", False)
-        )
+        self.compute_dtype = self._compute_dtype(spec)
+        self.attn = self._attn(spec)
+        self.offload = self.device.type == "cuda" and (spec.offload_params or spec.offload_optimizer)
         self.source = source or model_source(cfg.model.name, random_init=cfg.model.random_init)
         self.hf_config = self.source.load_config()
         use_lora = (trainable and role != "ref") if lora is None else lora
@@ -160,7 +148,7 @@ class FSDPEngine(TrainEngine):
 
         with torch.device("meta"):
             self.model, self._state_module = self._build(self.hf_config)
-        self._apply_fsdp(getattr(plan, "activation_checkpointing", False))
+        self._apply_fsdp(spec.activation_checkpointing)
         self._materialize()
         self.global_step = 0
         self.optimizer = None
@@ -173,16 +161,13 @@ class FSDPEngine(TrainEngine):
     # ------------------------------------------------------------------ setup
 
     @staticmethod
-    def _compute_dtype(cfg: RunConfig, plan) -> torch.dtype:
-        name = getattr(plan, "dtype", None) or cfg.model.dtype
-        if name == "auto":
-            name = "bf16" if getattr(plan, "device", "cpu") == "cuda" else "fp32"
-        if name not in DTYPES:
-            raise UserError(f"the FSDP engine trains in bf16 or fp32, not {name}; set model.dtype=bf16")
-        return DTYPES[name]
+    def _compute_dtype(spec: EngineSpec) -> torch.dtype:
+        if spec.dtype not in DTYPES:
+            raise UserError(f"the FSDP engine trains in bf16 or fp32, not {spec.dtype}; set model.dtype=bf16")
+        return DTYPES[spec.dtype]
 
-    def _attn(self, cfg: RunConfig, plan) -> str:
-        attn = cfg.model.attn  # "auto" unless the user chose (the plan's attn is a forecast, not an order)
+    def _attn(self, spec: EngineSpec) -> str:
+        attn = spec.attn  # "auto" unless the user chose (the plan's attn is a forecast, not an order)
         has_flash = importlib.util.find_spec("flash_attn") is not None
         if attn == "auto":
             return "flash_attention_2" if self.device.type == "cuda" and has_flash else "sdpa"
@@ -469,17 +454,3 @@ class FSDPEngine(TrainEngine):
             yield from walk(self.model.value_head, "value_head.")
         else:
             yield from walk(self.model, "")
-
-    def export_hf(self, out_dir: str | Path, meta_dir: str | Path, *, dtype: torch.dtype | None = None) -> Path:
-        """Write the (merged) full model as a HF directory through the shared hf_writer; rank 0 writes."""
-        from rlctl.formats.hf_writer import save_hf_model
-
-        stream = ((name, t.cpu()) for name, t in self.iter_full_params())
-        try:
-            if self.rank == 0:
-                save_hf_model(out_dir, stream, meta_dir=meta_dir, dtype=dtype, force=True)
-        finally:
-            for _ in stream:  # every rank must take part in every gather
-                pass
-        dist.barrier()
-        return Path(out_dir)

@@ -62,7 +62,7 @@ from rlctl.algos import (
 from rlctl.config import RunConfig
 from rlctl.data.packing import StepSampler, pack_bins
 from rlctl.data.rl import Prompt, RLData, build_rl_data
-from rlctl.engines import build_engine
+from rlctl.engines import EngineSpec, build_engine
 from rlctl.engines.base import (
     LossFn,
     TrainEngine,
@@ -700,10 +700,11 @@ class RLTrainer:
         self.budget = token_budget(cfg, plan)
         self.temperature = cfg.rollout.temperature or 1.0
 
-        self.actor = build_engine(cfg, plan, role="actor", total_steps=optimizer_steps, source=self.source)
-        self.ref = build_engine(cfg, plan, role="ref", trainable=False, source=self.source) if a.kl_coef > 0 else None
+        spec = EngineSpec.from_config(cfg)
+        self.actor = build_engine(spec, cfg, role="actor", total_steps=optimizer_steps, source=self.source)
+        self.ref = build_engine(spec, cfg, role="ref", trainable=False, source=self.source) if a.kl_coef > 0 else None
         self.critic = (
-            build_engine(cfg, plan, role="critic", total_steps=optimizer_steps, lr=a.critic_lr, source=self.source)
+            build_engine(spec, cfg, role="critic", total_steps=optimizer_steps, lr=a.critic_lr, source=self.source)
             if with_critic
             else None
         )
@@ -716,7 +717,6 @@ class RLTrainer:
         self.rollout_dtype = "fp32" if self.actor.compute_dtype == torch.float32 else "bf16"
         self.rollout = self._make_rollout(plan)
         self.weights_stale = False  # the rollout engine's weights lag the actor's
-        self._asleep = False
         self.m: dict[str, float] = {}  # the current step's metrics
 
     def _make_rollout(self, plan):
@@ -788,21 +788,22 @@ class RLTrainer:
         ]
 
     def _wake_and_sync(self) -> None:
-        """Wake the rollout engine and, after an update, load the actor's weights into it."""
-        if self._asleep:
-            self.rollout.wake()
-            self._asleep = False
-        if self.weights_stale:
-            from rlctl.rollout.base import torch_dtype
+        """Wake the rollout engine's weights, load the actor's into it when they are not current (an
+        update since the last sync, or weights the engine dropped asleep), then wake its KV cache."""
+        from rlctl.rollout.base import torch_dtype
 
-            with self.timed("time/weight_sync"):
-                self.rollout.update_weights(self.actor.iter_full_params(dtype=torch_dtype(self.rollout_dtype)))
+        if self.weights_stale:
+            self.rollout.trainer_stepped()
             self.weights_stale = False
 
+        def sync() -> None:
+            with self.timed("time/weight_sync"):
+                self.rollout.update_weights(self.actor.iter_full_params(dtype=torch_dtype(self.rollout_dtype)))
+
+        self.rollout.ready(sync)
+
     def _sleep(self) -> None:
-        if self.rollout.supports_sleep:
-            self.rollout.sleep()
-            self._asleep = True
+        self.rollout.sleep()
 
     def generate(self, step: int) -> RolloutBatch:
         """This rank's prompts of step ``step``, ``rollout.n`` samples each."""

@@ -15,14 +15,32 @@ A response's ``token_ids`` include the stop token when generation stopped on one
 (``finish_reason == "stop"``); otherwise it ran out of budget (``"length"``: ``max_tokens``, or the
 engine's ``max_model_len``). Stop tokens are the tokenizer's EOS, the generation config's EOS ids
 and ``SamplingParams.stop_token_ids``.
+
+Sleep and wake (colocated engines give the accelerator to the trainer between rollouts) are a small
+state machine kept by :class:`RolloutEngine` for every engine, whether or not it can really free memory:
+
+* weights: ``resident`` (current, usable) -> ``stale`` (the trainer stepped since the last sync,
+  :meth:`~RolloutEngine.trainer_stepped`) -> ``resident`` again after :meth:`~RolloutEngine.update_weights`;
+  :meth:`~RolloutEngine.sleep` makes them ``released``;
+* KV cache: ``resident`` / ``released``.
+
+Waking is tagged, as vLLM (``wake_up(tags=["weights"])`` then ``["kv_cache"]``) and SGLang
+(``resume_memory_occupation(tags)``) define it: :meth:`~RolloutEngine.wake_weights` first, then a sync
+when the weights are not current, then :meth:`~RolloutEngine.wake_kv`; :meth:`~RolloutEngine.ready`
+does the three. Woken weights are ``resident`` only when the engine keeps them while asleep (vLLM's
+level 1 moves them to host memory) AND the trainer has not stepped since the last sync; otherwise
+(SGLang without a CPU backup discards them) they are ``stale`` and must be synced. An illegal
+transition (generate with stale or released weights or a released KV cache, sync into released
+weights, wake the KV cache before the weights) raises :class:`RolloutStateError`, a bug of the caller.
 """
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Literal, Self
 
 import torch
@@ -85,34 +103,127 @@ class Sample:
     finish_reason: FinishReason
 
 
+class WeightsState(StrEnum):
+    RESIDENT = "resident"  # the trainer's current weights, usable
+    STALE = "stale"  # usable memory, but the trainer has stepped (or they were discarded asleep): sync first
+    RELEASED = "released"  # asleep: wake_weights() first
+
+
+class KVState(StrEnum):
+    RESIDENT = "resident"
+    RELEASED = "released"
+
+
+class RolloutStateError(RuntimeError):
+    """An illegal sleep/wake/sync/generate sequence: a bug in the caller, not the user's input."""
+
+
 class RolloutEngine(ABC):
-    """A generation engine that the trainer drives between optimisation steps."""
+    """A generation engine that the trainer drives between optimisation steps.
+
+    Subclasses implement :meth:`_generate`, :meth:`_load_weights` and, when they can free accelerator
+    memory (``supports_sleep``), :meth:`_release` / :meth:`_resume`; the public methods keep the state
+    machine of the module docstring.
+    """
 
     name: str
-    supports_sleep: bool = False
+    supports_sleep: bool = False  # whether sleep really frees accelerator memory
+    keeps_weights_asleep: bool = True  # whether the weights survive a sleep (in host memory)
+    weights_state: WeightsState = WeightsState.RESIDENT
+    kv_state: KVState = KVState.RESIDENT
+    _trainer_stepped: bool = False  # since the last sync
 
-    @abstractmethod
     def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
         """Sample ``n`` responses per prompt.
 
         Returns ``len(prompt_token_ids) * n`` samples in prompt-major order: the ``n`` samples of
-        prompt 0, then those of prompt 1, and so on.
+        prompt 0, then those of prompt 1, and so on. Needs resident weights and KV cache.
         """
+        if self.weights_state != WeightsState.RESIDENT or self.kv_state != KVState.RESIDENT:
+            raise RolloutStateError(
+                f"{self.name} rollout engine: generate with {self.weights_state} weights and a "
+                f"{self.kv_state} KV cache; call ready(sync) (wake, sync, wake the KV cache) first"
+            )
+        return self._generate(prompt_token_ids, n, sampling)
 
-    @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load new weights, named as in the HF CausalLM's ``state_dict()``.
+        """Load new weights, named as in the HF CausalLM's ``state_dict()``; they become ``resident``.
 
         The iterable is consumed one tensor at a time, so the caller can produce tensors lazily
-        (e.g. gather one FSDP shard at a time) and memory stays bounded.
+        (e.g. gather one FSDP shard at a time) and memory stays bounded. Not into released weights.
         """
+        if self.weights_state == WeightsState.RELEASED:
+            raise RolloutStateError(f"{self.name} rollout engine: sync into released weights; wake_weights() first")
+        self._load_weights(named_tensors)
+        self.weights_state, self._trainer_stepped = WeightsState.RESIDENT, False
+
+    def trainer_stepped(self) -> None:
+        """The trainer changed its weights: this engine's are stale until the next :meth:`update_weights`."""
+        self._trainer_stepped = True
+        if self.weights_state == WeightsState.RESIDENT:
+            self.weights_state = WeightsState.STALE
 
     def sleep(self) -> None:
-        """Free the engine's accelerator memory (weights and KV cache) for training; no-op where
-        unsupported (see ``supports_sleep``)."""
+        """Free the KV cache and the weights for training (no-op on the hardware where unsupported)."""
+        if self.weights_state == WeightsState.RELEASED and self.kv_state == KVState.RELEASED:
+            return
+        if self.supports_sleep:
+            self._release(("kv_cache", "weights"))
+        self.weights_state, self.kv_state = WeightsState.RELEASED, KVState.RELEASED
+
+    def wake_weights(self) -> None:
+        """Bring the weights back: ``resident`` when they were kept asleep and the trainer has not stepped
+        since the last sync, else ``stale`` (sync them before generating)."""
+        if self.weights_state != WeightsState.RELEASED:
+            return
+        if self.supports_sleep:
+            self._resume(("weights",))
+        current = self.keeps_weights_asleep or not self.supports_sleep
+        self.weights_state = WeightsState.RESIDENT if current and not self._trainer_stepped else WeightsState.STALE
+
+    def wake_kv(self) -> None:
+        """Bring the KV cache back (after the weights)."""
+        if self.kv_state == KVState.RESIDENT:
+            return
+        if self.weights_state == WeightsState.RELEASED:
+            raise RolloutStateError(f"{self.name} rollout engine: wake the weights before the KV cache")
+        if self.supports_sleep:
+            self._resume(("kv_cache",))
+        self.kv_state = KVState.RESIDENT
 
     def wake(self) -> None:
-        """Undo :meth:`sleep`; no-op where unsupported."""
+        """Wake the weights, then the KV cache (no sync: generate raises if the weights are not current)."""
+        self.wake_weights()
+        self.wake_kv()
+
+    def ready(self, sync: Callable[[], None]) -> bool:
+        """Make the engine ready to generate: wake the weights, call ``sync()`` (which must call
+        :meth:`update_weights` with the trainer's weights) when they are not current, wake the KV
+        cache. Returns whether it synced."""
+        self.wake_weights()
+        synced = self.weights_state != WeightsState.RESIDENT
+        if synced:
+            sync()
+            if self.weights_state != WeightsState.RESIDENT:
+                raise RolloutStateError(f"{self.name} rollout engine: sync() did not load the trainer's weights")
+        self.wake_kv()
+        return synced
+
+    @abstractmethod
+    def _generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
+        """:meth:`generate` of the engine, states already checked."""
+
+    @abstractmethod
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """:meth:`update_weights` of the engine, states already checked."""
+
+    def _release(self, tags: tuple[str, ...]) -> None:
+        """Free the memory of ``tags`` ("kv_cache", "weights"); only called when ``supports_sleep``."""
+        raise NotImplementedError(f"{self.name} cannot sleep")
+
+    def _resume(self, tags: tuple[str, ...]) -> None:
+        """Re-allocate the memory of ``tags``; only called when ``supports_sleep``."""
+        raise NotImplementedError(f"{self.name} cannot sleep")
 
     @abstractmethod
     def close(self) -> None:

@@ -66,7 +66,7 @@ class HFRolloutEngine(RolloutEngine):
         self._tensors = self.model.state_dict()
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
+    def _generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
         check_generate_args(prompt_token_ids, n, self.max_model_len)
         stop_ids = self.stop_token_ids | set(sampling.stop_token_ids or ())
         generator = self._generator
@@ -135,7 +135,7 @@ class HFRolloutEngine(RolloutEngine):
         ]
 
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in named_tensors:
             target = self._tensors.get(name)
             if target is None:

@@ -9,8 +9,11 @@ boundary; the calls into SGLang follow its documented offline-engine API:
   per request with ``meta_info["output_token_logprobs"]`` (``(logprob, token_id, text)`` per
   generated token, the stop token included) and ``meta_info["finish_reason"]["type"]``;
 * ``Engine.update_weights_from_tensor(named_tensors, flush_cache=...)`` and ``Engine.flush_cache()``;
-* ``Engine.release_memory_occupation()`` / ``resume_memory_occupation()`` (needs
-  ``enable_memory_saver=True``).
+* ``Engine.release_memory_occupation(tags)`` / ``resume_memory_occupation(tags)`` with the tags
+  "kv_cache" and "weights" (needs ``enable_memory_saver=True``). Without SGLang's
+  ``enable_weights_cpu_backup`` the released weights are DISCARDED, so ``keeps_weights_asleep`` is
+  False: after a sleep the weights wake ``stale`` and :meth:`RolloutEngine.ready` syncs them before
+  the next generate (see :mod:`rlctl.rollout.base`).
 
 Log-probabilities: SGLang's default returned log-probs are taken after temperature and before
 top-k/top-p, and greedy requests run at temperature 1 with top-k 1, which is our convention, as
@@ -27,6 +30,7 @@ import torch
 
 from rlctl.errors import UserError
 from rlctl.rollout.base import (
+    KVState,
     RolloutEngine,
     Sample,
     SamplingParams,
@@ -52,6 +56,7 @@ class SGLangRolloutEngine(RolloutEngine):
     """SGLang's offline engine in this process (it runs its scheduler in child processes)."""
 
     name = "sglang"
+    keeps_weights_asleep = False  # release_memory_occupation drops the weights (no CPU backup)
 
     def __init__(
         self,
@@ -70,7 +75,8 @@ class SGLangRolloutEngine(RolloutEngine):
         colocated = torch.distributed.is_initialized()
         if colocated and tp != 1:
             raise UserError(
-                f"the sglang rollout engine runs one engine per torchrun rank, so tp must be 1 (got {tp}); use the vllm engine for tp > 1"
+                f"the sglang rollout engine runs one engine per torchrun rank, so tp must be 1 (got {tp}); "
+                f"use the vllm engine for tp > 1"
             )
         self.supports_sleep = device_type == "cuda"
         self.max_model_len = max_model_len
@@ -90,7 +96,7 @@ class SGLangRolloutEngine(RolloutEngine):
             enable_memory_saver=self.supports_sleep,
         )
 
-    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
+    def _generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
         check_generate_args(prompt_token_ids, n, self.max_model_len)
         stop_ids = sorted(self.stop_token_ids | set(sampling.stop_token_ids or ()))
         # We expand each prompt n times ourselves (prompt-major); the radix cache shares the
@@ -103,18 +109,19 @@ class SGLangRolloutEngine(RolloutEngine):
         )
         return samples_from_outputs(outputs, n)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         for chunk in chunk_named_tensors(named_tensors, WEIGHT_CHUNK_BYTES):
             _raise_unless_ok(self._engine.update_weights_from_tensor(named_tensors=chunk, flush_cache=False))
-        self._engine.flush_cache()
+        if self.kv_state == KVState.RESIDENT:  # (a released KV cache holds nothing; waking it flushes)
+            self._engine.flush_cache()
 
-    def sleep(self) -> None:
-        if self.supports_sleep:
-            self._engine.release_memory_occupation()
+    def _release(self, tags: tuple[str, ...]) -> None:
+        self._engine.release_memory_occupation(tags=list(tags))
 
-    def wake(self) -> None:
-        if self.supports_sleep:
-            self._engine.resume_memory_occupation()
+    def _resume(self, tags: tuple[str, ...]) -> None:
+        self._engine.resume_memory_occupation(tags=list(tags))
+        if "kv_cache" in tags:  # nothing cached from before the sleep (or the last sync) may be reused
+            self._engine.flush_cache()
 
     def close(self) -> None:
         if self._engine is not None:

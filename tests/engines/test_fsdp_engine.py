@@ -18,9 +18,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlctl.launch import free_port
-from tests.support.sft import chat_rows, cpu_plan, sft_config, write_jsonl
+from tests.support.sft import chat_rows, cpu_plan, cpu_spec, sft_config, write_jsonl
 
 PLAN = SimpleNamespace(**cpu_plan(1))
+SPEC = cpu_spec()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,7 +47,7 @@ def make_cfg(tiny_model_dir, data_file, tmp_path, **sets):
 def make_engine(cfg, **kw):
     from rlctl.engines.fsdp import FSDPEngine
 
-    return FSDPEngine(cfg, PLAN, **kw)
+    return FSDPEngine(SPEC, cfg, **kw)
 
 
 def hf_model(path):
@@ -56,7 +57,7 @@ def hf_model(path):
 
 
 def test_lr_schedule_by_hand():
-    from rlctl.engines.fsdp import lr_factor
+    from rlctl.engines.schedule import lr_factor
 
     # 10 steps, warmup int(0.2 * 10) = 2 steps: 1/2, 2/2, then cosine from 1 down to 0.1 at step 10
     assert lr_factor(0, 10, 0.2, 0.1) == pytest.approx(0.5)
@@ -316,8 +317,8 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_model_dir, data_
 
     cfg = make_cfg(tiny_model_dir, data_file, tmp_path)
     ids, pos = torch.randint(0, 100, (2, 24)), torch.arange(24).expand(2, 24)
-    plain = _grads_after_one_backward(FSDPEngine(cfg, PLAN, total_steps=1), ids, pos)
-    ckpt_engine = FSDPEngine(cfg, SimpleNamespace(**cpu_plan(1, activation_checkpointing=True)), total_steps=1)
+    plain = _grads_after_one_backward(FSDPEngine(SPEC, cfg, total_steps=1), ids, pos)
+    ckpt_engine = FSDPEngine(cpu_spec(activation_checkpointing=True), cfg, total_steps=1)
     assert ckpt_engine.model.model.gradient_checkpointing
     ckpt = _grads_after_one_backward(ckpt_engine, ids, pos)
     for n in plain:
@@ -328,7 +329,7 @@ def test_bf16_compute_keeps_fp32_master_weights(tiny_model_dir, data_file, tmp_p
     from rlctl.engines.fsdp import FSDPEngine
 
     cfg = make_cfg(tiny_model_dir, data_file, tmp_path)
-    engine = FSDPEngine(cfg, SimpleNamespace(**cpu_plan(1, dtype="bf16")), total_steps=1)
+    engine = FSDPEngine(cpu_spec(dtype="bf16"), cfg, total_steps=1)
     assert all(p.dtype == torch.float32 for p in engine.model.parameters())
     ids, pos = torch.randint(0, 100, (1, 16)), torch.arange(16)[None]
     logits = engine.forward(ids, pos)
@@ -367,7 +368,7 @@ def test_lora_keeps_the_frozen_base_in_the_compute_dtype(tiny_model_dir, data_fi
     from rlctl.engines.fsdp import FSDPEngine
 
     cfg = make_cfg(tiny_model_dir, data_file, tmp_path, lora__rank=4, lora__targets="q_proj,v_proj")
-    engine = FSDPEngine(cfg, SimpleNamespace(**cpu_plan(1, dtype="bf16")), total_steps=1)
+    engine = FSDPEngine(cpu_spec(dtype="bf16"), cfg, total_steps=1)
     params = dict(engine._state_module.named_parameters())
     adapters = {n: p for n, p in params.items() if p.requires_grad}
     assert adapters and all("lora_" in n for n in adapters)
@@ -385,7 +386,7 @@ def test_lora_keeps_the_frozen_base_in_the_compute_dtype(tiny_model_dir, data_fi
     assert math.isfinite(engine.step())
     assert {p.dtype for p in adapters.values()} == {torch.float32}
     # on CPU without a forced dtype everything stays fp32
-    plain = FSDPEngine(cfg, PLAN, total_steps=1)
+    plain = FSDPEngine(SPEC, cfg, total_steps=1)
     assert {p.dtype for p in plain._state_module.parameters()} == {torch.float32}
 
 
@@ -438,21 +439,56 @@ def test_checkpoints_are_written_and_read_by_the_engines(tmp_path, tiny_model_di
         load_checkpoint(final, {"": fsdp})
 
 
-def test_build_engine_picks_the_backend_of_the_plan(tiny_model_dir, data_file, tmp_path, monkeypatch):
+def test_build_engine_picks_the_backend_of_the_spec(tiny_model_dir, data_file, tmp_path, monkeypatch):
     from rlctl.engines import build_engine, megatron
     from rlctl.engines.fsdp import FSDPEngine
-    from rlctl.errors import UserError
 
     cfg = make_cfg(tiny_model_dir, data_file, tmp_path)
-    engine = build_engine(cfg, PLAN, role="ref", trainable=False)
+    engine = build_engine(SPEC, cfg, role="ref", trainable=False)
     assert isinstance(engine, FSDPEngine) and engine.backend == "fsdp" and engine.role == "ref"
     assert (engine.dp_rank, engine.dp_size, engine.dp_group, engine.mp_size) == (0, 1, None, 1)
     calls = []
-    monkeypatch.setattr(megatron, "build_engine", lambda cfg, plan, **kw: calls.append((plan, kw)) or "mg")
-    plan = {**cpu_plan(1), "backend": "megatron"}
-    assert build_engine(cfg, plan, role="actor", total_steps=7, lr=0.5) == "mg"
+    monkeypatch.setattr(megatron, "build_engine", lambda spec, cfg, **kw: calls.append((spec, kw)) or "mg")
+    spec = SPEC.replace(backend="megatron")
+    assert build_engine(spec, cfg, role="actor", total_steps=7, lr=0.5) == "mg"
     assert calls == [
-        (plan, {"role": "actor", "trainable": True, "total_steps": 7, "lr": 0.5, "source": None, "lora": None})
+        (spec, {"role": "actor", "trainable": True, "total_steps": 7, "lr": 0.5, "source": None, "lora": None})
     ]
-    with pytest.raises(UserError, match="unknown parallel.backend 'fdsp' \\(did you mean fsdp"):
-        build_engine(cfg, {**plan, "backend": "fdsp"}, role="actor")
+
+
+def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, tmp_path):
+    """EngineSpec.from_config parses the config the planner resolved (apply_plan): "true"/"false" strings
+    become bools, sizes ints; an "auto" left (the plan not applied) is an internal error naming the field."""
+    from rlctl.engines.spec import EngineSpec, UnresolvedConfig
+    from rlctl.errors import UserError
+    from rlctl.plan import apply_plan
+
+    raw = make_cfg(tiny_model_dir, data_file, tmp_path, parallel__offload_optimizer="true", model__attn="auto")
+    plan = SimpleNamespace(**cpu_plan(1, backend="megatron", tp=2, pp=1, ep=1, activation_checkpointing=True))
+    assert EngineSpec.from_config(apply_plan(raw, plan)) == EngineSpec(
+        backend="megatron",
+        device="cpu",
+        dtype="fp32",
+        tp=2,
+        pp=1,
+        cp=1,
+        ep=1,
+        sequence_parallel=False,
+        activation_checkpointing=True,  # from the plan ("auto" in the config)
+        offload_params=False,
+        offload_optimizer=True,  # the user's choice wins over the plan's False
+        attn="auto",  # the engine picks at run time
+        micro_batch_size=2,
+    )
+    with pytest.raises(UnresolvedConfig, match="parallel.backend is 'auto'"):
+        EngineSpec.from_config(raw)
+    resolved = apply_plan(raw, SimpleNamespace(**cpu_plan(1)))
+    resolved.parallel.sequence_parallel = "auto"
+    with pytest.raises(UnresolvedConfig, match="parallel.sequence_parallel is 'auto'"):
+        EngineSpec.from_config(resolved)
+    resolved.parallel.sequence_parallel, resolved.parallel.tp = "false", 0
+    with pytest.raises(UnresolvedConfig, match="parallel.tp is 0"):
+        EngineSpec.from_config(resolved)
+    assert not issubclass(UnresolvedConfig, UserError)  # a bug of the caller, never the user's input
+    with pytest.raises(UserError, match="fdsp"):  # a misspelt backend is the user's: the config rejects it
+        make_cfg(tiny_model_dir, data_file, tmp_path, parallel__backend="fdsp")

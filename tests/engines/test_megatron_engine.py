@@ -1,4 +1,4 @@
-"""The Megatron engine (rlctl/engines/megatron.py) and its layout math (rlctl/engines/megatron_parallel.py).
+"""The Megatron engine (rlctl/engines/megatron/) and its layout math (rlctl/engines/megatron/parallel.py).
 
 Fast tests: the rank layout worked out by hand, the env megatron needs (and that the launcher passes
 it), the layout errors, uneven pipeline stages (the stage shards against the layout module's, the
@@ -34,7 +34,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -44,12 +43,15 @@ from safetensors.torch import load_file
 
 from rlctl.config import RunConfig
 from rlctl.engines import megatron as mg
-from rlctl.engines.megatron_parallel import (
+from rlctl.engines.megatron import config as mcfg
+from rlctl.engines.megatron import rows, weights
+from rlctl.engines.megatron.parallel import (
     check_megatron_layout,
     megatron_env,
     rank_coords,
     rank_layout,
 )
+from rlctl.engines.spec import EngineSpec
 from rlctl.errors import UserError
 from rlctl.formats.megatron_layout import MegatronLayoutConfig
 
@@ -96,10 +98,12 @@ def test_rank_layout_rejects_a_split_that_does_not_divide():
 
 def test_megatron_env():
     plan = {"backend": "megatron", "device": "cuda", "tp": 4, "sequence_parallel": True}
-    assert megatron_env(plan) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    assert megatron_env(SimpleNamespace(**{**plan, "tp": 1, "sequence_parallel": False})) == {}
-    assert megatron_env({**plan, "backend": "fsdp"}) == {}
-    assert megatron_env({**plan, "device": "cpu"}) == {}
+    assert megatron_env(**plan) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert megatron_env(**{**plan, "tp": 2, "sequence_parallel": False}) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert megatron_env(**{**plan, "tp": 1, "sequence_parallel": True}) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert megatron_env(**{**plan, "tp": 1, "sequence_parallel": False}) == {}
+    assert megatron_env(**{**plan, "backend": "fsdp"}) == {}
+    assert megatron_env(**{**plan, "device": "cpu"}) == {}
 
 
 def test_the_launcher_gives_the_ranks_the_megatron_env():
@@ -139,7 +143,7 @@ def _layout(**overrides) -> MegatronLayoutConfig:
         "vocab_size": VOCAB,
         **overrides,
     }
-    return mg.layout_config(hf, 1)
+    return mcfg.layout_config(hf, 1)
 
 
 def test_layout_errors_name_what_would_work():
@@ -159,7 +163,7 @@ def test_layout_errors_name_what_would_work():
 
 
 def test_pipeline_stages_put_the_remainder_on_a_shorter_last_stage():
-    from rlctl.engines.megatron_parallel import layer_stages, pipeline_stages
+    from rlctl.engines.megatron.parallel import layer_stages, pipeline_stages
 
     assert pipeline_stages(61, 16) == [4] * 15 + [1]  # 61 = 15 x 4 + 1
     assert pipeline_stages(64, 4) == [16] * 4 and pipeline_stages(5, 2) == [3, 2]
@@ -185,12 +189,12 @@ def test_vocab_padding_is_the_same_at_every_tp():
         "intermediate_size": 128,
         "vocab_size": 152064,
     }
-    assert {padded_vocab_size(mg.layout_config(hf, tp), tp) for tp in (1, 2, 4, 8)} == {152576}  # 149 * 1024
+    assert {padded_vocab_size(mcfg.layout_config(hf, tp), tp) for tp in (1, 2, 4, 8)} == {152576}  # 149 * 1024
 
 
 def test_rope_settings():
-    assert mg._rope({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}) == (1e6, None)
-    assert mg._rope({"rope_theta": 5e5}) == (5e5, None)
+    assert mcfg.rope({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}) == (1e6, None)
+    assert mcfg.rope({"rope_theta": 5e5}) == (5e5, None)
     llama3 = {
         "rope_type": "llama3",
         "factor": 8.0,
@@ -199,36 +203,36 @@ def test_rope_settings():
         "original_max_position_embeddings": 8192,
         "rope_theta": 5e5,
     }
-    assert mg._rope({"rope_parameters": llama3}) == (5e5, 8.0)
+    assert mcfg.rope({"rope_parameters": llama3}) == (5e5, 8.0)
     with pytest.raises(UserError, match="RoPE scaling 'yarn'"):
-        mg._rope({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}})
+        mcfg.rope({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}})
     with pytest.raises(UserError, match="sliding window of 4096"):
-        mg._check_sliding_window({"model_type": "mistral", "sliding_window": 4096}, 8192)
-    mg._check_sliding_window({"model_type": "mistral", "sliding_window": 4096}, 4096)
-    mg._check_sliding_window({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}, 8192)
+        mcfg.check_sliding_window({"model_type": "mistral", "sliding_window": 4096}, 8192)
+    mcfg.check_sliding_window({"model_type": "mistral", "sliding_window": 4096}, 4096)
+    mcfg.check_sliding_window({"model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False}, 8192)
 
 
 def test_unsupported_uses_fail_before_anything_starts(monkeypatch, tmp_path):
-    plan = SimpleNamespace(backend="megatron", device="cpu", tp=1, pp=1)
+    spec = EngineSpec(backend="megatron", device="cpu", dtype="fp32")
     cfg = RunConfig(method="ppo")
     with pytest.raises(UserError, match="PPO critic is not supported by the megatron engine"):
-        mg.build_engine(cfg, plan, role="critic")
+        mg.build_engine(spec, cfg, role="critic")
     cfg.lora.rank = 8
     with pytest.raises(UserError, match="LoRA is not supported by the megatron engine"):
-        mg.build_engine(cfg, plan, role="actor")
+        mg.build_engine(spec, cfg, role="actor")
     cfg.lora.rank = 0
     with pytest.raises(UserError, match="parallel.offload_params .* is not supported by the megatron engine yet"):
-        mg.build_engine(cfg, SimpleNamespace(**vars(plan), offload_params=True), role="actor")
-    gpu_plan = SimpleNamespace(**{**vars(plan), "device": "cuda"}, offload_optimizer=True)
-    monkeypatch.setattr(mg, "have_transformer_engine", lambda: False)
+        mg.build_engine(spec.replace(offload_params=True), cfg, role="actor")
+    gpu_spec = spec.replace(device="cuda", offload_optimizer=True)
+    monkeypatch.setattr(mcfg, "have_transformer_engine", lambda: False)
     with pytest.raises(UserError, match="offload_optimizer on the megatron engine needs Transformer Engine"):
-        mg.build_engine(cfg, gpu_plan, role="actor")
+        mg.build_engine(gpu_spec, cfg, role="actor")
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name.startswith("megatron") else real(name, *a)
     )
     with pytest.raises(UserError, match=r"needs megatron-core.*pip install 'rlctl\[megatron\]'"):
-        mg.build_engine(cfg, plan, role="actor")
+        mg.build_engine(spec, cfg, role="actor")
 
 
 # ----------------------------------------------------------------------------- uneven pipeline stages
@@ -272,7 +276,7 @@ def test_stage_shard_splits_five_layers_into_three_and_two(tied):
     hf = _random_hf_state(5, tied)
     for t in range(2):
         whole = megatron_shard_for_rank(hf.__getitem__, layout, 2, 1, t, 0)  # tp 2, one stage
-        first, last = (mg.stage_shard(hf.__getitem__, layout, tp=2, pp=2, tp_rank=t, pp_rank=p) for p in (0, 1))
+        first, last = (weights.stage_shard(hf.__getitem__, layout, tp=2, pp=2, tp_rank=t, pp_rank=p) for p in (0, 1))
         first_names = ("embedding.", "decoder.layers.0.", "decoder.layers.1.", "decoder.layers.2.")
         want_first = {n: v for n, v in whole.items() if n.startswith(first_names)}
         want_last = {
@@ -291,10 +295,10 @@ def test_stage_shard_splits_five_layers_into_three_and_two(tied):
     layout4 = _layout(num_hidden_layers=4, tie_word_embeddings=tied)
     hf4 = _random_hf_state(4, tied)
     for p in range(2):
-        got = mg.stage_shard(hf4.__getitem__, layout4, tp=1, pp=2, tp_rank=0, pp_rank=p)
+        got = weights.stage_shard(hf4.__getitem__, layout4, tp=1, pp=2, tp_rank=0, pp_rank=p)
         want = megatron_shard_for_rank(hf4.__getitem__, layout4, 1, 2, 0, p)
         assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
-    single = mg.stage_shard(hf4.__getitem__, layout4, tp=1, pp=1, tp_rank=0, pp_rank=0)
+    single = weights.stage_shard(hf4.__getitem__, layout4, tp=1, pp=1, tp_rank=0, pp_rank=0)
     assert ("output_layer.weight" in single) == (not tied)
 
 
@@ -312,11 +316,11 @@ def test_uneven_stages_and_optimizer_offload_in_megatron_core_configs():
         "intermediate_size": FFN,
         "vocab_size": VOCAB,
     }
-    assert mg.transformer_config(hf, pp=2).num_layers_in_last_pipeline_stage == 2
-    assert mg.transformer_config({**hf, "num_hidden_layers": 4}, pp=2).num_layers_in_last_pipeline_stage is None
+    assert mcfg.transformer_config(hf, pp=2).num_layers_in_last_pipeline_stage == 2
+    assert mcfg.transformer_config({**hf, "num_hidden_layers": 4}, pp=2).num_layers_in_last_pipeline_stage is None
     cfg = RunConfig(method="sft")
-    plain = mg.optimizer_settings(cfg, lr=1e-5, dtype=torch.bfloat16, offload=False)
-    offload = mg.optimizer_settings(cfg, lr=1e-5, dtype=torch.bfloat16, offload=True)
+    plain = mcfg.optimizer_settings(cfg, lr=1e-5, dtype=torch.bfloat16, offload=False)
+    offload = mcfg.optimizer_settings(cfg, lr=1e-5, dtype=torch.bfloat16, offload=True)
     assert set(offload) <= {f.name for f in dataclasses.fields(OptimizerConfig)}
     assert {k: v for k, v in offload.items() if k not in plain} == {
         "optimizer_cpu_offload": True,
@@ -333,7 +337,7 @@ def test_uneven_stages_and_optimizer_offload_in_megatron_core_configs():
 def test_unpack_rows_splits_documents_and_packs_back():
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     pos = torch.tensor([[0, 1, 2, 0, 1, 0]])
-    up = mg.unpack_rows(ids, pos)
+    up = rows.unpack_rows(ids, pos)
     assert up.tokens.tolist() == [[1, 2, 3], [4, 5, 0], [6, 0, 0]]
     assert torch.equal(up.repack(up.tokens[..., None] * 10)[..., 0], ids * 10)
 
@@ -342,7 +346,7 @@ def test_unpack_rows_keeps_padding_with_its_document_and_rounds_width():
     ids = torch.tensor([[1, 2, 3, 0], [4, 5, 6, 7]])
     pos = torch.tensor([[0, 1, 2, 0], [0, 1, 2, 3]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
-    up = mg.unpack_rows(ids, pos, mask, multiple=3)
+    up = rows.unpack_rows(ids, pos, mask, multiple=3)
     assert up.tokens.tolist() == [[1, 2, 3, 0, 0, 0], [4, 5, 6, 7, 0, 0]]
     assert torch.equal(up.repack(up.tokens), ids)
 
@@ -367,7 +371,7 @@ def test_transformer_config_from_hf(arch):
         "rms_norm_eps": 1e-5,
         "initializer_range": 0.01,
     }
-    c = mg.transformer_config(hf, tp=2, pp=2, sequence_parallel=True, dtype=torch.bfloat16)
+    c = mcfg.transformer_config(hf, tp=2, pp=2, sequence_parallel=True, dtype=torch.bfloat16)
     assert (
         c.num_layers,
         c.hidden_size,
@@ -383,7 +387,7 @@ def test_transformer_config_from_hf(arch):
     assert c.bf16 and c.params_dtype == torch.bfloat16 and c.calculate_per_token_loss
     from megatron.core.transformer.identity_op import IdentityOp
 
-    spec = mg.layer_spec(hf, cuda=False).submodules  # local spec: norms are modules of their own
+    spec = mcfg.layer_spec(hf, cuda=False).submodules  # local spec: norms are modules of their own
     assert spec.input_layernorm is not IdentityOp
     assert (spec.self_attention.submodules.q_layernorm is not IdentityOp) == (arch == "qwen3")
 
@@ -628,16 +632,19 @@ def recipe_model(tmp_path_factory) -> Path:
 def _megatron_run(cfg, tp: int, pp: int, env: dict | None = None) -> subprocess.CompletedProcess:
     """What rlctl's launcher does (RUN/config.yaml, plan.json, torchrun on 2 processes), with the
     Megatron engine's plan, the recipe started through the CPU patches."""
+    from types import SimpleNamespace
+
     from rlctl.config import save_config
     from rlctl.launch import free_port, job_env
+    from rlctl.plan import apply_plan
     from tests.support.sft import cpu_plan
 
     run = Path(cfg.output_dir)
     run.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run / "config.yaml")
     plan = cpu_plan(
         2, method=cfg.method, backend="megatron", tp=tp, pp=pp, dp=2 // (tp * pp), rollout="hf", rollout_tp=1
     )
+    save_config(apply_plan(cfg, SimpleNamespace(**plan)), run / "config.yaml")  # resolved, as the CLI saves it
     (run / "plan.json").write_text(json.dumps(plan))
     cmd = [
         sys.executable,

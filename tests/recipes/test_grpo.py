@@ -9,7 +9,6 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from tests.support.rl import (
     train_records,
     verl_rows,
 )
-from tests.support.sft import cpu_plan, write_jsonl
+from tests.support.sft import cpu_spec, write_jsonl
 
 LOGPROB_TOL = 1e-3  # fp32 on CPU: the engines agree with the trainer to ~1e-6
 
@@ -162,7 +161,7 @@ def test_samples_are_pooled_by_model_replica():
     (rank_positions by global rank); the two TP ranks of a replica join theirs (RolloutBatch.join, in rank
     order), so both train on the same batch, and the two replicas split every mini-batch evenly, each
     sample once, its tensors carried along."""
-    from rlctl.engines.megatron_parallel import rank_coords
+    from rlctl.engines.megatron.parallel import rank_coords
     from rlctl.recipes.rl import RolloutBatch, rank_positions
 
     n, n_prompts, mini, width = 2, 8, 4, 5
@@ -212,14 +211,13 @@ def test_packed_log_probs_and_values_match_one_sequence_at_a_time(tiny_model_dir
     from rlctl.recipes.rl import compute_logprobs, compute_values
 
     cfg = rl_config(tiny_model_dir)
-    plan = SimpleNamespace(**cpu_plan(1))
     batch = _random_batch(3, 2, 400, width=12)
-    ref = FSDPEngine(cfg, plan, role="ref", trainable=False)
+    ref = FSDPEngine(cpu_spec(), cfg, role="ref", trainable=False)
     logp, ent = compute_logprobs(ref, batch, temperature=0.7, budget=40, pad_id=0, with_entropy=True)
     plain = AutoModelForCausalLM.from_pretrained(
         str(tiny_model_dir), dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    critic = FSDPEngine(cfg, plan, role="critic", total_steps=1)
+    critic = FSDPEngine(cpu_spec(), cfg, role="critic", total_steps=1)
     values = compute_values(critic, batch, budget=40, pad_id=0)
     for i in range(len(batch)):
         p, r = batch.prompts[i], batch.responses[i]

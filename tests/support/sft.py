@@ -58,6 +58,7 @@ def cpu_plan(nproc: int, **overrides) -> dict:
         "ep": 1,
         "sequence_parallel": False,
         "rollout": None,
+        "rollout_mem_fraction": 0.5,
         "micro_batch_size": 2,
         "activation_checkpointing": False,
         "offload_params": False,
@@ -70,6 +71,14 @@ def cpu_plan(nproc: int, **overrides) -> dict:
     }
     plan.update(overrides)
     return plan
+
+
+def cpu_spec(**overrides):
+    """The EngineSpec of a one-process CPU run in fp32 (what ``EngineSpec.from_config`` gives for the
+    config the planner resolves from :func:`cpu_plan`)."""
+    from rlctl.engines.spec import EngineSpec
+
+    return EngineSpec(**{"backend": "fsdp", "device": "cpu", "dtype": "fp32", "attn": "sdpa", **overrides})
 
 
 def sft_config(model_dir: Path, data: Path, out: Path, **sets):

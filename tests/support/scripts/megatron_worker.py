@@ -39,6 +39,7 @@ from megatron.core import parallel_state
 
 from rlctl.config import RunConfig
 from rlctl.engines.megatron import build_engine
+from rlctl.engines.spec import EngineSpec
 
 
 def make(hf_dir: str, tp: int, pp: int, random_init: bool = False):
@@ -46,18 +47,8 @@ def make(hf_dir: str, tp: int, pp: int, random_init: bool = False):
     cfg.model.name, cfg.model.random_init = hf_dir, random_init
     cfg.train.max_len = 64
     cfg.rollout.max_prompt_len = cfg.rollout.max_response_len = 16
-    plan = SimpleNamespace(
-        backend="megatron",
-        device="cpu",
-        dtype="fp32",
-        tp=tp,
-        pp=pp,
-        cp=1,
-        ep=1,
-        sequence_parallel=False,
-        activation_checkpointing=False,
-    )
-    return build_engine(cfg, plan, role="actor", trainable=False)
+    spec = EngineSpec(backend="megatron", device="cpu", dtype="fp32", tp=tp, pp=pp)
+    return build_engine(spec, cfg, role="actor", trainable=False)
 
 
 def run(spec: dict, batch: dict) -> None:

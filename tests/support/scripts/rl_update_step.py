@@ -30,15 +30,15 @@ from rlctl.recipes.rl import (
     token_rewards,
     update_actor,
 )
-from tests.support.sft import cpu_plan
+from tests.support.sft import cpu_plan, cpu_spec
 
 
 def one_update(model_dir: str, spec: dict, agg: str, d) -> tuple[FSDPEngine, dict]:
     settings = {**spec["settings"], "model.name": model_dir, "algo.loss_agg": agg}
     cfg = build_config("grpo", [dotted_to_nested(settings)])
     plan = SimpleNamespace(**cpu_plan(d.world_size))
-    actor = FSDPEngine(cfg, plan, role="actor", total_steps=1)
-    ref = FSDPEngine(cfg, plan, role="ref", trainable=False)
+    actor = FSDPEngine(cpu_spec(), cfg, role="actor", total_steps=1)
+    ref = FSDPEngine(cpu_spec(), cfg, role="ref", trainable=False)
     n, prompts = spec["n"], spec["prompts"]
     mini = cfg.algo.mini_batch_size
     positions = rank_positions(len(prompts), mini, d.rank, d.world_size)

@@ -15,7 +15,6 @@ GPUs per node (the planner keeps tp <= GPUs per node).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from rlctl.errors import UserError
@@ -78,12 +77,24 @@ def rank_layout(world: int, tp: int, pp: int, cp: int = 1) -> dict[str, Any]:
     }
 
 
+def pipeline_split(num_layers: int, pp: int) -> list[int] | None:
+    """Layers per pipeline stage, or None when ``pp`` cannot split ``num_layers``: even stages when ``pp``
+    divides the layers, otherwise even stages and a last one with fewer (61 layers in 16 stages: 15 x 4 + 1).
+    (The memory estimate splits the same way, in rlctl.estimate.memory; engines do not import it.)"""
+    if pp < 1 or pp > num_layers:
+        return None
+    if num_layers % pp == 0:
+        return [num_layers // pp] * pp
+    for last in range(num_layers // pp, 0, -1):
+        if (num_layers - last) % (pp - 1) == 0 and last <= (num_layers - last) // (pp - 1):
+            return [(num_layers - last) // (pp - 1)] * (pp - 1) + [last]
+    return None
+
+
 def pipeline_stages(num_layers: int, pp: int) -> list[int]:
     """Decoder layers of each pipeline stage: even stages, or (when pp does not divide the layers) even
     stages and a last one with fewer, megatron-core's ``num_layers_in_last_pipeline_stage`` (61 layers
     in 16 stages: 15 x 4 + 1). UserError naming the valid pp when there is no such split."""
-    from rlctl.estimate.memory import pipeline_split
-
     split = pipeline_split(num_layers, pp)
     if split is None:
         valid = [p for p in range(1, num_layers + 1) if pipeline_split(num_layers, p)]
@@ -123,11 +134,10 @@ def check_megatron_layout(layout_cfg, *, world: int, tp: int, pp: int, cp: int =
         )
 
 
-def megatron_env(plan: Mapping[str, Any] | Any) -> dict[str, str]:
+def megatron_env(*, backend: str, device: str, tp: int, sequence_parallel: bool) -> dict[str, str]:
     """Environment variables a Megatron job needs on every rank (set before CUDA starts)."""
-    get = plan.get if isinstance(plan, Mapping) else lambda k, d=None: getattr(plan, k, d)
-    if get("backend") != "megatron" or get("device", "cuda") != "cuda":
+    if backend != "megatron" or device != "cuda":
         return {}
-    if int(get("tp", 1) or 1) > 1 or get("sequence_parallel", False):
+    if tp > 1 or sequence_parallel:
         return {CUDA_MAX_CONNECTIONS: "1"}
     return {}

@@ -1,0 +1,98 @@
+"""What an engine is asked to build: :class:`EngineSpec`, read once from the resolved run config.
+
+The planner fills every "auto" of the config (:func:`rlctl.plan.apply_plan`) before a job starts and
+the run directory keeps that resolved config; :meth:`EngineSpec.from_config` parses its strings here,
+in one place, and the engines read typed fields only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlctl.config import RunConfig
+
+BACKENDS = ("fsdp", "megatron")
+DEVICES = ("cpu", "cuda")
+
+
+class UnresolvedConfig(RuntimeError):
+    """An internal error: an engine was given a config the plan has not resolved (an "auto" is left)."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to build a training engine: placement, precision, parallel layout and memory savings.
+
+    ``attn`` may stay "auto": the engine picks flash_attention_2 where flash-attn is installed on a GPU
+    and sdpa otherwise, at run time (the planner leaves ``model.attn`` as it is).
+    """
+
+    backend: str = "fsdp"  # fsdp | megatron
+    device: str = "cpu"  # cpu | cuda
+    dtype: str = "fp32"  # bf16 | fp16 | fp32 (the engines train in bf16 or fp32)
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    offload_params: bool = False
+    offload_optimizer: bool = False
+    attn: str = "auto"  # auto | sdpa | eager | flash_attention_2
+    micro_batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise UnresolvedConfig(f"EngineSpec.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.device not in DEVICES:
+            raise UnresolvedConfig(f"EngineSpec.device must be one of {DEVICES}, got {self.device!r}")
+        if self.dtype == "auto":
+            raise UnresolvedConfig("EngineSpec.dtype is 'auto': resolve the config with the plan first")
+        for name in ("tp", "pp", "cp", "ep", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise UnresolvedConfig(f"EngineSpec.{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> EngineSpec:
+        """The spec of a RESOLVED run config (after ``rlctl.plan.apply_plan``); UnresolvedConfig where an
+        "auto" (or a 0 size) is left, which is a bug of the caller, not the user's input."""
+        par = cfg.parallel
+
+        def flag(name: str) -> bool:
+            value = getattr(par, name)
+            if value not in ("true", "false"):
+                raise UnresolvedConfig(f"parallel.{name} is {value!r}, not 'true'/'false': the plan was not applied")
+            return value == "true"
+
+        for key, value in (
+            ("parallel.backend", par.backend),
+            ("hardware.device", cfg.hardware.device),
+            ("model.dtype", cfg.model.dtype),
+        ):
+            if value == "auto":
+                raise UnresolvedConfig(f"{key} is 'auto': the plan was not applied to the config")
+        for key, value in (("parallel.tp", par.tp), ("parallel.pp", par.pp), ("parallel.ep", par.ep)):
+            if value < 1:
+                raise UnresolvedConfig(f"{key} is {value}: the plan was not applied to the config")
+        return cls(
+            backend=par.backend,
+            device=cfg.hardware.device,
+            dtype=cfg.model.dtype,
+            tp=par.tp,
+            pp=par.pp,
+            cp=max(1, par.cp),
+            ep=par.ep,
+            sequence_parallel=flag("sequence_parallel"),
+            activation_checkpointing=flag("activation_checkpointing"),
+            offload_params=flag("offload_params"),
+            offload_optimizer=flag("offload_optimizer"),
+            attn=cfg.model.attn,
+            micro_batch_size=cfg.train.micro_batch_size or 1,
+        )
+
+    def replace(self, **changes) -> EngineSpec:
+        """A copy with ``changes`` (checked like a new spec)."""
+        return dataclasses.replace(self, **changes)
