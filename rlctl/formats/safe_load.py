@@ -105,6 +105,8 @@ _DCP_CLASSES = {
         "BytesStorageMetadata",
         "_MEM_FORMAT_ENCODING",
     },
+    # megatron-core's torch_dist saves its save plans in the metadata (planner_data)
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
@@ -133,7 +135,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def load_dcp_metadata(path: str | Path, *, trust: bool = False) -> Any:
     """Unpickle a DCP ``.metadata`` file (a path to it or its checkpoint directory), refusing foreign types."""
-    import torch.distributed.checkpoint.filesystem  # noqa: F401 - registers _StorageInfo's module
+    import torch.distributed.checkpoint.filesystem  # noqa: F401 - imports the modules the classes live in
 
     path = Path(path)
     if path.is_dir():

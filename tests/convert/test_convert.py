@@ -108,7 +108,7 @@ CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_fsdp2_checkpoint_converts_to_the_trained_model(ckpts, tmp_path, case):
-    from rlctl.convert.fsdp import fsdp_to_hf
+    from rlctl.convert.pipeline import fsdp_to_hf
 
     scenario, sub = CASES[case]
     out = tmp_path / "hf"
@@ -186,7 +186,7 @@ LORA_SCALES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario,sub", [("lora", "rlctl"), ("lora", "verl"), ("rslora", "rlctl"), ("rslora", "verl")])
 def test_lora_checkpoint_is_folded_by_the_formula(ckpts, tmp_path, scenario, sub):
-    from rlctl.convert.fsdp import fsdp_to_hf
+    from rlctl.convert.pipeline import fsdp_to_hf
 
     truth = reference(ckpts, scenario)
     b = truth["base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"]
