@@ -163,9 +163,10 @@ def _verl_checkpoint(path: Path, notes: list[str]) -> Checkpoint:
         notes.append(f"no fsdp_config.json; world size {world} taken from the rank file names")
     missing = [r for r in range(world) if r not in ranks]
     if missing:
+        name = f"model_world_size_{world}_rank_{missing[0]}.pt"
         raise UserError(
-            f"{path}: missing model_world_size_{world}_rank_{missing[0]}.pt "
-            f"({len(missing)} of {world} rank files absent); copy the complete checkpoint"
+            f"{path / name}: file not found (missing {name}; {len(missing)} of {world} rank files absent); "
+            "copy the complete checkpoint"
         )
     adapter = path / "lora_adapter"
     return Checkpoint(

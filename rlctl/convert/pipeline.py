@@ -158,7 +158,7 @@ def lora_merge(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pat
         raise UserError(f"{base_dir}: not a Hugging Face model directory (no config.json)")
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         if not (adapter_dir / name).is_file():
-            raise UserError(f"{adapter_dir}: no {name}; expected a peft adapter directory")
+            raise UserError(f"{adapter_dir / name}: not found (no {name}); expected a peft adapter directory")
     lora.LoraSpec.from_dir(adapter_dir)  # refuse DoRA and non-LoRA adapters before reading weights
     weights = adapter_dir / "adapter_model.safetensors"
     if not lora.split_peft_keys(SafetensorsSource(weights).keys(), str(weights))[1]:
