@@ -6,7 +6,6 @@ headers, JSON files), so it is quick even for large checkpoints.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from rlctl.convert.lora import LoraSpec, split_peft_keys
 from rlctl.convert.sources import SafetensorsSource, TensorSource
 from rlctl.errors import UserError
 from rlctl.formats.hf_writer import config_dtype, config_ties_embeddings, dtype_name
+from rlctl.formats.safetensors import read_hf_config
 
 # What reading each format unpickles (see docs/security.md): shown by `rlctl convert inspect`.
 UNPICKLING = {
@@ -128,7 +128,7 @@ def _lora_info(source: TensorSource, adapter_dir: Path | None, where: str) -> di
 
 
 def _inspect_hf(path: Path) -> dict:
-    config = json.loads((path / "config.json").read_text())
+    config = read_hf_config(path)
     source = SafetensorsSource(path)
     info = {
         "format": "hf",
@@ -180,7 +180,7 @@ def _inspect_megatron(path: Path, fmt: str) -> dict:
     info: dict = {"format": f"megatron ({fmt})", "path": str(path)}
     meta_file = path / megatron_io.META_FILE
     if meta_file.is_file():
-        meta = json.loads(meta_file.read_text())
+        meta = read_hf_config(meta_file)
         config = meta.get("hf_config") or {}
         info.update(
             tp=meta.get("tp"),

@@ -155,6 +155,8 @@ def _verl_checkpoint(path: Path, notes: list[str]) -> Checkpoint:
     config_file = path / "fsdp_config.json"
     if config_file.is_file():
         fsdp_config = _read_json(config_file)
+        if not isinstance(fsdp_config, dict):
+            raise UserError(f"{config_file}: expected a JSON object, found {type(fsdp_config).__name__}")
         version = fsdp_config.get("FSDP_version")
         declared = fsdp_config.get("world_size")
         if declared is not None and int(declared) != world:

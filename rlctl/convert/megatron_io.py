@@ -266,9 +266,12 @@ def _open_megatron(
     """The HF tensor stream of a checkpoint, its HF config and the directory of its HF side files."""
     ckpt_dir, fmt = _resolve(Path(ckpt_dir))
     if fmt == "rlctl-shards":
-        meta = json.loads((ckpt_dir / META_FILE).read_text())
-        config = meta["hf_config"]
-        tp, pp = int(meta["tp"]), int(meta["pp"])
+        meta = read_hf_config(ckpt_dir / META_FILE)
+        try:
+            config = meta["hf_config"]
+            tp, pp = int(meta["tp"]), int(meta["pp"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{ckpt_dir / META_FILE}: damaged, no valid {e} entry; copy the checkpoint again") from None
         source = _ShardFiles(ckpt_dir, tp, pp)
         side = ckpt_dir / HF_SUBDIR
     else:

@@ -8,7 +8,6 @@ verified; it may never be, contain or sit inside an input (convert never destroy
 
 from __future__ import annotations
 
-import json
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from rlctl.convert.sources import SafetensorsSource, TensorSource
 from rlctl.convert.verify import Architecture, verify_model, write_verified
 from rlctl.errors import UserError
 from rlctl.formats.hf_writer import check_out_dir, config_dtype, resolve_dtype
+from rlctl.formats.safetensors import read_hf_config
 
 
 @dataclass
@@ -76,7 +76,7 @@ def convert_source(
         raise UserError(f"{where}: --keep-adapter given but the checkpoint holds no LoRA weights")
     arch = Architecture.from_dir(meta_dir)
     unknown = arch.check({name: layout.shape(source, name) for name in layout.base}, where)
-    target = resolve_dtype(dtype) or config_dtype(json.loads((meta_dir / "config.json").read_text()))
+    target = resolve_dtype(dtype) or config_dtype(read_hf_config(meta_dir))
     fold = layout.has_lora and not keep_adapter
     tensors = lora.merged_tensors(source, layout, spec) if fold else lora.base_tensors(source, layout)
 

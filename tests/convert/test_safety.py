@@ -75,6 +75,7 @@ def ckpts(tiny_model_dir, truth, tmp_path_factory) -> Path:
     """``rlctl/step_000003`` (DCP), ``verl/global_step_3/actor`` (2 rank files), ``sharded/`` (HF, 3+ files)."""
     import torch.distributed.checkpoint as dcp
 
+    from rlctl.convert.megatron_io import save_megatron_shards
     from rlctl.formats.hf_writer import save_hf_model
 
     root = tmp_path_factory.mktemp("ckpts")
@@ -89,6 +90,7 @@ def ckpts(tiny_model_dir, truth, tmp_path_factory) -> Path:
     (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 2}))
     copy_meta(tiny_model_dir, actor / "huggingface")
     save_hf_model(root / "sharded", truth.items(), meta_dir=tiny_model_dir, max_shard_bytes=700_000)
+    save_megatron_shards(tiny_model_dir, root / "mcore", tp=1, pp=2)
     return root
 
 
@@ -281,6 +283,9 @@ def _damage_cases(ckpts: Path, tiny_model_dir: Path) -> list[tuple[str, str, lis
         ("global_step_3/actor/fsdp_config.json", "verl", ["fsdp-to-hf", "{src}", "{out}"]),
     ]
     cases += [(name, "sharded", ["hf-to-megatron", "{src}", "{out}"]) for name in shards]
+    mcore = sorted(str(p.relative_to(ckpts / "mcore")) for p in (ckpts / "mcore").rglob("*.safetensors"))
+    assert len(mcore) == 2
+    cases += [(name, "mcore", ["megatron-to-hf", "{src}", "{out}"]) for name in [*mcore, "rlctl_megatron.json"]]
     return cases
 
 
@@ -288,8 +293,8 @@ def _damage_cases(ckpts: Path, tiny_model_dir: Path) -> list[tuple[str, str, lis
 def test_each_damaged_file_is_one_line_naming_it(ckpts, tiny_model_dir, tmp_path, how):
     seen = 0
     for name, sub, command in _damage_cases(ckpts, tiny_model_dir):
-        if how == "delete" and name.endswith("fsdp_config.json"):
-            continue  # optional in verl's layout: the world size comes from the file names
+        if how == "delete" and name.endswith(("fsdp_config.json", "rlctl_megatron.json")):
+            continue  # optional in verl's layout; without it, not a Megatron checkpoint (another message)
         src = tmp_path / f"case{seen}"
         shutil.copytree(ckpts / sub, src)
         file = src / name
