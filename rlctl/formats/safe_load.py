@@ -46,17 +46,22 @@ def _pt_allowlist() -> list:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     allowed: list = [DTensor, DTensorSpec, TensorMeta, DeviceMesh, Shard, Replicate, torch.Size]
+    try:  # torch >= 2.9 records a non-default shard order (seen on 2-D meshes) in DTensorSpec
+        from torch.distributed.tensor._dtensor_spec import ShardOrderEntry
+
+        allowed.append(ShardOrderEntry)
+    except ImportError:
+        pass
     try:
         from numpy._core.multiarray import _reconstruct
     except ImportError:  # numpy < 2
         from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
-    allowed += [_reconstruct, np.ndarray, np.dtype]
-    # numpy pickles a dtype as numpy.dtype("u4"), but newer numpy names the dtype class too
-    allowed += [type(np.dtype(t)) for t in ("u4", "f8", "i8", "u1", "b1")]
+    # numpy's RNG state is a uint32 array: rebuilding it needs the array, its dtype and the dtype's class
+    allowed += [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     return allowed
 
 
-_UNSAFE = re.compile(r"GLOBAL ([\w.]+)")
+_UNSAFE = re.compile(r"GLOBAL ([\w.]+)|but got <class '([\w.]+)'>")
 
 
 def load_pt(path: str | Path, *, trust: bool = False, mmap: bool = False) -> Any:
@@ -80,7 +85,7 @@ def load_pt(path: str | Path, *, trust: bool = False, mmap: bool = False) -> Any
         except pickle.UnpicklingError as e:
             found = _UNSAFE.search(str(e))
             if found:
-                raise _refusal(path, found.group(1).rstrip(".")) from None
+                raise _refusal(path, (found.group(1) or found.group(2)).rstrip(".")) from None
             raise UserError(f"{path}: damaged or not a torch file ({_first_line(e)}); copy it again") from None
         except Exception as e:  # noqa: BLE001 - a truncated, foreign or damaged file is the user's input
             raise UserError(f"{path}: damaged or not a torch file ({_first_line(e)}); copy it again") from None
