@@ -6,7 +6,7 @@ Each measurement runs in a fresh process (its peak RSS is the kernel's ``ru_maxr
   copy through user space (read + write in 16 MiB blocks, what any converter touching the bytes
   pays at least): the I/O limit of this disk;
 * ``baseline``: a process that only imports what a conversion imports;
-* ``convert``: :func:`rlctl.convert.fsdp.fsdp_to_hf` without verification (``verify`` with it,
+* ``convert``: :func:`rlctl.convert.pipeline.fsdp_to_hf` without verification (``verify`` with it,
   on request), timed after the imports.
 
 Rates: the copies over the weight files' bytes; the conversions over the model tensors' bytes
@@ -26,7 +26,7 @@ from rlctl.bench.common import run_measured, stdout_value
 # What a conversion imports anyway: the baseline process loads these and nothing else, and the
 # timed conversions load them before the clock starts.
 IMPORTS = (
-    "import rlctl.convert.fsdp, rlctl.convert.lora, rlctl.convert.verify\n"
+    "import rlctl.convert.pipeline\n"
     "import torch.distributed.tensor, torch.distributed.checkpoint\n"
     "from transformers import AutoModelForCausalLM\n"
 )
@@ -38,7 +38,7 @@ def weight_files(weights_dir: Path) -> list[Path]:
 
 
 def tensor_bytes(source) -> tuple[int, int]:
-    """(bytes of all model tensors, bytes of the largest) of a :class:`rlctl.convert.fsdp.TensorSource`."""
+    """(bytes of all model tensors, bytes of the largest) of a :class:`rlctl.convert.sources.TensorSource`."""
     import math
 
     sizes = [math.prod(source.shape(k)) * source.dtype(k).itemsize for k in source.keys()]
@@ -67,7 +67,7 @@ def measure_copies(files: list[Path], dest: Path) -> dict:
 
 def measure_conversion(path: Path, out: Path, *, verify: bool, baseline_rss: int, model_bytes: int, label: str) -> dict:
     code = (
-        IMPORTS + "import time\nfrom rlctl.convert.fsdp import fsdp_to_hf\nt = time.perf_counter()\n"
+        IMPORTS + "import time\nfrom rlctl.convert.pipeline import fsdp_to_hf\nt = time.perf_counter()\n"
         f"r = fsdp_to_hf({str(path)!r}, {str(out)!r}, verify={verify})\n"
         "assert r.committed\nprint('ELAPSED', time.perf_counter() - t)"
     )
@@ -84,7 +84,7 @@ def measure_conversion(path: Path, out: Path, *, verify: bool, baseline_rss: int
 
 def bench_convert(path: str | Path, *, verify: bool = False, work: str | Path | None = None) -> dict:
     """Measure copy, baseline and conversion of the checkpoint at ``path`` (step, actor or run dir)."""
-    from rlctl.convert.fsdp import locate_checkpoint
+    from rlctl.convert.locate import locate_checkpoint
 
     ckpt = locate_checkpoint(path)
     files = weight_files(ckpt.weights_dir)

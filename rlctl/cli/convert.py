@@ -36,6 +36,14 @@ Force = Annotated[bool, typer.Option("--force", help="Replace OUT if it exists."
 ShardSize = Annotated[
     str, typer.Option("--max-shard-size", help="Split safetensors files beyond this size (e.g. 5GB, 500MB).")
 ]
+Trust = Annotated[
+    bool,
+    typer.Option(
+        "--trust-checkpoint",
+        help="Unpickle the checkpoint's files fully. They can run code: only for checkpoints from a source you "
+        "trust (see docs/security.md). Without it, files needing anything beyond tensors are refused.",
+    ),
+]
 Out = Annotated[Path, typer.Argument(help="Output directory (written under a temporary name, renamed when complete).")]
 
 _DTYPES = ("bf16", "fp16", "fp32")
@@ -65,6 +73,14 @@ def _console():
     from rich.console import Console
 
     return Console(stderr=True, soft_wrap=True)
+
+
+def _warn_trust(trust: bool) -> None:
+    if trust:
+        _console().print(
+            "[bold yellow]warning:[/] --trust-checkpoint: the checkpoint's pickled files are loaded in full and "
+            "can run arbitrary code; use it only for checkpoints from a source you trust"
+        )
 
 
 def _report(result, what: str) -> None:
@@ -117,13 +133,16 @@ def fsdp_to_hf(
     verify: Verify = True,
     force: Force = False,
     max_shard_size: ShardSize = "5GB",
+    trust: Trust = False,
 ) -> None:
     """Merge an FSDP checkpoint (rlctl DCP or verl rank files) into a Hugging Face model."""
-    from rlctl.convert.fsdp import fsdp_to_hf as convert
+    from rlctl.convert.pipeline import fsdp_to_hf as convert
 
+    _warn_trust(trust)
     result = convert(
         ckpt,
         out,
+        trust=trust,
         dtype=_check_dtype(dtype),
         keep_adapter=keep_adapter,
         verify=verify,
@@ -147,7 +166,7 @@ def lora_merge(
     max_shard_size: ShardSize = "5GB",
 ) -> None:
     """Fold a LoRA adapter into its base model: W + (alpha/r)·B@A (alpha/sqrt(r) with rsLoRA)."""
-    from rlctl.convert.lora import lora_merge as merge
+    from rlctl.convert.pipeline import lora_merge as merge
 
     result = merge(
         base,
@@ -166,13 +185,15 @@ def lora_merge(
 def inspect(
     ckpt: Annotated[Path, typer.Argument(help="Any checkpoint: rlctl, verl FSDP, Megatron, HF model or peft adapter.")],
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    trust: Trust = False,
 ) -> None:
     """Say what a checkpoint is (format, world size or tp/pp, dtype, parameters, step, LoRA) without converting."""
     import json
 
     from rlctl.convert.inspect import inspect_checkpoint, render
 
-    info = inspect_checkpoint(ckpt)
+    _warn_trust(trust)
+    info = inspect_checkpoint(ckpt, trust=trust)
     if json_:
         typer.echo(json.dumps(info, indent=2, default=str))
     else:
@@ -200,7 +221,7 @@ def hf_to_megatron(
     from rlctl.formats.hf_writer import check_out_dir, commit_dir, temp_sibling
 
     out = out.absolute()
-    check_out_dir(out, force)
+    check_out_dir(out, force, inputs=[hf])
     tmp = temp_sibling(out)
     try:
         save_megatron_shards(hf, tmp, tp, pp)
@@ -232,19 +253,20 @@ def megatron_to_hf(
     verify: Verify = True,
     force: Force = False,
     max_shard_size: ShardSize = "5GB",
+    trust: Trust = False,
 ) -> None:
     """Merge a Megatron checkpoint into a Hugging Face model."""
-    import json
-
     from rlctl.convert.megatron_io import load_megatron_to_hf
     from rlctl.convert.verify import verify_model, write_verified
     from rlctl.formats.hf_writer import check_out_dir, config_dtype, resolve_dtype
+    from rlctl.formats.safetensors import read_hf_config
 
+    _warn_trust(trust)
     out = out.absolute()
-    check_out_dir(out, force)
     meta_dir = _megatron_meta_dir(ckpt, hf_config)
-    target = resolve_dtype(_check_dtype(dtype)) or config_dtype(json.loads((meta_dir / "config.json").read_text()))
-    stream = load_megatron_to_hf(ckpt, hf_config)
+    check_out_dir(out, force, inputs=[ckpt, meta_dir, hf_config])
+    target = resolve_dtype(_check_dtype(dtype)) or config_dtype(read_hf_config(meta_dir))
+    stream = load_megatron_to_hf(ckpt, hf_config, trust=trust)
     written = write_verified(
         out,
         stream,
@@ -252,7 +274,11 @@ def megatron_to_hf(
         dtype=target,
         force=force,
         progress=True,
-        verify=(lambda tmp: verify_model(tmp, load_megatron_to_hf(ckpt, hf_config), dtype=target)) if verify else None,
+        verify=(
+            (lambda tmp: verify_model(tmp, load_megatron_to_hf(ckpt, hf_config, trust=trust), dtype=target))
+            if verify
+            else None
+        ),
         max_shard_bytes=parse_size(max_shard_size),
     )
     _verdict_and_exit(written.verdict, written.committed, out, "Hugging Face model", dtype=target)

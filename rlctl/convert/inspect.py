@@ -6,27 +6,43 @@ headers, JSON files), so it is quick even for large checkpoints.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-from rlctl.convert.fsdp import (
-    SafetensorsSource,
-    TensorSource,
-    describe_unknown,
-    is_dcp_dir,
-    locate_checkpoint,
-    rank_files,
-)
+from rlctl.convert.locate import describe_unknown, is_dcp_dir, locate_checkpoint, rank_files
 from rlctl.convert.lora import LoraSpec, split_peft_keys
+from rlctl.convert.sources import SafetensorsSource, TensorSource
 from rlctl.errors import UserError
 from rlctl.formats.hf_writer import config_dtype, config_ties_embeddings, dtype_name
+from rlctl.formats.safetensors import read_hf_config
+
+# What reading each format unpickles (see docs/security.md): shown by `rlctl convert inspect`.
+UNPICKLING = {
+    "rlctl-dcp": "restricted: .metadata admits only DCP metadata classes; tensors weights_only",
+    "verl-fsdp": "restricted: rank files loaded weights_only (tensors, DTensor, mesh, placements)",
+    "hf": "none (safetensors and JSON only)",
+    "peft-adapter": "none (safetensors and JSON only)",
+    "megatron (rlctl-shards)": "none (safetensors and JSON only)",
+    "megatron (torch_dist)": "restricted: .metadata admits only DCP metadata classes; tensors weights_only; "
+    "common.pt (a full pickle, cannot be restricted) is never read",
+}
+TRUSTED = "FULL (--trust-checkpoint): the checkpoint's pickles may run code"
 
 
-def inspect_checkpoint(path: str | Path) -> dict:
-    """A JSON-ready description of the checkpoint at ``path`` (see :func:`render`)."""
+def inspect_checkpoint(path: str | Path, *, trust: bool = False) -> dict:
+    """A JSON-ready description of the checkpoint at ``path`` (see :func:`render`).
+
+    ``trust``: unpickle the checkpoint's files fully (see docs/security.md).
+    """
+    info = _inspect(Path(path), trust)
+    pickled = info.get("format") in ("rlctl-dcp", "verl-fsdp", "megatron (torch_dist)")
+    info["unpickling"] = TRUSTED if trust and pickled else UNPICKLING.get(info.get("format"), "none")
+    return info
+
+
+def _inspect(path: Path, trust: bool) -> dict:
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path} does not exist")
@@ -46,7 +62,7 @@ def inspect_checkpoint(path: str | Path) -> dict:
         ckpt = locate_checkpoint(path)
     except UserError:
         raise UserError(f"{path}: {describe_unknown(path)}") from None
-    source = ckpt.open()
+    source = ckpt.open(trust=trust)
     config = ckpt.config()
     info = {
         "format": ckpt.format,
@@ -112,7 +128,7 @@ def _lora_info(source: TensorSource, adapter_dir: Path | None, where: str) -> di
 
 
 def _inspect_hf(path: Path) -> dict:
-    config = json.loads((path / "config.json").read_text())
+    config = read_hf_config(path)
     source = SafetensorsSource(path)
     info = {
         "format": "hf",
@@ -164,7 +180,7 @@ def _inspect_megatron(path: Path, fmt: str) -> dict:
     info: dict = {"format": f"megatron ({fmt})", "path": str(path)}
     meta_file = path / megatron_io.META_FILE
     if meta_file.is_file():
-        meta = json.loads(meta_file.read_text())
+        meta = read_hf_config(meta_file)
         config = meta.get("hf_config") or {}
         info.update(
             tp=meta.get("tp"),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from rlctl.convert.fsdp import SafetensorsSource, TensorSource
+from rlctl.convert.sources import SafetensorsSource, TensorSource
 from rlctl.errors import UserError
 
 PEFT_PREFIX = "base_model.model."
@@ -196,7 +196,8 @@ def merged_tensors(source: TensorSource, layout: HFLayout, spec: LoraSpec | None
             d = delta(spec, module, lsrc.get(pair.a_key), lsrc.get(pair.b_key), pair.embedding)
             if d.shape != tensor.shape:
                 raise UserError(
-                    f"{source.where(key)}: LoRA delta of {module} has shape {list(d.shape)}, weight {list(tensor.shape)}"
+                    f"{source.where(key)}: LoRA delta of {module} has shape {list(d.shape)}, "
+                    f"weight {list(tensor.shape)}"
                 )
             tensor = tensor.float() + d
         yield name, tensor
@@ -248,24 +249,3 @@ def peft_reference(meta_dir: Path, base: dict[str, torch.Tensor], adapter_dir: P
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir), torch_device="cpu")
     merged = peft_model.merge_and_unload()
     return {k: v.detach() for k, v in merged.state_dict().items()}
-
-
-def lora_merge(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Path, **options):
-    """Fold a peft adapter into an HF base model (safetensors) and write the merged HF model.
-
-    ``options``: those of :func:`rlctl.convert.fsdp.convert_source` (dtype, verify, force, progress).
-    """
-    from rlctl.convert.fsdp import convert_source
-
-    base_dir, adapter_dir = Path(base_dir), Path(adapter_dir)
-    if not (base_dir / "config.json").is_file():
-        raise UserError(f"{base_dir}: not a Hugging Face model directory (no config.json)")
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        if not (adapter_dir / name).is_file():
-            raise UserError(f"{adapter_dir}: no {name}; expected a peft adapter directory")
-    LoraSpec.from_dir(adapter_dir)  # refuse DoRA and non-LoRA adapters before reading weights
-    weights = adapter_dir / "adapter_model.safetensors"
-    if not split_peft_keys(SafetensorsSource(weights).keys(), str(weights))[1]:
-        raise UserError(f"{weights}: the adapter holds no LoRA weights")
-    source = SafetensorsSource(base_dir)
-    return convert_source(source, out_dir, meta_dir=base_dir, adapter_dir=adapter_dir, where=str(base_dir), **options)

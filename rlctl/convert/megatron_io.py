@@ -27,9 +27,8 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import (
@@ -44,6 +43,7 @@ from rlctl.formats.megatron_layout import (
     megatron_to_hf,
     padded_vocab_size,
 )
+from rlctl.formats.safe_load import safe_dcp_reader
 from rlctl.formats.safetensors import HFSafetensors, read_hf_config
 
 META_FILE = "rlctl_megatron.json"
@@ -126,17 +126,14 @@ class _ShardFiles:
                 f"missing shard file {missing[0]} ({len(missing)} of {tp * pp} missing; the checkpoint "
                 f"was written with tp={tp}, pp={pp}): copy the complete directory or convert again"
             )
-        self._open: dict[tuple[int, int], tuple[Any, set[str]]] = {}
+        # opened (headers checked) up front: a truncated shard is one line before anything is written
+        self._open = {rank: HFSafetensors(file) for rank, file in self._files.items()}
 
     def __call__(self, tp_rank: int, pp_rank: int, name: str) -> Any:
-        rank = (tp_rank, pp_rank)
-        if rank not in self._open:
-            handle = safe_open(self._files[rank], framework="pt")
-            self._open[rank] = handle, set(handle.keys())
-        handle, names = self._open[rank]
-        if name not in names:
+        shard = self._open[(tp_rank, pp_rank)]
+        if name not in shard:
             raise UserError(f"shard {shard_dir_name(tp_rank, pp_rank)} of {self._dir} has no tensor {name}")
-        return handle.get_slice(name)
+        return shard(name)
 
 
 # ----------------------------------------------------------------------------- torch_dist
@@ -166,9 +163,14 @@ class _TorchDistReader:
 
     _EMBEDDING = "embedding.word_embeddings.weight"
 
-    def __init__(self, ckpt_dir: Path):
+    def __init__(self, ckpt_dir: Path, trust: bool = False):
+        from rlctl.convert.sources import check_dcp_files
+
         self._dir = ckpt_dir
-        self._meta = FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
+        self._reader = safe_dcp_reader(ckpt_dir, trust=trust)
+        metadata = self._reader.read_metadata()
+        check_dcp_files(ckpt_dir, metadata)
+        self._meta = metadata.state_dict_metadata
         model_keys = [k for k in self._meta if k.endswith(self._EMBEDDING) and not k.startswith("optimizer")]
         if not model_keys:
             raise UserError(f"{ckpt_dir} has no {self._EMBEDDING}: not a megatron-core GPTModel checkpoint")
@@ -201,7 +203,7 @@ class _TorchDistReader:
         planner = _RegionPlanner({key: (offsets, sizes)})
         with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": intended here
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load({key: dest}, storage_reader=FileSystemReader(str(self._dir)), planner=planner, no_dist=True)
+            dcp.load({key: dest}, storage_reader=self._reader, planner=planner, no_dist=True)
         return dest[0] if row is not None else dest
 
     def __call__(self, tp_rank: int, pp_rank: int, name: str) -> torch.Tensor:
@@ -259,25 +261,30 @@ def _torch_dist_hf_config(ckpt_dir: Path, hf_config: HFConfigArg) -> tuple[dict[
 
 
 def _open_megatron(
-    ckpt_dir: str | Path, hf_config: HFConfigArg
+    ckpt_dir: str | Path, hf_config: HFConfigArg, trust: bool = False
 ) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any], Path | None]:
     """The HF tensor stream of a checkpoint, its HF config and the directory of its HF side files."""
     ckpt_dir, fmt = _resolve(Path(ckpt_dir))
     if fmt == "rlctl-shards":
-        meta = json.loads((ckpt_dir / META_FILE).read_text())
-        config = meta["hf_config"]
-        tp, pp = int(meta["tp"]), int(meta["pp"])
+        meta = read_hf_config(ckpt_dir / META_FILE)
+        try:
+            config = meta["hf_config"]
+            tp, pp = int(meta["tp"]), int(meta["pp"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{ckpt_dir / META_FILE}: damaged, no valid {e} entry; copy the checkpoint again") from None
         source = _ShardFiles(ckpt_dir, tp, pp)
         side = ckpt_dir / HF_SUBDIR
     else:
         config, side = _torch_dist_hf_config(ckpt_dir, hf_config)
         tp = pp = 1
-        source = _TorchDistReader(ckpt_dir)
+        source = _TorchDistReader(ckpt_dir, trust)
     cfg = MegatronLayoutConfig.from_hf_config(config)
     return megatron_to_hf(source, cfg, tp, pp), config, side if side and side.is_dir() else None
 
 
-def load_megatron_to_hf(ckpt_dir: str | Path, hf_config: HFConfigArg = None) -> Iterator[tuple[str, torch.Tensor]]:
+def load_megatron_to_hf(
+    ckpt_dir: str | Path, hf_config: HFConfigArg = None, *, trust: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the HF ``(name, tensor)`` pairs of a Megatron checkpoint, layer by layer.
 
     ``ckpt_dir``: rlctl shards, a megatron-core torch_dist directory, or a verl actor directory
@@ -285,12 +292,17 @@ def load_megatron_to_hf(ckpt_dir: str | Path, hf_config: HFConfigArg = None) -> 
     read for torch_dist, and needed unless a ``huggingface/`` dir sits inside or beside the checkpoint.
     Problems with the directory are raised here, before iterating.
     """
-    tensors, _, _ = _open_megatron(ckpt_dir, hf_config)
+    tensors, _, _ = _open_megatron(ckpt_dir, hf_config, trust)
     return tensors
 
 
 def save_hf_from_megatron(
-    ckpt_dir: str | Path, out_dir: str | Path, hf_config: HFConfigArg = None, max_shard_bytes: int = 5 * 1024**3
+    ckpt_dir: str | Path,
+    out_dir: str | Path,
+    hf_config: HFConfigArg = None,
+    max_shard_bytes: int = 5 * 1024**3,
+    *,
+    trust: bool = False,
 ) -> Path:
     """Convert a Megatron checkpoint (see :func:`load_megatron_to_hf`) to an HF model directory.
 
@@ -300,9 +312,10 @@ def save_hf_from_megatron(
     """
     import tempfile
 
-    from rlctl.formats.hf_writer import save_hf_model
+    from rlctl.formats.hf_writer import check_out_dir, save_hf_model
 
-    tensors, config, side = _open_megatron(ckpt_dir, hf_config)
+    tensors, config, side = _open_megatron(ckpt_dir, hf_config, trust)
+    check_out_dir(Path(out_dir).absolute(), False, inputs=[ckpt_dir, side])
     with tempfile.TemporaryDirectory(prefix="rlctl-meta-") as meta:
         meta = Path(meta)
         if side is not None:

@@ -144,7 +144,7 @@ def verify_model(
     state of the logits reference model when it is not ``expected`` (e.g. peft's merge); it is
     consumed (emptied) to keep memory near one copy of the model.
     """
-    from rlctl.convert.fsdp import SafetensorsSource
+    from rlctl.convert.sources import SafetensorsSource
 
     verdict = Verdict()
     config = json.loads((out_dir / "config.json").read_text())
@@ -246,7 +246,7 @@ def _check_logits(
 
 
 def _check_adapter(adapter_dir: Path, expected: dict[str, torch.Tensor]) -> Verdict:
-    from rlctl.convert.fsdp import SafetensorsSource
+    from rlctl.convert.sources import SafetensorsSource
 
     verdict = Verdict()
     got = SafetensorsSource(adapter_dir / "adapter_model.safetensors")
@@ -360,7 +360,7 @@ def write_verified(
 
 def verify_roundtrip(hf_dir: Path, stream: Iterable[tuple[str, torch.Tensor]]) -> Verdict:
     """Tensors read back from a written checkpoint (e.g. Megatron shards) equal the HF source's."""
-    from rlctl.convert.fsdp import SafetensorsSource
+    from rlctl.convert.sources import SafetensorsSource
 
     source = SafetensorsSource(hf_dir)
     names = set(source.keys())

@@ -257,9 +257,24 @@ def temp_sibling(out_dir: Path) -> Path:
     return tmp
 
 
-def check_out_dir(out_dir: Path, force: bool) -> None:
-    """Refuse an existing output unless ``force``."""
-    if out_dir.exists() and not force:
+def check_out_dir(out_dir: Path, force: bool, inputs: Iterable[str | Path | None] = ()) -> None:
+    """Refuse an output that is, contains or sits inside one of ``inputs`` (symlinks resolved), whatever
+    ``force`` says: replacing it would destroy the input. Refuse an existing non-empty output unless
+    ``force``; an existing empty directory is accepted."""
+    out = Path(out_dir).resolve()
+    for item in inputs:
+        if item is None:
+            continue
+        src = Path(item).resolve()
+        if out == src or src in out.parents or out in src.parents:
+            how = "is" if out == src else ("is inside" if src in out.parents else "contains")
+            raise UserError(
+                f"output {out_dir} {how} the input {item}; writing there would destroy the input "
+                "(--force does not change this): choose an OUT outside the checkpoint"
+            )
+    if out_dir.is_dir() and not out_dir.is_symlink() and not any(out_dir.iterdir()):
+        return
+    if (out_dir.exists() or out_dir.is_symlink()) and not force:
         raise UserError(f"{out_dir} already exists; pass --force to overwrite it")
 
 

@@ -59,7 +59,8 @@ _ARCHITECTURE_CLASSES = {
     "MistralForCausalLM": "mistral",
 }
 
-TensorSource = Callable[[str], Any]
+#: ``name -> tensor or lazy slice`` of an HF checkpoint (e.g. :class:`rlctl.formats.safetensors.HFSafetensors`)
+SliceGetter = Callable[[str], Any]
 ShardSource = Callable[[int, int, str], Any]
 
 
@@ -155,7 +156,7 @@ def _copy(t: Any) -> torch.Tensor:
     return t[:].clone(memory_format=torch.contiguous_format)
 
 
-def _vocab_rows(get: TensorSource, name: str, cfg: MegatronLayoutConfig, tp: int, tp_rank: int) -> torch.Tensor:
+def _vocab_rows(get: SliceGetter, name: str, cfg: MegatronLayoutConfig, tp: int, tp_rank: int) -> torch.Tensor:
     """The rank's rows of the padded vocabulary; padding rows are zero."""
     per_rank = padded_vocab_size(cfg, tp) // tp
     start = tp_rank * per_rank
@@ -165,7 +166,7 @@ def _vocab_rows(get: TensorSource, name: str, cfg: MegatronLayoutConfig, tp: int
 
 
 def _fused_qkv(
-    get: TensorSource, prefix: str, suffix: str, cfg: MegatronLayoutConfig, tp: int, tp_rank: int
+    get: SliceGetter, prefix: str, suffix: str, cfg: MegatronLayoutConfig, tp: int, tp_rank: int
 ) -> torch.Tensor:
     """The rank's groups of [Q rows of the group; K rows; V rows] (``suffix`` is weight or bias)."""
     d = cfg.head_dim
@@ -181,7 +182,7 @@ def _fused_qkv(
 
 
 def megatron_shard_for_rank(
-    get_hf_tensor: TensorSource, cfg: MegatronLayoutConfig, tp: int, pp: int, tp_rank: int, pp_rank: int
+    get_hf_tensor: SliceGetter, cfg: MegatronLayoutConfig, tp: int, pp: int, tp_rank: int, pp_rank: int
 ) -> dict[str, torch.Tensor]:
     """The Megatron state dict of rank ``(tp_rank, pp_rank)``, reading only the slices it holds."""
     check_parallelism(cfg, tp, pp)
