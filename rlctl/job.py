@@ -48,6 +48,9 @@ def resolve_job(method: str, *, preset: str | None, config_file: str | None, opt
             f"no model given: pass --model (e.g. `rlctl {method} --model Qwen2.5-7B ...`) or set model.name in --config"
         )
     check_algorithm(cfg)
+    model = model_files(cfg.model.name)
+    if model is not None:
+        check_remote_code(cfg, model)  # before the planner, which would only say the model type is unknown
     plan = resolve_plan(cfg)
     return apply_plan(cfg, plan), plan
 
@@ -236,16 +239,12 @@ def context_length(model: ModelFiles) -> int:
 
 
 def check_context(cfg: RunConfig, model: ModelFiles) -> None:
-    """Prompt + response (RL) or max_len (SFT) within the model's positions (max_position_embeddings)."""
+    """RL: prompt + response within the model's positions (max_position_embeddings): the rollout engine
+    refuses a longer context (vLLM's max_model_len), minutes into the job."""
     ctx = context_length(model)
     if not ctx:
         return
-    if cfg.method == "sft":
-        if cfg.train.max_len > ctx:
-            raise UserError(
-                f"train.max_len={cfg.train.max_len} is longer than the model's context of {ctx} tokens "
-                f"(max_position_embeddings in {model.root / 'config.json'}); pass --max-len {ctx} or less"
-            )
+    if cfg.method == "sft":  # rows longer than max_len are skipped or cut; the positions stretch (RoPE)
         return
     r = cfg.rollout
     if r.max_prompt_len + r.max_response_len > ctx:

@@ -242,7 +242,11 @@ def launch_job(cfg: RunConfig, plan: Plan) -> int:
             signals["count"] += 1
             workers = _worker_pids(proc.pid)
             if signals["count"] == 1 and workers:
-                progress.console.print("stopping: the ranks save a checkpoint first (Ctrl-C again to kill them)")
+                progress.console.print(
+                    "stopping: the ranks save a checkpoint first (Ctrl-C again to kill them)"
+                    if progress.last is not None
+                    else "stopping: still starting up, nothing to save (Ctrl-C again to kill the ranks)"
+                )
                 for pid in workers:
                     try:
                         os.kill(pid, signal.SIGINT)
@@ -295,11 +299,11 @@ def _report(rc: int, paths: RunPaths, progress: _Progress, *, interrupted: bool 
     """Turn the ranks' outcome into the user-facing result: one line on failure, never torchrun's report."""
     console = progress.console
     summary = json.loads(paths.summary.read_text()) if paths.summary.is_file() else None
-    if rc != 0 or summary is None:
-        cause = root_cause(read_rank_errors(paths))
-        if cause is not None and cause.get("kind") == "user":
+    cause = root_cause(read_rank_errors(paths)) if rc != 0 or summary is None else None
+    if cause is not None:
+        if cause.get("kind") == "user":
             raise UserError(_one_line(cause["message"]))
-        if cause is not None and not (interrupted and summary):
+        if not interrupted:  # after a Ctrl-C, a peer's broken connection is no internal error
             from rich.markup import escape
 
             rank = cause.get("rank", "?")
@@ -308,6 +312,7 @@ def _report(rc: int, paths: RunPaths, progress: _Progress, *, interrupted: bool 
                 f"[red]internal error[/red] on rank {rank}: {escape(_one_line(cause['message']))} "
                 f"({escape(where)}full log: {escape(str(paths.train_log))})",
                 highlight=False,
+                soft_wrap=True,
             )
             return 1
     if paths.error.is_file():
@@ -322,7 +327,9 @@ def _report(rc: int, paths: RunPaths, progress: _Progress, *, interrupted: bool 
         console.print("continue with --resume auto (same --output-dir)")
         return INTERRUPTED
     if rc != 0 or summary is None:
-        console.print(f"[red]training failed[/red] (exit status {rc}); the ranks' output: {paths.train_log}")
+        console.print(
+            f"[red]training failed[/red] (exit status {rc}); the ranks' output: {paths.train_log}", soft_wrap=True
+        )
         return rc or 1
     data = summary.get("data") or {}
     if data.get("bad"):
