@@ -79,8 +79,8 @@ def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False) -> Non
     from rlctl.metrics import check_backends_installed
 
     check_backends_installed(cfg.log.backends)
-    check_device(plan)
     check_memory(plan, ignore=ignore_memory_check)
+    check_device(plan)
     if cfg.output_dir:
         check_run_dir(cfg, Path(cfg.output_dir))
     model = model_files(cfg.model.name)
@@ -157,7 +157,8 @@ def check_memory(plan, *, ignore: bool) -> None:
     verdict = next((r[len("estimate: ") :] for r in plan.reasons if r.startswith("estimate: ")), "")
     idx = next((i for i, r in enumerate(plan.reasons) if r.startswith("estimate: ")), None)
     instead = plan.reasons[idx + 1] if idx is not None and idx + 1 < len(plan.reasons) else ""
-    parts = [f"the plan does not fit in memory ({verdict})" if verdict else "the plan does not fit in memory"]
+    verdict = verdict.removeprefix("does not fit").lstrip(": ")
+    parts = [f"the plan does not fit in memory: {verdict}" if verdict else "the plan does not fit in memory"]
     if instead:
         parts.append(instead.rstrip("."))
     parts.append(f"pass {IGNORE_MEMORY_FLAG} to launch anyway")
@@ -210,12 +211,15 @@ def known_model_types() -> frozenset[str]:
     spec = importlib.util.find_spec("transformers")
     if spec is None or not spec.submodule_search_locations:
         return frozenset()
-    src = Path(next(iter(spec.submodule_search_locations))) / "models" / "auto" / "configuration_auto.py"
-    try:
-        text = src.read_text()
-    except OSError:
-        return frozenset()
-    return frozenset(re.findall(r'\(\s*"([\w-]+)",\s*"\w+Config"\s*\)', text))
+    models = Path(next(iter(spec.submodule_search_locations))) / "models"
+    found: set[str] = set()
+    for name in ("auto_mappings.py", "configuration_auto.py"):  # where the mapping lives moves between versions
+        try:
+            text = (models / "auto" / name).read_text()
+        except OSError:
+            continue
+        found.update(re.findall(r'"([\w-]+)"\s*[:,]\s*"\w+Config"', text))
+    return frozenset(found)
 
 
 def check_remote_code(cfg: RunConfig, model: ModelFiles) -> None:
@@ -224,8 +228,8 @@ def check_remote_code(cfg: RunConfig, model: ModelFiles) -> None:
         return
     model_type = str(model.config.get("model_type", ""))
     known = known_model_types()
-    if known and model_type in known:
-        return
+    if (known and model_type in known) or (not known and model_type):
+        return  # transformers builds it natively (or its mapping could not be read: let it decide)
     raise UserError(
         f"{model.root} needs its own Python code (config.json auto_map, model_type {model_type or '?'!r} unknown to "
         f"transformers); pass --trust-remote-code if you trust it (or --set model.trust_remote_code=true)"
