@@ -231,7 +231,7 @@ def launch_job(cfg: RunConfig, plan: Plan) -> int:
     env = job_env(plan, os.environ)
 
     progress = _Progress(f"{cfg.method} {model_slug(cfg.model.name)}")
-    progress.console.print(f"run directory: {run_dir}  (log: {paths.train_log})")
+    progress.console.print(f"run directory: {run_dir}  (log: {paths.train_log})", soft_wrap=True)
     signals = {"count": 0}
     with open(paths.train_log, "a") as log:
         log.write(f"$ {' '.join(argv)}\n")

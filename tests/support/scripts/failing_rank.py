@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from rlctl.runtime.errors import write_rank_error
 
@@ -26,6 +27,7 @@ def main() -> int:
     run_dir = parser.parse_args().run_dir
     rank, mode = int(os.environ["RANK"]), os.environ.get("FAIL_MODE", "user")
     if mode == "hang":
+        (Path(run_dir) / f"started_rank_{rank}").touch()  # the test waits for these before its Ctrl-C
         try:
             time.sleep(120)
         except KeyboardInterrupt:
