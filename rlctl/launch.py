@@ -1,9 +1,15 @@
 """Starting a training job: the torchrun command, the run directory, the progress bar, Ctrl-C.
 
 :func:`build_command` gives the exact argv (also printed by ``--dry-run``); :func:`launch_job`
-creates the run directory (config.yaml, plan.json), runs torchrun with the ranks' output in
-RUN/train.log, draws one progress bar from rank 0's RUN/metrics.jsonl, and returns the ranks'
-exit status. Ctrl-C asks the ranks to save a checkpoint and stop (a second Ctrl-C kills them).
+takes a job already checked (:func:`rlctl.job.check_job`), creates the run directory (config.yaml,
+plan.json), runs torchrun with the ranks' output in RUN/train.log, draws one progress bar from rank 0's
+RUN/metrics.jsonl, and returns the ranks' exit status. A failed job is reported in one line: the
+earliest rank error (RUN/errors/rank_N.json) that is not an interruption; torchrun's own report stays
+in train.log. Ctrl-C asks the ranks to save a checkpoint and stop (a second Ctrl-C kills them);
+during start-up it stops them and writes summary.json (exit 130).
+
+The plan is the typed :class:`rlctl.plan.Plan`. This module imports neither the recipes nor
+:mod:`rlctl.job` (the layout contract); the run directory's files come from :mod:`rlctl.runtime.layout`.
 
 No torch import at module level: the CLI imports this module for ``--dry-run``.
 """
