@@ -127,17 +127,22 @@ def first_rows(path: str | Path, n: int = 32) -> tuple[list[dict], list[str]] | 
             raise UserError(f"cannot read {p} as Parquet: {str(e).splitlines()[0]}") from None
         return (batch.to_pylist() if batch is not None else []), columns
     if suffix in (".jsonl", ".jsonl.gz", ".ndjson"):
-        rows = []
+        rows, lines = [], 0
         with _open_text(p) as f:
             for line in f:
-                if len(rows) >= n:
+                if len(rows) >= n or lines >= 4 * n:
                     break
+                if not line.strip():
+                    continue
+                lines += 1
                 try:
-                    obj = json.loads(line) if line.strip() else None
+                    obj = json.loads(line)
                 except json.JSONDecodeError:
                     continue
                 if isinstance(obj, dict):
                     rows.append(obj)
+        if lines and not rows:
+            return None  # only unreadable lines so far: the ranks count them as bad rows and say so
     else:
         rows = read_rows(p).rows[:n]
     return rows, sorted({k for r in rows for k in r})

@@ -185,3 +185,22 @@ def test_cuda_visible_follows_cuda_visible_devices(monkeypatch):
     assert not gpu_visible()
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert gpu_visible() == any(p.startswith("nvidia") and p[6:].isdigit() for p in os.listdir("/dev"))
+
+
+def test_first_rows_reads_only_the_head(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlctl.data.io import first_rows
+
+    lines = ["not json", ""] + [json.dumps({"prompt": str(i), "answer": i}) for i in range(100)]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    rows, columns = first_rows(tmp_path / "d.jsonl", n=5)
+    assert [r["answer"] for r in rows] == [0, 1, 2, 3, 4] and columns == ["answer", "prompt"]
+    (tmp_path / "junk.jsonl").write_text("x\ny\n")
+    assert first_rows(tmp_path / "junk.jsonl") is None  # unreadable lines are the ranks' bad rows, not "empty"
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    assert first_rows(tmp_path / "blank.jsonl") == ([], [])
+    pq.write_table(pa.table({"q": list(range(50)), "a": ["x"] * 50}), tmp_path / "d.parquet")
+    rows, columns = first_rows(tmp_path / "d.parquet", n=3)
+    assert rows == [{"q": 0, "a": "x"}, {"q": 1, "a": "x"}, {"q": 2, "a": "x"}] and columns == ["q", "a"]
