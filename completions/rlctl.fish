@@ -86,6 +86,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subco
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from fsdp-to-hf' -l verify -l no-verify
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from fsdp-to-hf' -l force
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from fsdp-to-hf' -l max-shard-size -x
+complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from fsdp-to-hf' -l trust-checkpoint
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from fsdp-to-hf' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from hf-to-megatron' -l tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from hf-to-megatron' -l pp -x
@@ -93,6 +94,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subco
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from hf-to-megatron' -l force
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from hf-to-megatron' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from inspect' -l json
+complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from inspect' -l trust-checkpoint
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from inspect' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from lora-merge' -l dtype -x -a 'bf16 fp16 fp32'
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from lora-merge' -l verify -l no-verify
@@ -104,6 +106,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subco
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from megatron-to-hf' -l verify -l no-verify
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from megatron-to-hf' -l force
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from megatron-to-hf' -l max-shard-size -x
+complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from megatron-to-hf' -l trust-checkpoint
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from megatron-to-hf' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and not __fish_seen_subcommand_from memory' -a memory -d 'Per-GPU memory of the training and rollout phases, the KV cache, and whether...'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
@@ -180,6 +183,8 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l seed -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-alpha -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l log -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l trust-remote-code
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ignore-memory-check
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l data -s d -r -F
@@ -224,6 +229,8 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l seed -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-alpha -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l log -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l trust-remote-code
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l ignore-memory-check
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from presets; and not __fish_seen_subcommand_from list show' -a list -d 'List the presets: per-method defaults, named presets and the planner\'s...'
 complete -c rlctl -n '__fish_seen_subcommand_from presets; and not __fish_seen_subcommand_from list show' -a show -d 'Print a preset\'s YAML (with the method\'s full resolved defaults for method...'
@@ -263,4 +270,6 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-alpha -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-targets -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l log -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l trust-remote-code
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l ignore-memory-check
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l help -s h

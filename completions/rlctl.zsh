@@ -92,19 +92,19 @@ _rlctl() {
         "/bench/rollout") words="--model --random-init --engine --prompts --n --prompt-len --max-tokens --reps --device --dtype --mem-fraction --seed --json --plot --help" ;;
         "/bench/train") words="--model --method --random-init --device --gpus --gpu --nproc --steps --batch-size --seq-len --lengths --n --prompt-len --max-tokens --rollout --micro-batch-size --lora-rank --set --output-dir --seed --json --plot --help" ;;
         "/convert") words="fsdp-to-hf hf-to-megatron inspect lora-merge megatron-to-hf --help" ;;
-        "/convert/fsdp-to-hf") words="--dtype --keep-adapter --verify --no-verify --force --max-shard-size --help" ;;
+        "/convert/fsdp-to-hf") words="--dtype --keep-adapter --verify --no-verify --force --max-shard-size --trust-checkpoint --help" ;;
         "/convert/hf-to-megatron") words="--tp --pp --verify --no-verify --force --help" ;;
-        "/convert/inspect") words="--json --help" ;;
+        "/convert/inspect") words="--json --trust-checkpoint --help" ;;
         "/convert/lora-merge") words="--dtype --verify --no-verify --force --max-shard-size --help" ;;
-        "/convert/megatron-to-hf") words="--hf-config --dtype --verify --no-verify --force --max-shard-size --help" ;;
+        "/convert/megatron-to-hf") words="--hf-config --dtype --verify --no-verify --force --max-shard-size --trust-checkpoint --help" ;;
         "/estimate") words="memory --help" ;;
         "/estimate/memory") words="--model --method --lora-rank --lora-targets --max-len --max-prompt-len --max-response-len --n --batch-size --micro-batch-size --gpus --nodes --gpu --device --host-memory --backend --tp --pp --activation-checkpointing --no-activation-checkpointing --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --dtype --rollout --rollout-tp --mem-fraction --what-to-rent --json --prompt-len --response-len --micro-batch --help" ;;
-        "/grpo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --help" ;;
-        "/ppo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --help" ;;
+        "/grpo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
+        "/ppo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
         "/presets") words="list show --help" ;;
         "/presets/list") words="--help" ;;
         "/presets/show") words="--help" ;;
-        "/sft") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --micro-batch-size --max-len --packing --no-packing --val-fraction --eval-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --log --help" ;;
+        "/sft") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --micro-batch-size --max-len --packing --no-packing --val-fraction --eval-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --log --trust-remote-code --ignore-memory-check --help" ;;
         *) words="" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))

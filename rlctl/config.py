@@ -32,6 +32,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32
     attn: str = "auto"  # auto (flash_attention_2 when installed on GPU, else sdpa) | sdpa | eager | flash_attention_2
     random_init: bool = False  # build from the config with random weights (nothing is downloaded)
+    trust_remote_code: bool = False  # run the model's own Python code (config.json auto_map); never implied
 
 
 @dataclass

@@ -1,9 +1,15 @@
 """Starting a training job: the torchrun command, the run directory, the progress bar, Ctrl-C.
 
 :func:`build_command` gives the exact argv (also printed by ``--dry-run``); :func:`launch_job`
-creates the run directory (config.yaml, plan.json), runs torchrun with the ranks' output in
-RUN/train.log, draws one progress bar from rank 0's RUN/metrics.jsonl, and returns the ranks'
-exit status. Ctrl-C asks the ranks to save a checkpoint and stop (a second Ctrl-C kills them).
+takes a job already checked (:func:`rlctl.job.check_job`), creates the run directory (config.yaml,
+plan.json), runs torchrun with the ranks' output in RUN/train.log, draws one progress bar from rank 0's
+RUN/metrics.jsonl, and returns the ranks' exit status. A failed job is reported in one line: the
+earliest rank error (RUN/errors/rank_N.json) that is not an interruption; torchrun's own report stays
+in train.log. Ctrl-C asks the ranks to save a checkpoint and stop (a second Ctrl-C kills them);
+during start-up it stops them and writes summary.json (exit 130).
+
+The plan is the typed :class:`rlctl.plan.Plan`. This module imports neither the recipes nor
+:mod:`rlctl.job` (the layout contract); the run directory's files come from :mod:`rlctl.runtime.layout`.
 
 No torch import at module level: the CLI imports this module for ``--dry-run``.
 """
@@ -20,25 +26,17 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlctl.config import RunConfig, save_config
 from rlctl.errors import UserError
+from rlctl.plan import apply_plan
+from rlctl.runtime.layout import RunPaths, has_checkpoint
+
+if TYPE_CHECKING:
+    from rlctl.plan import Plan
 
 INTERRUPTED = 130  # exit status after a Ctrl-C that stopped the run cleanly
-
-
-def _plan_get(plan, key: str, default=None):
-    return plan.get(key, default) if isinstance(plan, dict) else getattr(plan, key, default)
-
-
-def plan_to_dict(plan) -> dict:
-    if isinstance(plan, dict):
-        return plan
-    if hasattr(plan, "to_dict"):
-        return plan.to_dict()
-    if dataclasses.is_dataclass(plan):
-        return dataclasses.asdict(plan)
-    return dict(vars(plan))
 
 
 def free_port() -> int:
@@ -65,7 +63,7 @@ def default_run_dir(cfg: RunConfig) -> Path:
     """runs/<method>-<model>-<YYYYmmdd-HHMMSS>; with ``resume=auto`` the newest such run that has checkpoints."""
     prefix = f"{cfg.method}-{model_slug(cfg.model.name)}-"
     if cfg.checkpoint.resume == "auto":
-        runs = sorted(p for p in Path("runs").glob(prefix + "*") if (p / "checkpoints" / "latest").is_file())
+        runs = sorted(p for p in Path("runs").glob(prefix + "*") if has_checkpoint(p))
         if runs:
             return runs[-1]
     return Path("runs") / (prefix + time.strftime("%Y%m%d-%H%M%S"))
@@ -75,27 +73,31 @@ def default_run_dir(cfg: RunConfig) -> Path:
 # Command
 
 
-def build_command(cfg: RunConfig, plan, run_dir: str | Path) -> list[str]:
+RECIPE_HOOK = "RLCTL_TEST_RECIPE"  # tests only: a module run by the ranks instead of rlctl.recipes.<method>
+
+
+def build_command(cfg: RunConfig, plan: Plan, run_dir: str | Path) -> list[str]:
     """The torchrun argv that runs ``rlctl.recipes.<method>`` on this node."""
     hw = cfg.hardware
-    nproc = int(_plan_get(plan, "nproc_per_node", 0) or hw.nproc or 1)
-    nnodes = int(_plan_get(plan, "nodes", 0) or hw.nodes or 1)
+    nproc = int(plan.nproc_per_node or hw.nproc or 1)
+    nnodes = int(plan.nodes or hw.nodes or 1)
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", str(nnodes)]
     if hw.rdzv_endpoint:
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", hw.rdzv_endpoint, "--rdzv-id", Path(run_dir).name]
     else:
         port = hw.master_port or (29500 if nnodes > 1 else free_port())
         argv += ["--node-rank", str(hw.node_rank), "--master-addr", hw.master_addr, "--master-port", str(port)]
-    return argv + ["-m", f"rlctl.recipes.{cfg.method}", "--run-dir", str(run_dir)]
+    module = os.environ.get(RECIPE_HOOK) or f"rlctl.recipes.{cfg.method}"
+    return argv + ["-m", module, "--run-dir", str(run_dir)]
 
 
-def job_env(plan, base: Mapping[str, str]) -> dict[str, str]:
+def job_env(plan: Plan, base: Mapping[str, str]) -> dict[str, str]:
     """The ranks' environment: ``base`` plus what the job needs before any CUDA call, such as the
     Megatron engine's ``CUDA_DEVICE_MAX_CONNECTIONS`` (:func:`rlctl.engines.megatron.parallel.megatron_env`)."""
     from rlctl.engines.megatron.parallel import megatron_env
 
     env = dict(base)
-    if _plan_get(plan, "device", "cpu") == "cpu":
+    if plan.device == "cpu":
         env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["PYTHONUNBUFFERED"] = "1"
@@ -212,71 +214,39 @@ class _Progress:
 # Launch
 
 
-def _check_inputs(cfg: RunConfig, run_dir: Path) -> None:
-    """Cheap checks that would otherwise fail only after torchrun has started."""
-    from rlctl.engines.checkpoint import latest_checkpoint, resolve_resume
-    from rlctl.metrics import check_backends_installed
-
-    if cfg.data.path and not Path(cfg.data.path).expanduser().exists():
-        raise UserError(f"data not found: {cfg.data.path}")
-    if cfg.data.val_path and not Path(cfg.data.val_path).expanduser().exists():
-        raise UserError(f"validation data not found: {cfg.data.val_path}")
-    check_backends_installed(cfg.log.backends)
-    resolve_resume(cfg.checkpoint.resume, run_dir)  # a bad --resume PATH fails here
-    if not cfg.checkpoint.resume and latest_checkpoint(run_dir / "checkpoints") is not None:
-        raise UserError(
-            f"{run_dir} already holds checkpoints; pass --resume auto to continue that run "
-            f"or choose another --output-dir"
-        )
-
-
 def _worker_pids(torchrun_pid: int) -> list[int]:
+    """The ranks: torchrun's child processes."""
     import psutil
 
     try:
-        children = psutil.Process(torchrun_pid).children()
+        return [c.pid for c in psutil.Process(torchrun_pid).children()]
     except psutil.NoSuchProcess:
         return []
-    return [c.pid for c in children if "rlctl.recipes" in " ".join(_cmdline(c))]
 
 
-def _cmdline(proc) -> list[str]:
-    import psutil
+def launch_job(cfg: RunConfig, plan: Plan) -> int:
+    """Run the job under torchrun on this node; return the exit status (0 ok, 130 interrupted).
 
-    try:
-        return proc.cmdline()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return []
-
-
-def _resolved(cfg: RunConfig, plan) -> RunConfig:
-    """``cfg`` with every "auto" the plan decides filled in (the ranks' engines read the resolved config)."""
-    from types import SimpleNamespace
-
-    from rlctl.plan import apply_plan
-
-    return apply_plan(cfg, SimpleNamespace(**plan) if isinstance(plan, dict) else plan)
-
-
-def launch_job(cfg: RunConfig, plan) -> int:
-    """Run the job under torchrun on this node; return the exit status (0 ok, 130 interrupted)."""
-    from rlctl.recipes.common import RunPaths
-
+    The caller has checked the job (:func:`rlctl.job.check_job`): the run directory is created here,
+    only now. A rank's failure comes back as one line (:func:`report_rank_errors`)."""
     run_dir = (Path(cfg.output_dir) if cfg.output_dir else default_run_dir(cfg)).absolute()
-    _check_inputs(cfg, run_dir)
     paths = RunPaths(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (paths.error, paths.summary):
         stale.unlink(missing_ok=True)
-    cfg = _resolved(dataclasses.replace(cfg, output_dir=str(run_dir)), plan)
+    if paths.errors.is_dir():
+        for stale in paths.errors.glob("rank_*.json"):
+            stale.unlink()
+    # the ranks read the resolved config: every \"auto\" the plan decides is filled in
+    cfg = apply_plan(dataclasses.replace(cfg, output_dir=str(run_dir)), plan)
     save_config(cfg, paths.config)
-    paths.plan.write_text(json.dumps(plan_to_dict(plan), indent=2, default=str) + "\n")
+    paths.plan.write_text(json.dumps(plan.to_dict(), indent=2, default=str) + "\n")
 
     argv = build_command(cfg, plan, run_dir)
     env = job_env(plan, os.environ)
 
     progress = _Progress(f"{cfg.method} {model_slug(cfg.model.name)}")
-    progress.console.print(f"run directory: {run_dir}  (log: {paths.train_log})")
+    progress.console.print(f"run directory: {run_dir}  (log: {paths.train_log})", soft_wrap=True)
     signals = {"count": 0}
     with open(paths.train_log, "a") as log:
         log.write(f"$ {' '.join(argv)}\n")
@@ -287,11 +257,21 @@ def launch_job(cfg: RunConfig, plan) -> int:
             signals["count"] += 1
             workers = _worker_pids(proc.pid)
             if signals["count"] == 1 and workers:
-                progress.console.print("stopping: the ranks save a checkpoint first (Ctrl-C again to kill them)")
+                progress.console.print(
+                    "stopping: the ranks save a checkpoint first (Ctrl-C again to kill them)"
+                    if progress.last is not None
+                    else "stopping: still starting up, nothing to save (Ctrl-C again to kill the ranks)"
+                )
                 for pid in workers:
-                    os.kill(pid, signal.SIGINT)
+                    try:
+                        os.kill(pid, signal.SIGINT)
+                    except ProcessLookupError:
+                        pass
             else:  # again, or before the ranks have started: stop everything
-                os.killpg(proc.pid, signal.SIGTERM if signals["count"] == 2 else signal.SIGKILL)
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM if signals["count"] <= 2 else signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         tail = _MetricsTail(paths.metrics)
@@ -300,28 +280,71 @@ def launch_job(cfg: RunConfig, plan) -> int:
             with progress:
                 while proc.poll() is None:
                     progress.update(tail.read())
-                    time.sleep(0.5)
+                    time.sleep(0.2)
                 progress.update(tail.read())
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
-    return _report(proc.returncode, paths, progress)
+    return _report(proc.returncode, paths, progress, interrupted=signals["count"] > 0)
 
 
-def _report(rc: int, paths, progress: _Progress) -> int:
-    """Turn the ranks' outcome into the user-facing result."""
+def read_rank_errors(paths: RunPaths) -> list[dict]:
+    """Every readable RUN/errors/rank_N.json, earliest first."""
+    found = []
+    for f in sorted(paths.errors.glob("rank_*.json")) if paths.errors.is_dir() else []:
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(rec, dict) and rec.get("message"):
+            found.append(rec)
+    return sorted(found, key=lambda r: float(r.get("time") or 0.0))
+
+
+def root_cause(errors: list[dict]) -> dict | None:
+    """The earliest failure that is not an interruption (peers die later, of the broken connection)."""
+    return next((e for e in errors if e.get("kind") != "interrupted"), None)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _report(rc: int, paths: RunPaths, progress: _Progress, *, interrupted: bool = False) -> int:
+    """Turn the ranks' outcome into the user-facing result: one line on failure, never torchrun's report."""
     console = progress.console
-    if paths.error.is_file():
-        raise UserError(paths.error.read_text().strip())
     summary = json.loads(paths.summary.read_text()) if paths.summary.is_file() else None
+    cause = root_cause(read_rank_errors(paths)) if rc != 0 or summary is None else None
+    if cause is not None:
+        if cause.get("kind") == "user":
+            raise UserError(_one_line(cause["message"]))
+        if not interrupted:  # after a Ctrl-C, a peer's broken connection is no internal error
+            from rich.markup import escape
+
+            rank = cause.get("rank", "?")
+            where = f"traceback in {paths.rank_error(rank)}; " if isinstance(rank, int) else ""
+            console.print(
+                f"[red]internal error[/red] on rank {rank}: {escape(_one_line(cause['message']))} "
+                f"({escape(where)}full log: {escape(str(paths.train_log))})",
+                highlight=False,
+                soft_wrap=True,
+            )
+            return 1
+    if paths.error.is_file():
+        raise UserError(_one_line(paths.error.read_text().strip()))
+    if summary is None and interrupted:  # Ctrl-C before the ranks had written anything (start-up)
+        summary = {"status": "interrupted", "step": 0, "checkpoint": None}
+        paths.summary.write_text(json.dumps(summary) + "\n")
+        console.print("interrupted during start-up (before step 1); no checkpoint was written")
+        return INTERRUPTED
     if summary and summary.get("status") == "interrupted":
         console.print(f"interrupted at step {summary['step']}; checkpoint: {summary['checkpoint']}")
         console.print("continue with --resume auto (same --output-dir)")
         return INTERRUPTED
     if rc != 0 or summary is None:
-        lines = paths.train_log.read_text(errors="replace").splitlines()[-25:] if paths.train_log.is_file() else []
-        console.print("\n".join(lines), markup=False, highlight=False)
-        console.print(f"[red]training failed[/red] (exit status {rc}); full log: {paths.train_log}")
+        console.print(
+            f"[red]training failed[/red] (exit status {rc}); the ranks' output: {paths.train_log}", soft_wrap=True
+        )
         return rc or 1
     data = summary.get("data") or {}
     if data.get("bad"):

@@ -1,11 +1,11 @@
 """`rlctl bench train`: a real ``sft`` / ``grpo`` / ``ppo`` run on synthetic data, measured.
 
-The job is configured and planned by :func:`rlctl.cli.options.resolve_job` and started by
-:func:`rlctl.launch.launch_job`, the code path of ``rlctl sft|grpo|ppo``. The data is random text
+The job is configured and planned by :func:`rlctl.job.resolve_job`, checked by :func:`rlctl.job.check_job`
+and started by :func:`rlctl.launch.launch_job`, the code path of ``rlctl sft|grpo|ppo``. The data is random text
 written by this module: SFT chats (a short fixed question, a random answer) long enough to fill
 ``seq_len`` tokens (cut there with ``data.truncation=right``; with ``lengths="spread"`` the answers
-are log-uniform between 16 and ``seq_len`` tokens, as in real chat data, so packing matters), RL prompts of about ``prompt_len`` tokens scored by the built-in
-``length`` reward. Then, from the run's metrics.jsonl:
+are log-uniform between 16 and ``seq_len`` tokens, as in real chat data, so packing matters), RL
+prompts of about ``prompt_len`` tokens scored by the built-in ``length`` reward. Then, from the run's metrics.jsonl:
 
 * tokens/s and the step time (median over the steps after the first, which warms up), split into
   rollout / log-probs / update / weight sync for the RL recipes (their ``time/*`` metrics);
@@ -292,14 +292,15 @@ def measured_memory(records: list[dict], sampler: ProcessSampler, baseline: int,
 
 def prepare_job(model: BenchModel, s: TrainSettings, work: Path, data: Path | None = None):
     """(cfg, plan) of the job, configured and planned as ``rlctl <method>`` does; writes the data unless given."""
-    from rlctl.cli.options import check_inputs, resolve_job
+    from rlctl.job import check_job, resolve_job, with_run_dir
 
     s.check()
     data = data or write_data(model.path, s, work)
     longest = longest_prompt(model.path, data) if s.is_rl else 0
     opts = job_options(model, s, data, longest, work / "run")
     cfg, plan = resolve_job(s.method, preset=None, config_file=None, options=opts, sets=s.sets)
-    check_inputs(cfg)
+    cfg = with_run_dir(cfg)
+    check_job(cfg, plan)
     return cfg, plan
 
 

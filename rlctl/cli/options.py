@@ -162,18 +162,43 @@ Log = Annotated[
 ]
 
 
-def option_layer(mapping: dict[str, object]) -> dict:
-    """Turn {dotted_key: value or None} into a nested config layer, dropping unset options."""
-    from rlctl.config import dotted_to_nested
-
-    return dotted_to_nested({k: v for k, v in mapping.items() if v is not None})
+TrustRemoteCode = Annotated[
+    bool | None,
+    typer.Option(
+        "--trust-remote-code",
+        help="Run the model's own Python code (config.json auto_map); never implied.",
+        rich_help_panel="Job",
+    ),
+]
+IgnoreMemoryCheck = Annotated[
+    bool,
+    typer.Option(
+        "--ignore-memory-check",
+        help="Launch even when the planner says the job does not fit in GPU memory.",
+        rich_help_panel="Configuration",
+    ),
+]
 
 
 def common_mapping(
-    *, model, data, gpus, nodes, gpu, device, nproc, node_rank, master_addr, master_port, rdzv_endpoint, output_dir
+    *,
+    model,
+    data,
+    gpus,
+    nodes,
+    gpu,
+    device,
+    nproc,
+    node_rank,
+    master_addr,
+    master_port,
+    rdzv_endpoint,
+    output_dir,
+    trust_remote_code=None,
 ) -> dict[str, object]:
     return {
         "model.name": model,
+        "model.trust_remote_code": trust_remote_code or None,
         "data.path": data,
         "hardware.gpus": gpus,
         "hardware.nodes": nodes,
@@ -188,44 +213,29 @@ def common_mapping(
     }
 
 
-def resolve_job(method: str, *, preset: str | None, config_file: str | None, options: dict, sets: list[str] | None):
-    """Assemble the configuration (preset < config file < options < --set) and its plan."""
-    from rlctl.config import build_config, load_yaml_file, parse_set_options
-    from rlctl.errors import UserError
-    from rlctl.plan import apply_plan, resolve_plan
-    from rlctl.presets import method_layers
-
-    layers = method_layers(method, preset)
-    if config_file:
-        file_layer = load_yaml_file(config_file)
-        if file_layer.get("method") not in (None, method):
-            raise UserError(
-                f"{config_file} is a `{file_layer['method']}` config; run `rlctl {file_layer['method']}` with it"
-            )
-        layers.append(file_layer)
-    layers.append(option_layer(options))
-    layers.append(parse_set_options(sets or []))
-    cfg = build_config(method, layers)
-    if not cfg.model.name:
-        raise UserError(
-            f"no model given: pass --model (e.g. `rlctl {method} --model Qwen2.5-7B ...`) or set model.name in --config"
-        )
-    plan = resolve_plan(cfg)
-    return apply_plan(cfg, plan), plan
-
-
-def run_training(method: str, *, preset, config_file, options: dict, sets, dry_run: bool, as_json: bool) -> None:
-    """The body of `rlctl sft|grpo|ppo`: plan, then either print it (--dry-run) or launch the job."""
+def run_training(
+    method: str,
+    *,
+    preset,
+    config_file,
+    options: dict,
+    sets,
+    dry_run: bool,
+    as_json: bool,
+    ignore_memory_check: bool = False,
+) -> None:
+    """The body of `rlctl sft|grpo|ppo`: resolve and check the job (:mod:`rlctl.job`), then either print
+    it (--dry-run) or launch it."""
     import importlib.util
 
     from rlctl.errors import NotAvailableYet, UserError
-
-    cfg, plan = resolve_job(method, preset=preset, config_file=config_file, options=options, sets=sets)
+    from rlctl.job import check_job, resolve_job, with_run_dir
     from rlctl.launch import build_command, default_run_dir
 
-    run_dir = cfg.output_dir or str(default_run_dir(cfg))
-    argv = build_command(cfg, plan, run_dir)
+    cfg, plan = resolve_job(method, preset=preset, config_file=config_file, options=options, sets=sets)
     if dry_run:
+        run_dir = cfg.output_dir or str(default_run_dir(cfg))
+        argv = build_command(cfg, plan, run_dir)
         if as_json:
             doc = {"plan": plan.to_dict(), "config": cfg.to_dict(), "launch": argv, "estimate": plan.estimate.to_dict()}
             sys.stdout.write(json.dumps(doc, indent=2) + "\n")
@@ -234,7 +244,8 @@ def run_training(method: str, *, preset, config_file, options: dict, sets, dry_r
         return
     if as_json:
         raise UserError("--json goes with --dry-run (a real run writes metrics.jsonl in its run directory)")
-    check_inputs(cfg)
+    cfg = with_run_dir(cfg)
+    check_job(cfg, plan, ignore_memory_check=ignore_memory_check)
     if importlib.util.find_spec(f"rlctl.recipes.{method}") is None:
         raise NotAvailableYet(
             f"`rlctl {method}` is not available yet (its training recipe has not landed); --dry-run works"
@@ -242,28 +253,6 @@ def run_training(method: str, *, preset, config_file, options: dict, sets, dry_r
     from rlctl.launch import launch_job
 
     raise typer.Exit(launch_job(cfg, plan))
-
-
-def check_inputs(cfg) -> None:
-    """Fail before launching (seconds, not a minute into the job) on inputs we can check here."""
-    from pathlib import Path
-
-    from rlctl.errors import UserError
-
-    if not cfg.data.path:
-        raise UserError(
-            f"no data given: pass --data FILE (JSONL, Parquet or a datasets directory) to `rlctl {cfg.method}`"
-        )
-    for key in ("path", "val_path"):
-        value = getattr(cfg.data, key)
-        if value and not Path(value).exists():
-            raise UserError(
-                f"data file not found: {value} (data.{key}); pass an existing JSONL/Parquet file or datasets directory"
-            )
-    if cfg.method in ("grpo", "ppo") and cfg.reward.fn != "auto":
-        from rlctl.rewards import get_reward
-
-        get_reward(cfg.reward.fn)  # an unknown name or a missing file/function is a UserError
 
 
 def print_dry_run(cfg, plan, argv: list[str]) -> None:

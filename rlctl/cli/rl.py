@@ -35,6 +35,15 @@ Examples:
 """
 
 
+ADV_OPTION = {
+    method: Annotated[str | None, typer.Option("--adv", help=text, rich_help_panel=RL)]
+    for method, text in (
+        ("grpo", "grpo | rloo | reinforce_pp."),
+        ("ppo", "gae | grpo | rloo | reinforce_pp."),
+    )
+}
+
+
 def _rl_command(method: str):
     def command(
         model: o.Model = None,
@@ -93,9 +102,7 @@ def _rl_command(method: str):
         kl_kind: Annotated[
             str | None, typer.Option("--kl-kind", help="k1 | abs | k2 | k3.", rich_help_panel=RL)
         ] = None,
-        adv: Annotated[
-            str | None, typer.Option("--adv", help="grpo | rloo | reinforce_pp | gae.", rich_help_panel=RL)
-        ] = None,
+        adv: str | None = None,  # its option (help per method) is set below: ADV_OPTION
         loss_agg: Annotated[
             str | None,
             typer.Option(
@@ -127,6 +134,8 @@ def _rl_command(method: str):
         lora_rank: o.LoraRank = None,
         lora_alpha: o.LoraAlpha = None,
         log: o.Log = None,
+        trust_remote_code: o.TrustRemoteCode = None,
+        ignore_memory_check: o.IgnoreMemoryCheck = False,
     ) -> None:
         mapping = o.common_mapping(
             model=model,
@@ -141,6 +150,7 @@ def _rl_command(method: str):
             master_port=master_port,
             rdzv_endpoint=rdzv_endpoint,
             output_dir=output_dir,
+            trust_remote_code=trust_remote_code,
         )
         mapping.update(
             {
@@ -173,9 +183,17 @@ def _rl_command(method: str):
             }
         )
         o.run_training(
-            method, preset=preset, config_file=config, options=mapping, sets=set_, dry_run=dry_run, as_json=json_
+            method,
+            preset=preset,
+            config_file=config,
+            options=mapping,
+            sets=set_,
+            dry_run=dry_run,
+            as_json=json_,
+            ignore_memory_check=ignore_memory_check,
         )
 
+    command.__annotations__["adv"] = ADV_OPTION[method]
     return command
 
 

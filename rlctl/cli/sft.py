@@ -74,6 +74,8 @@ def sft(
     lora_alpha: o.LoraAlpha = None,
     lora_targets: o.LoraTargets = None,
     log: o.Log = None,
+    trust_remote_code: o.TrustRemoteCode = None,
+    ignore_memory_check: o.IgnoreMemoryCheck = False,
 ) -> None:
     """Supervised fine-tuning: packed sequences, loss on assistant tokens, LoRA or full, exact resume."""
     mapping = o.common_mapping(
@@ -89,6 +91,7 @@ def sft(
         master_port=master_port,
         rdzv_endpoint=rdzv_endpoint,
         output_dir=output_dir,
+        trust_remote_code=trust_remote_code,
     )
     mapping.update(
         {
@@ -111,4 +114,13 @@ def sft(
             "log.backends": log,
         }
     )
-    o.run_training("sft", preset=preset, config_file=config, options=mapping, sets=set_, dry_run=dry_run, as_json=json_)
+    o.run_training(
+        "sft",
+        preset=preset,
+        config_file=config,
+        options=mapping,
+        sets=set_,
+        dry_run=dry_run,
+        as_json=json_,
+        ignore_memory_check=ignore_memory_check,
+    )

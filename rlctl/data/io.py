@@ -52,7 +52,7 @@ def _open_text(p: Path):
 def _read_jsonl(p: Path) -> Rows:
     rows, bad = [], []
     with _open_text(p) as f:
-        for lineno, line in enumerate(f, 1):
+        for line in f:
             if not line.strip():
                 continue
             try:
@@ -104,3 +104,45 @@ def _read_datasets_dir(p: Path, split: str) -> list[dict]:
             raise UserError(f"{p} has splits {', '.join(ds)} but no '{split}' split")
         ds = ds[split]
     return ds.to_list()
+
+
+def first_rows(path: str | Path, n: int = 32) -> tuple[list[dict], list[str]] | None:
+    """(the first ``n`` rows, the column names) read cheaply (no full read, no `datasets` import), for the
+    checks before launch; None for a `datasets` directory (too heavy to open there). An empty file gives
+    ``([], columns)``."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise UserError(f"data not found: {p} (pass {FORMATS_HELP})")
+    if p.is_dir():
+        return None
+    suffix = "".join(p.suffixes[-2:]) if p.suffix == ".gz" else p.suffix
+    if suffix in (".parquet", ".pq"):
+        import pyarrow.parquet as pq
+
+        try:
+            f = pq.ParquetFile(p)
+            columns = list(f.schema_arrow.names)
+            batch = next(f.iter_batches(batch_size=n), None)
+        except Exception as e:  # noqa: BLE001 (pyarrow raises several types for a damaged file)
+            raise UserError(f"cannot read {p} as Parquet: {str(e).splitlines()[0]}") from None
+        return (batch.to_pylist() if batch is not None else []), columns
+    if suffix in (".jsonl", ".jsonl.gz", ".ndjson"):
+        rows, lines = [], 0
+        with _open_text(p) as f:
+            for line in f:
+                if len(rows) >= n or lines >= 4 * n:
+                    break
+                if not line.strip():
+                    continue
+                lines += 1
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(obj, dict):
+                    rows.append(obj)
+        if lines and not rows:
+            return None  # only unreadable lines so far: the ranks count them as bad rows and say so
+    else:
+        rows = read_rows(p).rows[:n]
+    return rows, sorted({k for r in rows for k in r})

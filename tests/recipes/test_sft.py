@@ -438,16 +438,18 @@ def test_bad_data_ends_in_one_line_error(tiny_model_dir, tmp_path):
 
 
 def test_bad_options_fail_before_launch(tiny_model_dir, chat_file, tmp_path):
-    from rlctl.launch import build_command, launch_job
+    from rlctl.job import check_job
+    from rlctl.launch import build_command
 
     cases = [
-        ({"data__path": str(tmp_path / "missing.jsonl")}, "data not found"),
+        ({"data__path": str(tmp_path / "missing.jsonl")}, "data file not found"),
         ({"checkpoint__resume": str(tmp_path / "nope")}, "no complete checkpoint"),
         ({"log__backends": "console,tensorbord"}, "did you mean tensorboard"),
     ]
     for sets, message in cases:
         with pytest.raises(UserError, match=message):
-            launch_job(sft_config(tiny_model_dir, chat_file, tmp_path / "run", **sets), cpu_plan(1))
+            check_job(sft_config(tiny_model_dir, chat_file, tmp_path / "run", **sets), cpu_plan(1))
+        assert not (tmp_path / "run").exists()
     argv = build_command(sft_config(tiny_model_dir, chat_file, tmp_path / "r"), SimpleNamespace(**cpu_plan(2)), "RUN")
     assert argv[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node"] and argv[4] == "2"
     assert argv[-4:] == ["-m", "rlctl.recipes.sft", "--run-dir", "RUN"]

@@ -41,7 +41,20 @@ def write_jsonl(path: str | Path, rows: list) -> Path:
     return path
 
 
-def cpu_plan(nproc: int, **overrides) -> dict:
+class CpuPlan(dict):
+    """A dict of plan fields that reads like the typed rlctl.plan.Plan too (``plan.device``, ``to_dict()``)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def to_dict(self) -> dict:
+        return dict(self)
+
+
+def cpu_plan(nproc: int, **overrides) -> CpuPlan:
     """The fields of rlctl.plan.Plan that the launcher and the engine read, for a CPU run."""
     plan = {
         "method": "sft",
@@ -68,9 +81,10 @@ def cpu_plan(nproc: int, **overrides) -> dict:
         "lora_rank": 0,
         "reasons": [],
         "warnings": [],
+        "fits": True,
     }
     plan.update(overrides)
-    return plan
+    return CpuPlan(plan)
 
 
 def cpu_spec(**overrides):

@@ -1,0 +1,348 @@
+"""A job, resolved and validated once, before anything is launched.
+
+:func:`resolve_job` assembles the configuration (preset < --config < options < --set) and its plan;
+:func:`check_job` runs EVERY check that can be made before torchrun starts, in well under a second
+(the data's first rows, the model's config.json, the machine's GPUs, the plan's memory verdict, the
+run directory's checkpoints). Each problem is one :class:`~rlctl.errors.UserError` naming the fix;
+nothing is written until every check has passed (the launcher creates the run directory after).
+
+Used by ``rlctl sft|grpo|ppo``, ``rlctl bench`` and the demo. No torch import here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import re
+from functools import cache
+from pathlib import Path
+
+from rlctl.config import RunConfig
+from rlctl.errors import UserError
+
+IGNORE_MEMORY_FLAG = "--ignore-memory-check"
+ADVANTAGES = {"grpo": ("grpo", "rloo", "reinforce_pp"), "ppo": ("gae", "grpo", "rloo", "reinforce_pp")}
+
+
+def resolve_job(method: str, *, preset: str | None, config_file: str | None, options: dict, sets: list[str] | None):
+    """The configuration (preset < config file < options < --set) with its plan applied, and the plan."""
+    from rlctl.config import build_config, dotted_to_nested, load_yaml_file, parse_set_options
+    from rlctl.plan import apply_plan, resolve_plan
+    from rlctl.presets import method_layers
+
+    layers = method_layers(method, preset)
+    if config_file:
+        file_layer = load_yaml_file(config_file)
+        if file_layer.get("method") not in (None, method):
+            raise UserError(
+                f"{config_file} is a `{file_layer['method']}` config; run `rlctl {file_layer['method']}` with it"
+            )
+        layers.append(file_layer)
+    layers.append(dotted_to_nested({k: v for k, v in options.items() if v is not None}))
+    layers.append(parse_set_options(sets or []))
+    cfg = build_config(method, layers)
+    if not cfg.model.name:
+        raise UserError(
+            f"no model given: pass --model (e.g. `rlctl {method} --model Qwen2.5-7B ...`) or set model.name in --config"
+        )
+    check_algorithm(cfg)
+    model = model_files(cfg.model.name)
+    if model is not None:
+        check_remote_code(cfg, model)  # before the planner, which would only say the model type is unknown
+    plan = resolve_plan(cfg)
+    return apply_plan(cfg, plan), plan
+
+
+def check_algorithm(cfg: RunConfig) -> None:
+    """The advantage estimator the method can run (GAE needs PPO's critic)."""
+    allowed = ADVANTAGES.get(cfg.method)
+    if allowed and cfg.algo.adv not in allowed:
+        hint = "; GAE needs a critic: use `rlctl ppo`" if cfg.algo.adv == "gae" else ""
+        raise UserError(f"{cfg.method} cannot use --adv {cfg.algo.adv}{hint} (or --adv {' | '.join(allowed)})")
+
+
+def with_run_dir(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``output_dir`` fixed (the default names a time, so it is chosen once, here)."""
+    from rlctl.launch import default_run_dir
+
+    run_dir = Path(cfg.output_dir) if cfg.output_dir else default_run_dir(cfg)
+    return dataclasses.replace(cfg, output_dir=str(run_dir.absolute()))
+
+
+def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False) -> None:
+    """Every check before launch, cheapest first; the first problem is a one-line UserError."""
+    check_algorithm(cfg)
+    check_data_given(cfg)
+    check_reward_spec(cfg)
+    from rlctl.metrics import check_backends_installed
+
+    check_backends_installed(cfg.log.backends)
+    check_memory(plan, ignore=ignore_memory_check)
+    check_device(plan)
+    if cfg.output_dir:
+        check_run_dir(cfg, Path(cfg.output_dir))
+    model = model_files(cfg.model.name)
+    if model is not None:
+        check_remote_code(cfg, model)
+        check_context(cfg, model)
+    check_data_rows(cfg, model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def check_data_given(cfg: RunConfig) -> None:
+    if not cfg.data.path:
+        raise UserError(
+            f"no data given: pass --data FILE (JSONL, Parquet or a datasets directory) to `rlctl {cfg.method}`"
+        )
+    for key in ("path", "val_path"):
+        value = getattr(cfg.data, key)
+        if value and not Path(value).expanduser().exists():
+            raise UserError(
+                f"data file not found: {value} (data.{key}); pass an existing JSONL/Parquet file or datasets directory"
+            )
+
+
+def check_reward_spec(cfg: RunConfig) -> None:
+    if cfg.method in ("grpo", "ppo") and cfg.reward.fn != "auto":
+        from rlctl.rewards import get_reward
+
+        get_reward(cfg.reward.fn)  # an unknown name or a missing file/function is a UserError
+
+
+def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
+    """A bad --resume PATH, or a run directory that already holds checkpoints without --resume."""
+    from rlctl.runtime.layout import is_complete, latest_checkpoint
+
+    resume = cfg.checkpoint.resume
+    if resume and resume != "auto":
+        p = Path(resume).expanduser()
+        if not is_complete(p) and not any(r.is_dir() and latest_checkpoint(r) for r in (p, p / "checkpoints")):
+            raise UserError(
+                f"--resume {resume}: no complete checkpoint there (expected a step_N directory with "
+                f"trainer_state.json, or a run directory with checkpoints/)"
+            )
+    if not resume and latest_checkpoint(run_dir / "checkpoints") is not None:
+        raise UserError(
+            f"{run_dir} already holds checkpoints; pass --resume auto to continue that run "
+            f"or choose another --output-dir"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Machine and plan
+
+
+def gpu_visible() -> bool:
+    """Whether this machine shows a CUDA GPU, without importing torch (device nodes and CUDA_VISIBLE_DEVICES)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or bool(glob.glob("/dev/dxg"))
+
+
+def check_device(plan) -> None:
+    if plan.device == "cuda" and not gpu_visible():
+        raise UserError("the plan asks for CUDA but no GPU is visible; pass --device cpu (or run on a GPU machine)")
+
+
+def check_memory(plan, *, ignore: bool) -> None:
+    """The planner's "does not fit" verdict stops a real launch (as it is printed by --dry-run)."""
+    if plan.fits or ignore:
+        return
+    verdict = next((r[len("estimate: ") :] for r in plan.reasons if r.startswith("estimate: ")), "")
+    idx = next((i for i, r in enumerate(plan.reasons) if r.startswith("estimate: ")), None)
+    instead = plan.reasons[idx + 1] if idx is not None and idx + 1 < len(plan.reasons) else ""
+    verdict = verdict.removeprefix("does not fit").lstrip(": ")
+    parts = [f"the plan does not fit in memory: {verdict}" if verdict else "the plan does not fit in memory"]
+    if instead:
+        parts.append(instead.rstrip("."))
+    parts.append(f"pass {IGNORE_MEMORY_FLAG} to launch anyway")
+    raise UserError(" ".join("; ".join(parts).split()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+@dataclasses.dataclass
+class ModelFiles:
+    """What a local model directory says about itself, from its JSON files only."""
+
+    root: Path
+    config: dict
+    tokenizer_config: dict
+
+    @property
+    def has_chat_template(self) -> bool:
+        tc = self.tokenizer_config.get("chat_template")
+        return bool(tc) or (self.root / "chat_template.jinja").is_file() or (self.root / "chat_template.json").is_file()
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {path}: {str(e).splitlines()[0]}; pass a valid HF model directory") from None
+    return data if isinstance(data, dict) else {}
+
+
+def model_files(name: str) -> ModelFiles | None:
+    """The config of a local model (a directory with config.json, or the config.json itself); None otherwise
+    (a catalog name or a hub id: the planner already knows its shape)."""
+    p = Path(name).expanduser()
+    if p.name == "config.json" and p.is_file():
+        p = p.parent
+    if not (p / "config.json").is_file():
+        return None
+    tok = p / "tokenizer_config.json"
+    return ModelFiles(p, _read_json(p / "config.json"), _read_json(tok) if tok.is_file() else {})
+
+
+@cache
+def known_model_types() -> frozenset[str]:
+    """The model types this transformers builds natively, read from its source (importing it takes seconds)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset()
+    models = Path(next(iter(spec.submodule_search_locations))) / "models"
+    found: set[str] = set()
+    for name in ("auto_mappings.py", "configuration_auto.py"):  # where the mapping lives moves between versions
+        try:
+            text = (models / "auto" / name).read_text()
+        except OSError:
+            continue
+        found.update(re.findall(r'"([\w-]+)"\s*[:,]\s*"\w+Config"', text))
+    return frozenset(found)
+
+
+def check_remote_code(cfg: RunConfig, model: ModelFiles) -> None:
+    """A model whose config names its own code (auto_map) for a type transformers does not know."""
+    if cfg.model.trust_remote_code or "auto_map" not in model.config:
+        return
+    model_type = str(model.config.get("model_type", ""))
+    known = known_model_types()
+    if (known and model_type in known) or (not known and model_type):
+        return  # transformers builds it natively (or its mapping could not be read: let it decide)
+    raise UserError(
+        f"{model.root} needs its own Python code (config.json auto_map, model_type {model_type or '?'!r} unknown to "
+        f"transformers); pass --trust-remote-code if you trust it (or --set model.trust_remote_code=true)"
+    )
+
+
+def context_length(model: ModelFiles) -> int:
+    cfg = model.config.get("text_config") if isinstance(model.config.get("text_config"), dict) else model.config
+    value = cfg.get("max_position_embeddings") or cfg.get("n_positions") or 0
+    return int(value) if isinstance(value, int | float) else 0
+
+
+def check_context(cfg: RunConfig, model: ModelFiles) -> None:
+    """RL: prompt + response within the model's positions (max_position_embeddings): the rollout engine
+    refuses a longer context (vLLM's max_model_len), minutes into the job."""
+    ctx = context_length(model)
+    if not ctx:
+        return
+    if cfg.method == "sft":  # rows longer than max_len are skipped or cut; the positions stretch (RoPE)
+        return
+    r = cfg.rollout
+    if r.max_prompt_len + r.max_response_len > ctx:
+        raise UserError(
+            f"rollout.max_prompt_len + rollout.max_response_len = {r.max_prompt_len} + {r.max_response_len} is "
+            f"longer than the model's context of {ctx} tokens (max_position_embeddings in "
+            f"{model.root / 'config.json'}); lower --max-prompt-len / --max-response-len to sum to {ctx} or less"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Data (its first rows)
+
+
+def check_data_rows(cfg: RunConfig, model: ModelFiles | None) -> None:
+    from rlctl.data.io import first_rows
+
+    for key in ("path", "val_path"):
+        path = getattr(cfg.data, key)
+        if not path:
+            continue
+        found = first_rows(path)
+        if found is None:
+            continue
+        rows, columns = found
+        if not rows:
+            raise UserError(f"{path} holds no rows (data.{key}); pass a file with at least one row")
+        if cfg.method == "sft":
+            _check_sft_rows(cfg, path, rows, columns, model)
+        else:
+            _check_rl_rows(cfg, path, rows, columns)
+
+
+def _columns(columns: list[str]) -> str:
+    return ", ".join(columns[:12]) + (", ..." if len(columns) > 12 else "") if columns else "none"
+
+
+def _check_sft_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[str], model: ModelFiles | None):
+    d = cfg.data
+    chat = d.format == "chat" or (d.format == "auto" and any(d.messages_field in r for r in rows))
+    if chat:
+        if not any(d.messages_field in r for r in rows):
+            raise UserError(
+                f"{path}: no '{d.messages_field}' column (the rows have {_columns(columns)}); "
+                f"name the messages with --set data.messages_field=FIELD"
+            )
+        if model is not None and not model.has_chat_template:
+            raise UserError(
+                f"{model.root} has no chat template, and {path} holds chat messages; use a model with a chat "
+                f"template (tokenizer_config.json chat_template) or prompt/response rows (--set data.format=pairs)"
+            )
+        return
+    if d.format == "rl":
+        raise UserError("data.format=rl is for grpo/ppo; sft reads chat (messages) or pairs (prompt/response) rows")
+    if not any(d.prompt_field in r and d.response_field in r for r in rows):
+        raise UserError(
+            f"{path}: sft needs a '{d.messages_field}' column or '{d.prompt_field}' and '{d.response_field}' "
+            f"columns; the rows have {_columns(columns)} (name them with --set data.messages_field=... or "
+            f"data.prompt_field=... data.response_field=...)"
+        )
+
+
+def _check_rl_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[str]) -> None:
+    d = cfg.data
+    if d.format not in ("auto", "rl"):
+        raise UserError(f"data.format={d.format} is for sft; grpo/ppo read RL prompt rows (data.format=rl or auto)")
+    if not any(d.prompt_field in r for r in rows):
+        raise UserError(
+            f"{path}: no '{d.prompt_field}' column (the rows have {_columns(columns)}); "
+            f"name the prompt with --set data.prompt_field=FIELD"
+        )
+
+    def has_answer(r: dict) -> bool:
+        rm = r.get("reward_model")
+        return (isinstance(rm, dict) and "ground_truth" in rm) or d.answer_field in r
+
+    if not any(has_answer(r) for r in rows):
+        raise UserError(
+            f"{path}: no row has an answer field '{d.answer_field}' (nor verl's reward_model.ground_truth); "
+            f"the rows have {_columns(columns)}: name the answer with --set data.answer_field=FIELD"
+        )
+    if cfg.reward.fn != "auto":
+        return
+    from rlctl.rewards.loader import default_for_data_source
+
+    sources = {str(r.get("data_source") or "") for r in rows}
+    if "" in sources:
+        raise UserError(
+            f"{path}: rows without a data_source, so no reward can be chosen for them; pass --reward "
+            f"(gsm8k | math | exact | format | length | file.py:fn)"
+        )
+    unknown = sorted(s for s in sources if default_for_data_source(s) is None)
+    if unknown:
+        raise UserError(
+            f"{path}: data_source {', '.join(map(repr, unknown[:3]))} has no built-in reward; pass --reward "
+            f"(gsm8k | math | exact | format | length | file.py:fn)"
+        )
