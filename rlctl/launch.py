@@ -105,10 +105,10 @@ def job_env(plan: Plan, base: Mapping[str, str]) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     env.update(
         megatron_env(
-            backend=_plan_get(plan, "backend", "fsdp"),
-            device=_plan_get(plan, "device", "cuda"),
-            tp=int(_plan_get(plan, "tp", 1) or 1),
-            sequence_parallel=bool(_plan_get(plan, "sequence_parallel", False)),
+            backend=plan.backend,
+            device=plan.device,
+            tp=plan.tp,
+            sequence_parallel=plan.sequence_parallel,
         )
     )
     return env

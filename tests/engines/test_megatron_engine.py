@@ -110,9 +110,9 @@ def test_the_launcher_gives_the_ranks_the_megatron_env():
     from rlctl.launch import job_env
 
     plan = {"backend": "megatron", "device": "cuda", "tp": 2, "sequence_parallel": True}
-    env = job_env(plan, {"PATH": "/bin", "CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+    env = job_env(SimpleNamespace(**plan), {"PATH": "/bin", "CUDA_DEVICE_MAX_CONNECTIONS": "8"})
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and env["PATH"] == "/bin"
-    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in job_env({**plan, "backend": "fsdp"}, {})
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in job_env(SimpleNamespace(**{**plan, "backend": "fsdp"}), {})
 
 
 def test_launch_command_is_the_plain_torchrun_command():
