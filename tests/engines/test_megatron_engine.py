@@ -37,6 +37,8 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from safetensors.torch import load_file
