@@ -124,8 +124,8 @@ def test_launch_command_is_the_plain_torchrun_command():
     cfg.hardware.master_port = 29500
     fsdp = {"backend": "fsdp", "nproc_per_node": 8, "nodes": 1, "tp": 1, "pp": 1}
     megatron = {**fsdp, "backend": "megatron", "tp": 4, "pp": 2}
-    argv = build_command(cfg, megatron, "runs/x")
-    assert argv == build_command(cfg, fsdp, "runs/x")  # the recipe picks the engine from plan.json
+    argv = build_command(cfg, SimpleNamespace(**megatron), "runs/x")
+    assert argv == build_command(cfg, SimpleNamespace(**fsdp), "runs/x")  # the ranks pick the engine from the config
     assert argv[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node", "8"]
     assert argv[-4:] == ["-m", "rlctl.recipes.grpo", "--run-dir", "runs/x"]
 
