@@ -207,8 +207,8 @@ class _Progress:
 
 def _check_inputs(cfg: RunConfig, run_dir: Path) -> None:
     """Cheap checks that would otherwise fail only after torchrun has started."""
-    from rlctl.engines.checkpoint import latest_checkpoint, resolve_resume
     from rlctl.metrics import check_backends_installed
+    from rlctl.runtime.layout import latest_checkpoint, resolve_resume
 
     if cfg.data.path and not Path(cfg.data.path).expanduser().exists():
         raise UserError(f"data not found: {cfg.data.path}")
@@ -242,9 +242,19 @@ def _cmdline(proc) -> list[str]:
         return []
 
 
+def _resolved(cfg: RunConfig, plan) -> RunConfig:
+    """``cfg`` with the plan's decisions filled in (a no-op for a config the CLI resolved already)."""
+    from types import SimpleNamespace
+
+    from rlctl.plan import apply_plan
+
+    fields = {"rollout_tp": 0, "rollout_mem_fraction": 0.0, **plan_to_dict(plan)}
+    return apply_plan(cfg, SimpleNamespace(**fields))
+
+
 def launch_job(cfg: RunConfig, plan) -> int:
     """Run the job under torchrun on this node; return the exit status (0 ok, 130 interrupted)."""
-    from rlctl.recipes.common import RunPaths
+    from rlctl.runtime.layout import RunPaths
 
     run_dir = (Path(cfg.output_dir) if cfg.output_dir else default_run_dir(cfg)).absolute()
     _check_inputs(cfg, run_dir)
@@ -252,8 +262,8 @@ def launch_job(cfg: RunConfig, plan) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (paths.error, paths.summary):
         stale.unlink(missing_ok=True)
-    cfg = dataclasses.replace(cfg, output_dir=str(run_dir))
-    save_config(cfg, paths.config)
+    cfg = dataclasses.replace(_resolved(cfg, plan), output_dir=str(run_dir))
+    save_config(cfg, paths.config)  # the ranks read every decision from it (plan.json is the record)
     paths.plan.write_text(json.dumps(plan_to_dict(plan), indent=2, default=str) + "\n")
 
     argv = build_command(cfg, plan, run_dir)
