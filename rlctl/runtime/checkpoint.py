@@ -15,11 +15,12 @@
         lora_adapter/adapter_config.json   # when LoRA was used
 
 Every name comes from :mod:`rlctl.runtime.layout`. The engines write and read their own files
-(:meth:`TrainEngine.save_checkpoint` / :meth:`~TrainEngine.load_checkpoint`); this module owns the directory, the RNG states, the trainer
-state and the atomic rename. A checkpoint is written under ``.tmp-step_N`` and renamed only once
-every rank has finished, so a crash mid-write leaves the previous checkpoint (and ``latest``)
-intact. Both formats store each tensor with its global shape, so a checkpoint loads on any number
-of processes (FSDP) or any tp/pp (Megatron); it loads with the backend that saved it.
+(:meth:`TrainEngine.save_checkpoint` / :meth:`~TrainEngine.load_checkpoint`); this module owns the
+directory, the RNG states, the trainer state and the atomic rename. A checkpoint is written under
+``.tmp-step_N`` and renamed only once every rank has finished, so a crash mid-write leaves the previous
+checkpoint (and ``latest``) intact. Both formats store each tensor with its global shape, so a
+checkpoint loads on any number of processes (FSDP) or any tp/pp (Megatron); it loads with the backend
+that saved it.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from rlctl.errors import UserError
 from rlctl.runtime.dist import Dist, init_distributed
 from rlctl.runtime.layout import RunPaths, latest_checkpoint, step_of, write_json_atomic
 from rlctl.runtime.rng import seed_everything
+from rlctl.runtime.signals import requested_early
 
 # Test hooks (environment variables), documented in docs/sft.md:
 STOP_AFTER_ENV = "RLCTL_STOP_AFTER_STEP"  # behave as if Ctrl-C arrived right after this step
@@ -47,7 +48,7 @@ class StopRequest:
     """
 
     def __init__(self) -> None:
-        self.requested = False
+        self.requested = requested_early()  # a Ctrl-C while the recipe was still importing
         stop_after = os.environ.get(STOP_AFTER_ENV, "")
         self.stop_after = int(stop_after) if stop_after.strip() else None
         for sig in (signal.SIGINT, signal.SIGTERM):
