@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -229,3 +230,58 @@ def test_grpo_run_with_gspo_uses_its_defaults_and_the_user_override(tiny_model_d
     assert [r["step"] for r in records] == [1, 2]
     # the second epoch's sequence ratios moved by far more than 3e-4 below 1: tokens were clipped
     assert all(r["pg/clip_frac"] > 0 for r in records), [r["pg/clip_frac"] for r in records]
+
+
+class _FileEngine:
+    """The engine side of a checkpoint, reduced to a file (checkpoint.py leaves the model to the engine)."""
+
+    backend = "fsdp"
+
+    def save_checkpoint(self, path):
+        (Path(path) / ".metadata").write_text("model")
+
+    def load_checkpoint(self, path):
+        assert (Path(path) / ".metadata").read_text() == "model"
+
+    def lora_info(self):
+        return None
+
+
+def test_checkpoint_rng_new_format_and_older_pickled_file_resume_the_same_draws(tmp_path):
+    """save_checkpoint writes the RNG state as JSON + safetensors; load_checkpoint restores it exactly,
+    and restores it from an older checkpoint's pickled rng/rank_0.pt just the same."""
+    import torch.distributed as dist
+
+    from rlctl.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from rlctl.runtime.rng import rng_state, seed_everything, set_rng_state
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        seed_everything(3)
+        _draws()
+        state = rng_state()
+        final = save_checkpoint(
+            tmp_path,
+            1,
+            {"": _FileEngine()},
+            trainer_state={"method": "sft"},
+            meta_dir=None,
+            rng_state=state,
+            keep_last=2,
+        )
+        want = _draws()
+        assert sorted(p.name for p in (final / "rng").iterdir()) == ["rank_0.json", "rank_0.safetensors"]
+        _, rng = load_checkpoint(final, {"": _FileEngine()})
+        set_rng_state(rng)
+        assert _draws() == want
+        for f in (final / "rng").iterdir():  # the layout of a checkpoint written before this format
+            f.unlink()
+        torch.save(state, final / "rng" / "rank_0.pt")
+        _, rng = load_checkpoint(final, {"": _FileEngine()})
+        set_rng_state(rng)
+        assert _draws() == want
+    finally:
+        if created:
+            dist.destroy_process_group()
