@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rlctl.config import RunConfig, save_config
 from rlctl.errors import UserError
+from rlctl.runtime.net import free_port
 
 INTERRUPTED = 130  # exit status after a Ctrl-C that stopped the run cleanly
 
@@ -39,14 +40,6 @@ def plan_to_dict(plan) -> dict:
     if dataclasses.is_dataclass(plan):
         return dataclasses.asdict(plan)
     return dict(vars(plan))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------
