@@ -293,7 +293,7 @@ def main() -> int:
 
     import torch
 
-    from rlctl.launch import free_port
+    from rlctl.runtime.net import free_port
     from rlctl.testing import build_tiny_model
 
     if not torch.cuda.is_available():

@@ -132,11 +132,13 @@ class RolloutConfig:
 class AlgoConfig:
     adv: str = "grpo"  # grpo | rloo | reinforce_pp | gae
     norm_by_std: bool = True
-    loss_agg: str = "token-mean"
+    # None = the policy loss's own default (ppo: token-mean, 0.2, 0.2, 3.0; gspo: seq-mean-token-mean,
+    # 3e-4, 4e-4, off; rlctl.algos.registry); a value set here wins. dual_clip=0 turns it off.
+    loss_agg: str | None = None
     policy_loss: str = "ppo"  # ppo | gspo
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float = 3.0
+    clip_low: float | None = None
+    clip_high: float | None = None
+    dual_clip: float | None = None
     ppo_epochs: int = 1
     mini_batch_size: int = 0  # prompts per optimizer step (0 = the whole batch)
     kl_coef: float = 0.0
@@ -392,7 +394,7 @@ def validate(cfg: RunConfig) -> None:
     """Checks that do not need the catalog: choices and value ranges."""
     for key, choices in CHOICES.items():
         value = get_key(cfg, key)
-        if value not in choices:
+        if value is not None and value not in choices:
             raise UserError(
                 f"{key}={value!r} is not valid{did_you_mean(str(value), choices)}; choose one of {', '.join(choices)}"
             )

@@ -32,19 +32,12 @@ from rlctl.config import RunConfig, save_config
 from rlctl.errors import UserError
 from rlctl.plan import apply_plan
 from rlctl.runtime.layout import RunPaths, has_checkpoint
+from rlctl.runtime.net import free_port
 
 if TYPE_CHECKING:
     from rlctl.plan import Plan
 
 INTERRUPTED = 130  # exit status after a Ctrl-C that stopped the run cleanly
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------

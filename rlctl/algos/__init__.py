@@ -6,6 +6,8 @@
 - :mod:`rlctl.algos.kl`: KL estimators, KL coefficient controllers, entropy.
 - :mod:`rlctl.algos.logprobs`: chosen-token log-probabilities from logits, memory-aware.
 - :mod:`rlctl.algos.masked`: masked mean / variance / whitening.
+- :mod:`rlctl.algos.registry`: advantage estimators and policy losses by name, each loss with its own
+  defaults (``register_adv_est``, ``register_policy_loss``, ``resolve_policy_loss``).
 
 Formulas, defaults and references: ``docs/algos.md``.
 """
@@ -21,15 +23,28 @@ from rlctl.algos.kl import (
 from rlctl.algos.logprobs import logprobs_from_logits
 from rlctl.algos.losses import AGG_MODES, aggregate, gspo_policy_loss, ppo_policy_loss, value_loss
 from rlctl.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from rlctl.algos.registry import (
+    ADV_ESTIMATORS,
+    POLICY_LOSSES,
+    get_adv_estimator,
+    get_policy_loss,
+    register_adv_est,
+    register_policy_loss,
+    resolve_policy_loss,
+)
 
 __all__ = [
+    "ADV_ESTIMATORS",
     "AGG_MODES",
     "KL_KINDS",
+    "POLICY_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
     "aggregate",
     "entropy_from_logits",
     "gae",
+    "get_adv_estimator",
+    "get_policy_loss",
     "grpo",
     "gspo_policy_loss",
     "kl_estimate",
@@ -39,7 +54,10 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "ppo_policy_loss",
+    "register_adv_est",
+    "register_policy_loss",
     "reinforce_pp",
+    "resolve_policy_loss",
     "rloo",
     "value_loss",
 ]

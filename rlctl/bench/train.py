@@ -318,7 +318,7 @@ def longest_prompt(model_path: Path, data: Path) -> int:
 def run_job(cfg, plan) -> tuple[list[dict], ProcessSampler]:
     """Launch the job (``launch_job``) while sampling its ranks' memory; its step records."""
     from rlctl.launch import launch_job
-    from rlctl.recipes.common import RunPaths
+    from rlctl.runtime.layout import RunPaths
 
     paths = RunPaths(Path(cfg.output_dir))
     with ProcessSampler(_is_rank, gpu=plan.device == "cuda") as sampler:

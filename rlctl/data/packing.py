@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -31,11 +31,30 @@ from rlctl.data.sft import IGNORE, Example
 
 @dataclass
 class MicroBatch:
+    """One forward pass of an engine: SFT's packed or padded rows, or RL's packed samples.
+
+    The engine reads ``input_ids``, ``position_ids`` and ``attention_mask``; the rest belongs to the
+    loss. SFT: ``labels`` is ``[B, T]`` (-100 where no loss). RL (one packed row ``[1, T]``):
+    ``labels`` are the ``[N]`` response tokens, ``logit_index`` the positions whose logits predict them,
+    ``rows`` the rows of the step's batch it holds, ``token_row`` / ``token_col`` where each response
+    token goes in the ``[k, width]`` matrix of those rows.
+    """
+
     input_ids: torch.Tensor  # [B, T] int64
     position_ids: torch.Tensor  # [B, T] int64
-    labels: torch.Tensor  # [B, T] int64, -100 where no loss
-    attention_mask: torch.Tensor | None  # [B, T] 0/1 for padded rows; None for packed rows
-    num_seqs: int  # real sequences in it (0 for a dummy)
+    labels: torch.Tensor  # SFT: [B, T], -100 where no loss; RL: [N] response tokens
+    attention_mask: torch.Tensor | None = None  # [B, T] 0/1 for padded rows; None for packed rows
+    num_seqs: int = 0  # real sequences in it (0 for a dummy)
+    rows: torch.Tensor | None = None  # RL: [k] the batch rows it holds
+    logit_index: torch.Tensor | None = None  # RL: [N] positions whose logits predict the response tokens
+    token_row: torch.Tensor | None = None  # RL: [N] row (0..k-1) of each response token
+    token_col: torch.Tensor | None = None  # RL: [N] its index within its response
+    width: int = 0  # RL: longest response in it
+
+    @property
+    def dummy(self) -> bool:
+        """Runs only to keep this rank in step with the others' collectives."""
+        return self.num_seqs == 0
 
     @property
     def num_tokens(self) -> int:
@@ -48,11 +67,18 @@ class MicroBatch:
     def num_loss_tokens(self) -> int:
         return int((self.labels != IGNORE).sum())
 
-    def to(self, device: torch.device) -> MicroBatch:
-        mask = None if self.attention_mask is None else self.attention_mask.to(device)
-        return MicroBatch(
-            self.input_ids.to(device), self.position_ids.to(device), self.labels.to(device), mask, self.num_seqs
-        )
+    def to(self, device: torch.device | str) -> MicroBatch:
+        moved = {f.name: v.to(device) for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
+
+    def to_matrix(self, flat: torch.Tensor) -> torch.Tensor:
+        """RL: per-token values [N] -> [k, width] (zero past each response); differentiable."""
+        out = flat.new_zeros(self.num_seqs, self.width)
+        return out.index_put((self.token_row, self.token_col), flat)
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """RL: this micro-batch's rows of a per-token batch tensor [b, W] -> [k, width]."""
+        return t[self.rows, : self.width]
 
 
 class StepSampler:

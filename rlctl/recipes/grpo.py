@@ -2,14 +2,17 @@
 
 No critic: each prompt gets ``rollout.n`` samples and a sample's advantage is its reward compared
 with its group's (``algo.adv``: grpo, rloo or reinforce_pp). The KL to the frozen reference policy
-is a loss term (``pg + kl_coef * agg(kl)``) unless ``algo.kl_in_reward``. The shared machinery
-(batches, packing, global denominators, weight sync, checkpoints) is in :mod:`rlctl.recipes.rl`.
+is a loss term (``pg + kl_coef * agg(kl)``) unless ``algo.kl_in_reward``. The policy loss is the
+one ``algo.policy_loss`` names (ppo or gspo, each with its own clip range and aggregation). The
+shared machinery (batches, packing, global denominators, weight sync) is in :mod:`rlctl.recipes.rl`;
+the loop around the steps (resume, eval, checkpoints, export) is :func:`rlctl.runtime.fit.fit`.
 """
 
 from __future__ import annotations
 
-from rlctl.recipes.common import RunContext, recipe_main
-from rlctl.recipes.rl import RLTrainer
+from rlctl.recipes.rl.trainer import RLTrainer
+from rlctl.runtime.entry import RunContext, recipe_main
+from rlctl.runtime.fit import fit
 
 
 def train_step(rl: RLTrainer, step: int) -> None:
@@ -25,7 +28,7 @@ def train_step(rl: RLTrainer, step: int) -> None:
 
 
 def run(ctx: RunContext) -> None:
-    RLTrainer(ctx, with_critic=False).fit(train_step)
+    fit(ctx, RLTrainer(ctx, train_step, with_critic=False))
 
 
 if __name__ == "__main__":

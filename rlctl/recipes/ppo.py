@@ -5,13 +5,15 @@ at ``algo.critic_lr`` (FSDP2 only: the Megatron engine does not run a critic yet
 does not choose it for ppo). Advantages come from GAE over per-token rewards: the score on the
 last response token minus ``kl_coef * KL`` on every token (``algo.kl_in_reward``; adaptive towards
 ``algo.kl_target`` when set). The critic learns the returns with a clipped value loss; for the first
-``algo.critic_warmup`` steps only the critic is trained. Shared machinery: :mod:`rlctl.recipes.rl`.
+``algo.critic_warmup`` steps only the critic is trained. Shared machinery: :mod:`rlctl.recipes.rl`;
+the loop around the steps (resume, eval, checkpoints, export) is :func:`rlctl.runtime.fit.fit`.
 """
 
 from __future__ import annotations
 
-from rlctl.recipes.common import RunContext, recipe_main
-from rlctl.recipes.rl import RLTrainer
+from rlctl.recipes.rl.trainer import RLTrainer
+from rlctl.runtime.entry import RunContext, recipe_main
+from rlctl.runtime.fit import fit
 
 
 def train_step(rl: RLTrainer, step: int) -> None:
@@ -30,7 +32,7 @@ def train_step(rl: RLTrainer, step: int) -> None:
 
 
 def run(ctx: RunContext) -> None:
-    RLTrainer(ctx, with_critic=True).fit(train_step)
+    fit(ctx, RLTrainer(ctx, train_step, with_critic=True))
 
 
 if __name__ == "__main__":

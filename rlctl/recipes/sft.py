@@ -7,12 +7,12 @@ tensor/pipeline ranks of a replica get the same ones), and the loss is the per-t
 cross-entropy over the assistant tokens of the WHOLE global batch (each replica divides its summed
 loss by the global count of loss tokens). So neither the number of processes nor the number of
 micro-batches changes the update, and a run resumed on another number of processes continues the
-same trajectory.
+same trajectory. The loop around the steps (resume, eval, checkpoints, export, summary.json) is
+:func:`rlctl.runtime.fit.fit`, the same as for GRPO and PPO.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from types import SimpleNamespace
@@ -24,25 +24,11 @@ import torch.nn.functional as F
 from rlctl.data.packing import StepSampler, rank_micro_batches
 from rlctl.data.sft import IGNORE, SFTData, build_sft_data
 from rlctl.engines import EngineSpec, build_engine
-from rlctl.engines.base import (
-    TrainEngine,
-    load_tokenizer,
-    model_source,
-    write_model_meta,
-)
-from rlctl.engines.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from rlctl.engines.base import TrainEngine, load_tokenizer, model_source, write_model_meta
 from rlctl.errors import UserError
-from rlctl.formats.hf_writer import config_dtype
-from rlctl.metrics import MetricsLogger
-from rlctl.recipes.common import (
-    RunContext,
-    all_reduce_sum,
-    barrier,
-    recipe_main,
-    rng_state,
-    set_rng_state,
-    write_json_atomic,
-)
+from rlctl.runtime.dist import all_reduce_sum, barrier
+from rlctl.runtime.entry import RunContext, recipe_main
+from rlctl.runtime.fit import fit
 
 DUMP_LOGITS_ENV = "RLCTL_DUMP_LOGITS"  # test hook: save the final model's logits on a fixed input
 
@@ -60,13 +46,29 @@ class SFTTrainer:
         cfg = ctx.cfg
         self.ctx, self.engine, self.data, self.sampler, self.pad_id = ctx, engine, data, sampler, pad_id
         self.packing = cfg.data.packing
-        self.micro_batch_size = cfg.train.micro_batch_size or getattr(ctx.plan, "micro_batch_size", 0) or 1
+        self.micro_batch_size = cfg.train.micro_batch_size or 1  # the plan's choice is in the resolved config
         self.budget = cfg.train.max_tokens_per_micro_batch or self.micro_batch_size * cfg.train.max_len
         if self.packing and self.budget < cfg.train.max_len:
             raise UserError(
                 f"train.max_tokens_per_micro_batch={self.budget} is below train.max_len="
                 f"{cfg.train.max_len}; a sequence must fit in one micro-batch"
             )
+
+    @property
+    def total_steps(self) -> int:
+        return self.ctx.cfg.train.max_steps or self.ctx.cfg.train.epochs * self.sampler.steps_per_epoch
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.sampler.steps_per_epoch
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.data.train)
+
+    @property
+    def has_eval(self) -> bool:
+        return bool(self.data.val)
 
     def _micro_batches(self, batch):
         """This replica's share of ``batch``, on the engine's device."""
@@ -115,7 +117,7 @@ class SFTTrainer:
             "time/step": elapsed,
         }
 
-    def evaluate(self) -> float:
+    def evaluate(self, step: int) -> dict:
         """Per-token loss over the whole validation set."""
         self.engine.train(False)
         local_sum = 0.0
@@ -127,7 +129,29 @@ class SFTTrainer:
             )
             local_sum += sum(float(x) for x in sums)
         self.engine.train(True)
-        return self._sum_over_replicas(local_sum) / sum(ex.num_loss_tokens for ex in self.data.val)
+        val_loss = self._sum_over_replicas(local_sum) / sum(ex.num_loss_tokens for ex in self.data.val)
+        return {"step": step, "kind": "eval", "val_loss": val_loss}
+
+    # what rlctl.runtime.fit needs
+
+    def engines(self) -> dict[str, TrainEngine]:
+        return {"": self.engine}
+
+    def state(self) -> dict:
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        pass
+
+    def summary(self) -> dict:
+        return {
+            "data": self.data.report.to_dict(),
+            "val_data": self.data.val_report.to_dict() if self.data.val_report else None,
+        }
+
+    def close(self) -> None:
+        if os.environ.get(DUMP_LOGITS_ENV):
+            _dump_logits(self.engine, self.data, self.ctx.paths.root / "debug_logits.pt")
 
 
 def run(ctx: RunContext) -> None:
@@ -143,101 +167,7 @@ def run(ctx: RunContext) -> None:
     if d.is_main:
         write_model_meta(paths.model_meta, engine.hf_config, tokenizer, source)
     barrier()
-
-    start = 0
-    resume_from = resolve_resume(cfg.checkpoint.resume, paths.root)
-    if resume_from is not None:
-        state, rng = load_checkpoint(resume_from, {"": engine})
-        start = state["step"]
-        if rng is not None:
-            set_rng_state(rng)
-        if state.get("data", {}).get("num_train") != len(data.train):
-            ctx.log(
-                f"warning: the data changed since {resume_from.name} (train sequences "
-                f"{state.get('data', {}).get('num_train')} -> {len(data.train)}); the data order differs"
-            )
-        ctx.log(
-            f"resumed from {resume_from} at step {start} (saved by {state.get('world_size')} processes, "
-            f"now {d.world_size})"
-        )
-    elif cfg.checkpoint.resume == "auto":
-        ctx.log("resume=auto: no checkpoint found, starting from step 0")
-
-    metrics = MetricsLogger(
-        paths.metrics,
-        backends=cfg.log.backends,
-        enabled=d.is_main,
-        project=cfg.log.project,
-        run_name=cfg.log.run_name,
-        config=cfg.to_dict(),
-    )
-
-    def checkpoint(step: int):
-        trainer_state = {
-            "method": "sft",
-            "epoch": sampler.epoch_of(step),
-            "total_steps": total_steps,
-            "data": {
-                "num_train": len(data.train),
-                "batch_size": sampler.batch_size,
-                "steps_per_epoch": sampler.steps_per_epoch,
-                "seed": cfg.train.seed,
-            },
-        }
-        return save_checkpoint(
-            paths.checkpoints,
-            step,
-            {"": engine},
-            trainer_state=trainer_state,
-            meta_dir=paths.model_meta,
-            rng_state=rng_state(),
-            keep_last=cfg.checkpoint.keep_last,
-        )
-
-    saved = None
-    step = start
-    interrupted = False
-    while step < total_steps:
-        record = trainer.train_step(step)
-        step += 1
-        if step % cfg.log.every == 0 or step == total_steps:
-            metrics.log(record)
-        if data.val and cfg.train.eval_every and step % cfg.train.eval_every == 0:
-            metrics.log({"step": step, "kind": "eval", "val_loss": trainer.evaluate()})
-        (stop_votes,) = all_reduce_sum([float(ctx.stop.local(step))], engine.device)
-        if stop_votes > 0 and step < total_steps:
-            interrupted = True
-            saved = checkpoint(step)
-            ctx.log(f"stopped at step {step}; checkpoint {saved}")
-            break
-        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < total_steps:
-            saved = checkpoint(step)
-
-    hf_dir = None
-    if not interrupted:
-        if data.val and (not cfg.train.eval_every or step % cfg.train.eval_every):
-            metrics.log({"step": step, "kind": "eval", "val_loss": trainer.evaluate()})
-        if saved is None or saved.name != f"step_{step:06d}":
-            saved = checkpoint(step)
-        if os.environ.get(DUMP_LOGITS_ENV):
-            _dump_logits(engine, data, paths.root / "debug_logits.pt")
-        if cfg.checkpoint.export_hf:
-            dtype = config_dtype(json.loads((paths.model_meta / "config.json").read_text()))
-            hf_dir = engine.export_hf(paths.hf, paths.model_meta, dtype=dtype)
-    metrics.close()
-    if d.is_main:
-        write_json_atomic(
-            paths.summary,
-            {
-                "status": "interrupted" if interrupted else "completed",
-                "step": step,
-                "total_steps": total_steps,
-                "checkpoint": str(saved) if saved else None,
-                "hf": str(hf_dir) if hf_dir else None,
-                "data": data.report.to_dict(),
-                "val_data": data.val_report.to_dict() if data.val_report else None,
-            },
-        )
+    fit(ctx, trainer)
 
 
 def _dump_logits(engine: TrainEngine, data: SFTData, path) -> None:

@@ -19,11 +19,17 @@ No torch here: the launcher and ``rlctl convert`` use this module before anythin
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlctl.errors import UserError
+
 STEP_PREFIX = "step_"
+RNG_DIR = "rng"  # in a checkpoint: rank_N.json + rank_N.safetensors (older checkpoints: rank_N.pt)
+TRAINER_STATE = "trainer_state.json"
 TMP_PREFIX = ".tmp-"
 LATEST = "latest"
 VERL_LATEST = "latest_checkpointed_iteration.txt"
@@ -107,7 +113,7 @@ def step_of(path: str | Path) -> int | None:
 def is_complete(path: str | Path) -> bool:
     """An rlctl checkpoint whose save finished (trainer state and DCP metadata both present)."""
     path = Path(path)
-    return (path / "trainer_state.json").is_file() and (path / ".metadata").is_file()
+    return (path / TRAINER_STATE).is_file() and (path / ".metadata").is_file()
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:
@@ -153,3 +159,36 @@ def marked_step(root: str | Path, steps: dict[int, Path]) -> Path | None:
                 if text in (d.name, str(step)):
                     return d
     return None
+
+
+def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
+    """``checkpoint.resume``: "" -> None; "auto" -> the run's latest checkpoint or None; else a path.
+
+    A path may name a checkpoint (step_N), a checkpoints directory or a run directory.
+    """
+    if not resume:
+        return None
+    if resume == "auto":
+        return latest_checkpoint(RunPaths(Path(run_dir)).checkpoints)
+    p = Path(resume).expanduser()
+    if is_complete(p):
+        return p
+    for root in (p, RunPaths(p).checkpoints):
+        found = latest_checkpoint(root) if root.is_dir() else None
+        if found is not None:
+            return found
+    raise UserError(
+        f"--resume {resume}: no complete checkpoint there (expected a step_N directory with "
+        f"trainer_state.json, or a run directory with checkpoints/)"
+    )
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``path`` so that a reader sees the old or the new content, never half of it."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")

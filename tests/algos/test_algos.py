@@ -437,3 +437,61 @@ def test_logprobs_keep_no_float32_copy_for_backward():
     naive = saved_by(lambda: torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None]))
     assert naive  # the check can see a float32 copy when there is one
     assert not saved_by(lambda: logprobs_from_logits(logits, labels))
+
+
+# ---------------------------------------------------------------------------------------------
+# Registries
+
+
+def test_policy_losses_carry_their_own_defaults_and_user_keys_win():
+    from rlctl.algos import resolve_policy_loss
+
+    gspo = resolve_policy_loss("gspo", clip_low=None, clip_high=None, dual_clip=None, agg=None)
+    assert (gspo.clip_low, gspo.clip_high, gspo.dual_clip, gspo.agg) == (3e-4, 4e-4, None, "seq-mean-token-mean")
+    ppo = resolve_policy_loss("ppo", clip_low=None, clip_high=None, dual_clip=None, agg=None)
+    assert (ppo.clip_low, ppo.clip_high, ppo.dual_clip, ppo.agg) == (0.2, 0.2, 3.0, "token-mean")
+    mixed = resolve_policy_loss("gspo", clip_low=None, clip_high=0.28, dual_clip=None, agg="token-mean")
+    assert (mixed.clip_low, mixed.clip_high, mixed.agg) == (3e-4, 0.28, "token-mean")
+    off = resolve_policy_loss("ppo", clip_low=None, clip_high=None, dual_clip=0.0, agg=None)
+    assert off.dual_clip is None  # 0 set by the user turns the dual clip off
+
+
+def test_unknown_algorithm_names_are_one_line_user_errors():
+    from rlctl.algos import get_adv_estimator, get_policy_loss
+    from rlctl.errors import UserError
+
+    with pytest.raises(UserError, match=r"algo.policy_loss='gpso' \(did you mean gspo") as e:
+        get_policy_loss("gpso")
+    assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="choose one of grpo, rloo, reinforce_pp, gae"):
+        get_adv_estimator("ppo")
+
+
+def test_a_registered_policy_loss_is_selected_by_name():
+    from rlctl.algos import POLICY_LOSSES, register_policy_loss, resolve_policy_loss
+
+    @register_policy_loss("test_plain_pg", clip_low=0.0, clip_high=0.0, dual_clip=None, agg="seq-mean-token-sum")
+    def plain_pg(logp, old_logp, advantages, mask, **kw):
+        return -(advantages * logp * mask).sum(), {}
+
+    try:
+        s = resolve_policy_loss("test_plain_pg", clip_low=None, clip_high=None, dual_clip=None, agg=None)
+        assert s.loss.fn is plain_pg and s.agg == "seq-mean-token-sum"
+    finally:
+        del POLICY_LOSSES["test_plain_pg"]
+
+
+def test_registered_estimators_match_the_formulas():
+    from rlctl.algos import ADV_ESTIMATORS
+
+    rewards = torch.zeros(4, 3)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.float32)
+    for i, (last, score) in enumerate([(1, 1.0), (2, 0.0), (0, 3.0), (1, 1.0)]):
+        rewards[i, last] = score
+    adv, ret = ADV_ESTIMATORS["grpo"].fn(rewards, mask, n=2, norm_by_std=False)
+    want = torch.tensor([0.5, -0.5, 1.0, -1.0])[:, None] * mask  # score minus its pair's mean
+    assert torch.allclose(adv, want) and torch.equal(adv, ret)
+    adv, _ = ADV_ESTIMATORS["rloo"].fn(rewards, mask, n=2)
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, 2.0, -2.0])[:, None] * mask)  # minus the other one
+    assert ADV_ESTIMATORS["gae"].needs_critic and not ADV_ESTIMATORS["grpo"].needs_critic
+    assert ADV_ESTIMATORS["grpo"].needs_groups and not ADV_ESTIMATORS["reinforce_pp"].needs_groups

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rlctl.launch import free_port
+from rlctl.runtime.net import free_port
 from tests.support.sft import chat_rows, cpu_plan, cpu_spec, sft_config, write_jsonl
 
 PLAN = SimpleNamespace(**cpu_plan(1))
@@ -151,7 +151,7 @@ def test_packed_and_padded_micro_batches_give_the_same_loss(tiny_model_dir, data
 
 
 def _fake_ctx(cfg, plan):
-    from rlctl.recipes.common import Dist
+    from rlctl.runtime.dist import Dist
 
     return SimpleNamespace(cfg=cfg, plan=plan, dist=Dist(0, 1, 0, torch.device("cpu")))
 
@@ -240,14 +240,10 @@ def test_critic_values_and_names(tiny_model_dir, data_file, tmp_path):
 
 def test_checkpoint_save_load_roundtrip(tiny_model_dir, data_file, tmp_path):
     """Model, optimizer and schedule come back; keep_last prunes; a half-written step is ignored."""
-    from rlctl.engines.checkpoint import (
-        latest_checkpoint,
-        load_checkpoint,
-        resolve_resume,
-        save_checkpoint,
-    )
     from rlctl.errors import UserError
-    from rlctl.recipes.common import rng_state
+    from rlctl.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from rlctl.runtime.layout import latest_checkpoint, resolve_resume
+    from rlctl.runtime.rng import rng_state
 
     cfg = make_cfg(tiny_model_dir, data_file, tmp_path)
     engine = make_engine(cfg, total_steps=10)
@@ -294,7 +290,7 @@ def test_checkpoint_save_load_roundtrip(tiny_model_dir, data_file, tmp_path):
 
 
 def test_stop_request_catches_sigint():
-    from rlctl.recipes.common import StopRequest
+    from rlctl.runtime.entry import StopRequest
 
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -414,9 +410,9 @@ def test_checkpoints_are_written_and_read_by_the_engines(tmp_path, tiny_model_di
     """checkpoint.py leaves the files of each model to its engine's save_checkpoint / load_checkpoint
     (the Megatron engine writes megatron-core dist checkpoints there) and keeps the backend in
     trainer_state.json: another backend cannot load it."""
-    from rlctl.engines.checkpoint import load_checkpoint, save_checkpoint
     from rlctl.errors import UserError
-    from rlctl.recipes.common import rng_state
+    from rlctl.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from rlctl.runtime.rng import rng_state
 
     actor, critic = _RecordingEngine(), _RecordingEngine()
     final = save_checkpoint(

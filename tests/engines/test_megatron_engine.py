@@ -443,7 +443,7 @@ DOCUMENTS = [(0, 0, 4), (0, 4, 9), (1, 0, 6)]  # (row, start, end) of each real 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Launch the workers once: (tp, pp, model) -> (output dir, HF dir)."""
-    from rlctl.launch import free_port
+    from rlctl.runtime.net import free_port
 
     if not HAVE_MCORE:
         pytest.skip("megatron-core not installed")
@@ -637,8 +637,9 @@ def _megatron_run(cfg, tp: int, pp: int, env: dict | None = None) -> subprocess.
     from types import SimpleNamespace
 
     from rlctl.config import save_config
-    from rlctl.launch import free_port, job_env
+    from rlctl.launch import job_env
     from rlctl.plan import apply_plan
+    from rlctl.runtime.net import free_port
     from tests.support.sft import cpu_plan
 
     run = Path(cfg.output_dir)

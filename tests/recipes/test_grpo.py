@@ -33,7 +33,7 @@ LOGPROB_TOL = 1e-3  # fp32 on CPU: the engines agree with the trainer to ~1e-6
 @pytest.fixture(scope="module")
 def process_group():
     """A one-process gloo group, as torchrun would give a single rank."""
-    from rlctl.launch import free_port
+    from rlctl.runtime.net import free_port
 
     created = not dist.is_initialized()
     if created:
@@ -107,7 +107,7 @@ def test_missing_answer_field_names_the_field_and_the_fix(tiny_model_dir, tmp_pa
 def test_rewards_by_data_source_or_by_name():
     from rlctl.data.rl import Prompt, RLData
     from rlctl.errors import UserError
-    from rlctl.recipes.rl import Rewards
+    from rlctl.recipes.rl.scoring import Rewards
 
     gsm = Prompt([1], "openai/gsm8k", "72", None)
     plain = Prompt([1], "", "boom", None)
@@ -127,7 +127,7 @@ def test_rewards_by_data_source_or_by_name():
 
 @pytest.mark.parametrize("batch,mini,world", [(8, 4, 2), (6, 4, 4), (5, 0, 2), (3, 2, 4)])
 def test_rank_positions_deal_every_mini_batch_over_the_ranks(batch, mini, world):
-    from rlctl.recipes.rl import rank_positions
+    from rlctl.recipes.rl.batch import rank_positions
 
     shares = [rank_positions(batch, mini, r, world) for r in range(world)]
     assert sorted(p for s in shares for p in s) == list(range(batch))
@@ -138,7 +138,7 @@ def test_rank_positions_deal_every_mini_batch_over_the_ranks(batch, mini, world)
 
 
 def _random_batch(n_prompts: int, n: int, vocab: int, *, width: int, seed: int = 0):
-    from rlctl.recipes.rl import RolloutBatch
+    from rlctl.recipes.rl.batch import RolloutBatch
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(4, vocab) for _ in range(rng.randint(3, 14))] for _ in range(n_prompts)]
@@ -162,7 +162,7 @@ def test_samples_are_pooled_by_model_replica():
     order), so both train on the same batch, and the two replicas split every mini-batch evenly, each
     sample once, its tensors carried along."""
     from rlctl.engines.megatron.parallel import rank_coords
-    from rlctl.recipes.rl import RolloutBatch, rank_positions
+    from rlctl.recipes.rl.batch import RolloutBatch, rank_positions
 
     n, n_prompts, mini, width = 2, 8, 4, 5
     full = _random_batch(n_prompts, n, 50, width=width, seed=3)
@@ -208,7 +208,7 @@ def test_packed_log_probs_and_values_match_one_sequence_at_a_time(tiny_model_dir
     from transformers import AutoModelForCausalLM
 
     from rlctl.engines.fsdp import FSDPEngine
-    from rlctl.recipes.rl import compute_logprobs, compute_values
+    from rlctl.recipes.rl.passes import compute_logprobs, compute_values
 
     cfg = rl_config(tiny_model_dir)
     batch = _random_batch(3, 2, 400, width=12)
@@ -235,7 +235,7 @@ def test_packed_log_probs_and_values_match_one_sequence_at_a_time(tiny_model_dir
 
 
 def test_advantages_and_token_rewards_by_hand(process_group):
-    from rlctl.recipes.rl import compute_advantages, token_rewards
+    from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
 
     batch = _random_batch(2, 3, 50, width=5)
     batch.scores = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 2.0])

@@ -14,29 +14,22 @@ from __future__ import annotations
 
 import json
 import sys
-from types import SimpleNamespace
 
 import torch
 
 from rlctl.config import build_config, dotted_to_nested
 from rlctl.engines.fsdp import FSDPEngine
-from rlctl.recipes.common import init_distributed
-from rlctl.recipes.rl import (
-    RolloutBatch,
-    compute_advantages,
-    compute_logprobs,
-    rank_positions,
-    token_budget,
-    token_rewards,
-    update_actor,
-)
-from tests.support.sft import cpu_plan, cpu_spec
+from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
+from rlctl.recipes.rl.batch import RolloutBatch, rank_positions, token_budget
+from rlctl.recipes.rl.passes import compute_logprobs
+from rlctl.recipes.rl.update import update_actor
+from rlctl.runtime.dist import init_distributed
+from tests.support.sft import cpu_spec
 
 
 def one_update(model_dir: str, spec: dict, agg: str, d) -> tuple[FSDPEngine, dict]:
     settings = {**spec["settings"], "model.name": model_dir, "algo.loss_agg": agg}
     cfg = build_config("grpo", [dotted_to_nested(settings)])
-    plan = SimpleNamespace(**cpu_plan(d.world_size))
     actor = FSDPEngine(cpu_spec(), cfg, role="actor", total_steps=1)
     ref = FSDPEngine(cpu_spec(), cfg, role="ref", trainable=False)
     n, prompts = spec["n"], spec["prompts"]
@@ -54,7 +47,7 @@ def one_update(model_dir: str, spec: dict, agg: str, d) -> tuple[FSDPEngine, dic
         width=cfg.rollout.max_response_len,
     )
     batch.scores = torch.tensor([spec["scores"][u] for u in uid])
-    budget, t = token_budget(cfg, plan), cfg.rollout.temperature
+    budget, t = token_budget(cfg), cfg.rollout.temperature
     batch.old_logp, _ = compute_logprobs(actor, batch, temperature=t, budget=budget, pad_id=0)
     batch.ref_logp, _ = compute_logprobs(ref, batch, temperature=t, budget=budget, pad_id=0)
     batch.advantages, batch.returns = compute_advantages(batch, cfg, token_rewards(batch))

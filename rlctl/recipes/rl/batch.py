@@ -1,0 +1,188 @@
+"""The samples of one RL step on one rank: which prompts a rank takes, :class:`RolloutBatch`, and its
+packing into micro-batches (:class:`rlctl.data.packing.MicroBatch`, the one micro-batch type)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+from rlctl.config import RunConfig
+from rlctl.data.packing import MicroBatch, pack_bins
+from rlctl.data.rl import Prompt
+from rlctl.runtime.dist import all_reduce_max
+
+
+def mini_batch_ranges(batch_size: int, mini_batch_size: int) -> list[range]:
+    """Prompt positions of each mini-batch of a step (the last may be smaller)."""
+    m = mini_batch_size or batch_size
+    return [range(s, min(s + m, batch_size)) for s in range(0, batch_size, m)]
+
+
+def rank_positions(batch_size: int, mini_batch_size: int, rank: int, world: int) -> list[int]:
+    """Prompt positions (0..batch_size-1) this rank takes: its round-robin share of every mini-batch."""
+    return [p for r in mini_batch_ranges(batch_size, mini_batch_size) for p in r if (p - r.start) % world == rank]
+
+
+@dataclass
+class RolloutBatch:
+    """This rank's samples of one step. Per-token tensors are ``[b, width]`` (width = max response
+    length), zero past each response; ``mask`` is 1 on response tokens."""
+
+    prompts: list[list[int]]  # prompt token ids, one entry per sample
+    responses: list[list[int]]  # response token ids (the stop token included when it stopped)
+    uid: torch.Tensor  # [b] int64 global sample id: position * n + j
+    mini: torch.Tensor  # [b] int64 mini-batch of each sample
+    n: int  # samples per prompt
+    num_minis: int  # mini-batches in the step (the same on every rank)
+    total: int  # samples in the step over all ranks
+    mask: torch.Tensor
+    rollout_logp: torch.Tensor  # the rollout engine's log-probs
+    truncated: torch.Tensor  # [b] bool: stopped by the length budget
+    meta: list[Prompt] = field(default_factory=list)  # the prompt of each sample (reward arguments)
+    scores: torch.Tensor | None = None  # [b]
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.responses)
+
+    @classmethod
+    def build(
+        cls,
+        prompts: list[list[int]],
+        responses: list[list[int]],
+        rollout_logp: list[list[float]],
+        uid: list[int],
+        *,
+        n: int,
+        batch_size: int,
+        mini_batch_size: int,
+        width: int,
+        truncated: list[bool] | None = None,
+        meta: list[Prompt] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> RolloutBatch:
+        """A batch from plain lists (one entry per sample); ``batch_size`` = prompts in the step."""
+        b = len(responses)
+        mask = torch.zeros(b, width, device=device)
+        logp = torch.zeros(b, width, device=device)
+        for i, (resp, lp) in enumerate(zip(responses, rollout_logp)):
+            if not 0 < len(resp) <= width:
+                raise ValueError(f"response {i} has {len(resp)} tokens; expected 1..{width}")
+            mask[i, : len(resp)] = 1.0
+            logp[i, : len(resp)] = torch.tensor(lp, dtype=torch.float32)
+        m = mini_batch_size or batch_size
+        uid_t = torch.tensor(uid, dtype=torch.int64, device=device).reshape(-1)
+        return cls(
+            prompts=[list(p) for p in prompts],
+            responses=[list(r) for r in responses],
+            uid=uid_t,
+            mini=uid_t // n // m,
+            n=n,
+            num_minis=math.ceil(batch_size / m),
+            total=batch_size * n,
+            mask=mask,
+            rollout_logp=logp,
+            truncated=torch.tensor(truncated or [False] * b, dtype=torch.bool, device=device),
+            meta=list(meta or []),
+        )
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """A copy with every tensor on ``device``."""
+        moved = {f.name: v.to(device) for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
+
+    @classmethod
+    def join(cls, parts: list[RolloutBatch]) -> RolloutBatch:
+        """One batch holding the samples of ``parts`` (batches of the same step), in order."""
+        out = {}
+        for f in fields(cls):
+            values = [getattr(p, f.name) for p in parts]
+            if isinstance(values[0], list):
+                out[f.name] = [x for v in values for x in v]
+            elif isinstance(values[0], torch.Tensor):
+                out[f.name] = torch.cat(values)
+            else:  # the step's n, num_minis, total; None for what is not computed yet
+                out[f.name] = values[0]
+        return cls(**out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed micro-batches
+
+
+def _collate(batch: RolloutBatch, rows: list[int], device: torch.device) -> MicroBatch:
+    ids: list[int] = []
+    pos: list[int] = []
+    logit_index: list[int] = []
+    labels: list[int] = []
+    token_row: list[int] = []
+    token_col: list[int] = []
+    for r, i in enumerate(rows):
+        prompt, resp = batch.prompts[i], batch.responses[i]
+        start = len(ids)
+        ids += prompt + resp
+        pos += range(len(prompt) + len(resp))
+        # logits at position t predict token t+1
+        logit_index += range(start + len(prompt) - 1, start + len(prompt) + len(resp) - 1)
+        labels += resp
+        token_row += [r] * len(resp)
+        token_col += range(len(resp))
+
+    def t(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64, device=device)
+
+    return MicroBatch(
+        input_ids=t(ids)[None],
+        position_ids=t(pos)[None],
+        labels=t(labels),
+        num_seqs=len(rows),
+        rows=t(rows),
+        logit_index=t(logit_index),
+        token_row=t(token_row),
+        token_col=t(token_col),
+        width=max(len(batch.responses[i]) for i in rows),
+    )
+
+
+def _dummy(pad_id: int, device: torch.device) -> MicroBatch:
+    one = torch.tensor([[pad_id]], dtype=torch.int64, device=device)
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    return MicroBatch(
+        input_ids=one,
+        position_ids=torch.zeros_like(one),
+        labels=empty,
+        rows=empty,
+        logit_index=empty,
+        token_row=empty,
+        token_col=empty,
+    )
+
+
+def micro_batches(
+    batch: RolloutBatch, rows: list[int], *, budget: int, pad_id: int, device: torch.device
+) -> list[MicroBatch]:
+    """The given rows packed first-fit-decreasing into micro-batches of at most ``budget`` tokens,
+    padded with dummies to the same count on every rank (collective)."""
+    lengths = batch.lengths
+    bins = pack_bins([lengths[i] for i in rows], budget) if rows else []
+    count = all_reduce_max(len(bins), device)
+    out = [_collate(batch, [rows[j] for j in b], device) for b in bins]
+    return out + [_dummy(pad_id, device) for _ in range(count - len(bins))]
+
+
+def token_budget(cfg: RunConfig) -> int:
+    """Tokens per packed micro-batch on one device: ``train.max_tokens_per_micro_batch``, else
+    micro_batch_size x (max prompt + max response), and never below one full sequence."""
+    seq = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
+    mbs = cfg.train.micro_batch_size or 1  # the plan's choice is in the resolved config
+    return max(cfg.train.max_tokens_per_micro_batch or mbs * seq, seq)

@@ -1,0 +1,64 @@
+"""Forward passes over a step's samples: the log-probs of the sampled tokens (and their entropy) under
+an engine, and the critic's values. Samples are packed into micro-batches under the token budget."""
+
+from __future__ import annotations
+
+import torch
+
+from rlctl.algos import entropy_from_logits, logprobs_from_logits
+from rlctl.engines.base import TrainEngine
+from rlctl.recipes.rl.batch import RolloutBatch, micro_batches
+
+ENTROPY_CHUNK_ROWS = 1024  # rows of logits per entropy chunk (bounds the float32 copy)
+
+
+def chunked_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per row [N, V] -> [N], without gradient, in row chunks."""
+    with torch.no_grad():
+        parts = [entropy_from_logits(c.float() / temperature) for c in logits.split(ENTROPY_CHUNK_ROWS)]
+    return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
+
+
+def compute_logprobs(
+    engine: TrainEngine,
+    batch: RolloutBatch,
+    *,
+    temperature: float,
+    budget: int,
+    pad_id: int,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [b, W] of the sampled tokens under ``engine`` (and the per-token entropy when asked)."""
+
+    def per_token(logits, mb):
+        sel = logits[0, mb.logit_index]  # the positions that predict response tokens
+        out = {"logp": logprobs_from_logits(sel, mb.labels, temperature).float()}
+        if with_entropy:
+            out["entropy"] = chunked_entropy(sel, temperature)
+        return None, out
+
+    micro = micro_batches(batch, list(range(len(batch))), budget=budget, pad_id=pad_id, device=batch.mask.device)
+    engine.train(False)
+    outs = engine.forward_backward(micro, per_token, forward_only=True)
+    engine.train(True)
+    logp = torch.zeros_like(batch.mask)
+    ent = torch.zeros_like(batch.mask) if with_entropy else None
+    for mb, out in zip(micro, outs):
+        if not mb.dummy:
+            logp[mb.rows, : mb.width] = mb.to_matrix(out["logp"])
+            if ent is not None:
+                ent[mb.rows, : mb.width] = mb.to_matrix(out["entropy"])
+    return logp, ent
+
+
+def compute_values(critic: TrainEngine, batch: RolloutBatch, *, budget: int, pad_id: int) -> torch.Tensor:
+    """The critic's value [b, W] of the state before each response token."""
+    micro = micro_batches(batch, list(range(len(batch))), budget=budget, pad_id=pad_id, device=batch.mask.device)
+    critic.train(False)
+    outs = critic.forward_backward(micro, lambda v, mb: (None, v[0, mb.logit_index].float()), forward_only=True)
+    critic.train(True)
+    values = torch.zeros_like(batch.mask)
+    for mb, v in zip(micro, outs):
+        if not mb.dummy:
+            values[mb.rows, : mb.width] = mb.to_matrix(v)
+    return values

@@ -1,0 +1,370 @@
+"""One GRPO / PPO run on a rank: its engines (actor, reference, critic, rollout), its data, and the
+steps the recipes call in order. :func:`rlctl.runtime.fit.fit` runs the loop around them (resume,
+metrics, evaluation, checkpoints, stop requests, export, summary.json)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from rlctl.algos import AdaptiveKLController, FixedKLController, get_adv_estimator, kl_estimate
+from rlctl.data.packing import StepSampler
+from rlctl.data.rl import Prompt, build_rl_data
+from rlctl.engines import EngineSpec, build_engine
+from rlctl.engines.base import TrainEngine, load_tokenizer, model_source, write_model_meta
+from rlctl.errors import UserError
+from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
+from rlctl.recipes.rl.batch import RolloutBatch, rank_positions, token_budget
+from rlctl.recipes.rl.passes import compute_logprobs, compute_values
+from rlctl.recipes.rl.scoring import Rewards, ScoringSteps
+from rlctl.recipes.rl.update import policy_settings, update_actor, update_critic
+from rlctl.runtime.dist import all_gather_objects, barrier, global_sums
+from rlctl.runtime.entry import RunContext
+
+LOGPROB_DIFF_WARN = 0.1  # mean |rollout - trainer| log-prob above this: the engines disagree
+
+
+class RLTrainer(ScoringSteps):
+    """Everything one GRPO / PPO run holds, and the steps the recipes call in order."""
+
+    def __init__(self, ctx: RunContext, recipe_step: Callable[[RLTrainer, int], None], *, with_critic: bool):
+        cfg, d = ctx.cfg, ctx.dist
+        self.ctx, self.cfg, self.dist = ctx, cfg, d
+        self.recipe_step = recipe_step  # the recipe's steps in order (rlctl.recipes.grpo / ppo)
+        a = cfg.algo
+        estimator = get_adv_estimator(a.adv)
+        if with_critic and not estimator.needs_critic:
+            raise UserError(
+                f"rlctl ppo trains a critic for GAE advantages; algo.adv={a.adv} needs no critic: "
+                f"use `rlctl grpo --adv {a.adv}` or set algo.adv=gae"
+            )
+        if not with_critic and estimator.needs_critic:
+            raise UserError(f"algo.adv={a.adv} needs a critic: use `rlctl ppo`, or --adv grpo, rloo or reinforce_pp")
+        if estimator.needs_groups and cfg.rollout.n < 2:
+            raise UserError(f"algo.adv={a.adv} compares the samples of a prompt; set rollout.n >= 2 (e.g. --n 8)")
+        if a.kl_target and not a.kl_coef:
+            raise UserError("algo.kl_target (adaptive KL) needs an initial algo.kl_coef > 0, e.g. --kl-coef 0.001")
+
+        self.source = model_source(cfg.model.name, random_init=cfg.model.random_init)
+        self.tokenizer = load_tokenizer(self.source)
+        self.pad_id = self.tokenizer.pad_token_id
+        self.data = build_rl_data(cfg, self.tokenizer)
+        ctx.log(f"data: {self.data.report.summary()}; {len(self.data.train)} train / {len(self.data.val)} val prompts")
+        self.rewards = Rewards(cfg, self.data)
+        self.sampler = StepSampler(
+            len(self.data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle
+        )
+        self.total_steps = cfg.train.max_steps or cfg.train.epochs * self.sampler.steps_per_epoch
+        self.mini_batch_size = min(a.mini_batch_size or self.sampler.batch_size, self.sampler.batch_size)
+        optimizer_steps = self.total_steps * a.ppo_epochs * math.ceil(self.sampler.batch_size / self.mini_batch_size)
+        self.budget = token_budget(cfg)
+        self.policy = policy_settings(cfg)  # the loss, and the clip range / aggregation that reach it
+        ctx.log(f"policy loss: {self.policy.as_metrics()}")
+        self.temperature = cfg.rollout.temperature or 1.0
+
+        spec = EngineSpec.from_config(cfg)
+        self.actor = build_engine(spec, cfg, role="actor", total_steps=optimizer_steps, source=self.source)
+        self.ref = build_engine(spec, cfg, role="ref", trainable=False, source=self.source) if a.kl_coef > 0 else None
+        self.critic = (
+            build_engine(spec, cfg, role="critic", total_steps=optimizer_steps, lr=a.critic_lr, source=self.source)
+            if with_critic
+            else None
+        )
+        self.device = self.actor.device
+        self.dp_group = self.actor.dp_group  # sums over the (pooled) data: over the data-parallel replicas
+        if d.is_main:
+            write_model_meta(ctx.paths.model_meta, self.actor.hf_config, self.tokenizer, self.source)
+        barrier()
+        self.kl_ctl = AdaptiveKLController(a.kl_coef, a.kl_target) if a.kl_target else FixedKLController(a.kl_coef)
+        self.rollout_dtype = "fp32" if self.actor.compute_dtype == torch.float32 else "bf16"
+        self.rollout = self._make_rollout()
+        self.weights_stale = False  # the rollout engine's weights lag the actor's
+        self.m: dict[str, float] = {}  # the current step's metrics
+
+    def _make_rollout(self):
+        from rlctl.rollout import make_rollout_engine
+
+        cfg, d = self.cfg, self.dist
+        name = cfg.rollout.engine if cfg.rollout.engine != "auto" else "hf"  # auto: the plan chose none
+        path = self.source.path
+        if self.source.random_init:  # no weights on disk: the rollout engine starts from the actor's
+            path = str(self.actor.export_hf(self.ctx.paths.root / "rollout_init", self.ctx.paths.model_meta))
+        device = f"cuda:{d.local_rank}" if self.device.type == "cuda" else "cpu"
+        self.rollout_tp = cfg.rollout.tp or 1
+        if d.world_size % self.rollout_tp:
+            raise UserError(f"rollout.tp={self.rollout_tp} does not divide the {d.world_size} processes")
+        engine = make_rollout_engine(
+            name,
+            path,
+            device=device,
+            dtype=self.rollout_dtype,
+            tp=self.rollout_tp,
+            mem_fraction=cfg.rollout.mem_fraction or 0.5,
+            max_model_len=cfg.rollout.max_prompt_len + cfg.rollout.max_response_len,
+            seed=cfg.train.seed + d.rank,
+        )
+        self.ctx.log(f"rollout: {name} engine on every rank ({self.rollout_dtype})")
+        return engine
+
+    # ------------------------------------------------------------------ timing
+
+    @contextmanager
+    def timed(self, key: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.m[key] = self.m.get(key, 0.0) + time.perf_counter() - start
+
+    # ------------------------------------------------------------------ rollout
+
+    def _sampling(self, step: int, *, temperature: float, seed_offset: int = 0):
+        """Sampling parameters with a seed of its own for each (step, rollout group)."""
+        from rlctl.rollout import SamplingParams
+
+        r, d = self.cfg.rollout, self.dist
+        call = (step * (d.world_size // self.rollout_tp) + d.rank // self.rollout_tp) * 2 + seed_offset
+        return SamplingParams(
+            temperature=temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=r.max_response_len,
+            seed=self.cfg.train.seed + call * 1_000_003,
+        )
+
+    def _group_generate(self, shares: list[list[Prompt]], n: int, sampling) -> list:
+        """Samples of this rank's prompts. ``shares[i]`` are the prompts of the i-th rank of this rank's
+        rollout group (``rollout.tp`` consecutive ranks): a vLLM tensor-parallel group must generate the
+        same requests on all its ranks, so the group generates every share and each rank keeps its own
+        (``prompt_index`` relative to its share)."""
+        from dataclasses import replace
+
+        own = self.dist.rank % self.rollout_tp
+        everything = [p.token_ids for share in shares for p in share]
+        samples = self.rollout.generate(everything, n, sampling) if everything else []
+        start = sum(len(share) for share in shares[:own])
+        return [
+            replace(s, prompt_index=s.prompt_index - start)
+            for s in samples
+            if start <= s.prompt_index < start + len(shares[own])
+        ]
+
+    def _wake_and_sync(self) -> None:
+        """Wake the rollout engine's weights, load the actor's into it when they are not current (an
+        update since the last sync, or weights the engine dropped asleep), then wake its KV cache."""
+        from rlctl.rollout.base import torch_dtype
+
+        if self.weights_stale:
+            self.rollout.trainer_stepped()
+            self.weights_stale = False
+
+        def sync() -> None:
+            with self.timed("time/weight_sync"):
+                self.rollout.update_weights(self.actor.iter_full_params(dtype=torch_dtype(self.rollout_dtype)))
+
+        self.rollout.ready(sync)
+
+    def _sleep(self) -> None:
+        self.rollout.sleep()
+
+    def generate(self, step: int) -> RolloutBatch:
+        """This rank's prompts of step ``step``, ``rollout.n`` samples each."""
+        d, n = self.dist, self.cfg.rollout.n
+        indices = self.sampler.indices(step)
+
+        def positions_of(rank: int) -> list[int]:
+            return rank_positions(len(indices), self.mini_batch_size, rank, d.world_size)
+
+        first = d.rank - d.rank % self.rollout_tp  # this rank's rollout group: rollout.tp consecutive ranks
+        shares = [[self.data.train[indices[p]] for p in positions_of(r)] for r in range(first, first + self.rollout_tp)]
+        positions, prompts = positions_of(d.rank), shares[d.rank - first]
+        self.m["time/weight_sync"] = 0.0  # stays 0 when the weights are current (first step, after an eval)
+        self._wake_and_sync()
+        with self.timed("time/rollout"):
+            samples = self._group_generate(shares, n, self._sampling(step, temperature=self.cfg.rollout.temperature))
+            self._sleep()
+        seen: dict[int, int] = {}
+        uid = []
+        for s in samples:
+            j = seen.get(s.prompt_index, 0)
+            seen[s.prompt_index] = j + 1
+            uid.append(positions[s.prompt_index] * n + j)
+        return RolloutBatch.build(
+            [prompts[s.prompt_index].token_ids for s in samples],
+            [s.token_ids for s in samples],
+            [s.logprobs for s in samples],
+            uid,
+            n=n,
+            batch_size=len(indices),
+            mini_batch_size=self.mini_batch_size,
+            width=self.cfg.rollout.max_response_len,
+            truncated=[s.finish_reason == "length" for s in samples],
+            meta=[prompts[s.prompt_index] for s in samples],
+            device=self.device,
+        )
+
+    def pool(self, batch: RolloutBatch) -> RolloutBatch:
+        """The samples of every rank that splits this rank's model replica (Megatron: its TP x PP group),
+        in rank order: those ranks train on them together. FSDP: the batch itself."""
+        if self.actor.mp_size == 1:
+            return batch
+        parts = all_gather_objects(batch.to("cpu"), self.actor.mp_group)
+        return RolloutBatch.join(parts).to(self.device)
+
+    # ------------------------------------------------------------------ log-prob passes
+
+    def ref_logprobs(self, batch: RolloutBatch) -> None:
+        with self.timed("time/logprobs"):
+            batch.ref_logp, _ = compute_logprobs(
+                self.ref, batch, temperature=self.temperature, budget=self.budget, pad_id=self.pad_id
+            )
+
+    def old_logprobs(self, batch: RolloutBatch) -> None:
+        """The actor's log-probs before the update; compared with the rollout engine's."""
+        with self.timed("time/logprobs"):
+            batch.old_logp, entropy = compute_logprobs(
+                self.actor,
+                batch,
+                temperature=self.temperature,
+                budget=self.budget,
+                pad_id=self.pad_id,
+                with_entropy=True,
+            )
+        mask = batch.mask
+        s = global_sums(
+            {
+                "diff": ((batch.old_logp - batch.rollout_logp).abs() * mask).sum(),
+                "ent": (entropy * mask).sum(),
+                "tok": mask.sum(),
+            },
+            self.device,
+            self.dp_group,
+        )
+        tokens = max(1.0, s["tok"])
+        self.m["rollout/logprob_diff"] = s["diff"] / tokens
+        self.m["entropy"] = s["ent"] / tokens
+        if self.m["rollout/logprob_diff"] > LOGPROB_DIFF_WARN:
+            self.ctx.log(
+                f"warning: the rollout engine's log-probs differ from the trainer's by "
+                f"{self.m['rollout/logprob_diff']:.3g} per token on average (weights out of sync, "
+                f"or a precision mismatch)"
+            )
+
+    def values(self, batch: RolloutBatch) -> None:
+        with self.timed("time/logprobs"):
+            batch.values = compute_values(self.critic, batch, budget=self.budget, pad_id=self.pad_id)
+
+    # ------------------------------------------------------------------ advantages
+
+    def advantages(self, batch: RolloutBatch) -> None:
+        """Token rewards (minus the KL penalty when algo.kl_in_reward), then algo.adv on the global batch."""
+        a = self.cfg.algo
+        kl = None
+        if batch.ref_logp is not None:
+            kl = kl_estimate(batch.old_logp, batch.ref_logp, a.kl_kind) * batch.mask
+            s = global_sums({"kl": kl.sum(), "tok": batch.mask.sum()}, self.device, self.dp_group)
+            self.m["kl"] = s["kl"] / max(1.0, s["tok"])
+        coef = self.kl_ctl.value if a.kl_in_reward and kl is not None else 0.0
+        rewards = token_rewards(batch, coef, kl)
+        batch.advantages, batch.returns = compute_advantages(batch, self.cfg, rewards, self.dp_group)
+        if coef:
+            self.m["kl_coef"] = coef
+            self.kl_ctl.update(self.m["kl"], batch.total)
+
+    # ------------------------------------------------------------------ updates
+
+    def update_actor(self, batch: RolloutBatch) -> None:
+        a = self.cfg.algo
+        kl_loss_coef = a.kl_coef if self.ref is not None and not a.kl_in_reward else 0.0
+        with self.timed("time/update"):
+            self.m.update(
+                update_actor(
+                    self.actor, batch, self.cfg, budget=self.budget, pad_id=self.pad_id, kl_loss_coef=kl_loss_coef
+                )
+            )
+        self.weights_stale = True
+
+    def update_critic(self, batch: RolloutBatch) -> None:
+        with self.timed("time/update"):
+            self.m.update(update_critic(self.critic, batch, self.cfg, budget=self.budget, pad_id=self.pad_id))
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self, step: int) -> dict:
+        """Mean reward on the validation prompts (rollout.val_n samples at rollout.val_temperature)."""
+        r, d, tp = self.cfg.rollout, self.dist, self.rollout_tp
+        group_prompts = self.data.val[d.rank // tp :: d.world_size // tp]
+        shares = [group_prompts[i::tp] for i in range(tp)]
+        mine = shares[d.rank % tp]
+        began = time.perf_counter()
+        self._wake_and_sync()
+        samples = self._group_generate(
+            shares, r.val_n, self._sampling(step, temperature=r.val_temperature, seed_offset=1)
+        )
+        self._sleep()
+        _, metrics = self._score([s.token_ids for s in samples], [mine[s.prompt_index] for s in samples], step)
+        out = {
+            "step": step,
+            "kind": "eval",
+            "val/reward/mean": metrics["reward/mean"],
+            "time/eval": time.perf_counter() - began,
+        }
+        if "acc" in metrics:
+            out["val/acc"] = metrics["acc"]
+        return out
+
+    # ------------------------------------------------------------------ what rlctl.runtime.fit needs
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.sampler.steps_per_epoch
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.data.train)
+
+    @property
+    def has_eval(self) -> bool:
+        return bool(self.data.val)
+
+    def engines(self) -> dict[str, TrainEngine]:
+        return {"": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
+    def train_step(self, step: int) -> dict:
+        """The recipe's step ``step`` (0-based) and its metrics record."""
+        self.m = {}
+        lr = self.actor.lr
+        began = time.perf_counter()
+        self.recipe_step(self, step)
+        elapsed = time.perf_counter() - began
+        return {
+            "step": step + 1,
+            "total_steps": self.total_steps,
+            "reward": self.m["reward/mean"],
+            **{k: self.m[k] for k in sorted(self.m)},
+            "lr": lr,
+            "epoch": round((step + 1) / self.sampler.steps_per_epoch, 4),
+            "time/step": elapsed,
+            "tokens_per_s": self.m.get("tokens", 0.0) / elapsed,
+        }
+
+    def state(self) -> dict:
+        return {"kl_coef": self.kl_ctl.value}
+
+    def load_state(self, state: dict) -> None:
+        self.kl_ctl.value = float(state.get("kl_coef", self.kl_ctl.value))
+        self.weights_stale = True  # the rollout engine still holds the initial weights
+
+    def summary(self) -> dict:
+        return {
+            "data": self.data.report.to_dict(),
+            "prompts_too_long": self.data.too_long,
+            "policy_loss": self.policy.as_metrics(),
+        }
+
+    def close(self) -> None:
+        self.rollout.close()

@@ -1,0 +1,213 @@
+"""The PPO-style update, ONE loop for the actor and the critic: ``algo.ppo_epochs`` passes over the
+step's mini-batches, one optimizer step per mini-batch, every loss aggregated with the mini-batch's
+global token and sequence counts (all-reduced over the data-parallel replicas), so the update does
+not depend on the number of ranks. Only the loss function differs: :func:`policy_loss_fn` (the
+policy loss ``algo.policy_loss`` names, with its own defaults unless the user set a key) or
+:func:`value_loss_fn`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from rlctl.algos import (
+    aggregate,
+    entropy_from_logits,
+    kl_estimate,
+    logprobs_from_logits,
+    resolve_policy_loss,
+    value_loss,
+)
+from rlctl.algos.registry import PolicyLossSettings
+from rlctl.config import RunConfig
+from rlctl.data.packing import MicroBatch
+from rlctl.engines.base import LossFn, TrainEngine
+from rlctl.recipes.rl.batch import RolloutBatch, micro_batches
+from rlctl.runtime.dist import all_reduce_sum, global_sums
+
+
+class Sums:
+    """Local sums of metrics, reduced over the data-parallel replicas once at the end. The keys are
+    fixed up front: a replica without samples must still take part in the reduction with the same keys."""
+
+    def __init__(self, *keys: str) -> None:
+        self.values: dict[str, float] = dict.fromkeys(keys, 0.0)
+
+    def add(self, key: str, value: float | torch.Tensor) -> None:
+        self.values[key] += float(value)
+
+    def add_all(self, results: list[dict]) -> None:
+        """Add the metric dicts that loss functions returned (one per micro-batch)."""
+        for result in results:
+            for key, value in result.items():
+                self.add(key, value)
+
+    def reduce(self, device: torch.device, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        return global_sums(self.values, device, group)
+
+
+def _denominators(batch: RolloutBatch, rows: list[int], group: dist.ProcessGroup | None) -> tuple[float, float]:
+    """Response tokens and sequences of one mini-batch over all data-parallel replicas."""
+    idx = torch.tensor(rows, dtype=torch.int64, device=batch.mask.device)
+    tokens, seqs = all_reduce_sum(
+        [float(batch.mask[idx].sum()) if rows else 0.0, float(len(rows))], batch.mask.device, group
+    )
+    return tokens, seqs
+
+
+def _minis(batch: RolloutBatch) -> list[list[int]]:
+    """This replica's rows of each mini-batch (some may be empty); the same count on every rank."""
+    mini = batch.mini.tolist()
+    return [[i for i in range(len(batch)) if mini[i] == k] for k in range(batch.num_minis)]
+
+
+def policy_settings(cfg: RunConfig) -> PolicyLossSettings:
+    """The policy loss ``algo.policy_loss`` names, with the keys the user set and its own defaults."""
+    a = cfg.algo
+    return resolve_policy_loss(
+        a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, agg=a.loss_agg
+    )
+
+
+def ppo_update(
+    engine: TrainEngine,
+    batch: RolloutBatch,
+    cfg: RunConfig,
+    make_loss_fn: Callable[[dict], LossFn],
+    keys: tuple[str, ...],
+    *,
+    budget: int,
+    pad_id: int,
+) -> tuple[dict[str, float], list[float]]:
+    """``algo.ppo_epochs`` passes over the mini-batches, one optimizer step each. ``make_loss_fn(denoms)``
+    gives the engine's loss for one mini-batch (``denoms``: global_tokens, global_seqs, norm_len).
+    Returns the metric sums ``keys`` (+ "tokens") over all replicas, and the grad norm of every step."""
+    device, group = batch.mask.device, engine.dp_group
+    sums = Sums(*keys, "tokens")
+    grad_norms: list[float] = []
+    for _ in range(cfg.algo.ppo_epochs):
+        for rows in _minis(batch):
+            tokens, seqs = _denominators(batch, rows, group)
+            denoms = {"global_tokens": tokens, "global_seqs": seqs, "norm_len": cfg.rollout.max_response_len}
+            micro = micro_batches(batch, rows, budget=budget, pad_id=pad_id, device=device)
+            sums.add_all(engine.forward_backward(micro, make_loss_fn(denoms)))
+            grad_norms.append(engine.step())  # the global norm, the same on every rank
+            sums.add("tokens", float(batch.mask[rows].sum()) if rows else 0.0)
+    return sums.reduce(device, group), grad_norms
+
+
+def policy_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict, kl_loss_coef: float) -> LossFn:
+    """The engine's ``loss_fn`` for one mini-batch of the actor update:
+    ``pg + kl_loss_coef * agg(kl(logp, ref)) - entropy_coef * agg(entropy)``, every term aggregated with
+    the mini-batch's global token / sequence counts (``denoms``); returns the loss and its metrics."""
+    a = cfg.algo
+    temperature = cfg.rollout.temperature or 1.0
+    pl = policy_settings(cfg)
+
+    def loss_fn(logits: torch.Tensor, mb: MicroBatch):
+        if mb.dummy:
+            return logits.sum() * 0.0, {}  # a backward pass keeps this replica in the collectives
+        sel = logits[0, mb.logit_index]  # the positions that predict response tokens
+        mask = mb.take(batch.mask)
+        logp = mb.to_matrix(logprobs_from_logits(sel, mb.labels, temperature))
+        loss, m = pl.loss.fn(
+            logp,
+            mb.take(batch.old_logp),
+            mb.take(batch.advantages),
+            mask,
+            clip_low=pl.clip_low,
+            clip_high=pl.clip_high,
+            dual_clip=pl.dual_clip,
+            agg=pl.agg,
+            **denoms,
+        )
+        n_tok = mask.sum()
+        stats = {
+            "pg/loss": loss.detach(),
+            "pg/clip_frac": m["clip_frac"] * n_tok,
+            "pg/approx_kl": m["approx_kl"] * n_tok,
+        }
+        if kl_loss_coef:
+            kl_loss = aggregate(kl_estimate(logp, mb.take(batch.ref_logp), a.kl_kind), mask, pl.agg, **denoms)
+            loss = loss + kl_loss_coef * kl_loss
+            stats["kl_loss"] = kl_loss.detach()
+        if a.entropy_coef:
+            ent = mb.to_matrix(entropy_from_logits(sel.float() / temperature))
+            loss = loss - a.entropy_coef * aggregate(ent, mask, pl.agg, **denoms)
+        return loss, stats
+
+    return loss_fn
+
+
+def update_actor(
+    engine: TrainEngine, batch: RolloutBatch, cfg: RunConfig, *, budget: int, pad_id: int, kl_loss_coef: float = 0.0
+) -> dict[str, float]:
+    """The policy update (loss: :func:`policy_loss_fn`)."""
+    s, grad_norms = ppo_update(
+        engine,
+        batch,
+        cfg,
+        lambda denoms: policy_loss_fn(batch, cfg, denoms, kl_loss_coef),
+        ("pg/loss", "pg/clip_frac", "pg/approx_kl", "kl_loss"),
+        budget=budget,
+        pad_id=pad_id,
+    )
+    steps = len(grad_norms)
+    out = {
+        "pg/loss": s["pg/loss"] / steps,
+        "grad_norm": sum(grad_norms) / steps,
+        "pg/clip_frac": s["pg/clip_frac"] / max(1.0, s["tokens"]),
+        "pg/approx_kl": s["pg/approx_kl"] / max(1.0, s["tokens"]),
+    }
+    if kl_loss_coef:
+        out["kl_loss"] = s["kl_loss"] / steps
+    return out
+
+
+def value_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict) -> LossFn:
+    """The critic's ``loss_fn`` for one mini-batch: the clipped value loss on the returns, aggregated
+    (as the policy loss) with the mini-batch's global token / sequence counts."""
+    a = cfg.algo
+    agg = policy_settings(cfg).agg
+
+    def loss_fn(v: torch.Tensor, mb: MicroBatch):
+        if mb.dummy:
+            return v.sum() * 0.0, {}
+        mask = mb.take(batch.mask)
+        values = mb.to_matrix(v[0, mb.logit_index])
+        loss, m = value_loss(
+            values,
+            mb.take(batch.values),
+            mb.take(batch.returns),
+            mask,
+            clip=a.vf_clip or None,
+            agg=agg,
+            **denoms,
+        )
+        return loss, {"critic/value_loss": loss.detach(), "critic/vf_clip_frac": m["vf_clip_frac"] * mask.sum()}
+
+    return loss_fn
+
+
+def update_critic(
+    critic: TrainEngine, batch: RolloutBatch, cfg: RunConfig, *, budget: int, pad_id: int
+) -> dict[str, float]:
+    """The critic update (loss: :func:`value_loss_fn`)."""
+    s, grad_norms = ppo_update(
+        critic,
+        batch,
+        cfg,
+        lambda denoms: value_loss_fn(batch, cfg, denoms),
+        ("critic/value_loss", "critic/vf_clip_frac"),
+        budget=budget,
+        pad_id=pad_id,
+    )
+    steps = len(grad_norms)
+    return {
+        "critic/value_loss": s["critic/value_loss"] / steps,
+        "critic/vf_clip_frac": s["critic/vf_clip_frac"] / max(1.0, s["tokens"]),
+        "critic/grad_norm": sum(grad_norms) / steps,
+    }

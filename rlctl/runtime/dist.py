@@ -1,0 +1,102 @@
+"""Distributed start-up and every collective the recipes use.
+
+The recipes run under torchrun, one process per device; without torchrun's variables
+:func:`init_distributed` starts a one-process group, so a recipe or a test can run alone. All the
+sums, maxima and gathers of the trainers go through this module (float64 sums, so token counts stay
+exact).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from rlctl.errors import UserError
+from rlctl.runtime.net import free_port
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_type: str) -> Dist:
+    """Start the default process group from torchrun's environment (gloo on CPU, nccl on CUDA)."""
+    if device_type not in ("cpu", "cuda"):
+        raise UserError(f"unknown device '{device_type}'; use cpu or cuda (hardware.device)")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise UserError("the run asks for CUDA but no GPU is visible; pass --device cpu or run on a GPU machine")
+    if "RANK" not in os.environ:
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    if device_type == "cuda":
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if device_type == "cuda" else "gloo",
+            timeout=timedelta(minutes=30),
+            device_id=device if device_type == "cuda" else None,
+        )
+    return Dist(rank, world, local, device)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float], device: torch.device, group: dist.ProcessGroup | None = None) -> list[float]:
+    """Sum a few floats over the ranks of ``group`` (default: all) in one collective (float64 for exact
+    token counts). Sums over the data use the engine's ``dp_group``."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def all_reduce_max(value: int, device: torch.device, group: dist.ProcessGroup | None = None) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def global_sums(
+    values: dict[str, float], device: torch.device, group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
+    """Sum a dict of floats over the ranks of ``group`` (default: all; every rank must pass the same keys)."""
+    keys = sorted(values)
+    return dict(zip(keys, all_reduce_sum([float(values[k]) for k in keys], device, group)))
+
+
+def all_gather_objects(obj, group: dist.ProcessGroup | None = None) -> list:
+    """``obj`` of every rank of ``group`` (default: all), in rank order (picklable objects)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1

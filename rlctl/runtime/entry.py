@@ -1,0 +1,154 @@
+"""A recipe's entry point on each rank: run context, polite stops, and how a failure is reported.
+
+A recipe runs as ``python -m rlctl.recipes.<method> --run-dir RUN`` under torchrun. :func:`recipe_main`
+reads RUN/config.yaml (the resolved config: every decision of the plan is in it; plan.json is only
+the record), starts torch.distributed, seeds, turns SIGINT/SIGTERM into a polite stop request, and
+reports a failure in ``RUN/errors/rank_N.json`` (:meth:`RunPaths.rank_error`)::
+
+    {"rank": 0, "kind": "user" | "internal" | "interrupted", "message": "one line",
+     "traceback": "..." | null, "time": 1764000000.0}
+
+A :class:`UserError` is ``user`` (exit 2; rank 0 also writes its line to RUN/error.txt, which the
+launcher shows), any other exception ``internal`` with its traceback (exit 1), a KeyboardInterrupt
+``interrupted`` (exit 130, and rank 0 writes summary.json with status "interrupted" when the body had
+not written one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from rlctl.config import RunConfig, load_config
+from rlctl.errors import UserError
+from rlctl.runtime.dist import Dist, init_distributed
+from rlctl.runtime.layout import RunPaths, latest_checkpoint, step_of, write_json_atomic
+from rlctl.runtime.rng import seed_everything
+from rlctl.runtime.signals import requested_early
+
+# Test hooks (environment variables), documented in docs/sft.md:
+STOP_AFTER_ENV = "RLCTL_STOP_AFTER_STEP"  # behave as if Ctrl-C arrived right after this step
+INTERRUPTED = 130
+
+
+class StopRequest:
+    """SIGINT/SIGTERM set a flag; the training loop checks :meth:`local` once per step (collectively).
+
+    A second signal interrupts at once (the default behaviour).
+    """
+
+    def __init__(self) -> None:
+        self.requested = requested_early()  # a Ctrl-C while the recipe was still importing
+        stop_after = os.environ.get(STOP_AFTER_ENV, "")
+        self.stop_after = int(stop_after) if stop_after.strip() else None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            signal.signal(signum, signal.SIG_DFL)
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def local(self, step: int) -> bool:
+        """Whether this rank wants to stop after ``step`` (count of finished steps; 0 = before the first)."""
+        return self.requested or (self.stop_after is not None and 0 < step and step >= self.stop_after)
+
+
+@dataclass
+class RunContext:
+    cfg: RunConfig
+    paths: RunPaths
+    dist: Dist
+    stop: StopRequest
+
+    def log(self, msg: str) -> None:
+        """A line in train.log from rank 0 (stdout of the ranks goes there)."""
+        if self.dist.is_main:
+            print(msg, flush=True)
+
+
+def _quiet_libraries() -> None:
+    """No per-rank progress bars from transformers/datasets in train.log."""
+    import datasets
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+
+
+def one_line(text: str) -> str:
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def write_rank_error(paths: RunPaths, rank: int, kind: str, message: str, tb: str | None) -> None:
+    """RUN/errors/rank_N.json (see the module docstring); never raises (it runs while failing)."""
+    try:
+        paths.errors.mkdir(parents=True, exist_ok=True)
+        record = {"rank": rank, "kind": kind, "message": one_line(message), "traceback": tb, "time": time.time()}
+        write_json_atomic(paths.rank_error(rank), record)
+    except OSError as e:
+        print(f"rank {rank}: could not write {paths.rank_error(rank)}: {e}", file=sys.stderr, flush=True)
+
+
+def _interrupted_summary(paths: RunPaths) -> None:
+    """summary.json of a run interrupted before the loop could write one: its last checkpoint, if any."""
+    last = latest_checkpoint(paths.checkpoints)
+    step = (step_of(last) or 0) if last else 0
+    summary = {"status": "interrupted", "step": step, "checkpoint": str(last) if last else None, "hf": None}
+    write_json_atomic(paths.summary, summary)
+
+
+def recipe_main(body: Callable[[RunContext], None], argv: list[str] | None = None) -> None:
+    """Parse ``--run-dir``, set everything up, run ``body`` and exit with 0, 2 (user error), 130
+    (interrupted) or 1."""
+    stop = StopRequest()  # first: a Ctrl-C during start-up is a stop request too
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--run-dir", required=True)
+    args = parser.parse_args(argv)
+    paths = RunPaths(Path(args.run_dir))
+    rank = int(os.environ.get("RANK", "0"))
+    code = 0
+    try:
+        cfg = load_config(paths.config)
+        d = init_distributed(cfg.hardware.device)
+        _quiet_libraries()
+        seed_everything(cfg.train.seed)
+        body(RunContext(cfg, paths, d, stop))
+    except UserError as e:
+        if rank == 0:
+            paths.error.write_text(one_line(str(e)) + "\n")
+        write_rank_error(paths, rank, "user", str(e), None)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    except KeyboardInterrupt:
+        write_rank_error(paths, rank, "interrupted", "interrupted (a second Ctrl-C or a signal)", None)
+        if rank == 0 and not paths.summary.is_file():
+            _interrupted_summary(paths)
+        print(f"rank {rank}: interrupted", file=sys.stderr, flush=True)
+        code = INTERRUPTED
+    except Exception as e:  # noqa: BLE001 (any other failure: a traceback in train.log, exit 1)
+        tb = traceback.format_exc()
+        write_rank_error(paths, rank, "internal", f"{type(e).__name__}: {e}", tb)
+        print(tb, file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        sys.stdout.flush()
+        if dist.is_initialized() and code == 0:
+            dist.destroy_process_group()
+        # os._exit skips the shutdown that would end the helper processes libraries started (megatron-core's
+        # checkpoint writer keeps a multiprocessing Manager per rank): end them, or they outlive the run
+        for child in multiprocessing.active_children():
+            child.terminate()
+    # os._exit: a rank that failed must not wait in interpreter shutdown on peers that hang
+    os._exit(code)

@@ -1,0 +1,190 @@
+"""The one outer loop of every recipe (sft, grpo, ppo).
+
+:func:`fit` runs a :class:`Trainer`'s steps with everything around them, the same for every method:
+
+1. resume: ``checkpoint.resume`` ("" | auto | PATH) loads the engines, this rank's RNG state and the
+   trainer's own state; a checkpoint of another method is refused; a data set of another size only
+   warns (the order of the examples differs).
+2. a stop vote before the first step: a Ctrl-C during start-up ends the run like one during training.
+3. per step: ``trainer.train_step(step)`` -> one metrics record (logged every ``log.every`` steps and
+   at the last); with validation data an evaluation every ``train.eval_every`` steps; a collective
+   stop vote (SIGINT/SIGTERM on any rank, or the test hook); a checkpoint every
+   ``checkpoint.save_every`` steps.
+4. at the end of a completed run: an evaluation (with validation data, unless the last step was just
+   evaluated), the final checkpoint (unless just saved), the Hugging Face export
+   (``checkpoint.export_hf``).
+5. summary.json: status (completed | interrupted), step, total_steps, checkpoint, hf, and the
+   trainer's own fields (data report...). An interrupted run saves a checkpoint at the step it
+   reached (none when it stopped before the first step) and exports nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from rlctl.errors import UserError
+from rlctl.formats.hf_writer import config_dtype
+from rlctl.metrics import MetricsLogger
+from rlctl.runtime.checkpoint import load_checkpoint, save_checkpoint
+from rlctl.runtime.dist import all_reduce_sum, barrier
+from rlctl.runtime.layout import resolve_resume, step_name, write_json_atomic
+from rlctl.runtime.rng import rng_state, set_rng_state
+
+if TYPE_CHECKING:
+    from rlctl.engines.base import TrainEngine
+    from rlctl.runtime.entry import RunContext
+
+
+class Trainer(Protocol):
+    """What :func:`fit` needs from a recipe's trainer."""
+
+    total_steps: int
+    steps_per_epoch: int
+    num_examples: int  # training examples (sft: sequences, RL: prompts); a resume compares them
+    has_eval: bool  # validation data exists
+
+    def engines(self) -> dict[str, TrainEngine]:
+        """The engines a checkpoint holds: "" (the model that is exported) and e.g. "critic"."""
+
+    def train_step(self, step: int) -> dict:
+        """One step (0-based ``step``); its metrics record, the same on every rank."""
+
+    def evaluate(self, step: int) -> dict:
+        """An eval record ``{"step", "kind": "eval", ...}`` after ``step`` finished steps."""
+
+    def state(self) -> dict:
+        """The trainer's own entries of trainer_state.json (besides step, epoch, data, method...)."""
+
+    def load_state(self, state: dict) -> None:
+        """Take back :meth:`state` from a checkpoint's trainer_state.json."""
+
+    def summary(self) -> dict:
+        """Extra fields of summary.json."""
+
+    def close(self) -> None:
+        """Release what the trainer holds (rollout engines...), before summary.json."""
+
+
+def _data_state(ctx: RunContext, trainer: Trainer) -> dict:
+    cfg = ctx.cfg
+    return {
+        "num_examples": trainer.num_examples,
+        "batch_size": cfg.train.batch_size,
+        "steps_per_epoch": trainer.steps_per_epoch,
+        "seed": cfg.train.seed,
+    }
+
+
+def checkpoint(ctx: RunContext, trainer: Trainer, step: int) -> Path:
+    """Save the run after ``step`` steps (collective)."""
+    cfg = ctx.cfg
+    state = {
+        "method": cfg.method,
+        "epoch": step // trainer.steps_per_epoch,
+        "total_steps": trainer.total_steps,
+        **trainer.state(),
+        "data": _data_state(ctx, trainer),
+    }
+    return save_checkpoint(
+        ctx.paths.checkpoints,
+        step,
+        trainer.engines(),
+        trainer_state=state,
+        meta_dir=ctx.paths.model_meta,
+        rng_state=rng_state(),
+        keep_last=cfg.checkpoint.keep_last,
+    )
+
+
+def resume(ctx: RunContext, trainer: Trainer) -> tuple[int, Path | None]:
+    """Load ``checkpoint.resume`` when set: (the step to start from, the checkpoint)."""
+    cfg = ctx.cfg
+    path = resolve_resume(cfg.checkpoint.resume, ctx.paths.root)
+    if path is None:
+        if cfg.checkpoint.resume == "auto":
+            ctx.log("resume=auto: no checkpoint found, starting from step 0")
+        return 0, None
+    state, rng = load_checkpoint(path, trainer.engines())
+    if state.get("method", cfg.method) != cfg.method:
+        raise UserError(f"{path} was saved by `rlctl {state.get('method')}`; resume it with that command")
+    if rng is not None:
+        set_rng_state(rng)
+    trainer.load_state(state)
+    data = state.get("data", {})
+    saved_n = data.get("num_examples", data.get("num_train", data.get("num_prompts")))  # older checkpoints
+    if saved_n != trainer.num_examples:
+        ctx.log(
+            f"warning: the data changed since {path.name} (training examples {saved_n} -> "
+            f"{trainer.num_examples}); the data order differs"
+        )
+    ctx.log(
+        f"resumed from {path} at step {state['step']} (saved by {state.get('world_size')} processes, "
+        f"now {ctx.dist.world_size})"
+    )
+    return int(state["step"]), path
+
+
+def _stop_agreed(ctx: RunContext, step: int, device) -> bool:
+    """Collective: whether any rank wants to stop after ``step`` finished steps."""
+    (votes,) = all_reduce_sum([float(ctx.stop.local(step))], device)
+    return votes > 0
+
+
+def fit(ctx: RunContext, trainer: Trainer) -> str:
+    """Run ``trainer`` to the end (or to a stop request); returns "completed" or "interrupted"."""
+    cfg, paths, d = ctx.cfg, ctx.paths, ctx.dist
+    main = trainer.engines()[""]
+    start, saved = resume(ctx, trainer)
+    metrics = MetricsLogger(
+        paths.metrics,
+        backends=cfg.log.backends,
+        enabled=d.is_main,
+        project=cfg.log.project,
+        run_name=cfg.log.run_name,
+        config=cfg.to_dict(),
+    )
+    total, every = trainer.total_steps, cfg.train.eval_every
+    step = start
+    interrupted = start < total and _stop_agreed(ctx, 0, main.device)  # Ctrl-C during start-up
+    if interrupted:
+        ctx.log(f"stopped before step {start + 1}" + (f"; checkpoint {saved}" if saved else ""))
+    while step < total and not interrupted:
+        record = trainer.train_step(step)
+        step += 1
+        if step % cfg.log.every == 0 or step == total:
+            metrics.log(record)
+        if trainer.has_eval and every and step % every == 0:
+            metrics.log(trainer.evaluate(step))
+        if _stop_agreed(ctx, step, main.device) and step < total:
+            interrupted = True
+            saved = checkpoint(ctx, trainer, step)
+            ctx.log(f"stopped at step {step}; checkpoint {saved}")
+        elif cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < total:
+            saved = checkpoint(ctx, trainer, step)
+
+    hf_dir = None
+    if not interrupted:
+        if trainer.has_eval and (not every or step % every):
+            metrics.log(trainer.evaluate(step))
+        if saved is None or saved.name != step_name(step):
+            saved = checkpoint(ctx, trainer, step)
+        if cfg.checkpoint.export_hf:
+            dtype = config_dtype(json.loads((paths.model_meta / "config.json").read_text()))
+            hf_dir = main.export_hf(paths.hf, paths.model_meta, dtype=dtype)
+    metrics.close()
+    trainer.close()
+    status = "interrupted" if interrupted else "completed"
+    if d.is_main:
+        summary = {
+            "status": status,
+            "step": step,
+            "total_steps": total,
+            "checkpoint": str(saved) if saved else None,
+            "hf": str(hf_dir) if hf_dir else None,
+            **trainer.summary(),
+        }
+        write_json_atomic(paths.summary, summary)
+    barrier()
+    return status

@@ -1,0 +1,110 @@
+"""Seeds and RNG state, saved without pickle.
+
+A checkpoint holds each rank's RNG state in two files under ``rng/``: ``rank_N.json`` (Python's
+``random`` and numpy's global state as JSON lists) and ``rank_N.safetensors`` (torch's CPU and CUDA
+generator states as uint8 tensors). Checkpoints written before this format have one pickled
+``rank_N.pt``; it is read through the restricted unpickler (:func:`_load_legacy`), never plain pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: data order is computed identically everywhere."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    """This process's RNG states: {"python", "numpy", "torch", ["cuda"]} (the objects the libraries give)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _paths(directory: Path, rank: int) -> tuple[Path, Path, Path]:
+    return directory / f"rank_{rank}.json", directory / f"rank_{rank}.safetensors", directory / f"rank_{rank}.pt"
+
+
+def save_rng(directory: str | Path, rank: int, state: dict) -> None:
+    """Write ``state`` (from :func:`rng_state`) as JSON + safetensors into ``directory``."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    as_json, as_tensors, _ = _paths(directory, rank)
+    version, internal, gauss = state["python"]
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    plain = {
+        "format": 1,
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": np.asarray(keys).tolist(),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+    }
+    as_json.write_text(json.dumps(plain) + "\n")
+    tensors = {k: state[k].contiguous() for k in ("torch", "cuda") if k in state}
+    save_file(tensors, str(as_tensors))
+
+
+def load_rng(directory: str | Path, rank: int, *, trust: bool = False) -> dict | None:
+    """This rank's RNG state from ``directory`` (new format, else an older pickled file), or None."""
+    from safetensors.torch import load_file
+
+    as_json, as_tensors, legacy = _paths(Path(directory), rank)
+    if as_json.is_file() and as_tensors.is_file():
+        plain = json.loads(as_json.read_text())
+        py, nps = plain["python"], plain["numpy"]
+        state = {
+            "python": (py["version"], tuple(py["state"]), py["gauss_next"]),
+            "numpy": (
+                nps["kind"],
+                np.asarray(nps["keys"], dtype=np.uint32),
+                nps["pos"],
+                nps["has_gauss"],
+                nps["cached_gaussian"],
+            ),
+        }
+        state.update(load_file(str(as_tensors)))
+        return state
+    if legacy.is_file():
+        return _load_legacy(legacy, trust=trust)
+    return None
+
+
+def _load_legacy(path: Path, *, trust: bool) -> dict:
+    # lead: replace with rlctl.formats.safe_load.load_pt(path, trust=trust)
+    """An RNG file written before the JSON + safetensors format (a pickled dict), read with torch's
+    restricted unpickler: tensors, plain containers and numpy's RNG state only."""
+    del trust  # the allowlist below is all an RNG file needs
+    from numpy.dtypes import UInt32DType
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+
+    allowed = [_reconstruct, np.ndarray, np.dtype, UInt32DType]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, weights_only=True)
