@@ -225,7 +225,7 @@ def launch_job(cfg: RunConfig, plan: Plan) -> int:
     run_dir = (Path(cfg.output_dir) if cfg.output_dir else default_run_dir(cfg)).absolute()
     paths = RunPaths(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (paths.error, paths.summary):
+    for stale in (paths.summary,):
         stale.unlink(missing_ok=True)
     if paths.errors.is_dir():
         for stale in paths.errors.glob("rank_*.json"):
@@ -323,8 +323,6 @@ def _report(rc: int, paths: RunPaths, progress: _Progress, *, interrupted: bool 
                 soft_wrap=True,
             )
             return 1
-    if paths.error.is_file():
-        raise UserError(_one_line(paths.error.read_text().strip()))
     if summary is None and interrupted:  # Ctrl-C before the ranks had written anything (start-up)
         summary = {"status": "interrupted", "step": 0, "checkpoint": None}
         paths.summary.write_text(json.dumps(summary) + "\n")

@@ -21,7 +21,6 @@ import multiprocessing
 import os
 import signal
 import sys
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import torch.distributed as dist
 from rlctl.config import RunConfig, load_config
 from rlctl.errors import UserError
 from rlctl.runtime.dist import Dist, init_distributed
+from rlctl.runtime.errors import write_rank_error
 from rlctl.runtime.layout import RunPaths, latest_checkpoint, step_of, write_json_atomic
 from rlctl.runtime.rng import seed_everything
 from rlctl.runtime.signals import requested_early
@@ -87,20 +87,6 @@ def _quiet_libraries() -> None:
     datasets.disable_progress_bars()
 
 
-def one_line(text: str) -> str:
-    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
-
-
-def write_rank_error(paths: RunPaths, rank: int, kind: str, message: str, tb: str | None) -> None:
-    """RUN/errors/rank_N.json (see the module docstring); never raises (it runs while failing)."""
-    try:
-        paths.errors.mkdir(parents=True, exist_ok=True)
-        record = {"rank": rank, "kind": kind, "message": one_line(message), "traceback": tb, "time": time.time()}
-        write_json_atomic(paths.rank_error(rank), record)
-    except OSError as e:
-        print(f"rank {rank}: could not write {paths.rank_error(rank)}: {e}", file=sys.stderr, flush=True)
-
-
 def _interrupted_summary(paths: RunPaths) -> None:
     """summary.json of a run interrupted before the loop could write one: its last checkpoint, if any."""
     last = latest_checkpoint(paths.checkpoints)
@@ -126,20 +112,18 @@ def recipe_main(body: Callable[[RunContext], None], argv: list[str] | None = Non
         seed_everything(cfg.train.seed)
         body(RunContext(cfg, paths, d, stop))
     except UserError as e:
-        if rank == 0:
-            paths.error.write_text(one_line(str(e)) + "\n")
-        write_rank_error(paths, rank, "user", str(e), None)
+        write_rank_error(paths.root, rank, "user", str(e))
         print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
     except KeyboardInterrupt:
-        write_rank_error(paths, rank, "interrupted", "interrupted (a second Ctrl-C or a signal)", None)
+        write_rank_error(paths.root, rank, "interrupted", "interrupted (a second Ctrl-C or a signal)")
         if rank == 0 and not paths.summary.is_file():
             _interrupted_summary(paths)
         print(f"rank {rank}: interrupted", file=sys.stderr, flush=True)
         code = INTERRUPTED
     except Exception as e:  # noqa: BLE001 (any other failure: a traceback in train.log, exit 1)
         tb = traceback.format_exc()
-        write_rank_error(paths, rank, "internal", f"{type(e).__name__}: {e}", tb)
+        write_rank_error(paths.root, rank, "internal", f"{type(e).__name__}: {e}", tb)
         print(tb, file=sys.stderr, flush=True)
         code = 1
     finally:

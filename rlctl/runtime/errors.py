@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -16,15 +17,23 @@ from rlctl.runtime.layout import RunPaths
 KINDS = ("user", "internal", "interrupted")
 
 
-def write_rank_error(run_dir: str | Path, rank: int, kind: str, message: str, traceback: str = "") -> Path:
-    """Write one rank's failure atomically (a reader never sees half a file); ``message`` becomes one line."""
+def one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def write_rank_error(run_dir: str | Path, rank: int, kind: str, message: str, traceback: str | None = None) -> Path:
+    """Write one rank's failure atomically (a reader never sees half a file); ``message`` becomes one line.
+
+    Never raises for a file-system problem (it runs while the rank is failing): that is printed instead."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     path = RunPaths(Path(run_dir)).rank_error(rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"rank": rank, "kind": kind, "message": " ".join(str(message).split()), "traceback": traceback}
-    record["time"] = time.time()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, path)
+    record = {"rank": rank, "kind": kind, "message": one_line(message), "traceback": traceback, "time": time.time()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"rank {rank}: could not write {path}: {e}", file=sys.stderr, flush=True)
     return path

@@ -3,7 +3,7 @@
 A run directory::
 
     RUN/
-      config.yaml  plan.json  train.log  metrics.jsonl  summary.json  error.txt
+      config.yaml  plan.json  train.log  metrics.jsonl  summary.json
       errors/rank_N.json           # one per rank that failed: kind, one-line message, traceback, time
       model_meta/                  # config.json + tokenizer of the trained model
       hf/                          # the final Hugging Face export
@@ -54,10 +54,6 @@ class RunPaths:
     @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
-
-    @property
-    def error(self) -> Path:
-        return self.root / "error.txt"
 
     @property
     def errors(self) -> Path:

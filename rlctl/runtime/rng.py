@@ -94,17 +94,9 @@ def load_rng(directory: str | Path, rank: int, *, trust: bool = False) -> dict |
 
 
 def _load_legacy(path: Path, *, trust: bool) -> dict:
-    # lead: replace with rlctl.formats.safe_load.load_pt(path, trust=trust)
-    """An RNG file written before the JSON + safetensors format (a pickled dict), read with torch's
-    restricted unpickler: tensors, plain containers and numpy's RNG state only."""
-    del trust  # the allowlist below is all an RNG file needs
-    from numpy.dtypes import UInt32DType
+    """An RNG file written before the JSON + safetensors format (a pickled dict), read through the
+    restricted unpickler of :mod:`rlctl.formats.safe_load`: tensors, plain containers and numpy's RNG
+    state only (``trust`` opts back into full unpickling for a file the user trusts)."""
+    from rlctl.formats.safe_load import load_pt
 
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct
-
-    allowed = [_reconstruct, np.ndarray, np.dtype, UInt32DType]
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, weights_only=True)
+    return load_pt(path, trust=trust)

@@ -664,7 +664,7 @@ def _megatron_run(cfg, tp: int, pp: int, env: dict | None = None) -> subprocess.
     ]
     env = job_env(plan, {**os.environ, **(env or {})})
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, env=env)
-    error = run / "error.txt"
+    error = run / "errors" / "rank_0.json"
     assert proc.returncode == 0, error.read_text() if error.is_file() else proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
