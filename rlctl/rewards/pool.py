@@ -60,6 +60,11 @@ class _Worker:
         )
         self.index: int | None = None
         self.started = 0.0
+        try:
+            read_frame(self.proc.stdout)  # "ready": start-up does not count against a call's timeout
+        except EOFError:
+            self.kill()
+            raise RuntimeError("a reward worker process failed to start; see its error above") from None
 
     def send(self, index: int, task: Task) -> None:
         self.index, self.started = index, time.monotonic()

@@ -50,6 +50,9 @@ def main() -> None:
     sys.stdout = sys.stderr
     inp = sys.stdin.buffer
     cache: dict = {}
+    import rlctl.rewards.loader  # noqa: F401 (imported before "ready": a call's timeout excludes start-up)
+
+    write_frame(proto_out, "ready")
     while True:
         try:
             spec, kind, args = read_frame(inp)
