@@ -53,7 +53,7 @@ class _Worker:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         env["PYTHONPATH"] = os.pathsep.join(p for p in [*sys.path] if p)  # resolve modules as this process does
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rlctl.rewards.worker"],
+            [sys.executable, "-c", "from rlctl.rewards.worker import main; main()"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,

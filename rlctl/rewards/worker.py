@@ -1,4 +1,4 @@
-"""A reward worker process: ``python -m rlctl.rewards.worker`` (started by :class:`~rlctl.rewards.pool.RewardPool`).
+"""A reward worker process: :func:`main` (started by :class:`~rlctl.rewards.pool.RewardPool`).
 
 It reads tasks ``(spec, kind, args)`` from stdin and writes ``(ok, result or error text)`` to the
 stdout it was started with, one pickled frame each (4-byte length first). Whatever the reward
