@@ -642,6 +642,7 @@ class RLTrainer:
         self.data = build_rl_data(cfg, self.tokenizer)
         ctx.log(f"data: {self.data.report.summary()}; {len(self.data.train)} train / {len(self.data.val)} val prompts")
         self.rewards = reward_manager(cfg, self.data, self.tokenizer, d.device)
+        self.reward_totals: dict[str, int] = {}
         self.sampler = StepSampler(
             len(self.data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle
         )
@@ -822,6 +823,8 @@ class RLTrainer:
         response-length metrics."""
         batch.scores, metrics = self._score(batch.prompts, batch.responses, batch.meta, step)
         self.m.update(metrics)
+        for key in ("reward/failed", "reward/nonfinite"):  # run totals, for summary.json
+            self.reward_totals[key] = self.reward_totals.get(key, 0) + int(metrics[key])
         lengths = batch.mask.sum(-1)
         s = global_sums(
             {
@@ -1066,5 +1069,6 @@ class RLTrainer:
                     "hf": str(hf_dir) if hf_dir else None,
                     "data": self.data.report.to_dict(),
                     "prompts_too_long": self.data.too_long,
+                    "rewards": self.reward_totals,  # reward/failed and reward/nonfinite samples over the run
                 },
             )
