@@ -20,7 +20,7 @@ from rlctl.rewards.manager import (
     reward_warning,
 )
 from rlctl.rewards.scoring import score_batch
-from rlctl.rewards.spec import RewardSpec, parse_spec, reward_specs
+from rlctl.rewards.spec import RewardSpec, check_reward_config, parse_spec, reward_specs
 
 __all__ = [
     "BUILTINS",
@@ -29,6 +29,7 @@ __all__ = [
     "RewardManager",
     "RewardResult",
     "RewardSpec",
+    "check_reward_config",
     "classify",
     "default_for_data_source",
     "get_reward",

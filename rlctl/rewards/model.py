@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rlctl.errors import UserError
 
 __all__ = ["RewardModel"]
@@ -17,8 +15,6 @@ class RewardModel:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        if not Path(path).exists() and "/" not in path:
-            raise UserError(f"reward model {path!r} not found; give a local directory or a Hugging Face repo id")
         torch_dtype = getattr(torch, dtype, None)
         if not isinstance(torch_dtype, torch.dtype):
             raise UserError(f"reward.model_dtype={dtype!r} is not a torch dtype; use float32, bfloat16 or float16")

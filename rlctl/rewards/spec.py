@@ -10,7 +10,7 @@ from typing import Any
 
 from rlctl.errors import UserError
 
-__all__ = ["RewardSpec", "parse_spec", "reward_kind", "reward_specs"]
+__all__ = ["RewardSpec", "check_reward_config", "parse_spec", "reward_kind", "reward_specs"]
 
 
 @dataclass(frozen=True)
@@ -87,3 +87,24 @@ def reward_kind(obj: Any) -> str:
     except (TypeError, ValueError):
         return "sample"
     return "batch" if "solution_strs" in params or "data_sources" in params else "sample"
+
+
+def check_reward_config(reward_cfg: Any) -> list[RewardSpec]:
+    """Fail fast (before launching) on a bad ``reward`` config: every spec loads, the timeout and
+    workers are sane, a local reward model directory exists. Returns the components. Loads no model."""
+    from rlctl.rewards.loader import get_reward
+
+    get = lambda key, default: getattr(reward_cfg, key, default)  # noqa: E731
+    specs = reward_specs(get("fn", "auto"), list(get("fns", []) or []))
+    for s in specs:
+        if s.spec != "auto":
+            get_reward(s.spec)  # an unknown name or a missing file/function is a UserError
+    timeout = float(get("timeout", 30.0))
+    if not math.isfinite(timeout) or timeout < 0:
+        raise UserError(f"reward.timeout={timeout:g} must be >= 0 seconds (0: no limit), e.g. --set reward.timeout=30")
+    if int(get("workers", -1)) < -1:
+        raise UserError(f"reward.workers={get('workers', -1)} must be -1 (auto), 0 (serial) or a process count")
+    model = str(get("model", "") or "")
+    if model and not Path(model).exists() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
+        raise UserError(f"reward model {model} not found; give a local directory or a Hugging Face repo id org/name")
+    return specs

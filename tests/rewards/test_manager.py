@@ -276,3 +276,19 @@ def test_reward_model_alone_and_a_bad_dtype(tiny_rm):
     assert next(manager.components[0].rm.model.parameters()).dtype.__repr__() == "torch.bfloat16"
     with pytest.raises(UserError, match="model_dtype='float33' is not a torch dtype"):
         RewardManager(cfg(model=str(tiny_rm), model_dtype="float33"))
+
+
+def test_check_reward_config_fails_fast_in_one_line(tmp_path):
+    from rlctl.rewards import check_reward_config
+
+    assert [s.name for s in check_reward_config(cfg(fns=["gsm8k", "format:0.2"]))] == ["gsm8k", "format"]
+    bad = [
+        (cfg(fns=["gsm8k", "fromat:0.2"]), "unknown reward 'fromat'.*did you mean format"),
+        (cfg(timeout=-1.0), r"reward.timeout=-1 must be >= 0"),
+        (cfg(workers=-2), "reward.workers=-2"),
+        (cfg(model=str(tmp_path / "no-rm")), "reward model .*no-rm not found"),
+    ]
+    for c, pattern in bad:
+        with pytest.raises(UserError, match=pattern) as e:
+            check_reward_config(c)
+        assert "\n" not in str(e.value)
