@@ -45,6 +45,9 @@ def call(spec: str, kind: str, args: Any, cache: dict) -> Any:
 
 
 def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the trainer, which closes our stdin
     proto_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # the reward function's prints go to stderr
     sys.stdout = sys.stderr

@@ -188,6 +188,16 @@ def test_a_hanging_call_times_out_and_counts_as_failed(workers):
         manager.close()
 
 
+def test_a_worker_that_dies_fails_its_sample_and_is_replaced():
+    manager = RewardManager(cfg(fn=f"{REWARDS}:flaky", workers=1))
+    try:
+        result, m = run(manager, text_batch(["a", "a", "a"], ["a", "exit", "a"]))
+        assert result.scores == [1.0, 0.0, 1.0] and m["reward/failed"] == 1
+        assert "the reward worker process died" in result.errors["flaky"]
+    finally:
+        manager.close()
+
+
 def test_pool_and_serial_agree_on_builtins():
     responses = [f"#### {i % 7}" for i in range(40)]
     truths = [str(i % 5) for i in range(40)]

@@ -1,6 +1,7 @@
 """Reward functions for the RL and reward tests (verl's signatures)."""
 
 import math
+import os
 import time
 
 
@@ -17,13 +18,16 @@ def always_fails(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def flaky(data_source, solution_str, ground_truth, extra_info=None):
-    """1.0 when the response equals the truth; raises for "raise", nan for "nan", hangs for "hang"."""
+    """1.0 when the response equals the truth; raises for "raise", nan for "nan", hangs for "hang",
+    exits the process for "exit"."""
     if ground_truth == "raise":
         raise ValueError("cannot grade this one")
     if ground_truth == "nan":
         return math.nan
     if ground_truth == "hang":
         time.sleep(60)
+    if ground_truth == "exit":
+        os._exit(3)  # the process dies (a crash in a C extension)
     print("a reward function that prints")  # must not break the worker protocol
     return float(solution_str == ground_truth)
 
