@@ -176,6 +176,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-high -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout -x -a 'auto hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward -x -a 'gsm8k math exact format length'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l save-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l keep-last -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l resume -x
@@ -222,6 +223,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-high -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout -x -a 'auto hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward -x -a 'gsm8k math exact format length'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l save-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l keep-last -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l resume -x

@@ -72,6 +72,7 @@ _rlctl() {
         --response-len) return ;;
         --resume) return ;;
         --reward) COMPREPLY=($(compgen -W "gsm8k math exact format length" -- "$cur")); return ;;
+        --reward-model) return ;;
         --rollout) COMPREPLY=($(compgen -W "auto hf vllm sglang" -- "$cur")); return ;;
         --rollout-tp) return ;;
         --save-every) return ;;
@@ -99,8 +100,8 @@ _rlctl() {
         "/convert/megatron-to-hf") words="--hf-config --dtype --verify --no-verify --force --max-shard-size --trust-checkpoint --help" ;;
         "/estimate") words="memory --help" ;;
         "/estimate/memory") words="--model --method --lora-rank --lora-targets --max-len --max-prompt-len --max-response-len --n --batch-size --micro-batch-size --gpus --nodes --gpu --device --host-memory --backend --tp --pp --activation-checkpointing --no-activation-checkpointing --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --dtype --rollout --rollout-tp --mem-fraction --what-to-rent --json --prompt-len --response-len --micro-batch --help" ;;
-        "/grpo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
-        "/ppo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
+        "/grpo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
+        "/ppo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
         "/presets") words="list show --help" ;;
         "/presets/list") words="--help" ;;
         "/presets/show") words="--help" ;;

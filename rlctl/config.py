@@ -157,6 +157,13 @@ class AlgoConfig:
 class RewardConfig:
     fn: str = "auto"  # auto (from data_source) | gsm8k | math | exact | format | length | file.py:fn | module:fn
     format_pattern: str = ""
+    fns: list[str] = field(default_factory=list)  # several weighted rewards NAME[:WEIGHT], e.g. [gsm8k, format:0.2]
+    timeout: float = 30.0  # seconds per reward call (0: none); a call that runs over counts as failed
+    workers: int = -1  # reward processes per rank: -1 auto, 0 serial in the trainer process
+    model: str = ""  # a reward model (AutoModelForSequenceClassification dir or repo id)
+    model_weight: float = 1.0
+    model_dtype: str = "float32"
+    model_micro_batch: int = 8
 
 
 @dataclass

@@ -108,10 +108,10 @@ def check_data_given(cfg: RunConfig) -> None:
 
 
 def check_reward_spec(cfg: RunConfig) -> None:
-    if cfg.method in ("grpo", "ppo") and cfg.reward.fn != "auto":
-        from rlctl.rewards import get_reward
+    if cfg.method in ("grpo", "ppo"):
+        from rlctl.rewards import check_reward_config
 
-        get_reward(cfg.reward.fn)  # an unknown name or a missing file/function is a UserError
+        check_reward_config(cfg.reward)  # an unknown name, a missing file/function or model: a UserError
 
 
 def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
@@ -330,9 +330,11 @@ def _check_rl_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[st
             f"{path}: no row has an answer field '{d.answer_field}' (nor verl's reward_model.ground_truth); "
             f"the rows have {_columns(columns)}: name the answer with --set data.answer_field=FIELD"
         )
-    if cfg.reward.fn != "auto":
-        return
     from rlctl.rewards.loader import default_for_data_source
+    from rlctl.rewards.spec import reward_specs
+
+    if all(s.spec != "auto" for s in reward_specs(cfg.reward.fn, cfg.reward.fns)):
+        return  # every component is named: no row needs a data_source
 
     sources = {str(r.get("data_source") or "") for r in rows}
     if "" in sources:

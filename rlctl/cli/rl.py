@@ -122,9 +122,20 @@ def _rl_command(method: str):
             str | None, typer.Option("--rollout", help="auto | hf | vllm | sglang.", rich_help_panel=RL)
         ] = None,
         reward: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--reward",
+                help="NAME[:WEIGHT], repeatable (weighted sum): gsm8k | math | exact | format | length | "
+                "file.py:fn | file.py:Class | module:fn. E.g. --reward gsm8k --reward format:0.2.",
+                rich_help_panel=RL,
+            ),
+        ] = None,
+        reward_model: Annotated[
             str | None,
             typer.Option(
-                "--reward", help="gsm8k | math | exact | format | length | file.py:fn | module:fn.", rich_help_panel=RL
+                "--reward-model",
+                help="A sequence-classification reward model (HF directory), added as a reward component.",
+                rich_help_panel=RL,
             ),
         ] = None,
         save_every: o.SaveEvery = None,
@@ -172,7 +183,9 @@ def _rl_command(method: str):
                 "algo.clip_low": clip_low,
                 "algo.clip_high": clip_high,
                 "rollout.engine": rollout,
-                "reward.fn": reward,
+                "reward.fn": reward[0] if reward and len(reward) == 1 else None,
+                "reward.fns": reward if reward and len(reward) > 1 else None,
+                "reward.model": reward_model,
                 "checkpoint.save_every": save_every,
                 "checkpoint.keep_last": keep_last,
                 "checkpoint.resume": resume,

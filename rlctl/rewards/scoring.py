@@ -1,40 +1,17 @@
-"""Scoring a batch of responses with one reward function, tolerating per-sample failures."""
+"""Scoring a batch of responses with one per-sample reward function, in this process.
+
+It never raises for failed samples: deciding that every sample failed is :func:`rlctl.rewards.reward_metrics`'s.
+"""
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
-from rlctl.errors import UserError
 from rlctl.rewards.loader import RewardFn
+from rlctl.rewards.manager import classify, one_line
 
 __all__ = ["score_batch"]
-
-
-def _as_score(value: Any) -> float:
-    if isinstance(value, numbers.Real):  # bool and int included
-        score = float(value)
-        if not math.isfinite(score):
-            raise ValueError(f"returned a non-finite score {score}")
-        return score
-    raise TypeError(f"returned {type(value).__name__}, expected a number or a dict with a 'score'")
-
-
-def _parse(result: Any) -> tuple[float, dict[str, float]]:
-    """A reward result as (score, other numeric metrics)."""
-    if not isinstance(result, dict):
-        return _as_score(result), {}
-    if "score" not in result:
-        raise KeyError(f"returned a dict without 'score' (keys: {', '.join(map(str, result))})")
-    metrics = {str(k): float(v) for k, v in result.items() if k != "score" and isinstance(v, numbers.Real)}
-    return _as_score(result["score"]), metrics
-
-
-def _name(fn: RewardFn) -> str:
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
-    return f"{module}:{qualname}" if module and qualname else repr(fn)
 
 
 def score_batch(
@@ -54,8 +31,6 @@ def score_batch(
     - ``extras``: for each other numeric key of the dict results, a list aligned with the samples
       (None where a sample did not return it), for metrics.
     - ``n_errors`` and ``first_error`` (``"sample i: Type: message"``, or None).
-
-    Raises :class:`UserError` when the function fails on every sample of a non-empty batch.
     """
     n = len(solutions)
     extra_infos = [None] * n if extra_infos is None else extra_infos
@@ -69,15 +44,15 @@ def score_batch(
     n_errors, first_error = 0, None
     for i, args in enumerate(zip(data_sources, solutions, ground_truths, extra_infos)):
         try:
-            score, metrics = _parse(fn(*args))
+            status, score, metrics, err = classify(fn(*args))
         except Exception as exc:
+            status, score, metrics, err = "failed", 0.0, {}, f"{type(exc).__name__}: {exc}"
+        if status != "ok":
             n_errors += 1
-            first_error = first_error or f"sample {i}: {type(exc).__name__}: {exc}"
-            score, metrics = 0.0, {}
+            first_error = first_error or f"sample {i}: {one_line(err)}"
+            metrics = {}
         scores.append(score)
         per_sample.append(metrics)
-    if n and n_errors == n:
-        raise UserError(f"reward function {_name(fn)} failed on every sample: {first_error}")
     keys = dict.fromkeys(k for metrics in per_sample for k in metrics)
     extras = {k: [metrics.get(k) for metrics in per_sample] for k in keys}
     return scores, extras, n_errors, first_error

@@ -104,23 +104,6 @@ def test_missing_answer_field_names_the_field_and_the_fix(tiny_model_dir, tmp_pa
     assert len(build_rl_data(rl_config(tiny_model_dir, path, data__answer_field="solution"), tok).train) == 4
 
 
-def test_rewards_by_data_source_or_by_name():
-    from rlctl.data.rl import Prompt, RLData
-    from rlctl.errors import UserError
-    from rlctl.recipes.rl.scoring import Rewards
-
-    gsm = Prompt([1], "openai/gsm8k", "72", None)
-    plain = Prompt([1], "", "boom", None)
-    auto = Rewards(rl_config("m"), RLData([gsm], [], None, 0))
-    scores, errors, first, _ = auto.score(["so #### 72", "#### 71"], [gsm, gsm])
-    assert scores == [1.0, 0.0] and errors == 0 and first is None
-    with pytest.raises(UserError, match="rows without a data_source: pass --reward"):
-        Rewards(rl_config("m"), RLData([plain], [], None, 0))
-    named = Rewards(rl_config("m", reward__fn=f"{REWARDS}:digits"), RLData([plain, gsm], [], None, 0))
-    scores, errors, first, _ = named.score(["12ab", "12ab", "1234"], [gsm, plain, gsm])
-    assert scores == [0.5, 0.0, 1.0] and errors == 1 and "ValueError: boom" in first
-
-
 # ---------------------------------------------------------------------------------------------
 # Rank shares, packing, advantages
 

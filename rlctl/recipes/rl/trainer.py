@@ -20,7 +20,7 @@ from rlctl.errors import UserError
 from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
 from rlctl.recipes.rl.batch import RolloutBatch, rank_positions, token_budget
 from rlctl.recipes.rl.passes import compute_logprobs, compute_values
-from rlctl.recipes.rl.scoring import Rewards, ScoringSteps
+from rlctl.recipes.rl.scoring import ScoringSteps, reward_manager
 from rlctl.recipes.rl.update import policy_settings, update_actor, update_critic
 from rlctl.runtime.dist import all_gather_objects, barrier, global_sums
 from rlctl.runtime.entry import RunContext
@@ -54,7 +54,8 @@ class RLTrainer(ScoringSteps):
         self.pad_id = self.tokenizer.pad_token_id
         self.data = build_rl_data(cfg, self.tokenizer)
         ctx.log(f"data: {self.data.report.summary()}; {len(self.data.train)} train / {len(self.data.val)} val prompts")
-        self.rewards = Rewards(cfg, self.data)
+        self.rewards = reward_manager(cfg, self.data, self.tokenizer, d.device)
+        self.reward_totals: dict[str, int] = {}  # failed / non-finite reward samples over the run
         self.sampler = StepSampler(
             len(self.data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle
         )
@@ -306,7 +307,8 @@ class RLTrainer(ScoringSteps):
             shares, r.val_n, self._sampling(step, temperature=r.val_temperature, seed_offset=1)
         )
         self._sleep()
-        _, metrics = self._score([s.token_ids for s in samples], [mine[s.prompt_index] for s in samples], step)
+        picked = [mine[s.prompt_index] for s in samples]
+        _, metrics = self._score([p.token_ids for p in picked], [s.token_ids for s in samples], picked, step)
         out = {
             "step": step,
             "kind": "eval",
@@ -363,8 +365,10 @@ class RLTrainer(ScoringSteps):
         return {
             "data": self.data.report.to_dict(),
             "prompts_too_long": self.data.too_long,
+            "rewards": self.reward_totals,  # reward/failed and reward/nonfinite samples over the run
             "policy_loss": self.policy.as_metrics(),
         }
 
     def close(self) -> None:
         self.rollout.close()
+        self.rewards.close()

@@ -1,0 +1,109 @@
+"""Which reward functions a run uses: ``reward.fn`` / ``reward.fns`` entries ``spec[:weight]``."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlctl.errors import UserError
+
+__all__ = ["RewardSpec", "check_reward_config", "parse_spec", "reward_kind", "reward_specs"]
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """One weighted reward component: ``spec`` as :func:`~rlctl.rewards.loader.get_reward` takes it
+    (or ``auto``: the built-in of each row's data_source), its ``weight`` and its metric ``name``."""
+
+    spec: str
+    weight: float = 1.0
+    name: str = ""
+
+
+def _weight(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value
+
+
+def _short_name(spec: str) -> str:
+    if ":" not in spec:
+        return Path(spec).stem if spec.endswith(".py") else spec
+    target, _, fn = spec.rpartition(":")
+    return fn or Path(target).stem
+
+
+def parse_spec(text: str) -> RewardSpec:
+    """``gsm8k`` -> (gsm8k, 1.0); ``format:0.2`` -> (format, 0.2); ``my.py:score:0.5`` -> (my.py:score, 0.5).
+
+    The part after the last ``:`` is a weight when it reads as a number, else part of the spec
+    (``module:function``).
+    """
+    text = str(text).strip()
+    spec, weight = text, 1.0
+    if ":" in text:
+        head, _, tail = text.rpartition(":")
+        value = _weight(tail)
+        if value is not None:
+            spec, weight = head.strip(), value
+    if not spec:
+        raise UserError(f"reward {text!r} names no function; give NAME[:WEIGHT], e.g. --reward format:0.2")
+    if not math.isfinite(weight):
+        raise UserError(f"reward {text!r} has a non-finite weight; give a number, e.g. {spec}:0.5")
+    return RewardSpec(spec, weight, _short_name(spec))
+
+
+def reward_specs(fn: str = "auto", fns: list[str] | tuple[str, ...] = ()) -> list[RewardSpec]:
+    """The weighted components of ``reward.fn`` (one spec, ``auto`` by default) or ``reward.fns`` (a
+    list); unique metric names (a repeated name gets ``_2``, ``_3``...)."""
+    fn = (fn or "auto").strip()
+    if fns and fn != "auto":
+        raise UserError(
+            f"both reward.fn ({fn}) and reward.fns are set; list every reward in reward.fns (e.g. --reward {fn} "
+            "--reward format:0.2)"
+        )
+    specs = [parse_spec(s) for s in fns] if fns else [parse_spec(fn)]
+    seen: dict[str, int] = {}
+    out = []
+    for s in specs:
+        seen[s.name] = seen.get(s.name, 0) + 1
+        name = s.name if seen[s.name] == 1 else f"{s.name}_{seen[s.name]}"
+        out.append(RewardSpec(s.spec, s.weight, name))
+    return out
+
+
+def reward_kind(obj: Any) -> str:
+    """``class`` (a reward manager class), ``batch`` (verl's batch form, taking ``solution_strs``) or
+    ``sample`` (``fn(data_source, solution_str, ground_truth, extra_info)``)."""
+    if inspect.isclass(obj):
+        return "class"
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return "sample"
+    return "batch" if "solution_strs" in params or "data_sources" in params else "sample"
+
+
+def check_reward_config(reward_cfg: Any) -> list[RewardSpec]:
+    """Fail fast (before launching) on a bad ``reward`` config: every spec loads, the timeout and
+    workers are sane, a local reward model directory exists. Returns the components. Loads no model."""
+    from rlctl.rewards.loader import get_reward
+
+    specs = reward_specs(reward_cfg.fn, list(reward_cfg.fns or []))
+    for s in specs:
+        if s.spec != "auto":
+            get_reward(s.spec)  # an unknown name or a missing file/function is a UserError
+    timeout = float(reward_cfg.timeout)
+    if not math.isfinite(timeout) or timeout < 0:
+        raise UserError(f"reward.timeout={timeout:g} must be >= 0 seconds (0: no limit), e.g. --set reward.timeout=30")
+    if int(reward_cfg.workers) < -1:
+        raise UserError(f"reward.workers={reward_cfg.workers} must be -1 (auto), 0 (serial) or a process count")
+    model = str(reward_cfg.model or "")
+    if model and not Path(model).exists() and (model.startswith((".", "/", "~")) or model.count("/") != 1):
+        raise UserError(f"reward model {model} not found; give a local directory or a Hugging Face repo id org/name")
+    return specs

@@ -1,0 +1,74 @@
+"""A reward worker process: :func:`main` (started by :class:`~rlctl.rewards.pool.RewardPool`).
+
+It reads tasks ``(spec, kind, args)`` from stdin and writes ``(ok, result or error text)`` to the
+stdout it was started with, one pickled frame each (4-byte length first). Whatever the reward
+function prints goes to stderr, so it cannot break the protocol.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import sys
+from typing import Any, BinaryIO
+
+_HEADER = struct.Struct("<I")
+
+
+def write_frame(out: BinaryIO, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    out.write(_HEADER.pack(len(data)) + data)
+    out.flush()
+
+
+def read_frame(inp: BinaryIO) -> Any:
+    head = inp.read(_HEADER.size)
+    if len(head) < _HEADER.size:
+        raise EOFError("reward worker pipe closed")
+    (size,) = _HEADER.unpack(head)
+    data = inp.read(size)
+    if len(data) < size:
+        raise EOFError("reward worker pipe closed")
+    return pickle.loads(data)
+
+
+def call(spec: str, kind: str, args: Any, cache: dict) -> Any:
+    """Run one reward call: ``sample`` args are (data_source, solution_str, ground_truth, extra_info);
+    ``batch`` args are verl's keyword lists."""
+    from rlctl.rewards.loader import get_reward
+
+    fn = cache.get(spec)
+    if fn is None:
+        fn = cache[spec] = get_reward(spec)
+    return fn(**args) if kind == "batch" else fn(*args)
+
+
+def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the trainer, which closes our stdin
+    proto_out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # the reward function's prints go to stderr
+    sys.stdout = sys.stderr
+    inp = sys.stdin.buffer
+    cache: dict = {}
+    import rlctl.rewards.loader  # noqa: F401 (imported before "ready": a call's timeout excludes start-up)
+
+    write_frame(proto_out, "ready")
+    while True:
+        try:
+            spec, kind, args = read_frame(inp)
+        except EOFError:
+            return
+        try:
+            reply = (True, call(spec, kind, args, cache))
+            data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException as exc:  # noqa: BLE001 (any failure of a user's function is that sample's error)
+            data = pickle.dumps((False, f"{type(exc).__name__}: {exc}"), protocol=pickle.HIGHEST_PROTOCOL)
+        proto_out.write(_HEADER.pack(len(data)) + data)
+        proto_out.flush()
+
+
+if __name__ == "__main__":
+    main()
