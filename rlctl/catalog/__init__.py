@@ -9,11 +9,11 @@ from .count import (
     embedding_params,
     kv_cache_bytes_per_token,
     layer_params,
-    pipeline_split,
 )
 from .gpus import list_gpus, resolve_gpu
 from .markdown import catalog_markdown
 from .models import hf_config_dict, list_models, resolve_model
+from .parallel import pipeline_split
 from .spec import GpuSpec, ModelSpec
 
 __all__ = [

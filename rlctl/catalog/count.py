@@ -135,20 +135,3 @@ def kv_cache_bytes_per_token(spec: ModelSpec, dtype_bytes: int = 2) -> int:
     else:
         per_layer = 2 * spec.num_kv_heads * spec.head_dim
     return spec.num_layers * per_layer * dtype_bytes
-
-
-def pipeline_split(num_layers: int, pp: int) -> list[int] | None:
-    """Layers per pipeline stage, or None when ``pp`` cannot split ``num_layers``.
-
-    Even stages when ``pp`` divides the layers; otherwise the other stages stay even and the last
-    one holds fewer layers (Megatron's ``num_layers_in_last_pipeline_stage``), e.g. 61 layers in 16
-    stages = 15 x 4 + 1. The last stage also computes the output head and the loss.
-    """
-    if pp < 1 or pp > num_layers:
-        return None
-    if num_layers % pp == 0:
-        return [num_layers // pp] * pp
-    for last in range(num_layers // pp, 0, -1):
-        if (num_layers - last) % (pp - 1) == 0 and last <= (num_layers - last) // (pp - 1):
-            return [(num_layers - last) // (pp - 1)] * (pp - 1) + [last]
-    return None

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from rlctl.catalog.parallel import tp_problem, valid_pps, valid_tps
 from rlctl.errors import UserError, did_you_mean
 
 #: HF ``model_type`` -> whether q/k/v always carry a bias (Qwen2) and whether q/k norms exist (Qwen3).
@@ -129,19 +130,15 @@ def check_parallelism(cfg: MegatronLayoutConfig, tp: int, pp: int) -> None:
     """UserError unless ``tp`` divides the (kv) heads and the FFN and ``pp`` divides the layers."""
     if tp < 1 or pp < 1:
         raise UserError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
-    if cfg.num_kv_heads % tp or cfg.num_heads % tp or cfg.ffn_hidden_size % tp:
-        valid = [
-            t
-            for t in range(1, cfg.num_kv_heads + 1)
-            if cfg.num_kv_heads % t == 0 and cfg.num_heads % t == 0 and cfg.ffn_hidden_size % t == 0
-        ]
+    problem = tp_problem(tp, cfg.num_heads, cfg.num_kv_heads, cfg.ffn_hidden_size)
+    if problem:
+        valid = valid_tps(cfg.num_kv_heads, cfg.num_heads, cfg.num_kv_heads, cfg.ffn_hidden_size)
         raise UserError(
-            f"tp={tp} does not divide the model's {cfg.num_heads} attention heads / {cfg.num_kv_heads} "
-            f"kv heads / ffn {cfg.ffn_hidden_size} (replicating kv heads is not supported); "
+            f"tp={tp}: {problem} of the model (replicating kv heads is not supported); "
             f"valid tp: {', '.join(map(str, valid))}"
         )
-    if cfg.num_layers % pp:
-        valid = [p for p in range(1, cfg.num_layers + 1) if cfg.num_layers % p == 0]
+    if cfg.num_layers % pp:  # rlctl's shard files hold even stages
+        valid = valid_pps(cfg.num_layers, even=True)
         raise UserError(
             f"pp={pp} does not divide the model's {cfg.num_layers} layers; valid pp: {', '.join(map(str, valid))}"
         )

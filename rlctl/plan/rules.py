@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from rlctl.catalog import pipeline_split
+from rlctl.catalog import parallel, pipeline_split
 from rlctl.catalog.spec import ModelSpec
 from rlctl.errors import UserError
 
@@ -67,11 +67,7 @@ def choose_backend(
 
 def tp_problem(spec: ModelSpec, tp: int) -> str | None:
     """Why a Megatron tensor-parallel size is illegal for this model (None when it is fine)."""
-    if spec.num_heads % tp:
-        return f"{tp} does not divide the {spec.num_heads} attention heads"
-    if not spec.uses_mla and spec.num_kv_heads % tp:
-        return f"{tp} does not divide the {spec.num_kv_heads} KV heads"
-    return None
+    return parallel.tp_problem(tp, spec.num_heads, None if spec.uses_mla else spec.num_kv_heads)
 
 
 def valid_tps(spec: ModelSpec, limit: int) -> list[int]:
@@ -105,7 +101,7 @@ def check_overrides(
             raise UserError(f"parallel.tp={tp}: {problem} of {spec.name}; valid tp: {ok}")
     if pp:
         if pipeline_split(spec.num_layers, pp) is None:
-            ok = ", ".join(str(p) for p in range(1, spec.num_layers + 1) if pipeline_split(spec.num_layers, p))
+            ok = ", ".join(map(str, parallel.valid_pps(spec.num_layers)))
             raise UserError(
                 f"parallel.pp={pp} cannot split the {spec.num_layers} layers of {spec.name} into even stages "
                 f"(only the last may be lighter); valid pp: {ok}"

@@ -150,7 +150,7 @@ def _layout(**overrides) -> MegatronLayoutConfig:
 
 def test_layout_errors_name_what_would_work():
     cfg = _layout()
-    with pytest.raises(UserError, match=r"tp=4 does not divide .* valid tp: 1, 2"):
+    with pytest.raises(UserError, match=r"tp=4: 4 does not divide the 2 KV heads .* valid tp: 1, 2"):
         check_megatron_layout(cfg, world=4, tp=4, pp=1)
     with pytest.raises(UserError, match=r"pp=3 cannot split the model's 4 layers .*; valid pp: 1, 2, 4$"):
         check_megatron_layout(cfg, world=3, tp=1, pp=3)

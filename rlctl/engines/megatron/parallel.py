@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlctl.catalog.parallel import divisors, pipeline_split, tp_problem, valid_pps, valid_tps, world_problem
 from rlctl.errors import UserError
 
 #: CUDA_DEVICE_MAX_CONNECTIONS=1 makes the GPU run kernels in launch order, which megatron-core's
@@ -36,13 +37,11 @@ def rank_coords(rank: int, world: int, tp: int, pp: int, cp: int = 1) -> dict[st
 
 
 def data_parallel_size(world: int, tp: int, pp: int, cp: int = 1) -> int:
-    if min(world, tp, pp, cp) < 1:
-        raise UserError(f"world, tp, pp and cp must be >= 1, got world={world} tp={tp} pp={pp} cp={cp}")
-    if world % (tp * pp * cp):
-        ok = [d for d in range(1, world + 1) if world % d == 0]
+    problem = world_problem(world, tp, pp, cp)
+    if problem:
         raise UserError(
-            f"{world} processes cannot be split into tp {tp} x pp {pp} x cp {cp} = {tp * pp * cp}; "
-            f"tp x pp x cp must divide the process count (one of {', '.join(map(str, ok))})"
+            f"{world} processes cannot be split into tp {tp} x pp {pp} x cp {cp}: {problem}; "
+            f"tp x pp x cp must divide the process count (one of {', '.join(map(str, divisors(max(world, 1))))})"
         )
     return world // (tp * pp * cp)
 
@@ -77,27 +76,13 @@ def rank_layout(world: int, tp: int, pp: int, cp: int = 1) -> dict[str, Any]:
     }
 
 
-def pipeline_split(num_layers: int, pp: int) -> list[int] | None:
-    """Layers per pipeline stage, or None when ``pp`` cannot split ``num_layers``: even stages when ``pp``
-    divides the layers, otherwise even stages and a last one with fewer (61 layers in 16 stages: 15 x 4 + 1).
-    (The memory estimate splits the same way, in rlctl.estimate.memory; engines do not import it.)"""
-    if pp < 1 or pp > num_layers:
-        return None
-    if num_layers % pp == 0:
-        return [num_layers // pp] * pp
-    for last in range(num_layers // pp, 0, -1):
-        if (num_layers - last) % (pp - 1) == 0 and last <= (num_layers - last) // (pp - 1):
-            return [(num_layers - last) // (pp - 1)] * (pp - 1) + [last]
-    return None
-
-
 def pipeline_stages(num_layers: int, pp: int) -> list[int]:
     """Decoder layers of each pipeline stage: even stages, or (when pp does not divide the layers) even
     stages and a last one with fewer, megatron-core's ``num_layers_in_last_pipeline_stage`` (61 layers
     in 16 stages: 15 x 4 + 1). UserError naming the valid pp when there is no such split."""
     split = pipeline_split(num_layers, pp)
     if split is None:
-        valid = [p for p in range(1, num_layers + 1) if pipeline_split(num_layers, p)]
+        valid = valid_pps(num_layers)
         raise UserError(
             f"pp={pp} cannot split the model's {num_layers} layers into pipeline stages (even stages, "
             f"the last may hold fewer); valid pp: {', '.join(map(str, valid))}"
@@ -117,10 +102,15 @@ def check_megatron_layout(layout_cfg, *, world: int, tp: int, pp: int, cp: int =
     ffn and layers); tp must divide the heads, kv heads and ffn, pp must split the layers
     (:func:`pipeline_stages`), tp x pp x cp must divide the world.
     """
-    from rlctl.formats.megatron_layout import check_parallelism
-
-    check_parallelism(layout_cfg, tp, 1)
-    pipeline_stages(layout_cfg.num_layers, pp)
+    c = layout_cfg
+    problem = tp_problem(tp, c.num_heads, c.num_kv_heads, c.ffn_hidden_size)
+    if problem:
+        valid = valid_tps(c.num_kv_heads, c.num_heads, c.num_kv_heads, c.ffn_hidden_size)
+        raise UserError(
+            f"tp={tp}: {problem} of the model (replicating kv heads is not supported); "
+            f"valid tp: {', '.join(map(str, valid))}"
+        )
+    pipeline_stages(c.num_layers, pp)
     data_parallel_size(world, tp, pp, cp)
     if ep > 1:
         raise UserError(
