@@ -1,6 +1,6 @@
-"""Rewards: the reward function of each sample (:class:`Rewards`) and the trainer's scoring step
-(:class:`ScoringSteps`, mixed into :class:`rlctl.recipes.rl.trainer.RLTrainer`): scores and the
-global reward and response-length metrics."""
+"""The trainer's scoring step (:class:`ScoringSteps`, mixed into :class:`rlctl.recipes.rl.trainer.RLTrainer`):
+the run's :class:`rlctl.rewards.RewardManager` scores this rank's samples, the sums go over the ranks,
+and :func:`rlctl.rewards.reward_metrics` turns them into metrics; plus the response-length metrics."""
 
 from __future__ import annotations
 
