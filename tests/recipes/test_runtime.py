@@ -125,13 +125,15 @@ def test_ctrl_c_during_start_up_stops_cleanly(tiny_model_dir, tmp_path):
     """SIGINT while the rank still imports torch and builds its engine: no traceback; it stops before
     step 1 with summary.json "interrupted", like a Ctrl-C during training."""
     from rlctl.config import save_config
+    from rlctl.plan import apply_plan
     from rlctl.runtime.layout import RunPaths
     from tests.support.sft import cpu_plan, sft_config
 
     paths = RunPaths(tmp_path / "run")
     paths.root.mkdir()
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(40))
-    save_config(sft_config(tiny_model_dir, data, paths.root, train__micro_batch_size=2), paths.config)
+    cfg = sft_config(tiny_model_dir, data, paths.root, train__micro_batch_size=2)
+    save_config(apply_plan(cfg, cpu_plan(1)), paths.config)  # the launcher saves the resolved config
     paths.plan.write_text(json.dumps(cpu_plan(1)))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
