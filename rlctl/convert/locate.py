@@ -63,7 +63,7 @@ def locate_checkpoint(path: str | Path) -> Checkpoint:
     """Resolve a step dir, a verl ``actor/`` dir or a run/checkpoint root (latest step) to a Checkpoint."""
     path = Path(path)
     if not path.exists():
-        raise UserError(f"{path} does not exist")
+        raise UserError(f"{path} does not exist; pass a checkpoint, a checkpoints/ directory or a run directory")
     notes: list[str] = []
     path = _latest_step(path, notes)
     if is_dcp_dir(path):
@@ -130,7 +130,10 @@ def _rlctl_checkpoint(path: Path, notes: list[str]) -> Checkpoint:
         )
     state = _read_json(state_file)
     if not isinstance(state, dict):
-        raise UserError(f"{state_file}: expected a JSON object, found {type(state).__name__}")
+        raise UserError(
+            f"{state_file}: expected a JSON object, found {type(state).__name__}; "
+            "the file is damaged: convert another step"
+        )
     step = state.get("step", step)
     world = state.get("world_size")
     adapter = path / "lora_adapter"
@@ -156,11 +159,17 @@ def _verl_checkpoint(path: Path, notes: list[str]) -> Checkpoint:
     if config_file.is_file():
         fsdp_config = _read_json(config_file)
         if not isinstance(fsdp_config, dict):
-            raise UserError(f"{config_file}: expected a JSON object, found {type(fsdp_config).__name__}")
+            raise UserError(
+                f"{config_file}: expected a JSON object, found {type(fsdp_config).__name__}; "
+                "restore the file or delete it (the world size is then read from the rank file names)"
+            )
         version = fsdp_config.get("FSDP_version")
         declared = fsdp_config.get("world_size")
         if declared is not None and int(declared) != world:
-            raise UserError(f"{config_file}: world_size {declared} but the rank files are for world size {world}")
+            raise UserError(
+                f"{config_file}: world_size {declared} but the rank files are for world size {world}; "
+                "remove the stale rank files or the wrong fsdp_config.json"
+            )
     else:
         notes.append(f"no fsdp_config.json; world size {world} taken from the rank file names")
     missing = [r for r in range(world) if r not in ranks]

@@ -157,7 +157,10 @@ def load_dcp_metadata(path: str | Path, *, trust: bool = False) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
     if not isinstance(metadata, Metadata):
-        raise UserError(f"{path}: not DCP metadata (holds a {type(metadata).__name__})")
+        raise UserError(
+            f"{path}: not DCP metadata (holds a {type(metadata).__name__}); "
+            "pass a checkpoint directory rlctl or DCP wrote"
+        )
     return metadata
 
 

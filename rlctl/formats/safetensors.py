@@ -26,7 +26,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:
-        raise UserError(f"{file}: not valid JSON ({e})") from None
+        raise UserError(f"{file}: not valid JSON ({e}); restore the file from the original model") from None
 
 
 def _open(file: Path):
@@ -52,7 +52,7 @@ class HFSafetensors:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise UserError(f"{index}: not a valid safetensors index ({e})") from None
+                raise UserError(f"{index}: not a valid safetensors index ({e}); copy the model again") from None
             files = sorted({hf_dir / file for file in weight_map.values()})
         else:
             files = sorted(hf_dir.glob("*.safetensors"))
@@ -68,7 +68,10 @@ class HFSafetensors:
         if weight_map:
             absent = [name for name in weight_map if name not in self._where]
             if absent:
-                raise UserError(f"{weight_map[absent[0]]} in {hf_dir} has no tensor {absent[0]} that the index names")
+                raise UserError(
+                    f"{weight_map[absent[0]]} in {hf_dir} has no tensor {absent[0]} that the index names; "
+                    "copy the model again"
+                )
         self._dir = hf_dir
         self._open: dict[Path, Any] = {}
 

@@ -1,4 +1,4 @@
-"""The :class:`Plan` type and its JSON form (plan.json in a run directory, the ranks' copy).
+"""The :class:`Plan` type and its JSON form (plan.json in a run directory: the record of how the job was planned).
 
 No torch import and nothing of the planner: a rank or a tool reads a plan without planning.
 ``Plan.from_dict(plan.to_dict()) == plan``, through JSON too; a dict with an unknown or a missing
@@ -87,7 +87,7 @@ def load_plan(path: str | Path) -> Plan:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise UserError(f"no plan at {path}: run the job (or `rlctl estimate memory`) to write one") from None
+        raise UserError(f"no plan at {path}: run the job (or its --dry-run) to plan it again") from None
     except (OSError, ValueError) as e:
         raise UserError(f"cannot read the plan {path}: {e}; delete it and plan again") from None
     try:

@@ -120,6 +120,15 @@ class _Component:
         raise NotImplementedError
 
 
+def builtin_for(source: str) -> str:
+    """The built-in reward for rows of ``data_source`` ``source``; a one-line UserError naming the fix."""
+    name = default_for_data_source(source)
+    if name is None:
+        what = f"no built-in reward for data_source {source!r}" if source else "rows without a data_source"
+        raise UserError(f"{what}: pass --reward with one of {', '.join(BUILTINS)}, or path/to/file.py:function")
+    return name
+
+
 class _Rule(_Component):
     """A verl reward function (``sample`` or ``batch`` form), or ``auto``: each row's built-in."""
 
@@ -129,26 +138,16 @@ class _Rule(_Component):
         if spec.spec == "auto":
             self.kind = "sample"
             for source in sorted(set(data_sources)):
-                name = default_for_data_source(source)
-                if name is None:
-                    what = f"no built-in reward for data_source {source!r}" if source else "rows without a data_source"
-                    raise UserError(
-                        f"{what}: pass --reward with one of {', '.join(BUILTINS)}, or path/to/file.py:function"
-                    )
-                self.route[source] = name
+                self._spec_of(source)  # an unroutable data_source fails now, before the model loads
         else:
             self.kind = reward_kind(get_reward(spec.spec))  # a wrong name fails now, before the model loads
 
     def _spec_of(self, source: str) -> str:
-        if not self.route:
+        """The built-in reward of ``source`` (``auto``), or this component's spec."""
+        if self.spec != "auto":
             return self.spec
         if source not in self.route:
-            name = default_for_data_source(source)
-            if name is None:
-                raise UserError(
-                    f"no built-in reward for data_source {source!r}: pass --reward with one of {', '.join(BUILTINS)}"
-                )
-            self.route[source] = name
+            self.route[source] = builtin_for(source)
         return self.route[source]
 
     def outcomes(self, batch: RewardBatch, pool: RewardPool) -> list[tuple[bool, Any]]:
