@@ -1,4 +1,4 @@
-"""Write real FSDP2 checkpoints for tests/test_convert.py (run with torchrun --nproc_per_node 2, gloo).
+"""Write real FSDP2 checkpoints for tests/convert/test_convert.py (run with torchrun --nproc_per_node 2, gloo).
 
 Usage: torchrun --nproc_per_node 2 make_fsdp_checkpoints.py OUT_ROOT
 
