@@ -26,7 +26,7 @@ import torch.distributed as dist
 from rlctl.errors import UserError
 from rlctl.runtime.layout import RunPaths, write_text_atomic
 
-RETRY_S = 1.0  # a network filesystem may show another node's new file a little late (attribute caching)
+RETRY_S = 0.5  # a network filesystem may show another node's new file a little late (attribute caching)
 
 
 def node_rank() -> int:
