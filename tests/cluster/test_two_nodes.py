@@ -34,10 +34,12 @@ def _start(argv: list[str], env: dict | None = None) -> subprocess.Popen:
     )
 
 
-def two_nodes(per_node: list[list[str]], env: dict | None = None, timeout: int = 300) -> tuple[list, float]:
+def two_nodes(
+    per_node: list[list[str]], env: dict | None = None, timeout: int = 300, node_env: list[dict] | None = None
+) -> tuple[list, float]:
     """Start the nodes' commands together; their (returncode, stdout, stderr) and the wall time of the slowest."""
     began = time.monotonic()
-    procs = [_start(argv, env) for argv in per_node]
+    procs = [_start(argv, {**(env or {}), **(node_env or [{}, {}])[i]}) for i, argv in enumerate(per_node)]
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=timeout)
@@ -134,7 +136,7 @@ def test_sbatch_per_node_command_trains_as_on_one_node_and_resumes_on_one_node(t
         assert resumed[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), (step, resumed, reference)
 
 
-def test_grpo_hf_two_nodes_match_one_node(tmp_path, tiny_model_dir):
+def test_grpo_hf_two_slurm_nodes_match_one_node(tmp_path, tiny_model_dir):
     data = write_jsonl(tmp_path / "rl.jsonl", arith_rows(32))
     args = [
         "grpo",
@@ -166,11 +168,17 @@ def test_grpo_hf_two_nodes_match_one_node(tmp_path, tiny_model_dir):
     one = tmp_path / "one"
     r = run_cli(*args, "--nproc", "2", "--output-dir", str(one))
     assert r.returncode == 0, r.stderr[-3000:]
+    # two nodes of a SLURM allocation, as `srun --ntasks-per-node=1 rlctl grpo ...` starts them: the SAME
+    # command on both; each node's rank and node 0's address come from SLURM's variables (node 0: "localhost")
     shared = tmp_path / "shared"  # the same directory on both nodes (a shared filesystem)
-    results, _ = two_nodes(static_nodes(args, [shared, shared]))
+    command = rlctl(*args, "--nproc", "1", "--master-port", str(free_port()), "--output-dir", str(shared))
+    slurm = {"SLURM_JOB_ID": "31337", "SLURM_JOB_NODELIST": "localhost,localhost", "SLURM_NNODES": "2"}
+    slurm.update(SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="2")
+    results, _ = two_nodes([command, command], env=slurm, node_env=[{"SLURM_NODEID": "0"}, {"SLURM_NODEID": "1"}])
     for code, stdout, stderr in results:
         assert code == 0, stderr[-3000:]
         assert "done: 2 steps" in stderr + stdout
+    assert "--nnodes 2 --node-rank 1 --master-addr localhost" in (shared / "train.log").read_text()
     a, b = train_records(one), train_records(shared)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
     timing = ("time/", "tokens_per_s", "perf/", "mem/")
