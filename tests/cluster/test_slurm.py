@@ -210,3 +210,36 @@ def test_submit_without_sbatch_is_one_line(tmp_path, tiny_model_dir):
     r = run_cli(*_job_args(tmp_path, tiny_model_dir, tmp_path / "run"), env={"PATH": str(bare)})
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].startswith("error: --launcher slurm needs `sbatch` on PATH")
+
+
+def test_default_run_dir_inside_a_slurm_job_is_the_same_on_every_node(tmp_path, monkeypatch):
+    from rlctl.launch import default_run_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLURM_JOB_ID", "987")
+    assert default_run_dir(_cfg(tmp_path)) == Path("runs/sft-Qwen2.5-72B-slurm987")
+
+
+def test_several_nodes_by_hand_need_an_output_dir(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8))
+    r = run_cli(
+        "sft",
+        "--model",
+        str(tiny_model_dir),
+        "--data",
+        str(data),
+        "--device",
+        "cpu",
+        "--nodes",
+        "2",
+        "--nproc",
+        "1",
+        cwd=tmp_path,
+        env={"SLURM_JOB_ID": ""},
+    )
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: a run on 2 nodes needs --output-dir: the same run directory on every node, "
+        "on a filesystem all nodes share"
+    )
+    assert not (tmp_path / "runs").exists()
