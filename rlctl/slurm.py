@@ -160,7 +160,10 @@ def allocation_options(options: dict, env: Mapping[str, str]) -> dict:
 
 
 def node_command(cfg: RunConfig, plan: Plan, run_dir: Path) -> list[str]:
-    """The command every node runs (``$HEAD_NODE``/``$RDZV_PORT`` are the script's variables)."""
+    """The command every node runs (``$HEAD_NODE``/``$RDZV_PORT`` are the script's variables). Without a
+    --resume of its own, the job resumes from its latest checkpoint when SLURM requeues it (a fresh
+    submission has none: the check before submitting refuses a run directory that holds some)."""
+    resume = [] if cfg.checkpoint.resume else ["--resume", "auto"]
     return [
         sys.executable,
         "-m",
@@ -178,6 +181,7 @@ def node_command(cfg: RunConfig, plan: Plan, run_dir: Path) -> list[str]:
         "$HEAD_NODE:$RDZV_PORT",
         "--output-dir",
         str(run_dir),
+        *resume,
     ]
 
 

@@ -99,7 +99,7 @@ def test_sbatch_script_line_by_line(tmp_path):
     lines = sbatch_script(cfg, plan, run, cwd=Path("/home/me/proj")).splitlines()
     node = (
         f"  {sys.executable} -m rlctl sft --config {run}/job.yaml --launcher torchrun --nodes 4 --nproc 8 "
-        f'--rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --output-dir {run}'
+        f'--rdzv-endpoint "$HEAD_NODE:$RDZV_PORT" --output-dir {run} --resume auto'
     )
     assert lines == [
         "#!/bin/bash",
@@ -133,6 +133,12 @@ def test_cpu_plan_has_no_gpu_line_and_unset_options_no_lines(tmp_path):
         "#SBATCH --ntasks-per-node",
         "#SBATCH --output",
     ]
+
+
+def test_a_resume_of_its_own_is_kept_in_the_job_not_overridden(tmp_path):
+    cfg = _cfg(tmp_path, **{"checkpoint.resume": "/shared/old/checkpoints/step_40"})
+    last = sbatch_script(cfg, cpu_plan(1), tmp_path / "r").splitlines()[-1]
+    assert last.endswith(f"--output-dir {tmp_path / 'r'}") and "--resume" not in last
 
 
 def test_an_extra_line_that_is_no_option_is_refused(tmp_path):
