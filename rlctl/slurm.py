@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 RDZV_PORT = 29500  # torchrun's c10d store on the first node of the allocation
 BASE_PORT = 20000  # inside an allocation: node 0's port is BASE_PORT + job id % 20000 (the same on every node)
-LAUNCHERS = ("torchrun", "slurm")
+BATCH_STEPS = ("4294967294", "4294967295", "batch", "extern")  # the batch script's own step: not an srun task
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,7 +120,9 @@ def allocation(env: Mapping[str, str]) -> Allocation | None:
     if hosts and len(hosts) != nodes:
         raise UserError(f"SLURM_JOB_NODELIST names {len(hosts)} hosts but SLURM_NNODES is {nodes}")
     tasks = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or nodes)
-    return Allocation(job, hosts, nodes, int(env.get("SLURM_NODEID") or 0), "SLURM_STEP_ID" in env, tasks)
+    step = env.get("SLURM_STEP_ID", "")
+    in_step = bool(step) and step not in BATCH_STEPS
+    return Allocation(job, hosts, nodes, int(env.get("SLURM_NODEID") or 0), in_step, tasks)
 
 
 def allocation_options(options: dict, env: Mapping[str, str]) -> dict:

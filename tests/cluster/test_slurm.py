@@ -72,8 +72,9 @@ def test_outside_an_allocation_or_named_nodes_change_nothing():
 
 def test_the_batch_script_itself_or_tasks_per_gpu_are_one_line_errors():
     no_step = {k: v for k, v in STEP.items() if k != "SLURM_STEP_ID"}
-    with pytest.raises(UserError, match=r"start rlctl on every node with `srun --ntasks-per-node=1 rlctl"):
-        allocation_options({}, no_step)
+    for env in (no_step, {**STEP, "SLURM_STEP_ID": "4294967294"}):  # salloc's shell; the batch step
+        with pytest.raises(UserError, match=r"start rlctl on every node with `srun --ntasks-per-node=1 rlctl"):
+            allocation_options({}, env)
     with pytest.raises(UserError, match="srun started 16 tasks on 2 nodes; rlctl needs one per node"):
         allocation_options({}, {**STEP, "SLURM_STEP_NUM_TASKS": "16"})
 
