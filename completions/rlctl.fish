@@ -151,6 +151,11 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l node-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l master-addr -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l master-port -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rdzv-endpoint -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l launcher -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l partition -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l account -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l time -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l sbatch -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l preset -x -a 'grpo ppo sft tiers'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l set -s s -x
@@ -198,6 +203,11 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l node-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l master-addr -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l master-port -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rdzv-endpoint -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l launcher -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l partition -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l account -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l time -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l sbatch -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l preset -x -a 'grpo ppo sft tiers'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l set -s s -x
@@ -249,6 +259,11 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l node-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l master-addr -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l master-port -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l rdzv-endpoint -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l launcher -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l partition -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l account -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l time -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l sbatch -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l preset -x -a 'grpo ppo sft tiers'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l set -s s -x

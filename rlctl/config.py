@@ -175,6 +175,15 @@ class LogConfig:
 
 
 @dataclass
+class ClusterConfig:
+    launcher: str = "torchrun"  # torchrun (this node) | slurm (write an sbatch script and submit it)
+    partition: str = ""  # SLURM partition ("" = the cluster's default)
+    account: str = ""  # SLURM account
+    time: str = ""  # SLURM time limit, e.g. 04:00:00 or 2-00:00:00 ("" = the partition's default)
+    sbatch: list[str] = field(default_factory=list)  # extra sbatch options, one #SBATCH line each
+
+
+@dataclass
 class RunConfig:
     method: str = "sft"
     output_dir: str = ""
@@ -189,6 +198,7 @@ class RunConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -377,6 +387,7 @@ CHOICES = {
     "data.format": ("auto", "chat", "pairs", "rl"),
     "data.truncation": ("skip", "right", "left"),
     "hardware.device": ("auto", "cuda", "cpu"),
+    "cluster.launcher": ("torchrun", "slurm"),
     "parallel.backend": ("auto", "fsdp", "megatron"),
     "parallel.sequence_parallel": ("auto", "true", "false"),
     "parallel.activation_checkpointing": ("auto", "true", "false"),

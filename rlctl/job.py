@@ -71,8 +71,9 @@ def with_run_dir(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, output_dir=str(run_dir.absolute()))
 
 
-def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False) -> None:
-    """Every check before launch, cheapest first; the first problem is a one-line UserError."""
+def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_this_machine: bool = True) -> None:
+    """Every check before launch, cheapest first; the first problem is a one-line UserError.
+    ``on_this_machine=False`` (a job submitted to other machines, e.g. by SLURM): no local device check."""
     check_algorithm(cfg)
     check_data_given(cfg)
     check_reward_spec(cfg)
@@ -80,7 +81,8 @@ def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False) -> Non
 
     check_backends_installed(cfg.log.backends)
     check_memory(plan, ignore=ignore_memory_check)
-    check_device(plan)
+    if on_this_machine:
+        check_device(plan)
     if cfg.output_dir:
         check_run_dir(cfg, Path(cfg.output_dir))
     model = model_files(cfg.model.name)

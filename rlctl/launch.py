@@ -53,13 +53,16 @@ def model_slug(name: str) -> str:
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
-    """runs/<method>-<model>-<YYYYmmdd-HHMMSS>; with ``resume=auto`` the newest such run that has checkpoints."""
+    """runs/<method>-<model>-<YYYYmmdd-HHMMSS>; with ``resume=auto`` the newest such run that has checkpoints.
+
+    Inside a SLURM job, runs/<method>-<model>-slurm<JOB_ID>: every node of the job names the same directory."""
     prefix = f"{cfg.method}-{model_slug(cfg.model.name)}-"
     if cfg.checkpoint.resume == "auto":
         runs = sorted(p for p in Path("runs").glob(prefix + "*") if has_checkpoint(p))
         if runs:
             return runs[-1]
-    return Path("runs") / (prefix + time.strftime("%Y%m%d-%H%M%S"))
+    job = os.environ.get("SLURM_JOB_ID")
+    return Path("runs") / (prefix + (f"slurm{job}" if job else time.strftime("%Y%m%d-%H%M%S")))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -67,6 +67,32 @@ Rdzv = Annotated[
         rich_help_panel="Hardware",
     ),
 ]
+Launcher = Annotated[
+    str | None,
+    typer.Option(
+        "--launcher",
+        help="torchrun (run on this node) or slurm (write an sbatch script for all nodes and submit it).",
+        rich_help_panel="Cluster",
+    ),
+]
+Partition = Annotated[
+    str | None, typer.Option("--partition", help="SLURM partition (--launcher slurm).", rich_help_panel="Cluster")
+]
+Account = Annotated[
+    str | None, typer.Option("--account", help="SLURM account (--launcher slurm).", rich_help_panel="Cluster")
+]
+TimeLimit = Annotated[
+    str | None,
+    typer.Option("--time", help="SLURM time limit, e.g. 04:00:00 (--launcher slurm).", rich_help_panel="Cluster"),
+]
+Sbatch = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--sbatch",
+        help="An extra sbatch option, one #SBATCH line, repeatable (e.g. --sbatch=--qos=high).",
+        rich_help_panel="Cluster",
+    ),
+]
 Preset = Annotated[
     str | None,
     typer.Option(
@@ -195,8 +221,18 @@ def common_mapping(
     rdzv_endpoint,
     output_dir,
     trust_remote_code=None,
+    launcher=None,
+    partition=None,
+    account=None,
+    time=None,
+    sbatch=None,
 ) -> dict[str, object]:
     return {
+        "cluster.launcher": launcher,
+        "cluster.partition": partition,
+        "cluster.account": account,
+        "cluster.time": time,
+        "cluster.sbatch": sbatch or None,
         "model.name": model,
         "model.trust_remote_code": trust_remote_code or None,
         "data.path": data,
@@ -227,12 +263,26 @@ def run_training(
     """The body of `rlctl sft|grpo|ppo`: resolve and check the job (:mod:`rlctl.job`), then either print
     it (--dry-run) or launch it."""
     import importlib.util
+    import os
 
     from rlctl.errors import NotAvailableYet, UserError
     from rlctl.job import check_job, resolve_job, with_run_dir
     from rlctl.launch import build_command, default_run_dir
+    from rlctl.slurm import allocation_options
 
+    options = allocation_options(options, os.environ)  # inside a SLURM allocation: this node's place
     cfg, plan = resolve_job(method, preset=preset, config_file=config_file, options=options, sets=sets)
+    if plan.nodes > 1 and plan.rollout in ("vllm", "sglang") and plan.rollout_tp > 1:
+        from rlctl.runtime.dist import check_rollout_in_node  # (imports torch: only for multi-node RL)
+
+        check_rollout_in_node(plan.rollout_tp, plan.nproc_per_node)
+    if cfg.cluster.launcher == "slurm":
+        return submit_slurm(cfg, plan, dry_run=dry_run, as_json=as_json, ignore_memory_check=ignore_memory_check)
+    if plan.nodes > 1 and not cfg.output_dir and not os.environ.get("SLURM_JOB_ID") and not dry_run:
+        raise UserError(
+            f"a run on {plan.nodes} nodes needs --output-dir: the same run directory on every node, "
+            f"on a filesystem all nodes share"
+        )
     if dry_run:
         run_dir = cfg.output_dir or str(default_run_dir(cfg))
         argv = build_command(cfg, plan, run_dir)
@@ -253,6 +303,36 @@ def run_training(
     from rlctl.launch import launch_job
 
     raise typer.Exit(launch_job(cfg, plan))
+
+
+def submit_slurm(cfg, plan, *, dry_run: bool, as_json: bool, ignore_memory_check: bool) -> None:
+    """--launcher slurm: print the sbatch script (--dry-run), or write it with the job and submit it."""
+    from pathlib import Path
+
+    from rlctl.errors import UserError
+    from rlctl.job import check_job, with_run_dir
+    from rlctl.launch import default_run_dir
+    from rlctl.slurm import sbatch_script, submit, write_job
+
+    if dry_run:
+        run_dir = Path(cfg.output_dir or default_run_dir(cfg)).absolute()
+        script = sbatch_script(cfg, plan, run_dir)
+        if as_json:
+            sys.stdout.write(json.dumps({"plan": plan.to_dict(), "config": cfg.to_dict(), "sbatch": script}) + "\n")
+        else:
+            sys.stdout.write(script)
+        return
+    if as_json:
+        raise UserError("--json goes with --dry-run (a real run writes metrics.jsonl in its run directory)")
+    cfg = with_run_dir(cfg)
+    check_job(cfg, plan, ignore_memory_check=ignore_memory_check, on_this_machine=False)
+    run_dir = Path(cfg.output_dir)
+    script = write_job(cfg, plan, run_dir)
+    job = submit(script)
+    per_node = f"{plan.nproc_per_node} GPUs" if plan.device == "cuda" else f"{plan.nproc_per_node} processes"
+    print(f"submitted batch job {job}: {plan.nodes} nodes x {per_node}; script: {script}")
+    print(f"logs: {run_dir / f'slurm-{job}.out'} (SLURM), {run_dir / 'train.log'} (the ranks)")
+    print(f"follow it: squeue -j {job}; tail -f {run_dir / 'train.log'}")
 
 
 def print_dry_run(cfg, plan, argv: list[str]) -> None:

@@ -25,6 +25,7 @@ class Dist:
     world_size: int
     local_rank: int
     device: torch.device
+    local_world_size: int = 1  # the processes of this node (torchrun's LOCAL_WORLD_SIZE)
 
     @property
     def is_main(self) -> bool:
@@ -53,7 +54,17 @@ def init_distributed(device_type: str) -> Dist:
             timeout=timedelta(minutes=30),
             device_id=device if device_type == "cuda" else None,
         )
-    return Dist(rank, world, local, device)
+    return Dist(rank, world, local, device, int(os.environ.get("LOCAL_WORLD_SIZE") or world))
+
+
+def check_rollout_in_node(tp: int, per_node: int) -> None:
+    """A vLLM/SGLang engine runs tensor parallel inside one node, never across: its ranks are consecutive
+    (torchrun numbers a node's processes consecutively), so ``tp`` must divide the processes of a node."""
+    if tp > 1 and per_node % tp:
+        raise UserError(
+            f"rollout.tp={tp} would split a rollout engine across nodes ({per_node} processes per node); "
+            f"tensor parallel stays inside a node: use a rollout.tp that divides {per_node} (--set rollout.tp=N)"
+        )
 
 
 def barrier() -> None:

@@ -34,6 +34,7 @@ from rlctl.runtime.dist import Dist, init_distributed
 from rlctl.runtime.errors import write_rank_error
 from rlctl.runtime.layout import RunPaths, latest_checkpoint, step_of, write_json_atomic
 from rlctl.runtime.rng import seed_everything
+from rlctl.runtime.shared_dir import check_shared_run_dir
 from rlctl.runtime.signals import requested_early
 
 # Test hooks (environment variables), documented in docs/sft.md:
@@ -108,6 +109,7 @@ def recipe_main(body: Callable[[RunContext], None], argv: list[str] | None = Non
     try:
         cfg = load_config(paths.config)
         d = init_distributed(cfg.hardware.device)
+        check_shared_run_dir(paths, d.device)  # before anything loads: one run directory for every node
         _quiet_libraries()
         seed_everything(cfg.train.seed)
         body(RunContext(cfg, paths, d, stop))

@@ -82,6 +82,21 @@ class RunPaths:
         return self.root / "hf"
 
     @property
+    def shared_token(self) -> Path:
+        """Written by rank 0 at start, read by every other rank: is the run directory shared by all nodes?"""
+        return self.root / ".shared_check"
+
+    @property
+    def sbatch_script(self) -> Path:
+        """The SLURM batch script of ``--launcher slurm`` (rlctl.slurm)."""
+        return self.root / "sbatch.sh"
+
+    @property
+    def job_config(self) -> Path:
+        """The job as submitted by ``--launcher slurm``: the config every node's ``rlctl`` re-resolves."""
+        return self.root / "job.yaml"
+
+    @property
     def model_meta(self) -> Path:
         """config.json + tokenizer + generation_config of the trained model (copied into checkpoints)."""
         return self.root / "model_meta"

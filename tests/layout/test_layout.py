@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"runtime"},
     {"engines", "rollout", "rewards"},
     {"recipes"},
-    {"launch", "job"},
+    {"launch", "job", "slurm"},
     {"convert"},
     {"bench", "demo"},
     {"cli", "__main__"},

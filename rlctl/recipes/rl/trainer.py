@@ -22,7 +22,7 @@ from rlctl.recipes.rl.batch import RolloutBatch, rank_positions, token_budget
 from rlctl.recipes.rl.passes import compute_logprobs, compute_values
 from rlctl.recipes.rl.scoring import ScoringSteps, reward_manager
 from rlctl.recipes.rl.update import policy_settings, update_actor, update_critic
-from rlctl.runtime.dist import all_gather_objects, barrier, global_sums
+from rlctl.runtime.dist import all_gather_objects, barrier, check_rollout_in_node, global_sums
 from rlctl.runtime.entry import RunContext
 
 LOGPROB_DIFF_WARN = 0.1  # mean |rollout - trainer| log-prob above this: the engines disagree
@@ -98,6 +98,7 @@ class RLTrainer(ScoringSteps):
         self.rollout_tp = cfg.rollout.tp or 1
         if d.world_size % self.rollout_tp:
             raise UserError(f"rollout.tp={self.rollout_tp} does not divide the {d.world_size} processes")
+        check_rollout_in_node(self.rollout_tp, d.local_world_size)
         engine = make_rollout_engine(
             name,
             path,
