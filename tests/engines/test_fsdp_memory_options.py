@@ -256,3 +256,19 @@ def test_activation_offload_leaves_no_activation_on_the_compute_device(cfg, tiny
     assert activation_bytes(spec, on, job_stages(spec, on)[0]) < activation_bytes(spec, off, job_stages(spec, off)[0])
     gpu = estimate_memory(spec, resolve_gpu("H100"), settings(device="cuda", dtype="bf16", offload_activations=True))
     assert gpu.host_phases["training"].components["offloaded_activations"] > 0
+
+
+def test_unsharded_mixed_precision_autocasts_like_fsdp(cfg):
+    """Without FSDP's MixedPrecisionPolicy the plain module autocasts to bf16 itself: fp32 master
+    weights, bf16 logits, and gradients within bf16 rounding of the sharded engine's."""
+    ids, pos = batch()
+    g = {}
+    for shard in (True, False):
+        e = engine(cfg, dtype="bf16", shard=shard)
+        logits = e.forward(ids, pos)
+        assert logits.dtype == torch.bfloat16
+        e.backward(loss_of(logits))
+        assert all(p.dtype == torch.float32 for p in e.model.parameters())
+        g[shard] = grads(e)
+    for n in g[True]:
+        assert torch.allclose(g[True][n], g[False][n], atol=2e-2, rtol=5e-2), n
