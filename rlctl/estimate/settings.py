@@ -19,7 +19,8 @@ ENGINE_GRAPH_BYTES = GIB // 2  # CUDA graphs captured by vLLM / SGLang
 ENGINE_BATCHED_TOKENS = 8192  # tokens per engine forward (vLLM's max_num_batched_tokens as verl sets it)
 ENGINE_MAX_SEQS = 256  # sequences per engine step (vLLM's max_num_seqs default): the sampler's logits
 ADAM_STATE_BYTES = 8  # AdamW m and v in fp32
-LOGIT_EXTRA_BYTES = 8  # per logit beyond the compute-dtype output: an fp32 copy and its log-softmax/grad
+LOGIT_EXTRA_BYTES = 8  # unfused loss peak per logit: fp32 log-softmax (saved) + its fp32 gradient, beside
+# the logits and their gradient in the compute dtype (2 x compute bytes): 12 bytes per value in bf16
 CHUNK_LOGIT_BYTES = 12  # per logit of one loss chunk beyond the compute dtype: fp32 upcast, log-softmax, gradient
 PRECISIONS = ("mixed", "bf16")  # mixed: fp32 master, grads and AdamW; bf16: pure bf16 weights, grads and AdamW
 HOST_PROCESS_BYTES = 4 * GIB  # host memory of one GPU process: Python, torch/CUDA/NCCL host allocations, data

@@ -222,14 +222,15 @@ def logit_tokens(s: MemorySettings) -> int:
 
 
 def logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
-    """Logits alive at the loss's peak. Unfused: ``b s V`` values in the compute dtype, an fp32 copy
-    and the fp32 log-softmax (reused for its gradient). Chunked (``loss_chunk`` tokens at a time, the
+    """Logits alive at the loss's peak. Unfused (the peak is in the loss's backward): ``b s V`` logits
+    in the compute dtype, the fp32 log-softmax saved for the backward, its fp32 gradient and the
+    logits' gradient in the compute dtype (12 bytes per value in bf16). Chunked (``loss_chunk`` tokens at a time, the
     chunk's backward before the next chunk): one chunk's logits, fp32 upcast, log-softmax and
     gradient. Vocabulary-parallel under TP."""
     vocab = math.ceil(spec.vocab_size / s.tp)
     if s.loss_chunk:
         return min(s.loss_chunk, logit_tokens(s)) * vocab * (s.compute_bytes + CHUNK_LOGIT_BYTES)
-    return logit_tokens(s) * vocab * (s.compute_bytes + LOGIT_EXTRA_BYTES)
+    return logit_tokens(s) * vocab * (2 * s.compute_bytes + LOGIT_EXTRA_BYTES)
 
 
 def critic_params(spec: ModelSpec) -> int:

@@ -78,7 +78,7 @@ class Option:
         if not self.offloads:
             return 2 if self.offload_activations else 0
         if self.backend == "fsdp":
-            return 3
+            return 4 if self.offload_activations else 3
         return 1 + (self.offload_params and self.offload_optimizer)
 
     @property
@@ -146,14 +146,9 @@ def options_for(job: Job, tier: str) -> list[Option]:
     acts = tri_state(p.offload_activations)
     if acts:
         options = [replace(o, offload_activations=o.backend == "fsdp") for o in options]
-    elif (
-        acts is None
-        and job.device == "cuda"
-        and "fsdp" in backends
-        and p.offload_params == p.offload_optimizer == "auto"
-    ):
-        # activation offload (pinned host memory, copies overlap the compute) before offloading the states
-        options.append(Option("fsdp", offload_activations=True))
+    elif acts is None and job.device == "cuda":
+        # activation offload (pinned host memory, copies overlap the compute): after the same option without it
+        options += [replace(o, offload_activations=True) for o in options if o.backend == "fsdp"]
     return sorted(options, key=lambda o: o.cost)  # stable: Megatron before FSDP2 at the same cost
 
 

@@ -283,9 +283,10 @@ def test_tensor_and_sequence_parallel_activations():
 
 
 def test_logits_by_hand():
-    assert train(est(gpus=8))["logits"] == 1536 * V * (2 + 4 + 4)  # bf16 out, fp32 copy, fp32 log-softmax
-    assert train(est(gpus=8, method="sft", max_len=4096, micro_batch=2))["logits"] == 2 * 4096 * V * 10
-    assert train(est(gpus=8, backend="megatron", tp=4))["logits"] == 1536 * (V // 4) * 10  # vocabulary parallel
+    # the unfused loss's backward: bf16 logits and their bf16 gradient, fp32 log-softmax and its fp32 gradient
+    assert train(est(gpus=8))["logits"] == 1536 * V * (2 + 2 + 4 + 4)
+    assert train(est(gpus=8, method="sft", max_len=4096, micro_batch=2))["logits"] == 2 * 4096 * V * 12
+    assert train(est(gpus=8, backend="megatron", tp=4))["logits"] == 1536 * (V // 4) * 12  # vocabulary parallel
 
 
 def test_fsdp_unsharded_buffers_by_hand():

@@ -49,7 +49,7 @@ def test_token_budget_sets_the_tokens_per_micro_batch():
     one = train(est(method="sft", max_len=4096, activation_checkpointing=False))["activations"]
     budget = train(est(method="sft", max_len=4096, activation_checkpointing=False, micro_batch_tokens=8192))
     assert budget["activations"] == 2 * one
-    assert budget["logits"] == 8192 * V * (2 + 8)
+    assert budget["logits"] == 8192 * V * (2 + 2 + 4 + 4)
 
 
 def test_selective_checkpointing_recomputes_the_mlps():
@@ -71,7 +71,7 @@ def test_activation_offload_keeps_two_inputs_and_one_layer():
 def test_chunked_loss_counts_one_chunk_of_response_positions():
     rl = {"method": "grpo", "prompt_len": 512, "response_len": 1024, "rollout": "hf", "micro_batch": 2}
     unfused = train(est(**rl))["logits"]
-    assert unfused == 2 * 1536 * V * 10  # every position, bf16 + fp32 copy + fp32 log-softmax
+    assert unfused == 2 * 1536 * V * 12  # every position: bf16 logits + grad, fp32 log-softmax + grad
     assert train(est(**rl, loss_chunk=512))["logits"] == 512 * V * (2 + 12)
     # a chunk larger than the response positions (2 x 1024) holds only them
     assert train(est(**rl, loss_chunk=4096))["logits"] == 2 * 1024 * V * (2 + 12)
