@@ -290,16 +290,31 @@ def render() -> str:
 
 
 BEGIN, END = "<!-- estimate-vs-published:begin -->", "<!-- estimate-vs-published:end -->"
+HEADING = (
+    "## Memory estimate vs published measurements\n\n"
+    "`python benchmarks/estimate_vs_published.py --write docs/benchmarks.md` renders this section: measured "
+    "peak-memory figures of other frameworks' runs (each with its source and configuration) beside "
+    "`rlctl estimate memory` for the same run; formulas in docs/estimate.md.\n\n"
+)
+
+
+HAND_END = "<!-- hand-written: end -->"  # make_benchmarks_md.py keeps what is above it
 
 
 def write(path: Path, table: str) -> None:
+    """Put the table in its section of the hand-written part of ``path`` (replacing an older one)."""
     text = path.read_text() if path.exists() else ""
-    block = f"{BEGIN}\n{table}{END}"
+    title = HEADING.split("\n", 1)[0]
     if BEGIN in text:
         head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
+        head = head[: head.rfind(title)] if title in head else head
+        text = head.rstrip("\n") + "\n\n" + rest.split(END, 1)[1].lstrip("\n")
+    section = f"{HEADING}{BEGIN}\n{table}{END}\n\n"
+    if HAND_END in text:
+        head, rest = text.split(HAND_END, 1)
+        text = head.rstrip("\n") + "\n\n" + section + HAND_END + rest
     else:
-        text = text.rstrip() + "\n\n## Memory estimate vs published measurements\n\n" + block + "\n"
+        text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import statistics
+import sys
 
 from tests.support.cli import REPO
 
@@ -12,6 +13,7 @@ from tests.support.cli import REPO
 def _bench():
     spec = importlib.util.spec_from_file_location("estimate_vs_published", REPO / "benchmarks/estimate_vs_published.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
