@@ -285,7 +285,8 @@ def relax(job: Job, est: MemoryEstimate, reasons: list[str]) -> MemoryEstimate:
         off = estimate_memory(job.spec, job.gpu, replace(s, activation_checkpointing=False))
         need = off.phases["training"].total_bytes / GIB
         selective = None
-        if s.backend == "fsdp" and tri_state(p.selective_checkpointing) is None and not _comfortable(off):
+        savers = s.backend == "fsdp" and job.device == "cuda" and tri_state(p.selective_checkpointing) is None
+        if savers and not _comfortable(off):
             selective = estimate_memory(
                 job.spec, job.gpu, replace(s, activation_checkpointing=False, selective_checkpointing=True)
             )
