@@ -113,7 +113,7 @@ def assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEs
     else:
         out.append(
             f"logits: {s.dtype} output and its gradient + fp32 log-softmax and its gradient "
-            f"({2 * cb + LOGIT_EXTRA_BYTES} bytes per token per vocabulary entry), one unfused loss over the micro batch"
+            f"({2 * cb + LOGIT_EXTRA_BYTES} bytes per token per vocabulary entry), one unfused loss per micro batch"
         )
     out.append(
         f"allocated = the tensors alive at the peak; reserved = allocated + {ALLOCATOR_SLACK:.0%} of the activations, "
