@@ -55,7 +55,9 @@ QWEN1 = {
     "14B": _qwen1("14B", 5120, 13696, 40, 40, 152064),
 }
 # Qwen README, "Profiling of Memory and Speed": one A100-SXM4-80G, batch 1, FlashAttention 2, LoRA on
-# every linear layer but the head (finetune_lora_single_gpu.sh: rank 64, --gradient_checkpointing, bf16)
+# every linear layer but the head (finetune.py: lora_r 64 on c_attn, c_proj, w1, w2; finetune_lora_single_gpu.sh:
+# --bf16 --gradient_checkpointing, inputs padded to model_max_length). The README gives "G" without saying how it
+# measured; it is compared with rlctl's device figure (reserved + CUDA context, as nvidia-smi shows it).
 QWEN_LORA = {
     "1.8B": (6.7, 7.4, 8.4, 11.0, 16.2, 21.8),
     "7B": (20.1, 20.4, 21.5, 23.8, 29.7, 36.6),
@@ -103,7 +105,8 @@ def figures() -> list[Figure]:
                 Figure(
                     f"Qwen-{size} LoRA, {length} tokens",
                     QWEN_README,
-                    f"1 x A100-80G, batch 1 x {length} tokens, LoRA r64 all linear, grad. checkpointing, bf16, FA2",
+                    f"1 x A100-80G, batch 1 padded to {length} tokens, HF Trainer without FSDP/DeepSpeed, LoRA r64 on "
+                    "c_attn, c_proj, w1, w2 (every linear layer), --gradient_checkpointing, bf16, FlashAttention 2",
                     gib,
                     "device",
                     QWEN1[size],
