@@ -121,7 +121,7 @@ def figures() -> list[Figure]:
         Figure(
             "torchtune Llama-3.1-8B LoRA, 1 x RTX 4090",
             TORCHTUNE_README,
-            f"8B_lora_single_device: r8 on q, v, output_proj and the MLP; {tt}",
+            f"8B_lora_single_device (no FSDP): r8 on q, v, output_proj and the MLP (the README's revision); {tt}",
             16.2,
             "reserved",
             llama8,
@@ -139,7 +139,7 @@ def figures() -> list[Figure]:
         Figure(
             "torchtune Llama-3.1-70B LoRA, 8 x A100",
             TORCHTUNE_README,
-            f"70B_lora (FSDP): r16 on q, k, v, output_proj and the MLP; {tt}",
+            f"70B_lora (FSDP, head in the root unit): r16 on q, v, output_proj and the MLP; {tt}",
             27.6,
             "reserved",
             llama70,
@@ -148,7 +148,7 @@ def figures() -> list[Figure]:
                 "gpus": 8,
                 "max_len": 4096,
                 "lora_rank": 16,
-                "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                "lora_targets": "q_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                 "loss_chunk": 512,
                 "precision": "bf16",
             },
