@@ -222,6 +222,9 @@ def search(job: Job, options: list[Option]) -> SearchResult:
             offload_params=option.offload_params,
             offload_optimizer=option.offload_optimizer,
             offload_activations=option.offload_activations,
+            # the FSDP engine's savers as configured; Megatron has none of them
+            selective_checkpointing=option.backend == "fsdp" and tri_state(p.selective_checkpointing) is True,
+            shard=option.backend != "fsdp" or tri_state(p.shard) is not False,
         )
         if _plain_module(job, s):
             s = replace(s, shard=False)
