@@ -58,7 +58,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcomm
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l random-init
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l device -x -a 'auto cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l gpus -x
-complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l gpu -x -a 'A100-40GB A100-80GB A10G B200 H100-80GB H100-PCIe-80GB H20-96GB H200-141GB L40S RTX-4090'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l nproc -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l steps -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l batch-size -x
@@ -121,12 +121,22 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l micro-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l nodes -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gpu -x -a 'A100-40GB A100-80GB A10G B200 H100-80GB H100-PCIe-80GB H20-96GB H200-141GB L40S RTX-4090'
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l device -x -a 'auto cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l host-memory -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l backend -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l pp -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l ep -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l cp -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l precision -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l selective-checkpointing -l no-selective-checkpointing
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l offload-activations -l no-offload-activations
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l shard -l no-shard
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l max-tokens-per-micro-batch -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l loss-chunk -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l kl-coef -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l activation-checkpointing -l no-activation-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l offload-params -l no-offload-params
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l offload-optimizer -l no-offload-optimizer
@@ -144,7 +154,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l model -s m -x -a 'Dee
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l data -s d -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l nodes -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gpu -x -a 'A100-40GB A100-80GB A10G B200 H100-80GB H100-PCIe-80GB H20-96GB H200-141GB L40S RTX-4090'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l device -x -a 'auto cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l nproc -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l node-rank -x
@@ -196,7 +206,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l model -s m -x -a 'Deep
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l data -s d -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l nodes -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gpu -x -a 'A100-40GB A100-80GB A10G B200 H100-80GB H100-PCIe-80GB H20-96GB H200-141GB L40S RTX-4090'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l device -x -a 'auto cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l nproc -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l node-rank -x
@@ -252,7 +262,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l model -s m -x -a 'Deep
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l data -s d -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l nodes -x
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gpu -x -a 'A100-40GB A100-80GB A10G B200 H100-80GB H100-PCIe-80GB H20-96GB H200-141GB L40S RTX-4090'
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l device -x -a 'auto cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l nproc -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l node-rank -x

@@ -15,33 +15,34 @@ _rlctl() {
         esac
     done
     case "$prev" in
-        --account) return ;;
         --adv) COMPREPLY=($(compgen -W "grpo rloo reinforce_pp gae" -- "$cur")); return ;;
         --backend) return ;;
         --batch-size) return ;;
         --clip-high) return ;;
         --clip-low) return ;;
         --config|-c) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        --cp) return ;;
         --data|-d) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --device) COMPREPLY=($(compgen -W "auto cuda cpu" -- "$cur")); return ;;
         --dtype) COMPREPLY=($(compgen -W "bf16 fp16 fp32" -- "$cur")); return ;;
         --engine) return ;;
+        --ep) return ;;
         --epochs) return ;;
         --eval-every) return ;;
-        --gpu) COMPREPLY=($(compgen -W "A100-40GB A100-80GB A10G B200 H100-80GB H100-PCIe-80GB H20-96GB H200-141GB L40S RTX-4090" -- "$cur")); return ;;
+        --gpu) COMPREPLY=($(compgen -W "A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000" -- "$cur")); return ;;
         --gpus) return ;;
         --hf-config) return ;;
         --host-memory) return ;;
         --keep-last) return ;;
         --kl-coef) return ;;
         --kl-kind) COMPREPLY=($(compgen -W "k1 abs k2 k3" -- "$cur")); return ;;
-        --launcher) return ;;
         --lengths) return ;;
         --log) return ;;
         --lora-alpha) return ;;
         --lora-rank) return ;;
         --lora-targets) return ;;
         --loss-agg) COMPREPLY=($(compgen -W "token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm" -- "$cur")); return ;;
+        --loss-chunk) return ;;
         --lr) return ;;
         --master-addr) return ;;
         --master-port) return ;;
@@ -51,6 +52,7 @@ _rlctl() {
         --max-shard-size) return ;;
         --max-steps) return ;;
         --max-tokens) return ;;
+        --max-tokens-per-micro-batch) return ;;
         --mem-fraction) return ;;
         --method) COMPREPLY=($(compgen -W "sft grpo ppo" -- "$cur")); return ;;
         --micro-batch) return ;;
@@ -62,11 +64,11 @@ _rlctl() {
         --nodes) return ;;
         --nproc) return ;;
         --output-dir|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
-        --partition) return ;;
         --peer) return ;;
         --plot) return ;;
         --pp) return ;;
         --ppo-epochs) return ;;
+        --precision) return ;;
         --preset) COMPREPLY=($(compgen -W "grpo ppo sft tiers" -- "$cur")); return ;;
         --prompt-len) return ;;
         --prompts) return ;;
@@ -79,13 +81,11 @@ _rlctl() {
         --rollout) COMPREPLY=($(compgen -W "auto hf vllm sglang" -- "$cur")); return ;;
         --rollout-tp) return ;;
         --save-every) return ;;
-        --sbatch) return ;;
         --seed) return ;;
         --seq-len) return ;;
         --set|-s) return ;;
         --steps) return ;;
         --temperature) return ;;
-        --time) return ;;
         --tp) return ;;
         --val-fraction) return ;;
         --work) return ;;
@@ -104,13 +104,13 @@ _rlctl() {
         "/convert/lora-merge") words="--dtype --verify --no-verify --force --max-shard-size --help" ;;
         "/convert/megatron-to-hf") words="--hf-config --dtype --verify --no-verify --force --max-shard-size --trust-checkpoint --help" ;;
         "/estimate") words="memory --help" ;;
-        "/estimate/memory") words="--model --method --lora-rank --lora-targets --max-len --max-prompt-len --max-response-len --n --batch-size --micro-batch-size --gpus --nodes --gpu --device --host-memory --backend --tp --pp --activation-checkpointing --no-activation-checkpointing --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --dtype --rollout --rollout-tp --mem-fraction --what-to-rent --json --prompt-len --response-len --micro-batch --help" ;;
-        "/grpo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
-        "/ppo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
+        "/estimate/memory") words="--model --method --lora-rank --lora-targets --max-len --max-prompt-len --max-response-len --n --batch-size --micro-batch-size --gpus --nodes --gpu --device --host-memory --backend --tp --pp --ep --cp --precision --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --max-tokens-per-micro-batch --loss-chunk --kl-coef --reward-model --activation-checkpointing --no-activation-checkpointing --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --dtype --rollout --rollout-tp --mem-fraction --what-to-rent --json --prompt-len --response-len --micro-batch --help" ;;
+        "/grpo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
+        "/ppo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
         "/presets") words="list show --help" ;;
         "/presets/list") words="--help" ;;
         "/presets/show") words="--help" ;;
-        "/sft") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --micro-batch-size --max-len --packing --no-packing --val-fraction --eval-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --log --trust-remote-code --ignore-memory-check --help" ;;
+        "/sft") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --micro-batch-size --max-len --packing --no-packing --val-fraction --eval-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --log --trust-remote-code --ignore-memory-check --help" ;;
         *) words="" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))

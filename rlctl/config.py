@@ -76,6 +76,9 @@ class ParallelConfig:
     activation_checkpointing: str = "auto"  # auto | true | false
     offload_params: str = "auto"  # auto | true | false
     offload_optimizer: str = "auto"
+    selective_checkpointing: str = "auto"  # auto | true | false: recompute the MLPs only (FSDP engine)
+    offload_activations: str = "auto"  # auto | true | false: saved activations in host memory (FSDP engine)
+    shard: str = "auto"  # auto | true | false: false = one device, a plain module without FSDP wrappers
 
 
 @dataclass
@@ -100,6 +103,7 @@ class TrainConfig:
     micro_batch_size: int = 0  # sequences per device per forward (0 = from the plan)
     max_tokens_per_micro_batch: int = 0  # packing budget per device (0 = micro_batch_size x max_len)
     max_len: int = 2048
+    precision: str = "mixed"  # mixed (fp32 master weights, grads, AdamW) | bf16 (pure bf16: half the state bytes)
     seed: int = 42
     eval_every: int = 0
     compile: bool = False
@@ -393,6 +397,10 @@ CHOICES = {
     "parallel.activation_checkpointing": ("auto", "true", "false"),
     "parallel.offload_params": ("auto", "true", "false"),
     "parallel.offload_optimizer": ("auto", "true", "false"),
+    "parallel.selective_checkpointing": ("auto", "true", "false"),
+    "parallel.offload_activations": ("auto", "true", "false"),
+    "parallel.shard": ("auto", "true", "false"),
+    "train.precision": ("mixed", "bf16"),
     "rollout.engine": ("auto", "hf", "vllm", "sglang"),
     "algo.adv": ("grpo", "rloo", "reinforce_pp", "gae"),
     "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),

@@ -25,6 +25,9 @@ Examples:
   rlctl estimate memory --model Qwen2.5-72B --method sft --gpus 8 --gpu H100-80GB --host-memory 1024
 
   rlctl estimate memory --model Qwen2.5-32B --backend megatron --tp 4 --rollout vllm --rollout-tp 2 --mem-fraction 0.5
+
+  rlctl estimate memory --model Llama-3.1-8B --method sft --gpus 1 --gpu RTX-4090 --lora-rank 8 --precision bf16
+      --no-shard --loss-chunk 512
 """
 
 app = typer.Typer(
@@ -54,6 +57,24 @@ def _alias(name: str, value: int | None, old: str, old_value: int | None) -> int
 
         raise UserError(f"{name} {value} and {old} {old_value} disagree: {old} is the old name of {name}; give one")
     return old_value
+
+
+def _with_loss_chunk(plan, chunk: int):
+    """The plan's layout estimated again with a chunked loss (the config has no key for it yet)."""
+    from dataclasses import replace
+
+    from rlctl.catalog import resolve_gpu, resolve_model
+    from rlctl.errors import UserError
+    from rlctl.estimate.memory import estimate_memory
+
+    if chunk < 0:
+        raise UserError(f"--loss-chunk {chunk}: give the tokens per chunk (e.g. 1024), or leave it out")
+    est = plan.estimate
+    gpu = resolve_gpu(est.gpu) if plan.device == "cuda" else None
+    if gpu is None:
+        return plan
+    est = estimate_memory(resolve_model(plan.model), gpu, replace(est.settings, loss_chunk=chunk))
+    return replace(plan, estimate=est, fits=est.fits)
 
 
 @app.command("memory", epilog=EXAMPLES)
@@ -119,6 +140,69 @@ def memory(
     backend: Annotated[str | None, typer.Option("--backend", help="fsdp | megatron.", rich_help_panel=PAR)] = None,
     tp: Annotated[int | None, typer.Option("--tp", help="Megatron tensor-parallel size.", rich_help_panel=PAR)] = None,
     pp: Annotated[int | None, typer.Option("--pp", help="Megatron pipeline stages.", rich_help_panel=PAR)] = None,
+    ep: Annotated[
+        int | None, typer.Option("--ep", help="Megatron expert parallelism (MoE).", rich_help_panel=PAR)
+    ] = None,
+    cp: Annotated[
+        int | None,
+        typer.Option("--cp", help="Context parallelism (Megatron; the FSDP engine has none).", rich_help_panel=PAR),
+    ] = None,
+    precision: Annotated[
+        str | None,
+        typer.Option(
+            "--precision",
+            help="mixed (fp32 master weights, grads, AdamW: 16 bytes/param) | bf16 (pure bf16: 8 bytes/param).",
+            rich_help_panel=PAR,
+        ),
+    ] = None,
+    selective_checkpointing: Annotated[
+        bool | None,
+        typer.Option(
+            "--selective-checkpointing/--no-selective-checkpointing",
+            help="FSDP: recompute the MLPs only (default: the plan's).",
+            rich_help_panel=PAR,
+        ),
+    ] = None,
+    offload_activations: Annotated[
+        bool | None,
+        typer.Option(
+            "--offload-activations/--no-offload-activations",
+            help="FSDP: keep saved activations in pinned host memory (default: the plan's).",
+            rich_help_panel=PAR,
+        ),
+    ] = None,
+    shard: Annotated[
+        bool | None,
+        typer.Option(
+            "--shard/--no-shard",
+            help="FSDP wrappers; --no-shard on one GPU: the plain module, no gather buffers (default: the plan's).",
+            rich_help_panel=PAR,
+        ),
+    ] = None,
+    max_tokens_per_micro_batch: Annotated[
+        int | None,
+        typer.Option(
+            "--max-tokens-per-micro-batch",
+            help="Packed micro batches by token budget per GPU (verl's dynamic batch size).",
+            rich_help_panel=JOB,
+        ),
+    ] = None,
+    loss_chunk: Annotated[
+        int | None,
+        typer.Option(
+            "--loss-chunk",
+            help="Tokens per chunk of the loss (chunked log-softmax; RL: logits at response positions only).",
+            rich_help_panel=JOB,
+        ),
+    ] = None,
+    kl_coef: Annotated[
+        float | None,
+        typer.Option("--kl-coef", help="RL: KL coefficient; 0 = no reference model.", rich_help_panel=JOB),
+    ] = None,
+    reward_model: Annotated[
+        str | None,
+        typer.Option("--reward-model", help="RL: a reward model on the training GPUs.", rich_help_panel=JOB),
+    ] = None,
     activation_checkpointing: Annotated[
         bool | None,
         typer.Option(
@@ -203,6 +287,15 @@ def memory(
         "parallel.backend": backend,
         "parallel.tp": tp,
         "parallel.pp": pp,
+        "parallel.ep": ep,
+        "parallel.cp": cp,
+        "train.precision": precision,
+        "parallel.selective_checkpointing": _tri(selective_checkpointing),
+        "parallel.offload_activations": _tri(offload_activations),
+        "parallel.shard": _tri(shard),
+        "train.max_tokens_per_micro_batch": max_tokens_per_micro_batch,
+        "algo.kl_coef": kl_coef,
+        "reward.model": reward_model,
         "parallel.activation_checkpointing": _tri(activation_checkpointing),
         "parallel.offload_params": _tri(offload_params),
         "parallel.offload_optimizer": _tri(offload_optimizer),
@@ -214,6 +307,8 @@ def memory(
     layer = dotted_to_nested({k: v for k, v in options.items() if v is not None})
     cfg = build_config(method, method_layers(method, None) + [layer])
     plan = resolve_plan(cfg, host_memory_bytes=host_bytes)
+    if loss_chunk:
+        plan = _with_loss_chunk(plan, loss_chunk)
     rows = []
     if what_to_rent:
         from rlctl.plan import what_to_rent as rent

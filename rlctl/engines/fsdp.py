@@ -28,6 +28,7 @@ plus ``value_head.weight``/``value_head.bias``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 from collections.abc import Iterator
@@ -54,6 +55,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlctl.config import RunConfig
 from rlctl.engines.base import ROLES, ModelSource, TrainEngine, model_source
+from rlctl.engines.savers import HostActivations, checkpoint_mlp
 from rlctl.engines.schedule import lr_factor
 from rlctl.engines.spec import EngineSpec
 from rlctl.errors import UserError, did_you_mean
@@ -143,12 +145,16 @@ class FSDPEngine(TrainEngine):
         self.hf_config = self.source.load_config()
         use_lora = (trainable and role != "ref") if lora is None else lora
         self.lora_rank = cfg.lora.rank if use_lora else 0
-        self.param_dtype = torch.float32 if trainable else self.compute_dtype  # what the optimizer steps
-        self.frozen_dtype = self.compute_dtype if self.lora_rank or not trainable else torch.float32  # the base
+        self.pure_bf16 = self._pure_bf16(spec)
+        # what the optimizer steps: fp32 master weights (mixed precision), or bf16 ones (pure bf16)
+        self.param_dtype = torch.bfloat16 if self.pure_bf16 else torch.float32 if trainable else self.compute_dtype
+        frozen = self.lora_rank or not trainable or self.pure_bf16
+        self.frozen_dtype = self.compute_dtype if frozen else torch.float32  # the base
+        self.sharded = self._sharded(spec)
 
         with torch.device("meta"):
             self.model, self._state_module = self._build(self.hf_config)
-        self._apply_fsdp(spec.activation_checkpointing)
+        self._apply_fsdp(spec.activation_checkpointing, spec.selective_checkpointing)
         self._materialize()
         self.global_step = 0
         self.optimizer = None
@@ -165,6 +171,24 @@ class FSDPEngine(TrainEngine):
         if spec.dtype not in DTYPES:
             raise UserError(f"the FSDP engine trains in bf16 or fp32, not {spec.dtype}; set model.dtype=bf16")
         return DTYPES[spec.dtype]
+
+    def _pure_bf16(self, spec: EngineSpec) -> bool:
+        """bf16 weights, gradients and AdamW states (8 bytes/param, not 16); accuracy caveat in savers.py."""
+        if spec.precision != "bf16":
+            return False
+        if spec.dtype != "bf16":
+            raise UserError(f"train.precision=bf16 (pure bf16) needs model.dtype=bf16, not {spec.dtype}")
+        return self.trainable
+
+    def _sharded(self, spec: EngineSpec) -> bool:
+        if not spec.shard and self.world > 1:
+            raise UserError(
+                f"parallel.shard=false runs the plain module on one device, not {self.world}; "
+                f"remove parallel.shard=false or use one GPU"
+            )
+        if not spec.shard and self.offload:
+            raise UserError("parameter/optimizer offload is FSDP2's CPUOffloadPolicy: keep parallel.shard on for it")
+        return spec.shard
 
     def _attn(self, spec: EngineSpec) -> str:
         attn = spec.attn  # "auto" unless the user chose (the plan's attn is a forecast, not an order)
@@ -265,12 +289,18 @@ class FSDPEngine(TrainEngine):
             )
         return units
 
-    def _apply_fsdp(self, activation_checkpointing: bool) -> None:
+    def _apply_fsdp(self, activation_checkpointing: bool, selective: bool = False) -> None:
         if activation_checkpointing:
             self._hf_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif selective:
+            for unit in self._wrap_units():
+                checkpoint_mlp(unit)
+        if not self.sharded:
+            self._wrap_units()  # the same check: a model without decoder layers is refused either way
+            return
         mesh = init_device_mesh(self.device.type, (self.world,), mesh_dim_names=("dp",))
         mp = MixedPrecisionPolicy()
-        if self.trainable and self.compute_dtype != torch.float32:
+        if self.trainable and not self.pure_bf16 and self.compute_dtype != torch.float32:
             mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         offload = CPUOffloadPolicy(pin_memory=True) if self.offload else OffloadPolicy()
         for unit in self._wrap_units():
@@ -350,17 +380,29 @@ class FSDPEngine(TrainEngine):
     def train(self, mode: bool = True) -> None:
         self.model.train(mode and self.trainable)
 
+    def _memory_context(self) -> contextlib.ExitStack:
+        """Activations saved to host memory; unsharded mixed precision autocasts to the compute dtype."""
+        stack = contextlib.ExitStack()
+        if self.spec.offload_activations and self.trainable and torch.is_grad_enabled():
+            stack.enter_context(HostActivations(pin_memory=self.device.type == "cuda"))
+        mixed = self.param_dtype == torch.float32 and self.compute_dtype != torch.float32
+        if not self.sharded and mixed:
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.compute_dtype))
+        return stack
+
     def forward(self, input_ids, position_ids, attention_mask=None) -> torch.Tensor:
-        if self.role == "critic":
-            return self.model(input_ids, position_ids=position_ids, attention_mask=attention_mask)
-        return self.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
-        ).logits
+        with self._memory_context():
+            if self.role == "critic":
+                return self.model(input_ids, position_ids=position_ids, attention_mask=attention_mask)
+            return self.model(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+            ).logits
 
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
         if not self.trainable:
             raise RuntimeError(f"the {self.role} engine is frozen")
-        self.model.set_requires_gradient_sync(sync or self.offload)
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(sync or self.offload)
         # FSDP averages gradients over ranks; the ranks' losses are shares of one sum, so undo it.
         (loss * self.world).backward()
 

@@ -43,6 +43,10 @@ class EngineSpec:
     offload_optimizer: bool = False
     attn: str = "auto"  # auto | sdpa | eager | flash_attention_2
     micro_batch_size: int = 1
+    precision: str = "mixed"  # mixed | bf16 (pure bf16 weights, gradients and AdamW states; FSDP engine)
+    selective_checkpointing: bool = False  # recompute each decoder layer's MLP in the backward (FSDP engine)
+    offload_activations: bool = False  # tensors saved for the backward go to (pinned) host memory (FSDP engine)
+    shard: bool = True  # FSDP2 wrappers; False (one process only): the plain module, no gather buffers
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -51,6 +55,8 @@ class EngineSpec:
             raise UnresolvedConfig(f"EngineSpec.device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype == "auto":
             raise UnresolvedConfig("EngineSpec.dtype is 'auto': resolve the config with the plan first")
+        if self.precision not in ("mixed", "bf16"):
+            raise UnresolvedConfig(f"EngineSpec.precision must be mixed or bf16, got {self.precision!r}")
         for name in ("tp", "pp", "cp", "ep", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise UnresolvedConfig(f"EngineSpec.{name} must be >= 1, got {getattr(self, name)}")
@@ -91,6 +97,11 @@ class EngineSpec:
             offload_optimizer=flag("offload_optimizer"),
             attn=cfg.model.attn,
             micro_batch_size=cfg.train.micro_batch_size or 1,
+            precision=cfg.train.precision,
+            # the memory options below default to off ("auto" the plan left alone: the engine's default)
+            selective_checkpointing=par.selective_checkpointing == "true",
+            offload_activations=par.offload_activations == "true",
+            shard=par.shard != "false",
         )
 
     def replace(self, **changes) -> EngineSpec:

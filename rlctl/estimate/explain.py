@@ -6,7 +6,9 @@ from rlctl.catalog import layer_params as largest_layer_params
 from rlctl.catalog.spec import GpuSpec, ModelSpec
 from rlctl.estimate.result import MemoryEstimate
 from rlctl.estimate.settings import (
+    ALLOCATOR_SLACK,
     CHECKPOINT_BYTES,
+    CHUNK_LOGIT_BYTES,
     CUDA_CONTEXT_BYTES,
     ENGINE_BATCHED_TOKENS,
     ENGINE_GRAPH_BYTES,
@@ -43,12 +45,21 @@ def assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEs
         else "full fine-tuning"
     )
     if s.backend == "fsdp":
-        states = "fp32 master weights, fp32 gradients and AdamW m, v" if not s.lora_rank else "the adapters' states"
-        out.append(f"{what}; FSDP2 full shard over {s.gpus} GPUs: {states} divided by {s.gpus}")
-        out.append(
-            f"FSDP gathers two decoder layers ({largest_layer_params(model):,} parameters each) and keeps the "
-            f"output head gathered through the backward, in {s.dtype}"
-        )
+        kind = "bf16 (pure bf16)" if s.pure_bf16 else "fp32"
+        states = f"{kind} master weights, gradients and AdamW m, v" if not s.lora_rank else "the adapters' states"
+        if s.sharded:
+            out.append(f"{what}; FSDP2 full shard over {s.gpus} GPUs: {states} divided by {s.gpus}")
+            out.append(
+                f"FSDP gathers two decoder layers ({largest_layer_params(model):,} parameters each) and keeps the "
+                f"output head gathered through the backward, in {s.dtype}"
+            )
+        else:
+            out.append(f"{what}; one GPU, the plain module (no FSDP wrappers, nothing gathered): {states}")
+        if s.pure_bf16:
+            out.append(
+                "pure bf16: no fp32 master copy; AdamW updates below bf16's resolution (~1/256 of a weight) are "
+                "rounded away, so long runs at small learning rates can drift from mixed precision"
+            )
     else:
         out.append(
             f"{what}; Megatron tp {s.tp} x pp {s.pp} x dp {s.dp}"
@@ -83,12 +94,37 @@ def assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEs
             "engine generates and return for the update"
         )
     ckpt = "on: each layer keeps its input, one layer at a time is recomputed" if s.activation_checkpointing else "off"
+    if not s.activation_checkpointing and s.selective_checkpointing:
+        ckpt = "selective: each layer's MLP is recomputed (its input kept), attention keeps its tensors"
     out.append(f"activation checkpointing {ckpt}; attention by FlashAttention/SDPA kernels (no s x s scores stored)")
+    if s.offload_activations:
+        out.append(
+            "activation offload: tensors saved for the backward wait in pinned host memory; the GPU keeps the layer "
+            "being computed and the one being copied"
+        )
+    if s.micro_batch_tokens:
+        out.append(f"micro batches packed to a budget of {s.micro_batch_tokens} tokens per GPU")
+    if s.loss_chunk:
+        where = "response positions only" if s.is_rl else "every position"
+        out.append(
+            f"loss in chunks of {s.loss_chunk} tokens ({where}): one chunk's logits, fp32 upcast, log-softmax and "
+            f"gradient alive at a time ({cb + CHUNK_LOGIT_BYTES} bytes per token per vocabulary entry)"
+        )
+    else:
+        out.append(
+            f"logits: {s.dtype} output and its gradient + fp32 log-softmax and its gradient "
+            f"({2 * cb + LOGIT_EXTRA_BYTES} bytes per token per vocabulary entry), one unfused loss per micro batch"
+        )
     out.append(
-        f"logits: {s.dtype} output + fp32 copy + fp32 log-softmax ({cb + LOGIT_EXTRA_BYTES} bytes per token per "
-        f"vocabulary entry)"
+        f"allocated = the tensors alive at the peak; reserved = allocated + {ALLOCATOR_SLACK:.0%} of the activations, "
+        "logits and gathered layers (the caching allocator's slack); the fits verdict uses reserved + the CUDA "
+        "context + the engine's pools, against the GPU less the planner's margin"
     )
     if s.is_rl:
+        if not s.kl:
+            out.append("no KL term: no reference model")
+        if s.reward_model:
+            out.append("reward model: frozen, assumed the policy's size, sharded like it in the compute dtype")
         if s.kl and s.lora_rank:
             out.append("reference model: the base with the adapters disabled (no second copy)")
         elif s.kl:

@@ -125,5 +125,5 @@ def host_phases(
         node = {key: value * k for key, value in busiest.items()}
         if name == "loading":
             node["checkpoint"] = CHECKPOINT_BYTES * count_params(spec)  # rank 0's copy, once per job
-        out[name] = Phase(node, f"{k} GPU process{'es' if k > 1 else ''} per node")
+        out[name] = Phase(node, f"{k} GPU process{'es' if k > 1 else ''} per node", slack=0.0)
     return out

@@ -31,6 +31,7 @@ rollout.py and host.py (the phases), result.py (the estimate), explain.py (its a
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from rlctl.catalog import pipeline_split
 from rlctl.catalog.spec import GpuSpec, ModelSpec
@@ -138,7 +139,13 @@ def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> Memory
                 critic_ratio
                 * ((0 if weights_off else states["weights"]) + (0 if optimizer_off else states["optimizer_states"]))
             )
+        reward = 0
+        if s.is_rl and s.reward_model and not weights_off:  # a frozen scorer the size of the policy (assumed)
+            reward = math.ceil(
+                cb * (stage.dense_params + stage.expert_params) / (s.gpus if s.backend == "fsdp" else s.tp)
+            )
         train["reference_model"] = reference
+        train["reward_model"] = reward
         train["critic"] = idle_critic
         train["cuda_context"] = context
         train_phases.append(Phase(train, stage.label))
@@ -150,6 +157,7 @@ def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> Memory
                 "trainer_gradients": 0 if weights_off or s.backend == "fsdp" else states["gradients"],
                 "trainer_optimizer": 0 if optimizer_off else states["optimizer_states"],
                 "reference_model": reference,
+                "reward_model": reward,
                 "critic": idle_critic,
             }
             rollout_phases.append((resident, stage.label))
@@ -172,6 +180,10 @@ def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> Memory
         phases["rollout"] = max(rollout, key=lambda p: p.total_bytes)
     if cuda:
         est.host_phases = host_phases(model, s, stages, stage_states, critic_ratio)
+        if s.offload_activations:  # what the GPU would keep without offload, in pinned host memory
+            on_gpu = activation_bytes(model, replace(s, offload_activations=False), stages[-1])
+            parts = est.host_phases["training"].components
+            parts["offloaded_activations"] = s.gpus_per_node * on_gpu
         est.host_memory_bytes = host_memory_per_node(gpu, s)
     est.assumptions = assumptions(model, gpu, s, est)
     return est

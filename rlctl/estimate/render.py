@@ -16,6 +16,7 @@ LABELS = {
     "activations": "activations",
     "logits": "logits (loss)",
     "reference_model": "reference model",
+    "reward_model": "reward model",
     "critic": "critic (idle)",
     "engine_weights": "engine weights",
     "kv_cache": "KV cache",
@@ -36,6 +37,7 @@ HOST_LABELS = {
     "engine_weights": "engine weights (asleep)",
     "checkpoint": "checkpoint (rank 0 loading)",
     "processes": "processes",
+    "offloaded_activations": "offloaded activations",
 }
 
 
@@ -43,7 +45,7 @@ def gib(n: float) -> str:
     return f"{n / GIB:.1f}"
 
 
-def _phase_table(title: str, phases: dict[str, Phase], labels: dict[str, str]) -> Table:
+def _phase_table(title: str, phases: dict[str, Phase], labels: dict[str, str], device: bool = False) -> Table:
     """Components (rows) by phase (columns), in GiB, with a total row."""
     table = Table(title=title, title_justify="left")
     table.add_column("component")
@@ -58,6 +60,12 @@ def _phase_table(title: str, phases: dict[str, Phase], labels: dict[str, str]) -
         if any(cells):
             table.add_row(labels.get(comp, comp), *[gib(v) if v else "-" for v in cells])
     table.add_section()
+    if device:
+        table.add_row("allocated (torch max_memory_allocated)", *[gib(phases[n].allocated_bytes) for n in names])
+        table.add_row("reserved (torch max_memory_reserved)", *[gib(phases[n].reserved_bytes) for n in names])
+        table.add_row("device: reserved + context + engine pools", *[gib(phases[n].total_bytes) for n in names])
+        table.add_row("fits verdict uses", *["device + margin" for _ in names], style="bold")
+        return table
     table.add_row("total", *[gib(phases[n].total_bytes) for n in names], style="bold")
     return table
 
@@ -68,7 +76,7 @@ def render_estimate(console: Console, est: MemoryEstimate) -> None:
     s = est.settings
     where = f"{s.gpus} x {est.gpu}" if s.device == "cuda" else f"{s.gpus} CPU process(es)"
     title = f"memory per GPU: {est.model} ({est.params / 1e9:.2f}B), {s.method}, {where}"
-    console.print(_phase_table(title, est.phases, LABELS))
+    console.print(_phase_table(title, est.phases, LABELS, device=True))
     if est.host_phases:
         per_node = f"{s.gpus_per_node} GPU{'s' if s.gpus_per_node > 1 else ''}"
         console.print(_phase_table(f"host memory per node ({per_node})", est.host_phases, HOST_LABELS))

@@ -2,30 +2,61 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from rlctl.estimate.settings import GIB, HOST_MARGIN_FRACTION, MemorySettings, check_keys
+from rlctl.estimate.settings import ALLOCATOR_SLACK, GIB, HOST_MARGIN_FRACTION, MemorySettings, check_keys
+
+# outside torch's caching allocator: the CUDA context, and the rollout engine's own preallocated pools
+NOT_CACHED = frozenset({"cuda_context", "engine_weights", "kv_cache", "engine_activations", "cuda_graphs"})
+# freed and reallocated every micro batch in blocks of changing sizes: where the allocator's cache grows
+TRANSIENT = frozenset({"activations", "logits", "unsharded_buffers"})
 
 
 @dataclass
 class Phase:
-    """One phase of the job on the busiest GPU: its memory by component."""
+    """One phase of the job on the busiest GPU: its memory by component.
+
+    ``allocated_bytes`` is what torch's ``max_memory_allocated`` would report (the tensors alive at
+    the peak), ``reserved_bytes`` what ``max_memory_reserved`` would (the caching allocator's slack on
+    top), and ``total_bytes`` what the device holds (reserved, the engine's pools and the CUDA
+    context, as nvidia-smi shows it): the fits verdict uses ``total_bytes``.
+    """
 
     components: dict[str, int]
     note: str = ""
+    slack: float = ALLOCATOR_SLACK  # of the transient components; 0 for host memory (pinned blocks counted exactly)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(v for k, v in self.components.items() if k not in NOT_CACHED)
+
+    @property
+    def reserved_bytes(self) -> int:
+        transient = sum(v for k, v in self.components.items() if k in TRANSIENT)
+        return self.allocated_bytes + math.ceil(transient * self.slack)
 
     @property
     def total_bytes(self) -> int:
-        return sum(self.components.values())
+        return self.reserved_bytes + sum(v for k, v in self.components.items() if k in NOT_CACHED)
 
     def to_dict(self) -> dict:
-        return {"components": dict(self.components), "total_bytes": self.total_bytes, "note": self.note}
+        return {
+            "components": dict(self.components),
+            "allocated_bytes": self.allocated_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "total_bytes": self.total_bytes,
+            "note": self.note,
+            "slack": self.slack,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> Phase:
-        """The inverse of :meth:`to_dict` (``total_bytes`` is derived, so not read back)."""
-        check_keys("memory phase", d, ("components", "total_bytes", "note"))
-        return cls({str(k): int(v) for k, v in d["components"].items()}, d["note"])
+        """The inverse of :meth:`to_dict` (the byte totals are derived, so not read back)."""
+        check_keys(
+            "memory phase", d, ("components", "allocated_bytes", "reserved_bytes", "total_bytes", "note", "slack")
+        )
+        return cls({str(k): int(v) for k, v in d["components"].items()}, d["note"], float(d["slack"]))
 
 
 @dataclass
@@ -113,7 +144,12 @@ class MemoryEstimate:
             if self.host_memory_bytes
             else ""
         )
-        return f"fits: peak {peak:.1f} GiB ({self.peak_phase}) of {total:.1f} GiB, {share:.0%} headroom{tight}{host}"
+        phase = self.phases[self.peak_phase]
+        return (
+            f"fits: peak {peak:.1f} GiB ({self.peak_phase}: {phase.allocated_bytes / GIB:.1f} allocated, "
+            f"{phase.reserved_bytes / GIB:.1f} reserved by torch, plus the CUDA context and engine pools) "
+            f"of {total:.1f} GiB, {share:.0%} headroom{tight}{host}"
+        )
 
     def to_dict(self) -> dict:
         return {

@@ -13,12 +13,16 @@ from rlctl.catalog.spec import ModelSpec
 from rlctl.errors import UserError
 
 GIB = 2**30
-CUDA_CONTEXT_BYTES = 3 * GIB // 2  # CUDA context, cuBLAS workspaces, NCCL buffers, allocator slack
+CUDA_CONTEXT_BYTES = GIB  # CUDA context, cuBLAS workspaces, NCCL buffers: outside torch's allocator
+ALLOCATOR_SLACK = 0.25  # reserved = allocated + this x the transient tensors (activations, logits, gathered layers)
 ENGINE_GRAPH_BYTES = GIB // 2  # CUDA graphs captured by vLLM / SGLang
 ENGINE_BATCHED_TOKENS = 8192  # tokens per engine forward (vLLM's max_num_batched_tokens as verl sets it)
 ENGINE_MAX_SEQS = 256  # sequences per engine step (vLLM's max_num_seqs default): the sampler's logits
 ADAM_STATE_BYTES = 8  # AdamW m and v in fp32
-LOGIT_EXTRA_BYTES = 8  # per logit beyond the compute-dtype output: an fp32 copy and its log-softmax/grad
+LOGIT_EXTRA_BYTES = 8  # unfused loss peak per logit: fp32 log-softmax (saved) + its fp32 gradient, beside
+# the logits and their gradient in the compute dtype (2 x compute bytes): 12 bytes per value in bf16
+CHUNK_LOGIT_BYTES = 12  # per logit of one loss chunk beyond the compute dtype: fp32 upcast, log-softmax, gradient
+PRECISIONS = ("mixed", "bf16")  # mixed: fp32 master, grads and AdamW; bf16: pure bf16 weights, grads and AdamW
 HOST_PROCESS_BYTES = 4 * GIB  # host memory of one GPU process: Python, torch/CUDA/NCCL host allocations, data
 HOST_MARGIN_FRACTION = 0.10  # host memory kept free: the OS, page cache, allocator slack
 CHECKPOINT_BYTES = 2  # bytes per parameter of the HF checkpoint (bf16) that FSDP's rank 0 loads whole
@@ -75,6 +79,13 @@ class MemorySettings:
     kl: bool = True  # a reference model is kept (RL with a KL term)
     critic: bool | None = None  # None = PPO has one
     optimizer: str = "adamw"
+    precision: str = "mixed"  # mixed | bf16 (pure bf16 weights, gradients and AdamW states: 8 bytes/param)
+    selective_checkpointing: bool = False  # recompute the MLPs only (their inputs kept), attention kept
+    offload_activations: bool = False  # saved activations in pinned host memory (save_on_cpu)
+    shard: bool = True  # FSDP2 wrappers; False on one GPU: a plain module, no gather buffers
+    micro_batch_tokens: int = 0  # token budget of a packed micro batch (0 = micro_batch x seq_len)
+    loss_chunk: int = 0  # tokens per chunk of the loss (0 = one unfused loss over the micro batch)
+    reward_model: bool = False  # PPO/GRPO: a frozen reward model on the training GPUs
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,7 +110,17 @@ class MemorySettings:
 
     @property
     def tokens_per_micro_batch(self) -> int:
-        return self.micro_batch * self.seq_len // self.cp
+        tokens = self.micro_batch_tokens or self.micro_batch * self.seq_len
+        return tokens // self.cp
+
+    @property
+    def pure_bf16(self) -> bool:
+        return self.precision == "bf16"
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP wraps the model (always over several GPUs; on one GPU unless ``shard`` is off)."""
+        return self.backend == "fsdp" and (self.shard or self.gpus > 1)
 
     @property
     def cpu_offload(self) -> bool:
@@ -140,6 +161,21 @@ class MemorySettings:
                 raise UserError(f"{key}={getattr(self, key)!r} is not one of {', '.join(allowed)}")
         if self.is_rl and self.rollout not in ENGINES:
             raise UserError(f"rollout={self.rollout!r} is not one of {', '.join(ENGINES)}")
+        if self.precision not in PRECISIONS:
+            raise UserError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.pure_bf16 and self.dtype != "bf16":
+            raise UserError(f"pure bf16 training needs dtype bf16, got {self.dtype}")
+        if not self.shard and self.gpus > 1:
+            raise UserError(f"shard=false (a plain module, no FSDP) runs on one GPU, not {self.gpus}; keep sharding")
+        if self.backend == "megatron" and (
+            self.pure_bf16 or self.offload_activations or self.selective_checkpointing or not self.shard
+        ):
+            raise UserError(
+                "the megatron engine has no pure-bf16, selective-checkpointing, activation-offload or no-shard "
+                "option in rlctl: use --backend fsdp for them"
+            )
+        if self.micro_batch_tokens < 0 or self.loss_chunk < 0:
+            raise UserError("micro_batch_tokens and loss_chunk must be positive (0 = off)")
         if self.optimizer != "adamw":
             raise UserError(f"optimizer={self.optimizer!r}: the estimator models AdamW only")
         for key in ("gpus", "nodes", "micro_batch", "tp", "pp", "cp", "ep", "rollout_tp", "rollout_n", "rollout_batch"):
@@ -153,8 +189,11 @@ class MemorySettings:
             )
         if self.gpus % (self.tp * self.pp * self.cp):
             raise UserError(f"{self.gpus} GPUs do not split into tp {self.tp} x pp {self.pp} x cp {self.cp}")
-        if self.backend == "fsdp" and (self.tp, self.pp, self.ep) != (1, 1, 1):
-            raise UserError("the fsdp backend shards over every GPU: tp, pp and ep must be 1 (use megatron)")
+        if self.backend == "fsdp" and (self.tp, self.pp, self.ep, self.cp) != (1, 1, 1, 1):
+            raise UserError(
+                "the fsdp engine has no tensor, pipeline, expert or context parallelism (FSDP+TP is not built): "
+                "tp, pp, ep and cp must be 1; use --backend megatron for them"
+            )
         if self.pp > 1 and pipeline_split(spec.num_layers, self.pp) is None:
             raise UserError(f"pp {self.pp} cannot split {spec.num_layers} layers")
         if self.ep > 1 and (not spec.is_moe or spec.num_experts % self.ep or (self.gpus // self.pp) % self.ep):

@@ -20,7 +20,7 @@ from rlctl.estimate.inventory import (
     lora_params,
     tensors,
 )
-from rlctl.estimate.settings import ADAM_STATE_BYTES, LOGIT_EXTRA_BYTES, MemorySettings
+from rlctl.estimate.settings import ADAM_STATE_BYTES, CHUNK_LOGIT_BYTES, LOGIT_EXTRA_BYTES, MemorySettings
 
 
 @lru_cache(maxsize=64)
@@ -104,17 +104,20 @@ def model_states(spec: ModelSpec, s: MemorySettings, stage: Stage) -> dict[str, 
     master = 0 if cb == 4 else 4  # fp32 training keeps no separate master copy
     if s.backend == "fsdp":
         n = s.gpus
+        # trained tensors: fp32 (mixed precision) or bf16 (pure bf16: weights, gradients, AdamW m and v)
+        tb = 2 if s.pure_bf16 else 4
+        adam = ADAM_STATE_BYTES * tb // 4
         if s.lora_rank:
             return {
-                "weights": math.ceil((cb * (stage.dense_params + stage.expert_params) + 4 * stage.adapter_params) / n),
-                "gradients": math.ceil(4 * stage.adapter_params / n),
-                "optimizer_states": math.ceil(ADAM_STATE_BYTES * stage.adapter_params / n),
+                "weights": math.ceil((cb * (stage.dense_params + stage.expert_params) + tb * stage.adapter_params) / n),
+                "gradients": math.ceil(tb * stage.adapter_params / n),
+                "optimizer_states": math.ceil(adam * stage.adapter_params / n),
             }
         params = stage.dense_params + stage.expert_params
         return {
-            "weights": math.ceil(4 * params / n),
-            "gradients": math.ceil(4 * params / n),
-            "optimizer_states": math.ceil(ADAM_STATE_BYTES * params / n),
+            "weights": math.ceil(tb * params / n),
+            "gradients": math.ceil(tb * params / n),
+            "optimizer_states": math.ceil(adam * params / n),
         }
     dense = math.ceil(stage.dense_params / s.tp)
     experts = math.ceil(stage.expert_params / s.ep)
@@ -139,6 +142,8 @@ def fsdp_buffers(spec: ModelSpec, s: MemorySettings) -> int:
     in the compute dtype, plus the output head (the root unit stays gathered from the forward to
     the end of the backward); full fine-tuning adds their unsharded gradients before the
     reduce-scatter (one layer and the head)."""
+    if not s.sharded:
+        return 0  # a plain module on one GPU: nothing is gathered, gradients land in place
     cb = s.compute_bytes
     layer, head = largest_layer_params(spec), spec.vocab_size * spec.hidden_size
     gathered = cb * (2 * layer + head)
@@ -187,16 +192,45 @@ def activation_bytes(spec: ModelSpec, s: MemorySettings, stage: Stage) -> int:
         outside, inside = layer_activation_values(spec, layer)
         return cb * tokens * math.ceil(outside / sp + inside / s.tp)
 
-    if not s.activation_checkpointing:
-        return stage.in_flight * sum(full(layer) * n for layer, n in stage.layers)
-    kept = cb * tokens * math.ceil(spec.hidden_size / sp) * sum(n for _, n in stage.layers)
-    return stage.in_flight * kept + max(full(layer) for layer, _ in stage.layers)
+    def mlp(layer: LayerParams) -> int:  # the gated MLP's inside values: recomputed by selective checkpointing
+        return cb * tokens * math.ceil(4 * sum(lin.fan_out for lin in layer.mlp if lin.name.endswith("up_proj")) / s.tp)
+
+    largest = max(full(layer) for layer, _ in stage.layers)
+    if s.activation_checkpointing:
+        per_layer = [(cb * tokens * math.ceil(spec.hidden_size / sp), n) for _, n in stage.layers]
+    elif s.selective_checkpointing:
+        per_layer = [(full(layer) - mlp(layer), n) for layer, n in stage.layers]
+    else:
+        per_layer = [(full(layer), n) for layer, n in stage.layers]
+    if s.offload_activations:  # saved tensors live in host memory: the layer in flight and the one copying
+        return (2 if s.activation_checkpointing else 1) * max(kept for kept, _ in per_layer) + largest
+    kept = stage.in_flight * sum(kept * n for kept, n in per_layer)
+    if s.activation_checkpointing:
+        return kept + largest  # one layer recomputed with all its values during its backward
+    if s.selective_checkpointing:
+        return kept + max(mlp(layer) for layer, _ in stage.layers)
+    return kept
+
+
+def logit_tokens(s: MemorySettings) -> int:
+    """Positions whose logits the loss needs: every token (SFT); in RL with a chunked loss the engine
+    computes logits at the response positions only."""
+    tokens = s.tokens_per_micro_batch
+    if s.is_rl and s.loss_chunk:
+        return math.ceil(tokens * s.response_len / s.seq_len)
+    return tokens
 
 
 def logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
-    """``b s V`` logits of the micro batch: the compute-dtype output, an fp32 copy for the loss,
-    and the fp32 log-softmax (reused for its gradient); vocabulary-parallel under TP."""
-    return s.tokens_per_micro_batch * math.ceil(spec.vocab_size / s.tp) * (s.compute_bytes + LOGIT_EXTRA_BYTES)
+    """Logits alive at the loss's peak. Unfused (the peak is in the loss's backward): ``b s V`` logits
+    in the compute dtype, the fp32 log-softmax saved for the backward, its fp32 gradient and the
+    logits' gradient in the compute dtype (12 bytes per value in bf16). Chunked (``loss_chunk`` tokens at a time, the
+    chunk's backward before the next chunk): one chunk's logits, fp32 upcast, log-softmax and
+    gradient. Vocabulary-parallel under TP."""
+    vocab = math.ceil(spec.vocab_size / s.tp)
+    if s.loss_chunk:
+        return min(s.loss_chunk, logit_tokens(s)) * vocab * (s.compute_bytes + CHUNK_LOGIT_BYTES)
+    return logit_tokens(s) * vocab * (2 * s.compute_bytes + LOGIT_EXTRA_BYTES)
 
 
 def critic_params(spec: ModelSpec) -> int:

@@ -33,6 +33,10 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
     ):
         if getattr(par, key) == "auto":
             setattr(par, key, "true" if value else "false")
+    chosen = getattr(getattr(plan, "estimate", None), "settings", None)  # the FSDP savers the search picked
+    for key in ("selective_checkpointing", "offload_activations", "shard"):
+        if getattr(par, key) == "auto" and chosen is not None:
+            setattr(par, key, "true" if getattr(chosen, key) else "false")
     tr.micro_batch_size = tr.micro_batch_size or plan.micro_batch_size
     if plan.rollout is not None:
         if ro.engine == "auto":

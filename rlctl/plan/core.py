@@ -83,7 +83,9 @@ def plan_with_search(cfg: RunConfig, local: LocalEnv, *, host_memory_bytes: int 
             f"megatron-core is not installed here: pip install '{OPTIONAL_PACKAGES['megatron']}' on the machines "
             "that run the job"
         )
-    if backend == "fsdp":
+    if backend == "fsdp" and not s.sharded:
+        reasons.append("parallel: one GPU, the plain module (no FSDP): every state on it")
+    elif backend == "fsdp":
         reasons.append(
             f"parallel: FSDP2 full shard, dp {s.dp}: weights, gradients and optimizer states split over "
             f"{job.world} ranks"

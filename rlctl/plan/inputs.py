@@ -133,7 +133,8 @@ def resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) -> 
         attn = "flash_attention_2" if cfg.model.attn == "auto" else cfg.model.attn
     later: list[str] = []
     if cfg.model.dtype == "auto":
-        later.append(f"dtype {dtype}: {'bf16 mixed precision on GPUs' if device == 'cuda' else 'fp32 on CPU'}")
+        how = "bf16 mixed precision on GPUs" if cfg.train.precision == "mixed" else "pure bf16 (train.precision=bf16)"
+        later.append(f"dtype {dtype}: {how if device == 'cuda' else 'fp32 on CPU'}")
     if cfg.model.attn == "auto":
         later.append(
             f"attn {attn}: "
@@ -246,5 +247,12 @@ def settings_for(job: Job, **kw) -> MemorySettings:
         kl=c.algo.kl_coef > 0 or c.algo.kl_target > 0,
         mem_fraction=c.rollout.mem_fraction or 0.5,
         host_memory_bytes=job.host_memory_bytes,
+        precision=c.train.precision,
+        micro_batch_tokens=c.train.max_tokens_per_micro_batch,
+        reward_model=bool(c.reward.model) and c.method != "sft",
+        # the FSDP engine's savers: as configured; "auto" starts from the engine's default (the search may pick)
+        selective_checkpointing=c.parallel.selective_checkpointing == "true",
+        offload_activations=c.parallel.offload_activations == "true",
+        shard=c.parallel.shard != "false",
     )
     return replace(base, **kw)

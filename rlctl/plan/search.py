@@ -65,6 +65,7 @@ class Option:
     backend: str
     offload_params: bool = False
     offload_optimizer: bool = False
+    offload_activations: bool = False  # FSDP: saved activations in host memory (before offloading states)
 
     @property
     def offloads(self) -> bool:
@@ -75,15 +76,16 @@ class Option:
         """Preference rank: no offload, then Megatron's optimizer offload, then FSDP2 offloading every
         state (the CPU steps the whole optimizer)."""
         if not self.offloads:
-            return 0
+            return 2 if self.offload_activations else 0
         if self.backend == "fsdp":
-            return 3
+            return 4 if self.offload_activations else 3
         return 1 + (self.offload_params and self.offload_optimizer)
 
     @property
     def label(self) -> str:
         if self.backend == "fsdp":
-            return "fsdp with CPU offload" if self.offloads else "fsdp"
+            saver = " and activation offload" if self.offloads else " with activation offload"
+            return ("fsdp with CPU offload" if self.offloads else "fsdp") + (saver if self.offload_activations else "")
         parts = ["optimizer CPU offload"] if self.offload_optimizer else []
         parts += ["weights offloaded during rollout"] if self.offload_params else []
         return "megatron" + (" with " + " and ".join(parts) if parts else "")
@@ -141,6 +143,12 @@ def options_for(job: Job, tier: str) -> list[Option]:
     else:
         backends = [tier]
     options = [Option(b, *level) for b in backends for level in _offload_levels(job, b)]
+    acts = tri_state(p.offload_activations)
+    if acts:
+        options = [replace(o, offload_activations=o.backend == "fsdp") for o in options]
+    elif acts is None and job.device == "cuda":
+        # activation offload (pinned host memory, copies overlap the compute): after the same option without it
+        options += [replace(o, offload_activations=True) for o in options if o.backend == "fsdp"]
     return sorted(options, key=lambda o: o.cost)  # stable: Megatron before FSDP2 at the same cost
 
 
@@ -213,7 +221,13 @@ def search(job: Job, options: list[Option]) -> SearchResult:
             activation_checkpointing=True if ckpt is None else ckpt,
             offload_params=option.offload_params,
             offload_optimizer=option.offload_optimizer,
+            offload_activations=option.offload_activations,
+            # the FSDP engine's savers as configured; Megatron has none of them
+            selective_checkpointing=option.backend == "fsdp" and tri_state(p.selective_checkpointing) is True,
+            shard=option.backend != "fsdp" or tri_state(p.shard) is not False,
         )
+        if _plain_module(job, s):
+            s = replace(s, shard=False)
         est = estimate_memory(job.spec, job.gpu, s)
         update_fits[key] = est.phases["training"].total_bytes <= job.memory
         if update_fits[key] and auto_fraction:
@@ -241,18 +255,55 @@ def search(job: Job, options: list[Option]) -> SearchResult:
     return SearchResult(best.closest, best.option, rejected=rejected)
 
 
+def _plain_module(job: Job, s: MemorySettings) -> bool:
+    """One GPU and nothing offloaded: the plain module (no FSDP wrappers) holds no gathered copies and
+    runs no collectives, so the search uses it unless parallel.shard is set."""
+    return (
+        s.backend == "fsdp"
+        and s.gpus == 1
+        and job.device == "cuda"
+        and not s.cpu_offload
+        and tri_state(job.cfg.parallel.shard) is None
+    )
+
+
+def _unshard_reason(job: Job, s: MemorySettings, reasons: list[str]) -> None:
+    if s.shard or tri_state(job.cfg.parallel.shard) is not None:
+        return
+    saved = estimate_memory(job.spec, job.gpu, replace(s, shard=True)).phases["training"].total_bytes
+    saved -= estimate_memory(job.spec, job.gpu, s).phases["training"].total_bytes
+    reasons.append(
+        f"shard off: one GPU, so the plain module without FSDP wrappers ({saved / GIB:.1f} GiB of gathered "
+        "layers less, no collectives)"
+    )
+
+
 def relax(job: Job, est: MemoryEstimate, reasons: list[str]) -> MemoryEstimate:
     """Turn checkpointing off and raise the micro batch while the update fits comfortably."""
     p, s = job.cfg.parallel, est.settings
     margin = rules.tiers()["memory"]["comfort_fraction"]
     limit = f"{(1 - margin) * job.memory / GIB:.1f} GiB"
-    if tri_state(p.activation_checkpointing) is None:
+    _unshard_reason(job, s, reasons)
+    if tri_state(p.activation_checkpointing) is None and not s.offload_activations:
         off = estimate_memory(job.spec, job.gpu, replace(s, activation_checkpointing=False))
         need = off.phases["training"].total_bytes / GIB
+        selective = None
+        savers = s.backend == "fsdp" and job.device == "cuda" and tri_state(p.selective_checkpointing) is None
+        if savers and not _comfortable(off):
+            selective = estimate_memory(
+                job.spec, job.gpu, replace(s, activation_checkpointing=False, selective_checkpointing=True)
+            )
         if _comfortable(off):
             s = off.settings
             reasons.append(
                 f"activation checkpointing off: the update fits comfortably without it ({need:.1f} GiB <= {limit})"
+            )
+        elif selective is not None and _comfortable(selective):
+            s = selective.settings
+            reasons.append(
+                f"selective activation checkpointing (the MLPs recomputed, attention kept): the update needs "
+                f"{selective.phases['training'].total_bytes / GIB:.1f} GiB (comfortable: <= {limit}); without "
+                f"checkpointing {need:.1f} GiB"
             )
         else:
             reasons.append(

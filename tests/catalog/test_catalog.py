@@ -280,6 +280,11 @@ def test_gpu_figures():
         "A10G": 24,
         "RTX-4090": 24,
         "B200": 192,
+        "A800-80GB": 80,
+        "H800-80GB": 80,
+        "H100-96GB": 96,
+        "RTX-A6000": 48,
+        "L4": 24,
     }
     assert sorted(nominal_gib) == sorted(g.name for g in list_gpus())
     for gpu in list_gpus():

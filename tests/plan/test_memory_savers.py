@@ -1,0 +1,50 @@
+"""The planner's search over the memory savers: the plain module on one GPU, activation offload
+before offloading the states, each with its reason, and apply_plan writing them into the config."""
+
+from __future__ import annotations
+
+from rlctl.config import build_config, dotted_to_nested
+from rlctl.plan import apply_plan
+from rlctl.plan.core import plan_config
+from rlctl.plan.local import LocalEnv
+from rlctl.presets import method_layers
+
+
+def plan(method="sft", **sets):
+    layer = dotted_to_nested({"hardware.device": "cuda", **{k.replace("__", "."): v for k, v in sets.items()}})
+    cfg = build_config(method, method_layers(method, None) + [layer])
+    return cfg, plan_config(cfg, LocalEnv())
+
+
+def test_one_gpu_runs_the_plain_module_with_its_reason():
+    cfg, p = plan(model__name="Qwen2.5-0.5B", hardware__gpus=1, hardware__gpu="H100")
+    s = p.estimate.settings
+    assert p.fits and not s.shard
+    assert p.estimate.phases["training"].components["unsharded_buffers"] == 0
+    assert any(r.startswith("shard off: one GPU") for r in p.reasons)
+    assert apply_plan(cfg, p).parallel.shard == "false"
+
+
+def test_several_gpus_stay_sharded_and_a_user_choice_is_kept():
+    cfg, p = plan(model__name="Qwen2.5-0.5B", hardware__gpus=8, hardware__gpu="H100")
+    assert p.estimate.settings.shard and apply_plan(cfg, p).parallel.shard == "true"
+    cfg, p = plan(model__name="Qwen2.5-0.5B", hardware__gpus=1, hardware__gpu="H100", parallel__shard="true")
+    assert p.estimate.settings.shard and not any(r.startswith("shard off") for r in p.reasons)
+
+
+def test_activation_offload_comes_before_offloading_the_states():
+    """Llama-3.1-8B LoRA at 3072 tokens on a 24 GB card: full checkpointing alone leaves it over the
+    margin; activation offload fits without moving weights or optimizer states to the CPU."""
+    cfg, p = plan(
+        model__name="Llama-3.1-8B",
+        hardware__gpus=1,
+        hardware__gpu="RTX-4090",
+        lora__rank=8,
+        train__max_len=3072,
+        train__precision="bf16",
+    )
+    s = p.estimate.settings
+    assert p.fits and s.offload_activations and not (s.offload_params or s.offload_optimizer)
+    assert any("rejected fsdp, dp 1" in r for r in p.reasons)
+    assert p.estimate.host_phases["training"].components["offloaded_activations"] > 0
+    assert apply_plan(cfg, p).parallel.offload_activations == "true"
