@@ -15,6 +15,7 @@ _rlctl() {
         esac
     done
     case "$prev" in
+        --account) return ;;
         --adv) COMPREPLY=($(compgen -W "grpo rloo reinforce_pp gae" -- "$cur")); return ;;
         --backend) return ;;
         --batch-size) return ;;
@@ -36,6 +37,7 @@ _rlctl() {
         --keep-last) return ;;
         --kl-coef) return ;;
         --kl-kind) COMPREPLY=($(compgen -W "k1 abs k2 k3" -- "$cur")); return ;;
+        --launcher) return ;;
         --lengths) return ;;
         --log) return ;;
         --lora-alpha) return ;;
@@ -64,6 +66,7 @@ _rlctl() {
         --nodes) return ;;
         --nproc) return ;;
         --output-dir|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        --partition) return ;;
         --peer) return ;;
         --plot) return ;;
         --pp) return ;;
@@ -81,11 +84,13 @@ _rlctl() {
         --rollout) COMPREPLY=($(compgen -W "auto hf vllm sglang" -- "$cur")); return ;;
         --rollout-tp) return ;;
         --save-every) return ;;
+        --sbatch) return ;;
         --seed) return ;;
         --seq-len) return ;;
         --set|-s) return ;;
         --steps) return ;;
         --temperature) return ;;
+        --time) return ;;
         --tp) return ;;
         --val-fraction) return ;;
         --work) return ;;
@@ -105,12 +110,12 @@ _rlctl() {
         "/convert/megatron-to-hf") words="--hf-config --dtype --verify --no-verify --force --max-shard-size --trust-checkpoint --help" ;;
         "/estimate") words="memory --help" ;;
         "/estimate/memory") words="--model --method --lora-rank --lora-targets --max-len --max-prompt-len --max-response-len --n --batch-size --micro-batch-size --gpus --nodes --gpu --device --host-memory --backend --tp --pp --ep --cp --precision --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --max-tokens-per-micro-batch --loss-chunk --kl-coef --reward-model --activation-checkpointing --no-activation-checkpointing --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --dtype --rollout --rollout-tp --mem-fraction --what-to-rent --json --prompt-len --response-len --micro-batch --help" ;;
-        "/grpo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
-        "/ppo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
+        "/grpo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
+        "/ppo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
         "/presets") words="list show --help" ;;
         "/presets/list") words="--help" ;;
         "/presets/show") words="--help" ;;
-        "/sft") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --micro-batch-size --max-len --packing --no-packing --val-fraction --eval-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --log --trust-remote-code --ignore-memory-check --help" ;;
+        "/sft") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --micro-batch-size --max-len --packing --no-packing --val-fraction --eval-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --log --trust-remote-code --ignore-memory-check --help" ;;
         *) words="" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))
