@@ -30,13 +30,12 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
         ("activation_checkpointing", plan.activation_checkpointing),
         ("offload_params", plan.offload_params),
         ("offload_optimizer", plan.offload_optimizer),
+        ("selective_checkpointing", plan.selective_checkpointing),
+        ("offload_activations", plan.offload_activations),
+        ("shard", plan.shard),
     ):
         if getattr(par, key) == "auto":
             setattr(par, key, "true" if value else "false")
-    chosen = getattr(getattr(plan, "estimate", None), "settings", None)  # the FSDP savers the search picked
-    for key in ("selective_checkpointing", "offload_activations", "shard"):
-        if getattr(par, key) == "auto" and chosen is not None:
-            setattr(par, key, "true" if getattr(chosen, key) else "false")
     tr.micro_batch_size = tr.micro_batch_size or plan.micro_batch_size
     if plan.rollout is not None:
         if ro.engine == "auto":

@@ -55,7 +55,7 @@ def render_plan(console: Console, plan: Plan) -> None:
         ),
         ("rollout", _rollout(plan)),
         ("micro batch", str(plan.micro_batch_size)),
-        ("activation checkpointing", "on" if plan.activation_checkpointing else "off"),
+        ("activation checkpointing", _checkpointing(plan)),
         ("offload", _offload(plan)),
         ("dtype / attention", f"{plan.dtype} / {plan.attn}"),
         ("fits", "[green]yes[/green]" if plan.fits else "[red]no[/red]"),
@@ -109,3 +109,8 @@ def render_what_to_rent(console: Console, rows: list[RentRow]) -> None:
         host = f"{est.host_bytes / GIB:.0f}/{est.host_memory_bytes / GIB:.0f}" if est.host_memory_bytes else "-"
         table.add_row(name, count, ", ".join(parts), peak, host)
     console.print(table)
+
+
+def _checkpointing(plan: Plan) -> str:
+    kind = "on" if plan.activation_checkpointing else "selective (MLPs)" if plan.selective_checkpointing else "off"
+    return kind + ("; activations offloaded to host" if plan.offload_activations else "")

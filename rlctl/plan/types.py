@@ -40,6 +40,9 @@ class Plan:
     rollout_mem_fraction: float
     micro_batch_size: int
     activation_checkpointing: bool
+    selective_checkpointing: bool  # MLPs recomputed, attention kept (FSDP)
+    offload_activations: bool  # saved activations in pinned host memory (FSDP)
+    shard: bool  # FSDP2 sharding; False: the plain module on one device
     offload_params: bool
     offload_optimizer: bool
     dtype: str
