@@ -166,7 +166,8 @@ def _rollout_tps(job: Job) -> list[int]:
         return [job.cfg.rollout.tp]
     if job.engine == "hf" or job.device == "cpu":
         return [1]
-    return rules.rollout_tps(job.spec, job.world)
+    # vLLM/SGLang tensor parallelism stays inside a node (the launcher refuses a group across nodes)
+    return rules.rollout_tps(job.spec, min(job.world, job.nproc))
 
 
 def _shortfall(est: MemoryEstimate) -> tuple[float, float, float]:

@@ -478,3 +478,14 @@ def test_moe_keeps_megatron_with_a_warning_that_the_engine_does_not_run_it():
     assert any(w.startswith("the Megatron engine does not run MoE models yet (Qwen3-30B-A3B)") for w in p.warnings)
     dense = plan_for("grpo", model={"name": "Qwen2.5-32B"}, hardware={"gpus": 8})
     assert not any("MoE" in w for w in dense.warnings)
+
+
+def test_rollout_tensor_parallel_stays_inside_a_node():
+    """vLLM/SGLang tp groups never span nodes (the launcher refuses them): every what-to-rent plan's
+    rollout tp is at most the GPUs of one node of its type."""
+    cfg = cfg_for("grpo", model={"name": "Qwen2.5-72B"})
+    rows = [r for r in what_to_rent(cfg, local=LAPTOP) if r.plan is not None]
+    assert rows
+    for row in rows:
+        per_node = row.gpus // row.nodes
+        assert row.plan.rollout_tp <= per_node, (row.gpu, row.gpus, row.nodes, row.plan.rollout_tp)
