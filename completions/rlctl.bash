@@ -19,12 +19,15 @@ _rlctl() {
         --clip-high) return ;;
         --clip-low) return ;;
         --config|-c) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        --critic-lr) return ;;
         --data|-d) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --device) COMPREPLY=($(compgen -W "auto cuda cpu" -- "$cur")); return ;;
         --dtype) COMPREPLY=($(compgen -W "bf16 fp16 fp32" -- "$cur")); return ;;
         --engine) return ;;
+        --entropy-coef) return ;;
         --epochs) return ;;
         --eval-every) return ;;
+        --eval-n) return ;;
         --gpu) COMPREPLY=($(compgen -W "A100-40GB A100-80GB A10G B200 H100-80GB H100-PCIe-80GB H20-96GB H200-141GB L40S RTX-4090" -- "$cur")); return ;;
         --gpus) return ;;
         --hf-config) return ;;
@@ -35,10 +38,12 @@ _rlctl() {
         --lengths) return ;;
         --log) return ;;
         --lora-alpha) return ;;
+        --lora-dropout) return ;;
         --lora-rank) return ;;
         --lora-targets) return ;;
         --loss-agg) COMPREPLY=($(compgen -W "token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm" -- "$cur")); return ;;
         --lr) return ;;
+        --lr-scheduler) return ;;
         --master-addr) return ;;
         --master-port) return ;;
         --max-len) return ;;
@@ -73,14 +78,22 @@ _rlctl() {
         --reward-model) return ;;
         --rollout) COMPREPLY=($(compgen -W "auto hf vllm sglang" -- "$cur")); return ;;
         --rollout-tp) return ;;
+        --run-name) return ;;
+        --samples-every) return ;;
         --save-every) return ;;
         --seed) return ;;
         --seq-len) return ;;
         --set|-s) return ;;
         --steps) return ;;
+        --system-prompt) return ;;
         --temperature) return ;;
+        --top-k) return ;;
+        --top-p) return ;;
         --tp) return ;;
+        --val-data) return ;;
         --val-fraction) return ;;
+        --warmup-ratio) return ;;
+        --weight-decay) return ;;
         --work) return ;;
     esac
     case "$path" in
@@ -98,12 +111,12 @@ _rlctl() {
         "/convert/megatron-to-hf") words="--hf-config --dtype --verify --no-verify --force --max-shard-size --trust-checkpoint --help" ;;
         "/estimate") words="memory --help" ;;
         "/estimate/memory") words="--model --method --lora-rank --lora-targets --max-len --max-prompt-len --max-response-len --n --batch-size --micro-batch-size --gpus --nodes --gpu --device --host-memory --backend --tp --pp --activation-checkpointing --no-activation-checkpointing --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --dtype --rollout --rollout-tp --mem-fraction --what-to-rent --json --prompt-len --response-len --micro-batch --help" ;;
-        "/grpo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
-        "/ppo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
+        "/grpo") words="--model --data --val-data --val-fraction --eval-every --eval-n --system-prompt --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --samples-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --help" ;;
+        "/ppo") words="--model --data --val-data --val-fraction --eval-every --eval-n --system-prompt --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --samples-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --help" ;;
         "/presets") words="list show --help" ;;
         "/presets/list") words="--help" ;;
         "/presets/show") words="--help" ;;
-        "/sft") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --micro-batch-size --max-len --packing --no-packing --val-fraction --eval-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --log --trust-remote-code --ignore-memory-check --help" ;;
+        "/sft") words="--model --data --val-data --val-fraction --eval-every --system-prompt --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --micro-batch-size --max-len --packing --no-packing --gradient-checkpointing --no-gradient-checkpointing --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --help" ;;
         *) words="" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))

@@ -142,6 +142,11 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l data -s d -r -F
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l val-data -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l val-fraction -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l eval-every -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l eval-n -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l system-prompt -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gpu -x -a 'A100-40GB A100-80GB A10G B200 H100-80GB H100-PCIe-80GB H20-96GB H200-141GB L40S RTX-4090'
@@ -160,16 +165,24 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-steps -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lr -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lr-scheduler -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l warmup-ratio -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l weight-decay -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l n -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-prompt-len -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-response-len -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l temperature -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l top-p -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l top-k -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l mini-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l micro-batch-size -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gradient-checkpointing -l no-gradient-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ppo-epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-kind -x -a 'k1 abs k2 k3'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l entropy-coef -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l critic-lr -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l adv -x -a 'grpo rloo reinforce_pp gae'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l loss-agg -x -a 'token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-low -x
@@ -177,18 +190,27 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-high -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout -x -a 'auto hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward -x -a 'gsm8k math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward-model -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l samples-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l save-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l keep-last -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l resume -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l seed -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-alpha -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-targets -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-dropout -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l log -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ignore-memory-check
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l data -s d -r -F
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l val-data -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l val-fraction -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l eval-every -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l eval-n -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l system-prompt -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gpu -x -a 'A100-40GB A100-80GB A10G B200 H100-80GB H100-PCIe-80GB H20-96GB H200-141GB L40S RTX-4090'
@@ -207,16 +229,24 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-steps -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lr -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lr-scheduler -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l warmup-ratio -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l weight-decay -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l n -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-prompt-len -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-response-len -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l temperature -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l top-p -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l top-k -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l mini-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l micro-batch-size -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gradient-checkpointing -l no-gradient-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l ppo-epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-kind -x -a 'k1 abs k2 k3'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l entropy-coef -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l critic-lr -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l adv -x -a 'grpo rloo reinforce_pp gae'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l loss-agg -x -a 'token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-low -x
@@ -224,13 +254,17 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-high -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout -x -a 'auto hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward -x -a 'gsm8k math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward-model -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l samples-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l save-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l keep-last -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l resume -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l seed -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-alpha -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-targets -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-dropout -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l log -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l ignore-memory-check
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l help -s h
@@ -240,6 +274,10 @@ complete -c rlctl -n '__fish_seen_subcommand_from presets; and __fish_seen_subco
 complete -c rlctl -n '__fish_seen_subcommand_from presets; and __fish_seen_subcommand_from show' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l data -s d -r -F
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l val-data -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l val-fraction -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l eval-every -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l system-prompt -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gpu -x -a 'A100-40GB A100-80GB A10G B200 H100-80GB H100-PCIe-80GB H20-96GB H200-141GB L40S RTX-4090'
@@ -258,12 +296,14 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l max-steps -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lr -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lr-scheduler -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l warmup-ratio -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l weight-decay -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l micro-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l max-len -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l packing -l no-packing
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l val-fraction -x
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l eval-every -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gradient-checkpointing -l no-gradient-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l save-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l keep-last -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l resume -x
@@ -271,7 +311,9 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l seed -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-alpha -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-targets -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-dropout -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l log -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l ignore-memory-check
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l help -s h

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from rlctl.config import RunConfig, save_config
 from rlctl.errors import UserError
+from rlctl.metrics import from_json
 from rlctl.plan import apply_plan
 from rlctl.runtime.layout import RunPaths, has_checkpoint
 from rlctl.runtime.net import free_port
@@ -128,7 +129,7 @@ class _MetricsTail:
         out = []
         for line in complete:
             try:
-                out.append(json.loads(line))
+                out.append(from_json(json.loads(line)))  # NaN written as null comes back as float nan
             except json.JSONDecodeError:
                 continue
         return out
