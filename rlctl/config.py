@@ -379,6 +379,11 @@ def build_config(method: str, layers: list[dict]) -> RunConfig:
     return cfg
 
 
+def val_split(cfg: RunConfig) -> str:
+    """The split read from ``data.val_path`` when it is a hub dataset or a DatasetDict directory."""
+    return cfg.data.val_split or "test"
+
+
 SAVE_EVERY_MIN = 50  # auto: never a checkpoint more often than this many steps
 SAVE_EVERY_COUNT = 10  # auto: about this many checkpoints over a run
 

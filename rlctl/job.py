@@ -19,7 +19,7 @@ import re
 from functools import cache
 from pathlib import Path
 
-from rlctl.config import RunConfig
+from rlctl.config import RunConfig, val_split
 from rlctl.errors import UserError
 
 IGNORE_MEMORY_FLAG = "--ignore-memory-check"
@@ -99,12 +99,12 @@ def check_data_given(cfg: RunConfig) -> None:
         raise UserError(
             f"no data given: pass --data FILE (JSONL, Parquet or a datasets directory) to `rlctl {cfg.method}`"
         )
+    from rlctl.data.io import check_source
+
     for key in ("path", "val_path"):
         value = getattr(cfg.data, key)
-        if value and not Path(value).expanduser().exists():
-            raise UserError(
-                f"data file not found: {value} (data.{key}); pass an existing JSONL/Parquet file or datasets directory"
-            )
+        if value:
+            check_source(value, f"data.{key}", cfg.data.split if key == "path" else val_split(cfg))
 
 
 def check_reward_spec(cfg: RunConfig) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlctl.config import RunConfig
+from rlctl.config import RunConfig, val_split
 from rlctl.data.io import read_rows
 from rlctl.errors import UserError
 
@@ -155,6 +155,13 @@ def checked_messages(value, where: str) -> list[dict]:
     return out
 
 
+def with_system(messages: list[dict], system: str) -> list[dict]:
+    """``messages`` with a system message first (data.system_prompt) unless they hold one."""
+    if not system or any(m.get("role") == "system" for m in messages):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
 def row_tokens(row: dict, tokenizer, cfg: RunConfig) -> tuple[list[int], list[int]]:
     """Token ids and the 0/1 assistant mask of one row (before truncation)."""
     d = cfg.data
@@ -164,7 +171,7 @@ def row_tokens(row: dict, tokenizer, cfg: RunConfig) -> tuple[list[int], list[in
     if fmt == "chat":
         if d.messages_field not in row:
             raise BadRow(f"missing field '{d.messages_field}'")
-        messages = checked_messages(row[d.messages_field], d.messages_field)
+        messages = with_system(checked_messages(row[d.messages_field], d.messages_field), d.system_prompt)
         if not any(m["role"] == "assistant" for m in messages):
             raise BadRow("no assistant turn")
         text, spans = assistant_spans(tokenizer, messages)
@@ -183,12 +190,14 @@ def row_tokens(row: dict, tokenizer, cfg: RunConfig) -> tuple[list[int], list[in
                 else [{"role": "user", "content": prompt}]
             )
             text, spans = assistant_spans(
-                tokenizer, messages + [{"role": "assistant", "content": response}], last_only=True
+                tokenizer,
+                with_system(messages, d.system_prompt) + [{"role": "assistant", "content": response}],
+                last_only=True,
             )
         else:
             if not isinstance(prompt, str):
                 raise BadRow(f"'{d.prompt_field}' is a message list but the tokenizer has no chat template")
-            p_ids = tokenizer(prompt)["input_ids"]
+            p_ids = tokenizer(f"{d.system_prompt}\n\n{prompt}" if d.system_prompt else prompt)["input_ids"]
             r_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             return p_ids + r_ids, [0] * len(p_ids) + [1] * len(r_ids)
     else:
@@ -218,8 +227,8 @@ def make_example(ids: list[int], mask: list[int], *, max_len: int, truncation: s
 # A whole file
 
 
-def tokenize_rows(path: str, tokenizer, cfg: RunConfig) -> tuple[list[Example], DataReport]:
-    rows = read_rows(path)
+def tokenize_rows(path: str, tokenizer, cfg: RunConfig, split: str = "train") -> tuple[list[Example], DataReport]:
+    rows = read_rows(path, split=split)
     report = DataReport(total=len(rows))
     for reason in rows.unreadable:
         report.bad[reason] += 1
@@ -243,7 +252,7 @@ def build_sft_data(cfg: RunConfig, tokenizer) -> SFTData:
         raise UserError("data.format=rl is for grpo/ppo; sft reads chat (messages) or pairs (prompt/response) rows")
     if not cfg.data.path:
         raise UserError("no data given: pass --data FILE (JSONL, Parquet or a datasets directory)")
-    examples, report = tokenize_rows(cfg.data.path, tokenizer, cfg)
+    examples, report = tokenize_rows(cfg.data.path, tokenizer, cfg, cfg.data.split)
     if report.bad_fraction > cfg.data.max_bad_fraction:
         raise UserError(
             f"{cfg.data.path}: too many bad rows, more than data.max_bad_fraction="
@@ -254,7 +263,7 @@ def build_sft_data(cfg: RunConfig, tokenizer) -> SFTData:
     val: list[Example] = []
     val_report = None
     if cfg.data.val_path:
-        val, val_report = tokenize_rows(cfg.data.val_path, tokenizer, cfg)
+        val, val_report = tokenize_rows(cfg.data.val_path, tokenizer, cfg, val_split(cfg))
     elif cfg.data.val_fraction > 0:
         n_val = max(1, round(cfg.data.val_fraction * len(examples)))
         if n_val >= len(examples):
