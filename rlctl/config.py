@@ -360,6 +360,13 @@ def load_yaml_file(path: str | Path) -> dict:
         raise UserError(f"{p} is not valid YAML: {first}") from None
     if not isinstance(data, dict):
         raise UserError(f"{p} must hold a mapping of config sections (e.g. train: {{lr: 1e-5}})")
+    if "${" in p.read_text():  # omegaconf interpolation: ${train.lr}, ${oc.env:VAR,default}
+        from omegaconf import OmegaConf
+
+        try:
+            data = OmegaConf.to_container(OmegaConf.create(data), resolve=True)
+        except Exception as e:  # noqa: BLE001 (omegaconf raises several types)
+            raise UserError(f"{p}: cannot resolve an interpolation: {str(e).splitlines()[0]}") from None
     return data
 
 

@@ -401,7 +401,12 @@ def cfg_lr(method: str) -> float:
 
 def bench_compare(model: BenchModel, s: CompareSettings, *, log=lambda msg: None) -> list[dict]:
     """Every requested kind of work through rlctl and the peer; one row each."""
-    import trl
+    try:
+        import trl
+    except ImportError:
+        raise UserError(
+            "bench compare runs TRL as the peer, which is not installed: pip install 'rlctl[bench]'"
+        ) from None
 
     s.check()
     rows = []
