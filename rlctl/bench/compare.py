@@ -71,7 +71,10 @@ class CompareSettings:
             if w not in WORK:
                 raise UserError(f"unknown work {w!r}{did_you_mean(w, WORK)}; choose from {', '.join(WORK)}")
         if importlib.util.find_spec("trl") is None:
-            raise UserError("`rlctl bench compare --peer trl` needs TRL, which is not installed here: pip install trl")
+            raise UserError(
+                "`rlctl bench compare --peer trl` needs TRL, which is not installed here: pip install trl "
+                "(or pip install 'rlctl[bench]')"
+            )
         from rlctl.bench.train import LENGTHS
 
         if self.lengths not in LENGTHS:

@@ -61,7 +61,9 @@ def plot(doc: dict, path: str | Path) -> Path:
     try:
         import matplotlib
     except ImportError:
-        raise UserError("--plot needs matplotlib, which is not installed: pip install 'rlctl[plot]'") from None
+        raise UserError(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib (or pip install 'rlctl[plot]')"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
