@@ -227,22 +227,47 @@ def make_example(ids: list[int], mask: list[int], *, max_len: int, truncation: s
 # A whole file
 
 
-def tokenize_rows(path: str, tokenizer, cfg: RunConfig, split: str = "train") -> tuple[list[Example], DataReport]:
+def tokenize_rows(
+    path: str, tokenizer, cfg: RunConfig, split: str = "train", *, cache_dir=None, log=lambda msg: None
+) -> tuple[list[Example], DataReport]:
+    """Every row of a data source tokenized (through ``datasets.map``, cached in ``cache_dir`` and done
+    once: :func:`rlctl.data.mapped.map_rows`), and the report of the rows skipped."""
+    from dataclasses import asdict
+
+    from rlctl.data.mapped import cache_key, map_rows, source_stamp, tokenizer_stamp
+
     rows = read_rows(path, split=split)
     report = DataReport(total=len(rows))
     for reason in rows.unreadable:
         report.bad[reason] += 1
-    examples = []
-    for row in rows.rows:
+
+    def tokenize(row: dict) -> dict:
         try:
             ids, mask = row_tokens(row, tokenizer, cfg)
-            examples.append(make_example(ids, mask, max_len=cfg.train.max_len, truncation=cfg.data.truncation))
+            ex = make_example(ids, mask, max_len=cfg.train.max_len, truncation=cfg.data.truncation)
+            return {"input_ids": ex.input_ids.tolist(), "labels": ex.labels.tolist(), "bad": ""}
         except BadRow as e:
-            report.bad[str(e)] += 1
+            return {"input_ids": [], "labels": [], "bad": str(e)}
+
+    key = cache_key(
+        kind="sft",
+        source=source_stamp(path),
+        split=split,
+        data=asdict(cfg.data),
+        max_len=cfg.train.max_len,
+        tokenizer=tokenizer_stamp(tokenizer),
+    )
+    features = {"input_ids": "int32 list", "labels": "int32 list", "bad": "string"}
+    examples = []
+    for out in map_rows(rows.rows, tokenize, cache_dir=cache_dir, key=key, desc="sft", features=features, log=log):
+        if out["bad"]:
+            report.bad[out["bad"]] += 1
+        else:
+            examples.append(Example(np.asarray(out["input_ids"], np.int32), np.asarray(out["labels"], np.int32)))
     return examples, report
 
 
-def build_sft_data(cfg: RunConfig, tokenizer) -> SFTData:
+def build_sft_data(cfg: RunConfig, tokenizer, *, cache_dir=None, log=lambda msg: None) -> SFTData:
     """Tokenize the training data (and the validation data or a held-out share of it).
 
     Deterministic: every rank computes the same result. Raises UserError when more than
@@ -252,7 +277,7 @@ def build_sft_data(cfg: RunConfig, tokenizer) -> SFTData:
         raise UserError("data.format=rl is for grpo/ppo; sft reads chat (messages) or pairs (prompt/response) rows")
     if not cfg.data.path:
         raise UserError("no data given: pass --data FILE (JSONL, Parquet or a datasets directory)")
-    examples, report = tokenize_rows(cfg.data.path, tokenizer, cfg, cfg.data.split)
+    examples, report = tokenize_rows(cfg.data.path, tokenizer, cfg, cfg.data.split, cache_dir=cache_dir, log=log)
     if report.bad_fraction > cfg.data.max_bad_fraction:
         raise UserError(
             f"{cfg.data.path}: too many bad rows, more than data.max_bad_fraction="
@@ -263,7 +288,7 @@ def build_sft_data(cfg: RunConfig, tokenizer) -> SFTData:
     val: list[Example] = []
     val_report = None
     if cfg.data.val_path:
-        val, val_report = tokenize_rows(cfg.data.val_path, tokenizer, cfg, val_split(cfg))
+        val, val_report = tokenize_rows(cfg.data.val_path, tokenizer, cfg, val_split(cfg), cache_dir=cache_dir, log=log)
     elif cfg.data.val_fraction > 0:
         n_val = max(1, round(cfg.data.val_fraction * len(examples)))
         if n_val >= len(examples):

@@ -158,7 +158,7 @@ def run(ctx: RunContext) -> None:
     cfg, paths, d = ctx.cfg, ctx.paths, ctx.dist
     source = model_source(cfg.model.name, random_init=cfg.model.random_init)
     tokenizer = load_tokenizer(source)
-    data = build_sft_data(cfg, tokenizer)
+    data = build_sft_data(cfg, tokenizer, cache_dir=paths.data_cache, log=ctx.log)
     ctx.log(f"data: {data.report.summary()}; {len(data.train)} train / {len(data.val)} val sequences")
     sampler = StepSampler(len(data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch

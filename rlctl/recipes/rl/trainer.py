@@ -52,7 +52,7 @@ class RLTrainer(ScoringSteps):
         self.source = model_source(cfg.model.name, random_init=cfg.model.random_init)
         self.tokenizer = load_tokenizer(self.source)
         self.pad_id = self.tokenizer.pad_token_id
-        self.data = build_rl_data(cfg, self.tokenizer)
+        self.data = build_rl_data(cfg, self.tokenizer, cache_dir=ctx.paths.data_cache, log=ctx.log)
         ctx.log(f"data: {self.data.report.summary()}; {len(self.data.train)} train / {len(self.data.val)} val prompts")
         self.rewards = reward_manager(cfg, self.data, self.tokenizer, d.device)
         self.reward_totals: dict[str, int] = {}  # failed / non-finite reward samples over the run
