@@ -11,7 +11,7 @@ _rlctl() {
     for ((i=1; i<COMP_CWORD; i++)); do
         w="${COMP_WORDS[i]}"
         case "$path/$w" in
-            "/bench"|"/bench/compare"|"/bench/convert"|"/bench/rollout"|"/bench/train"|"/convert"|"/convert/fsdp-to-hf"|"/convert/hf-to-megatron"|"/convert/inspect"|"/convert/lora-merge"|"/convert/megatron-to-hf"|"/estimate"|"/estimate/memory"|"/grpo"|"/ppo"|"/presets"|"/presets/list"|"/presets/show"|"/sft") path="$path/$w" ;;
+            "/bench"|"/bench/compare"|"/bench/convert"|"/bench/rollout"|"/bench/train"|"/convert"|"/convert/fsdp-to-hf"|"/convert/hf-to-megatron"|"/convert/inspect"|"/convert/lora-merge"|"/convert/megatron-to-hf"|"/estimate"|"/estimate/memory"|"/grpo"|"/ppo"|"/presets"|"/presets/list"|"/presets/show"|"/report"|"/sft") path="$path/$w" ;;
         esac
     done
     case "$prev" in
@@ -20,6 +20,7 @@ _rlctl() {
         --batch-size) return ;;
         --clip-high) return ;;
         --clip-low) return ;;
+        --compare) return ;;
         --config|-c) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --critic-lr) return ;;
         --data|-d) COMPREPLY=($(compgen -f -- "$cur")); return ;;
@@ -64,6 +65,7 @@ _rlctl() {
         --node-rank) return ;;
         --nodes) return ;;
         --nproc) return ;;
+        --output|-o) return ;;
         --output-dir|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --peer) return ;;
         --plot) return ;;
@@ -99,7 +101,7 @@ _rlctl() {
         --work) return ;;
     esac
     case "$path" in
-        "") words="bench convert estimate grpo ppo presets sft --version --help" ;;
+        "") words="bench convert estimate grpo ppo presets report sft --version --help" ;;
         "/bench") words="compare convert rollout train --help" ;;
         "/bench/compare") words="--model --peer --random-init --work --reps --steps --device --engine --prompts --n --prompt-len --max-tokens --batch-size --seq-len --lengths --seed --json --plot --help" ;;
         "/bench/convert") words="--verify --work --json --plot --help" ;;
@@ -118,6 +120,7 @@ _rlctl() {
         "/presets") words="list show --help" ;;
         "/presets/list") words="--help" ;;
         "/presets/show") words="--help" ;;
+        "/report") words="--compare --output --no-plot --json --help" ;;
         "/sft") words="--model --data --val-data --val-fraction --eval-every --system-prompt --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --micro-batch-size --max-len --packing --no-packing --gradient-checkpointing --no-gradient-checkpointing --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --help" ;;
         *) words="" ;;
     esac

@@ -117,7 +117,7 @@ def curves(run: Run) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
     components = [k for k in keys if k.startswith("reward/") and k not in REWARD_BOOKKEEPING]
     wanted = {
         "reward": ["reward", *components],
-        "loss": [k for k in ("loss", "pg/loss", "vf/loss", "critic/loss") if k in keys],
+        "loss": [k for k in ("loss", "pg/loss", "critic/value_loss") if k in keys],
         "KL": [k for k in ("kl", "kl_loss") if k in keys],
         "entropy": ["entropy"],
         "response length": ["response_len/mean"],
