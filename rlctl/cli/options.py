@@ -341,39 +341,6 @@ def show_defaults(command, method: str, keys: dict[str, str]):
     return command
 
 
-def common_mapping(
-    *,
-    model,
-    data,
-    gpus,
-    nodes,
-    gpu,
-    device,
-    nproc,
-    node_rank,
-    master_addr,
-    master_port,
-    rdzv_endpoint,
-    output_dir,
-    trust_remote_code=None,
-) -> dict[str, object]:
-    return {
-        "model.name": model,
-        "model.trust_remote_code": trust_remote_code or None,
-        "data.path": data,
-        "hardware.gpus": gpus,
-        "hardware.nodes": nodes,
-        "hardware.gpu": gpu,
-        "hardware.device": device,
-        "hardware.nproc": nproc,
-        "hardware.node_rank": node_rank,
-        "hardware.master_addr": master_addr,
-        "hardware.master_port": master_port,
-        "hardware.rdzv_endpoint": rdzv_endpoint,
-        "output_dir": output_dir,
-    }
-
-
 def run_training(
     method: str,
     *,
