@@ -148,6 +148,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l val-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l eval-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l eval-n -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l system-prompt -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l chat-template -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gpu -x -a 'A100-40GB A100-80GB A10G B200 H100-80GB H100-PCIe-80GB H20-96GB H200-141GB L40S RTX-4090'
@@ -212,6 +213,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l val-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l eval-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l eval-n -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l system-prompt -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l chat-template -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gpu -x -a 'A100-40GB A100-80GB A10G B200 H100-80GB H100-PCIe-80GB H20-96GB H200-141GB L40S RTX-4090'
@@ -284,6 +286,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l val-data -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l val-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l eval-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l system-prompt -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l chat-template -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gpu -x -a 'A100-40GB A100-80GB A10G B200 H100-80GB H100-PCIe-80GB H20-96GB H200-141GB L40S RTX-4090'

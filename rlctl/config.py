@@ -52,6 +52,7 @@ class DataConfig:
     max_bad_fraction: float = 0.1  # fail when more than this share of rows is bad
     shuffle: bool = True
     system_prompt: str = ""  # a system message put before every conversation / prompt that has none
+    chat_template: str = ""  # a Jinja chat template file used instead of the tokenizer's (also exported)
 
 
 @dataclass

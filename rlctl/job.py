@@ -101,6 +101,9 @@ def check_data_given(cfg: RunConfig) -> None:
         )
     from rlctl.data.io import check_source
 
+    if cfg.data.chat_template and not Path(cfg.data.chat_template).expanduser().is_file():
+        raise UserError(f"chat template file not found: {cfg.data.chat_template} (--chat-template takes a Jinja file)")
+
     for key in ("path", "val_path"):
         value = getattr(cfg.data, key)
         if value:
@@ -295,7 +298,7 @@ def _check_sft_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[s
                 f"{path}: no '{d.messages_field}' column (the rows have {_columns(columns)}); "
                 f"name the messages with --set data.messages_field=FIELD"
             )
-        if model is not None and not model.has_chat_template:
+        if model is not None and not model.has_chat_template and not d.chat_template:
             raise UserError(
                 f"{model.root} has no chat template, and {path} holds chat messages; use a model with a chat "
                 f"template (tokenizer_config.json chat_template) or prompt/response rows (--set data.format=pairs)"

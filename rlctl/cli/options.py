@@ -48,6 +48,14 @@ ValFraction = Annotated[
         rich_help_panel="Evaluation",
     ),
 ]
+ChatTemplate = Annotated[
+    str | None,
+    typer.Option(
+        "--chat-template",
+        help="A Jinja chat template file used instead of the tokenizer's (also saved with the model).",
+        rich_help_panel="Job",
+    ),
+]
 SystemPrompt = Annotated[
     str | None,
     typer.Option(
@@ -256,6 +264,7 @@ COMMON_KEYS = {
     "val_data": "data.val_path",
     "val_fraction": "data.val_fraction",
     "system_prompt": "data.system_prompt",
+    "chat_template": "data.chat_template",
     "gpus": "hardware.gpus",
     "nodes": "hardware.nodes",
     "gpu": "hardware.gpu",

@@ -85,6 +85,7 @@ def _rl_command(method: str):
             ),
         ] = None,
         system_prompt: o.SystemPrompt = None,
+        chat_template: o.ChatTemplate = None,
         gpus: o.Gpus = None,
         nodes: o.Nodes = None,
         gpu: o.Gpu = None,

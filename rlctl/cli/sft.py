@@ -35,6 +35,7 @@ def sft(
     val_fraction: o.ValFraction = None,
     eval_every: o.EvalEvery = None,
     system_prompt: o.SystemPrompt = None,
+    chat_template: o.ChatTemplate = None,
     gpus: o.Gpus = None,
     nodes: o.Nodes = None,
     gpu: o.Gpu = None,

@@ -155,6 +155,20 @@ def checked_messages(value, where: str) -> list[dict]:
     return out
 
 
+def use_chat_template(tokenizer, cfg: RunConfig):
+    """``tokenizer`` with ``data.chat_template`` (a Jinja file) as its chat template, when one is given;
+    the recipes call it right after loading the tokenizer, so the data, the rollouts and the exported
+    tokenizer all use it."""
+    if cfg.data.chat_template:
+        from pathlib import Path
+
+        path = Path(cfg.data.chat_template).expanduser()
+        if not path.is_file():
+            raise UserError(f"chat template file not found: {path} (--chat-template takes a Jinja file)")
+        tokenizer.chat_template = path.read_text()
+    return tokenizer
+
+
 def with_system(messages: list[dict], system: str) -> list[dict]:
     """``messages`` with a system message first (data.system_prompt) unless they hold one."""
     if not system or any(m.get("role") == "system" for m in messages):

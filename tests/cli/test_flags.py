@@ -21,6 +21,7 @@ COMMON = [
     ("--lora-dropout", "0.05", "lora.dropout"),
     ("--run-name", "my-run", "log.run_name"),
     ("--system-prompt", "Be brief.", "data.system_prompt"),
+    ("--chat-template", "VAL", "data.chat_template"),
     ("--save-every", "7", "checkpoint.save_every"),
 ]
 RL = [

@@ -109,3 +109,40 @@ def test_system_prompt_from_a_file_reaches_the_config(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["config"]["data"]["system_prompt"] == "You are terse."
+
+
+def test_chat_template_file_replaces_the_tokenizers(tmp_path, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from rlctl.config import build_config
+    from rlctl.data.sft import row_tokens, use_chat_template
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ '#' }}" + tok.chat_template)  # every rendering starts with '#'
+    cfg = build_config("sft", [{"data": {"chat_template": str(template)}}])
+    row = chat_rows(1)[0]
+    ids, mask = row_tokens(row, use_chat_template(tok, cfg), cfg)
+    assert tok.decode(ids) == "#" + AutoTokenizer.from_pretrained(tiny_model_dir).apply_chat_template(
+        row["messages"], tokenize=False
+    )
+    assert sum(mask) > 0
+
+
+def test_missing_chat_template_file_is_one_line_through_the_cli(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(4))
+    r = run_cli(
+        "sft",
+        "--model",
+        str(tiny_model_dir),
+        "--data",
+        str(data),
+        "--device",
+        "cpu",
+        "--chat-template",
+        str(tmp_path / "nope.jinja"),
+        "-o",
+        str(tmp_path / "run"),
+    )
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "chat template file not found" in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()

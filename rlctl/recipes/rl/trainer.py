@@ -14,6 +14,7 @@ import torch
 from rlctl.algos import AdaptiveKLController, FixedKLController, get_adv_estimator, kl_estimate
 from rlctl.data.packing import StepSampler
 from rlctl.data.rl import Prompt, build_rl_data
+from rlctl.data.sft import use_chat_template
 from rlctl.engines import EngineSpec, build_engine
 from rlctl.engines.base import TrainEngine, load_tokenizer, model_source, write_model_meta
 from rlctl.errors import UserError
@@ -50,7 +51,7 @@ class RLTrainer(ScoringSteps):
             raise UserError("algo.kl_target (adaptive KL) needs an initial algo.kl_coef > 0, e.g. --kl-coef 0.001")
 
         self.source = model_source(cfg.model.name, random_init=cfg.model.random_init)
-        self.tokenizer = load_tokenizer(self.source)
+        self.tokenizer = use_chat_template(load_tokenizer(self.source), cfg)
         self.pad_id = self.tokenizer.pad_token_id
         self.data = build_rl_data(cfg, self.tokenizer, cache_dir=ctx.paths.data_cache, log=ctx.log)
         ctx.log(f"data: {self.data.report.summary()}; {len(self.data.train)} train / {len(self.data.val)} val prompts")
