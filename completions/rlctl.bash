@@ -9,7 +9,7 @@ _rlctl() {
     for ((i=1; i<COMP_CWORD; i++)); do
         w="${COMP_WORDS[i]}"
         case "$path/$w" in
-            "/bench"|"/bench/compare"|"/bench/convert"|"/bench/rollout"|"/bench/train"|"/convert"|"/convert/fsdp-to-hf"|"/convert/hf-to-megatron"|"/convert/inspect"|"/convert/lora-merge"|"/convert/megatron-to-hf"|"/estimate"|"/estimate/memory"|"/grpo"|"/ppo"|"/presets"|"/presets/list"|"/presets/show"|"/sft") path="$path/$w" ;;
+            "/bench"|"/bench/compare"|"/bench/convert"|"/bench/rollout"|"/bench/train"|"/convert"|"/convert/fsdp-to-hf"|"/convert/hf-to-megatron"|"/convert/inspect"|"/convert/lora-merge"|"/convert/megatron-to-hf"|"/estimate"|"/estimate/memory"|"/grpo"|"/ppo"|"/presets"|"/presets/list"|"/presets/show"|"/report"|"/sft") path="$path/$w" ;;
         esac
     done
     case "$prev" in
@@ -17,17 +17,22 @@ _rlctl() {
         --adv) COMPREPLY=($(compgen -W "grpo rloo reinforce_pp gae" -- "$cur")); return ;;
         --backend) return ;;
         --batch-size) return ;;
+        --chat-template) return ;;
         --clip-high) return ;;
         --clip-low) return ;;
+        --compare) return ;;
         --config|-c) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --cp) return ;;
+        --critic-lr) return ;;
         --data|-d) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --device) COMPREPLY=($(compgen -W "auto cuda cpu" -- "$cur")); return ;;
         --dtype) COMPREPLY=($(compgen -W "bf16 fp16 fp32" -- "$cur")); return ;;
         --engine) return ;;
+        --entropy-coef) return ;;
         --ep) return ;;
         --epochs) return ;;
         --eval-every) return ;;
+        --eval-n) return ;;
         --gpu) COMPREPLY=($(compgen -W "A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000" -- "$cur")); return ;;
         --gpus) return ;;
         --hf-config) return ;;
@@ -39,11 +44,13 @@ _rlctl() {
         --lengths) return ;;
         --log) return ;;
         --lora-alpha) return ;;
+        --lora-dropout) return ;;
         --lora-rank) return ;;
         --lora-targets) return ;;
         --loss-agg) COMPREPLY=($(compgen -W "token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm" -- "$cur")); return ;;
         --loss-chunk) return ;;
         --lr) return ;;
+        --lr-scheduler) return ;;
         --master-addr) return ;;
         --master-port) return ;;
         --max-len) return ;;
@@ -63,6 +70,7 @@ _rlctl() {
         --node-rank) return ;;
         --nodes) return ;;
         --nproc) return ;;
+        --output|-o) return ;;
         --output-dir|-o) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --partition) return ;;
         --peer) return ;;
@@ -81,20 +89,28 @@ _rlctl() {
         --reward-model) return ;;
         --rollout) COMPREPLY=($(compgen -W "auto hf vllm sglang" -- "$cur")); return ;;
         --rollout-tp) return ;;
+        --run-name) return ;;
+        --samples-every) return ;;
         --save-every) return ;;
         --sbatch) return ;;
         --seed) return ;;
         --seq-len) return ;;
         --set|-s) return ;;
         --steps) return ;;
+        --system-prompt) return ;;
         --temperature) return ;;
         --time) return ;;
+        --top-k) return ;;
+        --top-p) return ;;
         --tp) return ;;
+        --val-data) return ;;
         --val-fraction) return ;;
+        --warmup-ratio) return ;;
+        --weight-decay) return ;;
         --work) return ;;
     esac
     case "$path" in
-        "") words="bench convert estimate grpo ppo presets sft --version --help" ;;
+        "") words="bench convert estimate grpo ppo presets report sft --version --help" ;;
         "/bench") words="compare convert rollout train --help" ;;
         "/bench/compare") words="--model --peer --random-init --work --reps --steps --device --engine --prompts --n --prompt-len --max-tokens --batch-size --seq-len --lengths --seed --json --plot --help" ;;
         "/bench/convert") words="--verify --work --json --plot --help" ;;
@@ -108,12 +124,13 @@ _rlctl() {
         "/convert/megatron-to-hf") words="--hf-config --dtype --verify --no-verify --force --max-shard-size --trust-checkpoint --help" ;;
         "/estimate") words="memory --help" ;;
         "/estimate/memory") words="--model --method --lora-rank --lora-targets --max-len --max-prompt-len --max-response-len --n --batch-size --micro-batch-size --gpus --nodes --gpu --device --host-memory --backend --tp --pp --ep --cp --precision --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --max-tokens-per-micro-batch --loss-chunk --kl-coef --reward-model --activation-checkpointing --no-activation-checkpointing --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --dtype --rollout --rollout-tp --mem-fraction --what-to-rent --json --prompt-len --response-len --micro-batch --help" ;;
-        "/grpo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
-        "/ppo") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --n --max-prompt-len --max-response-len --temperature --mini-batch-size --micro-batch-size --ppo-epochs --kl-coef --kl-kind --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --save-every --keep-last --resume --seed --lora-rank --lora-alpha --log --trust-remote-code --ignore-memory-check --help" ;;
+        "/grpo") words="--model --data --val-data --val-fraction --eval-every --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --samples-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --help" ;;
+        "/ppo") words="--model --data --val-data --val-fraction --eval-every --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --samples-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --help" ;;
         "/presets") words="list show --help" ;;
         "/presets/list") words="--help" ;;
         "/presets/show") words="--help" ;;
-        "/sft") words="--model --data --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --batch-size --micro-batch-size --max-len --packing --no-packing --val-fraction --eval-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --log --trust-remote-code --ignore-memory-check --help" ;;
+        "/report") words="--compare --output --no-plot --json --help" ;;
+        "/sft") words="--model --data --val-data --val-fraction --eval-every --system-prompt --chat-template --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --micro-batch-size --max-len --packing --no-packing --gradient-checkpointing --no-gradient-checkpointing --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --help" ;;
         *) words="" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))

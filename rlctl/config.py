@@ -37,18 +37,22 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = ""  # JSONL, Parquet, or a `datasets` directory saved with save_to_disk
+    path: str = ""  # JSONL, Parquet, a directory of Parquet shards, a save_to_disk directory or a hub name (cached)
+    split: str = "train"  # the split of a DatasetDict directory or a hub dataset
     format: str = "auto"  # auto | chat | pairs | rl
     messages_field: str = "messages"
     prompt_field: str = "prompt"
     response_field: str = "response"
     answer_field: str = "answer"  # RL: plain rows {"prompt", "answer"}; verl rows use reward_model.ground_truth
-    val_path: str = ""  # a separate validation file; otherwise val_fraction of the data is held out
+    val_path: str = ""  # a separate validation file (any form `path` takes); otherwise val_fraction is held out
+    val_split: str = ""  # the split of val_path for a hub / DatasetDict source ("" = test, else validation)
     val_fraction: float = 0.0
     packing: bool = True
     truncation: str = "skip"  # skip (drop rows longer than max_len, counted as bad) | right | left
     max_bad_fraction: float = 0.1  # fail when more than this share of rows is bad
     shuffle: bool = True
+    system_prompt: str = ""  # a system message put before every conversation / prompt that has none
+    chat_template: str = ""  # a Jinja chat template file used instead of the tokenizer's (also exported)
 
 
 @dataclass
@@ -94,6 +98,7 @@ class TrainConfig:
     max_steps: int = 0  # 0 = run `epochs` passes over the data
     epochs: int = 1
     lr: float = 1e-5
+    lr_scheduler: str = "cosine"  # cosine (warmup, then down to min_lr_ratio) | constant (min_lr_ratio = 1)
     min_lr_ratio: float = 0.1
     warmup_ratio: float = 0.03
     weight_decay: float = 0.0
@@ -111,7 +116,7 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    save_every: int = 0  # 0 = only at the end
+    save_every: int = -1  # -1 = auto (save_every_steps: ~10 checkpoints, at most every 50 steps); 0 = only at the end
     keep_last: int = 2
     resume: str = ""  # "" | auto | PATH
     export_hf: bool = True  # write the final model as HF safetensors into OUTPUT/hf
@@ -128,8 +133,8 @@ class RolloutConfig:
     top_k: int = -1
     max_prompt_len: int = 512
     max_response_len: int = 512
-    val_temperature: float = 0.0
-    val_n: int = 1
+    val_temperature: float = 0.0  # the first eval pass: one sample per prompt (0 = greedy)
+    val_n: int = 1  # > 1: a second eval pass, val_n samples at `temperature` (mean@k, pass@k)
 
 
 @dataclass
@@ -176,6 +181,8 @@ class LogConfig:
     project: str = "rlctl"
     run_name: str = ""
     every: int = 1
+    samples_every: int = 10  # write rollout samples to samples.jsonl every N steps (and at the last); 0 = never
+    samples: int = 4  # samples written each time (two are shown on the console)
 
 
 @dataclass
@@ -281,7 +288,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise UserError(f"{key}: unsupported type {_type_name(tp)}")
 
 
-def _apply(obj: Any, updates: dict, prefix: str = "") -> None:
+def _apply(obj: Any, updates: dict, prefix: str = "", *, method: str = "sft") -> None:
     """Apply a nested dict of updates onto a dataclass instance, validating every key."""
     hints = typing.get_type_hints(type(obj))
     names = [f.name for f in dataclasses.fields(obj)]
@@ -291,7 +298,7 @@ def _apply(obj: Any, updates: dict, prefix: str = "") -> None:
             all_keys = [f"{prefix}{n}" for n in names]
             raise UserError(
                 f"unknown config key '{path}'{did_you_mean(path, all_keys + all_config_keys())}; "
-                f"`rlctl presets show {getattr(obj, 'method', 'sft') if not prefix else 'sft'}` lists the keys"
+                f"`rlctl presets show {method}` lists the keys"
             )
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
@@ -299,7 +306,7 @@ def _apply(obj: Any, updates: dict, prefix: str = "") -> None:
                 raise UserError(
                     f"'{path}' is a section; set one of its keys, e.g. {path}.{dataclasses.fields(current)[0].name}=..."
                 )
-            _apply(current, value, prefix=f"{path}.")
+            _apply(current, value, prefix=f"{path}.", method=method)
         else:
             setattr(obj, key, _coerce(value, hints[key], path))
 
@@ -368,6 +375,13 @@ def load_yaml_file(path: str | Path) -> dict:
         raise UserError(f"{p} is not valid YAML: {first}") from None
     if not isinstance(data, dict):
         raise UserError(f"{p} must hold a mapping of config sections (e.g. train: {{lr: 1e-5}})")
+    if "${" in p.read_text():  # omegaconf interpolation: ${train.lr}, ${oc.env:VAR,default}
+        from omegaconf import OmegaConf
+
+        try:
+            data = OmegaConf.to_container(OmegaConf.create(data), resolve=True)
+        except Exception as e:  # noqa: BLE001 (omegaconf raises several types)
+            raise UserError(f"{p}: cannot resolve an interpolation: {str(e).splitlines()[0]}") from None
     return data
 
 
@@ -380,9 +394,30 @@ def build_config(method: str, layers: list[dict]) -> RunConfig:
         if layer:
             layer = dict(layer)
             layer.pop("method", None)
-            _apply(cfg, layer)
+            _apply(cfg, layer, method=method)
     validate(cfg)
+    if cfg.train.lr_scheduler == "constant":
+        cfg.train.min_lr_ratio = 1.0
     return cfg
+
+
+def val_split(cfg: RunConfig) -> str:
+    """The split read from ``data.val_path`` when it is a hub dataset or a DatasetDict directory."""
+    return cfg.data.val_split or "test"
+
+
+SAVE_EVERY_MIN = 50  # auto: never a checkpoint more often than this many steps
+SAVE_EVERY_COUNT = 10  # auto: about this many checkpoints over a run
+
+
+def save_every_steps(save_every: int, total_steps: int) -> int:
+    """The checkpoint interval in steps (0 = only the final checkpoint). ``checkpoint.save_every = -1``
+    (auto, the default) checkpoints about 10 times over a long run and never more often than every 50
+    steps: every ``max(50, ceil(total_steps / 10))`` steps (a 20-step run: only at the end; 1,000
+    steps: every 100)."""
+    if save_every >= 0:
+        return save_every
+    return max(SAVE_EVERY_MIN, -(-total_steps // SAVE_EVERY_COUNT))
 
 
 CHOICES = {
@@ -390,6 +425,7 @@ CHOICES = {
     "model.attn": ("auto", "sdpa", "eager", "flash_attention_2"),
     "data.format": ("auto", "chat", "pairs", "rl"),
     "data.truncation": ("skip", "right", "left"),
+    "train.lr_scheduler": ("cosine", "constant"),
     "hardware.device": ("auto", "cuda", "cpu"),
     "cluster.launcher": ("torchrun", "slurm"),
     "parallel.backend": ("auto", "fsdp", "megatron"),
@@ -424,45 +460,31 @@ def validate(cfg: RunConfig) -> None:
             raise UserError(
                 f"{key}={value!r} is not valid{did_you_mean(str(value), choices)}; choose one of {', '.join(choices)}"
             )
-    positive = [
-        "train.batch_size",
-        "train.max_len",
-        "train.epochs",
-        "rollout.n",
-        "hardware.nodes",
-        "rollout.max_prompt_len",
-        "rollout.max_response_len",
-        "algo.ppo_epochs",
-    ]
-    for key in positive:
+    positive = "train.batch_size train.max_len train.epochs rollout.n hardware.nodes rollout.max_prompt_len"
+    positive += " rollout.max_response_len algo.ppo_epochs rollout.val_n checkpoint.keep_last"
+    for key in positive.split():
         if get_key(cfg, key) < 1:
             raise UserError(f"{key} must be at least 1, got {get_key(cfg, key)}")
-    non_negative = [
-        "train.max_steps",
-        "train.micro_batch_size",
-        "hardware.gpus",
-        "hardware.nproc",
-        "parallel.tp",
-        "parallel.pp",
-        "rollout.tp",
-        "lora.rank",
-        "checkpoint.save_every",
-        "train.eval_every",
-        "algo.kl_coef",
-        "train.lr",
-        "algo.mini_batch_size",
-    ]
-    for key in non_negative:
+    non_negative = "train.max_steps train.micro_batch_size hardware.gpus hardware.nproc parallel.tp parallel.pp"
+    non_negative += " rollout.tp lora.rank train.eval_every log.samples_every log.samples lora.dropout algo.kl_coef"
+    non_negative += " train.weight_decay algo.entropy_coef algo.critic_lr train.lr algo.mini_batch_size"
+    for key in non_negative.split():
         if get_key(cfg, key) < 0:
             raise UserError(f"{key} must not be negative, got {get_key(cfg, key)}")
-    if not 0.0 <= cfg.rollout.mem_fraction < 1.0:
-        raise UserError(f"rollout.mem_fraction must be in [0, 1), got {cfg.rollout.mem_fraction}")
-    if not 0.0 <= cfg.data.val_fraction < 1.0:
-        raise UserError(f"data.val_fraction must be in [0, 1), got {cfg.data.val_fraction}")
+    ranges = {"rollout.mem_fraction": "[0, 1)", "data.val_fraction": "[0, 1)", "train.warmup_ratio": "[0, 1)"}
+    ranges["rollout.top_p"] = "(0, 1]"
+    for key, text in ranges.items():
+        v = get_key(cfg, key)
+        if not ((0.0 <= v < 1.0) if text == "[0, 1)" else (0.0 < v <= 1.0)):
+            raise UserError(f"{key} must be in {text}, got {v}")
     if cfg.algo.dual_clip and cfg.algo.dual_clip <= 1.0:
         raise UserError(f"algo.dual_clip must be > 1 (or 0 to turn it off), got {cfg.algo.dual_clip}")
-    if cfg.checkpoint.keep_last < 1:
-        raise UserError(f"checkpoint.keep_last must be at least 1, got {cfg.checkpoint.keep_last}")
+    if cfg.checkpoint.save_every < -1:
+        raise UserError(
+            f"checkpoint.save_every must be -1 (auto), 0 (at the end only) or N, got {cfg.checkpoint.save_every}"
+        )
+    if cfg.rollout.top_k == 0 or cfg.rollout.top_k < -1:
+        raise UserError(f"rollout.top_k must be -1 (off) or at least 1, got {cfg.rollout.top_k}")
 
 
 def tri_state(value: str) -> bool | None:

@@ -19,7 +19,7 @@ import re
 from functools import cache
 from pathlib import Path
 
-from rlctl.config import RunConfig
+from rlctl.config import RunConfig, val_split
 from rlctl.errors import UserError
 
 IGNORE_MEMORY_FLAG = "--ignore-memory-check"
@@ -101,12 +101,15 @@ def check_data_given(cfg: RunConfig) -> None:
         raise UserError(
             f"no data given: pass --data FILE (JSONL, Parquet or a datasets directory) to `rlctl {cfg.method}`"
         )
+    from rlctl.data.io import check_source
+
+    if cfg.data.chat_template and not Path(cfg.data.chat_template).expanduser().is_file():
+        raise UserError(f"chat template file not found: {cfg.data.chat_template} (--chat-template takes a Jinja file)")
+
     for key in ("path", "val_path"):
         value = getattr(cfg.data, key)
-        if value and not Path(value).expanduser().exists():
-            raise UserError(
-                f"data file not found: {value} (data.{key}); pass an existing JSONL/Parquet file or datasets directory"
-            )
+        if value:
+            check_source(value, f"data.{key}", cfg.data.split if key == "path" else val_split(cfg))
 
 
 def check_reward_spec(cfg: RunConfig) -> None:
@@ -297,7 +300,7 @@ def _check_sft_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[s
                 f"{path}: no '{d.messages_field}' column (the rows have {_columns(columns)}); "
                 f"name the messages with --set data.messages_field=FIELD"
             )
-        if model is not None and not model.has_chat_template:
+        if model is not None and not model.has_chat_template and not d.chat_template:
             raise UserError(
                 f"{model.root} has no chat template, and {path} holds chat messages; use a model with a chat "
                 f"template (tokenizer_config.json chat_template) or prompt/response rows (--set data.format=pairs)"

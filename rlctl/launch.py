@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from rlctl.config import RunConfig, save_config
 from rlctl.errors import UserError
+from rlctl.metrics import from_json
 from rlctl.plan import apply_plan
 from rlctl.runtime.layout import RunPaths, has_checkpoint
 from rlctl.runtime.net import free_port
@@ -131,7 +132,7 @@ class _MetricsTail:
         out = []
         for line in complete:
             try:
-                out.append(json.loads(line))
+                out.append(from_json(json.loads(line)))  # NaN written as null comes back as float nan
             except json.JSONDecodeError:
                 continue
         return out
@@ -200,6 +201,29 @@ class _Progress:
                 self.bar.update(self.task, completed=rec["step"], total=rec.get("total_steps"), info=_describe(rec))
             else:
                 self.console.print(f"step {rec['step']}/{rec.get('total_steps', '?')}  {_describe(rec)}")
+
+    def show_samples(self, records: list[dict], per_step: int = 2) -> None:
+        """The first ``per_step`` samples of each step written to samples.jsonl (RL)."""
+        from rich.markup import escape
+
+        shown: dict = {}
+        for rec in records:
+            step = rec.get("step")
+            shown[step] = shown.get(step, 0) + 1
+            if shown[step] > per_step:
+                continue
+
+            def clip(text) -> str:
+                text = " ".join(str(text).split())
+                return escape(text if len(text) <= 160 else text[:157] + "...")
+
+            reward, adv = rec.get("reward"), rec.get("advantage")
+            self.console.print(
+                f"[dim]sample at step {step}: reward {reward if reward is None else f'{reward:.3g}'}, "
+                f"advantage {adv if adv is None else f'{adv:.3g}'}[/dim]\n  prompt:   {clip(rec.get('prompt', ''))}"
+                f"\n  response: {clip(rec.get('response', ''))}",
+                soft_wrap=True,
+            )
 
     def __exit__(self, *exc):
         if self.bar is not None:
@@ -270,14 +294,17 @@ def launch_job(cfg: RunConfig, plan: Plan) -> int:
                     pass
 
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        tail = _MetricsTail(paths.metrics)
+        tail, samples = _MetricsTail(paths.metrics), _MetricsTail(paths.samples)
         tail.pos = paths.metrics.stat().st_size if paths.metrics.is_file() else 0
+        samples.pos = paths.samples.stat().st_size if paths.samples.is_file() else 0
         try:
             with progress:
                 while proc.poll() is None:
                     progress.update(tail.read())
+                    progress.show_samples(samples.read())
                     time.sleep(0.2)
                 progress.update(tail.read())
+                progress.show_samples(samples.read())
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)

@@ -4,6 +4,10 @@ One JSON object per line. Training records carry at least ``step``, ``total_step
 ``reward`` for RL), ``lr``, ``grad_norm``, ``tokens_per_s`` and ``time/step`` (seconds); eval
 records carry ``step`` and ``val_loss`` and ``"kind": "eval"``. The launcher tails this file for its
 progress bar. TensorBoard and W&B are imported only when ``log.backends`` names them.
+
+Non-finite values: JSON has no NaN or infinity, so metrics.jsonl writes them as ``null`` and lists
+their keys under ``"nonfinite": {"loss": "nan"}`` (read_metrics turns them back into float NaN/inf);
+TensorBoard, W&B and the console get the real float (a NaN loss shows as nan on the curves).
 """
 
 from __future__ import annotations
@@ -96,13 +100,17 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        record = {k: _jsonable(v) for k, v in record.items()}
+        record = {k: _plain(v) for k, v in record.items()}
         record.setdefault("time", round(time.time(), 3))
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(to_json(record)) + "\n")
         if "console" in self.names:
             print(format_record(record), flush=True)
         step = record.get("step", 0)
-        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+        scalars = {
+            k: float(v)
+            for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time")
+        }
         prefix = "eval/" if record.get("kind") == "eval" else "train/"
         if self._tb is not None:
             for k, v in scalars.items():
@@ -120,12 +128,27 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def _jsonable(v):
-    if hasattr(v, "item"):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)  # JSON has no inf/nan
-    return v
+def _plain(v):
+    """A tensor or numpy scalar as a Python number; everything else unchanged."""
+    return v.item() if hasattr(v, "item") else v
+
+
+def to_json(record: dict) -> dict:
+    """``record`` as JSON can hold it: a NaN or infinite float becomes null, its kind listed under
+    ``"nonfinite"`` ({"loss": "nan"}); see :func:`from_json`."""
+    bad = {k: str(v) for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
+    if not bad:
+        return record
+    return {**{k: (None if k in bad else v) for k, v in record.items()}, "nonfinite": bad}
+
+
+def from_json(record: dict) -> dict:
+    """The inverse of :func:`to_json`: the listed keys become float nan / inf / -inf again."""
+    bad = record.pop("nonfinite", None)
+    if isinstance(bad, dict):
+        for k, text in bad.items():
+            record[k] = float(text)
+    return record
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -136,7 +159,7 @@ def read_metrics(path: str | Path) -> list[dict]:
     out = []
     for line in p.read_text().splitlines():
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
+            out.append(from_json(json.loads(line)))
+        except (json.JSONDecodeError, ValueError, TypeError, AttributeError):
             continue
     return out

@@ -71,7 +71,10 @@ class CompareSettings:
             if w not in WORK:
                 raise UserError(f"unknown work {w!r}{did_you_mean(w, WORK)}; choose from {', '.join(WORK)}")
         if importlib.util.find_spec("trl") is None:
-            raise UserError("`rlctl bench compare --peer trl` needs TRL, which is not installed here: pip install trl")
+            raise UserError(
+                "`rlctl bench compare --peer trl` needs TRL, which is not installed here: pip install trl "
+                "(or pip install 'rlctl[bench]')"
+            )
         from rlctl.bench.train import LENGTHS
 
         if self.lengths not in LENGTHS:
@@ -401,7 +404,12 @@ def cfg_lr(method: str) -> float:
 
 def bench_compare(model: BenchModel, s: CompareSettings, *, log=lambda msg: None) -> list[dict]:
     """Every requested kind of work through rlctl and the peer; one row each."""
-    import trl
+    try:
+        import trl
+    except ImportError:
+        raise UserError(
+            "bench compare runs TRL as the peer, which is not installed: pip install 'rlctl[bench]'"
+        ) from None
 
     s.check()
     rows = []

@@ -79,7 +79,8 @@ def resolve_bench_model(name: str, *, random_init: bool = False, need_weights: b
     if local.is_dir():
         if not (local / "config.json").is_file():
             raise UserError(
-                f"{local} has no config.json; pass a Hugging Face model directory, `tiny`, or a catalog name with --random-init"
+                f"{local} has no config.json; pass a Hugging Face model directory, `tiny`, "
+                "or a catalog name with --random-init"
             )
         weights = _has_weights(local)
         if need_weights and not weights and not random_init:

@@ -39,20 +39,30 @@ def render_rollout(console: Console, doc: dict) -> None:
         title=f"rollout: {s['prompts']} prompts x n={s['n']}, prompt {s['prompt_len']} tokens, "
         f"up to {s['max_tokens']} new tokens, {s['device']} {s['dtype']}, median of {s['reps']}"
     )
-    for col in ("engine", "load s", "tokens/s", "tokens/s n=1", "shared prefix", "TTFT", "decode tok/s", "peak memory"):
-        t.add_column(col, justify="left" if col == "engine" else "right")
+    # short headers, whole numbers, no wrapping: the row still reads at 80 columns (tokens/s first)
+    for col in (
+        "engine",
+        "tokens/s",
+        "n=1\ntok/s",
+        "shared\nprefix",
+        "load\ns",
+        "TTFT\nms",
+        "decode\ntok/s",
+        "peak\nmemory",
+    ):
+        t.add_column(col, justify="left" if col == "engine" else "right", no_wrap=True)
     for r in doc["results"]:
         if r.get("error"):
             t.add_row(r["engine"], "[red]failed[/red]", *["-"] * 6)
             continue
         t.add_row(
             r["engine"],
-            fmt(r["load_s"], ".1f"),
             fmt(r["tokens_per_s"]),
-            fmt(r["tokens_per_s_distinct"]),
+            fmt(r["tokens_per_s_distinct"], ",.0f"),
             fmt_ratio(r["shared_prefix_speedup"]),
-            fmt(r["ttft_s"] * 1000, ",.1f", " ms"),
-            fmt(r["decode_tokens_per_s"]),
+            fmt(r["load_s"], ".1f"),
+            fmt(r["ttft_s"] * 1000, ",.1f"),
+            fmt(r["decode_tokens_per_s"], ",.0f"),
             fmt_bytes(r["peak_memory_bytes"]),
         )
     console.print(t)
@@ -60,7 +70,8 @@ def render_rollout(console: Console, doc: dict) -> None:
         if r.get("error"):
             console.print(f"[red]{r['engine']}:[/red] {r['error']}", markup=True, highlight=False)
     console.print(
-        "[dim]tokens/s n=1: the same number of samples from distinct prompts (nothing shared); "
+        "[dim]n=1 tok/s: the same number of samples from distinct prompts (nothing shared); prefix: the "
+        "speed-up of n samples sharing a prompt; "
         "TTFT: the whole batch's first token (max_tokens=1); peak memory: "
         + (doc["results"][0].get("memory", {}).get("source", "") if doc["results"] else "")
         + "[/dim]"

@@ -287,7 +287,7 @@ def run_interleaved(workers: list[EngineWorker], cases: dict, s: RolloutSettings
     def sampling(max_tokens: int, rep: int) -> dict:
         return {"temperature": s.temperature, "max_tokens": max_tokens, "seed": s.seed + rep}
 
-    for case, (prompts, n, max_tokens) in cases.items():
+    for prompts, n, max_tokens in cases.values():
         for w in workers:
             w.call("generate", prompts=prompts, n=n, sampling=sampling(max_tokens, -1))
     for rep in range(s.reps):

@@ -369,3 +369,5 @@ def bench_train(model: BenchModel, s: TrainSettings, *, output_dir: str | None =
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
+            # the launcher named the run's checkpoint; say that it went with the temporary directory
+            log(f"removed the temporary run directory {work} (its checkpoint too); --output-dir DIR keeps the run")

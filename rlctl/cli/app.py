@@ -11,7 +11,7 @@ import sys
 import typer
 
 from rlctl import __version__
-from rlctl.cli import bench, convert, estimate, presets, rl, sft
+from rlctl.cli import bench, convert, estimate, presets, report, rl, sft
 
 HELP = """rlctl: post-train LLMs (SFT, GRPO, PPO) from one command.
 
@@ -27,6 +27,8 @@ EPILOG = """Examples:
   rlctl grpo --model Qwen2.5-7B --gpus 8 --dry-run
 
   rlctl sft --model ./tiny --data chats.jsonl --device cpu --nproc 2
+
+  rlctl report runs/grpo-x --compare runs/grpo-y
 
   rlctl convert fsdp-to-hf runs/grpo/checkpoints out/hf
 """
@@ -45,6 +47,7 @@ app = typer.Typer(
 app.command("sft", epilog=sft.EXAMPLES)(sft.sft)
 app.command("grpo", epilog=rl.GRPO_EXAMPLES)(rl.grpo)
 app.command("ppo", epilog=rl.PPO_EXAMPLES)(rl.ppo)
+app.command("report", epilog=report.EXAMPLES)(report.report)
 app.add_typer(convert.app, name="convert")
 app.add_typer(estimate.app, name="estimate")
 app.add_typer(bench.app, name="bench")

@@ -55,7 +55,8 @@ Lengths = Annotated[
     str,
     typer.Option(
         "--lengths",
-        help="sft: fixed (every sequence --seq-len tokens) | spread (16 to --seq-len, log-uniform, like real chats; compare adds TRL with packing).",
+        help="sft: fixed (every sequence --seq-len tokens) | spread (16 to --seq-len, log-uniform, like real "
+        "chats; compare adds TRL with packing).",
     ),
 ]
 

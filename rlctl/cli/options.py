@@ -23,7 +23,46 @@ Model = Annotated[
     ),
 ]
 Data = Annotated[
-    str | None, typer.Option("--data", "-d", help="JSONL, Parquet or a `datasets` directory.", rich_help_panel="Job")
+    str | None,
+    typer.Option(
+        "--data",
+        "-d",
+        help="JSONL, Parquet, a directory of Parquet shards, a `datasets` save_to_disk directory, or a hub "
+        "dataset name already in the local cache (e.g. openai/gsm8k).",
+        rich_help_panel="Job",
+    ),
+]
+ValData = Annotated[
+    str | None,
+    typer.Option(
+        "--val-data",
+        help="Validation data (any form --data takes), evaluated every --eval-every steps.",
+        rich_help_panel="Evaluation",
+    ),
+]
+ValFraction = Annotated[
+    float | None,
+    typer.Option(
+        "--val-fraction",
+        help="Share of --data held out for evaluation (without --val-data).",
+        rich_help_panel="Evaluation",
+    ),
+]
+ChatTemplate = Annotated[
+    str | None,
+    typer.Option(
+        "--chat-template",
+        help="A Jinja chat template file used instead of the tokenizer's (also saved with the model).",
+        rich_help_panel="Job",
+    ),
+]
+SystemPrompt = Annotated[
+    str | None,
+    typer.Option(
+        "--system-prompt",
+        help="A system message put before every conversation / prompt that has none (text, or @FILE).",
+        rich_help_panel="Job",
+    ),
 ]
 Gpus = Annotated[
     int | None,
@@ -149,7 +188,7 @@ MicroBatch = Annotated[
     int | None,
     typer.Option(
         "--micro-batch-size",
-        help="Sequences per device per forward (default: from the plan).",
+        help="Sequences per device per forward.",
         rich_help_panel="Training",
     ),
 ]
@@ -157,7 +196,9 @@ Seed = Annotated[int | None, typer.Option("--seed", help="Random seed.", rich_he
 SaveEvery = Annotated[
     int | None,
     typer.Option(
-        "--save-every", help="Checkpoint every N steps (and always at the end).", rich_help_panel="Checkpoints"
+        "--save-every",
+        help="Checkpoint every N steps and at the end; -1 = auto: every max(50, steps / 10); 0 = only at the end.",
+        rich_help_panel="Checkpoints",
     ),
 ]
 KeepLast = Annotated[
@@ -170,18 +211,54 @@ Resume = Annotated[
     ),
 ]
 EvalEvery = Annotated[
-    int | None, typer.Option("--eval-every", help="Evaluate every N steps (0 = never).", rich_help_panel="Training")
+    int | None,
+    typer.Option(
+        "--eval-every",
+        help="Evaluate the validation data every N steps (0 = only at the end).",
+        rich_help_panel="Evaluation",
+    ),
+]
+Warmup = Annotated[
+    float | None,
+    typer.Option("--warmup-ratio", help="Share of the steps with a linear lr warmup.", rich_help_panel="Training"),
+]
+WeightDecay = Annotated[
+    float | None, typer.Option("--weight-decay", help="AdamW weight decay.", rich_help_panel="Training")
+]
+LrScheduler = Annotated[
+    str | None,
+    typer.Option(
+        "--lr-scheduler",
+        help="cosine (warmup, then down to train.min_lr_ratio of the peak) | constant (after the warmup).",
+        rich_help_panel="Training",
+    ),
+]
+GradCkpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--gradient-checkpointing/--no-gradient-checkpointing",
+        help="Recompute activations in the backward pass (default: the plan decides).",
+        rich_help_panel="Training",
+        show_default=False,
+    ),
+]
+RunName = Annotated[
+    str | None,
+    typer.Option(
+        "--run-name",
+        help="Name of the run in W&B / TensorBoard (default: the run directory's).",
+        rich_help_panel="Training",
+    ),
 ]
 LoraRank = Annotated[
     int | None, typer.Option("--lora-rank", help="LoRA rank (0 = full fine-tuning).", rich_help_panel="LoRA")
 ]
-LoraAlpha = Annotated[
-    float | None, typer.Option("--lora-alpha", help="LoRA alpha (default 2 x rank).", rich_help_panel="LoRA")
-]
+LoraAlpha = Annotated[float | None, typer.Option("--lora-alpha", help="LoRA alpha.", rich_help_panel="LoRA")]
 LoraTargets = Annotated[
     str | None,
     typer.Option("--lora-targets", help="all-linear or a comma list of module names.", rich_help_panel="LoRA"),
 ]
+LoraDropout = Annotated[float | None, typer.Option("--lora-dropout", help="LoRA dropout.", rich_help_panel="LoRA")]
 Log = Annotated[
     str | None,
     typer.Option("--log", help="Comma list of metric sinks: console, tensorboard, wandb.", rich_help_panel="Training"),
@@ -206,47 +283,105 @@ IgnoreMemoryCheck = Annotated[
 ]
 
 
-def common_mapping(
-    *,
-    model,
-    data,
-    gpus,
-    nodes,
-    gpu,
-    device,
-    nproc,
-    node_rank,
-    master_addr,
-    master_port,
-    rdzv_endpoint,
-    output_dir,
-    trust_remote_code=None,
-    launcher=None,
-    partition=None,
-    account=None,
-    time=None,
-    sbatch=None,
-) -> dict[str, object]:
-    return {
-        "cluster.launcher": launcher,
-        "cluster.partition": partition,
-        "cluster.account": account,
-        "cluster.time": time,
-        "cluster.sbatch": sbatch or None,
-        "model.name": model,
-        "model.trust_remote_code": trust_remote_code or None,
-        "data.path": data,
-        "hardware.gpus": gpus,
-        "hardware.nodes": nodes,
-        "hardware.gpu": gpu,
-        "hardware.device": device,
-        "hardware.nproc": nproc,
-        "hardware.node_rank": node_rank,
-        "hardware.master_addr": master_addr,
-        "hardware.master_port": master_port,
-        "hardware.rdzv_endpoint": rdzv_endpoint,
-        "output_dir": output_dir,
+# option (parameter name) -> config key, for every training command; the command adds its own
+COMMON_KEYS = {
+    "model": "model.name",
+    "data": "data.path",
+    "val_data": "data.val_path",
+    "val_fraction": "data.val_fraction",
+    "system_prompt": "data.system_prompt",
+    "chat_template": "data.chat_template",
+    "gpus": "hardware.gpus",
+    "nodes": "hardware.nodes",
+    "gpu": "hardware.gpu",
+    "device": "hardware.device",
+    "nproc": "hardware.nproc",
+    "node_rank": "hardware.node_rank",
+    "master_addr": "hardware.master_addr",
+    "master_port": "hardware.master_port",
+    "rdzv_endpoint": "hardware.rdzv_endpoint",
+    "launcher": "cluster.launcher",
+    "partition": "cluster.partition",
+    "account": "cluster.account",
+    "time_limit": "cluster.time",
+    "sbatch": "cluster.sbatch",
+    "output_dir": "output_dir",
+    "max_steps": "train.max_steps",
+    "epochs": "train.epochs",
+    "lr": "train.lr",
+    "warmup_ratio": "train.warmup_ratio",
+    "weight_decay": "train.weight_decay",
+    "lr_scheduler": "train.lr_scheduler",
+    "batch_size": "train.batch_size",
+    "micro_batch_size": "train.micro_batch_size",
+    "eval_every": "train.eval_every",
+    "save_every": "checkpoint.save_every",
+    "keep_last": "checkpoint.keep_last",
+    "resume": "checkpoint.resume",
+    "seed": "train.seed",
+    "lora_rank": "lora.rank",
+    "lora_alpha": "lora.alpha",
+    "lora_targets": "lora.targets",
+    "lora_dropout": "lora.dropout",
+    "log": "log.backends",
+    "run_name": "log.run_name",
+}
+# shown instead of the raw default where the raw value means "decided elsewhere"
+SHOWN = {
+    "train.micro_batch_size": "from the plan",
+    "train.max_steps": "0: the epochs",
+    "checkpoint.save_every": "-1: auto",
+    "lora.alpha": "2 x rank",
+}
+
+
+def to_mapping(values: dict, keys: dict[str, str]) -> dict[str, object]:
+    """The CLI layer of the config: {config key: value} for every option given (None = not given)."""
+    out = {
+        key: values.get(param) or (None if values.get(param) == [] else values.get(param))
+        for param, key in keys.items()
     }
+    if values.get("trust_remote_code"):
+        out["model.trust_remote_code"] = True
+    ckpt = values.get("gradient_checkpointing")
+    if ckpt is not None:
+        out["parallel.activation_checkpointing"] = "true" if ckpt else "false"
+    prompt = out.get("data.system_prompt")
+    if isinstance(prompt, str) and prompt.startswith("@"):
+        from pathlib import Path
+
+        from rlctl.errors import UserError
+
+        path = Path(prompt[1:]).expanduser()
+        if not path.is_file():
+            raise UserError(f"--system-prompt {prompt}: no such file (give the text, or @FILE of an existing file)")
+        out["data.system_prompt"] = path.read_text().strip()
+    return out
+
+
+def show_defaults(command, method: str, keys: dict[str, str]):
+    """Put each option's default (the method's preset over the config defaults) into its --help, as
+    bench does: the options default to None (not given), so typer alone would show nothing."""
+    import copy
+    import typing
+
+    from rlctl.config import build_config, get_key
+    from rlctl.presets import method_layers
+
+    cfg = build_config(method, method_layers(method, None))
+    hints = typing.get_type_hints(command, include_extras=True)
+    for param, key in keys.items():
+        hint = hints.get(param)
+        if typing.get_origin(hint) is not Annotated:
+            continue
+        base, *meta = typing.get_args(hint)
+        info = copy.copy(meta[0])
+        value = SHOWN.get(key, get_key(cfg, key))
+        if value in ("", None, []) or info.show_default is False or key.split(".")[0] in ("hardware", "model"):
+            continue
+        info.help = f"{info.help} (default: {value})"
+        command.__annotations__[param] = Annotated[base, info]
+    return command
 
 
 def run_training(

@@ -44,10 +44,48 @@ ADV_OPTION = {
 }
 
 
+KEYS = {
+    **o.COMMON_KEYS,
+    "n": "rollout.n",
+    "max_prompt_len": "rollout.max_prompt_len",
+    "max_response_len": "rollout.max_response_len",
+    "temperature": "rollout.temperature",
+    "top_p": "rollout.top_p",
+    "top_k": "rollout.top_k",
+    "eval_n": "rollout.val_n",
+    "mini_batch_size": "algo.mini_batch_size",
+    "ppo_epochs": "algo.ppo_epochs",
+    "kl_coef": "algo.kl_coef",
+    "kl_kind": "algo.kl_kind",
+    "entropy_coef": "algo.entropy_coef",
+    "critic_lr": "algo.critic_lr",
+    "adv": "algo.adv",
+    "loss_agg": "algo.loss_agg",
+    "clip_low": "algo.clip_low",
+    "clip_high": "algo.clip_high",
+    "rollout": "rollout.engine",
+    "reward_model": "reward.model",
+    "samples_every": "log.samples_every",
+}
+
+
 def _rl_command(method: str):
     def command(
         model: o.Model = None,
         data: o.Data = None,
+        val_data: o.ValData = None,
+        val_fraction: o.ValFraction = None,
+        eval_every: o.EvalEvery = None,
+        eval_n: Annotated[
+            int | None,
+            typer.Option(
+                "--eval-n",
+                help="Samples per validation prompt besides the greedy one: mean@k and pass@k (k = this).",
+                rich_help_panel="Evaluation",
+            ),
+        ] = None,
+        system_prompt: o.SystemPrompt = None,
+        chat_template: o.ChatTemplate = None,
         gpus: o.Gpus = None,
         nodes: o.Nodes = None,
         gpu: o.Gpu = None,
@@ -71,6 +109,9 @@ def _rl_command(method: str):
         max_steps: o.MaxSteps = None,
         epochs: o.Epochs = None,
         lr: o.Lr = None,
+        lr_scheduler: o.LrScheduler = None,
+        warmup_ratio: o.Warmup = None,
+        weight_decay: o.WeightDecay = None,
         batch_size: Annotated[
             int | None, typer.Option("--batch-size", help="Prompts per step (global).", rich_help_panel=RL)
         ] = None,
@@ -88,13 +129,21 @@ def _rl_command(method: str):
         temperature: Annotated[
             float | None, typer.Option("--temperature", help="Sampling temperature.", rich_help_panel=RL)
         ] = None,
+        top_p: Annotated[
+            float | None, typer.Option("--top-p", help="Nucleus sampling (1 = off).", rich_help_panel=RL)
+        ] = None,
+        top_k: Annotated[
+            int | None,
+            typer.Option("--top-k", help="Sample from the k likeliest tokens (-1 = off).", rich_help_panel=RL),
+        ] = None,
         mini_batch_size: Annotated[
             int | None,
             typer.Option(
-                "--mini-batch-size", help="Prompts per optimizer step (default: the whole batch).", rich_help_panel=RL
+                "--mini-batch-size", help="Prompts per optimizer step (0 = the whole batch).", rich_help_panel=RL
             ),
         ] = None,
         micro_batch_size: o.MicroBatch = None,
+        gradient_checkpointing: o.GradCkpt = None,
         ppo_epochs: Annotated[
             int | None, typer.Option("--ppo-epochs", help="Passes over each rollout batch.", rich_help_panel=RL)
         ] = None,
@@ -106,6 +155,14 @@ def _rl_command(method: str):
         ] = None,
         kl_kind: Annotated[
             str | None, typer.Option("--kl-kind", help="k1 | abs | k2 | k3.", rich_help_panel=RL)
+        ] = None,
+        entropy_coef: Annotated[
+            float | None,
+            typer.Option("--entropy-coef", help="Entropy bonus in the policy loss (0 = off).", rich_help_panel=RL),
+        ] = None,
+        critic_lr: Annotated[
+            float | None,
+            typer.Option("--critic-lr", help="Learning rate of the critic (ppo).", rich_help_panel=RL),
         ] = None,
         adv: str | None = None,  # its option (help per method) is set below: ADV_OPTION
         loss_agg: Annotated[
@@ -143,68 +200,31 @@ def _rl_command(method: str):
                 rich_help_panel=RL,
             ),
         ] = None,
+        samples_every: Annotated[
+            int | None,
+            typer.Option(
+                "--samples-every",
+                help="Write a few (prompt, response, reward, advantage) samples to samples.jsonl every N steps "
+                "and show two (0 = never).",
+                rich_help_panel="Training",
+            ),
+        ] = None,
         save_every: o.SaveEvery = None,
         keep_last: o.KeepLast = None,
         resume: o.Resume = None,
         seed: o.Seed = None,
         lora_rank: o.LoraRank = None,
         lora_alpha: o.LoraAlpha = None,
+        lora_targets: o.LoraTargets = None,
+        lora_dropout: o.LoraDropout = None,
         log: o.Log = None,
+        run_name: o.RunName = None,
         trust_remote_code: o.TrustRemoteCode = None,
         ignore_memory_check: o.IgnoreMemoryCheck = False,
     ) -> None:
-        mapping = o.common_mapping(
-            model=model,
-            data=data,
-            gpus=gpus,
-            nodes=nodes,
-            gpu=gpu,
-            device=device,
-            nproc=nproc,
-            node_rank=node_rank,
-            master_addr=master_addr,
-            master_port=master_port,
-            rdzv_endpoint=rdzv_endpoint,
-            launcher=launcher,
-            partition=partition,
-            account=account,
-            time=time_limit,
-            sbatch=sbatch,
-            output_dir=output_dir,
-            trust_remote_code=trust_remote_code,
-        )
-        mapping.update(
-            {
-                "train.max_steps": max_steps,
-                "train.epochs": epochs,
-                "train.lr": lr,
-                "train.batch_size": batch_size,
-                "rollout.n": n,
-                "rollout.max_prompt_len": max_prompt_len,
-                "rollout.max_response_len": max_response_len,
-                "rollout.temperature": temperature,
-                "algo.mini_batch_size": mini_batch_size,
-                "train.micro_batch_size": micro_batch_size,
-                "algo.ppo_epochs": ppo_epochs,
-                "algo.kl_coef": kl_coef,
-                "algo.kl_kind": kl_kind,
-                "algo.adv": adv,
-                "algo.loss_agg": loss_agg,
-                "algo.clip_low": clip_low,
-                "algo.clip_high": clip_high,
-                "rollout.engine": rollout,
-                "reward.fn": reward[0] if reward and len(reward) == 1 else None,
-                "reward.fns": reward if reward and len(reward) > 1 else None,
-                "reward.model": reward_model,
-                "checkpoint.save_every": save_every,
-                "checkpoint.keep_last": keep_last,
-                "checkpoint.resume": resume,
-                "train.seed": seed,
-                "lora.rank": lora_rank,
-                "lora.alpha": lora_alpha,
-                "log.backends": log,
-            }
-        )
+        mapping = o.to_mapping(locals(), KEYS)
+        mapping["reward.fn"] = reward[0] if reward and len(reward) == 1 else None
+        mapping["reward.fns"] = reward if reward and len(reward) > 1 else None
         o.run_training(
             method,
             preset=preset,
@@ -217,7 +237,7 @@ def _rl_command(method: str):
         )
 
     command.__annotations__["adv"] = ADV_OPTION[method]
-    return command
+    return o.show_defaults(command, method, KEYS)
 
 
 grpo = _rl_command("grpo")

@@ -21,9 +21,21 @@ Examples:
 """
 
 
+KEYS = {
+    **o.COMMON_KEYS,
+    "max_len": "train.max_len",
+    "packing": "data.packing",
+}
+
+
 def sft(
     model: o.Model = None,
     data: o.Data = None,
+    val_data: o.ValData = None,
+    val_fraction: o.ValFraction = None,
+    eval_every: o.EvalEvery = None,
+    system_prompt: o.SystemPrompt = None,
+    chat_template: o.ChatTemplate = None,
     gpus: o.Gpus = None,
     nodes: o.Nodes = None,
     gpu: o.Gpu = None,
@@ -47,6 +59,9 @@ def sft(
     max_steps: o.MaxSteps = None,
     epochs: o.Epochs = None,
     lr: o.Lr = None,
+    lr_scheduler: o.LrScheduler = None,
+    warmup_ratio: o.Warmup = None,
+    weight_decay: o.WeightDecay = None,
     batch_size: Annotated[
         int | None,
         typer.Option("--batch-size", help="Sequences per optimizer step (global).", rich_help_panel="Training"),
@@ -62,15 +77,9 @@ def sft(
     ] = None,
     packing: Annotated[
         bool | None,
-        typer.Option(
-            "--packing/--no-packing", help="Pack several documents per row (default on).", rich_help_panel="Training"
-        ),
+        typer.Option("--packing/--no-packing", help="Pack several documents per row.", rich_help_panel="Training"),
     ] = None,
-    val_fraction: Annotated[
-        float | None,
-        typer.Option("--val-fraction", help="Share of the data held out for eval loss.", rich_help_panel="Training"),
-    ] = None,
-    eval_every: o.EvalEvery = None,
+    gradient_checkpointing: o.GradCkpt = None,
     save_every: o.SaveEvery = None,
     keep_last: o.KeepLast = None,
     resume: o.Resume = None,
@@ -78,59 +87,23 @@ def sft(
     lora_rank: o.LoraRank = None,
     lora_alpha: o.LoraAlpha = None,
     lora_targets: o.LoraTargets = None,
+    lora_dropout: o.LoraDropout = None,
     log: o.Log = None,
+    run_name: o.RunName = None,
     trust_remote_code: o.TrustRemoteCode = None,
     ignore_memory_check: o.IgnoreMemoryCheck = False,
 ) -> None:
     """Supervised fine-tuning: packed sequences, loss on assistant tokens, LoRA or full, exact resume."""
-    mapping = o.common_mapping(
-        model=model,
-        data=data,
-        gpus=gpus,
-        nodes=nodes,
-        gpu=gpu,
-        device=device,
-        nproc=nproc,
-        node_rank=node_rank,
-        master_addr=master_addr,
-        master_port=master_port,
-        rdzv_endpoint=rdzv_endpoint,
-        launcher=launcher,
-        partition=partition,
-        account=account,
-        time=time_limit,
-        sbatch=sbatch,
-        output_dir=output_dir,
-        trust_remote_code=trust_remote_code,
-    )
-    mapping.update(
-        {
-            "train.max_steps": max_steps,
-            "train.epochs": epochs,
-            "train.lr": lr,
-            "train.batch_size": batch_size,
-            "train.micro_batch_size": micro_batch_size,
-            "train.max_len": max_len,
-            "data.packing": packing,
-            "data.val_fraction": val_fraction,
-            "train.eval_every": eval_every,
-            "checkpoint.save_every": save_every,
-            "checkpoint.keep_last": keep_last,
-            "checkpoint.resume": resume,
-            "train.seed": seed,
-            "lora.rank": lora_rank,
-            "lora.alpha": lora_alpha,
-            "lora.targets": lora_targets,
-            "log.backends": log,
-        }
-    )
     o.run_training(
         "sft",
         preset=preset,
         config_file=config,
-        options=mapping,
+        options=o.to_mapping(locals(), KEYS),
         sets=set_,
         dry_run=dry_run,
         as_json=json_,
         ignore_memory_check=ignore_memory_check,
     )
+
+
+o.show_defaults(sft, "sft", KEYS)

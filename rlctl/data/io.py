@@ -1,4 +1,7 @@
-"""Reading rows from JSONL, JSON, Parquet, or a `datasets` directory saved with ``save_to_disk``.
+"""Reading rows from JSONL, JSON, Parquet, a directory of Parquet (or JSONL) shards, a `datasets`
+directory saved with ``save_to_disk``, or a Hugging Face hub dataset name resolved through the local
+cache (``datasets.load_dataset``; nothing is downloaded when ``HF_HUB_OFFLINE=1``, and a name that is
+not cached is one line saying so).
 
 Every reader returns plain Python dicts. A JSONL line that is not a JSON object is not fatal: it is
 reported in :attr:`Rows.unreadable` so the caller can count it as a bad row.
@@ -12,7 +15,11 @@ from pathlib import Path
 
 from rlctl.errors import UserError
 
-FORMATS_HELP = "JSONL (.jsonl), JSON (.json), Parquet (.parquet) or a `datasets` directory (save_to_disk)"
+FORMATS_HELP = (
+    "JSONL (.jsonl), JSON (.json), Parquet (.parquet), a directory of Parquet shards, a `datasets` directory "
+    "(save_to_disk) or a hub dataset name in the local cache"
+)
+SHARD_SUFFIXES = (".parquet", ".pq", ".jsonl", ".jsonl.gz", ".ndjson", ".json")
 
 
 @dataclass
@@ -24,13 +31,72 @@ class Rows:
         return len(self.rows) + len(self.unreadable)
 
 
+def looks_like_hub_name(path: str) -> bool:
+    """``owner/name`` or ``name``: no file suffix, not a relative or absolute path that exists."""
+    text = str(path)
+    if not text or text.startswith((".", "/", "~")) or Path(text).expanduser().exists():
+        return False
+    return text.count("/") <= 1 and not Path(text).suffix
+
+
+def check_source(path: str, key: str = "data.path", split: str = "train") -> None:
+    """One line when ``path`` is neither an existing file / directory nor a cached hub dataset."""
+    p = Path(path).expanduser()
+    if p.exists():
+        if p.is_dir() and not _is_datasets_dir(p) and not _shards(p):
+            raise UserError(f"{p} ({key}) is a directory with no Parquet/JSONL shards and no save_to_disk dataset")
+        return
+    if not looks_like_hub_name(path):
+        raise UserError(f"data file not found: {path} ({key}); pass {FORMATS_HELP}")
+    hub_dataset(path, split)
+
+
+def _is_datasets_dir(p: Path) -> bool:
+    return (p / "dataset_dict.json").is_file() or (p / "state.json").is_file()
+
+
+def _shards(p: Path) -> list[Path]:
+    """The data files of a directory of shards, in name order (searched recursively)."""
+    return sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(SHARD_SUFFIXES))
+
+
+def hub_dataset(name: str, split: str = "train"):
+    """A hub dataset from the local cache (offline); a one-line UserError when it is not there."""
+    import datasets
+
+    spec, _, config = name.partition("@")  # owner/name@config picks a configuration (e.g. openai/gsm8k@main)
+    try:
+        ds = datasets.load_dataset(spec, config or None, split=split)
+    except ValueError as e:  # an unknown split
+        raise UserError(f"hub dataset {name}: {str(e).splitlines()[0]} (set data.split)") from None
+    except Exception as e:  # noqa: BLE001 (offline and not cached: ConnectionError, FileNotFoundError, ...)
+        raise UserError(
+            f"data not found: '{name}' is no file here and not a hub dataset in the local cache "
+            f"({type(e).__name__}); with network run `python -c \"import datasets; datasets.load_dataset('{spec}')\"` "
+            f"once, or pass a file"
+        ) from None
+    return ds
+
+
 def read_rows(path: str | Path, *, split: str = "train") -> Rows:
-    """Read every row of a data file or `datasets` directory (``split`` picks from a DatasetDict)."""
+    """Read every row of a data source (``split`` picks from a DatasetDict or a hub dataset)."""
     p = Path(path).expanduser()
     if not p.exists():
+        if looks_like_hub_name(str(path)):
+            return Rows(hub_dataset(str(path), split).to_list())
         raise UserError(f"data not found: {p} (pass {FORMATS_HELP})")
     if p.is_dir():
-        return Rows(_read_datasets_dir(p, split))
+        if _is_datasets_dir(p):
+            return Rows(_read_datasets_dir(p, split))
+        shards = _shards(p)
+        if not shards:
+            raise UserError(f"{p} is a directory with no Parquet/JSONL shards and no save_to_disk dataset")
+        rows = Rows([])
+        for shard in shards:
+            part = read_rows(shard)
+            rows.rows.extend(part.rows)
+            rows.unreadable.extend(part.unreadable)
+        return rows
     suffix = "".join(p.suffixes[-2:]) if p.suffix == ".gz" else p.suffix
     if suffix in (".jsonl", ".jsonl.gz", ".ndjson"):
         return _read_jsonl(p)
@@ -112,9 +178,12 @@ def first_rows(path: str | Path, n: int = 32) -> tuple[list[dict], list[str]] | 
     ``([], columns)``."""
     p = Path(path).expanduser()
     if not p.exists():
+        if looks_like_hub_name(str(path)):
+            return None  # a cached hub dataset: check_source opened it; the ranks report its rows
         raise UserError(f"data not found: {p} (pass {FORMATS_HELP})")
     if p.is_dir():
-        return None
+        shards = [] if _is_datasets_dir(p) else _shards(p)
+        return first_rows(shards[0], n) if shards else None
     suffix = "".join(p.suffixes[-2:]) if p.suffix == ".gz" else p.suffix
     if suffix in (".parquet", ".pq"):
         import pyarrow.parquet as pq

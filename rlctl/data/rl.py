@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rlctl.config import RunConfig
+from rlctl.config import RunConfig, val_split
 from rlctl.data.io import read_rows
-from rlctl.data.sft import BadRow, DataReport, checked_messages
+from rlctl.data.sft import BadRow, DataReport, checked_messages, with_system
 from rlctl.errors import UserError
 
 TOO_LONG = "prompt longer than rollout.max_prompt_len"
@@ -58,15 +58,17 @@ def _ground_truth(row: dict, answer_field: str) -> tuple[bool, Any]:
     return False, None
 
 
-def render_prompt(prompt: Any, tokenizer, field: str) -> list[int]:
-    """Token ids of a prompt (a string or a chat message list), ending with the generation prompt."""
+def render_prompt(prompt: Any, tokenizer, field: str, system: str = "") -> list[int]:
+    """Token ids of a prompt (a string or a chat message list), ending with the generation prompt;
+    ``system`` (data.system_prompt) goes first unless the prompt has a system message."""
     if isinstance(prompt, str) and not prompt:
         raise BadRow(f"empty '{field}'")
     if not tokenizer.chat_template:
         if not isinstance(prompt, str):
             raise BadRow(f"'{field}' is a message list but the tokenizer has no chat template")
-        return list(tokenizer(prompt)["input_ids"])
+        return list(tokenizer(f"{system}\n\n{prompt}" if system else prompt)["input_ids"])
     messages = checked_messages(prompt, field) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    messages = with_system(messages, system)
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 (jinja raises many types)
@@ -83,9 +85,15 @@ def row_prompt(row: dict, tokenizer, cfg: RunConfig) -> Prompt:
     found, truth = _ground_truth(row, cfg.data.answer_field)
     if not found:
         raise BadRow(f"missing field '{cfg.data.answer_field}'")
-    ids = render_prompt(prompt, tokenizer, field)
+    ids = render_prompt(prompt, tokenizer, field, cfg.data.system_prompt)
     if len(ids) > cfg.rollout.max_prompt_len:
         raise BadRow(TOO_LONG)
+    return _with_meta(ids, row, cfg)
+
+
+def _with_meta(ids: list[int], row: dict, cfg: RunConfig) -> Prompt:
+    """A usable row's :class:`Prompt`: its token ids and what the reward function needs."""
+    _, truth = _ground_truth(row, cfg.data.answer_field)
     extra = row.get("extra_info")
     extra = dict(extra) if isinstance(extra, dict) else None
     if cfg.reward.format_pattern:
@@ -93,9 +101,16 @@ def row_prompt(row: dict, tokenizer, cfg: RunConfig) -> Prompt:
     return Prompt(ids, str(row.get("data_source") or ""), truth, extra)
 
 
-def read_prompts(path: str, tokenizer, cfg: RunConfig) -> tuple[list[Prompt], DataReport]:
-    """Every usable prompt of a file, and the report of what was skipped."""
-    rows = read_rows(path)
+def read_prompts(
+    path: str, tokenizer, cfg: RunConfig, split: str = "train", *, cache_dir=None, log=lambda msg: None
+) -> tuple[list[Prompt], DataReport]:
+    """Every usable prompt of a data source (rendered through ``datasets.map``, cached in ``cache_dir``
+    and done once: :func:`rlctl.data.mapped.map_rows`), and the report of what was skipped."""
+    from dataclasses import asdict
+
+    from rlctl.data.mapped import cache_key, map_rows, source_stamp, tokenizer_stamp
+
+    rows = read_rows(path, split=split)
     report = DataReport(total=len(rows))
     for reason in rows.unreadable:
         report.bad[reason] += 1
@@ -105,16 +120,33 @@ def read_prompts(path: str, tokenizer, cfg: RunConfig) -> tuple[list[Prompt], Da
             f"{path}: no row has an answer field '{cfg.data.answer_field}' (nor verl's reward_model.ground_truth); "
             f"the rows have {', '.join(fields)}: name the answer with --set data.answer_field=FIELD"
         )
-    prompts = []
-    for row in rows.rows:
+
+    def render(row: dict) -> dict:
         try:
-            prompts.append(row_prompt(row, tokenizer, cfg))
+            return {"token_ids": row_prompt(row, tokenizer, cfg).token_ids, "bad": ""}
         except BadRow as e:
-            report.bad[str(e)] += 1
+            return {"token_ids": [], "bad": str(e)}
+
+    key = cache_key(
+        kind="rl",
+        source=source_stamp(path),
+        split=split,
+        data=asdict(cfg.data),
+        max_prompt_len=cfg.rollout.max_prompt_len,
+        tokenizer=tokenizer_stamp(tokenizer),
+    )
+    features = {"token_ids": "int32 list", "bad": "string"}
+    prompts = []
+    outs = map_rows(rows.rows, render, cache_dir=cache_dir, key=key, desc="prompts", features=features, log=log)
+    for row, out in zip(rows.rows, outs):
+        if out["bad"]:
+            report.bad[out["bad"]] += 1
+        else:
+            prompts.append(_with_meta(list(out["token_ids"]), row, cfg))
     return prompts, report
 
 
-def build_rl_data(cfg: RunConfig, tokenizer) -> RLData:
+def build_rl_data(cfg: RunConfig, tokenizer, *, cache_dir=None, log=lambda msg: None) -> RLData:
     """The training prompts (and validation prompts from ``data.val_path`` or ``data.val_fraction``).
 
     Deterministic, so every rank computes the same list. Prompts too long are skipped (not counted
@@ -126,7 +158,7 @@ def build_rl_data(cfg: RunConfig, tokenizer) -> RLData:
         )
     if not cfg.data.path:
         raise UserError("no data given: pass --data FILE (JSONL, Parquet or a datasets directory of prompts)")
-    prompts, report = read_prompts(cfg.data.path, tokenizer, cfg)
+    prompts, report = read_prompts(cfg.data.path, tokenizer, cfg, cfg.data.split, cache_dir=cache_dir, log=log)
     too_long = report.bad.get(TOO_LONG, 0)
     malformed = report.num_bad - too_long
     if report.total and malformed / report.total > cfg.data.max_bad_fraction:
@@ -139,7 +171,7 @@ def build_rl_data(cfg: RunConfig, tokenizer) -> RLData:
         raise UserError(f"{cfg.data.path}: no usable prompts{hint}: {report.summary()}")
     val: list[Prompt] = []
     if cfg.data.val_path:
-        val, _ = read_prompts(cfg.data.val_path, tokenizer, cfg)
+        val, _ = read_prompts(cfg.data.val_path, tokenizer, cfg, val_split(cfg), cache_dir=cache_dir, log=log)
     elif cfg.data.val_fraction > 0:
         import numpy as np
 

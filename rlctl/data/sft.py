@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rlctl.config import RunConfig
+from rlctl.config import RunConfig, val_split
 from rlctl.data.io import read_rows
 from rlctl.errors import UserError
 
@@ -155,6 +155,27 @@ def checked_messages(value, where: str) -> list[dict]:
     return out
 
 
+def use_chat_template(tokenizer, cfg: RunConfig):
+    """``tokenizer`` with ``data.chat_template`` (a Jinja file) as its chat template, when one is given;
+    the recipes call it right after loading the tokenizer, so the data, the rollouts and the exported
+    tokenizer all use it."""
+    if cfg.data.chat_template:
+        from pathlib import Path
+
+        path = Path(cfg.data.chat_template).expanduser()
+        if not path.is_file():
+            raise UserError(f"chat template file not found: {path} (--chat-template takes a Jinja file)")
+        tokenizer.chat_template = path.read_text()
+    return tokenizer
+
+
+def with_system(messages: list[dict], system: str) -> list[dict]:
+    """``messages`` with a system message first (data.system_prompt) unless they hold one."""
+    if not system or any(m.get("role") == "system" for m in messages):
+        return messages
+    return [{"role": "system", "content": system}, *messages]
+
+
 def row_tokens(row: dict, tokenizer, cfg: RunConfig) -> tuple[list[int], list[int]]:
     """Token ids and the 0/1 assistant mask of one row (before truncation)."""
     d = cfg.data
@@ -164,7 +185,7 @@ def row_tokens(row: dict, tokenizer, cfg: RunConfig) -> tuple[list[int], list[in
     if fmt == "chat":
         if d.messages_field not in row:
             raise BadRow(f"missing field '{d.messages_field}'")
-        messages = checked_messages(row[d.messages_field], d.messages_field)
+        messages = with_system(checked_messages(row[d.messages_field], d.messages_field), d.system_prompt)
         if not any(m["role"] == "assistant" for m in messages):
             raise BadRow("no assistant turn")
         text, spans = assistant_spans(tokenizer, messages)
@@ -183,12 +204,14 @@ def row_tokens(row: dict, tokenizer, cfg: RunConfig) -> tuple[list[int], list[in
                 else [{"role": "user", "content": prompt}]
             )
             text, spans = assistant_spans(
-                tokenizer, messages + [{"role": "assistant", "content": response}], last_only=True
+                tokenizer,
+                with_system(messages, d.system_prompt) + [{"role": "assistant", "content": response}],
+                last_only=True,
             )
         else:
             if not isinstance(prompt, str):
                 raise BadRow(f"'{d.prompt_field}' is a message list but the tokenizer has no chat template")
-            p_ids = tokenizer(prompt)["input_ids"]
+            p_ids = tokenizer(f"{d.system_prompt}\n\n{prompt}" if d.system_prompt else prompt)["input_ids"]
             r_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
             return p_ids + r_ids, [0] * len(p_ids) + [1] * len(r_ids)
     else:
@@ -218,22 +241,47 @@ def make_example(ids: list[int], mask: list[int], *, max_len: int, truncation: s
 # A whole file
 
 
-def tokenize_rows(path: str, tokenizer, cfg: RunConfig) -> tuple[list[Example], DataReport]:
-    rows = read_rows(path)
+def tokenize_rows(
+    path: str, tokenizer, cfg: RunConfig, split: str = "train", *, cache_dir=None, log=lambda msg: None
+) -> tuple[list[Example], DataReport]:
+    """Every row of a data source tokenized (through ``datasets.map``, cached in ``cache_dir`` and done
+    once: :func:`rlctl.data.mapped.map_rows`), and the report of the rows skipped."""
+    from dataclasses import asdict
+
+    from rlctl.data.mapped import cache_key, map_rows, source_stamp, tokenizer_stamp
+
+    rows = read_rows(path, split=split)
     report = DataReport(total=len(rows))
     for reason in rows.unreadable:
         report.bad[reason] += 1
-    examples = []
-    for row in rows.rows:
+
+    def tokenize(row: dict) -> dict:
         try:
             ids, mask = row_tokens(row, tokenizer, cfg)
-            examples.append(make_example(ids, mask, max_len=cfg.train.max_len, truncation=cfg.data.truncation))
+            ex = make_example(ids, mask, max_len=cfg.train.max_len, truncation=cfg.data.truncation)
+            return {"input_ids": ex.input_ids.tolist(), "labels": ex.labels.tolist(), "bad": ""}
         except BadRow as e:
-            report.bad[str(e)] += 1
+            return {"input_ids": [], "labels": [], "bad": str(e)}
+
+    key = cache_key(
+        kind="sft",
+        source=source_stamp(path),
+        split=split,
+        data=asdict(cfg.data),
+        max_len=cfg.train.max_len,
+        tokenizer=tokenizer_stamp(tokenizer),
+    )
+    features = {"input_ids": "int32 list", "labels": "int32 list", "bad": "string"}
+    examples = []
+    for out in map_rows(rows.rows, tokenize, cache_dir=cache_dir, key=key, desc="sft", features=features, log=log):
+        if out["bad"]:
+            report.bad[out["bad"]] += 1
+        else:
+            examples.append(Example(np.asarray(out["input_ids"], np.int32), np.asarray(out["labels"], np.int32)))
     return examples, report
 
 
-def build_sft_data(cfg: RunConfig, tokenizer) -> SFTData:
+def build_sft_data(cfg: RunConfig, tokenizer, *, cache_dir=None, log=lambda msg: None) -> SFTData:
     """Tokenize the training data (and the validation data or a held-out share of it).
 
     Deterministic: every rank computes the same result. Raises UserError when more than
@@ -243,7 +291,7 @@ def build_sft_data(cfg: RunConfig, tokenizer) -> SFTData:
         raise UserError("data.format=rl is for grpo/ppo; sft reads chat (messages) or pairs (prompt/response) rows")
     if not cfg.data.path:
         raise UserError("no data given: pass --data FILE (JSONL, Parquet or a datasets directory)")
-    examples, report = tokenize_rows(cfg.data.path, tokenizer, cfg)
+    examples, report = tokenize_rows(cfg.data.path, tokenizer, cfg, cfg.data.split, cache_dir=cache_dir, log=log)
     if report.bad_fraction > cfg.data.max_bad_fraction:
         raise UserError(
             f"{cfg.data.path}: too many bad rows, more than data.max_bad_fraction="
@@ -254,7 +302,7 @@ def build_sft_data(cfg: RunConfig, tokenizer) -> SFTData:
     val: list[Example] = []
     val_report = None
     if cfg.data.val_path:
-        val, val_report = tokenize_rows(cfg.data.val_path, tokenizer, cfg)
+        val, val_report = tokenize_rows(cfg.data.val_path, tokenizer, cfg, val_split(cfg), cache_dir=cache_dir, log=log)
     elif cfg.data.val_fraction > 0:
         n_val = max(1, round(cfg.data.val_fraction * len(examples)))
         if n_val >= len(examples):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlctl.data.packing import StepSampler, rank_micro_batches
-from rlctl.data.sft import IGNORE, SFTData, build_sft_data
+from rlctl.data.sft import IGNORE, SFTData, build_sft_data, use_chat_template
 from rlctl.engines import EngineSpec, build_engine
 from rlctl.engines.base import TrainEngine, load_tokenizer, model_source, write_model_meta
 from rlctl.errors import UserError
@@ -157,8 +157,8 @@ class SFTTrainer:
 def run(ctx: RunContext) -> None:
     cfg, paths, d = ctx.cfg, ctx.paths, ctx.dist
     source = model_source(cfg.model.name, random_init=cfg.model.random_init)
-    tokenizer = load_tokenizer(source)
-    data = build_sft_data(cfg, tokenizer)
+    tokenizer = use_chat_template(load_tokenizer(source), cfg)
+    data = build_sft_data(cfg, tokenizer, cache_dir=paths.data_cache, log=ctx.log)
     ctx.log(f"data: {data.report.summary()}; {len(data.train)} train / {len(data.val)} val sequences")
     sampler = StepSampler(len(data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch

@@ -9,7 +9,7 @@
 3. per step: ``trainer.train_step(step)`` -> one metrics record (logged every ``log.every`` steps and
    at the last); with validation data an evaluation every ``train.eval_every`` steps; a collective
    stop vote (SIGINT/SIGTERM on any rank, or the test hook); a checkpoint every
-   ``checkpoint.save_every`` steps.
+   ``checkpoint.save_every`` steps (-1, the default: :func:`rlctl.config.save_every_steps`).
 4. at the end of a completed run: an evaluation (with validation data, unless the last step was just
    evaluated), the final checkpoint (unless just saved), the Hugging Face export
    (``checkpoint.export_hf``).
@@ -24,6 +24,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from rlctl.config import save_every_steps
 from rlctl.errors import UserError
 from rlctl.formats.hf_writer import config_dtype
 from rlctl.metrics import MetricsLogger
@@ -146,6 +147,7 @@ def fit(ctx: RunContext, trainer: Trainer) -> str:
         config=cfg.to_dict(),
     )
     total, every = trainer.total_steps, cfg.train.eval_every
+    save_every = save_every_steps(cfg.checkpoint.save_every, total)
     step = start
     interrupted = start < total and _stop_agreed(ctx, 0, main.device)  # Ctrl-C during start-up
     if interrupted:
@@ -161,7 +163,7 @@ def fit(ctx: RunContext, trainer: Trainer) -> str:
             interrupted = True
             saved = checkpoint(ctx, trainer, step)
             ctx.log(f"stopped at step {step}; checkpoint {saved}")
-        elif cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0 and step < total:
+        elif save_every and step % save_every == 0 and step < total:
             saved = checkpoint(ctx, trainer, step)
 
     hf_dir = None

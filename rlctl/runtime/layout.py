@@ -4,6 +4,9 @@ A run directory::
 
     RUN/
       config.yaml  plan.json  train.log  metrics.jsonl  summary.json
+      data_cache/                  # the tokenized data (datasets.map cache files), made once per run
+      samples.jsonl                # RL: a few (prompt, response, reward, advantage) samples every K steps
+      report.png  report.json      # `rlctl report RUN`: the curves, and the data they plot
       errors/rank_N.json           # one per rank that failed: kind, one-line message, traceback, time
       model_meta/                  # config.json + tokenizer of the trained model
       hf/                          # the final Hugging Face export
@@ -68,6 +71,23 @@ class RunPaths:
     @property
     def summary(self) -> Path:
         return self.root / "summary.json"
+
+    @property
+    def data_cache(self) -> Path:
+        """Tokenized data (Arrow files of ``datasets.map``), named by a hash of their inputs."""
+        return self.root / "data_cache"
+
+    @property
+    def samples(self) -> Path:
+        return self.root / "samples.jsonl"
+
+    @property
+    def report_png(self) -> Path:
+        return self.root / "report.png"
+
+    @property
+    def report_json(self) -> Path:
+        return self.root / "report.json"
 
     @property
     def train_log(self) -> Path:

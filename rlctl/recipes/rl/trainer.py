@@ -14,6 +14,7 @@ import torch
 from rlctl.algos import AdaptiveKLController, FixedKLController, get_adv_estimator, kl_estimate
 from rlctl.data.packing import StepSampler
 from rlctl.data.rl import Prompt, build_rl_data
+from rlctl.data.sft import use_chat_template
 from rlctl.engines import EngineSpec, build_engine
 from rlctl.engines.base import TrainEngine, load_tokenizer, model_source, write_model_meta
 from rlctl.errors import UserError
@@ -50,9 +51,9 @@ class RLTrainer(ScoringSteps):
             raise UserError("algo.kl_target (adaptive KL) needs an initial algo.kl_coef > 0, e.g. --kl-coef 0.001")
 
         self.source = model_source(cfg.model.name, random_init=cfg.model.random_init)
-        self.tokenizer = load_tokenizer(self.source)
+        self.tokenizer = use_chat_template(load_tokenizer(self.source), cfg)
         self.pad_id = self.tokenizer.pad_token_id
-        self.data = build_rl_data(cfg, self.tokenizer)
+        self.data = build_rl_data(cfg, self.tokenizer, cache_dir=ctx.paths.data_cache, log=ctx.log)
         ctx.log(f"data: {self.data.report.summary()}; {len(self.data.train)} train / {len(self.data.val)} val prompts")
         self.rewards = reward_manager(cfg, self.data, self.tokenizer, d.device)
         self.reward_totals: dict[str, int] = {}  # failed / non-finite reward samples over the run
@@ -85,6 +86,7 @@ class RLTrainer(ScoringSteps):
         self.rollout = self._make_rollout()
         self.weights_stale = False  # the rollout engine's weights lag the actor's
         self.m: dict[str, float] = {}  # the current step's metrics
+        self.last_batch: RolloutBatch | None = None
 
     def _make_rollout(self):
         from rlctl.rollout import make_rollout_engine
@@ -273,6 +275,7 @@ class RLTrainer(ScoringSteps):
         coef = self.kl_ctl.value if a.kl_in_reward and kl is not None else 0.0
         rewards = token_rewards(batch, coef, kl)
         batch.advantages, batch.returns = compute_advantages(batch, self.cfg, rewards, self.dp_group)
+        self.last_batch = batch  # a few of its samples go to samples.jsonl (write_samples)
         if coef:
             self.m["kl_coef"] = coef
             self.kl_ctl.update(self.m["kl"], batch.total)
@@ -296,29 +299,72 @@ class RLTrainer(ScoringSteps):
 
     # ------------------------------------------------------------------ evaluation
 
-    def evaluate(self, step: int) -> dict:
-        """Mean reward on the validation prompts (rollout.val_n samples at rollout.val_temperature)."""
-        r, d, tp = self.cfg.rollout, self.dist, self.rollout_tp
+    def _eval_pass(self, step: int, n: int, temperature: float, seed_offset: int):
+        """This rank's validation samples: (their scores, their prompt indices, the global reward metrics,
+        this rank's prompt count)."""
+        d, tp = self.dist, self.rollout_tp
         group_prompts = self.data.val[d.rank // tp :: d.world_size // tp]
         shares = [group_prompts[i::tp] for i in range(tp)]
         mine = shares[d.rank % tp]
-        began = time.perf_counter()
         self._wake_and_sync()
         samples = self._group_generate(
-            shares, r.val_n, self._sampling(step, temperature=r.val_temperature, seed_offset=1)
+            shares, n, self._sampling(step, temperature=temperature, seed_offset=seed_offset)
         )
         self._sleep()
         picked = [mine[s.prompt_index] for s in samples]
-        _, metrics = self._score([p.token_ids for p in picked], [s.token_ids for s in samples], picked, step)
-        out = {
-            "step": step,
-            "kind": "eval",
-            "val/reward/mean": metrics["reward/mean"],
-            "time/eval": time.perf_counter() - began,
-        }
+        scores, metrics = self._score([p.token_ids for p in picked], [s.token_ids for s in samples], picked, step)
+        return scores.tolist(), [s.prompt_index for s in samples], metrics, len(mine)
+
+    def evaluate(self, step: int) -> dict:
+        """Validation: one sample per prompt at rollout.val_temperature (0: greedy) -> ``val/reward/mean``
+        and ``val/acc`` (binary rewards); with rollout.val_n = k > 1 also k samples per prompt at the
+        training temperature -> ``val/mean@k`` (mean reward of the k samples, averaged over prompts) and
+        ``val/pass@k`` (share of prompts with at least one of the k samples scoring >= 1, a correct answer
+        of gsm8k / math / exact)."""
+        r = self.cfg.rollout
+        began = time.perf_counter()
+        _, _, metrics, _ = self._eval_pass(step, 1, r.val_temperature, seed_offset=1)
+        out = {"step": step, "kind": "eval", "val/reward/mean": metrics["reward/mean"]}
         if "acc" in metrics:
             out["val/acc"] = metrics["acc"]
+        k = r.val_n
+        if k > 1:
+            scores, index, metrics, n_prompts = self._eval_pass(step, k, r.temperature or 1.0, seed_offset=1)
+            best: dict[int, float] = {}
+            for score, i in zip(scores, index):
+                best[i] = max(best.get(i, -math.inf), score)
+            solved = sum(v >= 1.0 for v in best.values())
+            s = global_sums({"solved": float(solved), "prompts": float(n_prompts)}, self.device)
+            out[f"val/mean@{k}"] = metrics["reward/mean"]
+            out[f"val/pass@{k}"] = s["solved"] / max(1.0, s["prompts"])
+        out["time/eval"] = time.perf_counter() - began
         return out
+
+    # ------------------------------------------------------------------ samples.jsonl
+
+    def write_samples(self, step: int) -> None:
+        """``log.samples`` of this step's samples (rank 0's, spread over its prompts) into samples.jsonl:
+        prompt, response, reward, advantage (the mean over the response tokens), length, truncated."""
+        b, lg = self.last_batch, self.cfg.log
+        if b is None or not self.dist.is_main or not len(b):
+            return
+        import json
+
+        stride = max(1, len(b) // lg.samples)
+        adv = (b.advantages * b.mask).sum(-1) / b.mask.sum(-1).clamp(min=1)
+        with open(self.ctx.paths.samples, "a") as f:
+            for i in list(range(0, len(b), stride))[: lg.samples]:
+                rec = {
+                    "step": step,
+                    "prompt": self.tokenizer.decode(b.prompts[i], skip_special_tokens=False),
+                    "response": self.tokenizer.decode(b.responses[i], skip_special_tokens=True),
+                    "reward": float(b.scores[i]),
+                    "advantage": float(adv[i]),
+                    "ground_truth": str(b.meta[i].ground_truth) if b.meta else None,
+                    "response_len": len(b.responses[i]),
+                    "truncated": bool(b.truncated[i]),
+                }
+                f.write(json.dumps(rec) + "\n")
 
     # ------------------------------------------------------------------ what rlctl.runtime.fit needs
 
@@ -344,6 +390,9 @@ class RLTrainer(ScoringSteps):
         began = time.perf_counter()
         self.recipe_step(self, step)
         elapsed = time.perf_counter() - began
+        every = self.cfg.log.samples_every
+        if every and (step == 0 or (step + 1) % every == 0 or step + 1 == self.total_steps):
+            self.write_samples(step + 1)
         return {
             "step": step + 1,
             "total_steps": self.total_steps,

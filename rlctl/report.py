@@ -1,0 +1,220 @@
+"""`rlctl report RUN_DIR`: what a run did, in a few lines and one picture.
+
+:func:`load_run` reads a run directory (metrics.jsonl, summary.json, config.yaml, the checkpoints);
+:func:`summarize` condenses it (steps, time, tokens/s, first / last / best reward or loss, the eval
+results, the checkpoints, the Hugging Face export); :func:`curves` picks the series to plot, one panel
+each: reward and its components (``reward/<name>``), loss, KL, entropy, response length, tokens/s and
+the eval metrics; :func:`plot` draws them with matplotlib (the ``plot`` extra) into RUN/report.png,
+several runs overlaid with ``--compare``, and writes the plotted numbers next to it (report.json: for
+each panel and line, the x and y it drew; a NaN is written as null).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlctl.errors import UserError
+from rlctl.metrics import read_metrics
+from rlctl.runtime.layout import RunPaths, list_checkpoints
+
+PLOT_HINT = "pip install 'rlctl[plot]'"
+# reward/<key> entries that describe the reward's bookkeeping, not a component of it
+REWARD_BOOKKEEPING = {"reward/mean", "reward/std", "reward/failed", "reward/nonfinite", "reward/errors"}
+
+
+@dataclass
+class Run:
+    name: str
+    paths: RunPaths
+    train: list[dict]  # one record per step (the last one written wins, as after a resume)
+    evals: list[dict]
+    summary: dict | None
+    method: str
+    checkpoints: list[Path] = field(default_factory=list)
+
+
+def load_run(run_dir: str | Path) -> Run:
+    root = Path(run_dir).expanduser()
+    paths = RunPaths(root)
+    if not root.is_dir():
+        raise UserError(f"no run directory {root}; pass the --output-dir of an rlctl sft/grpo/ppo run")
+    records = read_metrics(paths.metrics)
+    if not records:
+        raise UserError(f"{paths.metrics} holds no metrics yet; is {root} an rlctl run directory?")
+    by_step: dict[int, dict] = {}
+    evals: dict[int, dict] = {}
+    for r in records:
+        if "step" in r:
+            (evals if r.get("kind") == "eval" else by_step)[int(r["step"])] = r
+    summary = json.loads(paths.summary.read_text()) if paths.summary.is_file() else None
+    method = "sft"
+    if paths.config.is_file():
+        import yaml
+
+        method = (yaml.safe_load(paths.config.read_text()) or {}).get("method", method)
+    elif any("reward" in r for r in by_step.values()):
+        method = "grpo"
+    return Run(
+        name=root.name,
+        paths=paths,
+        train=[by_step[s] for s in sorted(by_step)],
+        evals=[evals[s] for s in sorted(evals)],
+        summary=summary,
+        method=method,
+        checkpoints=list_checkpoints(paths.checkpoints) if paths.checkpoints.is_dir() else [],
+    )
+
+
+def _finite(values: list) -> list[float]:
+    return [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+
+
+def summarize(run: Run) -> dict:
+    """The run in numbers: what `rlctl report` prints (and --json gives)."""
+    t = run.train
+    main = "reward" if any("reward" in r for r in t) else "loss"
+    values = [r.get(main) for r in t]
+    finite = _finite(values)
+    steps_time = _finite([r.get("time/step") for r in t])
+    stamps = _finite([r.get("time") for r in t])
+    wall = stamps[-1] - stamps[0] + (steps_time[0] if steps_time else 0.0) if len(stamps) > 1 else sum(steps_time)
+    tps = _finite([r.get("tokens_per_s") for r in t])
+    best_fn = max if main == "reward" else min
+    best = best_fn(((v, r["step"]) for v, r in zip(values, t) if v is not None and math.isfinite(v)), default=None)
+    out = {
+        "run": str(run.paths.root),
+        "method": run.method,
+        "status": (run.summary or {}).get("status", "running or killed (no summary.json)"),
+        "steps": t[-1]["step"] if t else 0,
+        "total_steps": (t[-1].get("total_steps") if t else None),
+        "time_s": wall,
+        "tokens_per_s": sum(tps) / len(tps) if tps else None,
+        "metric": main,
+        "first": finite[0] if finite else None,
+        "last": finite[-1] if finite else None,
+        "best": best[0] if best else None,
+        "best_step": best[1] if best else None,
+        "nonfinite_steps": [r["step"] for r, v in zip(t, values) if v is not None and not math.isfinite(v)],
+        "evals": [{k: v for k, v in e.items() if k not in ("kind", "time")} for e in run.evals],
+        "checkpoints": [str(c) for c in run.checkpoints],
+        "hf": (run.summary or {}).get("hf"),
+    }
+    return out
+
+
+def curves(run: Run) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
+    """panel -> line label -> (steps, values) of the series a run has, in a fixed panel order."""
+    t, panels = run.train, {}
+
+    def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+        pts = [(int(r["step"]), float(r[key])) for r in records if isinstance(r.get(key), (int, float))]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    keys = sorted({k for r in t for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+    components = [k for k in keys if k.startswith("reward/") and k not in REWARD_BOOKKEEPING]
+    wanted = {
+        "reward": ["reward", *components],
+        "loss": [k for k in ("loss", "pg/loss", "critic/value_loss") if k in keys],
+        "KL": [k for k in ("kl", "kl_loss") if k in keys],
+        "entropy": ["entropy"],
+        "response length": ["response_len/mean"],
+        "tokens/s": ["tokens_per_s"],
+    }
+    for panel, names in wanted.items():
+        lines = {k: series(t, k) for k in names if k in keys}
+        lines = {k: v for k, v in lines.items() if v[0]}
+        if lines:
+            panels[panel] = lines
+    eval_keys = sorted(
+        {k for e in run.evals for k, v in e.items() if isinstance(v, (int, float)) and k != "step"}
+        - {"time", "time/eval"}
+    )
+    lines = {k: series(run.evals, k) for k in eval_keys}
+    if any(v[0] for v in lines.values()):
+        panels["eval"] = {k: v for k, v in lines.items() if v[0]}
+    return panels
+
+
+def _json_number(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+def plot(runs: list[Run], out: str | Path, *, sidecar: str | Path | None = None):
+    """Draw every panel any of ``runs`` has (the runs overlaid) into ``out`` (PNG); write the plotted
+    numbers to ``sidecar`` (JSON). Returns the matplotlib figure (closed: its lines stay readable)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError(f"rlctl report draws its curves with matplotlib: {PLOT_HINT}") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per_run = [(run, curves(run)) for run in runs]
+    names = []
+    for _, panels in per_run:
+        names += [p for p in panels if p not in names]
+    if not names:
+        raise UserError(f"{runs[0].paths.metrics} has no numeric metrics to plot")
+    cols = 2 if len(names) > 1 else 1
+    rows = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 3.4 * rows), squeeze=False)
+    drawn: dict[str, dict[str, dict]] = {}
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, panel in enumerate(names):
+        ax = axes[i // cols][i % cols]
+        styles = ["-", "--", ":", "-."]
+        for j, (run, panels) in enumerate(per_run):
+            for k, (label, (x, y)) in enumerate(panels.get(panel, {}).items()):
+                full = f"{run.name}: {label}" if len(runs) > 1 else label
+                marker = "o" if panel == "eval" or len(x) == 1 else None
+                ax.plot(x, y, styles[j % len(styles)], color=colors[k % len(colors)], marker=marker, label=full)
+                drawn.setdefault(panel, {})[full] = {"x": x, "y": [_json_number(v) for v in y]}
+        ax.set_title(panel)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(ax.get_lines()) > 1:
+            ax.legend(fontsize=7)
+    for i in range(len(names), rows * cols):
+        axes[i // cols][i % cols].set_visible(False)
+    fig.suptitle(" vs ".join(run.name for run in runs) if len(runs) > 1 else f"{runs[0].name} ({runs[0].method})")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    if sidecar is not None:
+        doc = {"runs": [str(run.paths.root) for run in runs], "png": str(out), "panels": drawn}
+        Path(sidecar).write_text(json.dumps(doc, indent=1) + "\n")
+    return fig
+
+
+def render_summary(console, s: dict) -> None:
+    """The summary as a rich table."""
+    from rich.table import Table
+
+    def num(v, fmt: str = ".4g") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    table = Table(title=f"{s['run']} ({s['method']})", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    total = f" of {s['total_steps']}" if s.get("total_steps") else ""
+    table.add_row("status", str(s["status"]))
+    table.add_row("steps", f"{s['steps']}{total} in {num(s['time_s'], '.1f')} s")
+    table.add_row("tokens/s", num(s["tokens_per_s"], ",.0f"))
+    m = s["metric"]
+    best = f"{num(s['best'])} at step {s['best_step']}" if s["best"] is not None else "-"
+    table.add_row(m, f"first {num(s['first'])}, last {num(s['last'])}, best {best}")
+    if s["nonfinite_steps"]:
+        table.add_row(f"{m} not finite", f"at steps {', '.join(map(str, s['nonfinite_steps'][:10]))}")
+    for e in s["evals"][-3:]:
+        vals = ", ".join(f"{k} {num(v)}" for k, v in e.items() if k != "step" and not k.startswith("time"))
+        table.add_row(f"eval at step {e['step']}", vals)
+    if not s["evals"]:
+        table.add_row("eval", "none (give --val-data or --val-fraction)")
+    table.add_row("checkpoints", ", ".join(Path(c).name for c in s["checkpoints"]) or "none")
+    table.add_row("Hugging Face export", s["hf"] or "none")
+    console.print(table)
