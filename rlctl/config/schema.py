@@ -1,0 +1,199 @@
+"""The schema of a run: one dataclass per section of :class:`RunConfig`, with defaults and comments.
+
+Every key a user can set (``--set section.key=value``) is a field here; `rlctl presets show METHOD`
+prints them with their values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    name: str = ""  # catalog name, HF id, local HF directory or config.json path
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32
+    attn: str = "auto"  # auto (flash_attention_2 when installed on GPU, else sdpa) | sdpa | eager | flash_attention_2
+    random_init: bool = False  # build from the config with random weights (nothing is downloaded)
+    trust_remote_code: bool = False  # run the model's own Python code (config.json auto_map); never implied
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # JSONL, Parquet, a directory of Parquet shards, a save_to_disk directory or a hub name (cached)
+    split: str = "train"  # the split of a DatasetDict directory or a hub dataset
+    format: str = "auto"  # auto | chat | pairs | rl
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    answer_field: str = "answer"  # RL: plain rows {"prompt", "answer"}; verl rows use reward_model.ground_truth
+    val_path: str = ""  # a separate validation file (any form `path` takes); otherwise val_fraction is held out
+    val_split: str = ""  # the split of val_path for a hub / DatasetDict source ("" = test, else validation)
+    val_fraction: float = 0.0
+    packing: bool = True
+    truncation: str = "skip"  # skip (drop rows longer than max_len, counted as bad) | right | left
+    max_bad_fraction: float = 0.1  # fail when more than this share of rows is bad
+    shuffle: bool = True
+    system_prompt: str = ""  # a system message put before every conversation / prompt that has none
+    chat_template: str = ""  # a Jinja chat template file used instead of the tokenizer's (also exported)
+
+
+@dataclass
+class HardwareConfig:
+    gpus: int = 0  # GPUs in total (0 = every visible GPU, or none on CPU)
+    nodes: int = 1
+    gpu: str = ""  # GPU type from the catalog, e.g. H100-80GB ("" = detect locally, else H100-80GB)
+    device: str = "auto"  # auto | cuda | cpu
+    nproc: int = 0  # processes per node (0 = GPUs per node, or 1 on CPU)
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0 = pick a free port
+    rdzv_endpoint: str = ""  # host:port for torchrun's c10d rendezvous (multi-node)
+    host_memory_gib: float = 0.0  # host memory per node (0 = the GPU type's typical node); bounds offload
+
+
+@dataclass
+class ParallelConfig:
+    backend: str = "auto"  # auto | fsdp | megatron
+    tp: int = 0  # 0 = chosen by the plan
+    pp: int = 0
+    cp: int = 1
+    ep: int = 0
+    sequence_parallel: str = "auto"  # auto | true | false
+    activation_checkpointing: str = "auto"  # auto | true | false
+    offload_params: str = "auto"  # auto | true | false
+    offload_optimizer: str = "auto"
+    selective_checkpointing: str = "auto"  # auto | true | false: recompute the MLPs only (FSDP engine)
+    offload_activations: str = "auto"  # auto | true | false: saved activations in host memory (FSDP engine)
+    shard: str = "auto"  # auto | true | false: false = one device, a plain module without FSDP wrappers
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 0  # 0 = full fine-tuning
+    alpha: float = 0.0  # 0 = 2 x rank
+    dropout: float = 0.0
+    targets: str = "all-linear"  # all-linear or a comma list such as q_proj,v_proj
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 0  # 0 = run `epochs` passes over the data
+    epochs: int = 1
+    lr: float = 1e-5
+    lr_scheduler: str = "cosine"  # cosine (warmup, then down to min_lr_ratio) | constant (min_lr_ratio = 1)
+    min_lr_ratio: float = 0.1
+    warmup_ratio: float = 0.03
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    batch_size: int = 32  # sft: sequences per optimizer step; RL: prompts per step
+    micro_batch_size: int = 0  # sequences per device per forward (0 = from the plan)
+    max_tokens_per_micro_batch: int = 0  # packing budget per device (0 = micro_batch_size x max_len)
+    max_len: int = 2048
+    precision: str = "mixed"  # mixed (fp32 master weights, grads, AdamW) | bf16 (pure bf16: half the state bytes)
+    seed: int = 42
+    eval_every: int = 0
+    compile: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    save_every: int = -1  # -1 = auto (save_every_steps: ~10 checkpoints, at most every 50 steps); 0 = only at the end
+    keep_last: int = 2
+    resume: str = ""  # "" | auto | PATH
+    export_hf: bool = True  # write the final model as HF safetensors into OUTPUT/hf
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "auto"  # auto | hf | vllm | sglang
+    tp: int = 0  # 0 = chosen by the plan
+    mem_fraction: float = 0.0  # 0 = chosen by the plan
+    n: int = 8  # samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_prompt_len: int = 512
+    max_response_len: int = 512
+    val_temperature: float = 0.0  # the first eval pass: one sample per prompt (0 = greedy)
+    val_n: int = 1  # > 1: a second eval pass, val_n samples at `temperature` (mean@k, pass@k)
+
+
+@dataclass
+class AlgoConfig:
+    adv: str = "grpo"  # grpo | rloo | reinforce_pp | gae
+    norm_by_std: bool = True
+    # None = the policy loss's own default (ppo: token-mean, 0.2, 0.2, 3.0; gspo: seq-mean-token-mean,
+    # 3e-4, 4e-4, off; rlctl.algos.registry); a value set here wins. dual_clip=0 turns it off.
+    loss_agg: str | None = None
+    policy_loss: str = "ppo"  # ppo | gspo
+    clip_low: float | None = None
+    clip_high: float | None = None
+    dual_clip: float | None = None
+    ppo_epochs: int = 1
+    mini_batch_size: int = 0  # prompts per optimizer step (0 = the whole batch)
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    kl_in_reward: bool = False
+    kl_target: float = 0.0  # > 0 turns on the adaptive KL controller
+    entropy_coef: float = 0.0
+    gamma: float = 1.0
+    lam: float = 1.0
+    critic_lr: float = 1e-5
+    vf_clip: float = 0.5
+    critic_warmup: int = 0
+
+
+@dataclass
+class RewardConfig:
+    fn: str = "auto"  # auto (from data_source) | gsm8k | math | exact | format | length | file.py:fn | module:fn
+    format_pattern: str = ""
+    fns: list[str] = field(default_factory=list)  # several weighted rewards NAME[:WEIGHT], e.g. [gsm8k, format:0.2]
+    timeout: float = 30.0  # seconds per reward call (0: none); a call that runs over counts as failed
+    workers: int = -1  # reward processes per rank: -1 auto, 0 serial in the trainer process
+    model: str = ""  # a reward model (AutoModelForSequenceClassification dir or repo id)
+    model_weight: float = 1.0
+    model_dtype: str = "float32"
+    model_micro_batch: int = 8
+
+
+@dataclass
+class LogConfig:
+    backends: str = "console"  # comma list: console, tensorboard, wandb
+    project: str = "rlctl"
+    run_name: str = ""
+    every: int = 1
+    samples_every: int = 10  # write rollout samples to samples.jsonl every N steps (and at the last); 0 = never
+    samples: int = 4  # samples written each time (two are shown on the console)
+
+
+@dataclass
+class ClusterConfig:
+    launcher: str = "torchrun"  # torchrun (this node) | slurm (write an sbatch script and submit it)
+    partition: str = ""  # SLURM partition ("" = the cluster's default)
+    account: str = ""  # SLURM account
+    time: str = ""  # SLURM time limit, e.g. 04:00:00 or 2-00:00:00 ("" = the partition's default)
+    sbatch: list[str] = field(default_factory=list)  # extra sbatch options, one #SBATCH line each
+
+
+@dataclass
+class RunConfig:
+    method: str = "sft"
+    output_dir: str = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
