@@ -44,6 +44,7 @@ from rlctl.runtime.layout import (
     RNG_DIR,
     TMP_PREFIX,
     TRAINER_STATE,
+    file_sizes,
     is_complete,
     list_checkpoints,
     step_name,
@@ -131,6 +132,7 @@ def save_checkpoint(
                 out = tmp / sub / "lora_adapter" if sub else tmp / "lora_adapter"
                 out.mkdir(parents=True, exist_ok=True)
                 engine.save_lora_config(out)
+        state["files"] = file_sizes(tmp)  # every file but this one, with its size (layout.checkpoint_problem)
         (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
         fault_point("rename", step)
         if final.exists():  # the same step saved again (after a resume): out of sight first

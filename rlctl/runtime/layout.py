@@ -168,11 +168,35 @@ def rng_files(directory: str | Path, rank: int) -> tuple[Path, Path, Path]:
     return directory / f"rank_{rank}.json", directory / f"rank_{rank}.safetensors", directory / f"rank_{rank}.pt"
 
 
+def file_sizes(checkpoint: str | Path) -> dict[str, int]:
+    """{relative path: bytes} of every file of a checkpoint but trainer_state.json: the manifest that
+    trainer_state.json records under ``"files"`` (rank 0 writes it last, once every rank has finished)."""
+    checkpoint = Path(checkpoint)
+    files = (p for p in checkpoint.rglob("*") if p.is_file() and p.name != TRAINER_STATE)
+    return {str(p.relative_to(checkpoint)): p.stat().st_size for p in sorted(files)}
+
+
+def _manifest_problem(path: Path, manifest: dict) -> str | None:
+    for rel, size in manifest.items():
+        file = path / rel
+        if not file.is_file():
+            return f"{file} missing"
+        have = file.stat().st_size
+        if have != size:
+            return (
+                f"{file} truncated: {have} of {size} bytes"
+                if have < size
+                else f"{file} damaged: {have} bytes, saved {size}"
+            )
+    return None
+
+
 def checkpoint_problem(path: str | Path) -> str | None:
     """None when the rlctl checkpoint ``path`` is whole, else one phrase naming the first missing or
     damaged file ("``.../__0_0.distcp`` truncated: 1234 of 5678 bytes").
 
-    Cheap (sizes and headers, never the tensors): trainer_state.json parses; every engine directory's
+    Cheap (sizes and headers, never the tensors): trainer_state.json parses; every file its manifest
+    (``"files"``, :func:`file_sizes`) names has the size it was saved with; every engine directory's
     DCP ``.metadata`` unpickles and each shard file it names holds the bytes it records (Megatron: and
     its metadata.json parses); each saving rank's RNG files are whole; huggingface/*.json and the LoRA
     adapter configs parse. Imports torch (the DCP metadata classes) when called.
@@ -185,6 +209,8 @@ def checkpoint_problem(path: str | Path) -> str | None:
     if problem := json_problem(path / TRAINER_STATE, required=("step",)):
         return problem
     state = json.loads((path / TRAINER_STATE).read_text())
+    if isinstance(state.get("files"), dict) and (problem := _manifest_problem(path, state["files"])):
+        return problem  # checkpoints saved before the manifest: the checks below only
     subs = [""] + (["critic"] if state.get("method") == "ppo" or (path / "critic").is_dir() else [])
     for sub in subs:
         where = path / sub if sub else path
@@ -242,6 +268,11 @@ def choose_resume(resume: str, run_dir: str | Path) -> ResumeChoice:
     if resume == "auto":
         return _newest_intact(RunPaths(Path(run_dir)).checkpoints)
     p = Path(resume).expanduser()
+    if p.name.startswith(TMP_PREFIX):
+        raise UserError(
+            f"--resume {resume}: an unfinished save (the run stopped while writing or deleting it), not a "
+            f"checkpoint; pass a step_N directory, or --resume auto"
+        )
     if STEP_RE.match(p.name) or (p / TRAINER_STATE).exists() or (p / ".metadata").exists():
         candidate = p
     else:
