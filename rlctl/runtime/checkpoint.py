@@ -102,9 +102,7 @@ def save_checkpoint(
     tmp = root / tmp_name(step)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for leftover in root.glob(f"{TMP_PREFIX}*"):  # unfinished saves or deletions of a crashed run
-            if leftover.is_dir():
-                shutil.rmtree(leftover, ignore_errors=True)
+        remove_leftovers(root)
         tmp.mkdir()
     dist.barrier()
     for sub, engine in engines.items():
@@ -144,6 +142,14 @@ def save_checkpoint(
             _remove(old, step)
     dist.barrier()
     return final
+
+
+def remove_leftovers(root: str | Path) -> None:
+    """Delete the ``.tmp-*`` directories of saves or deletions a crash interrupted (rank 0, when no
+    save is under way: at the start of a save, and when a run resumes)."""
+    for leftover in Path(root).glob(f"{TMP_PREFIX}*"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _remove(checkpoint: Path, step: int | None = None) -> None:

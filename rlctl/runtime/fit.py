@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 from rlctl.errors import UserError
 from rlctl.formats.hf_writer import config_dtype
 from rlctl.metrics import MetricsLogger
-from rlctl.runtime.checkpoint import fault_point, load_checkpoint, save_checkpoint
+from rlctl.runtime.checkpoint import fault_point, load_checkpoint, remove_leftovers, save_checkpoint
 from rlctl.runtime.dist import all_reduce_sum, barrier
 from rlctl.runtime.layout import choose_resume, step_name, write_json_atomic
 from rlctl.runtime.rng import rng_state, set_rng_state
@@ -105,6 +105,8 @@ def resume(ctx: RunContext, trainer: Trainer) -> tuple[int, Path | None]:
     path = choice.path
     if choice.note():
         ctx.log(choice.note())
+    if ctx.dist.is_main and cfg.checkpoint.resume:
+        remove_leftovers(ctx.paths.checkpoints)  # .tmp-* of the crashed run (no save is under way now)
     if path is None:
         if cfg.checkpoint.resume == "auto":
             ctx.log("resume=auto: no checkpoint found, starting from step 0")
