@@ -243,3 +243,22 @@ def test_the_damaged_checkpoint_is_refused_before_launch(run):
     with pytest.raises(UserError, match=f"{victim} missing"):
         check_run_dir(cfg, run)
     check_run_dir(SimpleNamespace(checkpoint=SimpleNamespace(resume="auto")), run)
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_a_damaged_checkpoint_in_one_line_before_launch(run, tiny_model_dir, tmp_path):
+    """`rlctl sft --resume PATH` of a checkpoint whose .metadata is cut short: exit 2, one line naming
+    the file, nothing written (the check runs before torchrun starts)."""
+    from tests.support.cli import run_cli
+    from tests.support.sft import chat_rows, write_jsonl
+
+    victim = run / "checkpoints" / NEWEST / ".metadata"
+    victim.write_bytes(victim.read_bytes()[:100])
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8))
+    other = tmp_path / "other"
+    argv = ["--model", str(tiny_model_dir), "--data", str(data), "--output-dir", str(other), "--device", "cpu"]
+    res = run_cli("sft", *argv, "--nproc", "2", "--resume", str(run / "checkpoints" / NEWEST))
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and str(victim) in lines[0] and "Traceback" not in res.stdout + res.stderr, res.stderr
+    assert not other.exists()  # refused before anything was written

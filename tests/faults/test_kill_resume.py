@@ -62,7 +62,7 @@ def _sft(model: Path, data: Path, out: Path, *, fault: str = "", **sets) -> int:
     if fault:
         os.environ[FAULT_ENV] = fault
     try:
-        return launch_job(sft_config(model, data, out, **SFT, **sets), cpu_plan(2))
+        return launch_job(sft_config(model, data, out, **{**SFT, **sets}), cpu_plan(2))
     finally:
         os.environ.pop(FAULT_ENV, None)
 
@@ -101,32 +101,6 @@ def test_sft_killed_anywhere_resumes_to_the_uninterrupted_weights(tiny_model_dir
     assert _step_dirs_whole(out) == ["latest", step_name(4), step_name(6)]
     assert json.loads((out / "summary.json").read_text())["status"] == "completed"
     _assert_same_weights(out, reference)
-
-
-def test_explicit_resume_of_a_damaged_checkpoint_is_one_line_before_launch(tiny_model_dir, chat_file, tmp_path):
-    out = tmp_path / "run"
-    assert _sft(tiny_model_dir, chat_file, out, train__max_steps=2) == 0
-    victim = out / "checkpoints" / step_name(2) / ".metadata"
-    victim.write_bytes(victim.read_bytes()[:100])
-    res = run_cli(
-        "sft",
-        "--model",
-        str(tiny_model_dir),
-        "--data",
-        str(chat_file),
-        "--output-dir",
-        str(tmp_path / "other"),
-        "--device",
-        "cpu",
-        "--nproc",
-        "2",
-        "--resume",
-        str(out / "checkpoints" / step_name(2)),
-    )
-    assert res.returncode == 2, failure(res, tmp_path / "other")
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and str(victim) in lines[0] and "Traceback" not in res.stdout + res.stderr, res.stderr
-    assert not (tmp_path / "other").exists()  # refused before anything was written
 
 
 def test_grpo_killed_mid_run_resumes_to_the_uninterrupted_weights(tiny_model_dir, tmp_path):
