@@ -176,7 +176,8 @@ def kill_trials(args, out: Path) -> list[dict]:
         faults, broken, last = [], [], None
         for k in range(args.kills):
             point = rng.choice(FAULT_POINTS)
-            step = rng.randrange(1, steps + 1) if point == "step" else 2 * rng.randrange(1, steps // 2 + 1)
+            first = 6 if point == "prune" else 2  # with keep_last 2, the save of step 6 prunes step 2 first
+            step = rng.randrange(1, steps + 1) if point == "step" else rng.randrange(first, steps + 1, 2)
             rank = rng.randrange(2) if point in ("step", "write") else 0  # rank 0 renames and prunes
             fault = f"{point}:{step}:{rank}"
             last = _sft(model, data, run_dir, steps, resume=k > 0, fault=fault)
