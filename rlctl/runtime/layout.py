@@ -273,7 +273,7 @@ def choose_resume(resume: str, run_dir: str | Path) -> ResumeChoice:
             f"--resume {resume}: an unfinished save (the run stopped while writing or deleting it), not a "
             f"checkpoint; pass a step_N directory, or --resume auto"
         )
-    if STEP_RE.match(p.name) or (p / TRAINER_STATE).exists() or (p / ".metadata").exists():
+    if (STEP_RE.match(p.name) and p.is_dir()) or (p / TRAINER_STATE).exists() or (p / ".metadata").exists():
         candidate = p
     else:
         candidate = None

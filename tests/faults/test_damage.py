@@ -170,6 +170,12 @@ def test_a_checkpoint_without_a_manifest_is_checked_by_content(run, rel):
     assert problem is not None and problem.startswith(str(victim)), problem
 
 
+def test_a_path_that_is_no_checkpoint_says_so(run):
+    for missing in (run / "checkpoints" / step_name(8), run / "nothing-here"):
+        with pytest.raises(UserError, match="no complete checkpoint there"):
+            choose_resume(str(missing), run)
+
+
 def test_every_checkpoint_damaged_is_an_error_naming_each(run):
     for step in STEPS:
         (run / "checkpoints" / step_name(step) / "rng" / "rank_0.safetensors").unlink()
