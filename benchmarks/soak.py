@@ -6,8 +6,10 @@ A glibc "double free" was once seen in about 1 of 10 40-step CPU runs and never 
 repeats a long run with periodic checkpoints (each save is a DCP write, a rename and a prune) under
 glibc's heap checking (``MALLOC_CHECK_=3``: a heap corruption aborts at once, at the faulty call,
 instead of later) and Python's faulthandler (``PYTHONFAULTHANDLER=1``: the Python stack of every
-thread on SIGSEGV/SIGABRT goes to train.log). Core dumps are allowed (``ulimit -c unlimited``) when
-the system lets them be written.
+thread on SIGSEGV/SIGABRT goes to train.log). glibc 2.34 and later read ``MALLOC_CHECK_`` only when
+``libc_malloc_debug.so.0`` is preloaded: it is, when found (``--no-malloc-debug`` to run without it;
+glibc's default checks, e.g. "free(): double free detected in tcache 2", apply either way). Core
+dumps are allowed (``ulimit -c unlimited``) when the system lets them be written.
 
 ``--kills K`` instead soaks resume: an uninterrupted 2-process SFT run (tiny model, checkpoint every
 2 steps) is the reference; then each of N trials kills a random rank at K random points (``RLCTL_FAULT``:
@@ -100,6 +102,8 @@ def one_run(args, model: Path, data: Path, run_dir: Path) -> dict:
         "checkpoint.keep_last=2",
     ]
     env = dict(os.environ, MALLOC_CHECK_="3", PYTHONFAULTHANDLER="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    if args.malloc_debug:  # glibc >= 2.34 reads MALLOC_CHECK_ only with its debug malloc preloaded
+        env["LD_PRELOAD"] = args.malloc_debug
     start = time.time()
     res = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
     seconds = time.time() - start
@@ -222,10 +226,17 @@ def main() -> int:
     parser.add_argument("--out", default="runs/soak")
     parser.add_argument("--keep", action="store_true", help="keep each run's directory (default: only crashed ones)")
     parser.add_argument("--kills", type=int, default=0, help="SFT resume soak: random kills per trial")
+    parser.add_argument("--no-malloc-debug", dest="malloc_debug", action="store_false")
     parser.add_argument("--seed", type=int, default=0, help="of the random kill points")
     args = parser.parse_args()
     out = Path(args.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
+    found = [
+        p
+        for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")
+        for p in Path(d).glob("libc_malloc_debug.so*")
+    ]
+    args.malloc_debug = str(found[0]) if args.malloc_debug and found else ""
     if args.kills:
         results = kill_trials(args, out)
         failed = sum(r["status"] != "ok" for r in results)
