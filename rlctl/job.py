@@ -120,17 +120,14 @@ def check_reward_spec(cfg: RunConfig) -> None:
 
 
 def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
-    """A bad --resume PATH, or a run directory that already holds checkpoints without --resume."""
-    from rlctl.runtime.layout import is_complete, latest_checkpoint
+    """A bad or damaged --resume checkpoint, or a run directory that already holds checkpoints without --resume."""
+    from rlctl.runtime.layout import choose_resume, latest_checkpoint
 
     resume = cfg.checkpoint.resume
-    if resume and resume != "auto":
-        p = Path(resume).expanduser()
-        if not is_complete(p) and not any(r.is_dir() and latest_checkpoint(r) for r in (p, p / "checkpoints")):
-            raise UserError(
-                f"--resume {resume}: no complete checkpoint there (expected a step_N directory with "
-                f"trainer_state.json, or a run directory with checkpoints/)"
-            )
+    if resume:  # checks every file of the checkpoint it picks (imports torch's DCP classes to read .metadata)
+        note = choose_resume(resume, run_dir).note()
+        if note:
+            print(note, flush=True)  # --resume auto passed over a damaged checkpoint: say which and why
     if not resume and latest_checkpoint(run_dir / "checkpoints") is not None:
         raise UserError(
             f"{run_dir} already holds checkpoints; pass --resume auto to continue that run "

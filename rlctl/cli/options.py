@@ -207,7 +207,11 @@ KeepLast = Annotated[
 Resume = Annotated[
     str | None,
     typer.Option(
-        "--resume", help="auto (latest checkpoint of the run dir) or a checkpoint path.", rich_help_panel="Checkpoints"
+        "--resume",
+        help="auto: the newest intact checkpoint of the run dir (a damaged newer one is passed over and named); "
+        "or a checkpoint path (step_N, or a run dir: its latest), which must be intact (else one line names "
+        "the damaged file). Every file is checked before launch.",
+        rich_help_panel="Checkpoints",
     ),
 ]
 EvalEvery = Annotated[

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from rlctl.errors import UserError
+from rlctl.formats.integrity import check_dcp_files
 from rlctl.formats.safe_load import load_pt, safe_dcp_reader
 from rlctl.formats.safetensors import HFSafetensors
 
@@ -101,22 +102,6 @@ _ST_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-
-
-def check_dcp_files(path: Path, metadata) -> None:
-    """Every shard file the DCP metadata names exists and holds the bytes it is said to hold."""
-    need: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        rel = getattr(info, "relative_path", None)
-        if rel is not None:
-            need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
-    for rel, size in sorted(need.items()):
-        file = path / rel
-        if not file.is_file():
-            raise UserError(f"{file}: shard file not found (deleted or never written); copy the complete checkpoint")
-        have = file.stat().st_size
-        if have < size:
-            raise UserError(f"{file}: truncated shard file ({have} bytes, the metadata needs {size}); copy it again")
 
 
 class DcpSource(TensorSource):

@@ -18,7 +18,11 @@ Every name comes from :mod:`rlctl.runtime.layout`. The engines write and read th
 (:meth:`TrainEngine.save_checkpoint` / :meth:`~TrainEngine.load_checkpoint`); this module owns the
 directory, the RNG states, the trainer state and the atomic rename. A checkpoint is written under
 ``.tmp-step_N`` and renamed only once every rank has finished, so a crash mid-write leaves the previous
-checkpoint (and ``latest``) intact. Both formats store each tensor with its global shape, so a
+checkpoint (and ``latest``) intact; a checkpoint that is replaced (the same step saved again after a
+resume) or pruned (``keep_last``) is first renamed to ``.tmp-old-step_N`` and deleted after, so a
+``step_N`` directory is always complete. ``.tmp-*`` leftovers of a crash are deleted by the next save.
+Before loading, :func:`rlctl.runtime.layout.choose_resume` checks every file it names (see
+docs/reliability.md). Both formats store each tensor with its global shape, so a
 checkpoint loads on any number of processes (FSDP) or any tp/pp (Megatron); it loads with the backend
 that saved it.
 """
@@ -38,11 +42,14 @@ from rlctl.errors import UserError
 from rlctl.runtime.layout import (
     LATEST,
     RNG_DIR,
+    TMP_PREFIX,
     TRAINER_STATE,
+    file_sizes,
     is_complete,
     list_checkpoints,
     step_name,
     tmp_name,
+    trash_name,
     write_text_atomic,
 )
 from rlctl.runtime.rng import load_rng, save_rng
@@ -50,7 +57,27 @@ from rlctl.runtime.rng import load_rng, save_rng
 if TYPE_CHECKING:
     from rlctl.engines.base import TrainEngine
 
-KILL_DURING_SAVE_ENV = "RLCTL_KILL_DURING_SAVE"  # test hook: rank 0 dies mid-write of this step's checkpoint
+# Test hooks (environment variables) for the fault-injection tests (tests/faults, docs/reliability.md):
+KILL_DURING_SAVE_ENV = "RLCTL_KILL_DURING_SAVE"  # STEP: rank 0 dies mid-write of this step's checkpoint
+FAULT_ENV = "RLCTL_FAULT"  # POINT:STEP[:RANK] (rank 0 by default): that rank SIGKILLs itself there
+FAULT_POINTS = (
+    "step",  # right after optimizer step STEP (runtime.fit)
+    "write",  # a save: after this rank's DCP shards and RNG files, before the other ranks finished
+    "rename",  # a save: the .tmp- directory is complete, not yet renamed
+    "latest",  # a save: step_N renamed, ``latest`` not yet updated
+    "prune",  # a save: an old checkpoint renamed to .tmp-old-, not yet deleted
+)
+
+
+def fault_point(point: str, step: int) -> None:
+    """Test hook: SIGKILL this process when ``RLCTL_FAULT`` names this point, step and rank."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return
+    want, _, rest = spec.partition(":")
+    at, _, rank = rest.partition(":")
+    if want == point and at == str(step) and (int(rank) if rank else 0) == dist.get_rank():
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def read_trainer_state(path: str | Path) -> dict:
@@ -75,7 +102,7 @@ def save_checkpoint(
     tmp = root / tmp_name(step)
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left over by a crash
+        remove_leftovers(root)
         tmp.mkdir()
     dist.barrier()
     for sub, engine in engines.items():
@@ -83,6 +110,7 @@ def save_checkpoint(
     save_rng(tmp / RNG_DIR, rank, rng_state)
     if rank == 0 and os.environ.get(KILL_DURING_SAVE_ENV, "") == str(step):
         os.kill(os.getpid(), signal.SIGKILL)
+    fault_point("write", step)
     dist.barrier()
     if rank == 0:
         backend = next(iter(engines.values())).backend  # every engine of a run has the same backend
@@ -102,15 +130,36 @@ def save_checkpoint(
                 out = tmp / sub / "lora_adapter" if sub else tmp / "lora_adapter"
                 out.mkdir(parents=True, exist_ok=True)
                 engine.save_lora_config(out)
+        state["files"] = file_sizes(tmp)  # every file but this one, with its size (layout.checkpoint_problem)
         (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
-        if final.exists():  # the same step saved again (after a resume)
-            shutil.rmtree(final)
+        fault_point("rename", step)
+        if final.exists():  # the same step saved again (after a resume): out of sight first
+            _remove(final)
         os.replace(tmp, final)
+        fault_point("latest", step)
         write_text_atomic(root / LATEST, final.name + "\n")
         for old in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old, step)
     dist.barrier()
     return final
+
+
+def remove_leftovers(root: str | Path) -> None:
+    """Delete the ``.tmp-*`` directories of saves or deletions a crash interrupted (rank 0, when no
+    save is under way: at the start of a save, and when a run resumes)."""
+    for leftover in Path(root).glob(f"{TMP_PREFIX}*"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _remove(checkpoint: Path, step: int | None = None) -> None:
+    """Delete a checkpoint so that no half-deleted ``step_N`` is ever visible: rename, then delete."""
+    trash = checkpoint.with_name(trash_name(checkpoint.name))
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(checkpoint, trash)
+    if step is not None:
+        fault_point("prune", step)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def load_checkpoint(
@@ -122,7 +171,7 @@ def load_checkpoint(
     ``trust`` is handed to the reader of older pickled RNG files.
     """
     path = Path(path)
-    if not is_complete(path):
+    if not is_complete(path):  # the caller checked every file (layout.choose_resume -> checkpoint_problem)
         raise UserError(f"{path} is not a complete rlctl checkpoint (no {TRAINER_STATE} or .metadata)")
     trainer_state = read_trainer_state(path)
     saved_by = trainer_state.get("backend", "fsdp")

@@ -28,9 +28,9 @@ from rlctl.config import save_every_steps
 from rlctl.errors import UserError
 from rlctl.formats.hf_writer import config_dtype
 from rlctl.metrics import MetricsLogger
-from rlctl.runtime.checkpoint import load_checkpoint, save_checkpoint
+from rlctl.runtime.checkpoint import fault_point, load_checkpoint, remove_leftovers, save_checkpoint
 from rlctl.runtime.dist import all_reduce_sum, barrier
-from rlctl.runtime.layout import resolve_resume, step_name, write_json_atomic
+from rlctl.runtime.layout import choose_resume, step_name, write_json_atomic
 from rlctl.runtime.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -102,7 +102,12 @@ def checkpoint(ctx: RunContext, trainer: Trainer, step: int) -> Path:
 def resume(ctx: RunContext, trainer: Trainer) -> tuple[int, Path | None]:
     """Load ``checkpoint.resume`` when set: (the step to start from, the checkpoint)."""
     cfg = ctx.cfg
-    path = resolve_resume(cfg.checkpoint.resume, ctx.paths.root)
+    choice = choose_resume(cfg.checkpoint.resume, ctx.paths.root)  # a damaged checkpoint: one named file
+    path = choice.path
+    if choice.note():
+        ctx.log(choice.note())
+    if ctx.dist.is_main and cfg.checkpoint.resume:
+        remove_leftovers(ctx.paths.checkpoints)  # .tmp-* of the crashed run (no save is under way now)
     if path is None:
         if cfg.checkpoint.resume == "auto":
             ctx.log("resume=auto: no checkpoint found, starting from step 0")
@@ -155,6 +160,7 @@ def fit(ctx: RunContext, trainer: Trainer) -> str:
     while step < total and not interrupted:
         record = trainer.train_step(step)
         step += 1
+        fault_point("step", step)  # test hook (RLCTL_FAULT=step:K)
         if step % cfg.log.every == 0 or step == total:
             metrics.log(record)
         if trainer.has_eval and every and step % every == 0:

@@ -132,6 +132,11 @@ def tmp_name(step: int) -> str:
     return f"{TMP_PREFIX}{step_name(step)}"
 
 
+def trash_name(name: str) -> str:
+    """Where a checkpoint is moved before it is deleted (replaced or pruned): out of sight at once."""
+    return f"{TMP_PREFIX}old-{name}"
+
+
 def step_of(path: str | Path) -> int | None:
     """The step a checkpoint path names (``step_N`` or verl's ``global_step_N``, itself or its parent)."""
     path = Path(path)
@@ -192,26 +197,159 @@ def marked_step(root: str | Path, steps: dict[int, Path]) -> Path | None:
     return None
 
 
-def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
-    """``checkpoint.resume``: "" -> None; "auto" -> the run's latest checkpoint or None; else a path.
+def rng_files(directory: str | Path, rank: int) -> tuple[Path, Path, Path]:
+    """A rank's RNG files in a checkpoint's ``rng/``: (JSON, safetensors, legacy pickled ``.pt``)."""
+    directory = Path(directory)
+    return directory / f"rank_{rank}.json", directory / f"rank_{rank}.safetensors", directory / f"rank_{rank}.pt"
 
-    A path may name a checkpoint (step_N), a checkpoints directory or a run directory.
+
+def file_sizes(checkpoint: str | Path) -> dict[str, int]:
+    """{relative path: bytes} of every file of a checkpoint but trainer_state.json: the manifest that
+    trainer_state.json records under ``"files"`` (rank 0 writes it last, once every rank has finished)."""
+    checkpoint = Path(checkpoint)
+    files = (p for p in checkpoint.rglob("*") if p.is_file() and p.name != TRAINER_STATE)
+    return {str(p.relative_to(checkpoint)): p.stat().st_size for p in sorted(files)}
+
+
+def _manifest_problem(path: Path, manifest: dict) -> str | None:
+    for rel, size in manifest.items():
+        file = path / rel
+        if not file.is_file():
+            return f"{file} missing"
+        have = file.stat().st_size
+        if have != size:
+            return (
+                f"{file} truncated: {have} of {size} bytes"
+                if have < size
+                else f"{file} damaged: {have} bytes, saved {size}"
+            )
+    return None
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """None when the rlctl checkpoint ``path`` is whole, else one phrase naming the first missing or
+    damaged file ("``.../__0_0.distcp`` truncated: 1234 of 5678 bytes").
+
+    Cheap (sizes and headers, never the tensors): trainer_state.json parses; every file its manifest
+    (``"files"``, :func:`file_sizes`) names has the size it was saved with; every engine directory's
+    DCP ``.metadata`` unpickles and each shard file it names holds the bytes it records (Megatron: and
+    its metadata.json parses); each saving rank's RNG files are whole; huggingface/*.json and the LoRA
+    adapter configs parse. Imports torch (the DCP metadata classes) when called.
+    """
+    from rlctl.formats.integrity import dcp_dir_problem, json_problem, safetensors_problem
+
+    path = Path(path)
+    if not path.is_dir():
+        return f"{path} missing"
+    if problem := json_problem(path / TRAINER_STATE, required=("step",)):
+        return problem
+    state = json.loads((path / TRAINER_STATE).read_text())
+    if isinstance(state.get("files"), dict) and (problem := _manifest_problem(path, state["files"])):
+        return problem  # checkpoints saved before the manifest: the checks below only
+    subs = [""] + (["critic"] if state.get("method") == "ppo" or (path / "critic").is_dir() else [])
+    for sub in subs:
+        where = path / sub if sub else path
+        if problem := dcp_dir_problem(where):
+            return problem
+        if state.get("backend") == "megatron" and (problem := json_problem(where / "metadata.json")):
+            return problem
+    rng = path / RNG_DIR
+    world = state.get("world_size")
+    saved = {int(f.stem[5:]) for f in rng.glob("rank_*.*") if f.stem[5:].isdigit()}
+    ranks = range(world) if isinstance(world, int) else sorted(saved)
+    for rank in ranks:
+        as_json, as_tensors, legacy = rng_files(rng, rank)
+        if legacy.is_file() and not as_json.exists() and not as_tensors.exists():
+            if legacy.stat().st_size == 0:
+                return f"{legacy} damaged (empty)"
+            continue
+        if problem := json_problem(as_json, required=("python", "numpy")) or safetensors_problem(as_tensors):
+            return problem
+    hf = path / "huggingface"  # written when the run has model_meta/ (always, for the CLI's runs)
+    for file in ([hf / "config.json"] if hf.is_dir() else []) + sorted(hf.glob("*.json")):
+        if problem := json_problem(file):
+            return problem
+    for sub, key in (("", "lora"), ("critic", "critic_lora")):
+        if state.get(key) and (problem := json_problem(path / sub / "lora_adapter" / "adapter_config.json")):
+            return problem
+    return None
+
+
+@dataclass(frozen=True)
+class ResumeChoice:
+    """Where a run resumes from: ``path`` (None: from step 0) and the newer checkpoints passed over."""
+
+    path: Path | None
+    passed_over: tuple[tuple[Path, str], ...] = ()  # (checkpoint, its problem), newest first
+
+    def note(self) -> str:
+        """One line for the console and train.log ("" when there is nothing to say)."""
+        if self.path is None or not self.passed_over:
+            return ""
+        why = "; ".join(f"{d.name} is damaged ({problem})" for d, problem in self.passed_over)
+        return f"resuming from {self.path.name}: {why}"
+
+
+def choose_resume(resume: str, run_dir: str | Path) -> ResumeChoice:
+    """``checkpoint.resume``: "" -> no resume; "auto" -> the newest INTACT checkpoint of the run (newer
+    damaged ones are passed over and named in :meth:`ResumeChoice.note`; none at all -> step 0; only
+    damaged ones -> UserError); else a path, which must be intact (never a silent fallback).
+
+    A path may name a checkpoint (step_N), a checkpoints directory or a run directory (then the
+    checkpoint ``latest`` names, else the newest). ``.tmp-*`` directories (unfinished saves) are ignored.
     """
     if not resume:
-        return None
+        return ResumeChoice(None)
     if resume == "auto":
-        return latest_checkpoint(RunPaths(Path(run_dir)).checkpoints)
+        return _newest_intact(RunPaths(Path(run_dir)).checkpoints)
     p = Path(resume).expanduser()
-    if is_complete(p):
-        return p
-    for root in (p, RunPaths(p).checkpoints):
-        found = latest_checkpoint(root) if root.is_dir() else None
-        if found is not None:
-            return found
-    raise UserError(
-        f"--resume {resume}: no complete checkpoint there (expected a step_N directory with "
-        f"trainer_state.json, or a run directory with checkpoints/)"
-    )
+    if p.name.startswith(TMP_PREFIX):
+        raise UserError(
+            f"--resume {resume}: an unfinished save (the run stopped while writing or deleting it), not a "
+            f"checkpoint; pass a step_N directory, or --resume auto"
+        )
+    if (STEP_RE.match(p.name) and p.is_dir()) or (p / TRAINER_STATE).exists() or (p / ".metadata").exists():
+        candidate = p
+    else:
+        candidate = None
+        for root in (p, RunPaths(p).checkpoints):
+            steps = {s: d for s, d in step_dirs(root).items() if STEP_RE.match(d.name)}
+            if steps:
+                candidate = marked_step(root, steps) or steps[max(steps)]
+                break
+    if candidate is None:
+        raise UserError(
+            f"--resume {resume}: no complete checkpoint there (expected a step_N directory with "
+            f"trainer_state.json, or a run directory with checkpoints/)"
+        )
+    if problem := checkpoint_problem(candidate):
+        raise UserError(
+            f"--resume {resume}: checkpoint {candidate.name} is damaged: {problem}; copy it again, or pass "
+            f"an older step_N directory (--resume auto takes the run's newest intact checkpoint)"
+        )
+    return ResumeChoice(candidate)
+
+
+def _newest_intact(root: Path) -> ResumeChoice:
+    steps = {s: d for s, d in step_dirs(root).items() if STEP_RE.match(d.name)}
+    passed: list[tuple[Path, str]] = []
+    for step in sorted(steps, reverse=True):
+        problem = checkpoint_problem(steps[step])
+        if problem is None:
+            return ResumeChoice(steps[step], tuple(passed))
+        passed.append((steps[step], problem))
+    if passed:
+        why = "; ".join(f"{d.name}: {problem}" for d, problem in passed)
+        raise UserError(
+            f"--resume auto: no intact checkpoint in {root} ({why}); copy the damaged files again, or "
+            f"start over in another --output-dir"
+        )
+    return ResumeChoice(None)
+
+
+def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
+    """The checkpoint :func:`choose_resume` picks (None: start from step 0)."""
+    return choose_resume(resume, run_dir).path
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlctl.runtime.layout import rng_files
+
 
 def seed_everything(seed: int) -> None:
     """Same seed on every rank: data order is computed identically everywhere."""
@@ -39,17 +41,13 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _paths(directory: Path, rank: int) -> tuple[Path, Path, Path]:
-    return directory / f"rank_{rank}.json", directory / f"rank_{rank}.safetensors", directory / f"rank_{rank}.pt"
-
-
 def save_rng(directory: str | Path, rank: int, state: dict) -> None:
     """Write ``state`` (from :func:`rng_state`) as JSON + safetensors into ``directory``."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    as_json, as_tensors, _ = _paths(directory, rank)
+    as_json, as_tensors, _ = rng_files(directory, rank)
     version, internal, gauss = state["python"]
     kind, keys, pos, has_gauss, cached = state["numpy"]
     plain = {
@@ -72,7 +70,7 @@ def load_rng(directory: str | Path, rank: int, *, trust: bool = False) -> dict |
     """This rank's RNG state from ``directory`` (new format, else an older pickled file), or None."""
     from safetensors.torch import load_file
 
-    as_json, as_tensors, legacy = _paths(Path(directory), rank)
+    as_json, as_tensors, legacy = rng_files(Path(directory), rank)
     if as_json.is_file() and as_tensors.is_file():
         plain = json.loads(as_json.read_text())
         py, nps = plain["python"], plain["numpy"]
