@@ -39,7 +39,10 @@ def main() -> None:
         print(
             f"{name}: {t * 1000:.0f} ms  ({t / bare:.1f}x bare python)  {'OK' if t < 0.3 else 'over the 0.3 s target'}"
         )
-    probe = "import sys; import rlctl.cli.app; print(sorted(m for m in ('torch','transformers','vllm','datasets','peft') if m in sys.modules))"
+    probe = (
+        "import sys; import rlctl.cli.app; "
+        "print(sorted(m for m in ('torch','transformers','vllm','datasets','peft') if m in sys.modules))"
+    )
     heavy = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
     print(f"heavy modules imported by the CLI: {heavy}")
 

@@ -200,7 +200,8 @@ def compare_md(doc: dict) -> str:
             )
     version = doc["results"][0].get("peer_version", "") if doc["results"] else ""
     return (
-        f"### rlctl vs {peer} {version}\n\nThe same work, runs interleaved; ratio = rlctl / {peer} (above 1: rlctl faster).\n\n"
+        f"### rlctl vs {peer} {version}\n\n"
+        f"The same work, runs interleaved; ratio = rlctl / {peer} (above 1: rlctl faster).\n\n"
         + table(["work", "rlctl tokens/s", f"{peer} tokens/s", "ratio"], rows)
         + "\n\n"
         + provenance(doc)
