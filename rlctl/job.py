@@ -23,7 +23,6 @@ from rlctl.config import RunConfig, val_split
 from rlctl.errors import UserError
 
 IGNORE_MEMORY_FLAG = "--ignore-memory-check"
-ADVANTAGES = {"grpo": ("grpo", "rloo", "reinforce_pp"), "ppo": ("gae", "grpo", "rloo", "reinforce_pp")}
 
 
 def resolve_job(method: str, *, preset: str | None, config_file: str | None, options: dict, sets: list[str] | None):
@@ -56,11 +55,11 @@ def resolve_job(method: str, *, preset: str | None, config_file: str | None, opt
 
 
 def check_algorithm(cfg: RunConfig) -> None:
-    """The advantage estimator the method can run (GAE needs PPO's critic)."""
-    allowed = ADVANTAGES.get(cfg.method)
-    if allowed and cfg.algo.adv not in allowed:
-        hint = "; GAE needs a critic: use `rlctl ppo`" if cfg.algo.adv == "gae" else ""
-        raise UserError(f"{cfg.method} cannot use --adv {cfg.algo.adv}{hint} (or --adv {' | '.join(allowed)})")
+    """Algorithm settings that run together (:func:`rlctl.config.choices.check_algorithm`)."""
+    from rlctl.config.choices import check_algorithm as check
+
+    a = cfg.algo
+    check(cfg.method, a.adv, n=cfg.rollout.n, kl_coef=a.kl_coef, kl_target=a.kl_target)
 
 
 def with_run_dir(cfg: RunConfig) -> RunConfig:

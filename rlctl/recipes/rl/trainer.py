@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from rlctl.algos import AdaptiveKLController, FixedKLController, get_adv_estimator, kl_estimate
+from rlctl.config.choices import check_algorithm
 from rlctl.data.packing import StepSampler
 from rlctl.data.rl import Prompt, build_rl_data
 from rlctl.data.sft import use_chat_template
@@ -37,18 +38,9 @@ class RLTrainer(ScoringSteps):
         self.ctx, self.cfg, self.dist = ctx, cfg, d
         self.recipe_step = recipe_step  # the recipe's steps in order (rlctl.recipes.grpo / ppo)
         a = cfg.algo
-        estimator = get_adv_estimator(a.adv)
-        if with_critic and not estimator.needs_critic:
-            raise UserError(
-                f"rlctl ppo trains a critic for GAE advantages; algo.adv={a.adv} needs no critic: "
-                f"use `rlctl grpo --adv {a.adv}` or set algo.adv=gae"
-            )
-        if not with_critic and estimator.needs_critic:
-            raise UserError(f"algo.adv={a.adv} needs a critic: use `rlctl ppo`, or --adv grpo, rloo or reinforce_pp")
-        if estimator.needs_groups and cfg.rollout.n < 2:
-            raise UserError(f"algo.adv={a.adv} compares the samples of a prompt; set rollout.n >= 2 (e.g. --n 8)")
-        if a.kl_target and not a.kl_coef:
-            raise UserError("algo.kl_target (adaptive KL) needs an initial algo.kl_coef > 0, e.g. --kl-coef 0.001")
+        get_adv_estimator(a.adv)  # an unknown name: a one-line error naming the registered ones
+        # the same check as before launch (rlctl.job), for a run directory written by other means
+        check_algorithm(cfg.method, a.adv, n=cfg.rollout.n, kl_coef=a.kl_coef, kl_target=a.kl_target)
 
         self.source = model_source(cfg.model.name, random_init=cfg.model.random_init)
         self.tokenizer = use_chat_template(load_tokenizer(self.source), cfg)
