@@ -357,6 +357,30 @@ class FSDPEngine(TrainEngine):
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
         ).logits
 
+    def forward_micro(self, mb) -> torch.Tensor:
+        """Logits only where the loss reads them (``logits_to_keep``): an RL micro-batch's positions that
+        predict response tokens, or a shared-prefix micro-batch's ``keep_cols`` (with its 4-D mask)."""
+        keep = getattr(mb, "logit_index", None)
+        if self.role == "critic" or keep is None:
+            return super().forward_micro(mb)
+        if getattr(mb, "keep_cols", None) is not None:
+            return self.model(
+                input_ids=mb.input_ids,
+                position_ids=mb.position_ids,
+                attention_mask=mb.attention_mask,
+                use_cache=False,
+                logits_to_keep=mb.keep_cols,
+            ).logits
+        return self.model(
+            input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, logits_to_keep=keep
+        ).logits
+
+    @property
+    def shares_prefix(self) -> bool:
+        """Shared-prefix micro-batches carry a custom 4-D mask: sdpa and eager attention take it
+        (flash-attention's varlen kernels cannot, and keep the packed rows)."""
+        return self.role != "critic" and self.attn in ("sdpa", "eager")
+
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
         if not self.trainable:
             raise RuntimeError(f"the {self.role} engine is frozen")
