@@ -54,6 +54,8 @@ class MicroBatch:
     # its samples' responses, ``attention_mask`` a [G, 1, L, L] boolean mask; the logits are computed at the
     # columns ``keep_cols`` only, and ``logit_index`` indexes the flattened [G, K] of those.
     keep_cols: torch.Tensor | None = None  # [K] int64
+    # Which positions attend to which, for engines that split rows (rlctl.engines.varlen.Block tuples)
+    blocks: list[tuple[int, int, int, int, int]] | None = None
 
     @property
     def dummy(self) -> bool:

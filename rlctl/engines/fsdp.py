@@ -53,6 +53,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlctl.config import RunConfig
+from rlctl.engines import varlen
 from rlctl.engines.base import ROLES, ModelSource, TrainEngine, model_source
 from rlctl.engines.schedule import lr_factor
 from rlctl.engines.spec import EngineSpec
@@ -69,9 +70,9 @@ class CriticModel(nn.Module):
         self.model = backbone
         self.value_head = nn.Linear(hidden_size, 1)
 
-    def forward(self, input_ids, position_ids=None, attention_mask=None):
+    def forward(self, input_ids, position_ids=None, attention_mask=None, **kwargs):
         hidden = self.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False, **kwargs
         ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)  # a copy, not a view
 
@@ -148,6 +149,9 @@ class FSDPEngine(TrainEngine):
 
         with torch.device("meta"):
             self.model, self._state_module = self._build(self.hf_config)
+        self.varlen = self.attn == "sdpa"  # packed rows split per document (rlctl.engines.varlen)
+        if self.varlen:
+            varlen.install(self._hf_model().config)
         self._apply_fsdp(spec.activation_checkpointing)
         self._materialize()
         self.global_step = 0
@@ -358,22 +362,24 @@ class FSDPEngine(TrainEngine):
         ).logits
 
     def forward_micro(self, mb) -> torch.Tensor:
-        """Logits only where the loss reads them (``logits_to_keep``): an RL micro-batch's positions that
-        predict response tokens, or a shared-prefix micro-batch's ``keep_cols`` (with its 4-D mask)."""
-        keep = getattr(mb, "logit_index", None)
-        if self.role == "critic" or keep is None:
-            return super().forward_micro(mb)
-        if getattr(mb, "keep_cols", None) is not None:
-            return self.model(
-                input_ids=mb.input_ids,
-                position_ids=mb.position_ids,
-                attention_mask=mb.attention_mask,
-                use_cache=False,
-                logits_to_keep=mb.keep_cols,
-            ).logits
-        return self.model(
-            input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, logits_to_keep=keep
-        ).logits
+        """One micro-batch's output, with as little wasted work as the layout allows: packed rows (and
+        shared-prefix rows) attend per document (:mod:`rlctl.engines.varlen`, with sdpa), and an RL
+        micro-batch's logits are computed only where the loss reads them (``logits_to_keep``)."""
+        blocks, mask = getattr(mb, "blocks", None), mb.attention_mask
+        if blocks is None and mask is None and self.varlen:
+            blocks = varlen.blocks_from_positions(mb.position_ids)
+            blocks = blocks if varlen.worth_splitting(blocks, mb.input_ids.shape[0]) else None
+        kwargs = {"attention_mask": mask}
+        if blocks is not None and self.varlen:
+            kwargs = {"attention_mask": varlen.placeholder_mask(self.device), "rlctl_blocks": blocks}
+        if self.role == "critic":
+            return self.model(mb.input_ids, position_ids=mb.position_ids, **kwargs)
+        keep = getattr(mb, "keep_cols", None)
+        if keep is None:
+            keep = getattr(mb, "logit_index", None)
+        if keep is not None:
+            kwargs["logits_to_keep"] = keep
+        return self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **kwargs).logits
 
     @property
     def shares_prefix(self) -> bool:

@@ -93,7 +93,7 @@ def plain_reference(model_dir, batch, weights):
     return logp, full_grads(model)
 
 
-def engine_pass(engine, batch, weights, *, budget: int, share_prefix: bool):
+def engine_pass(engine, batch, weights, *, budget: int, share_prefix: bool, split: bool = True):
     """Log-probs and the gradient of sum(weights * logp) through the engine's micro-batches."""
     from rlctl.algos import logprobs_from_logits
     from rlctl.recipes.rl.batch import micro_batches
@@ -102,6 +102,9 @@ def engine_pass(engine, batch, weights, *, budget: int, share_prefix: bool):
         batch, list(range(len(batch))), budget=budget, pad_id=0, device=torch.device("cpu"), share_prefix=share_prefix
     )
     assert all((mb.keep_cols is not None) == share_prefix for mb in micro)
+    for mb in micro:
+        mb.blocks = mb.blocks if split else None  # unsplit: the shared rows' 4-D mask, or the packed rows' one
+    engine.varlen = split
 
     def loss_fn(logits, mb):
         lp = mb.to_matrix(logprobs_from_logits(mb.at_response(logits), mb.labels, TEMPERATURE))
@@ -131,7 +134,9 @@ def test_shared_prefix_packed_and_unpacked_match_a_plain_model(tiny_model_dir, p
     settings = {
         "shared prefix, one micro-batch": dict(budget=10_000, share_prefix=True),
         "shared prefix, a micro-batch per group or less": dict(budget=longest, share_prefix=True),
+        "shared prefix, 4-D mask": dict(budget=10_000, share_prefix=True, split=False),
         "packed rows": dict(budget=2 * longest, share_prefix=False),
+        "packed rows, one block-diagonal mask": dict(budget=2 * longest, share_prefix=False, split=False),
         "one sample per micro-batch": dict(budget=longest, share_prefix=False),
     }
     for name, kw in settings.items():
@@ -202,3 +207,40 @@ def test_several_steps_per_batch_still_need_the_old_logprobs(tiny_model_dir, pro
     assert not single_step(batch, rl_config(tiny_model_dir, **{"algo.ppo_epochs": 2}))
     with pytest.raises(ValueError, match="old log-probs"):
         run_update(tiny_model_dir, batch, skip_old_pass=True, **{"algo.ppo_epochs": 2})
+
+
+def test_packed_rows_attend_per_document_and_match_a_plain_model(tiny_model_dir, process_group, monkeypatch):
+    """An SFT packed row (positions restarting at 0, no mask) runs one sdpa call per document and layer
+    (cost: the sum of squared document lengths), with each document's own logits and gradients."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from rlctl.data.packing import collate_packed
+    from rlctl.data.sft import Example
+    from rlctl.engines import varlen
+    from rlctl.engines.fsdp import FSDPEngine
+
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(4, 400, size=n) for n in (7, 19, 3, 12)]
+    mb = collate_packed([Example(d, d) for d in docs])
+    weights = torch.randn(1, mb.input_ids.shape[1], 32, generator=torch.Generator().manual_seed(6))
+    engine = FSDPEngine(cpu_spec(), rl_config(tiny_model_dir), total_steps=1)
+    engine.train(False)
+    calls = []
+    block = varlen._block_attention
+    monkeypatch.setattr(varlen, "_block_attention", lambda *a: calls.append(a[3]) or block(*a))
+    (logits,) = engine.forward_backward([mb], lambda out, _: ((out[..., :32] * weights).sum(), out))
+    layers = engine.hf_config.num_hidden_layers
+    assert len(calls) == len(docs) * layers and all(b[2] - b[1] == len(d) for b, d in zip(calls, docs))
+    got_grads = full_grads(engine.model)
+
+    plain = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32, attn_implementation="eager")
+    plain.eval()
+    start = 0
+    for d in docs:
+        out = plain(input_ids=torch.as_tensor(d, dtype=torch.int64)[None]).logits
+        assert torch.allclose(logits[:, start : start + len(d)], out.detach(), atol=TOL, rtol=0)
+        (out[..., :32] * weights[:, start : start + len(d)]).sum().backward()
+        start += len(d)
+    for key, g in full_grads(plain).items():
+        assert torch.allclose(got_grads[key], g, atol=TOL, rtol=1e-4), key

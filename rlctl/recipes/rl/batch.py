@@ -191,14 +191,17 @@ def _collate_shared(batch: RolloutBatch, groups: list[list[int]], pad_id: int, d
     nothing) at positions P.., and a ``[G, 1, L, L]`` boolean mask: the prompt causal in itself, each
     response attending to the whole prompt and causally to itself (padding only to itself)."""
     rows = [i for g in groups for i in g]
-    seg_rows, id_rows, pos_rows, logit_pos = [], [], [], []
+    seg_rows, id_rows, pos_rows, logit_pos, blocks = [], [], [], [], []
     labels, token_row, token_col = [], [], []
-    for members in groups:
+    for g, members in enumerate(groups):
         prompt = batch.prompts[members[0]]
         ids, pos, seg, wanted = list(prompt), list(range(len(prompt))), [0] * len(prompt), []
+        blocks.append((g, 0, len(prompt), 0, 0))
         for j, i in enumerate(members):
             resp = batch.responses[i]
             start = len(ids)
+            if len(resp) > 1:
+                blocks.append((g, start, start + len(resp) - 1, 0, len(prompt)))
             ids += resp[:-1]
             pos += range(len(prompt), len(prompt) + len(resp) - 1)
             seg += [j + 1] * (len(resp) - 1)
@@ -243,6 +246,7 @@ def _collate_shared(batch: RolloutBatch, groups: list[list[int]], pad_id: int, d
         token_col=t(token_col),
         width=max(len(batch.responses[i]) for i in rows),
         keep_cols=t(keep),
+        blocks=blocks,
     )
 
 
