@@ -214,7 +214,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default="runs/bench-grpo")
-    ap.add_argument("--json", default="benchmarks/results/grpo-vs-trl.json")
+    ap.add_argument("--json", default="benchmarks/results/speed/grpo-vs-trl.json")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--regime-json", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)

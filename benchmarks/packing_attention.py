@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="benchmarks/results/packing-attention.json")
+    ap.add_argument("--out", default="benchmarks/results/speed/packing-attention.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
 

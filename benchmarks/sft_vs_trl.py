@@ -285,7 +285,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512, help="model width (heads of 64)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--out", default="runs/bench-sft")
-    ap.add_argument("--json", default="benchmarks/results/sft-vs-trl.json")
+    ap.add_argument("--json", default="benchmarks/results/speed/sft-vs-trl.json")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--packing", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)

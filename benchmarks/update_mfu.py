@@ -1,6 +1,6 @@
 """MFU of rlctl's GRPO update in benchmarks/grpo_vs_trl.py's runs, against the fp32 matmul peak measured now.
 
-    python benchmarks/update_mfu.py /tmp/bench-grpo --regime compute [--json benchmarks/results/update-mfu.json]
+    python benchmarks/update_mfu.py /tmp/bench-grpo --regime compute [--json benchmarks/results/speed/update-mfu.json]
 
 Model FLOPs per rlctl.bench.mfu (PaLM's convention: 6 N + attention per token, backward = 2 x forward),
 over the median ``time/update`` of the steps after warm-up. Two token counts: the logical one
@@ -25,7 +25,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bench_dir")
     ap.add_argument("--regime", default="compute")
-    ap.add_argument("--json", default="benchmarks/results/update-mfu.json")
+    ap.add_argument("--json", default="benchmarks/results/speed/update-mfu.json")
     args = ap.parse_args()
     import torch
 
