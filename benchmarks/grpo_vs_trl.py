@@ -1,41 +1,85 @@
-"""Seconds per GRPO step and reward after N steps: `rlctl grpo` against TRL's GRPOTrainer, on this CPU.
+"""Seconds per GRPO step and reward gain: `rlctl grpo` against TRL's GRPOTrainer, on this CPU, in three regimes.
 
-    python benchmarks/grpo_vs_trl.py --model runs/demo/sft/hf [--steps 10] [--rollouts hf,vllm]
+    python benchmarks/grpo_vs_trl.py [--regimes overhead,compute,prompt] [--rounds 3] [--steps 8]
 
-The model is the demo's SFT model (``make demo`` writes it to runs/demo/sft/hf): a tiny Qwen2 that
-answers two-digit additions, so the exact-match reward is neither 0 nor 1. Both frameworks train
-it on the demo's training prompts with the same settings: batch (prompts per step), n (samples per
-prompt), response length, temperature 1, learning rate (constant), PPO clip 0.2, token-mean loss
-(TRL's ``loss_type="dapo"``), group-normalised advantages, no KL term and no reference model, one
-optimizer step per batch, the same exact-match reward function (rlctl.rewards.builtin.exact_score),
-one process with one thread each. Rollouts by HF ``generate`` (rlctl ``--rollout hf``, TRL's
-default) or by vLLM in the same process (rlctl ``--rollout vllm``, TRL ``use_vllm=True,
-vllm_mode="colocate"``). rlctl and TRL runs alternate.
+Regimes (the issue's): ``overhead``: a tiny Qwen2 (hidden 128, 2 layers), short prompts, 2 prompts x 4
+samples x 32 tokens; ``compute``: a ~23M-parameter Qwen2 (hidden 512, 8 layers), short prompts
+(~15 tokens), 2 prompts x 8 samples x 64 tokens; ``prompt``: the same model, few-shot prompts of
+~180 tokens, 2 prompts x 8 samples x 32 tokens. Models have random weights (rlctl.testing), so the
+responses run to the length budget in both frameworks; the reward is :func:`speed_reward.digits`
+(the share of digits and spaces in the response: a signal a random model can climb).
 
-Measured from the end of step WARMUP_STEPS to the end of the last step: seconds per step by the
-wall clock and by the training process's CPU time (robust when other jobs share the machine),
-sampled for rlctl when its metrics.jsonl grows and for TRL in a callback. Reward: the mean
-training reward of the last three steps, and the held-out accuracy (greedy, plain transformers) of
-the model each run ends with.
+Both frameworks run with the same settings: batch (prompts per step), n, response length,
+temperature 1, learning rate (constant), PPO clip 0.2, token-mean loss (TRL's ``loss_type="dapo"``),
+group-normalised advantages, no KL term and no reference model, one optimizer step per batch, hf
+rollouts (``generate``), one process with one thread each, each framework with its defaults
+otherwise (rlctl: the plan's; no speed flag). Runs alternate (rlctl, TRL, rlctl, TRL...) and the
+ratio is the median over rounds, so a change in the machine's load hits both alike; the load
+average is recorded with each run.
+
+Measured from the end of step WARMUP_STEPS to the end of the last step: seconds per step by the wall
+clock and by the training process's CPU time (robust when other jobs share the machine), sampled for
+rlctl when its metrics.jsonl grows and for TRL in a callback. Reward gain per step: the least-squares
+slope of the mean training reward over the steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
 import statistics
 import subprocess
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sft_vs_trl import WARMUP_STEPS, _env, run_rlctl_clocked
 
-from rlctl.data import arith
-
 LR = 1e-4
-MAX_PROMPT_LEN = 32
-MAX_RESPONSE_LEN = 4
-LAST = 3  # training steps whose reward is averaged as "reward after N steps"
+REWARD = str(Path(__file__).with_name("speed_reward.py")) + ":digits"
+
+
+@dataclass(frozen=True)
+class Regime:
+    hidden: int
+    layers: int
+    batch: int  # prompts per step
+    n: int  # samples per prompt
+    response_len: int
+    shots: int  # solved examples before the question (0: a short prompt)
+    max_prompt_len: int
+
+
+REGIMES = {
+    "overhead": Regime(hidden=128, layers=2, batch=2, n=4, response_len=32, shots=0, max_prompt_len=64),
+    "compute": Regime(hidden=512, layers=8, batch=2, n=8, response_len=64, shots=0, max_prompt_len=64),
+    "prompt": Regime(hidden=512, layers=8, batch=2, n=8, response_len=32, shots=24, max_prompt_len=320),
+}
+
+
+def write_prompts(path: Path, shots: int, count: int = 64, seed: int = 0) -> Path:
+    """Addition questions, each after ``shots`` solved ones (few-shot prompts share no text but the format)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        solved = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(shots)]
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        text = "".join(f"{x} + {y} = {x + y}. " for x, y in solved) + f"What is {a} + {b}?"
+        rows.append({"prompt": text, "answer": str(a + b)})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def slope(values: list[float]) -> float:
+    """Least-squares slope of ``values`` over their index (reward gain per step)."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mx, my = (n - 1) / 2, statistics.mean(values)
+    return sum((i - mx) * (v - my) for i, v in enumerate(values)) / sum((i - mx) ** 2 for i in range(n))
 
 
 def step_times(marks: dict[int, tuple[float, float]]) -> dict:
@@ -49,107 +93,55 @@ def step_times(marks: dict[int, tuple[float, float]]) -> dict:
     }
 
 
-def rlctl_run(args, data: Path, out: Path, rollout: str) -> dict:
-    argv = [
-        sys.executable,
-        "-m",
-        "rlctl",
-        "grpo",
-        "--model",
-        args.model,
-        "--data",
-        str(data),
-        "--reward",
-        "exact",
-        "--device",
-        "cpu",
-        "--nproc",
-        "1",
-        "--rollout",
-        rollout,
-        "-o",
-        str(out),
-        "--max-steps",
-        str(args.steps),
-        "--batch-size",
-        str(args.batch_size),
-        "--n",
-        str(args.n),
-        "--lr",
-        str(LR),
-        "--temperature",
-        "1.0",
-        "--max-prompt-len",
-        str(MAX_PROMPT_LEN),
-        "--max-response-len",
-        str(MAX_RESPONSE_LEN),
-        "--kl-coef",
-        "0",
-        "--seed",
-        "0",
-    ]
+def rlctl_run(args, r: Regime, model: Path, data: Path, out: Path) -> dict:
+    argv = [sys.executable, "-m", "rlctl", "grpo", "--model", str(model), "--data", str(data)]
+    argv += ["--reward", REWARD, "--device", "cpu", "--nproc", "1", "--rollout", "hf", "-o", str(out)]
+    argv += ["--max-steps", str(args.steps), "--batch-size", str(r.batch), "--n", str(r.n), "--lr", str(LR)]
+    argv += ["--temperature", "1.0", "--max-prompt-len", str(r.max_prompt_len)]
+    argv += ["--max-response-len", str(r.response_len), "--kl-coef", "0", "--seed", "0"]
+    argv += ["--set", "checkpoint.export_hf=false"]
+    load = os.getloadavg()[0]
     marks = run_rlctl_clocked(argv, out, "grpo", out.parent / f"{out.name}.log")
-    rewards = [
-        json.loads(line)["reward"]
-        for line in (out / "metrics.jsonl").read_text().splitlines()
-        if '"kind": "eval"' not in line
-    ]
-    return {**step_times(marks), "reward": statistics.mean(rewards[-LAST:]), "model": str(out / "hf")}
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rewards = [x["reward"] for x in records if x.get("kind") != "eval"]
+    times = {k: statistics.mean(x.get(k, 0.0) for x in records[WARMUP_STEPS:]) for k in records[-1] if "time/" in k}
+    return {**step_times(marks), "rewards": rewards, "gain_per_step": slope(rewards), "load": load, "phases": times}
 
 
-def trl_run(args, data: Path, out: Path, rollout: str) -> dict:
-    argv = [
-        sys.executable,
-        __file__,
-        "--trl-worker",
-        "--model",
-        args.model,
-        "--data",
-        str(data),
-        "--out",
-        str(out),
-        "--steps",
-        str(args.steps),
-        "--batch-size",
-        str(args.batch_size),
-        "--n",
-        str(args.n),
-        "--rollout",
-        rollout,
-    ]
+def trl_run(args, r: Regime, model: Path, data: Path, out: Path) -> dict:
+    argv = [sys.executable, __file__, "--trl-worker", "--model", str(model), "--data", str(data), "--out", str(out)]
+    argv += ["--steps", str(args.steps), "--regime-json", json.dumps(asdict(r))]
     out.mkdir(parents=True, exist_ok=True)
     log_path = out.parent / f"{out.name}.log"
+    load = os.getloadavg()[0]
     with open(log_path, "w") as log:
-        code = subprocess.call(
-            argv, env={**_env(), "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=log, stderr=subprocess.STDOUT
-        )
+        code = subprocess.call(argv, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     if code:
         lines = [line for line in log_path.read_text().splitlines() if "Error" in line]
         return {"failed": (lines[-1].strip() if lines else f"exit code {code}") + f" (log: {log_path})"}
-    return json.loads((out / "result.json").read_text())
+    res = json.loads((out / "result.json").read_text())
+    return {**res, "gain_per_step": slope(res["rewards"]), "load": load}
 
 
 def trl_worker(args) -> None:
-    """One TRL GRPOTrainer run (in its own process); writes OUT/result.json and the model to OUT/model."""
+    """One TRL GRPOTrainer run (in its own process); writes OUT/result.json."""
     import time
 
     import torch
     from datasets import Dataset
+    from speed_reward import digits
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlctl.rewards.builtin import exact_score
-
+    r = Regime(**json.loads(args.regime_json))
     torch.set_num_threads(1)
     out = Path(args.out)
     tok = AutoTokenizer.from_pretrained(args.model)
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
-    ds = Dataset.from_list(
-        [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
-    )
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": x["prompt"]}]} for x in rows])
 
-    def exact(completions, answer, **kwargs):
-        return [exact_score("arith", c[0]["content"], a) for c, a in zip(completions, answer)]
+    def reward(completions, **kwargs):
+        return [digits("", c[0]["content"], None) for c in completions]
 
     marks: dict[int, tuple[float, float]] = {0: (time.process_time(), time.perf_counter())}
     rewards: list[float] = []
@@ -165,12 +157,12 @@ def trl_worker(args) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
     config = GRPOConfig(
         output_dir=str(out),
-        per_device_train_batch_size=args.batch_size * args.n,
-        num_generations=args.n,
+        per_device_train_batch_size=r.batch * r.n,
+        num_generations=r.n,
         gradient_accumulation_steps=1,
         steps_per_generation=1,
         num_iterations=1,
-        max_completion_length=MAX_RESPONSE_LEN,
+        max_completion_length=r.response_len,
         max_steps=args.steps,
         learning_rate=LR,
         lr_scheduler_type="constant",
@@ -188,93 +180,97 @@ def trl_worker(args) -> None:
         logging_steps=1,
         seed=0,
         disable_tqdm=True,
-        use_vllm=args.rollout == "vllm",
-        vllm_mode="colocate",
-        vllm_max_model_length=64,
     )
     trainer = GRPOTrainer(
-        model=model, reward_funcs=exact, args=config, train_dataset=ds, processing_class=tok, callbacks=[Clock()]
+        model=model, reward_funcs=reward, args=config, train_dataset=ds, processing_class=tok, callbacks=[Clock()]
     )
     trainer.train()
-    trainer.save_model(str(out / "model"))
-    tok.save_pretrained(str(out / "model"))
-    (out / "result.json").write_text(
-        json.dumps({**step_times(marks), "reward": statistics.mean(rewards[-LAST:]), "model": str(out / "model")})
-    )
+    (out / "result.json").write_text(json.dumps({**step_times(marks), "rewards": rewards}))
+
+
+def build_models(out: Path, names: list[str]) -> dict[str, tuple[Path, Path]]:
+    from rlctl.testing import build_tiny_model
+
+    built = {}
+    for name in names:
+        r = REGIMES[name]
+        model = build_tiny_model(
+            out / f"model-{r.hidden}x{r.layers}",
+            seed=0,
+            hidden_size=r.hidden,
+            intermediate_size=3 * r.hidden,
+            num_attention_heads=r.hidden // 64,
+            num_key_value_heads=max(1, r.hidden // 256),
+            num_hidden_layers=r.layers,
+            max_position_embeddings=512,
+        )
+        built[name] = (model, write_prompts(out / f"prompts-{r.shots}.jsonl", r.shots))
+    return built
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="runs/demo/sft/hf", help="an HF model dir (default: the demo's SFT model)")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--batch-size", type=int, default=16, help="prompts per step")
-    ap.add_argument("--n", type=int, default=8, help="samples per prompt")
-    ap.add_argument("--rollouts", default="hf,vllm")
+    ap.add_argument("--regimes", default="overhead,compute,prompt")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default="runs/bench-grpo")
+    ap.add_argument("--json", default="benchmarks/results/speed/grpo-vs-trl.json")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--rollout", help=argparse.SUPPRESS)
+    ap.add_argument("--regime-json", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_worker:
         trl_worker(args)
         return
-    if not (Path(args.model) / "config.json").exists():
-        raise SystemExit(
-            f"{args.model} is not an HF model directory; run `make demo` first (it writes "
-            f"runs/demo/sft/hf) or pass --model"
-        )
 
     import shutil
 
-    from rlctl.demo import FULL, SEED
-
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
-    train, heldout = arith.make_problems(FULL.max_operand, FULL.n_heldout, seed=SEED)
-    data = arith.write_jsonl(arith.rl_rows(train), out / "rl.jsonl")
-    start_acc = arith.accuracy(args.model, heldout)
-    print(
-        f"model {args.model}: held-out accuracy {100 * start_acc:.1f}% before training; {args.steps} steps of "
-        f"{args.batch_size} prompts x {args.n} samples",
-        flush=True,
-    )
-
-    rows = []
-    for rollout in args.rollouts.split(","):
-        res = {
-            "rlctl": rlctl_run(args, data, out / f"rlctl-{rollout}", rollout),
-            "trl": trl_run(args, data, out / f"trl-{rollout}", rollout),
-        }
-        for name, r in res.items():
-            if "failed" in r:
-                print(f"{rollout:5s} {name:6s} FAILED: {r['failed']}", flush=True)
-                continue
-            r["heldout_acc"] = arith.accuracy(r["model"], heldout)
-            print(
-                f"{rollout:5s} {name:6s} {r['s_per_step']:6.2f} s/step (CPU {r['cpu_s_per_step']:6.2f} s/step)  "
-                f"reward (last {LAST} steps) {r['reward']:.3f}  held-out {100 * r['heldout_acc']:.1f}%",
-                flush=True,
-            )
-        rows.append((rollout, res))
-    print()
-    trl_hf = dict(rows).get("hf", {}).get("trl", {"failed": "not run"})
-    for rollout, res in rows:
-        a, b = res["rlctl"], res["trl"]
-        if "failed" in a:
-            print(f"{rollout}: no ratio (rlctl failed)")
-            continue
-        if "failed" in b:
-            if "failed" in trl_hf:
-                print(f"{rollout}: no ratio (TRL failed)")
-                continue
-            print(f"{rollout}: TRL failed; against TRL with hf rollouts instead:")
-            b = trl_hf
+    names = args.regimes.split(",")
+    built = build_models(out, names)
+    results: dict[str, dict[str, list[dict]]] = {}
+    for name in names:
+        r, (model, data) = REGIMES[name], built[name]
+        results[name] = {"rlctl": [], "trl": []}
+        for k in range(args.rounds):
+            results[name]["rlctl"].append(rlctl_run(args, r, model, data, out / f"{name}-rlctl-{k}"))
+            results[name]["trl"].append(trl_run(args, r, model, data, out / f"{name}-trl-{k}"))
+            line = []
+            for fw in ("rlctl", "trl"):
+                x = results[name][fw][-1]
+                line.append(
+                    f"{fw} FAILED: {x['failed']}"
+                    if "failed" in x
+                    else f"{fw} {x['s_per_step']:.2f} s/step (CPU {x['cpu_s_per_step']:.2f}, load {x['load']:.1f})"
+                )
+            print(f"{name} round {k + 1}: " + ", ".join(line), flush=True)
+    print(f"\nmedians over {args.rounds} rounds (one process, one thread each, hf rollouts):")
+    summary = {}
+    for name in names:
+        med = {}
+        for fw, runs in results[name].items():
+            ok = [x for x in runs if "failed" not in x]
+            med[fw] = {
+                key: statistics.median(x[key] for x in ok) if ok else float("nan")
+                for key in ("s_per_step", "cpu_s_per_step", "gain_per_step", "load")
+            }
+        target = 0.8 if name == "compute" else 0.5
+        ratio_wall = med["rlctl"]["s_per_step"] / med["trl"]["s_per_step"]
+        ratio_cpu = med["rlctl"]["cpu_s_per_step"] / med["trl"]["cpu_s_per_step"]
+        summary[name] = {**med, "ratio_wall": ratio_wall, "ratio_cpu": ratio_cpu, "target": target}
         print(
-            f"{rollout}: rlctl/TRL step time {a['s_per_step'] / b['s_per_step']:.2f}x wall, "
-            f"{a['cpu_s_per_step'] / b['cpu_s_per_step']:.2f}x CPU (target <= 0.5x); reward after {args.steps} steps "
-            f"{a['reward']:.3f} vs {b['reward']:.3f}; held-out {100 * a['heldout_acc']:.1f}% vs "
-            f"{100 * b['heldout_acc']:.1f}%"
+            f"  {name:8s} rlctl {med['rlctl']['s_per_step']:.2f} s/step (CPU {med['rlctl']['cpu_s_per_step']:.2f}), "
+            f"TRL {med['trl']['s_per_step']:.2f} (CPU {med['trl']['cpu_s_per_step']:.2f}): {ratio_wall:.2f}x wall, "
+            f"{ratio_cpu:.2f}x CPU (target <= {target}x); reward gain/step {med['rlctl']['gain_per_step']:+.4f} "
+            f"vs {med['trl']['gain_per_step']:+.4f}"
         )
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    regimes = {n: asdict(REGIMES[n]) for n in names}
+    Path(args.json).write_text(
+        json.dumps({"args": vars(args), "regimes": regimes, "summary": summary, "runs": results}, indent=1) + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -14,8 +14,14 @@ Three kinds of work, on the same model, the same prompts or chats, the same size
   ``packing=True``, and rlctl packs as it always does;
 * ``grpo``: ``rlctl grpo`` against TRL's ``GRPOTrainer``: ``batch`` prompts x ``n`` samples per
   optimizer step, one optimizer step per generation, no KL term (TRL's default ``beta=0``), the
-  built-in ``length`` reward on both sides. rlctl also computes the actor's log-probs before the
-  update (its ``rollout/logprob_diff`` check); TRL skips that pass when it is on-policy.
+  built-in ``length`` reward on both sides. Neither runs a separate log-prob pass before the update
+  (one optimizer step per batch: the update's own forward gives the old log-probs on both sides).
+
+rlctl runs with its default plan (micro batch and packing as ``rlctl plan`` chooses, no speed flag):
+the figure is what a user gets. (Before packed rows attended per document, the micro batch mattered:
+this command forced ``micro_batch_size = batch_size``, one long packed row whose sdpa attention paid
+for every pair of positions, and reported 0.51-0.68x TRL where benchmarks/sft_vs_trl.py, with
+micro batch 1, reported 2x; both were right about their own layout.)
 
 Each training run is a fresh process and the runs alternate (rlctl, TRL, then TRL, rlctl, ...), so
 drift hits both alike. A step's time is its period in the training loop on both sides: from the
@@ -352,7 +358,7 @@ def compare_training(method: str, model: BenchModel, s: CompareSettings, work: P
         prompt_len=s.prompt_len,
         max_tokens=s.max_tokens,
         rollout=s.engine,
-        micro_batch_size=s.prompts * s.n if is_rl else s.batch_size,
+        micro_batch_size=0,  # the plan's choice, as a user gets it
         sets=["parallel.activation_checkpointing=false"] + (["algo.kl_coef=0"] if is_rl else []),
     )
     data = write_data(model.path, ts, work)

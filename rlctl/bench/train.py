@@ -217,9 +217,11 @@ def step_flops(spec, cfg, record: dict, sequences: int) -> dict[str, float]:
     if cfg.method == "sft":
         return {"update": tokens * train}
     a = cfg.algo
+    # the actor's old log-probs (skipped when the batch gets one optimizer step: no time/logprobs), the reference's
+    passes = 1 + (a.kl_coef > 0) if "time/logprobs" in record else 0
     out = {
         "rollout": tokens * fwd,  # every token of every sample goes through the engine once
-        "logprobs": tokens * fwd * (1 + (a.kl_coef > 0)),  # the actor's old log-probs, the reference's
+        "logprobs": tokens * fwd * passes,
         "update": tokens * train * a.ppo_epochs,
     }
     if cfg.method == "ppo":  # values, then the critic's update
@@ -234,7 +236,8 @@ def summarize(model: BenchModel, cfg, records: list[dict], peak: dict, memory: d
     sequences = cfg.train.batch_size * (cfg.rollout.n if cfg.method != "sft" else 1)
     times = {"step": median(r["time/step"] for r in steady)}
     for key in SPLIT_KEYS:
-        if any(key in r for r in steady):
+        # RL steps always split into these phases (a skipped log-prob pass takes 0 s)
+        if cfg.method != "sft" or any(key in r for r in steady):
             times[key.split("/", 1)[1]] = median(r.get(key, 0.0) for r in steady)
     if len(times) > 1:
         times["other"] = times["step"] - sum(v for k, v in times.items() if k != "step")

@@ -50,6 +50,12 @@ class MicroBatch:
     token_row: torch.Tensor | None = None  # RL: [N] row (0..k-1) of each response token
     token_col: torch.Tensor | None = None  # RL: [N] its index within its response
     width: int = 0  # RL: longest response in it
+    # RL with shared prompts (rlctl.recipes.rl.batch): one row per prompt group, the prompt once and then
+    # its samples' responses, ``attention_mask`` a [G, 1, L, L] boolean mask; the logits are computed at the
+    # columns ``keep_cols`` only, and ``logit_index`` indexes the flattened [G, K] of those.
+    keep_cols: torch.Tensor | None = None  # [K] int64
+    # Which positions attend to which, for engines that split rows (rlctl.engines.varlen.Block tuples)
+    blocks: list[tuple[int, int, int, int, int]] | None = None
 
     @property
     def dummy(self) -> bool:
@@ -75,6 +81,18 @@ class MicroBatch:
         """RL: per-token values [N] -> [k, width] (zero past each response); differentiable."""
         out = flat.new_zeros(self.num_seqs, self.width)
         return out.index_put((self.token_row, self.token_col), flat)
+
+    def at_response(self, output: torch.Tensor) -> torch.Tensor:
+        """RL: the rows of the model's output ([B, T, ...]) at the positions that predict the response
+        tokens, [N, ...]. An engine may already have computed only those (``logits_to_keep``): [1, N, ...]."""
+        n = self.logit_index.numel()
+        if self.keep_cols is not None:
+            if output.shape[1] != self.keep_cols.numel():  # an engine that computed every position
+                output = output[:, self.keep_cols]
+            return output.flatten(0, 1)[self.logit_index]
+        if output.shape[1] == n and self.input_ids.shape[1] != n:
+            return output[0]
+        return output[0, self.logit_index]
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """RL: this micro-batch's rows of a per-token batch tensor [b, W] -> [k, width]."""

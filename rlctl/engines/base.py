@@ -83,12 +83,23 @@ class TrainEngine(abc.ABC):
         results = []
         with torch.set_grad_enabled(not forward_only):
             for i, mb in enumerate(micro_batches):
-                output = self.forward(mb.input_ids, mb.position_ids, getattr(mb, "attention_mask", None))
+                output = self.forward_micro(mb)
                 loss, result = loss_fn(output, mb)
                 if not forward_only:
                     self.backward(loss, sync=i == len(micro_batches) - 1)
                 results.append(detached(result))
         return results
+
+    def forward_micro(self, mb: Any) -> torch.Tensor:
+        """The model's output for one micro-batch. An engine may compute the logits only at the positions
+        that predict response tokens (``mb.logit_index``; the loss reads them with ``mb.at_response``) and
+        run shared-prefix micro-batches (``mb.prefix_ids``) when :attr:`shares_prefix`."""
+        return self.forward(mb.input_ids, mb.position_ids, mb.attention_mask)
+
+    @property
+    def shares_prefix(self) -> bool:
+        """Whether :meth:`forward_micro` runs shared-prefix micro-batches (prompt once per group)."""
+        return False
 
     @abc.abstractmethod
     def step(self) -> float:

@@ -54,47 +54,15 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlctl.config import RunConfig
+from rlctl.engines import varlen
 from rlctl.engines.base import ROLES, ModelSource, TrainEngine, model_source
+from rlctl.engines.modules import CriticModel, _full, _non_persistent_buffers
 from rlctl.engines.savers import HostActivations, checkpoint_mlp
 from rlctl.engines.schedule import lr_factor
 from rlctl.engines.spec import EngineSpec
 from rlctl.errors import UserError, did_you_mean
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-class CriticModel(nn.Module):
-    """A value model: the architecture's backbone plus a linear value head, values [B, T] in fp32."""
-
-    def __init__(self, backbone: nn.Module, hidden_size: int):
-        super().__init__()
-        self.model = backbone
-        self.value_head = nn.Linear(hidden_size, 1)
-
-    def forward(self, input_ids, position_ids=None, attention_mask=None):
-        hidden = self.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
-        ).last_hidden_state
-        return self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)  # a copy, not a view
-
-
-def _full(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The whole tensor behind a (possibly sharded, possibly CPU-offloaded) parameter."""
-    if isinstance(t, DTensor):
-        local = t.to_local().to(device)
-        return DTensor.from_local(
-            local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
-        ).full_tensor()
-    return t.detach().to(device)
-
-
-def _non_persistent_buffers(module: nn.Module) -> list[tuple[str, str]]:
-    return [
-        (mod_name, name)
-        for mod_name, mod in module.named_modules()
-        for name, _ in mod.named_buffers(recurse=False)
-        if name in mod._non_persistent_buffers_set
-    ]
 
 
 class FSDPEngine(TrainEngine):
@@ -154,6 +122,9 @@ class FSDPEngine(TrainEngine):
 
         with torch.device("meta"):
             self.model, self._state_module = self._build(self.hf_config)
+        self.varlen = self.attn == "sdpa"  # packed rows split per document (rlctl.engines.varlen)
+        if self.varlen:
+            varlen.install(self._hf_model().config)
         self._apply_fsdp(spec.activation_checkpointing, spec.selective_checkpointing)
         self._materialize()
         self.global_step = 0
@@ -397,6 +368,31 @@ class FSDPEngine(TrainEngine):
             return self.model(
                 input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
             ).logits
+
+    def forward_micro(self, mb) -> torch.Tensor:
+        """One micro-batch's output, with as little wasted work as the layout allows: packed rows (and
+        shared-prefix rows) attend per document (:mod:`rlctl.engines.varlen`, with sdpa), and an RL
+        micro-batch's logits are computed only where the loss reads them (``logits_to_keep``)."""
+        blocks, mask = mb.blocks, mb.attention_mask
+        if blocks is None and mask is None and self.varlen:
+            blocks = varlen.blocks_from_positions(mb.position_ids)
+            blocks = blocks if varlen.worth_splitting(blocks, mb.input_ids.shape[0]) else None
+        kwargs = {"attention_mask": mask}
+        if blocks is not None and self.varlen:
+            kwargs = {"attention_mask": varlen.placeholder_mask(self.device), "rlctl_blocks": blocks}
+        with self._memory_context():
+            if self.role == "critic":
+                return self.model(mb.input_ids, position_ids=mb.position_ids, **kwargs)
+            keep = mb.keep_cols if mb.keep_cols is not None else mb.logit_index
+            if keep is not None:
+                kwargs["logits_to_keep"] = keep
+            return self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **kwargs).logits
+
+    @property
+    def shares_prefix(self) -> bool:
+        """Shared-prefix micro-batches carry a custom 4-D mask: sdpa and eager attention take it
+        (flash-attention's varlen kernels cannot, and keep the packed rows)."""
+        return self.role != "critic" and self.attn in ("sdpa", "eager")
 
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
         if not self.trainable:

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import os
 import time
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rlctl.data.packing import StepSampler, rank_micro_batches
+from rlctl.data.packing import MicroBatch, StepSampler, rank_micro_batches
 from rlctl.data.sft import IGNORE, SFTData, build_sft_data, use_chat_template
 from rlctl.engines import EngineSpec, build_engine
 from rlctl.engines.base import TrainEngine, load_tokenizer, model_source, write_model_meta
@@ -173,7 +172,8 @@ def run(ctx: RunContext) -> None:
 def _dump_logits(engine: TrainEngine, data: SFTData, path) -> None:
     """Logits of the trained (sharded) model on the first training sequence, for the export test."""
     ids = torch.as_tensor(data.train[0].input_ids, dtype=torch.long)[None].to(engine.device)
-    mb = SimpleNamespace(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=engine.device)[None])
+    positions = torch.arange(ids.shape[1], device=engine.device)[None]
+    mb = MicroBatch(input_ids=ids, position_ids=positions, labels=ids)
     engine.train(False)
     (logits,) = engine.forward_backward([mb], lambda logits, mb: (None, logits), forward_only=True)
     if dist.get_rank() == 0:

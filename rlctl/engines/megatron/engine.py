@@ -270,9 +270,7 @@ class MegatronEngine(TrainEngine):
 
         if not forward_only and not self.trainable:
             raise RuntimeError(f"the {self.role} engine is frozen")
-        unpacked = [
-            self._unpack(mb.input_ids, mb.position_ids, getattr(mb, "attention_mask", None)) for mb in micro_batches
-        ]
+        unpacked = [self._unpack(mb.input_ids, mb.position_ids, mb.attention_mask) for mb in micro_batches]
         data = iter(zip(micro_batches, unpacked))
 
         def step_fn(data_iterator, model):

@@ -168,11 +168,112 @@ def _dummy(pad_id: int, device: torch.device) -> MicroBatch:
     )
 
 
+def _prompt_groups(batch: RolloutBatch, rows: list[int], budget: int) -> list[list[int]]:
+    """``rows`` grouped by prompt (in order), a group split where its prefix plus responses exceed ``budget``."""
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i in rows:
+        by_prompt.setdefault(tuple(batch.prompts[i]), []).append(i)
+    groups = []
+    for prompt, members in by_prompt.items():
+        current, size = [], len(prompt)
+        for i in members:
+            if current and size + len(batch.responses[i]) - 1 > budget:
+                groups.append(current)
+                current, size = [], len(prompt)
+            current.append(i)
+            size += len(batch.responses[i]) - 1
+        groups.append(current)
+    return groups
+
+
+def _collate_shared(batch: RolloutBatch, groups: list[list[int]], pad_id: int, device: torch.device) -> MicroBatch:
+    """One row per group: its prompt once, then each sample's response (bar the last token, which predicts
+    nothing) at positions P.., and a ``[G, 1, L, L]`` boolean mask: the prompt causal in itself, each
+    response attending to the whole prompt and causally to itself (padding only to itself)."""
+    rows = [i for g in groups for i in g]
+    seg_rows, id_rows, pos_rows, logit_pos, blocks = [], [], [], [], []
+    labels, token_row, token_col = [], [], []
+    for g, members in enumerate(groups):
+        prompt = batch.prompts[members[0]]
+        ids, pos, seg, wanted = list(prompt), list(range(len(prompt))), [0] * len(prompt), []
+        blocks.append((g, 0, len(prompt), 0, 0))
+        for j, i in enumerate(members):
+            resp = batch.responses[i]
+            start = len(ids)
+            if len(resp) > 1:
+                blocks.append((g, start, start + len(resp) - 1, 0, len(prompt)))
+            ids += resp[:-1]
+            pos += range(len(prompt), len(prompt) + len(resp) - 1)
+            seg += [j + 1] * (len(resp) - 1)
+            wanted += [len(prompt) - 1] + list(range(start, start + len(resp) - 1))
+            labels += resp
+        id_rows.append(ids)
+        pos_rows.append(pos)
+        seg_rows.append(seg)
+        logit_pos.append(wanted)
+    for s, i in enumerate(rows):
+        token_row += [s] * len(batch.responses[i])
+        token_col += range(len(batch.responses[i]))
+    width = max(len(r) for r in id_rows)
+    keep = sorted({c for w in logit_pos for c in w})
+    col_of = {c: k for k, c in enumerate(keep)}
+    logit_index = [g * len(keep) + col_of[c] for g, w in enumerate(logit_pos) for c in w]
+    ids = torch.full((len(groups), width), pad_id, dtype=torch.int64)
+    pos = torch.zeros(len(groups), width, dtype=torch.int64)
+    seg = torch.full((len(groups), width), -1, dtype=torch.int64)
+    for g in range(len(groups)):
+        n = len(id_rows[g])
+        ids[g, :n] = torch.tensor(id_rows[g])
+        pos[g, :n] = torch.tensor(pos_rows[g])
+        seg[g, :n] = torch.tensor(seg_rows[g])
+    q, k = seg[:, :, None], seg[:, None, :]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    mask = causal & (q >= 0) & ((k == q) | (k == 0))
+    mask |= torch.eye(width, dtype=torch.bool)  # padding attends to itself (no empty softmax row)
+
+    def t(x) -> torch.Tensor:
+        return torch.as_tensor(x, dtype=torch.int64).to(device)
+
+    return MicroBatch(
+        input_ids=t(ids),
+        position_ids=t(pos),
+        labels=t(labels),
+        attention_mask=mask[:, None].to(device),
+        num_seqs=len(rows),
+        rows=t(rows),
+        logit_index=t(logit_index),
+        token_row=t(token_row),
+        token_col=t(token_col),
+        width=max(len(batch.responses[i]) for i in rows),
+        keep_cols=t(keep),
+        blocks=blocks,
+    )
+
+
+def can_share_prefix(batch: RolloutBatch) -> bool:
+    """Shared prompts save work only with several samples per prompt."""
+    return batch.n > 1
+
+
 def micro_batches(
-    batch: RolloutBatch, rows: list[int], *, budget: int, pad_id: int, device: torch.device
+    batch: RolloutBatch,
+    rows: list[int],
+    *,
+    budget: int,
+    pad_id: int,
+    device: torch.device,
+    share_prefix: bool = False,
 ) -> list[MicroBatch]:
     """The given rows packed first-fit-decreasing into micro-batches of at most ``budget`` tokens,
-    padded with dummies to the same count on every rank (collective)."""
+    padded with dummies to the same count on every rank (collective). With ``share_prefix`` (see
+    :func:`can_share_prefix`) the samples of a prompt share one copy of it: a group costs P + sum(R - 1)."""
+    if share_prefix and rows:
+        groups = _prompt_groups(batch, rows, budget)
+        cost = [len(batch.prompts[g[0]]) + sum(len(batch.responses[i]) - 1 for i in g) for g in groups]
+        bins = pack_bins(cost, max(budget, *cost))
+        count = all_reduce_max(len(bins), device)
+        out = [_collate_shared(batch, [groups[j] for j in sorted(b)], pad_id, device) for b in bins]
+        return out + [_dummy(pad_id, device) for _ in range(count - len(bins))]
     lengths = batch.lengths
     bins = pack_bins([lengths[i] for i in rows], budget) if rows else []
     count = all_reduce_max(len(bins), device)

@@ -7,7 +7,7 @@ import torch
 
 from rlctl.algos import entropy_from_logits, logprobs_from_logits
 from rlctl.engines.base import TrainEngine
-from rlctl.recipes.rl.batch import RolloutBatch, micro_batches
+from rlctl.recipes.rl.batch import RolloutBatch, can_share_prefix, micro_batches
 
 ENTROPY_CHUNK_ROWS = 1024  # rows of logits per entropy chunk (bounds the float32 copy)
 
@@ -27,17 +27,28 @@ def compute_logprobs(
     budget: int,
     pad_id: int,
     with_entropy: bool = False,
+    share_prefix: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [b, W] of the sampled tokens under ``engine`` (and the per-token entropy when asked)."""
+    """Log-probs [b, W] of the sampled tokens under ``engine`` (and the per-token entropy when asked).
+    ``share_prefix`` (default: where the engine and the batch allow it) forwards each prompt once per group."""
 
     def per_token(logits, mb):
-        sel = logits[0, mb.logit_index]  # the positions that predict response tokens
+        sel = mb.at_response(logits)  # the positions that predict response tokens
         out = {"logp": logprobs_from_logits(sel, mb.labels, temperature).float()}
         if with_entropy:
             out["entropy"] = chunked_entropy(sel, temperature)
         return None, out
 
-    micro = micro_batches(batch, list(range(len(batch))), budget=budget, pad_id=pad_id, device=batch.mask.device)
+    if share_prefix is None:
+        share_prefix = engine.shares_prefix and can_share_prefix(batch)
+    micro = micro_batches(
+        batch,
+        list(range(len(batch))),
+        budget=budget,
+        pad_id=pad_id,
+        device=batch.mask.device,
+        share_prefix=share_prefix,
+    )
     engine.train(False)
     outs = engine.forward_backward(micro, per_token, forward_only=True)
     engine.train(True)

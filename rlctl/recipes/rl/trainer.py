@@ -23,7 +23,7 @@ from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
 from rlctl.recipes.rl.batch import RolloutBatch, rank_positions, token_budget
 from rlctl.recipes.rl.passes import compute_logprobs, compute_values
 from rlctl.recipes.rl.scoring import ScoringSteps, reward_manager
-from rlctl.recipes.rl.update import policy_settings, update_actor, update_critic
+from rlctl.recipes.rl.update import policy_settings, single_step, update_actor, update_critic
 from rlctl.runtime.dist import all_gather_objects, barrier, check_rollout_in_node, global_sums
 from rlctl.runtime.entry import RunContext
 
@@ -220,7 +220,11 @@ class RLTrainer(ScoringSteps):
             )
 
     def old_logprobs(self, batch: RolloutBatch) -> None:
-        """The actor's log-probs before the update; compared with the rollout engine's."""
+        """The actor's log-probs before the update; compared with the rollout engine's. Skipped when the
+        batch gets one optimizer step and no KL term reads them: the update's own forward gives them."""
+        if self.ref is None and single_step(batch, self.cfg):
+            batch.old_logp = None
+            return
         with self.timed("time/logprobs"):
             batch.old_logp, entropy = compute_logprobs(
                 self.actor,
@@ -243,7 +247,10 @@ class RLTrainer(ScoringSteps):
         tokens = max(1.0, s["tok"])
         self.m["rollout/logprob_diff"] = s["diff"] / tokens
         self.m["entropy"] = s["ent"] / tokens
-        if self.m["rollout/logprob_diff"] > LOGPROB_DIFF_WARN:
+        self.warn_logprob_diff()
+
+    def warn_logprob_diff(self) -> None:
+        if self.m.get("rollout/logprob_diff", 0.0) > LOGPROB_DIFF_WARN:
             self.ctx.log(
                 f"warning: the rollout engine's log-probs differ from the trainer's by "
                 f"{self.m['rollout/logprob_diff']:.3g} per token on average (weights out of sync, "
@@ -283,6 +290,8 @@ class RLTrainer(ScoringSteps):
                     self.actor, batch, self.cfg, budget=self.budget, pad_id=self.pad_id, kl_loss_coef=kl_loss_coef
                 )
             )
+        if batch.old_logp is None:  # the log-prob pass was skipped: the update measured the difference
+            self.warn_logprob_diff()
         self.weights_stale = True
 
     def update_critic(self, batch: RolloutBatch) -> None:

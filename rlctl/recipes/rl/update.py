@@ -25,7 +25,8 @@ from rlctl.algos.registry import PolicyLossSettings
 from rlctl.config import RunConfig
 from rlctl.data.packing import MicroBatch
 from rlctl.engines.base import LossFn, TrainEngine
-from rlctl.recipes.rl.batch import RolloutBatch, micro_batches
+from rlctl.recipes.rl.batch import RolloutBatch, can_share_prefix, micro_batches
+from rlctl.recipes.rl.passes import chunked_entropy
 from rlctl.runtime.dist import all_reduce_sum, global_sums
 
 
@@ -81,6 +82,7 @@ def ppo_update(
     *,
     budget: int,
     pad_id: int,
+    share_prefix: bool = False,
 ) -> tuple[dict[str, float], list[float]]:
     """``algo.ppo_epochs`` passes over the mini-batches, one optimizer step each. ``make_loss_fn(denoms)``
     gives the engine's loss for one mini-batch (``denoms``: global_tokens, global_seqs, norm_len).
@@ -92,7 +94,7 @@ def ppo_update(
         for rows in _minis(batch):
             tokens, seqs = _denominators(batch, rows, group)
             denoms = {"global_tokens": tokens, "global_seqs": seqs, "norm_len": cfg.rollout.max_response_len}
-            micro = micro_batches(batch, rows, budget=budget, pad_id=pad_id, device=device)
+            micro = micro_batches(batch, rows, budget=budget, pad_id=pad_id, device=device, share_prefix=share_prefix)
             sums.add_all(engine.forward_backward(micro, make_loss_fn(denoms)))
             grad_norms.append(engine.step())  # the global norm, the same on every rank
             sums.add("tokens", float(batch.mask[rows].sum()) if rows else 0.0)
@@ -110,12 +112,14 @@ def policy_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict, kl_loss_co
     def loss_fn(logits: torch.Tensor, mb: MicroBatch):
         if mb.dummy:
             return logits.sum() * 0.0, {}  # a backward pass keeps this replica in the collectives
-        sel = logits[0, mb.logit_index]  # the positions that predict response tokens
+        sel = mb.at_response(logits)  # the positions that predict response tokens
         mask = mb.take(batch.mask)
         logp = mb.to_matrix(logprobs_from_logits(sel, mb.labels, temperature))
+        # one optimizer step per batch: the policy before the update is this forward's own (no extra pass)
+        old_logp = logp.detach() if batch.old_logp is None else mb.take(batch.old_logp)
         loss, m = pl.loss.fn(
             logp,
-            mb.take(batch.old_logp),
+            old_logp,
             mb.take(batch.advantages),
             mask,
             clip_low=pl.clip_low,
@@ -130,6 +134,9 @@ def policy_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict, kl_loss_co
             "pg/clip_frac": m["clip_frac"] * n_tok,
             "pg/approx_kl": m["approx_kl"] * n_tok,
         }
+        if batch.old_logp is None:  # what the skipped log-prob pass reported
+            stats["logprob_diff"] = ((logp.detach() - mb.take(batch.rollout_logp)).abs() * mask).sum()
+            stats["entropy"] = (mb.to_matrix(chunked_entropy(sel, temperature)) * mask).sum()
         if kl_loss_coef:
             kl_loss = aggregate(kl_estimate(logp, mb.take(batch.ref_logp), a.kl_kind), mask, pl.agg, **denoms)
             loss = loss + kl_loss_coef * kl_loss
@@ -142,18 +149,37 @@ def policy_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict, kl_loss_co
     return loss_fn
 
 
+def single_step(batch: RolloutBatch, cfg: RunConfig) -> bool:
+    """The batch gets exactly one optimizer step: its old log-probs are the update's own forward (detached)."""
+    return cfg.algo.ppo_epochs == 1 and batch.num_minis == 1
+
+
 def update_actor(
-    engine: TrainEngine, batch: RolloutBatch, cfg: RunConfig, *, budget: int, pad_id: int, kl_loss_coef: float = 0.0
+    engine: TrainEngine,
+    batch: RolloutBatch,
+    cfg: RunConfig,
+    *,
+    budget: int,
+    pad_id: int,
+    kl_loss_coef: float = 0.0,
+    share_prefix: bool | None = None,
 ) -> dict[str, float]:
-    """The policy update (loss: :func:`policy_loss_fn`)."""
+    """The policy update (loss: :func:`policy_loss_fn`). Without ``batch.old_logp`` (allowed only for
+    :func:`single_step` batches) the old log-probs are the update's own, and it reports what the log-prob
+    pass would have: rollout/logprob_diff and entropy. ``share_prefix``: as in compute_logprobs."""
+    if batch.old_logp is None and not single_step(batch, cfg):
+        raise ValueError("old log-probs are needed when a batch gets more than one optimizer step")
+    if share_prefix is None:
+        share_prefix = engine.shares_prefix and can_share_prefix(batch)
     s, grad_norms = ppo_update(
         engine,
         batch,
         cfg,
         lambda denoms: policy_loss_fn(batch, cfg, denoms, kl_loss_coef),
-        ("pg/loss", "pg/clip_frac", "pg/approx_kl", "kl_loss"),
+        ("pg/loss", "pg/clip_frac", "pg/approx_kl", "kl_loss", "logprob_diff", "entropy"),
         budget=budget,
         pad_id=pad_id,
+        share_prefix=share_prefix,
     )
     steps = len(grad_norms)
     out = {
@@ -164,6 +190,9 @@ def update_actor(
     }
     if kl_loss_coef:
         out["kl_loss"] = s["kl_loss"] / steps
+    if batch.old_logp is None:
+        out["rollout/logprob_diff"] = s["logprob_diff"] / max(1.0, s["tokens"])
+        out["entropy"] = s["entropy"] / max(1.0, s["tokens"])
     return out
 
 
@@ -177,7 +206,7 @@ def value_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict) -> LossFn:
         if mb.dummy:
             return v.sum() * 0.0, {}
         mask = mb.take(batch.mask)
-        values = mb.to_matrix(v[0, mb.logit_index])
+        values = mb.to_matrix(mb.at_response(v))
         loss, m = value_loss(
             values,
             mb.take(batch.values),

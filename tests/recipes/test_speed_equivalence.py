@@ -1,0 +1,246 @@
+"""The speed paths compute the same numbers as the plain ones (fp32, 1e-5): shared-prefix micro-batches,
+packed rows and one sample per micro-batch give a plain HF model's per-sample log-probs and gradients,
+and skipping the old log-prob pass (one optimizer step per batch) gives the same update."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tests.support.sft import cpu_spec
+
+TOL = 1e-5
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A one-process gloo group, as torchrun would give a single rank."""
+    from rlctl.runtime.net import free_port
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def rl_config(model_dir, **sets):
+    from rlctl.config import build_config, dotted_to_nested
+
+    base = {
+        "model.name": str(model_dir),
+        "rollout.max_prompt_len": 48,
+        "rollout.max_response_len": 12,
+        "rollout.temperature": TEMPERATURE,
+        "model.attn": "sdpa",
+        "model.dtype": "fp32",
+        "train.grad_clip": 0.0,
+    }
+    base.update(sets)
+    return build_config("grpo", [dotted_to_nested(base)])
+
+
+def group_batch(n_prompts: int, n: int, *, width: int, seed: int):
+    """Random prompts of different lengths, ``n`` random responses of different lengths each."""
+    from rlctl.recipes.rl.batch import RolloutBatch
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(4, 400) for _ in range(rng.randint(2, 20))] for _ in range(n_prompts)]
+    uid = list(range(n_prompts * n))
+    responses = [[rng.randrange(4, 400) for _ in range(rng.randint(1, width))] for _ in uid]
+    batch = RolloutBatch.build(
+        [prompts[u // n] for u in uid],
+        responses,
+        [[-1.0] * len(r) for r in responses],
+        uid,
+        n=n,
+        batch_size=n_prompts,
+        mini_batch_size=0,
+        width=width,
+    )
+    batch.advantages = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(seed)) * batch.mask
+    return batch
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            out[name] = g.detach().clone()
+    return out
+
+
+def plain_reference(model_dir, batch, weights):
+    """Each sample alone through a plain HF model: log-probs [b, W] and the gradient of sum(weights * logp)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    logp = torch.zeros_like(batch.mask)
+    for i in range(len(batch)):
+        p, r = batch.prompts[i], batch.responses[i]
+        logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : len(p) + len(r) - 1] / TEMPERATURE
+        lp = logits.log_softmax(-1).gather(-1, torch.tensor(r)[:, None]).squeeze(-1)
+        (lp * weights[i, : len(r)]).sum().backward()
+        logp[i, : len(r)] = lp.detach()
+    return logp, full_grads(model)
+
+
+def engine_pass(engine, batch, weights, *, budget: int, share_prefix: bool, split: bool = True):
+    """Log-probs and the gradient of sum(weights * logp) through the engine's micro-batches."""
+    from rlctl.algos import logprobs_from_logits
+    from rlctl.recipes.rl.batch import micro_batches
+
+    micro = micro_batches(
+        batch, list(range(len(batch))), budget=budget, pad_id=0, device=torch.device("cpu"), share_prefix=share_prefix
+    )
+    assert all((mb.keep_cols is not None) == share_prefix for mb in micro)
+    for mb in micro:
+        mb.blocks = mb.blocks if split else None  # unsplit: the shared rows' 4-D mask, or the packed rows' one
+    engine.varlen = split
+
+    def loss_fn(logits, mb):
+        lp = mb.to_matrix(logprobs_from_logits(mb.at_response(logits), mb.labels, TEMPERATURE))
+        return (lp * mb.take(weights)).sum(), lp
+
+    engine.train(False)  # no dropout: the same function as the plain model's
+    outs = engine.forward_backward(micro, loss_fn)
+    logp = torch.zeros_like(batch.mask)
+    for mb, lp in zip(micro, outs):
+        logp[mb.rows, : mb.width] = lp
+    grads = full_grads(engine.model)
+    engine.optimizer.zero_grad(set_to_none=True)
+    return logp, grads, micro
+
+
+def test_shared_prefix_packed_and_unpacked_match_a_plain_model(tiny_model_dir, process_group):
+    """Shared prefix on/off and packing on/off: each sample's log-probs and the gradients of a weighted sum
+    of them equal a plain HF model run on one sample at a time (eager attention, no packing)."""
+    from rlctl.engines.fsdp import FSDPEngine
+
+    batch = group_batch(3, 4, width=9, seed=1)
+    weights = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(2)) * batch.mask
+    want_logp, want_grads = plain_reference(tiny_model_dir, batch, weights)
+    engine = FSDPEngine(cpu_spec(), rl_config(tiny_model_dir), total_steps=1)
+    assert engine.shares_prefix
+    longest = max(batch.lengths)
+    settings = {
+        "shared prefix, one micro-batch": dict(budget=10_000, share_prefix=True),
+        "shared prefix, a micro-batch per group or less": dict(budget=longest, share_prefix=True),
+        "shared prefix, 4-D mask": dict(budget=10_000, share_prefix=True, split=False),
+        "packed rows": dict(budget=2 * longest, share_prefix=False),
+        "packed rows, one block-diagonal mask": dict(budget=2 * longest, share_prefix=False, split=False),
+        "one sample per micro-batch": dict(budget=longest, share_prefix=False),
+    }
+    for name, kw in settings.items():
+        logp, grads, micro = engine_pass(engine, batch, weights, **kw)
+        assert torch.allclose(logp, want_logp, atol=TOL, rtol=0), name
+        assert grads.keys() == want_grads.keys(), name
+        for key, g in want_grads.items():
+            assert torch.allclose(grads[key], g, atol=TOL, rtol=1e-4), f"{name}: {key}"
+    # the shared-prefix layout really holds each prompt once: P + sum(R - 1) tokens per group
+    _, _, micro = engine_pass(engine, batch, weights, budget=10_000, share_prefix=True)
+    (mb,) = micro
+    prompts = {tuple(p) for p in batch.prompts}
+    assert int(mb.attention_mask.diagonal(dim1=-2, dim2=-1).sum()) == mb.input_ids.numel()
+    real = sum(len(p) for p in prompts) + sum(len(r) - 1 for r in batch.responses)
+    assert mb.input_ids.shape[0] == len(prompts) and int((mb.position_ids > 0).sum()) + len(prompts) >= real
+
+
+def run_update(model_dir, batch, *, skip_old_pass: bool, **sets):
+    """One update_actor call on a fresh engine; returns its metrics and the gradients of its one step."""
+    from rlctl.engines.fsdp import FSDPEngine
+    from rlctl.recipes.rl.passes import compute_logprobs
+    from rlctl.recipes.rl.update import update_actor
+
+    cfg = rl_config(model_dir, **sets)
+    engine = FSDPEngine(cpu_spec(), cfg, total_steps=1)
+    engine.train(False)  # no dropout in either run
+    engine.train = lambda mode=True: None  # keep it off through the passes
+    batch.old_logp = None
+    if not skip_old_pass:
+        batch.old_logp, _ = compute_logprobs(engine, batch, temperature=TEMPERATURE, budget=10_000, pad_id=0)
+    seen = {}
+    step = engine.step
+
+    def recording_step():
+        seen.update(full_grads(engine.model))
+        return step()
+
+    engine.step = recording_step
+    metrics = update_actor(engine, batch, cfg, budget=10_000, pad_id=0)
+    return metrics, seen
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo"])
+def test_skipping_the_old_logprob_pass_gives_the_same_update(tiny_model_dir, process_group, policy_loss):
+    """One optimizer step per batch: old log-probs taken from the update's own forward (detached) give the
+    loss, the gradients and the logged rollout/logprob_diff of a separate log-prob pass."""
+    batch = group_batch(2, 3, width=7, seed=3)
+    sets = {"algo.policy_loss": policy_loss}
+    with_pass, grads_a = run_update(tiny_model_dir, batch, skip_old_pass=False, **sets)
+    old = batch.old_logp.clone()
+    skipped, grads_b = run_update(tiny_model_dir, batch, skip_old_pass=True, **sets)
+    assert abs(with_pass["pg/loss"] - skipped["pg/loss"]) < TOL
+    assert skipped["pg/clip_frac"] == 0.0 and abs(skipped["pg/approx_kl"]) < TOL
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for key, g in grads_a.items():
+        assert torch.allclose(grads_b[key], g, atol=TOL, rtol=1e-4), key
+    # what the skipped pass reported, from the update's forward: |old - rollout| over response tokens
+    diff = float(((old - batch.rollout_logp).abs() * batch.mask).sum() / batch.mask.sum())
+    assert abs(skipped["rollout/logprob_diff"] - diff) < TOL
+    assert skipped["entropy"] > 0
+
+
+def test_several_steps_per_batch_still_need_the_old_logprobs(tiny_model_dir, process_group):
+    from rlctl.recipes.rl.update import single_step
+
+    batch = group_batch(2, 2, width=4, seed=4)
+    assert single_step(batch, rl_config(tiny_model_dir))
+    assert not single_step(batch, rl_config(tiny_model_dir, **{"algo.ppo_epochs": 2}))
+    with pytest.raises(ValueError, match="old log-probs"):
+        run_update(tiny_model_dir, batch, skip_old_pass=True, **{"algo.ppo_epochs": 2})
+
+
+def test_packed_rows_attend_per_document_and_match_a_plain_model(tiny_model_dir, process_group, monkeypatch):
+    """An SFT packed row (positions restarting at 0, no mask) runs one sdpa call per document and layer
+    (cost: the sum of squared document lengths), with each document's own logits and gradients."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from rlctl.data.packing import collate_packed
+    from rlctl.data.sft import Example
+    from rlctl.engines import varlen
+    from rlctl.engines.fsdp import FSDPEngine
+
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(4, 400, size=n) for n in (7, 19, 3, 12)]
+    mb = collate_packed([Example(d, d) for d in docs])
+    weights = torch.randn(1, mb.input_ids.shape[1], 32, generator=torch.Generator().manual_seed(6))
+    engine = FSDPEngine(cpu_spec(), rl_config(tiny_model_dir), total_steps=1)
+    engine.train(False)
+    calls = []
+    block = varlen._block_attention
+    monkeypatch.setattr(varlen, "_block_attention", lambda *a: calls.append(a[3]) or block(*a))
+    (logits,) = engine.forward_backward([mb], lambda out, _: ((out[..., :32] * weights).sum(), out))
+    layers = engine.hf_config.num_hidden_layers
+    assert len(calls) == len(docs) * layers and all(b[2] - b[1] == len(d) for b, d in zip(calls, docs))
+    got_grads = full_grads(engine.model)
+
+    plain = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32, attn_implementation="eager")
+    plain.eval()
+    start = 0
+    for d in docs:
+        out = plain(input_ids=torch.as_tensor(d, dtype=torch.int64)[None]).logits
+        assert torch.allclose(logits[:, start : start + len(d)], out.detach(), atol=TOL, rtol=0)
+        (out[..., :32] * weights[:, start : start + len(d)]).sum().backward()
+        start += len(d)
+    for key, g in full_grads(plain).items():
+        assert torch.allclose(got_grads[key], g, atol=TOL, rtol=1e-4), key
