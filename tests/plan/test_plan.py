@@ -132,8 +132,11 @@ def test_qwen72b_full_sft_on_one_a10g_does_not_fit():
 
 def test_deepseek_v3_uses_pipeline_and_expert_parallel():
     p = plan_for("grpo", model={"name": "DeepSeek-V3"}, hardware={"gpus": 512, "nodes": 64})
-    assert p.backend == "megatron" and p.pp > 1 and p.ep > 1 and p.fits
+    assert p.backend == "megatron" and p.pp > 1 and p.ep > 1
     assert p.tp * p.pp * p.dp == 512 and 256 % p.ep == 0
+    # the rollout engine's tensor parallelism stays inside a node (8 x 80 GB), which cannot hold the
+    # 1.34 TB of bf16 weights: the plan says it does not fit rather than spanning nodes
+    assert p.rollout_tp <= 8 and not p.fits
     assert any("MoE" in r for r in p.reasons if r.startswith("backend megatron"))
 
 
