@@ -336,6 +336,8 @@ def _check_rl_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[st
 
     if all(s.spec != "auto" for s in reward_specs(cfg.reward.fn, cfg.reward.fns)):
         return  # every component is named: no row needs a data_source
+    if cfg.reward.model and not cfg.reward.fns and cfg.reward.fn == "auto":
+        return  # a reward model alone (as RewardManager builds it): no row needs a data_source
 
     sources = {str(r.get("data_source") or "") for r in rows}
     if "" in sources:
