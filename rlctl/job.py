@@ -332,12 +332,10 @@ def _check_rl_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[st
             f"the rows have {_columns(columns)}: name the answer with --set data.answer_field=FIELD"
         )
     from rlctl.rewards.loader import default_for_data_source
-    from rlctl.rewards.spec import reward_specs
+    from rlctl.rewards.spec import rule_specs
 
-    if all(s.spec != "auto" for s in reward_specs(cfg.reward.fn, cfg.reward.fns)):
-        return  # every component is named: no row needs a data_source
-    if cfg.reward.model and not cfg.reward.fns and cfg.reward.fn == "auto":
-        return  # a reward model alone (as RewardManager builds it): no row needs a data_source
+    if all(s.spec != "auto" for s in rule_specs(cfg.reward)):
+        return  # every component is named (or a reward model alone): no row needs a data_source
 
     sources = {str(r.get("data_source") or "") for r in rows}
     if "" in sources:

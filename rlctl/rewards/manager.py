@@ -23,7 +23,7 @@ from rlctl.rewards.builtin import BUILTINS
 from rlctl.rewards.loader import default_for_data_source, get_reward
 from rlctl.rewards.model import RewardModel
 from rlctl.rewards.pool import RewardPool
-from rlctl.rewards.spec import RewardSpec, reward_kind, reward_specs
+from rlctl.rewards.spec import RewardSpec, reward_kind, rule_specs
 
 __all__ = [
     "RewardBatch",
@@ -259,9 +259,7 @@ class RewardManager:
     ):
         r = reward_cfg
         self.tokenizer = tokenizer
-        specs = reward_specs(r.fn, list(r.fns or []))
-        if r.model and not r.fns and r.fn == "auto":
-            specs = []  # a reward model alone
+        specs = rule_specs(r)
         sources = list(data_sources)
         self.components: list[_Component] = []
         for s in specs:

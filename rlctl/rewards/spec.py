@@ -10,7 +10,7 @@ from typing import Any
 
 from rlctl.errors import UserError
 
-__all__ = ["RewardSpec", "check_reward_config", "parse_spec", "reward_kind", "reward_specs"]
+__all__ = ["RewardSpec", "check_reward_config", "parse_spec", "reward_kind", "reward_specs", "rule_specs"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,14 @@ def reward_specs(fn: str = "auto", fns: list[str] | tuple[str, ...] = ()) -> lis
         name = s.name if seen[s.name] == 1 else f"{s.name}_{seen[s.name]}"
         out.append(RewardSpec(s.spec, s.weight, name))
     return out
+
+
+def rule_specs(reward_cfg: Any) -> list[RewardSpec]:
+    """The rule components of a run's ``reward`` config: ``reward.fn`` / ``reward.fns``, or none when a
+    reward model is given alone (``--reward-model`` without ``--reward``)."""
+    if reward_cfg.model and not reward_cfg.fns and reward_cfg.fn == "auto":
+        return []
+    return reward_specs(reward_cfg.fn, list(reward_cfg.fns or []))
 
 
 def reward_kind(obj: Any) -> str:
