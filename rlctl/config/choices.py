@@ -30,6 +30,8 @@ def check_algorithm(method: str, adv: str, *, n: int, kl_coef: float, kl_target:
     estimator, group advantages with one sample per prompt, adaptive KL without a start value)."""
     if method not in ("grpo", "ppo"):
         return
+    if kl_target and not kl_coef:
+        raise UserError("algo.kl_target (adaptive KL) needs an initial algo.kl_coef > 0, e.g. --kl-coef 0.001")
     facts = ADV_FACTS.get(adv)
     if facts is None:
         return  # an unknown name is the config's did-you-mean error, or a user-registered estimator
@@ -42,5 +44,3 @@ def check_algorithm(method: str, adv: str, *, n: int, kl_coef: float, kl_target:
         )
     if facts.needs_groups and n < 2:
         raise UserError(f"--adv {adv} compares the samples of a prompt; set rollout.n >= 2 (e.g. --n 8)")
-    if kl_target and not kl_coef:
-        raise UserError("algo.kl_target (adaptive KL) needs an initial algo.kl_coef > 0, e.g. --kl-coef 0.001")

@@ -164,7 +164,7 @@ class _TorchDistReader:
     _EMBEDDING = "embedding.word_embeddings.weight"
 
     def __init__(self, ckpt_dir: Path, trust: bool = False):
-        from rlctl.convert.sources import check_dcp_files
+        from rlctl.formats.integrity import check_dcp_files
 
         self._dir = ckpt_dir
         self._reader = safe_dcp_reader(ckpt_dir, trust=trust)

@@ -93,7 +93,7 @@ class TrainEngine(abc.ABC):
     def forward_micro(self, mb: Any) -> torch.Tensor:
         """The model's output for one micro-batch. An engine may compute the logits only at the positions
         that predict response tokens (``mb.logit_index``; the loss reads them with ``mb.at_response``) and
-        run shared-prefix micro-batches (``mb.prefix_ids``) when :attr:`shares_prefix`."""
+        run shared-prefix micro-batches (``mb.keep_cols``, ``mb.blocks``) when :attr:`shares_prefix`."""
         return self.forward(mb.input_ids, mb.position_ids, mb.attention_mask)
 
     @property

@@ -390,9 +390,10 @@ class FSDPEngine(TrainEngine):
 
     @property
     def shares_prefix(self) -> bool:
-        """Shared-prefix micro-batches carry a custom 4-D mask: sdpa and eager attention take it
-        (flash-attention's varlen kernels cannot, and keep the packed rows)."""
-        return self.role != "critic" and self.attn in ("sdpa", "eager")
+        """Shared-prefix micro-batches run where packed rows attend per block (sdpa through
+        :mod:`rlctl.engines.varlen`); eager attention would add their boolean mask instead of applying
+        it, and flash-attention's varlen kernels cannot take it: those keep the packed rows."""
+        return self.role != "critic" and self.varlen
 
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
         if not self.trainable:

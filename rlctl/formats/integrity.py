@@ -23,7 +23,7 @@ def _bad_shard(path: Path, metadata) -> tuple[Path, int | None, int] | None:
     """(file, bytes it has or None when missing, bytes it needs) of the first bad shard file, or None."""
     need: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
-        rel = getattr(info, "relative_path", None)
+        rel = info.relative_path
         if rel is not None:
             need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
     for rel, size in sorted(need.items()):

@@ -42,8 +42,11 @@ from rlctl.errors import UserError
 from rlctl.runtime.layout import (
     LATEST,
     RNG_DIR,
+    STEP_PREFIX,
+    STEP_RE,
     TMP_PREFIX,
     TRAINER_STATE,
+    checkpoint_problem,
     file_sizes,
     is_complete,
     list_checkpoints,
@@ -146,8 +149,19 @@ def save_checkpoint(
 
 def remove_leftovers(root: str | Path) -> None:
     """Delete the ``.tmp-*`` directories of saves or deletions a crash interrupted (rank 0, when no
-    save is under way: at the start of a save, and when a run resumes)."""
-    for leftover in Path(root).glob(f"{TMP_PREFIX}*"):
+    save is under way: at the start of a save, and when a run resumes).
+
+    One leftover is kept: a step saved again (after a resume) moves its old copy out of sight before
+    the new one is renamed in; a crash between the two renames leaves the complete new copy under
+    ``.tmp-step_N`` and no ``step_N``. That copy, when it passes :func:`checkpoint_problem`, becomes
+    ``step_N`` (the name ``latest`` already holds) instead of being deleted."""
+    root = Path(root)
+    for leftover in sorted(root.glob(f"{TMP_PREFIX}{STEP_PREFIX}*")):
+        final = root / leftover.name[len(TMP_PREFIX) :]
+        if leftover.is_dir() and not final.exists() and STEP_RE.match(final.name):
+            if (leftover / TRAINER_STATE).is_file() and checkpoint_problem(leftover) is None:
+                os.replace(leftover, final)
+    for leftover in root.glob(f"{TMP_PREFIX}*"):
         if leftover.is_dir():
             shutil.rmtree(leftover, ignore_errors=True)
 

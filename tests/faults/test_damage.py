@@ -237,6 +237,22 @@ def test_a_checkpoint_saved_again_replaces_the_old_one_whole(run):
     assert not [p for p in ckpts.iterdir() if p.name.startswith(".tmp-")]
 
 
+def test_a_crash_between_the_renames_of_a_re_save_keeps_the_new_copy(run):
+    """A step saved again moves its old copy out of sight, then renames the new one in: killed between
+    the two, the complete new copy waits under .tmp-step_N while `latest` names step_N. Cleaning the
+    leftovers puts it back under its name instead of deleting both copies."""
+    from rlctl.runtime.checkpoint import remove_leftovers
+
+    ckpts = run / "checkpoints"
+    (ckpts / NEWEST).rename(ckpts / f".tmp-{NEWEST}")  # the complete new copy, not yet renamed
+    shutil.copytree(ckpts / step_name(2), ckpts / f".tmp-old-{NEWEST}")  # the old copy, half deleted
+    (ckpts / f".tmp-old-{NEWEST}" / "trainer_state.json").unlink()
+    remove_leftovers(ckpts)
+    assert checkpoint_problem(ckpts / NEWEST) is None
+    assert not [p for p in ckpts.iterdir() if p.name.startswith(".tmp-")]
+    assert choose_resume("auto", run).path == ckpts / NEWEST
+
+
 def test_the_damaged_checkpoint_is_refused_before_launch(run):
     """rlctl/job.py's pre-launch check: explicit -> the one-line error; auto -> the note on the console."""
     from types import SimpleNamespace

@@ -244,3 +244,17 @@ def test_packed_rows_attend_per_document_and_match_a_plain_model(tiny_model_dir,
         start += len(d)
     for key, g in full_grads(plain).items():
         assert torch.allclose(got_grads[key], g, atol=TOL, rtol=1e-4), key
+
+
+def test_eager_attention_keeps_packed_rows_and_still_matches(tiny_model_dir, process_group):
+    """Eager attention would add the shared-prefix boolean mask to its scores instead of applying it,
+    so an eager engine runs packed rows (no shared prefix), and its log-probs still equal a plain model's."""
+    from rlctl.engines.fsdp import FSDPEngine
+
+    batch = group_batch(3, 4, width=9, seed=1)
+    weights = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(2)) * batch.mask
+    want_logp, _ = plain_reference(tiny_model_dir, batch, weights)
+    engine = FSDPEngine(cpu_spec(attn="eager"), rl_config(tiny_model_dir), total_steps=1)
+    assert not engine.shares_prefix
+    logp, _, _ = engine_pass(engine, batch, weights, budget=10_000, share_prefix=False, split=False)
+    torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=1e-5)
