@@ -29,3 +29,8 @@ def did_you_mean(word: str, choices: Iterable[str], n: int = 3) -> str:
         return ""
     names = ", ".join(lower[c] for c in close)
     return f" (did you mean {names}?)"
+
+
+def one_line(text: object) -> str:
+    """``text`` on one line: every run of whitespace, newlines included, becomes one space."""
+    return " ".join(str(text).split())

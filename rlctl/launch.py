@@ -29,16 +29,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlctl.config import RunConfig, save_config
-from rlctl.errors import UserError
+from rlctl.errors import UserError, one_line
 from rlctl.metrics import from_json
-from rlctl.plan import apply_plan
+from rlctl.plan import apply_plan, save_plan
+from rlctl.runtime.errors import INTERRUPTED
 from rlctl.runtime.layout import RunPaths, has_checkpoint
 from rlctl.runtime.net import free_port
 
 if TYPE_CHECKING:
     from rlctl.plan import Plan
-
-INTERRUPTED = 130  # exit status after a Ctrl-C that stopped the run cleanly
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,7 +259,7 @@ def launch_job(cfg: RunConfig, plan: Plan) -> int:
     # the ranks read the resolved config: every \"auto\" the plan decides is filled in
     cfg = apply_plan(dataclasses.replace(cfg, output_dir=str(run_dir)), plan)
     save_config(cfg, paths.config)
-    paths.plan.write_text(json.dumps(plan.to_dict(), indent=2, default=str) + "\n")
+    save_plan(plan, paths.plan)
 
     argv = build_command(cfg, plan, run_dir)
     env = job_env(plan, os.environ)
@@ -329,25 +328,24 @@ def root_cause(errors: list[dict]) -> dict | None:
     return next((e for e in errors if e.get("kind") != "interrupted"), None)
 
 
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
 def _report(rc: int, paths: RunPaths, progress: _Progress, *, interrupted: bool = False) -> int:
     """Turn the ranks' outcome into the user-facing result: one line on failure, never torchrun's report."""
     console = progress.console
-    summary = json.loads(paths.summary.read_text()) if paths.summary.is_file() else None
+    try:
+        summary = json.loads(paths.summary.read_text()) if paths.summary.is_file() else None
+    except (OSError, ValueError):  # written by the ranks as they died: no summary to read
+        summary = None
     cause = root_cause(read_rank_errors(paths)) if rc != 0 or summary is None else None
     if cause is not None:
         if cause.get("kind") == "user":
-            raise UserError(_one_line(cause["message"]))
+            raise UserError(one_line(cause["message"]))
         if not interrupted:  # after a Ctrl-C, a peer's broken connection is no internal error
             from rich.markup import escape
 
             rank = cause.get("rank", "?")
             where = f"traceback in {paths.rank_error(rank)}; " if isinstance(rank, int) else ""
             console.print(
-                f"[red]internal error[/red] on rank {rank}: {escape(_one_line(cause['message']))} "
+                f"[red]internal error[/red] on rank {rank}: {escape(one_line(cause['message']))} "
                 f"({escape(where)}full log: {escape(str(paths.train_log))})",
                 highlight=False,
                 soft_wrap=True,

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlctl.errors import UserError
+from rlctl.errors import UserError, one_line
 from rlctl.rewards.builtin import BUILTINS
 from rlctl.rewards.loader import default_for_data_source, get_reward
 from rlctl.rewards.model import RewardModel
@@ -30,16 +30,11 @@ __all__ = [
     "RewardManager",
     "RewardResult",
     "classify",
-    "one_line",
     "reward_metrics",
     "reward_warning",
 ]
 
 MAX_AUTO_WORKERS = 8
-
-
-def one_line(text: Any) -> str:
-    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
 @dataclass

@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from rlctl.errors import one_line
 from rlctl.rewards.loader import RewardFn
-from rlctl.rewards.manager import classify, one_line
+from rlctl.rewards.manager import classify
 
 __all__ = ["score_batch"]
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from rlctl.config import RunConfig, load_config
 from rlctl.errors import UserError
 from rlctl.runtime.dist import Dist, init_distributed
-from rlctl.runtime.errors import write_rank_error
+from rlctl.runtime.errors import INTERRUPTED, write_rank_error
 from rlctl.runtime.layout import RunPaths, latest_checkpoint, step_of, write_json_atomic
 from rlctl.runtime.rng import seed_everything
 from rlctl.runtime.shared_dir import check_shared_run_dir
@@ -39,7 +39,6 @@ from rlctl.runtime.signals import requested_early
 
 # Test hooks (environment variables), documented in docs/sft.md:
 STOP_AFTER_ENV = "RLCTL_STOP_AFTER_STEP"  # behave as if Ctrl-C arrived right after this step
-INTERRUPTED = 130
 
 
 class StopRequest:

@@ -12,13 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+from rlctl.errors import one_line
 from rlctl.runtime.layout import RunPaths
 
+INTERRUPTED = 130  # exit status of a run a Ctrl-C stopped cleanly (the ranks' and the launcher's)
+
 KINDS = ("user", "internal", "interrupted")
-
-
-def one_line(text: str) -> str:
-    return " ".join(str(text).split())
 
 
 def write_rank_error(run_dir: str | Path, rank: int, kind: str, message: str, traceback: str | None = None) -> Path:
