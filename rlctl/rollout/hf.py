@@ -17,7 +17,9 @@ would see alone.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -31,6 +33,9 @@ from rlctl.rollout.base import (
     default_stop_token_ids,
     torch_dtype,
 )
+from rlctl.rollout.hf_decode import FastDecoder, unsupported_reason
+
+logger = logging.getLogger(__name__)
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -61,9 +66,24 @@ class HFRolloutEngine(RolloutEngine):
         self.stop_token_ids = default_stop_token_ids(model_path)
         self.pad_token_id = 0  # any id works: padded positions are masked out
         self._generator = torch.Generator(self.device).manual_seed(seed)
+        # The fast decode step (rlctl.rollout.hf_decode) when the architecture allows; it fuses the
+        # projections in place, so it is built before the state dict below is taken.
+        self.fast_decode = True  # False: always the generic loop (tests and benchmarks compare both)
+        self._fast: FastDecoder | None = None
+        self._logged: set[str] = set()
+        reason = unsupported_reason(self.model)
+        if reason is None:
+            self._fast = FastDecoder(self.model)
+        else:
+            self._log_fallback(reason)
         # state_dict() tensors share storage with the model's parameters: copying into them
-        # updates the model in place.
+        # updates the model (and the fast path's fused weights) in place.
         self._tensors = self.model.state_dict()
+
+    def _log_fallback(self, reason: str) -> None:
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.info("hf rollout: generic decoding loop, not the fast decode step: %s", reason)
 
     @torch.no_grad()
     def _generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
@@ -84,50 +104,44 @@ class HFRolloutEngine(RolloutEngine):
             use_cache=True,
             logits_to_keep=1,
         )
-        # One prefill per prompt; its cache is shared by the prompt's n samples.
-        cache.batch_repeat_interleave(n)
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)
-        attention_mask = attention_mask.repeat_interleave(n, dim=0)
-        next_position = position_ids[:, -1].repeat_interleave(n, dim=0) + 1
 
         num_samples = len(prompt_token_ids) * n
         budget = [
             min(sampling.max_tokens, self.max_model_len - len(prompt_token_ids[s // n])) for s in range(num_samples)
         ]
+        fast = self._fast if self.fast_decode else None
+        if fast is not None and (reason := fast.window_reason(input_ids.shape[1] + max(budget))):
+            self._log_fallback(reason)
+            fast = None
+        # One prefill per prompt; its cache is shared by the prompt's n samples.
+        if fast is not None:
+            steps: _Steps = fast.start(cache, [len(p) for p in prompt_token_ids], n, max(budget))
+        else:
+            steps = _HFSteps(self.model, cache, attention_mask, position_ids, n)
         tokens: list[list[int]] = [[] for _ in range(num_samples)]
         logprobs: list[list[float]] = [[] for _ in range(num_samples)]
         finish: list[str | None] = [None] * num_samples
-        rows = torch.arange(num_samples)  # sample index of each row still decoding
+        rows = list(range(num_samples))  # sample index of each row still decoding
 
         while True:
             next_tokens, next_logprobs = sample_next_token(logits, sampling, generator)
-            for s, token, logprob in zip(rows.tolist(), next_tokens.tolist(), next_logprobs.tolist()):
+            for s, token, logprob in zip(rows, next_tokens.tolist(), next_logprobs.tolist()):
                 tokens[s].append(token)
                 logprobs[s].append(logprob)
                 if token in stop_ids:
                     finish[s] = "stop"
                 elif len(tokens[s]) >= budget[s]:
                     finish[s] = "length"
-            alive = torch.tensor([finish[s] is None for s in rows.tolist()])
-            if not alive.any():
+            alive = [i for i, s in enumerate(rows) if finish[s] is None]
+            if not alive:
                 break
-            if not alive.all():
-                rows = rows[alive]
-                keep = alive.nonzero().squeeze(1).to(self.device)
-                cache.batch_select_indices(keep)
+            if len(alive) < len(rows):
+                rows = [rows[i] for i in alive]
+                keep = torch.tensor(alive, device=self.device)
+                steps.drop(keep)
                 next_tokens = next_tokens[keep]
-                attention_mask = attention_mask[keep]
-                next_position = next_position[keep]
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
-            out = self.model(
-                input_ids=next_tokens[:, None],
-                attention_mask=attention_mask,
-                position_ids=next_position[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            logits = out.logits[:, -1]
-            next_position = next_position + 1
+            logits = steps.step(next_tokens)
 
         return [
             Sample(s // n, tokens[s], logprobs[s], finish[s])  # type: ignore[arg-type]
@@ -150,6 +164,42 @@ class HFRolloutEngine(RolloutEngine):
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]
         self._tensors = {}
+
+
+class _Steps(Protocol):
+    """The decode steps after the prefill: ``drop`` rows that finished, ``step`` one token per row."""
+
+    def drop(self, keep: torch.Tensor) -> None: ...
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor: ...
+
+
+class _HFSteps:
+    """The generic loop: the HF model's forward with a ``DynamicCache``, finished rows dropped at once."""
+
+    def __init__(self, model, cache: DynamicCache, attention_mask: torch.Tensor, position_ids: torch.Tensor, n: int):
+        cache.batch_repeat_interleave(n)
+        self.model, self.cache = model, cache
+        self.attention_mask = attention_mask.repeat_interleave(n, dim=0)
+        self.next_position = position_ids[:, -1].repeat_interleave(n, dim=0) + 1
+
+    def drop(self, keep: torch.Tensor) -> None:
+        self.cache.batch_select_indices(keep)
+        self.attention_mask = self.attention_mask[keep]
+        self.next_position = self.next_position[keep]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = self.attention_mask
+        self.attention_mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
+        out = self.model(
+            input_ids=tokens[:, None],
+            attention_mask=self.attention_mask,
+            position_ids=self.next_position[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.next_position = self.next_position + 1
+        return out.logits[:, -1]
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
