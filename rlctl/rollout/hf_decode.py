@@ -202,21 +202,25 @@ class FastDecoder:
 class DecodeState:
     """The preallocated caches and per-row state of one generation; ``step`` decodes one token."""
 
+    # Finished rows are still computed (their output ignored) until (finished rows) x (steps left)
+    # reaches this: on CPU a row costs about 1/20 of a step of 16 rows in the matrix products, and a
+    # compaction (one index_select of the caches) about two row-steps.
+    COMPACT_ROW_STEPS = 4
+
     def __init__(self, dec: FastDecoder, cache, prompt_lens: list[int], n: int, max_new: int) -> None:
         self.dec = dec
         first = dec.layers[0].qkv_w
         device, dtype = first.device, first.dtype
         prompts, width = len(prompt_lens), max(prompt_lens)
-        rows, kv, hd = prompts * n, dec.kv_heads, dec.head_dim
+        rows, kv, hd, layers = prompts * n, dec.kv_heads, dec.head_dim, len(dec.layers)
         self.max_len = width + max_new
         self.t = width  # next cache column
-        self.kv: list[torch.Tensor] = []
-        for i in range(len(dec.layers)):
-            buf = torch.empty(2, prompts, n, kv, self.max_len, hd, device=device, dtype=dtype)
-            layer = cache.layers[i]
-            buf[0, :, :, :, :width] = layer.keys[:, None]
-            buf[1, :, :, :, :width] = layer.values[:, None]
-            self.kv.append(buf.view(2, rows, kv, self.max_len, hd))
+        # every layer's keys and values: (layers, 2, rows, kv_heads, max_len, head_dim)
+        buf = torch.empty(layers, 2, prompts, n, kv, self.max_len, hd, device=device, dtype=dtype)
+        for i in range(layers):
+            buf[i, 0, :, :, :, :width] = cache.layers[i].keys[:, None]
+            buf[i, 1, :, :, :, :width] = cache.layers[i].values[:, None]
+        self.kv = buf.view(layers, 2, rows, kv, self.max_len, hd)
         # additive mask: -inf on each row's left padding, per (row, kv head) to match the products' batch
         lens = torch.tensor(prompt_lens, device=device).repeat_interleave(n)
         cols = torch.arange(self.max_len, device=device)
@@ -224,28 +228,41 @@ class DecodeState:
         bias = torch.zeros(rows, self.max_len, device=device, dtype=dtype).masked_fill(pad, float("-inf"))
         self.bias = bias[:, None, None, :].expand(rows, kv, 1, self.max_len).contiguous()
         self.position = lens.clone()  # next position id of each row (each prompt starts at 0)
-        positions = torch.arange(int(max(prompt_lens)) + max_new, device=device)
-        cos, sin = dec.model.model.rotary_emb(self.bias, positions[None])
+        cos, sin = dec.model.model.rotary_emb(self.bias, torch.arange(self.max_len, device=device)[None])
         half = hd // 2
         sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # rotate_half's sign folded in
-        self.rope = torch.stack([cos[0], sin], dim=1)  # (positions, 2, head_dim)
+        self.rope = torch.stack([cos[0], sin], dim=0)  # (2, positions, head_dim)
+        self.qk_norm = [
+            torch.cat([layer.q_norm.expand(dec.heads, hd), layer.k_norm.expand(kv, hd)])
+            for layer in dec.layers
+            if layer.q_norm is not None
+        ]
         self.rows = rows
         self.active = torch.arange(rows, device=device)  # physical rows still decoding
         self.num_active = rows
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self._rope_buffer()
+
+    def _rope_buffer(self) -> None:
+        # cos and sin for every head of the fused QKV output; the value heads get cos 1, sin 0 (unrotated)
+        dec = self.dec
+        cs = self.rope.new_zeros(2, self.rows, dec.heads + 2 * dec.kv_heads, dec.head_dim)
+        cs[0, :, dec.heads + dec.kv_heads :] = 1
+        self.cs = cs
 
     def drop(self, keep: torch.Tensor) -> None:
         """Keep only the active rows at indices ``keep`` (into the current active rows)."""
         self.active = self.active[keep]
         self.num_active = len(keep)
-        if 2 * self.num_active <= self.rows:
+        if (self.rows - self.num_active) * (self.max_len - self.t) >= self.COMPACT_ROW_STEPS:
             idx = self.active
-            self.kv = [buf.index_select(1, idx) for buf in self.kv]
+            self.kv = self.kv.index_select(2, idx)
             self.bias = self.bias.index_select(0, idx)
             self.position = self.position.index_select(0, idx)
             self.tokens = self.tokens.index_select(0, idx)
             self.rows = self.num_active
             self.active = torch.arange(self.rows, device=idx.device)
+            self._rope_buffer()
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -255,44 +272,35 @@ class DecodeState:
             self.tokens = tokens
         else:
             self.tokens.index_copy_(0, self.active, tokens)
-        rows, t = self.rows, self.t
+        rows, t, max_len = self.rows, self.t, self.max_len
         heads, kv, hd = dec.heads, dec.kv_heads, dec.head_dim
-        group = heads // kv
-        rope = self.rope.index_select(0, self.position)  # (rows, 2, head_dim)
-        cos, sin = rope[:, :1], rope[:, 1:]
-        bias = self.bias.view(rows * kv, 1, self.max_len)[:, :, : t + 1]
+        qk_heads, group, half, inter = heads + kv, heads // kv, hd // 2, dec.intermediate
+        cs = self.cs
+        cs[:, :, :qk_heads] = self.rope.index_select(1, self.position)[:, :, None]
+        cos, sin = cs[0], cs[1]
+        bias = self.bias.view(rows * kv, 1, max_len)[:, :, : t + 1]
+        column = self.kv.select(4, t)  # (layers, 2, rows, kv, head_dim)
+        context = self.kv.view(-1, 2, rows * kv, max_len, hd)[:, :, :, : t + 1]
+        fp32 = self.kv.dtype == torch.float32
         h = F.embedding(self.tokens, dec.embed)
-        half = hd // 2
-        qk_heads = heads + kv
-        for layer, cache in zip(dec.layers, self.kv, strict=True):
+        for i, layer in enumerate(dec.layers):
             x = rms_norm(h, layer.ln1, layer.eps1)
             qkv = F.linear(x, layer.qkv_w, layer.qkv_b).view(rows, qk_heads + kv, hd)
-            qk = qkv[:, :qk_heads]
             if layer.q_norm is not None:
-                qk = torch.cat(
-                    [
-                        rms_norm(qk[:, :heads], layer.q_norm, layer.qk_eps),
-                        rms_norm(qk[:, heads:], layer.k_norm, layer.qk_eps),
-                    ],
-                    dim=1,
-                )
-            qk = qk * cos + torch.cat([qk[..., half:], qk[..., :half]], dim=-1) * sin
-            cache[0, :, :, t] = qk[:, heads:]
-            cache[1, :, :, t] = qkv[:, qk_heads:]
-            q = qk[:, :heads].reshape(rows * kv, group, hd)
-            keys = cache[0].view(rows * kv, self.max_len, hd)[:, : t + 1]
-            values = cache[1].view(rows * kv, self.max_len, hd)[:, : t + 1]
+                normed = rms_norm(qkv[:, :qk_heads], self.qk_norm[i], layer.qk_eps)
+                qkv = torch.cat([normed, qkv[:, qk_heads:]], dim=1)
+            swapped = torch.cat([qkv[..., half:], qkv[..., :half]], dim=-1)
+            qkv = torch.addcmul(qkv * cos, swapped, sin)
+            column[i].copy_(qkv[:, heads:].view(rows, 2, kv, hd).transpose(0, 1))
+            keys, values = context[i].unbind(0)
+            q = qkv[:, :heads].reshape(rows * kv, group, hd)
             scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=dec.scaling)
-            if scores.dtype == torch.float32:
-                probs = scores.softmax(-1)
-            else:
-                probs = scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
+            probs = scores.softmax(-1) if fp32 else scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
             attn = torch.bmm(probs, values).view(rows, heads * hd)
             h = _linear_add(h, attn, layer.o_w, layer.o_b)
             x = rms_norm(h, layer.ln2, layer.eps2)
             gu = F.linear(x, layer.gu_w, layer.gu_b)
-            act = F.silu(gu[:, : dec.intermediate]) * gu[:, dec.intermediate :]
-            h = _linear_add(h, act, layer.down_w, layer.down_b)
+            h = _linear_add(h, F.silu(gu[:, :inter]) * gu[:, inter:], layer.down_w, layer.down_b)
         logits = F.linear(rms_norm(h, dec.norm, dec.norm_eps), dec.lm_head)
         self.t += 1
         self.position += 1
@@ -302,11 +310,10 @@ class DecodeState:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: the variance in fp32, the weight applied in the input's dtype."""
+    """HF's RMSNorm: normalized in fp32, cast back to the input's dtype, times the weight."""
     if x.dtype == torch.float32:
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-    y = x.float()
-    return weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return weight * F.rms_norm(x, x.shape[-1:], None, eps)
+    return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
 def _linear_add(
