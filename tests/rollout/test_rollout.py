@@ -127,9 +127,11 @@ def test_default_stop_token_ids_merge_tokenizer_and_generation_config(tmp_path):
 # --- hf engine ------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def hf_engine(model_a):
+@pytest.fixture(params=["fast", "generic"])
+def hf_engine(model_a, request):
+    """The hf engine with its fast decode step (rlctl.rollout.hf_decode) and with the generic HF-forward loop."""
     with make_rollout_engine("hf", str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN) as engine:
+        engine.fast_decode = request.param == "fast"
         yield engine
 
 
@@ -195,9 +197,7 @@ def test_hf_sampled_logprobs_match_teacher_forcing(tie, model_a, model_a_tied):
     assert len(set(group)) > 1  # the n samples of a prompt differ
 
 
-@pytest.mark.parametrize("fast", [False, True])
-def test_hf_prefills_each_prompt_once_for_its_group(hf_engine, fast):
-    hf_engine.fast_decode = fast
+def test_hf_prefills_each_prompt_once_for_its_group(hf_engine):
     shapes = []
     hook = hf_engine.model.register_forward_pre_hook(
         lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
@@ -208,7 +208,7 @@ def test_hf_prefills_each_prompt_once_for_its_group(hf_engine, fast):
         hook.remove()
     longest = max(len(p) for p in PROMPTS)
     assert shapes[0] == (len(PROMPTS), longest)  # one prefill row per prompt, not per sample
-    if fast:  # the fast decode step does not call the HF model after the prefill
+    if hf_engine.fast_decode:  # the fast decode step does not call the HF model after the prefill
         assert len(shapes) == 1
     else:
         assert all(width == 1 and rows <= len(PROMPTS) * 4 for rows, width in shapes[1:])
