@@ -132,14 +132,10 @@ class _Layer:
     ln2: torch.Tensor
     eps1: float
     eps2: float
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor | None
-    o_w: torch.Tensor
-    o_b: torch.Tensor | None
-    gu_w: torch.Tensor
-    gu_b: torch.Tensor | None
-    down_w: torch.Tensor
-    down_b: torch.Tensor | None
+    qkv: _Linear
+    o: _Linear
+    gate_up: _Linear
+    down: _Linear
     q_norm: torch.Tensor | None  # (heads, head_dim): q_norm's weight per query head, k_norm's per KV head
     k_norm: torch.Tensor | None
     qk_eps: float
@@ -147,6 +143,12 @@ class _Layer:
 
 class FastDecoder:
     """The decode step of one model; build it once per engine (it fuses the model's projections)."""
+
+    # On CPU in fp32, weight matrices of at least this many elements are multiplied by oneDNN from a
+    # prepacked copy (repacked when the weights change): measured on a Qwen2 of hidden 512 with 16 rows
+    # a step's products take 9.5 ms instead of 17 ms with MKL. Small matrices are as fast or faster
+    # with MKL (hidden 128, 8 rows: 32 us vs 30 us for the gate/up product).
+    PACK_MIN_NUMEL = 1 << 17
 
     def __init__(self, model: nn.Module) -> None:
         config = model.config
@@ -170,14 +172,10 @@ class FastDecoder:
                     ln2=layer.post_attention_layernorm.weight,
                     eps1=layer.input_layernorm.variance_epsilon,
                     eps2=layer.post_attention_layernorm.variance_epsilon,
-                    qkv_w=qkv_w,
-                    qkv_b=qkv_b,
-                    o_w=attn.o_proj.weight,
-                    o_b=attn.o_proj.bias,
-                    gu_w=gu_w,
-                    gu_b=gu_b,
-                    down_w=mlp.down_proj.weight,
-                    down_b=mlp.down_proj.bias,
+                    qkv=_Linear(qkv_w, qkv_b),
+                    o=_Linear(attn.o_proj.weight, attn.o_proj.bias),
+                    gate_up=_Linear(gu_w, gu_b),
+                    down=_Linear(mlp.down_proj.weight, mlp.down_proj.bias),
                     q_norm=qk_norm.weight if qk_norm is not None else None,
                     k_norm=attn.k_norm.weight if qk_norm is not None else None,
                     qk_eps=qk_norm.variance_epsilon if qk_norm is not None else 0.0,
@@ -186,8 +184,10 @@ class FastDecoder:
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.norm_eps = inner.norm.variance_epsilon
-        self.lm_head = model.lm_head.weight
-        self.intermediate = self.layers[0].down_w.shape[1]
+        self.lm_head = _Linear(model.lm_head.weight, None)
+        self.intermediate = self.layers[0].down.weight.shape[1]
+        self.linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.linears.append(self.lm_head)
 
     def window_reason(self, total_len: int) -> str | None:
         if self.window is not None and self.window < total_len:
@@ -196,6 +196,10 @@ class FastDecoder:
 
     def start(self, cache, prompt_lens: list[int], n: int, max_new: int) -> DecodeState:
         """The decode state after a prefill of left-padded prompts into HF ``cache`` (one row per prompt)."""
+        weight = self.lm_head.weight
+        pack = weight.device.type == "cpu" and weight.dtype == torch.float32 and _mkldnn_linear_available()
+        for linear in self.linears:
+            linear.refresh(pack and linear.weight.numel() >= self.PACK_MIN_NUMEL)
         return DecodeState(self, cache, prompt_lens, n, max_new)
 
 
@@ -209,7 +213,7 @@ class DecodeState:
 
     def __init__(self, dec: FastDecoder, cache, prompt_lens: list[int], n: int, max_new: int) -> None:
         self.dec = dec
-        first = dec.layers[0].qkv_w
+        first = dec.layers[0].qkv.weight
         device, dtype = first.device, first.dtype
         prompts, width = len(prompt_lens), max(prompt_lens)
         rows, kv, hd, layers = prompts * n, dec.kv_heads, dec.head_dim, len(dec.layers)
@@ -285,7 +289,7 @@ class DecodeState:
         h = F.embedding(self.tokens, dec.embed)
         for i, layer in enumerate(dec.layers):
             x = rms_norm(h, layer.ln1, layer.eps1)
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b).view(rows, qk_heads + kv, hd)
+            qkv = layer.qkv(x).view(rows, qk_heads + kv, hd)
             if layer.q_norm is not None:
                 normed = rms_norm(qkv[:, :qk_heads], self.qk_norm[i], layer.qk_eps)
                 qkv = torch.cat([normed, qkv[:, qk_heads:]], dim=1)
@@ -297,11 +301,11 @@ class DecodeState:
             scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=dec.scaling)
             probs = scores.softmax(-1) if fp32 else scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
             attn = torch.bmm(probs, values).view(rows, heads * hd)
-            h = _linear_add(h, attn, layer.o_w, layer.o_b)
+            h = layer.o.add_to(h, attn)
             x = rms_norm(h, layer.ln2, layer.eps2)
-            gu = F.linear(x, layer.gu_w, layer.gu_b)
-            h = _linear_add(h, F.silu(gu[:, :inter]) * gu[:, inter:], layer.down_w, layer.down_b)
-        logits = F.linear(rms_norm(h, dec.norm, dec.norm_eps), dec.lm_head)
+            gu = layer.gate_up(x)
+            h = layer.down.add_to(h, F.silu(gu[:, :inter]) * gu[:, inter:])
+        logits = dec.lm_head(rms_norm(h, dec.norm, dec.norm_eps))
         self.t += 1
         self.position += 1
         if self.num_active != self.rows:
@@ -316,9 +320,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
-def _linear_add(
-    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """residual + x @ weight.T (+ bias)."""
-    out = torch.addmm(residual, x, weight.t())
-    return out if bias is None else out + bias
+def _mkldnn_linear_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class _Linear:
+    """``x @ weight.T + bias``, by oneDNN from a prepacked copy of the weight when ``refresh`` packed it."""
+
+    __slots__ = ("weight", "bias", "packed", "version")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+        self.packed: torch.Tensor | None = None
+        self.version = -1
+
+    def refresh(self, pack: bool) -> None:
+        """Pack (again, when the weight was written in place since) or drop the packed copy."""
+        if not pack:
+            self.packed = None
+        elif self.packed is None or self.version != self.weight._version:
+            self.version = self.weight._version
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + self(x)."""
+        if self.packed is not None:
+            return residual + self(x)
+        out = torch.addmm(residual, x, self.weight.t())
+        return out if self.bias is None else out + self.bias

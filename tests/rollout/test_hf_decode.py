@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import rlctl.rollout.hf as hf
 from rlctl.rollout import SamplingParams, make_rollout_engine
-from rlctl.rollout.hf_decode import DecodeState
+from rlctl.rollout.hf_decode import DecodeState, FastDecoder
 from rlctl.testing import build_tiny_model
 
 # different lengths, so left padding matters; with MAX_MODEL_LEN the budgets differ per prompt too
@@ -131,9 +131,11 @@ def _generate_recording(engine, sampling: SamplingParams, n: int, monkeypatch) -
     return samples, seen
 
 
-@pytest.mark.parametrize("compact", ["always", "never"])
-def test_fast_logits_equal_full_forward(arch_model, compact, monkeypatch):
-    monkeypatch.setattr(DecodeState, "COMPACT_ROW_STEPS", 0 if compact == "always" else 10**9)
+@pytest.mark.parametrize("variant", ["compact-packed", "masked-unpacked"])
+def test_fast_logits_equal_full_forward(arch_model, variant, monkeypatch):
+    # finished rows dropped at once or kept to the end; every product by oneDNN (prepacked) or none
+    monkeypatch.setattr(DecodeState, "COMPACT_ROW_STEPS", 0 if variant.startswith("compact") else 10**9)
+    monkeypatch.setattr(FastDecoder, "PACK_MIN_NUMEL", 0 if variant.endswith("-packed") else 10**12)
     reference = AutoModelForCausalLM.from_pretrained(arch_model, dtype=torch.float32).eval()
     with _engine(arch_model) as engine:
         assert engine._fast is not None
@@ -178,8 +180,8 @@ def test_fast_path_sees_updated_weights(tmp_path):
         # the fused QKV weight is the storage of q_proj/k_proj/v_proj: it holds the new weights
         attn = engine.model.model.layers[1].self_attn
         fused = torch.cat([new_weights[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
-        assert torch.equal(engine._fast.layers[1].qkv_w, fused)
-        assert attn.q_proj.weight.data_ptr() == engine._fast.layers[1].qkv_w.data_ptr()
+        assert torch.equal(engine._fast.layers[1].qkv.weight, fused)
+        assert attn.q_proj.weight.data_ptr() == engine._fast.layers[1].qkv.weight.data_ptr()
     assert [s.token_ids for s in after] != [s.token_ids for s in before]
     assert [s.token_ids for s in after] == [s.token_ids for s in expected]
     for a, b in zip(after, expected, strict=True):
