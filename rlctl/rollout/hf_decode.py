@@ -268,7 +268,6 @@ class DecodeState:
             self.active = torch.arange(self.rows, device=idx.device)
             self._rope_buffer()
 
-    @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per active row; return the next-token logits of the active rows."""
         dec = self.dec
@@ -281,29 +280,29 @@ class DecodeState:
         qk_heads, group, half, inter = heads + kv, heads // kv, hd // 2, dec.intermediate
         cs = self.cs
         cs[:, :, :qk_heads] = self.rope.index_select(1, self.position)[:, :, None]
-        cos, sin = cs[0], cs[1]
+        cos, sin = cs.unbind(0)
         bias = self.bias.view(rows * kv, 1, max_len)[:, :, : t + 1]
-        column = self.kv.select(4, t)  # (layers, 2, rows, kv, head_dim)
+        # per layer: the cache column written this step (2, rows, kv, head_dim), the keys (transposed)
+        # and values read, (rows * kv, head_dim, t + 1) and (rows * kv, t + 1, head_dim)
+        columns = self.kv.select(4, t).unbind(0)
         context = self.kv.view(-1, 2, rows * kv, max_len, hd)[:, :, :, : t + 1]
+        keys_t, values = context[:, 0].transpose(2, 3).unbind(0), context[:, 1].unbind(0)
+        qk_norms = self.qk_norm or [None] * len(columns)
         fp32 = self.kv.dtype == torch.float32
+        kv_shape, q_shape, attn_shape = (rows, 2, kv, hd), (rows * kv, group, hd), (rows, heads * hd)
         h = F.embedding(self.tokens, dec.embed)
-        for i, layer in enumerate(dec.layers):
+        for layer, column, k_t, v, qk_norm in zip(dec.layers, columns, keys_t, values, qk_norms, strict=True):
             x = rms_norm(h, layer.ln1, layer.eps1)
             qkv = layer.qkv(x).view(rows, qk_heads + kv, hd)
-            if layer.q_norm is not None:
-                normed = rms_norm(qkv[:, :qk_heads], self.qk_norm[i], layer.qk_eps)
-                qkv = torch.cat([normed, qkv[:, qk_heads:]], dim=1)
-            swapped = torch.cat([qkv[..., half:], qkv[..., :half]], dim=-1)
-            qkv = torch.addcmul(qkv * cos, swapped, sin)
-            column[i].copy_(qkv[:, heads:].view(rows, 2, kv, hd).transpose(0, 1))
-            keys, values = context[i].unbind(0)
-            q = qkv[:, :heads].reshape(rows * kv, group, hd)
-            scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=dec.scaling)
+            if qk_norm is not None:
+                qkv = torch.cat([rms_norm(qkv[:, :qk_heads], qk_norm, layer.qk_eps), qkv[:, qk_heads:]], dim=1)
+            # rotate_half(x) * sin == roll(x, half) * sin with rotate_half's sign folded into sin
+            qkv = torch.addcmul(qkv * cos, qkv.roll(half, -1), sin)
+            column.copy_(qkv[:, heads:].view(kv_shape).transpose(0, 1))
+            scores = torch.baddbmm(bias, qkv[:, :heads].reshape(q_shape), k_t, alpha=dec.scaling)
             probs = scores.softmax(-1) if fp32 else scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
-            attn = torch.bmm(probs, values).view(rows, heads * hd)
-            h = layer.o.add_to(h, attn)
-            x = rms_norm(h, layer.ln2, layer.eps2)
-            gu = layer.gate_up(x)
+            h = layer.o.add_to(h, torch.bmm(probs, v).view(attn_shape))
+            gu = layer.gate_up(rms_norm(h, layer.ln2, layer.eps2))
             h = layer.down.add_to(h, F.silu(gu[:, :inter]) * gu[:, inter:])
         logits = dec.lm_head(rms_norm(h, dec.norm, dec.norm_eps))
         self.t += 1
