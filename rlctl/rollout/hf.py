@@ -13,6 +13,11 @@ samples. The loop:
 Left padding is handled with an attention mask (pads are never attended to) and explicit position
 ids that start at 0 on each prompt's first real token, so a padded prompt sees exactly what it
 would see alone.
+
+Step 3 has two implementations with the same bookkeeping and sampler: the HF model's forward with a
+``DynamicCache`` (any architecture), and, for Llama-family models, the fast decode step of
+:mod:`rlctl.rollout.hf_decode` (preallocated cache, fused projections); the engine takes the fast one
+when :func:`~rlctl.rollout.hf_decode.unsupported_reason` has nothing against the model.
 """
 
 from __future__ import annotations
