@@ -90,7 +90,7 @@ class HFRolloutEngine(RolloutEngine):
             self._logged.add(reason)
             logger.info("hf rollout: generic decoding loop, not the fast decode step: %s", reason)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
         check_generate_args(prompt_token_ids, n, self.max_model_len)
         stop_ids = self.stop_token_ids | set(sampling.stop_token_ids or ())
