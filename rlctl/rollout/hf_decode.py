@@ -64,6 +64,12 @@ def unsupported_reason(model: nn.Module) -> str | None:
         reason = _layer_reason(layer, qk_norm=model_type == "qwen3")
         if reason:
             return reason
+    head_dim = inner.layers[0].self_attn.head_dim
+    with torch.no_grad():
+        probe = inner.embed_tokens.weight[:1]
+        cos, _ = rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=probe.device))
+    if cos.shape[-1] != head_dim:
+        return f"rotary dimension {cos.shape[-1]} != head_dim {head_dim} (partial rotary)"
     return None
 
 
