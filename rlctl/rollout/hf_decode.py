@@ -321,7 +321,9 @@ class DecodeState:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm: normalized in fp32, cast back to the input's dtype, times the weight."""
     if x.dtype == torch.float32:
-        return F.rms_norm(x, x.shape[-1:], weight, eps)
+        if weight.dim() == 1:
+            return F.rms_norm(x, x.shape[-1:], weight, eps)
+        return weight * F.rms_norm(x, x.shape[-1:], None, eps)  # one weight per head (qk-norm)
     return weight * F.rms_norm(x.float(), x.shape[-1:], None, eps).to(x.dtype)
 
 
