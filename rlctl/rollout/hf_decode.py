@@ -213,8 +213,9 @@ class DecodeState:
     """The preallocated caches and per-row state of one generation; ``step`` decodes one token."""
 
     # Finished rows are still computed (their output ignored) until (finished rows) x (steps left)
-    # reaches this: on CPU a row costs about 1/20 of a step of 16 rows in the matrix products, and a
-    # compaction (one index_select of the caches) about two row-steps.
+    # reaches this; then the batch is compacted (one index_select of the caches). Measured on CPU with
+    # rows finishing all along (2 prompts x 8 samples x 64 tokens, Qwen2 hidden 512 x 8 layers):
+    # 655 ms compacting at once or at 4, 914 ms never; on hidden 128 x 2 layers all within noise.
     COMPACT_ROW_STEPS = 4
 
     def __init__(self, dec: FastDecoder, cache, prompt_lens: list[int], n: int, max_new: int) -> None:
