@@ -5,16 +5,20 @@ the small batches of a rollout most of that time is not the matrix products but 
 the cache grows by ``torch.cat``, grouped-query attention copies the whole cache per head
 (``repeat_kv``), masks are rebuilt every step. This module does the same computation with:
 
-* a preallocated KV cache per layer, ``(2, rows, kv_heads, max_len, head_dim)``, written in place;
+* one KV cache preallocated for the whole generation, ``(layers, 2, rows, kv_heads, max_len,
+  head_dim)``, written in place;
 * attention as two batched matrix products over ``rows * kv_heads`` (the query heads of a KV head
   are the rows of one product), so grouped-query attention reads the cache without copying it, and
   left padding is one additive mask fixed for the whole generation;
 * one fused QKV and one fused gate/up projection per layer. The fused weights are the storage of the
   HF modules' own parameters (``q_proj.weight`` is a view into the QKV weight), so weights loaded
   into the model in place (:meth:`HFRolloutEngine.update_weights`) are the fast path's at once;
-* RoPE cos/sin from the model's own rotary embedding, once per generation for every position;
-* rows whose sample finished are computed on (their output is ignored) until at least half of the
-  batch is finished, then the batch is compacted.
+* on CPU in fp32, the large products by oneDNN from prepacked weights, repacked when a weight's
+  version counter says it was written (``FastDecoder.PACK_MIN_NUMEL``);
+* RoPE cos/sin from the model's own rotary embedding, once per generation for every position, applied
+  to the whole fused QKV output at once (the value heads with cos 1, sin 0);
+* rows whose sample finished are computed on (their output ignored) until compacting the batch pays
+  (``DecodeState.COMPACT_ROW_STEPS``).
 
 The prefill stays the HF model's forward; its cache is copied once into the preallocated one.
 Anything this module does not reproduce exactly (other architectures, a sliding window shorter than
