@@ -1,6 +1,9 @@
 """Trained tokens per second: `rlctl sft` against TRL's SFTTrainer, on this CPU, and the FLOP limit.
 
-    python benchmarks/sft_vs_trl.py [--rounds 3] [--steps 10] [--packed-steps 3] [--batch-size 8] [--max-len 1024]
+    python benchmarks/sft_vs_trl.py [--rounds 3] [--steps 8] [--packed-steps 3] [--batch-size 8] [--max-len 1024]
+
+One round takes about 9 minutes of one idle core (trl-packing ~4, trl ~3, rlctl and trl-packing-1row
+~1.5 each); ``--only rlctl,trl-packing`` runs some columns only.
 
 Both train the same tiny Qwen2 model (rlctl.testing.build_tiny_model, ~25M parameters) on the same
 chats (rendered lengths log-uniform from a few dozen tokens to max-len, as in real SFT data), with the
@@ -333,7 +336,7 @@ def flops_per_token(model: Path, lengths: list[int]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10, help="steps of the rlctl and padded TRL runs (warm-up included)")
+    ap.add_argument("--steps", type=int, default=8, help="steps of the rlctl and padded TRL runs (warm-up included)")
     ap.add_argument(
         "--packed-steps",
         type=int,
