@@ -461,7 +461,8 @@ def main() -> None:
         goal = f"(target >= {target}x)" if target else "(no target: not the issue's setting)"
         print(f"rlctl / {other:17s} = {cpu:.2f}x per CPU second, {wall:.2f}x per wall second  {goal}")
     if "rlctl" in med:
-        print(f"rlctl's share of the FLOP limit: {med['rlctl']['mfu']:.0%}; 2x any column needs it at <= half that")
+        m = med["rlctl"]["mfu"]
+        print(f"rlctl runs at {m:.0%} of the FLOP limit: it can be 2x only a column below {m / 2:.0%} of it")
     limit = {
         **flops,
         "fp32_peak_flops": peak,
