@@ -63,43 +63,18 @@ import argparse
 import json
 import math
 import os
-import random
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from rlctl.bench.chats import make_chats, render_ids
+
 WARMUP_STEPS = 2  # steps left out of the throughput (first-call allocations, lazy inits)
 # trl-packing's steps hold batch-size x max-len tokens (~3.5 of the other columns' steps): its first step
 # covers the warm-up, and two measured steps keep one round under 10 minutes on an idle machine
 PACKED_WARMUP_STEPS = 1
-WORDS = tuple(
-    "the model learns to answer questions about numbers words and tokens with short and "
-    "long replies while the trainer packs sequences into batches on a small processor".split()
-)
-
-
-def make_chats(n: int, max_len: int, tokenizer, seed: int = 0) -> list[dict]:
-    """``n`` chats whose rendered length (chat template included) is log-uniform between 32 and
-    ``max_len`` tokens, like real SFT data: many short replies, a few long ones."""
-    rng = random.Random(seed)
-    chats = []
-    while len(chats) < n:
-        user = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 16)))
-        target = int(2 ** rng.uniform(5, math.log2(max_len)))
-        words = tokenizer(" ".join(rng.choice(WORDS) for _ in range(max_len)), add_special_tokens=False)["input_ids"]
-        prompt_len = len(_render(tokenizer, [{"role": "user", "content": user}], add_generation_prompt=True))
-        reply = tokenizer.decode(words[: max(2, target - prompt_len - 2)]).strip()
-        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
-        if len(_render(tokenizer, messages)) <= max_len:
-            chats.append({"messages": messages})
-    return chats
-
-
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def proc_cpu_seconds(pid: int) -> float:
@@ -386,7 +361,7 @@ def main() -> None:
     data = out / "chats.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in chats))
 
-    lengths = [len(_render(tok, c["messages"])) for c in chats]
+    lengths = [len(render_ids(tok, c["messages"])) for c in chats]
     batches = [lengths[i : i + args.batch_size] for i in range(0, len(lengths), args.batch_size)]
     padded = sum(len(b) * max(b) for b in batches) / sum(lengths)
     mean_len = statistics.mean(lengths)

@@ -36,14 +36,16 @@ process spent in them (TRL: ``time.process_time`` in the callback; rlctl: its ra
 sampled by :class:`rlctl.bench.common.CpuClock` and read at the metrics records' ``time``), which a
 shared machine disturbs less. The ratios are rlctl / TRL (above 1: rlctl is faster).
 
-For SFT with ``--lengths spread`` this is benchmarks/sft_vs_trl.py's measurement (same definitions,
-same TRL settings, same model when given ``--model runs/bench-sft/model --seq-len 1024``), with
-these differences: the chats are :func:`rlctl.bench.train.write_data`'s (a fixed question, answers
-log-uniform from 16 to seq_len tokens) rather than the script's (whole chats log-uniform from 32 to
-max-len), so the mean length and the padded/real ratio differ a little; here the first step of a run
-is the warm-up, there the first two; and the script's per-CPU-second figures come from /proc at each
-metrics record, here from 20 ms samples interpolated. TRL runs in ``python -m rlctl.bench.compare
-trl-sft|trl-grpo SPEC OUT`` with the same thread count as rlctl's ranks.
+For SFT with ``--lengths spread`` this is benchmarks/sft_vs_trl.py's measurement: the same chats
+(:func:`rlctl.bench.chats.make_chats`: whole chats log-uniform from 32 to seq_len tokens; fixed
+lengths keep rlctl.bench.train's data), the same definitions, the same TRL settings, and the same
+model when given ``--model runs/bench-sft/model --seq-len 1024``. Left different: here the first
+step of a run is the warm-up (there the first two, but one for TRL with packing), with few steps
+(``--steps``) a padded TRL step's cost swings with its longest chat, and the script's rlctl CPU
+seconds come from /proc at each metrics record, here from 20 ms samples interpolated.
+
+TRL runs in ``python -m rlctl.bench.compare trl-sft|trl-grpo SPEC OUT`` with the same thread count
+as rlctl's ranks.
 """
 
 from __future__ import annotations
@@ -382,7 +384,8 @@ def compare_training(method: str, model: BenchModel, s: CompareSettings, work: P
         micro_batch_size=0,  # the plan's choice, as a user gets it
         sets=["parallel.activation_checkpointing=false"] + (["algo.kl_coef=0"] if is_rl else []),
     )
-    data = write_data(model.path, ts, work)
+    data = write_spread_chats(model, s, work) if method == "sft" and s.lengths == "spread" else None
+    data = data or write_data(model.path, ts, work)
     spec = {
         "model": str(model.path),
         "data": str(data),
@@ -421,6 +424,20 @@ def compare_training(method: str, model: BenchModel, s: CompareSettings, work: P
         row["ratio_tokens_per_s_packing"] = _ratio(row["rlctl"]["tokens_per_s"], packed["tokens_per_s"])
         row["ratio_tokens_per_cpu_s_packing"] = _ratio(row["rlctl"]["tokens_per_cpu_s"], packed["tokens_per_cpu_s"])
     return row
+
+
+def write_spread_chats(model: BenchModel, s: CompareSettings, work: Path) -> Path:
+    """benchmarks/sft_vs_trl.py's chats (:func:`rlctl.bench.chats.make_chats`), enough that TRL with
+    packing (``batch_size`` rows of ~seq_len tokens a step) does not run out within ``steps``."""
+    from transformers import AutoTokenizer
+
+    from rlctl.bench.chats import make_chats
+
+    tok = AutoTokenizer.from_pretrained(str(model.path))
+    chats = make_chats(max(2, 5 * s.steps) * s.batch_size, s.seq_len, tok, seed=s.seed)
+    path = work / "chats.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    return path
 
 
 def cfg_lr(method: str) -> float:

@@ -457,6 +457,48 @@ def test_compare_trl_json(tiny_model_dir):
     assert f"{rows['grpo']['ratio_tokens_per_s']:.2f}x" in rendered(doc)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed")
+def test_compare_trl_sft_spread_runs_packing_at_the_same_batch(tiny_model_dir):
+    doc = bench_json(
+        "compare",
+        "--peer",
+        "trl",
+        "--model",
+        str(tiny_model_dir),
+        "--work",
+        "sft",
+        "--lengths",
+        "spread",
+        "--reps",
+        "1",
+        "--steps",
+        "2",
+        "--device",
+        "cpu",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "96",
+    )
+    (r,) = doc["results"]
+    a, packed = r["rlctl"], r["trl_packing"]
+    # TRL packs 4 rows of <= 96 tokens and concatenates them (padding free): one sequence of up to 384
+    assert 96 < packed["tokens_per_step"] <= 4 * 96 and a["tokens_per_step"] <= 4 * 96
+    assert r["ratio_tokens_per_cpu_s_packing"] == pytest.approx(a["tokens_per_cpu_s"] / packed["tokens_per_cpu_s"])
+    assert "with packing, batch 4" in rendered(doc)
+
+
+def test_spread_chats_cover_short_to_max_len():
+    from rlctl.bench.chats import make_chats, render_ids
+    from rlctl.testing import build_tokenizer
+
+    tok = build_tokenizer()
+    lengths = [len(render_ids(tok, c["messages"])) for c in make_chats(64, 512, tok)]
+    assert min(lengths) < 64 and 256 < max(lengths) <= 512
+    assert statistics.median(lengths) < statistics.mean(lengths)  # log-uniform: many short, a few long
+
+
 def test_cpu_clock_reads_rank_cpu_at_metrics_times():
     """rlctl's steps get the ranks' CPU seconds between consecutive metrics records, interpolated
     between the clock's samples; a step's tokens over them is its tokens per CPU second."""
