@@ -6,6 +6,7 @@ No torch import here: the CLI imports this module.
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import os
 import platform
@@ -210,3 +211,45 @@ class ProcessSampler:
             if any(sizes.values()):
                 self.samples += 1
             self._stop.wait(self.interval if not self.gpu else max(self.interval, 0.2))
+
+
+class CpuClock:
+    """Samples, in a thread, the CPU seconds (user + system, summed) of the descendant processes whose
+    command line ``select`` accepts, with the wall clock (``time.time()``, metrics.jsonl's ``time``)."""
+
+    def __init__(self, select: Callable[[list[str]], bool], *, interval: float = 0.02):
+        self.select, self.interval = select, interval
+        self.samples: list[tuple[float, float]] = []  # (time, CPU seconds of all of them)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._seen: dict[int, float] = {}  # pid -> its last CPU seconds (a rank that exited keeps them)
+
+    def __enter__(self) -> CpuClock:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            for child in psutil.Process().children(recursive=True):
+                try:
+                    if self.select(child.cmdline()):
+                        t = child.cpu_times()
+                        self._seen[child.pid] = t.user + t.system
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+            self.samples.append((time.time(), sum(self._seen.values())))
+            self._stop.wait(self.interval)
+
+    def at(self, when: float) -> float:
+        """CPU seconds at wall time ``when`` (linear between the two samples around it)."""
+        i = bisect.bisect_left(self.samples, (when, float("-inf")))
+        if i == 0 or i == len(self.samples):
+            return self.samples[min(i, len(self.samples) - 1)][1]
+        (t0, c0), (t1, c1) = self.samples[i - 1], self.samples[i]
+        return c0 + (c1 - c0) * (when - t0) / (t1 - t0) if t1 > t0 else c1

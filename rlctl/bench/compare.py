@@ -18,18 +18,34 @@ Three kinds of work, on the same model, the same prompts or chats, the same size
   (one optimizer step per batch: the update's own forward gives the old log-probs on both sides).
 
 rlctl runs with its default plan (micro batch and packing as ``rlctl plan`` chooses, no speed flag):
-the figure is what a user gets. (Before packed rows attended per document, the micro batch mattered:
-this command forced ``micro_batch_size = batch_size``, one long packed row whose sdpa attention paid
-for every pair of positions, and reported 0.51-0.68x TRL where benchmarks/sft_vs_trl.py, with
-micro batch 1, reported 2x; both were right about their own layout.)
+the figure is what a user gets. TRL with packing runs at the same ``per_device_train_batch_size``
+(issue 11's setting): TRL packs best-fit-decreasing into rows of ``seq_len`` and, padding free,
+concatenates the batch's rows into one row of up to batch x seq_len tokens, whose sdpa attention
+(a block-diagonal mask from transformers' ``create_causal_mask``) costs that row's square; see
+benchmarks/sft_vs_trl.py, which also runs TRL's more favourable one-row-per-step setting.
 
 Each training run is a fresh process and the runs alternate (rlctl, TRL, then TRL, rlctl, ...), so
 drift hits both alike. A step's time is its period in the training loop on both sides: from the
 end of the previous step to the end of this one (TRL: ``on_step_end`` callbacks; rlctl: the wall
 clock stamps of consecutive metrics.jsonl records), so data loading, generation and logging count
-alike. Tokens/s is the median over the steps after each run's first; the ratio is rlctl / TRL
-(above 1: rlctl is faster). TRL runs in ``python -m rlctl.bench.compare trl-sft|trl-grpo
-SPEC OUT`` with the same thread count as rlctl's ranks.
+alike. Tokens are every token of the step's sequences, padding excluded, on both sides (rlctl's
+``tokens`` metric; TRL's ``num_tokens``: the attention mask's sum, or the padding-free row's length).
+Two figures: tokens/s, the median over the steps after each run's first; and tokens per CPU second,
+all the tokens of the steps after the first over the CPU seconds (user + system) the training
+process spent in them (TRL: ``time.process_time`` in the callback; rlctl: its ranks' CPU time,
+sampled by :class:`rlctl.bench.common.CpuClock` and read at the metrics records' ``time``), which a
+shared machine disturbs less. The ratios are rlctl / TRL (above 1: rlctl is faster).
+
+For SFT with ``--lengths spread`` this is benchmarks/sft_vs_trl.py's measurement: the same chats
+(:func:`rlctl.bench.chats.make_chats`: whole chats log-uniform from 32 to seq_len tokens; fixed
+lengths keep rlctl.bench.train's data), the same definitions, the same TRL settings, and the same
+model when given ``--model runs/bench-sft/model --seq-len 1024``. Left different: here the first
+step of a run is the warm-up (there the first two, but one for TRL with packing), with few steps
+(``--steps``) a padded TRL step's cost swings with its longest chat, and the script's rlctl CPU
+seconds come from /proc at each metrics record, here from 20 ms samples interpolated.
+
+TRL runs in ``python -m rlctl.bench.compare trl-sft|trl-grpo SPEC OUT`` with the same thread count
+as rlctl's ranks.
 """
 
 from __future__ import annotations
@@ -43,7 +59,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlctl.bench.common import child_env, median
+from rlctl.bench.common import CpuClock, child_env, median
 from rlctl.bench.models import BenchModel
 from rlctl.errors import UserError, did_you_mean
 
@@ -158,21 +174,23 @@ def _step_timer():
     """A TrainerCallback recording each optimizer step's period and TRL's cumulative num_tokens.
 
     A step's period runs from the previous step's end to its own (data loading, generation,
-    logging: the whole loop); the first step's, from its beginning.
+    logging: the whole loop); the first step's, from its beginning. ``cpu`` holds the CPU seconds
+    (user + system, all threads) of this process over the same periods.
     """
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         def __init__(self):
-            self.times, self.tokens, self._last = [], [], None
+            self.times, self.cpu, self.tokens, self._last = [], [], [], None
 
         def on_step_begin(self, args, state, control, **kw):
             if self._last is None:
-                self._last = time.perf_counter()
+                self._last = (time.perf_counter(), time.process_time())
 
         def on_step_end(self, args, state, control, **kw):
-            now = time.perf_counter()
-            self.times.append(now - self._last)
+            now = (time.perf_counter(), time.process_time())
+            self.times.append(now[0] - self._last[0])
+            self.cpu.append(now[1] - self._last[1])
             self._last = now
 
         def on_log(self, args, state, control, logs=None, **kw):
@@ -257,8 +275,8 @@ def run_trl(kind: str, spec_path: str, out_path: str) -> None:
         trainer.train()
     tokens = [b - a for a, b in zip([0.0] + timer.tokens, timer.tokens)]
     steps = [
-        {"step": i + 1, "time/step": t, "tokens": k, "tokens_per_s": k / t}
-        for i, (t, k) in enumerate(zip(timer.times, tokens))
+        {"step": i + 1, "time/step": t, "cpu_s": c, "tokens": k, "tokens_per_s": k / t}
+        for i, (t, c, k) in enumerate(zip(timer.times, timer.cpu, tokens))
     ]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     Path(out_path).write_text(json.dumps({"steps": steps, "peak_rss_bytes": peak}))
@@ -286,23 +304,28 @@ def _trl_process(kind: str, spec: dict, work: Path) -> dict:
 # The comparison
 
 
-def periods(records: list[dict]) -> list[dict]:
+def periods(records: list[dict], clock: CpuClock | None = None) -> list[dict]:
     """rlctl's steps timed like TRL's: from one step's metrics record to the next (the whole loop);
-    the first step by its own ``time/step``."""
+    the first step by its own ``time/step``. ``cpu_s``: the ranks' CPU seconds over the same
+    period (the first step: none, it is a warm-up)."""
     out, last = [], None
     for r in records:
         seconds = r["time/step"] if last is None else r["time"] - last
+        row = {"step": r["step"], "time/step": seconds, "tokens": r["tokens"], "tokens_per_s": r["tokens"] / seconds}
+        if clock is not None and clock.samples and last is not None:
+            row["cpu_s"] = clock.at(r["time"]) - clock.at(last)
         last = r["time"]
-        out.append(
-            {"step": r["step"], "time/step": seconds, "tokens": r["tokens"], "tokens_per_s": r["tokens"] / seconds}
-        )
+        out.append(row)
     return out
 
 
 def _side(runs: list[list[dict]], peak_rss: list[int]) -> dict:
     steady = [r for steps in runs for r in steps[1:]]
+    cpu = sum(r.get("cpu_s", 0.0) for r in steady)
     return {
         "tokens_per_s": median(r["tokens_per_s"] for r in steady),
+        # all the steady steps' tokens over their CPU seconds (benchmarks/sft_vs_trl.py's figure)
+        "tokens_per_cpu_s": sum(r["tokens"] for r in steady) / cpu if cpu > 0 else None,
         "step_s": median(r["time/step"] for r in steady),
         "tokens_per_step": median(r["tokens"] for r in steady),
         "peak_rss_bytes": max(peak_rss) if peak_rss else None,
@@ -342,7 +365,7 @@ def compare_rollout(model: BenchModel, s: CompareSettings, log) -> dict:
 
 
 def compare_training(method: str, model: BenchModel, s: CompareSettings, work: Path, log) -> dict:
-    from rlctl.bench.train import TrainSettings, prepare_job, run_job, write_data
+    from rlctl.bench.train import TrainSettings, _is_rank, prepare_job, run_job, write_data
 
     is_rl = method != "sft"
     ts = TrainSettings(
@@ -361,7 +384,8 @@ def compare_training(method: str, model: BenchModel, s: CompareSettings, work: P
         micro_batch_size=0,  # the plan's choice, as a user gets it
         sets=["parallel.activation_checkpointing=false"] + (["algo.kl_coef=0"] if is_rl else []),
     )
-    data = write_data(model.path, ts, work)
+    data = write_spread_chats(model, s, work) if method == "sft" and s.lengths == "spread" else None
+    data = data or write_data(model.path, ts, work)
     spec = {
         "model": str(model.path),
         "data": str(data),
@@ -383,8 +407,9 @@ def compare_training(method: str, model: BenchModel, s: CompareSettings, work: P
             log(f"{method}: repetition {rep + 1}/{s.reps}, {side}")
             if side == "rlctl":
                 cfg, plan = prepare_job(model, ts, work / f"rlctl-{rep}", data=data)
-                records, sampler = run_job(cfg, plan)
-                runs[side].append(periods(records))
+                with CpuClock(_is_rank) as clock:
+                    records, sampler = run_job(cfg, plan)
+                runs[side].append(periods(records, clock))
                 rss[side].append(max(sampler.peak.values(), default=0))
             else:
                 out = _trl_process(method, {**spec, "packing": side.endswith("_packing")}, work)
@@ -392,12 +417,27 @@ def compare_training(method: str, model: BenchModel, s: CompareSettings, work: P
                 rss[side].append(out["peak_rss_bytes"])
     row = {"work": method, **{side: _side(runs[side], rss[side]) for side in sides}}
     row["ratio_tokens_per_s"] = _ratio(row["rlctl"]["tokens_per_s"], row[s.peer]["tokens_per_s"])
+    row["ratio_tokens_per_cpu_s"] = _ratio(row["rlctl"]["tokens_per_cpu_s"], row[s.peer]["tokens_per_cpu_s"])
     row["ratio_step_s"] = _ratio(row["rlctl"]["step_s"], row[s.peer]["step_s"])
     if f"{s.peer}_packing" in row:
-        row["ratio_tokens_per_s_packing"] = _ratio(
-            row["rlctl"]["tokens_per_s"], row[f"{s.peer}_packing"]["tokens_per_s"]
-        )
+        packed = row[f"{s.peer}_packing"]
+        row["ratio_tokens_per_s_packing"] = _ratio(row["rlctl"]["tokens_per_s"], packed["tokens_per_s"])
+        row["ratio_tokens_per_cpu_s_packing"] = _ratio(row["rlctl"]["tokens_per_cpu_s"], packed["tokens_per_cpu_s"])
     return row
+
+
+def write_spread_chats(model: BenchModel, s: CompareSettings, work: Path) -> Path:
+    """benchmarks/sft_vs_trl.py's chats (:func:`rlctl.bench.chats.make_chats`), enough that TRL with
+    packing (``batch_size`` rows of ~seq_len tokens a step) does not run out within ``steps``."""
+    from transformers import AutoTokenizer
+
+    from rlctl.bench.chats import make_chats
+
+    tok = AutoTokenizer.from_pretrained(str(model.path))
+    chats = make_chats(max(2, 5 * s.steps) * s.batch_size, s.seq_len, tok, seed=s.seed)
+    path = work / "chats.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    return path
 
 
 def cfg_lr(method: str) -> float:

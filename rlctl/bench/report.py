@@ -143,7 +143,8 @@ def render_compare(console: Console, doc: dict) -> None:
         title=f"rlctl vs {peer} ({doc['results'][0].get('peer_version', '') if doc['results'] else ''}): same work, "
         f"interleaved; ratio = rlctl / {peer}"
     )
-    for col in ("work", "rlctl tokens/s", f"{peer} tokens/s", "ratio", "rlctl step / TTFT", f"{peer} step / TTFT"):
+    cols = ("work", "rlctl tokens/s", f"{peer} tokens/s", "ratio", "ratio per CPU-s", "rlctl step / TTFT")
+    for col in (*cols, f"{peer} step / TTFT"):
         t.add_column(col, justify="left" if col == "work" else "right")
     for r in doc["results"]:
         a, b = r["rlctl"], r[peer]
@@ -153,6 +154,7 @@ def render_compare(console: Console, doc: dict) -> None:
                 fmt(a["tokens_per_s"]),
                 fmt(b["tokens_per_s"]),
                 fmt_ratio(r["ratio_tokens_per_s"]),
+                "-",
                 fmt(a["ttft_s"] * 1000, ",.1f", " ms"),
                 fmt(b["ttft_s"] * 1000, ",.1f", " ms"),
             )
@@ -162,16 +164,18 @@ def render_compare(console: Console, doc: dict) -> None:
             fmt(a["tokens_per_s"]),
             fmt(b["tokens_per_s"]),
             fmt_ratio(r["ratio_tokens_per_s"]),
+            fmt_ratio(r.get("ratio_tokens_per_cpu_s")),
             fmt(a["step_s"] * 1000, ",.1f", " ms"),
             fmt(b["step_s"] * 1000, ",.1f", " ms"),
         )
         packed = r.get(f"{peer}_packing")
         if packed:
             t.add_row(
-                f"{r['work']} ({peer} with packing)",
+                f"{r['work']} ({peer} with packing, batch {doc['settings'].get('batch_size', '')})",
                 fmt(a["tokens_per_s"]),
                 fmt(packed["tokens_per_s"]),
                 fmt_ratio(r["ratio_tokens_per_s_packing"]),
+                fmt_ratio(r.get("ratio_tokens_per_cpu_s_packing")),
                 fmt(a["step_s"] * 1000, ",.1f", " ms"),
                 fmt(packed["step_s"] * 1000, ",.1f", " ms"),
             )

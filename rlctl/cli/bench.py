@@ -55,8 +55,8 @@ Lengths = Annotated[
     str,
     typer.Option(
         "--lengths",
-        help="sft: fixed (every sequence --seq-len tokens) | spread (16 to --seq-len, log-uniform, like real "
-        "chats; compare adds TRL with packing).",
+        help="sft: fixed (every sequence --seq-len tokens) | spread (log-uniform up to --seq-len, like real "
+        "chats; compare uses benchmarks/sft_vs_trl.py's chats and adds TRL with packing at the same batch size).",
     ),
 ]
 

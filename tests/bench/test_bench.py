@@ -446,10 +446,88 @@ def test_compare_trl_json(tiny_model_dir):
     for r in rows.values():
         assert r["rlctl"]["tokens_per_s"] > 0 and r["trl"]["tokens_per_s"] > 0
         assert r["ratio_tokens_per_s"] == pytest.approx(r["rlctl"]["tokens_per_s"] / r["trl"]["tokens_per_s"])
+    for r in (rows["sft"], rows["grpo"]):  # tokens per CPU second of the training process, both sides
+        a, b = r["rlctl"], r["trl"]
+        assert a["tokens_per_cpu_s"] > 0 and b["tokens_per_cpu_s"] > 0
+        assert r["ratio_tokens_per_cpu_s"] == pytest.approx(a["tokens_per_cpu_s"] / b["tokens_per_cpu_s"])
+        assert all(step["cpu_s"] > 0 for run in a["runs"] + b["runs"] for step in run[1:])
     assert rows["rollout"]["rlctl"]["engine"] == "hf" and rows["rollout"]["trl"]["engine"] == "trl"
     # the same SFT work on both sides: 4 sequences of 32 tokens per step
     assert rows["sft"]["rlctl"]["tokens_per_step"] == rows["sft"]["trl"]["tokens_per_step"] == 128
     assert f"{rows['grpo']['ratio_tokens_per_s']:.2f}x" in rendered(doc)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed")
+def test_compare_trl_sft_spread_runs_packing_at_the_same_batch(tiny_model_dir):
+    doc = bench_json(
+        "compare",
+        "--peer",
+        "trl",
+        "--model",
+        str(tiny_model_dir),
+        "--work",
+        "sft",
+        "--lengths",
+        "spread",
+        "--reps",
+        "1",
+        "--steps",
+        "2",
+        "--device",
+        "cpu",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "96",
+    )
+    (r,) = doc["results"]
+    a, packed = r["rlctl"], r["trl_packing"]
+    # TRL packs 4 rows of <= 96 tokens and concatenates them (padding free): one sequence of up to 384
+    assert 96 < packed["tokens_per_step"] <= 4 * 96 and a["tokens_per_step"] <= 4 * 96
+    assert r["ratio_tokens_per_cpu_s_packing"] == pytest.approx(a["tokens_per_cpu_s"] / packed["tokens_per_cpu_s"])
+    assert "with packing, batch 4" in rendered(doc)
+
+
+def test_spread_chats_cover_short_to_max_len():
+    from rlctl.bench.chats import make_chats, render_ids
+    from rlctl.testing import build_tokenizer
+
+    tok = build_tokenizer()
+    lengths = [len(render_ids(tok, c["messages"])) for c in make_chats(64, 512, tok)]
+    assert min(lengths) < 64 and 256 < max(lengths) <= 512
+    assert statistics.median(lengths) < statistics.mean(lengths)  # log-uniform: many short, a few long
+
+
+def test_cpu_clock_reads_rank_cpu_at_metrics_times():
+    """rlctl's steps get the ranks' CPU seconds between consecutive metrics records, interpolated
+    between the clock's samples; a step's tokens over them is its tokens per CPU second."""
+    from rlctl.bench.common import CpuClock
+    from rlctl.bench.compare import _side, periods
+
+    clock = CpuClock(lambda argv: False)
+    clock.samples = [(100.0, 1.0), (102.0, 3.0), (104.0, 4.0)]
+    assert clock.at(101.0) == pytest.approx(2.0) and clock.at(103.0) == pytest.approx(3.5)
+    assert clock.at(50.0) == 1.0 and clock.at(200.0) == 4.0  # outside the samples: the nearest
+    records = [
+        {"step": 1, "time": 101.0, "time/step": 5.0, "tokens": 10},
+        {"step": 2, "time": 103.0, "time/step": 1.5, "tokens": 30},
+        {"step": 3, "time": 104.0, "time/step": 0.9, "tokens": 20},
+    ]
+    steps = periods(records, clock)
+    assert "cpu_s" not in steps[0]  # the warm-up step has no start mark
+    assert [s["cpu_s"] for s in steps[1:]] == pytest.approx([1.5, 0.5])
+    assert [s["time/step"] for s in steps] == pytest.approx([5.0, 2.0, 1.0])
+    assert _side([steps], [])["tokens_per_cpu_s"] == pytest.approx(50 / 2.0)
+
+
+def test_cpu_clock_samples_a_child_process():
+    from rlctl.bench.common import CpuClock
+
+    code = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+    with CpuClock(lambda argv: "-c" in argv and code in argv, interval=0.01) as clock:
+        subprocess.run([sys.executable, "-c", code], check=True)
+    assert 0.2 < clock.samples[-1][1] < 1.5
 
 
 def test_cli_module_does_not_import_torch():
