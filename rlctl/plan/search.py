@@ -260,12 +260,7 @@ def _plain_module(job: Job, s: MemorySettings) -> bool:
     """One GPU (or one CPU process) and nothing offloaded: the plain module (no FSDP wrappers) holds no
     gathered copies and runs no collectives or DTensor dispatch, so the search uses it unless
     parallel.shard is set."""
-    return (
-        s.backend == "fsdp"
-        and s.gpus == 1
-        and not s.cpu_offload
-        and tri_state(job.cfg.parallel.shard) is None
-    )
+    return s.backend == "fsdp" and s.gpus == 1 and not s.cpu_offload and tri_state(job.cfg.parallel.shard) is None
 
 
 def _unshard_reason(job: Job, s: MemorySettings, reasons: list[str]) -> None:

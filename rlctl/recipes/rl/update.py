@@ -26,7 +26,6 @@ from rlctl.config import RunConfig
 from rlctl.data.packing import MicroBatch
 from rlctl.engines.base import LossFn, TrainEngine
 from rlctl.recipes.rl.batch import RolloutBatch, can_share_prefix, micro_batches
-from rlctl.recipes.rl.passes import chunked_entropy
 from rlctl.runtime.dist import all_reduce_sum, global_sums
 
 
@@ -114,7 +113,12 @@ def policy_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict, kl_loss_co
             return logits.sum() * 0.0, {}  # a backward pass keeps this replica in the collectives
         sel = mb.at_response(logits)  # the positions that predict response tokens
         mask = mb.take(batch.mask)
-        logp = mb.to_matrix(logprobs_from_logits(sel, mb.labels, temperature))
+        entropy = None
+        if batch.old_logp is None:  # the skipped log-prob pass's entropy, from the same log-softmax
+            flat, entropy = logprobs_from_logits(sel, mb.labels, temperature, with_entropy=True)
+        else:
+            flat = logprobs_from_logits(sel, mb.labels, temperature)
+        logp = mb.to_matrix(flat)
         # one optimizer step per batch: the policy before the update is this forward's own (no extra pass)
         old_logp = logp.detach() if batch.old_logp is None else mb.take(batch.old_logp)
         loss, m = pl.loss.fn(
@@ -136,7 +140,7 @@ def policy_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict, kl_loss_co
         }
         if batch.old_logp is None:  # what the skipped log-prob pass reported
             stats["logprob_diff"] = ((logp.detach() - mb.take(batch.rollout_logp)).abs() * mask).sum()
-            stats["entropy"] = (mb.to_matrix(chunked_entropy(sel, temperature)) * mask).sum()
+            stats["entropy"] = (mb.to_matrix(entropy) * mask).sum()
         if kl_loss_coef:
             kl_loss = aggregate(kl_estimate(logp, mb.take(batch.ref_logp), a.kl_kind), mask, pl.agg, **denoms)
             loss = loss + kl_loss_coef * kl_loss
