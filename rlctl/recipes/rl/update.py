@@ -158,6 +158,14 @@ def single_step(batch: RolloutBatch, cfg: RunConfig) -> bool:
     return cfg.algo.ppo_epochs == 1 and batch.num_minis == 1
 
 
+def skips_old_logprobs(cfg: RunConfig) -> bool:
+    """Every step of the run skips the actor's old-log-prob pass (``RLTrainer.old_logprobs``): no reference
+    model (``algo.kl_coef`` 0) and :func:`single_step` batches (one PPO epoch, the batch one mini-batch)."""
+    a = cfg.algo
+    one_mini = not a.mini_batch_size or a.mini_batch_size >= cfg.train.batch_size
+    return a.kl_coef <= 0 and a.ppo_epochs == 1 and one_mini
+
+
 def update_actor(
     engine: TrainEngine,
     batch: RolloutBatch,
