@@ -403,7 +403,7 @@ class FSDPEngine(TrainEngine):
         if isinstance(self.model, FSDPModule):
             self.model.set_requires_gradient_sync(sync or self.offload)
         # FSDP averages gradients over ranks; the ranks' losses are shares of one sum, so undo it.
-        (loss * self.world).backward()
+        (loss * self.world if self.world > 1 else loss).backward()
 
     def step(self) -> float:
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")

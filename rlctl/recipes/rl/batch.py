@@ -69,13 +69,18 @@ class RolloutBatch:
     ) -> RolloutBatch:
         """A batch from plain lists (one entry per sample); ``batch_size`` = prompts in the step."""
         b = len(responses)
-        mask = torch.zeros(b, width, device=device)
-        logp = torch.zeros(b, width, device=device)
-        for i, (resp, lp) in enumerate(zip(responses, rollout_logp)):
+        for i, resp in enumerate(responses):
             if not 0 < len(resp) <= width:
                 raise ValueError(f"response {i} has {len(resp)} tokens; expected 1..{width}")
-            mask[i, : len(resp)] = 1.0
-            logp[i, : len(resp)] = torch.tensor(lp, dtype=torch.float32)
+        # padded rows built as lists: two tensors at once, not two small copies per sample
+        pads = [width - len(r) for r in responses]
+        mask = torch.tensor([[1.0] * len(r) + [0.0] * p for r, p in zip(responses, pads)], device=device)
+        logp = torch.tensor(
+            [[float(x) for x in lp] + [0.0] * p for lp, p in zip(rollout_logp, pads)],
+            dtype=torch.float32,
+            device=device,
+        ).reshape(b, width)
+        mask = mask.reshape(b, width)
         m = mini_batch_size or batch_size
         uid_t = torch.tensor(uid, dtype=torch.int64, device=device).reshape(-1)
         return cls(
