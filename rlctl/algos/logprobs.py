@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["logprobs_from_logits"]
+__all__ = ["entropy_from_log_softmax", "logprobs_from_logits"]
 
 CHUNK_ELEMENTS = 1 << 25  # 32M float32 values = 128 MiB per chunk
 
@@ -38,22 +38,35 @@ def _scaled(logits: Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
     return z if temperature == 1.0 else z / temperature
 
 
+def entropy_from_log_softmax(log_probs: Tensor) -> Tensor:
+    """``-sum(p * log p)`` over the last dim, from ``log_softmax`` output: ``[..., V]`` -> ``[...]``."""
+    return torch.exp(log_probs).mul_(log_probs).sum(-1).neg_()
+
+
 class _ChosenLogProb(torch.autograd.Function):
-    """``log_softmax(logits / temperature)[label]`` over rows of a 2-D ``[N, V]`` logits tensor."""
+    """``log_softmax(logits / temperature)[label]`` over rows of a 2-D ``[N, V]`` logits tensor (and, with
+    ``with_entropy``, each row's entropy from the same log-softmax, as a second, non-differentiable output)."""
 
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, labels: Tensor, temperature: float) -> Tensor:
+    def forward(ctx: Any, logits: Tensor, labels: Tensor, temperature: float, with_entropy: bool = False):
         dtype = _compute_dtype(logits.dtype)
         out = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
+        entropy = torch.empty_like(out) if with_entropy else None
         for rows in _chunks(logits):
             z = _scaled(logits[rows], dtype, temperature)
-            out[rows] = torch.log_softmax(z, dim=-1).gather(-1, labels[rows, None]).squeeze(-1)
+            log_probs = torch.log_softmax(z, dim=-1)
+            out[rows] = log_probs.gather(-1, labels[rows, None]).squeeze(-1)
+            if entropy is not None:
+                entropy[rows] = entropy_from_log_softmax(log_probs)
         ctx.save_for_backward(logits, labels)
         ctx.temperature = temperature
-        return out
+        if entropy is None:
+            return out
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad_out: Tensor, *_entropy_grad) -> tuple[Tensor, None, None, None]:
         logits, labels = ctx.saved_tensors
         temperature = ctx.temperature
         grad_logits = torch.empty_like(logits)
@@ -63,18 +76,22 @@ class _ChosenLogProb(torch.autograd.Function):
             # d/dz (log_softmax(z)[label]) = onehot(label) - softmax(z); then d z / d logits = 1 / T
             grad = torch.softmax(z, dim=-1).mul_(-g).scatter_add_(-1, labels[rows, None], g)
             grad_logits[rows] = grad if temperature == 1.0 else grad.div_(temperature)
-        return grad_logits, None, None
+        return grad_logits, None, None, None
 
 
-def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
+def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0, *, with_entropy: bool = False):
     """``log_softmax(logits / temperature, -1)`` gathered at ``labels``: ``[..., V]`` -> ``[...]``.
 
-    The result is float32 (float64 for float64 logits); differentiable w.r.t. ``logits``.
+    The result is float32 (float64 for float64 logits); differentiable w.r.t. ``logits``. With
+    ``with_entropy``: ``(log-probs, entropy)``, the entropy of ``softmax(logits / temperature)`` per
+    position from the same pass over the logits (no gradient).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (got {temperature})")
     vocab = logits.shape[-1]
     flat_logits = logits.reshape(-1, vocab)
     flat_labels = labels.reshape(-1).to(device=logits.device, dtype=torch.long)
-    out = _ChosenLogProb.apply(flat_logits, flat_labels, float(temperature))
-    return out.reshape(labels.shape)
+    if with_entropy:
+        out, entropy = _ChosenLogProb.apply(flat_logits, flat_labels, float(temperature), True)
+        return out.reshape(labels.shape), entropy.reshape(labels.shape)
+    return _ChosenLogProb.apply(flat_logits, flat_labels, float(temperature)).reshape(labels.shape)

@@ -216,9 +216,12 @@ def step_flops(spec, cfg, record: dict, sequences: int) -> dict[str, float]:
     train, fwd = M.train_flops_per_token(spec, seq), M.forward_flops_per_token(spec, seq)
     if cfg.method == "sft":
         return {"update": tokens * train}
+    from rlctl.recipes.rl.update import skips_old_logprobs
+
     a = cfg.algo
-    # the actor's old log-probs (skipped when the batch gets one optimizer step: no time/logprobs), the reference's
-    passes = 1 + (a.kl_coef > 0) if "time/logprobs" in record else 0
+    # the actor's old log-probs (skipped when every batch gets one optimizer step and no KL term reads them), the
+    # reference's; read from the config, not from time/logprobs, which PPO's values pass records too
+    passes = (not skips_old_logprobs(cfg)) + (a.kl_coef > 0)
     out = {
         "rollout": tokens * fwd,  # every token of every sample goes through the engine once
         "logprobs": tokens * fwd * passes,

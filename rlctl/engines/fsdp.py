@@ -335,6 +335,7 @@ class FSDPEngine(TrainEngine):
             lr=self.peak_lr * self._lr_factor(0),
             betas=tuple(t.betas),
             eps=1e-8,
+            fused=True,  # one kernel for every parameter (the per-tensor loop costs ms on small models)
         )
         self._trainable = params
 
@@ -374,12 +375,13 @@ class FSDPEngine(TrainEngine):
         shared-prefix rows) attend per document (:mod:`rlctl.engines.varlen`, with sdpa), and an RL
         micro-batch's logits are computed only where the loss reads them (``logits_to_keep``)."""
         blocks, mask = mb.blocks, mb.attention_mask
-        if blocks is None and mask is None and self.varlen:
-            blocks = varlen.blocks_from_positions(mb.position_ids)
-            blocks = blocks if varlen.worth_splitting(blocks, mb.input_ids.shape[0]) else None
         kwargs = {"attention_mask": mask}
-        if blocks is not None and self.varlen:
-            kwargs = {"attention_mask": varlen.placeholder_mask(self.device), "rlctl_blocks": blocks}
+        if blocks is not None and self.varlen:  # shared-prefix rows: short ones run one masked call
+            kwargs = varlen.attention_kwargs(blocks, mb.input_ids)
+        elif mask is None and self.varlen:  # packed rows: one call per document
+            blocks = varlen.blocks_from_positions(mb.position_ids)
+            if varlen.worth_splitting(blocks, mb.input_ids.shape[0]):
+                kwargs = {"attention_mask": varlen.placeholder_mask(self.device), "rlctl_blocks": blocks}
         with self._memory_context():
             if self.role == "critic":
                 return self.model(mb.input_ids, position_ids=mb.position_ids, **kwargs)
@@ -401,7 +403,7 @@ class FSDPEngine(TrainEngine):
         if isinstance(self.model, FSDPModule):
             self.model.set_requires_gradient_sync(sync or self.offload)
         # FSDP averages gradients over ranks; the ranks' losses are shares of one sum, so undo it.
-        (loss * self.world).backward()
+        (loss * self.world if self.world > 1 else loss).backward()
 
     def step(self) -> float:
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")

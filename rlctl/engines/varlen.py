@@ -45,6 +45,33 @@ def worth_splitting(blocks: Sequence[Block], rows: int) -> bool:
     return len(blocks) > rows
 
 
+#: Rows up to this many tokens run ONE sdpa call with the dense boolean mask of their blocks rather than a
+#: call per block: there the per-block calls (and their slices' backward, each a full-size zero tensor)
+#: cost more than the scores the mask throws away (measured on CPU, GRPO's overhead regime, docs/bench.md).
+DENSE_MAX_LEN = 256
+
+
+def dense_mask(blocks: Sequence[Block], rows: int, length: int, device: torch.device) -> torch.Tensor:
+    """The ``[rows, 1, length, length]`` boolean mask (True: attend) that ``blocks`` describe; positions
+    outside every block (padding) attend to themselves only (no empty softmax row)."""
+    mask = torch.zeros(rows, length, length, dtype=torch.bool)
+    for row, start, end, p0, p1 in blocks:
+        mask[row, start:end, p0:p1] = True
+        mask[row, start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+    mask |= torch.eye(length, dtype=torch.bool)
+    return mask[:, None].to(device)
+
+
+def attention_kwargs(blocks: Sequence[Block], input_ids: torch.Tensor) -> dict:
+    """What a forward over shared-prefix rows ``input_ids`` [B, T] laid out as ``blocks`` passes the model: the blocks
+    (one sdpa call each, a placeholder mask) or, for rows of at most :data:`DENSE_MAX_LEN` tokens, their
+    dense mask (one call)."""
+    rows, length = input_ids.shape
+    if length <= DENSE_MAX_LEN:
+        return {"attention_mask": dense_mask(blocks, rows, length, input_ids.device)}
+    return {"attention_mask": placeholder_mask(input_ids.device), "rlctl_blocks": blocks}
+
+
 def _block_attention(q, k, v, block: Block, scaling, dropout, gqa) -> torch.Tensor:
     row, start, end, p0, p1 = block
     qb = q[row : row + 1, :, start:end]

@@ -257,19 +257,17 @@ def search(job: Job, options: list[Option]) -> SearchResult:
 
 
 def _plain_module(job: Job, s: MemorySettings) -> bool:
-    """One GPU and nothing offloaded: the plain module (no FSDP wrappers) holds no gathered copies and
-    runs no collectives, so the search uses it unless parallel.shard is set."""
-    return (
-        s.backend == "fsdp"
-        and s.gpus == 1
-        and job.device == "cuda"
-        and not s.cpu_offload
-        and tri_state(job.cfg.parallel.shard) is None
-    )
+    """One GPU (or one CPU process) and nothing offloaded: the plain module (no FSDP wrappers) holds no
+    gathered copies and runs no collectives or DTensor dispatch, so the search uses it unless
+    parallel.shard is set."""
+    return s.backend == "fsdp" and s.gpus == 1 and not s.cpu_offload and tri_state(job.cfg.parallel.shard) is None
 
 
 def _unshard_reason(job: Job, s: MemorySettings, reasons: list[str]) -> None:
     if s.shard or tri_state(job.cfg.parallel.shard) is not None:
+        return
+    if job.device != "cuda":
+        reasons.append("shard off: one process, so the plain module without FSDP wrappers (no DTensor, no hooks)")
         return
     saved = estimate_memory(job.spec, job.gpu, replace(s, shard=True)).phases["training"].total_bytes
     saved -= estimate_memory(job.spec, job.gpu, s).phases["training"].total_bytes

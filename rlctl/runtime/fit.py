@@ -31,6 +31,7 @@ from rlctl.metrics import MetricsLogger
 from rlctl.runtime.checkpoint import fault_point, load_checkpoint, remove_leftovers, save_checkpoint
 from rlctl.runtime.dist import all_reduce_sum, barrier
 from rlctl.runtime.layout import choose_resume, step_name, write_json_atomic
+from rlctl.runtime.profile import StepProfiler
 from rlctl.runtime.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -157,9 +158,12 @@ def fit(ctx: RunContext, trainer: Trainer) -> str:
     interrupted = start < total and _stop_agreed(ctx, 0, main.device)  # Ctrl-C during start-up
     if interrupted:
         ctx.log(f"stopped before step {start + 1}" + (f"; checkpoint {saved}" if saved else ""))
+    profiler = StepProfiler(paths.root, d.rank, ctx.log)  # RLCTL_PROFILE=START:END (rlctl.runtime.profile)
     while step < total and not interrupted:
+        profiler.begin(step + 1)
         record = trainer.train_step(step)
         step += 1
+        profiler.end(step)
         fault_point("step", step)  # test hook (RLCTL_FAULT=step:K)
         if step % cfg.log.every == 0 or step == total:
             metrics.log(record)
@@ -172,6 +176,7 @@ def fit(ctx: RunContext, trainer: Trainer) -> str:
         elif save_every and step % save_every == 0 and step < total:
             saved = checkpoint(ctx, trainer, step)
 
+    profiler.close()
     hf_dir = None
     if not interrupted:
         if trainer.has_eval and (not every or step % every):

@@ -83,6 +83,29 @@ def test_flops_per_token_worked_by_hand():
     assert mfu(2476800 * 1000, 2.0, 1e9) == pytest.approx(1.2384)
 
 
+def test_step_flops_count_the_old_logprob_pass_only_where_it_runs():
+    """GRPO and PPO with one optimizer step per batch and no KL skip the actor's old-log-prob pass; PPO's
+    values pass still records time/logprobs, which must not bring the actor's pass back into the count."""
+    from rlctl.bench.mfu import flops_params, forward_flops_per_token
+    from rlctl.bench.train import critic_flops_params, step_flops
+    from rlctl.config import build_config
+
+    record = {"tokens": 400, "time/logprobs": 0.1}  # 4 sequences of 100 tokens
+    fwd = 400 * forward_flops_per_token(TINY, 100)
+    critic = fwd * critic_flops_params(TINY) / flops_params(TINY)
+
+    def logprob_flops(method: str, **algo) -> float:
+        cfg = build_config(method, [{"algo": {"kl_coef": 0.0, **algo}, "train": {"batch_size": 4}}])
+        return step_flops(TINY, cfg, record, 4)["logprobs"]
+
+    assert logprob_flops("grpo") == 0.0
+    assert logprob_flops("grpo", kl_coef=0.01) == pytest.approx(2 * fwd)  # the actor's and the reference's
+    assert logprob_flops("grpo", ppo_epochs=2) == pytest.approx(fwd)
+    assert logprob_flops("grpo", mini_batch_size=2) == pytest.approx(fwd)
+    assert logprob_flops("ppo") == pytest.approx(critic)  # the values pass only
+    assert logprob_flops("ppo", ppo_epochs=2) == pytest.approx(fwd + critic)
+
+
 def test_flops_params_matches_a_real_model(tiny_model_dir):
     """N equals transformers' own parameter count less the input embedding."""
     from transformers import AutoModelForCausalLM

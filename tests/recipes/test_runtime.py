@@ -286,3 +286,52 @@ def test_checkpoint_rng_new_format_and_older_pickled_file_resume_the_same_draws(
     finally:
         if created:
             dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# RLCTL_PROFILE
+
+
+@pytest.mark.parametrize(
+    "value, steps",
+    [("3:6", (3, 6)), ("4", (4, 4)), (" 2:2 ", (2, 2)), ("", None), ("6:3", None), ("0:2", None), ("a:b", None)],
+)
+def test_profile_steps_parse(value, steps):
+    from rlctl.runtime.profile import parse_steps
+
+    assert parse_steps(value) == steps
+
+
+def test_step_profiler_writes_the_table_and_the_trace_on_rank_0_only(tmp_path):
+    from rlctl.runtime.profile import StepProfiler
+
+    logs: list[str] = []
+    for rank in (0, 1):
+        profiler = StepProfiler(tmp_path / f"run{rank}", rank, logs.append, env="2:3")
+        for step in range(1, 5):
+            profiler.begin(step)
+            torch.randn(64, 64) @ torch.randn(64, 64)
+            profiler.end(step)
+        profiler.close()
+    table = (tmp_path / "run0" / "profile" / "rank0.txt").read_text()
+    assert "steps 2..3" in table and "aten::mm" in table and "Self CPU" in table
+    assert json.loads((tmp_path / "run0" / "profile" / "rank0.trace.json").read_text())["traceEvents"]
+    assert not (tmp_path / "run1" / "profile").exists() and len(logs) == 1
+    StepProfiler(tmp_path / "bad", 0, logs.append, env="5:1")
+    assert "not START:END" in logs[-1]
+
+
+@pytest.mark.slow
+def test_a_grpo_run_profiles_the_steps_rlctl_profile_names(tiny_model_dir, tmp_path):
+    """One process, RLCTL_PROFILE=2:2: the table holds the step's phases as named ranges."""
+    from tests.support.cli import run_cli
+
+    data = write_jsonl(tmp_path / "data.jsonl", arith_rows(16))
+    run = tmp_path / "run"
+    args = rl_args(tiny_model_dir, data, run, "--rollout", "hf", "--max-steps", "2")
+    args[args.index("--nproc") + 1] = "1"
+    res = run_cli("grpo", *args, env={"RLCTL_PROFILE": "2:2"})
+    assert res.returncode == 0, failure(res, run)
+    table = (run / "profile" / "rank0.txt").read_text()
+    assert "time/update" in table and "time/rollout" in table
+    assert (run / "profile" / "rank0.trace.json").exists()

@@ -93,9 +93,11 @@ def plain_reference(model_dir, batch, weights):
     return logp, full_grads(model)
 
 
-def engine_pass(engine, batch, weights, *, budget: int, share_prefix: bool, split: bool = True):
-    """Log-probs and the gradient of sum(weights * logp) through the engine's micro-batches."""
+def engine_pass(engine, batch, weights, *, budget: int, share_prefix: bool, split: bool = True, per_block=False):
+    """Log-probs and the gradient of sum(weights * logp) through the engine's micro-batches. ``per_block``:
+    one sdpa call per block however short the rows (else rows up to varlen.DENSE_MAX_LEN run one masked call)."""
     from rlctl.algos import logprobs_from_logits
+    from rlctl.engines import varlen
     from rlctl.recipes.rl.batch import micro_batches
 
     micro = micro_batches(
@@ -103,15 +105,21 @@ def engine_pass(engine, batch, weights, *, budget: int, share_prefix: bool, spli
     )
     assert all((mb.keep_cols is not None) == share_prefix for mb in micro)
     for mb in micro:
-        mb.blocks = mb.blocks if split else None  # unsplit: the shared rows' 4-D mask, or the packed rows' one
+        if not split and mb.blocks is not None:  # unsplit: the shared rows' dense 4-D mask from their blocks
+            mb.attention_mask = varlen.dense_mask(mb.blocks, *mb.input_ids.shape, mb.input_ids.device)
+        mb.blocks = mb.blocks if split else None  # (packed rows: transformers' own mask from the positions)
     engine.varlen = split
+    saved, varlen.DENSE_MAX_LEN = varlen.DENSE_MAX_LEN, 0 if per_block else varlen.DENSE_MAX_LEN
 
     def loss_fn(logits, mb):
         lp = mb.to_matrix(logprobs_from_logits(mb.at_response(logits), mb.labels, TEMPERATURE))
         return (lp * mb.take(weights)).sum(), lp
 
     engine.train(False)  # no dropout: the same function as the plain model's
-    outs = engine.forward_backward(micro, loss_fn)
+    try:
+        outs = engine.forward_backward(micro, loss_fn)
+    finally:
+        varlen.DENSE_MAX_LEN = saved
     logp = torch.zeros_like(batch.mask)
     for mb, lp in zip(micro, outs):
         logp[mb.rows, : mb.width] = lp
@@ -123,6 +131,7 @@ def engine_pass(engine, batch, weights, *, budget: int, share_prefix: bool, spli
 def test_shared_prefix_packed_and_unpacked_match_a_plain_model(tiny_model_dir, process_group):
     """Shared prefix on/off and packing on/off: each sample's log-probs and the gradients of a weighted sum
     of them equal a plain HF model run on one sample at a time (eager attention, no packing)."""
+    from rlctl.engines import varlen
     from rlctl.engines.fsdp import FSDPEngine
 
     batch = group_batch(3, 4, width=9, seed=1)
@@ -133,6 +142,7 @@ def test_shared_prefix_packed_and_unpacked_match_a_plain_model(tiny_model_dir, p
     longest = max(batch.lengths)
     settings = {
         "shared prefix, one micro-batch": dict(budget=10_000, share_prefix=True),
+        "shared prefix, one sdpa call per block": dict(budget=10_000, share_prefix=True, per_block=True),
         "shared prefix, a micro-batch per group or less": dict(budget=longest, share_prefix=True),
         "shared prefix, 4-D mask": dict(budget=10_000, share_prefix=True, split=False),
         "packed rows": dict(budget=2 * longest, share_prefix=False),
@@ -149,7 +159,8 @@ def test_shared_prefix_packed_and_unpacked_match_a_plain_model(tiny_model_dir, p
     _, _, micro = engine_pass(engine, batch, weights, budget=10_000, share_prefix=True)
     (mb,) = micro
     prompts = {tuple(p) for p in batch.prompts}
-    assert int(mb.attention_mask.diagonal(dim1=-2, dim2=-1).sum()) == mb.input_ids.numel()
+    mask = varlen.dense_mask(mb.blocks, *mb.input_ids.shape, mb.input_ids.device)
+    assert int(mask.diagonal(dim1=-2, dim2=-1).sum()) == mb.input_ids.numel()
     real = sum(len(p) for p in prompts) + sum(len(r) - 1 for r in batch.responses)
     assert mb.input_ids.shape[0] == len(prompts) and int((mb.position_ids > 0).sum()) + len(prompts) >= real
 

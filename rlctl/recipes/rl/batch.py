@@ -69,13 +69,18 @@ class RolloutBatch:
     ) -> RolloutBatch:
         """A batch from plain lists (one entry per sample); ``batch_size`` = prompts in the step."""
         b = len(responses)
-        mask = torch.zeros(b, width, device=device)
-        logp = torch.zeros(b, width, device=device)
-        for i, (resp, lp) in enumerate(zip(responses, rollout_logp)):
+        for i, resp in enumerate(responses):
             if not 0 < len(resp) <= width:
                 raise ValueError(f"response {i} has {len(resp)} tokens; expected 1..{width}")
-            mask[i, : len(resp)] = 1.0
-            logp[i, : len(resp)] = torch.tensor(lp, dtype=torch.float32)
+        # padded rows built as lists: two tensors at once, not two small copies per sample
+        pads = [width - len(r) for r in responses]
+        mask = torch.tensor([[1.0] * len(r) + [0.0] * p for r, p in zip(responses, pads)], device=device)
+        logp = torch.tensor(
+            [[float(x) for x in lp] + [0.0] * p for lp, p in zip(rollout_logp, pads)],
+            dtype=torch.float32,
+            device=device,
+        ).reshape(b, width)
+        mask = mask.reshape(b, width)
         m = mini_batch_size or batch_size
         uid_t = torch.tensor(uid, dtype=torch.int64, device=device).reshape(-1)
         return cls(
@@ -188,28 +193,27 @@ def _prompt_groups(batch: RolloutBatch, rows: list[int], budget: int) -> list[li
 
 def _collate_shared(batch: RolloutBatch, groups: list[list[int]], pad_id: int, device: torch.device) -> MicroBatch:
     """One row per group: its prompt once, then each sample's response (bar the last token, which predicts
-    nothing) at positions P.., and a ``[G, 1, L, L]`` boolean mask: the prompt causal in itself, each
-    response attending to the whole prompt and causally to itself (padding only to itself)."""
+    nothing) at positions P.., and the ``blocks`` (:mod:`rlctl.engines.varlen`) that say what attends to
+    what: the prompt causal in itself, each response to the whole prompt and causally to itself. (No dense
+    ``[G, 1, L, L]`` mask here: the engine builds one from the blocks where it runs one, ``varlen.dense_mask``.)"""
     rows = [i for g in groups for i in g]
-    seg_rows, id_rows, pos_rows, logit_pos, blocks = [], [], [], [], []
+    id_rows, pos_rows, logit_pos, blocks = [], [], [], []
     labels, token_row, token_col = [], [], []
     for g, members in enumerate(groups):
         prompt = batch.prompts[members[0]]
-        ids, pos, seg, wanted = list(prompt), list(range(len(prompt))), [0] * len(prompt), []
+        ids, pos, wanted = list(prompt), list(range(len(prompt))), []
         blocks.append((g, 0, len(prompt), 0, 0))
-        for j, i in enumerate(members):
+        for i in members:
             resp = batch.responses[i]
             start = len(ids)
             if len(resp) > 1:
                 blocks.append((g, start, start + len(resp) - 1, 0, len(prompt)))
             ids += resp[:-1]
             pos += range(len(prompt), len(prompt) + len(resp) - 1)
-            seg += [j + 1] * (len(resp) - 1)
             wanted += [len(prompt) - 1] + list(range(start, start + len(resp) - 1))
             labels += resp
         id_rows.append(ids)
         pos_rows.append(pos)
-        seg_rows.append(seg)
         logit_pos.append(wanted)
     for s, i in enumerate(rows):
         token_row += [s] * len(batch.responses[i])
@@ -220,16 +224,10 @@ def _collate_shared(batch: RolloutBatch, groups: list[list[int]], pad_id: int, d
     logit_index = [g * len(keep) + col_of[c] for g, w in enumerate(logit_pos) for c in w]
     ids = torch.full((len(groups), width), pad_id, dtype=torch.int64)
     pos = torch.zeros(len(groups), width, dtype=torch.int64)
-    seg = torch.full((len(groups), width), -1, dtype=torch.int64)
     for g in range(len(groups)):
         n = len(id_rows[g])
         ids[g, :n] = torch.tensor(id_rows[g])
         pos[g, :n] = torch.tensor(pos_rows[g])
-        seg[g, :n] = torch.tensor(seg_rows[g])
-    q, k = seg[:, :, None], seg[:, None, :]
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    mask = causal & (q >= 0) & ((k == q) | (k == 0))
-    mask |= torch.eye(width, dtype=torch.bool)  # padding attends to itself (no empty softmax row)
 
     def t(x) -> torch.Tensor:
         return torch.as_tensor(x, dtype=torch.int64).to(device)
@@ -238,7 +236,6 @@ def _collate_shared(batch: RolloutBatch, groups: list[list[int]], pad_id: int, d
         input_ids=t(ids),
         position_ids=t(pos),
         labels=t(labels),
-        attention_mask=mask[:, None].to(device),
         num_seqs=len(rows),
         rows=t(rows),
         logit_index=t(logit_index),

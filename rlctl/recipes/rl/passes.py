@@ -5,18 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from rlctl.algos import entropy_from_logits, logprobs_from_logits
+from rlctl.algos import logprobs_from_logits
 from rlctl.engines.base import TrainEngine
 from rlctl.recipes.rl.batch import RolloutBatch, can_share_prefix, micro_batches
-
-ENTROPY_CHUNK_ROWS = 1024  # rows of logits per entropy chunk (bounds the float32 copy)
-
-
-def chunked_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) per row [N, V] -> [N], without gradient, in row chunks."""
-    with torch.no_grad():
-        parts = [entropy_from_logits(c.float() / temperature) for c in logits.split(ENTROPY_CHUNK_ROWS)]
-    return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
 
 
 def compute_logprobs(
@@ -34,10 +25,10 @@ def compute_logprobs(
 
     def per_token(logits, mb):
         sel = mb.at_response(logits)  # the positions that predict response tokens
-        out = {"logp": logprobs_from_logits(sel, mb.labels, temperature).float()}
-        if with_entropy:
-            out["entropy"] = chunked_entropy(sel, temperature)
-        return None, out
+        if with_entropy:  # one log-softmax for both (rlctl.algos.logprobs)
+            logp, entropy = logprobs_from_logits(sel, mb.labels, temperature, with_entropy=True)
+            return None, {"logp": logp.float(), "entropy": entropy.float()}
+        return None, {"logp": logprobs_from_logits(sel, mb.labels, temperature).float()}
 
     if share_prefix is None:
         share_prefix = engine.shares_prefix and can_share_prefix(batch)

@@ -26,7 +26,6 @@ from rlctl.config import RunConfig
 from rlctl.data.packing import MicroBatch
 from rlctl.engines.base import LossFn, TrainEngine
 from rlctl.recipes.rl.batch import RolloutBatch, can_share_prefix, micro_batches
-from rlctl.recipes.rl.passes import chunked_entropy
 from rlctl.runtime.dist import all_reduce_sum, global_sums
 
 
@@ -114,7 +113,12 @@ def policy_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict, kl_loss_co
             return logits.sum() * 0.0, {}  # a backward pass keeps this replica in the collectives
         sel = mb.at_response(logits)  # the positions that predict response tokens
         mask = mb.take(batch.mask)
-        logp = mb.to_matrix(logprobs_from_logits(sel, mb.labels, temperature))
+        entropy = None
+        if batch.old_logp is None:  # the skipped log-prob pass's entropy, from the same log-softmax
+            flat, entropy = logprobs_from_logits(sel, mb.labels, temperature, with_entropy=True)
+        else:
+            flat = logprobs_from_logits(sel, mb.labels, temperature)
+        logp = mb.to_matrix(flat)
         # one optimizer step per batch: the policy before the update is this forward's own (no extra pass)
         old_logp = logp.detach() if batch.old_logp is None else mb.take(batch.old_logp)
         loss, m = pl.loss.fn(
@@ -136,7 +140,7 @@ def policy_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict, kl_loss_co
         }
         if batch.old_logp is None:  # what the skipped log-prob pass reported
             stats["logprob_diff"] = ((logp.detach() - mb.take(batch.rollout_logp)).abs() * mask).sum()
-            stats["entropy"] = (mb.to_matrix(chunked_entropy(sel, temperature)) * mask).sum()
+            stats["entropy"] = (mb.to_matrix(entropy) * mask).sum()
         if kl_loss_coef:
             kl_loss = aggregate(kl_estimate(logp, mb.take(batch.ref_logp), a.kl_kind), mask, pl.agg, **denoms)
             loss = loss + kl_loss_coef * kl_loss
@@ -152,6 +156,14 @@ def policy_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict, kl_loss_co
 def single_step(batch: RolloutBatch, cfg: RunConfig) -> bool:
     """The batch gets exactly one optimizer step: its old log-probs are the update's own forward (detached)."""
     return cfg.algo.ppo_epochs == 1 and batch.num_minis == 1
+
+
+def skips_old_logprobs(cfg: RunConfig) -> bool:
+    """Every step of the run skips the actor's old-log-prob pass (``RLTrainer.old_logprobs``): no reference
+    model (``algo.kl_coef`` 0) and :func:`single_step` batches (one PPO epoch, the batch one mini-batch)."""
+    a = cfg.algo
+    one_mini = not a.mini_batch_size or a.mini_batch_size >= cfg.train.batch_size
+    return a.kl_coef <= 0 and a.ppo_epochs == 1 and one_mini
 
 
 def update_actor(
