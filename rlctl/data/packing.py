@@ -51,8 +51,9 @@ class MicroBatch:
     token_col: torch.Tensor | None = None  # RL: [N] its index within its response
     width: int = 0  # RL: longest response in it
     # RL with shared prompts (rlctl.recipes.rl.batch): one row per prompt group, the prompt once and then
-    # its samples' responses, ``attention_mask`` a [G, 1, L, L] boolean mask; the logits are computed at the
-    # columns ``keep_cols`` only, and ``logit_index`` indexes the flattened [G, K] of those.
+    # its samples' responses, ``attention_mask`` None and ``blocks`` saying what attends to what (the engine
+    # builds a mask from them where it needs one); the logits are computed at the columns ``keep_cols`` only,
+    # and ``logit_index`` indexes the flattened [G, K] of those.
     keep_cols: torch.Tensor | None = None  # [K] int64
     # Which positions attend to which, for engines that split rows (rlctl.engines.varlen.Block tuples)
     blocks: list[tuple[int, int, int, int, int]] | None = None
