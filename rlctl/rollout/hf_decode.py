@@ -232,14 +232,16 @@ class DecodeState:
         self.t = width  # next cache column
         # every layer's keys and values: (layers, 2, rows, kv_heads, max_len, head_dim)
         buf = torch.empty(layers, 2, prompts, n, kv, self.max_len, hd, device=device, dtype=dtype)
+        buf[..., width:, :] = 0  # not yet written: attended to with weight 0 (exp(-inf)), so never NaN
         for i in range(layers):
             buf[i, 0, :, :, :, :width] = cache.layers[i].keys[:, None]
             buf[i, 1, :, :, :, :width] = cache.layers[i].values[:, None]
         self.kv = buf.view(layers, 2, rows, kv, self.max_len, hd)
-        # additive mask: -inf on each row's left padding, per (row, kv head) to match the products' batch
+        # additive mask: -inf on each row's left padding and on the columns not written yet (each step
+        # unmasks its column), per (row, kv head) to match the products' batch
         lens = torch.tensor(prompt_lens, device=device).repeat_interleave(n)
         cols = torch.arange(self.max_len, device=device)
-        pad = cols[None, :] < (width - lens)[:, None]
+        pad = (cols[None, :] < (width - lens)[:, None]) | (cols[None, :] >= width)
         bias = torch.zeros(rows, self.max_len, device=device, dtype=dtype).masked_fill(pad, float("-inf"))
         self.bias = bias[:, None, None, :].expand(rows, kv, 1, self.max_len).contiguous()
         self.position = lens.clone()  # next position id of each row (each prompt starts at 0)
@@ -256,7 +258,7 @@ class DecodeState:
         self.active = torch.arange(rows, device=device)  # physical rows still decoding
         self.num_active = rows
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
-        self._rope_buffer()
+        self._rope_buffer()  # and the fixed views
 
     def _rope_buffer(self) -> None:
         # cos and sin for every head of the fused QKV output; the value heads get cos 1, sin 0 (unrotated)
@@ -264,6 +266,17 @@ class DecodeState:
         cs = self.rope.new_zeros(2, self.rows, dec.heads + 2 * dec.kv_heads, dec.head_dim)
         cs[0, :, dec.heads + dec.kv_heads :] = 1
         self.cs = cs
+        cos, sin = cs.unbind(0)
+        half = dec.head_dim // 2
+        self.cos, self.sin_lo, self.sin_hi = cos, sin[..., :half], sin[..., half:]
+        # attention reads every column (the ones not written yet are masked), so its views are fixed:
+        # per layer the cache (2, rows, kv, max_len, head_dim), the keys (transposed) and values read,
+        # (rows * kv, head_dim, max_len) and (rows * kv, max_len, head_dim)
+        rows, kv, max_len = self.rows, dec.kv_heads, self.max_len
+        self.layer_kv = self.kv.unbind(0)
+        context = self.kv.view(-1, 2, rows * kv, max_len, dec.head_dim)
+        self.keys_t, self.values = context[:, 0].transpose(2, 3).unbind(0), context[:, 1].unbind(0)
+        self.bias_flat = self.bias.view(rows * kv, 1, max_len)
 
     def drop(self, keep: torch.Tensor) -> None:
         """Keep only the active rows at indices ``keep`` (into the current active rows)."""
@@ -277,7 +290,7 @@ class DecodeState:
             self.tokens = self.tokens.index_select(0, idx)
             self.rows = self.num_active
             self.active = torch.arange(self.rows, device=idx.device)
-            self._rope_buffer()
+            self._rope_buffer()  # and the fixed views
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per active row; return the next-token logits of the active rows."""
@@ -286,31 +299,29 @@ class DecodeState:
             self.tokens = tokens
         else:
             self.tokens.index_copy_(0, self.active, tokens)
-        rows, t, max_len = self.rows, self.t, self.max_len
+        rows, t = self.rows, self.t
         heads, kv, hd = dec.heads, dec.kv_heads, dec.head_dim
         qk_heads, group, half, inter = heads + kv, heads // kv, hd // 2, dec.intermediate
-        cs = self.cs
-        cs[:, :, :qk_heads] = self.rope.index_select(1, self.position)[:, :, None]
-        cos, sin = cs.unbind(0)
-        bias = self.bias.view(rows * kv, 1, max_len)[:, :, : t + 1]
-        # per layer: the cache column written this step (2, rows, kv, head_dim), the keys (transposed)
-        # and values read, (rows * kv, head_dim, t + 1) and (rows * kv, t + 1, head_dim)
-        columns = self.kv.select(4, t).unbind(0)
-        context = self.kv.view(-1, 2, rows * kv, max_len, hd)[:, :, :, : t + 1]
-        keys_t, values = context[:, 0].transpose(2, 3).unbind(0), context[:, 1].unbind(0)
-        qk_norms = self.qk_norm or [None] * len(columns)
+        self.cs[:, :, :qk_heads] = self.rope.index_select(1, self.position)[:, :, None]
+        cos, sin_lo, sin_hi = self.cos, self.sin_lo, self.sin_hi
+        self.bias.select(-1, t).zero_()  # this step's column is written below, before it is read
+        bias = self.bias_flat
+        qk_norms = self.qk_norm or [None] * len(dec.layers)
         fp32 = self.kv.dtype == torch.float32
         kv_shape, q_shape, attn_shape = (rows, 2, kv, hd), (rows * kv, group, hd), (rows, heads * hd)
         h = F.embedding(self.tokens, dec.embed)
-        for layer, column, k_t, v, qk_norm in zip(dec.layers, columns, keys_t, values, qk_norms, strict=True):
+        layers = zip(dec.layers, self.layer_kv, self.keys_t, self.values, qk_norms, strict=True)
+        for layer, layer_kv, k_t, v, qk_norm in layers:
             x = rms_norm(h, layer.ln1, layer.eps1)
             qkv = layer.qkv(x).view(rows, qk_heads + kv, hd)
             if qk_norm is not None:
                 qkv = torch.cat([rms_norm(qkv[:, :qk_heads], qk_norm, layer.qk_eps), qkv[:, qk_heads:]], dim=1)
-            # rotate_half(x) * sin == roll(x, half) * sin with rotate_half's sign folded into sin
-            qkv = torch.addcmul(qkv * cos, qkv.roll(half, -1), sin)
-            column.copy_(qkv[:, heads:].view(kv_shape).transpose(0, 1))
-            scores = torch.baddbmm(bias, qkv[:, :heads].reshape(q_shape), k_t, alpha=dec.scaling)
+            # x * cos + rotate_half(x) * sin, rotate_half's sign folded into sin (value heads: cos 1, sin 0)
+            r = qkv * cos
+            r[..., :half].addcmul_(qkv[..., half:], sin_lo)
+            r[..., half:].addcmul_(qkv[..., :half], sin_hi)
+            layer_kv.select(3, t).copy_(r[:, heads:].view(kv_shape).transpose(0, 1))
+            scores = torch.baddbmm(bias, r[:, :heads].reshape(q_shape), k_t, alpha=dec.scaling)
             probs = scores.softmax(-1) if fp32 else scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
             h = layer.o.add_to(h, torch.bmm(probs, v).view(attn_shape))
             gu = layer.gate_up(rms_norm(h, layer.ln2, layer.eps2))
