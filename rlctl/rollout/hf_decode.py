@@ -20,7 +20,11 @@ the cache grows by ``torch.cat``, grouped-query attention copies the whole cache
 * rows whose sample finished are computed on (their output ignored) until compacting the batch pays
   (``DecodeState.COMPACT_ROW_STEPS``).
 
-The prefill stays the HF model's forward; its cache is copied once into the preallocated one.
+The prefill is this module's too (``DecodeState.prefill``): one row per prompt, causal attention
+within each left-padded row by SDPA, keys and values written straight into the ``n`` rows of the
+preallocated cache, logits for the last position only (measured on CPU: 1.1 ms instead of 2.1 ms for
+the HF forward and cache copy with 2 prompts of 27 tokens, hidden 128; 9 ms instead of 13 ms with
+prompts of 320 tokens; 352 ms instead of 453 ms at hidden 512 x 8 layers).
 Anything this module does not reproduce exactly (other architectures, a sliding window shorter than
 the sequences, rope types that depend on the sequence length, a non-SiLU MLP, quantized or
 replaced linear layers) makes :func:`unsupported_reason` return why, and the engine keeps the
@@ -205,7 +209,8 @@ class FastDecoder:
         return None
 
     def start(self, cache, prompt_lens: list[int], n: int, max_new: int) -> DecodeState:
-        """The decode state after a prefill of left-padded prompts into HF ``cache`` (one row per prompt)."""
+        """The decode state after a prefill of left-padded prompts (one row per prompt): the HF model's
+        into ``cache`` (a ``DynamicCache``), or with ``cache=None`` none yet (call ``prefill``)."""
         weight = self.lm_head.weight
         pack = weight.device.type == "cpu" and weight.dtype == torch.float32 and _mkldnn_linear_available()
         for linear in self.linears:
@@ -233,9 +238,10 @@ class DecodeState:
         # every layer's keys and values: (layers, 2, rows, kv_heads, max_len, head_dim)
         buf = torch.empty(layers, 2, prompts, n, kv, self.max_len, hd, device=device, dtype=dtype)
         buf[..., width:, :] = 0  # not yet written: attended to with weight 0 (exp(-inf)), so never NaN
-        for i in range(layers):
+        for i in range(layers if cache is not None else 0):
             buf[i, 0, :, :, :, :width] = cache.layers[i].keys[:, None]
             buf[i, 1, :, :, :, :width] = cache.layers[i].values[:, None]
+        self.prompt_kv = buf[..., :width, :]  # the prompts' columns, one row per prompt (x n, broadcast)
         self.kv = buf.view(layers, 2, rows, kv, self.max_len, hd)
         # additive mask: -inf on each row's left padding and on the columns not written yet (each step
         # unmasks its column), per (row, kv head) to match the products' batch
@@ -259,6 +265,46 @@ class DecodeState:
         self.num_active = rows
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
         self._rope_buffer()  # and the fixed views
+
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Prefill the left-padded prompts ``input_ids`` (prompts, width) into the cache (each prompt's
+        keys and values into its ``n`` rows); return the logits at each prompt's last position.
+
+        The HF model's computation: each token attends causally within its prompt, padding masked (a pad
+        attends to itself only, so it stays finite), position ids from 0 at each prompt's first token."""
+        dec = self.dec
+        prompts, width = input_ids.shape
+        heads, kv, hd = dec.heads, dec.kv_heads, dec.head_dim
+        qk_heads, half, inter = heads + kv, hd // 2, dec.intermediate
+        start = width - self.position.view(prompts, -1)[:, 0]  # first real column of each prompt
+        cols = torch.arange(width, device=input_ids.device)
+        positions = (cols[None, :] - start[:, None]).clamp(min=0)
+        cos, sin = self.rope[:, positions, None].unbind(0)  # (prompts, width, 1, head_dim)
+        sin_lo, sin_hi = sin[..., :half], sin[..., half:]
+        causal = cols[None, :] <= cols[:, None]
+        diagonal = torch.eye(width, dtype=torch.bool, device=cols.device)
+        mask = ((causal & (cols[None, None, :] >= start[:, None, None])) | diagonal)[:, None]  # query x key
+        qk_norms = self.qk_norm or [None] * len(dec.layers)
+        h = F.embedding(input_ids, dec.embed).view(prompts * width, -1)
+        for i, (layer, qk_norm) in enumerate(zip(dec.layers, qk_norms, strict=True)):
+            qkv = layer.qkv(rms_norm(h, layer.ln1, layer.eps1)).view(prompts, width, qk_heads + kv, hd)
+            qk = qkv[:, :, :qk_heads]
+            if qk_norm is not None:
+                qk = rms_norm(qk, qk_norm, layer.qk_eps)
+            r = qk * cos
+            r[..., :half].addcmul_(qk[..., half:], sin_lo)
+            r[..., half:].addcmul_(qk[..., :half], sin_hi)
+            k, v = r[:, :, heads:].transpose(1, 2), qkv[:, :, qk_heads:].transpose(1, 2)
+            self.prompt_kv[i, 0].copy_(k[:, None])
+            self.prompt_kv[i, 1].copy_(v[:, None])
+            q = r[:, :, :heads].transpose(1, 2)  # (prompts, heads, width, head_dim)
+            if i == len(dec.layers) - 1:  # the last layer: only the last position goes on
+                q, mask, h = q[:, :, -1:], mask[:, :, -1:], h.view(prompts, width, -1)[:, -1]
+            out = F.scaled_dot_product_attention(q, k, v, mask, scale=dec.scaling, enable_gqa=heads != kv)
+            h = layer.o.add_to(h, out.transpose(1, 2).reshape(len(h), heads * hd))
+            gu = layer.gate_up(rms_norm(h, layer.ln2, layer.eps2))
+            h = layer.down.add_to(h, F.silu(gu[:, :inter]) * gu[:, inter:])
+        return dec.lm_head(rms_norm(h, dec.norm, dec.norm_eps))
 
     def _rope_buffer(self) -> None:
         # cos and sin for every head of the fused QKV output; the value heads get cos 1, sin 0 (unrotated)
