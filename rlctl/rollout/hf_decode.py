@@ -215,6 +215,9 @@ class FastDecoder:
         pack = weight.device.type == "cpu" and weight.dtype == torch.float32 and _mkldnn_linear_available()
         for linear in self.linears:
             linear.refresh(pack and linear.weight.numel() >= self.PACK_MIN_NUMEL)
+        # each RMSNorm weight twice over, for rms_norm's fp32 path (taken per generation: weights change)
+        self.ln_pairs = [(_pair(layer.ln1), _pair(layer.ln2)) for layer in self.layers]
+        self.norm_pair = _pair(self.norm)
         return DecodeState(self, cache, prompt_lens, n, max_new)
 
 
@@ -286,8 +289,8 @@ class DecodeState:
         mask = ((causal & (cols[None, None, :] >= start[:, None, None])) | diagonal)[:, None]  # query x key
         qk_norms = self.qk_norm or [None] * len(dec.layers)
         h = F.embedding(input_ids, dec.embed).view(prompts * width, -1)
-        for i, (layer, qk_norm) in enumerate(zip(dec.layers, qk_norms, strict=True)):
-            qkv = layer.qkv(rms_norm(h, layer.ln1, layer.eps1)).view(prompts, width, qk_heads + kv, hd)
+        for i, (layer, (ln1, ln2), qk_norm) in enumerate(zip(dec.layers, dec.ln_pairs, qk_norms, strict=True)):
+            qkv = layer.qkv(rms_norm(h, layer.ln1, layer.eps1, ln1)).view(prompts, width, qk_heads + kv, hd)
             qk = qkv[:, :, :qk_heads]
             if qk_norm is not None:
                 qk = rms_norm(qk, qk_norm, layer.qk_eps)
@@ -302,9 +305,9 @@ class DecodeState:
                 q, mask, h = q[:, :, -1:], mask[:, :, -1:], h.view(prompts, width, -1)[:, -1]
             out = F.scaled_dot_product_attention(q, k, v, mask, scale=dec.scaling, enable_gqa=heads != kv)
             h = layer.o.add_to(h, out.transpose(1, 2).reshape(len(h), heads * hd))
-            gu = layer.gate_up(rms_norm(h, layer.ln2, layer.eps2))
+            gu = layer.gate_up(rms_norm(h, layer.ln2, layer.eps2, ln2))
             h = layer.down.add_to(h, F.silu(gu[:, :inter]) * gu[:, inter:])
-        return dec.lm_head(rms_norm(h, dec.norm, dec.norm_eps))
+        return dec.lm_head(rms_norm(h, dec.norm, dec.norm_eps, dec.norm_pair))
 
     def _rope_buffer(self) -> None:
         # cos and sin for every head of the fused QKV output; the value heads get cos 1, sin 0 (unrotated)
@@ -356,9 +359,9 @@ class DecodeState:
         fp32 = self.kv.dtype == torch.float32
         kv_shape, q_shape, attn_shape = (rows, 2, kv, hd), (rows * kv, group, hd), (rows, heads * hd)
         h = F.embedding(self.tokens, dec.embed)
-        layers = zip(dec.layers, self.layer_kv, self.keys_t, self.values, qk_norms, strict=True)
-        for layer, layer_kv, k_t, v, qk_norm in layers:
-            x = rms_norm(h, layer.ln1, layer.eps1)
+        layers = zip(dec.layers, dec.ln_pairs, self.layer_kv, self.keys_t, self.values, qk_norms, strict=True)
+        for layer, (ln1, ln2), layer_kv, k_t, v, qk_norm in layers:
+            x = rms_norm(h, layer.ln1, layer.eps1, ln1)
             qkv = layer.qkv(x).view(rows, qk_heads + kv, hd)
             if qk_norm is not None:
                 qkv = torch.cat([rms_norm(qkv[:, :qk_heads], qk_norm, layer.qk_eps), qkv[:, qk_heads:]], dim=1)
@@ -370,9 +373,9 @@ class DecodeState:
             scores = torch.baddbmm(bias, r[:, :heads].reshape(q_shape), k_t, alpha=dec.scaling)
             probs = scores.softmax(-1) if fp32 else scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
             h = layer.o.add_to(h, torch.bmm(probs, v).view(attn_shape))
-            gu = layer.gate_up(rms_norm(h, layer.ln2, layer.eps2))
+            gu = layer.gate_up(rms_norm(h, layer.ln2, layer.eps2, ln2))
             h = layer.down.add_to(h, F.silu(gu[:, :inter]) * gu[:, inter:])
-        logits = dec.lm_head(rms_norm(h, dec.norm, dec.norm_eps))
+        logits = dec.lm_head(rms_norm(h, dec.norm, dec.norm_eps, dec.norm_pair))
         self.t += 1
         self.position += 1
         if self.num_active != self.rows:
@@ -380,8 +383,19 @@ class DecodeState:
         return logits
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalized in fp32, cast back to the input's dtype, times the weight."""
+def _pair(weight: torch.Tensor) -> torch.Tensor | None:
+    return torch.cat([weight, weight]) if weight.dtype == torch.float32 else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pair: torch.Tensor | None = None) -> torch.Tensor:
+    """HF's RMSNorm: normalized in fp32, cast back to the input's dtype, times the weight.
+
+    With ``pair`` (the weight twice over) and ``x`` 2-D fp32: the LayerNorm of ``[x, -x]`` (mean 0,
+    variance mean(x^2)), its first half. One fused kernel: on CPU, 8 x 128, 8.5 us instead of 11.7 us
+    for ``F.rms_norm`` (which is ~10 small ops there), equal to it up to float rounding (~1e-7)."""
+    if pair is not None and x.dim() == 2 and x.dtype == torch.float32:
+        d = x.shape[-1]
+        return F.layer_norm(torch.cat([x, x.neg()], dim=-1), pair.shape, pair, None, eps)[:, :d]
     if x.dtype == torch.float32:
         if weight.dim() == 1:
             return F.rms_norm(x, x.shape[-1:], weight, eps)
@@ -396,10 +410,11 @@ def _mkldnn_linear_available() -> bool:
 class _Linear:
     """``x @ weight.T + bias``, by oneDNN from a prepacked copy of the weight when ``refresh`` packed it."""
 
-    __slots__ = ("weight", "bias", "packed", "version")
+    __slots__ = ("weight", "weight_t", "bias", "packed", "version")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight, self.bias = weight, bias
+        self.weight_t = weight.t()  # a view: in-place writes to the weight are seen; one t() less per call
         self.packed: torch.Tensor | None = None
         self.version = -1
 
@@ -413,12 +428,14 @@ class _Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
+            if x.dim() != 2:
+                return F.linear(x, self.weight, self.bias)
+            return torch.mm(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + self(x)."""
         if self.packed is not None:
             return residual + self(x)
-        out = torch.addmm(residual, x, self.weight.t())
+        out = torch.addmm(residual, x, self.weight_t)
         return out if self.bias is None else out + self.bias
