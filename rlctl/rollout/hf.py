@@ -109,7 +109,7 @@ class HFRolloutEngine(RolloutEngine):
             fast = None
         # One prefill per prompt; its cache is shared by the prompt's n samples.
         if fast is not None:
-            state = fast.start(None, [len(p) for p in prompt_token_ids], n, max(budget))
+            state = fast.start([len(p) for p in prompt_token_ids], n, max(budget))
             logits = state.prefill(input_ids)  # the fast path's own prefill, into its preallocated cache
             steps: _Steps = state
         else:

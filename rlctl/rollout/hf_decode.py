@@ -208,9 +208,8 @@ class FastDecoder:
             return f"sliding window {self.window} < sequence length {total_len}"
         return None
 
-    def start(self, cache, prompt_lens: list[int], n: int, max_new: int) -> DecodeState:
-        """The decode state after a prefill of left-padded prompts (one row per prompt): the HF model's
-        into ``cache`` (a ``DynamicCache``), or with ``cache=None`` none yet (call ``prefill``)."""
+    def start(self, prompt_lens: list[int], n: int, max_new: int) -> DecodeState:
+        """The decode state of a generation of left-padded prompts, ``n`` samples each; ``prefill`` next."""
         weight = self.lm_head.weight
         pack = weight.device.type == "cpu" and weight.dtype == torch.float32 and _mkldnn_linear_available()
         for linear in self.linears:
@@ -218,7 +217,7 @@ class FastDecoder:
         # each RMSNorm weight twice over, for rms_norm's fp32 path (taken per generation: weights change)
         self.ln_pairs = [(_pair(layer.ln1), _pair(layer.ln2)) for layer in self.layers]
         self.norm_pair = _pair(self.norm)
-        return DecodeState(self, cache, prompt_lens, n, max_new)
+        return DecodeState(self, prompt_lens, n, max_new)
 
 
 class DecodeState:
@@ -230,7 +229,7 @@ class DecodeState:
     # 655 ms compacting at once or at 4, 914 ms never; on hidden 128 x 2 layers all within noise.
     COMPACT_ROW_STEPS = 4
 
-    def __init__(self, dec: FastDecoder, cache, prompt_lens: list[int], n: int, max_new: int) -> None:
+    def __init__(self, dec: FastDecoder, prompt_lens: list[int], n: int, max_new: int) -> None:
         self.dec = dec
         first = dec.layers[0].qkv.weight
         device, dtype = first.device, first.dtype
@@ -240,9 +239,6 @@ class DecodeState:
         self.t = width  # next cache column
         # every layer's keys and values: (layers, 2, rows, kv_heads, max_len, head_dim)
         buf = torch.empty(layers, 2, prompts, n, kv, self.max_len, hd, device=device, dtype=dtype)
-        for i in range(layers if cache is not None else 0):
-            buf[i, 0, :, :, :, :width] = cache.layers[i].keys[:, None]
-            buf[i, 1, :, :, :, :width] = cache.layers[i].values[:, None]
         self.prompt_kv = buf[..., :width, :]  # the prompts' columns, one row per prompt (x n, broadcast)
         self.kv = buf.view(layers, 2, rows, kv, self.max_len, hd)
         # additive mask: -inf on each row's left padding, per (row, kv head) to match the products' batch

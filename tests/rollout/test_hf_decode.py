@@ -163,7 +163,7 @@ def test_fast_prefill_equals_hf_forward(arch_model, packed, monkeypatch):
     prompts = [list(range(7, 27)), [5, 17, 33, 8], [300 + i for i in range(13)], [42]]
     with _engine(arch_model) as engine, torch.inference_mode():
         input_ids, mask = hf.left_pad(prompts, 0, torch.device("cpu"))
-        state = engine._fast.start(None, [len(p) for p in prompts], 2, 4)
+        state = engine._fast.start([len(p) for p in prompts], 2, 4)
         logits = state.prefill(input_ids)
         for row, prompt in enumerate(prompts):
             out = engine.model(torch.tensor([prompt]), use_cache=True)
