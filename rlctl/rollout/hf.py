@@ -14,8 +14,8 @@ Left padding is handled with an attention mask (pads are never attended to) and 
 ids that start at 0 on each prompt's first real token, so a padded prompt sees exactly what it
 would see alone.
 
-Step 3 has two implementations with the same bookkeeping and sampler: the HF model's forward with a
-``DynamicCache`` (any architecture), and, for Llama-family models, the fast decode step of
+Steps 1-3 have two implementations with the same bookkeeping and sampler: the HF model's forward with
+a ``DynamicCache`` (any architecture), and, for Llama-family models, the prefill and decode step of
 :mod:`rlctl.rollout.hf_decode` (preallocated cache, fused projections); the engine takes the fast one
 when :func:`~rlctl.rollout.hf_decode.unsupported_reason` has nothing against the model.
 """
@@ -99,18 +99,6 @@ class HFRolloutEngine(RolloutEngine):
             generator = torch.Generator(self.device).manual_seed(sampling.seed)
 
         input_ids, attention_mask = left_pad(prompt_token_ids, self.pad_token_id, self.device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits = out.logits[:, -1].repeat_interleave(n, dim=0)
-
         num_samples = len(prompt_token_ids) * n
         budget = [
             min(sampling.max_tokens, self.max_model_len - len(prompt_token_ids[s // n])) for s in range(num_samples)
@@ -121,9 +109,23 @@ class HFRolloutEngine(RolloutEngine):
             fast = None
         # One prefill per prompt; its cache is shared by the prompt's n samples.
         if fast is not None:
-            steps: _Steps = fast.start(cache, [len(p) for p in prompt_token_ids], n, max(budget))
+            state = fast.start([len(p) for p in prompt_token_ids], n, max(budget))
+            logits = state.prefill(input_ids)  # the fast path's own prefill, into its preallocated cache
+            steps: _Steps = state
         else:
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            cache = DynamicCache(config=self.model.config)
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1]
             steps = _HFSteps(self.model, cache, attention_mask, position_ids, n)
+        logits = logits.repeat_interleave(n, dim=0)
         tokens: list[list[int]] = [[] for _ in range(num_samples)]
         logprobs: list[list[float]] = [[] for _ in range(num_samples)]
         finish: list[str | None] = [None] * num_samples
@@ -226,16 +228,33 @@ def sample_next_token(
     The log-prob is ``log_softmax(logits / temperature)`` at the drawn token, before top-k/top-p
     (``log_softmax(logits)`` when greedy).
     """
-    logits = logits.float()
+    if logits.dtype != torch.float32:
+        logits = logits.float()
     if sampling.greedy:
         tokens = logits.argmax(dim=-1)
         logprobs = logits.log_softmax(dim=-1)
     else:
-        scaled = logits / sampling.temperature
+        scaled = logits if sampling.temperature == 1 else logits / sampling.temperature
         logprobs = scaled.log_softmax(dim=-1)
-        filtered = filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p)
-        tokens = torch.multinomial(filtered.softmax(dim=-1), 1, generator=generator).squeeze(1)
+        if 0 < sampling.top_k < logits.shape[-1] or sampling.top_p < 1:
+            probs = filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p).softmax(dim=-1)
+        else:
+            probs = logprobs.exp()  # softmax(scaled) up to float rounding
+        tokens = draw(probs, generator)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``probs`` (rows, vocab; each row sums to 1 up to rounding), by inverse CDF.
+
+    The distribution of ``torch.multinomial(probs, 1)``, but not its draws for a given seed: one uniform
+    number per row instead of one exponential per (row, token) (on CPU, 8 x 512 probabilities: 10 us
+    instead of 100 us). The CDF is summed in fp64; a token of probability 0 is never drawn.
+    """
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.rand(len(probs), 1, dtype=cdf.dtype, device=cdf.device, generator=generator) * cdf[:, -1:]
+    # the first token whose cumulative probability exceeds u; clamped against u rounding up to the total
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

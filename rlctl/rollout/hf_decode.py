@@ -20,7 +20,11 @@ the cache grows by ``torch.cat``, grouped-query attention copies the whole cache
 * rows whose sample finished are computed on (their output ignored) until compacting the batch pays
   (``DecodeState.COMPACT_ROW_STEPS``).
 
-The prefill stays the HF model's forward; its cache is copied once into the preallocated one.
+The prefill is this module's too (``DecodeState.prefill``): one row per prompt, causal attention
+within each left-padded row by SDPA, keys and values written straight into the ``n`` rows of the
+preallocated cache, logits for the last position only (measured on CPU: 1.1 ms instead of 2.1 ms for
+the HF forward and cache copy with 2 prompts of 27 tokens, hidden 128; 9 ms instead of 13 ms with
+prompts of 320 tokens; 352 ms instead of 453 ms at hidden 512 x 8 layers).
 Anything this module does not reproduce exactly (other architectures, a sliding window shorter than
 the sequences, rope types that depend on the sequence length, a non-SiLU MLP, quantized or
 replaced linear layers) makes :func:`unsupported_reason` return why, and the engine keeps the
@@ -204,13 +208,16 @@ class FastDecoder:
             return f"sliding window {self.window} < sequence length {total_len}"
         return None
 
-    def start(self, cache, prompt_lens: list[int], n: int, max_new: int) -> DecodeState:
-        """The decode state after a prefill of left-padded prompts into HF ``cache`` (one row per prompt)."""
+    def start(self, prompt_lens: list[int], n: int, max_new: int) -> DecodeState:
+        """The decode state of a generation of left-padded prompts, ``n`` samples each; ``prefill`` next."""
         weight = self.lm_head.weight
         pack = weight.device.type == "cpu" and weight.dtype == torch.float32 and _mkldnn_linear_available()
         for linear in self.linears:
             linear.refresh(pack and linear.weight.numel() >= self.PACK_MIN_NUMEL)
-        return DecodeState(self, cache, prompt_lens, n, max_new)
+        # each RMSNorm weight twice over, for rms_norm's fp32 path (taken per generation: weights change)
+        self.ln_pairs = [(_pair(layer.ln1), _pair(layer.ln2)) for layer in self.layers]
+        self.norm_pair = _pair(self.norm)
+        return DecodeState(self, prompt_lens, n, max_new)
 
 
 class DecodeState:
@@ -222,7 +229,7 @@ class DecodeState:
     # 655 ms compacting at once or at 4, 914 ms never; on hidden 128 x 2 layers all within noise.
     COMPACT_ROW_STEPS = 4
 
-    def __init__(self, dec: FastDecoder, cache, prompt_lens: list[int], n: int, max_new: int) -> None:
+    def __init__(self, dec: FastDecoder, prompt_lens: list[int], n: int, max_new: int) -> None:
         self.dec = dec
         first = dec.layers[0].qkv.weight
         device, dtype = first.device, first.dtype
@@ -232,9 +239,7 @@ class DecodeState:
         self.t = width  # next cache column
         # every layer's keys and values: (layers, 2, rows, kv_heads, max_len, head_dim)
         buf = torch.empty(layers, 2, prompts, n, kv, self.max_len, hd, device=device, dtype=dtype)
-        for i in range(layers):
-            buf[i, 0, :, :, :, :width] = cache.layers[i].keys[:, None]
-            buf[i, 1, :, :, :, :width] = cache.layers[i].values[:, None]
+        self.prompt_kv = buf[..., :width, :]  # the prompts' columns, one row per prompt (x n, broadcast)
         self.kv = buf.view(layers, 2, rows, kv, self.max_len, hd)
         # additive mask: -inf on each row's left padding, per (row, kv head) to match the products' batch
         lens = torch.tensor(prompt_lens, device=device).repeat_interleave(n)
@@ -256,7 +261,47 @@ class DecodeState:
         self.active = torch.arange(rows, device=device)  # physical rows still decoding
         self.num_active = rows
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
-        self._rope_buffer()
+        self._rope_buffer()  # and the fixed views
+
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Prefill the left-padded prompts ``input_ids`` (prompts, width) into the cache (each prompt's
+        keys and values into its ``n`` rows); return the logits at each prompt's last position.
+
+        The HF model's computation: each token attends causally within its prompt, padding masked (a pad
+        attends to itself only, so it stays finite), position ids from 0 at each prompt's first token."""
+        dec = self.dec
+        prompts, width = input_ids.shape
+        heads, kv, hd = dec.heads, dec.kv_heads, dec.head_dim
+        qk_heads, half, inter = heads + kv, hd // 2, dec.intermediate
+        start = width - self.position.view(prompts, -1)[:, 0]  # first real column of each prompt
+        cols = torch.arange(width, device=input_ids.device)
+        positions = (cols[None, :] - start[:, None]).clamp(min=0)
+        cos, sin = self.rope[:, positions, None].unbind(0)  # (prompts, width, 1, head_dim)
+        sin_lo, sin_hi = sin[..., :half], sin[..., half:]
+        causal = cols[None, :] <= cols[:, None]
+        diagonal = torch.eye(width, dtype=torch.bool, device=cols.device)
+        mask = ((causal & (cols[None, None, :] >= start[:, None, None])) | diagonal)[:, None]  # query x key
+        qk_norms = self.qk_norm or [None] * len(dec.layers)
+        h = F.embedding(input_ids, dec.embed).view(prompts * width, -1)
+        for i, (layer, (ln1, ln2), qk_norm) in enumerate(zip(dec.layers, dec.ln_pairs, qk_norms, strict=True)):
+            qkv = layer.qkv(rms_norm(h, layer.ln1, layer.eps1, ln1)).view(prompts, width, qk_heads + kv, hd)
+            qk = qkv[:, :, :qk_heads]
+            if qk_norm is not None:
+                qk = rms_norm(qk, qk_norm, layer.qk_eps)
+            r = qk * cos
+            r[..., :half].addcmul_(qk[..., half:], sin_lo)
+            r[..., half:].addcmul_(qk[..., :half], sin_hi)
+            k, v = r[:, :, heads:].transpose(1, 2), qkv[:, :, qk_heads:].transpose(1, 2)
+            self.prompt_kv[i, 0].copy_(k[:, None])
+            self.prompt_kv[i, 1].copy_(v[:, None])
+            q = r[:, :, :heads].transpose(1, 2)  # (prompts, heads, width, head_dim)
+            if i == len(dec.layers) - 1:  # the last layer: only the last position goes on
+                q, mask, h = q[:, :, -1:], mask[:, :, -1:], h.view(prompts, width, -1)[:, -1]
+            out = F.scaled_dot_product_attention(q, k, v, mask, scale=dec.scaling, enable_gqa=heads != kv)
+            h = layer.o.add_to(h, out.transpose(1, 2).reshape(len(h), heads * hd))
+            gu = layer.gate_up(rms_norm(h, layer.ln2, layer.eps2, ln2))
+            h = layer.down.add_to(h, F.silu(gu[:, :inter]) * gu[:, inter:])
+        return dec.lm_head(rms_norm(h, dec.norm, dec.norm_eps, dec.norm_pair))
 
     def _rope_buffer(self) -> None:
         # cos and sin for every head of the fused QKV output; the value heads get cos 1, sin 0 (unrotated)
@@ -264,6 +309,17 @@ class DecodeState:
         cs = self.rope.new_zeros(2, self.rows, dec.heads + 2 * dec.kv_heads, dec.head_dim)
         cs[0, :, dec.heads + dec.kv_heads :] = 1
         self.cs = cs
+        cos, sin = cs.unbind(0)
+        half = dec.head_dim // 2
+        self.cos, self.sin_lo, self.sin_hi = cos, sin[..., :half], sin[..., half:]
+        # views fixed until the next compaction (each step slices the columns written so far): per layer
+        # the cache (2, rows, kv, max_len, head_dim), the keys (transposed) and values read,
+        # (rows * kv, head_dim, max_len) and (rows * kv, max_len, head_dim)
+        rows, kv, max_len = self.rows, dec.kv_heads, self.max_len
+        self.layer_kv = self.kv.unbind(0)
+        context = self.kv.view(-1, 2, rows * kv, max_len, dec.head_dim)
+        self.keys_t, self.values = context[:, 0].transpose(2, 3).unbind(0), context[:, 1].unbind(0)
+        self.bias_flat = self.bias.view(rows * kv, 1, max_len)
 
     def drop(self, keep: torch.Tensor) -> None:
         """Keep only the active rows at indices ``keep`` (into the current active rows)."""
@@ -277,7 +333,7 @@ class DecodeState:
             self.tokens = self.tokens.index_select(0, idx)
             self.rows = self.num_active
             self.active = torch.arange(self.rows, device=idx.device)
-            self._rope_buffer()
+            self._rope_buffer()  # and the fixed views
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one token per active row; return the next-token logits of the active rows."""
@@ -286,36 +342,35 @@ class DecodeState:
             self.tokens = tokens
         else:
             self.tokens.index_copy_(0, self.active, tokens)
-        rows, t, max_len = self.rows, self.t, self.max_len
+        rows, t = self.rows, self.t
         heads, kv, hd = dec.heads, dec.kv_heads, dec.head_dim
         qk_heads, group, half, inter = heads + kv, heads // kv, hd // 2, dec.intermediate
-        cs = self.cs
-        cs[:, :, :qk_heads] = self.rope.index_select(1, self.position)[:, :, None]
-        cos, sin = cs.unbind(0)
-        bias = self.bias.view(rows * kv, 1, max_len)[:, :, : t + 1]
-        # per layer: the cache column written this step (2, rows, kv, head_dim), the keys (transposed)
-        # and values read, (rows * kv, head_dim, t + 1) and (rows * kv, t + 1, head_dim)
-        columns = self.kv.select(4, t).unbind(0)
-        context = self.kv.view(-1, 2, rows * kv, max_len, hd)[:, :, :, : t + 1]
-        keys_t, values = context[:, 0].transpose(2, 3).unbind(0), context[:, 1].unbind(0)
-        qk_norms = self.qk_norm or [None] * len(columns)
+        self.cs[:, :, :qk_heads] = self.rope.index_select(1, self.position)[:, :, None]
+        cos, sin_lo, sin_hi = self.cos, self.sin_lo, self.sin_hi
+        # the columns written so far, this step's included (it is written below, before it is read): the
+        # masked columns not yet written would add ~2% to the flops of the compute regime (hidden 512)
+        bias, seen = self.bias_flat[:, :, : t + 1], t + 1
+        qk_norms = self.qk_norm or [None] * len(dec.layers)
         fp32 = self.kv.dtype == torch.float32
         kv_shape, q_shape, attn_shape = (rows, 2, kv, hd), (rows * kv, group, hd), (rows, heads * hd)
         h = F.embedding(self.tokens, dec.embed)
-        for layer, column, k_t, v, qk_norm in zip(dec.layers, columns, keys_t, values, qk_norms, strict=True):
-            x = rms_norm(h, layer.ln1, layer.eps1)
+        layers = zip(dec.layers, dec.ln_pairs, self.layer_kv, self.keys_t, self.values, qk_norms, strict=True)
+        for layer, (ln1, ln2), layer_kv, k_t, v, qk_norm in layers:
+            x = rms_norm(h, layer.ln1, layer.eps1, ln1)
             qkv = layer.qkv(x).view(rows, qk_heads + kv, hd)
             if qk_norm is not None:
                 qkv = torch.cat([rms_norm(qkv[:, :qk_heads], qk_norm, layer.qk_eps), qkv[:, qk_heads:]], dim=1)
-            # rotate_half(x) * sin == roll(x, half) * sin with rotate_half's sign folded into sin
-            qkv = torch.addcmul(qkv * cos, qkv.roll(half, -1), sin)
-            column.copy_(qkv[:, heads:].view(kv_shape).transpose(0, 1))
-            scores = torch.baddbmm(bias, qkv[:, :heads].reshape(q_shape), k_t, alpha=dec.scaling)
+            # x * cos + rotate_half(x) * sin, rotate_half's sign folded into sin (value heads: cos 1, sin 0)
+            r = qkv * cos
+            r[..., :half].addcmul_(qkv[..., half:], sin_lo)
+            r[..., half:].addcmul_(qkv[..., :half], sin_hi)
+            layer_kv.select(3, t).copy_(r[:, heads:].view(kv_shape).transpose(0, 1))
+            scores = torch.baddbmm(bias, r[:, :heads].reshape(q_shape), k_t[:, :, :seen], alpha=dec.scaling)
             probs = scores.softmax(-1) if fp32 else scores.softmax(-1, dtype=torch.float32).to(scores.dtype)
-            h = layer.o.add_to(h, torch.bmm(probs, v).view(attn_shape))
-            gu = layer.gate_up(rms_norm(h, layer.ln2, layer.eps2))
+            h = layer.o.add_to(h, torch.bmm(probs, v[:, :seen]).view(attn_shape))
+            gu = layer.gate_up(rms_norm(h, layer.ln2, layer.eps2, ln2))
             h = layer.down.add_to(h, F.silu(gu[:, :inter]) * gu[:, inter:])
-        logits = dec.lm_head(rms_norm(h, dec.norm, dec.norm_eps))
+        logits = dec.lm_head(rms_norm(h, dec.norm, dec.norm_eps, dec.norm_pair))
         self.t += 1
         self.position += 1
         if self.num_active != self.rows:
@@ -323,8 +378,19 @@ class DecodeState:
         return logits
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalized in fp32, cast back to the input's dtype, times the weight."""
+def _pair(weight: torch.Tensor) -> torch.Tensor | None:
+    return torch.cat([weight, weight]) if weight.dtype == torch.float32 else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pair: torch.Tensor | None = None) -> torch.Tensor:
+    """HF's RMSNorm: normalized in fp32, cast back to the input's dtype, times the weight.
+
+    With ``pair`` (the weight twice over) and ``x`` 2-D fp32: the LayerNorm of ``[x, -x]`` (mean 0,
+    variance mean(x^2)), its first half. One fused kernel: on CPU, 8 x 128, 8.5 us instead of 11.7 us
+    for ``F.rms_norm`` (which is ~10 small ops there), equal to it up to float rounding (~1e-7)."""
+    if pair is not None and x.dim() == 2 and x.dtype == torch.float32:
+        d = x.shape[-1]
+        return F.layer_norm(torch.cat([x, x.neg()], dim=-1), pair.shape, pair, None, eps)[:, :d]
     if x.dtype == torch.float32:
         if weight.dim() == 1:
             return F.rms_norm(x, x.shape[-1:], weight, eps)
@@ -339,10 +405,11 @@ def _mkldnn_linear_available() -> bool:
 class _Linear:
     """``x @ weight.T + bias``, by oneDNN from a prepacked copy of the weight when ``refresh`` packed it."""
 
-    __slots__ = ("weight", "bias", "packed", "version")
+    __slots__ = ("weight", "weight_t", "bias", "packed", "version")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight, self.bias = weight, bias
+        self.weight_t = weight.t()  # a view: in-place writes to the weight are seen; one t() less per call
         self.packed: torch.Tensor | None = None
         self.version = -1
 
@@ -356,12 +423,14 @@ class _Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
+            if x.dim() != 2:
+                return F.linear(x, self.weight, self.bias)
+            return torch.mm(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """residual + self(x)."""
         if self.packed is not None:
             return residual + self(x)
-        out = torch.addmm(residual, x, self.weight.t())
+        out = torch.addmm(residual, x, self.weight_t)
         return out if self.bias is None else out + self.bias

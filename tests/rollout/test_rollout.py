@@ -197,18 +197,27 @@ def test_hf_sampled_logprobs_match_teacher_forcing(tie, model_a, model_a_tied):
     assert len(set(group)) > 1  # the n samples of a prompt differ
 
 
-def test_hf_prefills_each_prompt_once_for_its_group(hf_engine):
+def test_hf_prefills_each_prompt_once_for_its_group(hf_engine, monkeypatch):
+    from rlctl.rollout.hf_decode import DecodeState
+
     shapes = []
     hook = hf_engine.model.register_forward_pre_hook(
         lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
     )
+    own_prefill = DecodeState.prefill  # the fast path prefills without the HF model
+
+    def recording(state, input_ids):
+        shapes.append(tuple(input_ids.shape))
+        return own_prefill(state, input_ids)
+
+    monkeypatch.setattr(DecodeState, "prefill", recording)
     try:
         hf_engine.generate(PROMPTS, n=4, sampling=SamplingParams(temperature=1.0, max_tokens=6, seed=0))
     finally:
         hook.remove()
     longest = max(len(p) for p in PROMPTS)
     assert shapes[0] == (len(PROMPTS), longest)  # one prefill row per prompt, not per sample
-    if hf_engine.fast_decode:  # the fast decode step does not call the HF model after the prefill
+    if hf_engine.fast_decode:  # the fast path does not call the HF model at all
         assert len(shapes) == 1
     else:
         assert all(width == 1 and rows <= len(PROMPTS) * 4 for rows, width in shapes[1:])
