@@ -79,6 +79,7 @@ def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_thi
     from rlctl.metrics import check_backends_installed
 
     check_backends_installed(cfg.log.backends)
+    check_profile_env()
     check_memory(plan, ignore=ignore_memory_check)
     if on_this_machine:
         check_device(plan)
@@ -109,6 +110,17 @@ def check_data_given(cfg: RunConfig) -> None:
         value = getattr(cfg.data, key)
         if value:
             check_source(value, f"data.{key}", cfg.data.split if key == "path" else val_split(cfg))
+
+
+def check_profile_env() -> None:
+    """``RLCTL_PROFILE`` (rlctl.runtime.profile) is START:END or N; a typo fails here, not after the run."""
+    from rlctl.runtime.profile import PROFILE_ENV, parse_steps
+
+    value = os.environ.get(PROFILE_ENV, "")
+    if value.strip() and parse_steps(value) is None:
+        raise UserError(
+            f"{PROFILE_ENV}={value!r} is not a step range: use START:END (1-based, e.g. 3:6) or one step N, or unset it"
+        )
 
 
 def check_reward_spec(cfg: RunConfig) -> None:

@@ -6,7 +6,8 @@ as ``step`` in metrics.jsonl; ``RLCTL_PROFILE=N`` is one step) and writes, after
 - ``RUN/profile/rank0.trace.json``: a chrome trace (open it in https://ui.perfetto.dev or chrome://tracing).
 
 Steps 1-2 include one-time warm-up (allocations, first calls): profile later steps, e.g. ``3:6``.
-A malformed value is one line in the log and no profile, never a failed run.
+`rlctl sft|grpo|ppo` refuse a malformed value before launch (one line, exit 2); on a rank started another
+way it is one line in the log and no profile, never a failed run.
 """
 
 from __future__ import annotations

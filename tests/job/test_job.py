@@ -222,3 +222,27 @@ def test_the_torch_free_algorithm_facts_equal_the_registry():
     for name, facts in ADV_FACTS.items():
         est = ADV_ESTIMATORS[name]
         assert (est.needs_critic, est.needs_groups) == (facts.needs_critic, facts.needs_groups), name
+
+
+def test_a_malformed_rlctl_profile_is_refused_before_launch(files, tiny_model_dir, tmp_path):
+    rl = str(files / "rl.jsonl")
+    out = tmp_path / "run"
+    args = [
+        "grpo",
+        "--model",
+        str(tiny_model_dir),
+        "--device",
+        "cpu",
+        *SHORT,
+        "--reward",
+        "exact",
+        "--max-steps",
+        "1",
+        "--data",
+        rl,
+    ]
+    r = run_cli(*args, "--output-dir", str(out), env={**NO_GPU, "RLCTL_PROFILE": "3-6"}, cwd=tmp_path)
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, (r.stdout, r.stderr)
+    assert "RLCTL_PROFILE='3-6' is not a step range: use START:END" in lines[0]
+    assert not out.exists()
