@@ -365,7 +365,7 @@ def compare_rollout(model: BenchModel, s: CompareSettings, log) -> dict:
 
 
 def compare_training(method: str, model: BenchModel, s: CompareSettings, work: Path, log) -> dict:
-    from rlctl.bench.train import TrainSettings, _is_rank, prepare_job, run_job, write_data
+    from rlctl.bench.train import TrainSettings, is_rank, prepare_job, run_job, write_data
 
     is_rl = method != "sft"
     ts = TrainSettings(
@@ -407,7 +407,7 @@ def compare_training(method: str, model: BenchModel, s: CompareSettings, work: P
             log(f"{method}: repetition {rep + 1}/{s.reps}, {side}")
             if side == "rlctl":
                 cfg, plan = prepare_job(model, ts, work / f"rlctl-{rep}", data=data)
-                with CpuClock(_is_rank) as clock:
+                with CpuClock(is_rank) as clock:
                     records, sampler = run_job(cfg, plan)
                 runs[side].append(periods(records, clock))
                 rss[side].append(max(sampler.peak.values(), default=0))

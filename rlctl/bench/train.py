@@ -172,7 +172,7 @@ def import_baseline_bytes(method: str, rollout: str | None) -> int:
     return rss
 
 
-def _is_rank(cmdline: list[str]) -> bool:
+def is_rank(cmdline: list[str]) -> bool:
     """A rank runs ``python -m rlctl.recipes.<method>``; torchrun's own command names it too."""
     return "torch.distributed.run" not in cmdline and any(part.startswith("rlctl.recipes.") for part in cmdline)
 
@@ -327,7 +327,7 @@ def run_job(cfg, plan) -> tuple[list[dict], ProcessSampler]:
     from rlctl.runtime.layout import RunPaths
 
     paths = RunPaths(Path(cfg.output_dir))
-    with ProcessSampler(_is_rank, gpu=plan.device == "cuda") as sampler:
+    with ProcessSampler(is_rank, gpu=plan.device == "cuda") as sampler:
         rc = launch_job(cfg, plan)
     if rc != 0:
         raise UserError(f"the {cfg.method} job failed (exit status {rc}); see {paths.train_log}")

@@ -376,8 +376,8 @@ class FSDPEngine(TrainEngine):
         micro-batch's logits are computed only where the loss reads them (``logits_to_keep``)."""
         blocks, mask = mb.blocks, mb.attention_mask
         kwargs = {"attention_mask": mask}
-        if blocks is not None and self.varlen:  # shared-prefix rows: short ones run one masked call
-            kwargs = varlen.attention_kwargs(blocks, mb.input_ids)
+        if blocks is not None:  # shared-prefix rows: a call per block, or one masked call (short rows, eager)
+            kwargs = varlen.attention_kwargs(blocks, mb.input_ids, split=self.varlen)
         elif mask is None and self.varlen:  # packed rows: one call per document
             blocks = varlen.blocks_from_positions(mb.position_ids)
             if varlen.worth_splitting(blocks, mb.input_ids.shape[0]):
@@ -438,6 +438,8 @@ class FSDPEngine(TrainEngine):
         set_model_state_dict(self._state_module, state["model"])
         if self.trainable and "optim" in state:
             set_optimizer_state_dict(self._state_module, self.optimizer, state["optim"])
+            for group in self.optimizer.param_groups:  # checkpoints from before fused AdamW say fused=None
+                group["fused"] = True
             self.global_step = int(state["scheduler"]["step"])
 
     def lora_info(self) -> dict | None:

@@ -48,6 +48,7 @@ def worth_splitting(blocks: Sequence[Block], rows: int) -> bool:
 #: Rows up to this many tokens run ONE sdpa call with the dense boolean mask of their blocks rather than a
 #: call per block: there the per-block calls (and their slices' backward, each a full-size zero tensor)
 #: cost more than the scores the mask throws away (measured on CPU, GRPO's overhead regime, docs/bench.md).
+#: CPU only: on a GPU a boolean mask rules out the flash kernels, and nothing was measured there.
 DENSE_MAX_LEN = 256
 
 
@@ -62,12 +63,13 @@ def dense_mask(blocks: Sequence[Block], rows: int, length: int, device: torch.de
     return mask[:, None].to(device)
 
 
-def attention_kwargs(blocks: Sequence[Block], input_ids: torch.Tensor) -> dict:
+def attention_kwargs(blocks: Sequence[Block], input_ids: torch.Tensor, *, split: bool = True) -> dict:
     """What a forward over shared-prefix rows ``input_ids`` [B, T] laid out as ``blocks`` passes the model: the blocks
-    (one sdpa call each, a placeholder mask) or, for rows of at most :data:`DENSE_MAX_LEN` tokens, their
-    dense mask (one call)."""
+    (one sdpa call each, a placeholder mask) or, for rows of at most :data:`DENSE_MAX_LEN` tokens on a CPU,
+    their dense mask (one call). ``split=False`` (an attention without per-block calls, e.g. eager): always
+    the dense mask, so a response never sees its siblings."""
     rows, length = input_ids.shape
-    if length <= DENSE_MAX_LEN:
+    if not split or (length <= DENSE_MAX_LEN and input_ids.device.type == "cpu"):  # measured on CPU only
         return {"attention_mask": dense_mask(blocks, rows, length, input_ids.device)}
     return {"attention_mask": placeholder_mask(input_ids.device), "rlctl_blocks": blocks}
 

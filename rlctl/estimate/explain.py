@@ -54,7 +54,8 @@ def assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEs
                 f"output head gathered through the backward, in {s.dtype}"
             )
         else:
-            out.append(f"{what}; one GPU, the plain module (no FSDP wrappers, nothing gathered): {states}")
+            one = "one GPU" if s.device == "cuda" else "one process"
+            out.append(f"{what}; {one}, the plain module (no FSDP wrappers, nothing gathered): {states}")
         if s.pure_bf16:
             out.append(
                 "pure bf16: no fp32 master copy; AdamW updates below bf16's resolution (~1/256 of a weight) are "

@@ -19,6 +19,7 @@ LABELS = {
     "reward_model": "reward model",
     "critic": "critic (idle)",
     "engine_weights": "engine weights",
+    "engine_packed_weights": "engine weights, oneDNN-packed copy (CPU)",
     "kv_cache": "KV cache",
     "engine_activations": "engine activations",
     "cuda_graphs": "CUDA graphs",

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 from rlctl.estimate.settings import ALLOCATOR_SLACK, GIB, HOST_MARGIN_FRACTION, MemorySettings, check_keys
 
 # outside torch's caching allocator: the CUDA context, and the rollout engine's own preallocated pools
-NOT_CACHED = frozenset({"cuda_context", "engine_weights", "kv_cache", "engine_activations", "cuda_graphs"})
+NOT_CACHED = frozenset(
+    {"cuda_context", "engine_weights", "engine_packed_weights", "kv_cache", "engine_activations", "cuda_graphs"}
+)
 # freed and reallocated every micro batch in blocks of changing sizes: where the allocator's cache grows
 TRANSIENT = frozenset({"activations", "logits", "unsharded_buffers"})
 

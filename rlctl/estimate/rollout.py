@@ -48,10 +48,15 @@ def engine_phase(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryE
     batch_sequences = math.ceil(s.rollout_batch * s.rollout_n / replicas)
     seq = s.prompt_len + s.response_len
     if s.rollout == "hf" or s.device == "cpu":
-        # no preallocation: the cache grows to the batch it generates, prefill is the transient peak
+        # the hf engine's fast decode step preallocates the cache for the whole batch and its longest
+        # sequence (what vLLM-CPU grows to as well); prefill is the transient peak
         kv = batch_sequences * seq * per_token
         act = engine_activation_bytes(model, batch_sequences * s.prompt_len, batch_sequences, rtp, eb)
         parts = {"engine_weights": weights, "kv_cache": kv, "engine_activations": act}
+        if s.rollout == "hf" and s.device == "cpu" and eb == 4:
+            # fp32 on CPU: the fast decode step keeps a oneDNN-prepacked copy of every large weight
+            # (rlctl.rollout.hf_decode); counted as the whole model, an upper bound by the embedding
+            parts["engine_packed_weights"] = weights
     else:
         budget = int(s.mem_fraction * gpu.memory_bytes)
         act = engine_activation_bytes(model, ENGINE_BATCHED_TOKENS, ENGINE_MAX_SEQS, rtp, eb)

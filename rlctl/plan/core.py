@@ -84,7 +84,8 @@ def plan_with_search(cfg: RunConfig, local: LocalEnv, *, host_memory_bytes: int 
             "that run the job"
         )
     if backend == "fsdp" and not s.sharded:
-        reasons.append("parallel: one GPU, the plain module (no FSDP): every state on it")
+        one = "one GPU" if job.device == "cuda" else "one process"
+        reasons.append(f"parallel: {one}, the plain module (no FSDP): every state on it")
     elif backend == "fsdp":
         reasons.append(
             f"parallel: FSDP2 full shard, dp {s.dp}: weights, gradients and optimizer states split over "

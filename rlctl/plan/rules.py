@@ -186,13 +186,13 @@ def choose_engine(*, device: str, n: int, lora: bool, installed: frozenset[str])
 
     On GPUs the choice is the cluster recipe and does not depend on what this machine has
     installed: SGLang for group sampling (n > 1, its prefix cache shares each prompt's KV across
-    the group) without LoRA, vLLM otherwise. On CPU the HF engine: measured ~2.8x vLLM-CPU's
-    tokens/s at the sizes a CPU can train (bench rollout, 18.8k vs 6.7k tok/s), it shares each
+    the group) without LoRA, vLLM otherwise. On CPU the HF engine: measured ~4x vLLM-CPU's
+    tokens/s at the sizes a CPU can train (bench rollout, 27.4k vs 6.6k tok/s), it shares each
     prompt's prefill across its group, and needs no weight sync into a second process.
     """
     if device == "cpu":
         why = "vllm-cpu is installed but measured slower on CPU" if "vllm" in installed else "vllm is not needed"
-        return "hf", f"rollout hf: on CPU the HF engine is ~2.8x faster than vLLM-CPU ({why}; --rollout vllm forces it)"
+        return "hf", f"rollout hf: on CPU the HF engine is ~4x faster than vLLM-CPU ({why}; --rollout vllm forces it)"
     if lora:
         return "vllm", "rollout vllm: LoRA adapters are synced to vLLM's LoRA support without merging"
     if n > 1:

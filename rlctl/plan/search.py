@@ -267,7 +267,10 @@ def _unshard_reason(job: Job, s: MemorySettings, reasons: list[str]) -> None:
     if s.shard or tri_state(job.cfg.parallel.shard) is not None:
         return
     if job.device != "cuda":
-        reasons.append("shard off: one process, so the plain module without FSDP wrappers (no DTensor, no hooks)")
+        reasons.append(
+            "shard off: one process, so the plain module without FSDP wrappers (no DTensor, no hooks; mixed "
+            "precision by autocast, as on one GPU)"
+        )
         return
     saved = estimate_memory(job.spec, job.gpu, replace(s, shard=True)).phases["training"].total_bytes
     saved -= estimate_memory(job.spec, job.gpu, s).phases["training"].total_bytes

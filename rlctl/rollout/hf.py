@@ -241,7 +241,13 @@ def sample_next_token(
         else:
             probs = logprobs.exp()  # softmax(scaled) up to float rounding
         tokens = draw(probs, generator)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(1)
+    chosen = logprobs.gather(-1, tokens[:, None]).squeeze(1)
+    if not bool(torch.isfinite(chosen).all()):  # NaN/inf logits: a diverged policy, not a token to train on
+        raise UserError(
+            "the policy's next-token logits are not finite (NaN or inf): training diverged; lower the "
+            "learning rate (--lr), keep gradient clipping on (train.grad_clip), or resume from an earlier checkpoint"
+        )
+    return tokens, chosen
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

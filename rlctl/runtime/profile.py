@@ -43,14 +43,17 @@ class StepProfiler:
         self.out = Path(root) / "profile"
         self.log = log
         self._prof = None
+        self._last = 0  # the last step begun inside the window (a run may stop before its END)
 
     def begin(self, step: int) -> None:
+        self._last = step if self._prof is not None else self._last
         if self.steps is None or step != self.steps[0]:
             return
         import torch
         from torch.profiler import ProfilerActivity, profile
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._last = step
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda_in_use(torch) else [])
         self._prof = profile(activities=activities, record_shapes=False, with_stack=False)
         self._prof.__enter__()
 
@@ -72,10 +75,15 @@ class StepProfiler:
         import torch
 
         self.out.mkdir(parents=True, exist_ok=True)
-        start, end = self.steps
-        sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        start, end = self.steps[0], self._last
+        sort = "self_cuda_time_total" if _cuda_in_use(torch) else "self_cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=70)
         text = f"# rlctl profile of steps {start}..{end} (rank 0), sorted by {sort}\n{table}\n"
         (self.out / "rank0.txt").write_text(text)
         prof.export_chrome_trace(str(self.out / "rank0.trace.json"))
         self.log(f"profile of steps {start}..{end}: {self.out / 'rank0.txt'} and rank0.trace.json")
+
+
+def _cuda_in_use(torch) -> bool:
+    """The run computes on a GPU (a CPU run on a machine with one leaves CUDA uninitialised)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()

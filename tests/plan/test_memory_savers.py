@@ -48,3 +48,16 @@ def test_activation_offload_comes_before_offloading_the_states():
     assert any("rejected fsdp, dp 1" in r for r in p.reasons)
     assert p.estimate.host_phases["training"].components["offloaded_activations"] > 0
     assert apply_plan(cfg, p).parallel.offload_activations == "true"
+
+
+def test_one_cpu_process_runs_the_plain_module_and_two_stay_sharded():
+    def cpu_plan(nproc: int):
+        layer = dotted_to_nested({"hardware.device": "cpu", "hardware.nproc": nproc, "model.name": "Qwen2.5-0.5B"})
+        cfg = build_config("sft", method_layers("sft", None) + [layer])
+        return cfg, plan_config(cfg, LocalEnv(memory_bytes=64 * 2**30))
+
+    cfg, p = cpu_plan(1)
+    assert not p.estimate.settings.shard and apply_plan(cfg, p).parallel.shard == "false"
+    assert any(r.startswith("shard off: one process") for r in p.reasons)
+    cfg, p = cpu_plan(2)
+    assert p.estimate.settings.shard and apply_plan(cfg, p).parallel.shard == "true"

@@ -104,10 +104,8 @@ def engine_pass(engine, batch, weights, *, budget: int, share_prefix: bool, spli
         batch, list(range(len(batch))), budget=budget, pad_id=0, device=torch.device("cpu"), share_prefix=share_prefix
     )
     assert all((mb.keep_cols is not None) == share_prefix for mb in micro)
-    for mb in micro:
-        if not split and mb.blocks is not None:  # unsplit: the shared rows' dense 4-D mask from their blocks
-            mb.attention_mask = varlen.dense_mask(mb.blocks, *mb.input_ids.shape, mb.input_ids.device)
-        mb.blocks = mb.blocks if split else None  # (packed rows: transformers' own mask from the positions)
+    # unsplit (engine.varlen False): the engine gives shared rows the dense 4-D mask of their blocks, and
+    # packed rows transformers' own mask from the positions
     engine.varlen = split
     saved, varlen.DENSE_MAX_LEN = varlen.DENSE_MAX_LEN, 0 if per_block else varlen.DENSE_MAX_LEN
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlctl.errors import UserError
 from rlctl.rollout.base import SamplingParams
 from rlctl.rollout.hf import draw, filter_top_k_top_p, sample_next_token
 
@@ -41,3 +42,12 @@ def test_draw_follows_the_distribution_and_skips_zeros():
     # a last token of probability 0 is never drawn, even with rows that sum to slightly less than 1
     edge = torch.tensor([[0.3333333, 0.6666666, 0.0]]).expand(5000, 3)
     assert draw(edge, torch.Generator().manual_seed(1)).max().item() <= 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_non_finite_logits_stop_with_one_line_error(temperature):
+    logits = torch.zeros(3, 8)
+    logits[1, 2] = float("nan")
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(UserError, match="logits are not finite"):
+        sample_next_token(logits, SamplingParams(temperature=temperature), gen)
