@@ -107,5 +107,5 @@ def _tiny_reward_model(out):
 @pytest.mark.slow
 def test_reward_model_alone_trains(tiny_model_dir, tmp_path):
     rm = _tiny_reward_model(tmp_path / "rm")
-    records = _grpo(tiny_model_dir, tmp_path, "--reward-model", str(rm), steps=8)
+    records = _grpo(tiny_model_dir, tmp_path, "--reward-model", str(rm), steps=12)
     _rises([r["reward/mean"] for r in records], 0.1)
