@@ -20,6 +20,7 @@ from functools import cache
 from pathlib import Path
 
 from rlctl.config import RunConfig, val_split
+from rlctl.config.algorithm import check_algorithm
 from rlctl.errors import UserError
 
 IGNORE_MEMORY_FLAG = "--ignore-memory-check"
@@ -52,14 +53,6 @@ def resolve_job(method: str, *, preset: str | None, config_file: str | None, opt
         check_remote_code(cfg, model)  # before the planner, which would only say the model type is unknown
     plan = resolve_plan(cfg)
     return apply_plan(cfg, plan), plan
-
-
-def check_algorithm(cfg: RunConfig) -> None:
-    """Algorithm settings that run together (:func:`rlctl.config.choices.check_algorithm`)."""
-    from rlctl.config.choices import check_algorithm as check
-
-    a = cfg.algo
-    check(cfg.method, a.adv, n=cfg.rollout.n, kl_coef=a.kl_coef, kl_target=a.kl_target)
 
 
 def with_run_dir(cfg: RunConfig) -> RunConfig:
