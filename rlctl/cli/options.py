@@ -222,6 +222,14 @@ EvalEvery = Annotated[
         rich_help_panel="Evaluation",
     ),
 ]
+EvalBefore = Annotated[
+    bool | None,
+    typer.Option(
+        "--eval-before/--no-eval-before",
+        help="Also evaluate before the first step (step 0), a baseline for the curves (needs validation data).",
+        rich_help_panel="Evaluation",
+    ),
+]
 Warmup = Annotated[
     float | None,
     typer.Option("--warmup-ratio", help="Share of the steps with a linear lr warmup.", rich_help_panel="Training"),
@@ -319,6 +327,7 @@ COMMON_KEYS = {
     "batch_size": "train.batch_size",
     "micro_batch_size": "train.micro_batch_size",
     "eval_every": "train.eval_every",
+    "eval_before": "train.eval_before",
     "save_every": "checkpoint.save_every",
     "keep_last": "checkpoint.keep_last",
     "resume": "checkpoint.resume",

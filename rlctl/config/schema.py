@@ -95,6 +95,7 @@ class TrainConfig:
     precision: str = "mixed"  # mixed (fp32 master weights, grads, AdamW) | bf16 (pure bf16: half the state bytes)
     seed: int = 42
     eval_every: int = 0
+    eval_before: bool = False  # also evaluate at step 0, before training (a fresh run only), as a baseline
     compile: bool = False
 
 
