@@ -215,12 +215,13 @@ def plot(runs: list[Run], out: str | Path, *, sidecar: str | Path | None = None,
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        if len([ln for ln in ax.get_lines() if not ln.get_label().startswith("_")]) > 1:
+        labels = [ln.get_label() for ln in ax.get_lines() if not ln.get_label().startswith("_")]
+        if len(labels) > 1 or (labels and labels[0] != panel):
             ax.legend(fontsize=7)
     for i in range(len(names), rows * cols):
         axes[i // cols][i % cols].set_visible(False)
     fig.suptitle(" vs ".join(run.name for run in runs) if len(runs) > 1 else f"{runs[0].name} ({runs[0].method})")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

@@ -105,3 +105,36 @@ def test_compare_writes_its_own_files_in_distinct_colours(tmp_path):
         )
         assert [c[0] for c in colours] == ["grpo_tiny", "other"] and colours[0][1] != colours[1][1]
     assert errors == [] and len(requests) == 1
+
+
+def test_follow_rewrites_until_the_run_ends(tmp_path):
+    """--follow: the page reloads itself while the run has no summary.json; once it has, the report is
+    written a last time without the reload and the command ends."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.support.cli import REPO
+
+    run = _run_with_samples(tmp_path)
+    summary = (run / "summary.json").read_text()
+    (run / "summary.json").unlink()
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text("".join(lines[:3]))
+    cmd = [sys.executable, "-m", "rlctl", "report", str(run), "--follow", "--interval", "1", "--no-plot"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        page = run / "report.html"
+        deadline = time.time() + 60
+        while not (page.is_file() and '"step":3' in page.read_text()) and time.time() < deadline:
+            time.sleep(0.2)
+        assert '<meta http-equiv="refresh" content="1">' in page.read_text()
+        (run / "metrics.jsonl").write_text("".join(lines))  # the run goes on ...
+        (run / "summary.json").write_text(summary)  # ... and ends
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    text = page.read_text()
+    assert 'http-equiv="refresh"' not in text and '"step":8' in text
+    assert "step 3: " in out
