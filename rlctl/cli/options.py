@@ -221,14 +221,8 @@ EvalEvery = Annotated[
         rich_help_panel="Evaluation",
     ),
 ]
-EvalBefore = Annotated[
-    bool | None,
-    typer.Option(
-        "--eval-before/--no-eval-before",
-        help="Also evaluate before the first step (step 0), a baseline for the curves (needs validation data).",
-        rich_help_panel="Evaluation",
-    ),
-]
+_EVAL_BEFORE_HELP = "Also evaluate before the first step (step 0): a baseline for the curves (needs validation data)."
+EvalBefore = Annotated[bool | None, typer.Option(help=_EVAL_BEFORE_HELP, rich_help_panel="Evaluation")]
 Warmup = Annotated[
     float | None,
     typer.Option("--warmup-ratio", help="Share of the steps with a linear lr warmup.", rich_help_panel="Training"),
