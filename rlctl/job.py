@@ -113,10 +113,13 @@ def check_dry_run(cfg: RunConfig) -> None:
     model = model_files(cfg.model.name)
     if model is not None:
         check_tokenizer(model.root)
-    if cfg.data.path:
+    if cfg.data.path:  # the files exist and read (their columns are checked by the real run)
+        from rlctl.data.io import first_rows
+
         check_data_given(cfg)
-        check_reward_spec(cfg)
-        check_data_rows(cfg, model)
+        for path in (cfg.data.path, cfg.data.val_path):
+            if path:
+                first_rows(path)
 
 
 # ---------------------------------------------------------------------------------------------
