@@ -30,7 +30,6 @@ would count each value ``mp_size`` times. For FSDP every rank is its own replica
 from __future__ import annotations
 
 import abc
-import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,7 +273,3 @@ def write_model_meta(out_dir: str | Path, hf_config, tokenizer, source: ModelSou
         gen = GenerationConfig.from_model_config(hf_config)
     gen.save_pretrained(str(out))
     return out
-
-
-def read_json(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text())
