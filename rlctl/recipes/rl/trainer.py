@@ -61,10 +61,11 @@ class RLTrainer(ScoringSteps):
         self.temperature = cfg.rollout.temperature or 1.0
 
         spec = EngineSpec.from_config(cfg)
-        self.actor = build_engine(spec, cfg, role="actor", total_steps=optimizer_steps, source=self.source)
-        self.ref = build_engine(spec, cfg, role="ref", trainable=False, source=self.source) if a.kl_coef > 0 else None
+        self.actor = build_engine(spec, role="actor", total_steps=optimizer_steps, source=self.source)
+        self.ref = build_engine(spec, role="ref", trainable=False, source=self.source) if a.kl_coef > 0 else None
+        critic_spec = spec.replace(optimizer=spec.optimizer.replace(lr=a.critic_lr))
         self.critic = (
-            build_engine(spec, cfg, role="critic", total_steps=optimizer_steps, lr=a.critic_lr, source=self.source)
+            build_engine(critic_spec, role="critic", total_steps=optimizer_steps, source=self.source)
             if with_critic
             else None
         )
@@ -81,29 +82,27 @@ class RLTrainer(ScoringSteps):
         self.last_batch: RolloutBatch | None = None
 
     def _make_rollout(self):
-        from rlctl.rollout import make_rollout_engine
+        """This rank's rollout engine: the run's RolloutSpec with this rank's weights, device, dtype and seed."""
+        from rlctl.rollout import RolloutSpec, make_rollout_engine
 
-        cfg, d = self.cfg, self.dist
-        name = cfg.rollout.engine if cfg.rollout.engine != "auto" else "hf"  # auto: the plan chose none
+        d = self.dist
+        spec = RolloutSpec.from_config(self.cfg)
         path = self.source.path
         if self.source.random_init:  # no weights on disk: the rollout engine starts from the actor's
             path = str(self.actor.export_hf(self.ctx.paths.root / "rollout_init", self.ctx.paths.model_meta))
-        device = f"cuda:{d.local_rank}" if self.device.type == "cuda" else "cpu"
-        self.rollout_tp = cfg.rollout.tp or 1
+        self.rollout_tp = spec.tp
         if d.world_size % self.rollout_tp:
             raise UserError(f"rollout.tp={self.rollout_tp} does not divide the {d.world_size} processes")
         check_rollout_in_node(self.rollout_tp, d.local_world_size)
         engine = make_rollout_engine(
-            name,
-            path,
-            device=device,
-            dtype=self.rollout_dtype,
-            tp=self.rollout_tp,
-            mem_fraction=cfg.rollout.mem_fraction or 0.5,
-            max_model_len=cfg.rollout.max_prompt_len + cfg.rollout.max_response_len,
-            seed=cfg.train.seed + d.rank,
+            spec.replace(
+                model_path=path,
+                device=f"cuda:{d.local_rank}" if self.device.type == "cuda" else "cpu",
+                dtype=self.rollout_dtype,
+                seed=spec.seed + d.rank,
+            )
         )
-        self.ctx.log(f"rollout: {name} engine on every rank ({self.rollout_dtype})")
+        self.ctx.log(f"rollout: {spec.engine} engine on every rank ({self.rollout_dtype})")
         return engine
 
     # ------------------------------------------------------------------ timing
