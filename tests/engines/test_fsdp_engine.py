@@ -453,7 +453,7 @@ def test_build_engine_picks_the_backend_of_the_spec(tiny_model_dir, data_file, t
 def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, tmp_path):
     """EngineSpec.from_config parses the config the planner resolved (apply_plan): "true"/"false" strings
     become bools, sizes ints; an "auto" left (the plan not applied) is an internal error naming the field."""
-    from rlctl.engines.spec import EngineSpec, UnresolvedConfig
+    from rlctl.engines.spec import EngineSpec, LoraSpec, OptimizerSpec, UnresolvedConfig
     from rlctl.errors import UserError
     from rlctl.plan import apply_plan
 
@@ -473,7 +473,22 @@ def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, t
         offload_optimizer=True,  # the user's choice wins over the plan's False
         attn="auto",  # the engine picks at run time
         micro_batch_size=2,
+        model=str(tiny_model_dir),
+        seed=raw.train.seed,
+        max_seq_len=max(raw.train.max_len, raw.rollout.max_prompt_len + raw.rollout.max_response_len),
+        optimizer=OptimizerSpec(
+            lr=raw.train.lr,
+            weight_decay=raw.train.weight_decay,
+            betas=tuple(raw.train.betas),
+            grad_clip=raw.train.grad_clip,
+            warmup_ratio=raw.train.warmup_ratio,
+            min_lr_ratio=raw.train.min_lr_ratio,
+        ),
+        lora=LoraSpec(rank=raw.lora.rank, alpha=raw.lora.alpha, dropout=raw.lora.dropout, targets=raw.lora.targets),
     )
+    assert LoraSpec(rank=4).scaled_alpha == 8 and LoraSpec(rank=4, alpha=3.0).scaled_alpha == 3.0
+    assert LoraSpec(targets="q_proj, v_proj").target_modules == ["q_proj", "v_proj"]
+    assert LoraSpec().target_modules == "all-linear"
     with pytest.raises(UnresolvedConfig, match="parallel.backend is 'auto'"):
         EngineSpec.from_config(raw)
     resolved = apply_plan(raw, SimpleNamespace(**cpu_plan(1)))

@@ -67,16 +67,10 @@ class MegatronEngine(TrainEngine):
         source: ModelSource | None = None,
     ):
         self._refuse_unsupported(spec, role, trainable)
+        mconfig.require_megatron_core()
         self._setup(spec, role=role, trainable=trainable, total_steps=total_steps, source=source)
         self.cuda = spec.device == "cuda"
         self.offload_optimizer = spec.offload_optimizer and trainable and self.cuda
-        if self.offload_optimizer and not mconfig.have_transformer_engine():
-            raise UserError(
-                "parallel.offload_optimizer on the megatron engine needs Transformer Engine "
-                "(megatron-core's precision-aware optimizer): pip install 'transformer-engine[pytorch]', "
-                "or set parallel.offload_optimizer=false"
-            )
-        mconfig.require_megatron_core()
         from megatron.core import parallel_state
 
         if spec.dtype not in mconfig.DTYPES:
@@ -130,7 +124,8 @@ class MegatronEngine(TrainEngine):
 
     @staticmethod
     def _refuse_unsupported(spec: EngineSpec, role: str, trainable: bool) -> None:
-        """UserError for what this engine does not run: a critic, LoRA, parameter offload."""
+        """UserError for what this engine does not run: a critic, LoRA, parameter offload, optimizer offload
+        without Transformer Engine."""
         if role == "critic":
             raise UserError(
                 "the PPO critic is not supported by the megatron engine yet; "
@@ -143,6 +138,12 @@ class MegatronEngine(TrainEngine):
                 "parallel.offload_params (weights on the CPU between phases) is not supported by the "
                 "megatron engine yet; set parallel.offload_params=false (parallel.offload_optimizer=true "
                 "keeps the optimizer on the CPU) or use more GPUs"
+            )
+        if spec.offload_optimizer and trainable and spec.device == "cuda" and not mconfig.have_transformer_engine():
+            raise UserError(
+                "parallel.offload_optimizer on the megatron engine needs Transformer Engine "
+                "(megatron-core's precision-aware optimizer): pip install 'transformer-engine[pytorch]', "
+                "or set parallel.offload_optimizer=false"
             )
 
     def _load_hf(self) -> None:
