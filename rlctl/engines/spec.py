@@ -12,11 +12,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rlctl import names
+
 if TYPE_CHECKING:
     from rlctl.config import RunConfig
 
-BACKENDS = ("fsdp", "megatron")
-DEVICES = ("cpu", "cuda")
+BACKENDS = names.BACKENDS
+DEVICES = names.choices(names.Device, without=("auto",))
 
 
 class UnresolvedConfig(RuntimeError):
@@ -135,9 +137,9 @@ class EngineSpec:
 
         def flag(name: str) -> bool:
             value = getattr(par, name)
-            if value not in ("true", "false"):
-                raise UnresolvedConfig(f"parallel.{name} is {value!r}, not 'true'/'false': the plan was not applied")
-            return value == "true"
+            if not isinstance(value, bool):
+                raise UnresolvedConfig(f"parallel.{name} is {value!r}, not true/false: the plan was not applied")
+            return value
 
         for key, value in (
             ("parallel.backend", par.backend),
@@ -164,10 +166,10 @@ class EngineSpec:
             attn=cfg.model.attn,
             micro_batch_size=cfg.train.micro_batch_size or 1,
             precision=cfg.train.precision,
-            # the memory options below default to off ("auto" the plan left alone: the engine's default)
-            selective_checkpointing=par.selective_checkpointing == "true",
-            offload_activations=par.offload_activations == "true",
-            shard=par.shard != "false",
+            # the memory options below default to off (None the plan left alone: the engine's default)
+            selective_checkpointing=par.selective_checkpointing is True,
+            offload_activations=par.offload_activations is True,
+            shard=par.shard is not False,
             **cls.run_fields(cfg),
         )
 

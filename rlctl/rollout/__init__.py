@@ -6,7 +6,6 @@ log-probability convention, and docs/rollout.md.
 """
 
 from rlctl.rollout.base import (
-    ENGINE_NAMES,
     RolloutEngine,
     Sample,
     SamplingParams,
@@ -14,4 +13,4 @@ from rlctl.rollout.base import (
 )
 from rlctl.rollout.spec import RolloutSpec
 
-__all__ = ["ENGINE_NAMES", "RolloutEngine", "RolloutSpec", "Sample", "SamplingParams", "make_rollout_engine"]
+__all__ = ["RolloutEngine", "RolloutSpec", "Sample", "SamplingParams", "make_rollout_engine"]

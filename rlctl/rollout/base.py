@@ -46,15 +46,16 @@ from typing import Literal, Self
 import torch
 
 from rlctl.errors import UserError, did_you_mean
+from rlctl.names import ROLLOUT_ENGINES
 from rlctl.rollout.spec import RolloutSpec
 
-# Engine name -> "module:class"; each class is built from a RolloutSpec.
+# Engine name (rlctl.names.RolloutEngine) -> "module:class"; each class is built from a RolloutSpec
+# (tests/config holds the keys equal to the names).
 _ENGINE_CLASSES = {
     "hf": "rlctl.rollout.hf:HFRolloutEngine",
     "vllm": "rlctl.rollout.vllm:VLLMRolloutEngine",
     "sglang": "rlctl.rollout.sglang:SGLangRolloutEngine",
 }
-ENGINE_NAMES = tuple(_ENGINE_CLASSES)
 
 FinishReason = Literal["stop", "length"]
 
@@ -242,10 +243,10 @@ def make_rollout_engine(spec: RolloutSpec) -> RolloutEngine:
     ``spec.model_path``; UserError for a spec no engine can take. The engine gets the spec with its dtype
     spelled as torch spells it (``bf16`` -> ``bfloat16``)."""
     name = spec.engine
-    if name not in ENGINE_NAMES:
+    if name not in ROLLOUT_ENGINES:
         raise UserError(
-            f"unknown rollout engine {name!r}{did_you_mean(name, ENGINE_NAMES)}; "
-            f"choose one of {', '.join(ENGINE_NAMES)}"
+            f"unknown rollout engine {name!r}{did_you_mean(name, ROLLOUT_ENGINES)}; "
+            f"choose one of {', '.join(ROLLOUT_ENGINES)}"
         )
     if spec.tp < 1:
         raise UserError(f"rollout tp must be >= 1, got {spec.tp}")
