@@ -68,7 +68,7 @@ class AgentLoop:
         """``n`` trajectories per prompt, prompt-major (as ``engine.generate`` orders samples)."""
         episodes = [self.spec.open(p.row) for p in prompts for _ in range(n)]
         try:
-            trajs = [self._start(prompts[i // n], ep) for i, ep in enumerate(episodes)]
+            trajs = [self._start(prompts[i // n], ep, i // n) for i, ep in enumerate(episodes)]
             self._first_turn(engine, trajs, n, sampling)
             wants: dict[int, tuple[str, Any]] = {}  # what each going trajectory appends next: tools or a user reply
             active = [i for i in range(len(trajs)) if self._read_turn(trajs[i], episodes[i], wants, i)]
@@ -93,12 +93,12 @@ class AgentLoop:
 
     # ------------------------------------------------------------------ turns
 
-    def _start(self, prompt: AgentPrompt, episode) -> Trajectory:
+    def _start(self, prompt: AgentPrompt, episode, index: int) -> Trajectory:
         messages, ids = prompt.messages, prompt.token_ids
         if episode.prompt_suffix:
             messages = _with_suffix(messages, episode.prompt_suffix)
             ids = render_ids(self.tokenizer, messages, self.spec.schemas)
-        return Trajectory(prompt_ids=list(ids), messages=[dict(m) for m in messages])
+        return Trajectory(prompt_ids=list(ids), prompt_index=index, messages=[dict(m) for m in messages])
 
     def _first_turn(self, engine, trajs: list[Trajectory], n: int, sampling) -> None:
         budget = self.settings.max_response_len

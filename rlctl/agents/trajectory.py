@@ -24,6 +24,7 @@ class Trajectory:
     """Prompt ids, then the response: sampled tokens (mask 1) and appended turns (mask 0)."""
 
     prompt_ids: list[int]
+    prompt_index: int = 0  # the prompt it answers, in the batch given to the loop
     messages: list[dict] = field(default_factory=list)  # the prompt's messages, then the turns (roles, tool calls)
     token_ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)

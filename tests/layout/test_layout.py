@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"data", "estimate"},
     {"plan"},
     {"runtime"},
-    {"engines", "rollout", "rewards"},
+    {"engines", "rollout", "rewards", "agents"},
     {"recipes"},
     {"launch", "job", "slurm"},
     {"convert"},

@@ -26,14 +26,19 @@ class ScoringSteps:
     """The trainer's reward steps; they use its ``tokenizer``, ``rewards``, ``ctx``, ``device`` and ``m``."""
 
     def _score(
-        self, prompts: list[list[int]], responses: list[list[int]], meta: list[Prompt], step: int
+        self,
+        prompts: list[list[int]],
+        responses: list[list[int]],
+        meta: list[Prompt],
+        step: int,
+        trajectories: list | None = None,
     ) -> tuple[torch.Tensor, dict]:
         """Scores of this rank's samples and the global reward metrics (collective): score locally,
         sum the counts over ranks, then :func:`rlctl.rewards.reward_metrics` (which alone decides that
         every sample failed)."""
         from rlctl.rewards import reward_metrics, reward_warning
 
-        result = self.rewards.score(self.rewards.batch(prompts, responses, meta))
+        result = self.rewards.score(self.rewards.batch(prompts, responses, meta, trajectories))
         keys = sorted({k for ks in all_gather_objects(sorted(result.sums)) for k in ks})
         sums = global_sums({k: result.sums.get(k, 0.0) for k in keys}, self.device)
         out = reward_metrics(sums, result.errors)  # UserError when every sample failed
@@ -45,11 +50,11 @@ class ScoringSteps:
     def score(self, batch: RolloutBatch, step: int) -> None:
         """Score this rank's samples (before :meth:`pool`, so sums run over every rank); reward and
         response-length metrics."""
-        batch.scores, metrics = self._score(batch.prompts, batch.responses, batch.meta, step)
+        batch.scores, metrics = self._score(batch.prompts, batch.responses, batch.meta, step, batch.trajectories)
         self.m.update(metrics)
         for key in ("reward/failed", "reward/nonfinite"):  # run totals, for summary.json
             self.reward_totals[key] = self.reward_totals.get(key, 0) + int(metrics[key])
-        lengths = batch.mask.sum(-1)
+        lengths = torch.tensor([float(len(r)) for r in batch.responses], device=self.device)
         s = global_sums(
             {
                 "len": lengths.sum(),
@@ -63,3 +68,30 @@ class ScoringSteps:
         self.m["response_len/max"] = float(all_reduce_max(int(lengths.max()) if len(batch) else 0, self.device))
         self.m["response/truncated"] = s["trunc"] / max(1.0, s["n"])
         self.m["tokens"] = s["len"] + s["prompt"]
+        if batch.trajectories:
+            self.m.update(agent_metrics(batch.trajectories, self.device))
+
+
+def agent_metrics(trajectories: list, device: torch.device) -> dict[str, float]:
+    """turns/mean and the tool counts of a step, over every rank (collective)."""
+    s = global_sums(
+        {
+            "n": float(len(trajectories)),
+            "turns": float(sum(t.turns for t in trajectories)),
+            "calls": float(sum(t.tool_calls for t in trajectories)),
+            "errors": float(sum(t.tool_errors for t in trajectories)),
+            "timeouts": float(sum(t.tool_timeouts for t in trajectories)),
+            "malformed": float(sum(t.malformed for t in trajectories)),
+            "context": float(sum(len(t.mask) - sum(t.mask) for t in trajectories)),
+        },
+        device,
+    )
+    n = max(1.0, s["n"])
+    return {
+        "turns/mean": s["turns"] / n,
+        "tool/calls": s["calls"],
+        "tool/errors": s["errors"],
+        "tool/timeouts": s["timeouts"],
+        "tool/malformed": s["malformed"],
+        "response/context_tokens": s["context"] / n,
+    }
