@@ -123,7 +123,7 @@ def test_trajectory_tokens_are_the_sampled_tokens_and_the_template_tool_turns(en
     given = {i: [] for i in range(6)}
     turn_of: list[list] = [[] for _ in range(6)]
     going = list(range(6))
-    for kind, inputs, out in rec.calls:
+    for _kind, inputs, out in rec.calls:
         for i, history, s in zip(going, inputs, out, strict=True):
             given[i].append(history)
             turn_of[i].append(s.token_ids)

@@ -15,7 +15,7 @@ def load_agent(cfg: RunConfig):
     from rlctl.agents.tools import load_agent_spec
 
     a = cfg.agent
-    return load_agent_spec(tools=a.tools, env=a.env, interaction=a.interaction)
+    return load_agent_spec(tools=a.tools, env=a.env, interaction=a.interaction, timeout_s=a.tool_timeout_s)
 
 
 def make_agent_loop(cfg: RunConfig, spec, tokenizer, rollout, rollout_tp: int):
