@@ -90,6 +90,7 @@ def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_thi
         check_remote_code(cfg, model)
         check_context(cfg, model)
     check_data_rows(cfg, model)
+    check_agent_template(cfg, model)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,6 +129,29 @@ def check_reward_spec(cfg: RunConfig) -> None:
         from rlctl.rewards import check_reward_config
 
         check_reward_config(cfg.reward)  # an unknown name, a missing file/function or model: a UserError
+
+
+def check_agent_template(cfg: RunConfig, model: ModelFiles | None) -> None:
+    """An agent run (--tools / --env / --interaction) needs a chat template that renders tool calls."""
+    if not (cfg.agent.tools or cfg.agent.env):  # an interaction alone calls no tools
+        return
+    from rlctl.agents.parse import template_style
+
+    template: object = None
+    if cfg.data.chat_template:
+        template = Path(cfg.data.chat_template).expanduser().read_text()
+    elif model is not None:
+        template = model.tokenizer_config.get("chat_template")
+        jinja = model.root / "chat_template.jinja"
+        if not template and jinja.is_file():
+            template = jinja.read_text()
+    else:
+        return  # a hub model: its template is read on the ranks
+    if template_style(template) is None and "response_schema" not in (model.tokenizer_config if model else {}):
+        raise UserError(
+            "the chat template has no tool-call format (no <tool_call> nor Llama 3 JSON calls), so the model cannot "
+            "call --tools / --env: use a model whose template takes tools, or pass --chat-template FILE.jinja"
+        )
 
 
 def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:

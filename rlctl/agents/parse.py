@@ -129,7 +129,12 @@ def detect_style(tokenizer: Any) -> ToolCallStyle | None:
     """The tool call style of the tokenizer's chat template, or None when the template takes no tools."""
     if getattr(tokenizer, "response_schema", None):
         return "tokenizer"
-    template = getattr(tokenizer, "chat_template", None) or ""
+    return template_style(getattr(tokenizer, "chat_template", None))
+
+
+def template_style(template: str | dict | None) -> ToolCallStyle | None:
+    """The tool call style a chat template's text writes (None: it renders no tool calls)."""
+    template = template or ""
     if isinstance(template, dict):  # named templates: the tool-use one, else the default
         template = template.get("tool_use") or template.get("default") or ""
     if "<tool_call>" in template:

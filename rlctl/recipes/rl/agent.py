@@ -29,19 +29,19 @@ def make_agent_loop(cfg: RunConfig, spec, tokenizer, rollout, rollout_tp: int):
         raise UserError(
             f"multi-turn rollouts (--tools / --env) run on rollout.tp=1 engines; got rollout.tp={rollout_tp}"
         )
+    a = cfg.agent
     style = detect_style(tokenizer)
-    if style is None:
+    if style is None and (a.tools or a.env):
         raise UserError(
             "the chat template has no tool-call format (no <tool_call> nor Llama 3 JSON calls): use a model "
             "whose template takes tools, or pass --chat-template FILE.jinja"
         )
-    a = cfg.agent
     settings = LoopSettings(
         max_turns=max_turns(cfg),
         max_response_len=cfg.rollout.max_response_len,
         tool_timeout_s=a.tool_timeout_s,
         tool_max_chars=a.tool_max_chars,
-        style=style,
+        style=style or "hermes",  # an interaction alone: no calls expected
     )
     stop_ids = set(getattr(rollout, "stop_token_ids", ()) or ())
     if tokenizer.eos_token_id is not None:
