@@ -372,6 +372,8 @@ def _check_rl_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[st
 
     if all(s.spec != "auto" for s in rule_specs(cfg.reward)):
         return  # every component is named (or a reward model alone): no row needs a data_source
+    if cfg.agent.env or cfg.agent.interaction:
+        return  # the environment's get_reward / the interaction's score may be the reward (TRL's convention)
 
     sources = {str(r.get("data_source") or "") for r in rows}
     if "" in sources:

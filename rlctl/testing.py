@@ -46,9 +46,10 @@ TOOL_CHAT_TEMPLATE = (
 
 
 TOOL_CORPUS = [  # tool schemas, calls and results, so the tiny tokenizer spends few tokens on them
-    '<tools>{"type": "function", "function": {"name": "add", "description": "Add two integers.", '
-    '"parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, '
-    '"required": ["a", "b"]}}}</tools>',
+    '<tools>\n{"type": "function", "function": {"name": "add", "description": "Add two integers.", '
+    '"parameters": {"type": "object", "properties": {"a": {"type": "integer", "description": "The first integer."}, '
+    '"b": {"type": "integer", "description": "The second integer."}}, "required": ["a", "b"]}, '
+    '"return": {"type": "integer"}}}\n</tools>',
     '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>',
     '<tool_call>{"name":"add","arguments":{"a":3,"b":4}}</tool_call>',
     "<tool_response>\n7\n</tool_response>",

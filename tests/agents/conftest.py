@@ -32,16 +32,20 @@ if not HAS_TOOLS:  # test-only stand-in: the two value types of the interface (r
     _standin.ToolCall, _standin.ToolOutcome = ToolCall, ToolOutcome
     sys.modules["rlctl.agents.tools"] = _standin
 
-ADD_SCHEMA = {
+ADD_SCHEMA = {  # what rlctl.agents.tools makes of TOOLS_FILE (test_loop checks it)
     "type": "function",
     "function": {
         "name": "add",
         "description": "Add two integers.",
         "parameters": {
             "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "properties": {
+                "a": {"type": "integer", "description": "The first integer."},
+                "b": {"type": "integer", "description": "The second integer."},
+            },
             "required": ["a", "b"],
         },
+        "return": {"type": "integer"},
     },
 }
 # what the memorizing model emits: compact JSON, which the template would re-render with spaces and newlines

@@ -28,7 +28,7 @@ def _args(model_dir: Path, tmp: Path, run: Path, nproc: int, *extra: str) -> lis
     data = write_jsonl(tmp / "data.jsonl", rows * 2)
     return [
         "--model", str(model_dir), "--data", str(data), "--output-dir", str(run), "--device", "cpu",
-        "--nproc", str(nproc), "--batch-size", "2", "--n", "4", "--max-prompt-len", "128",
+        "--nproc", str(nproc), "--batch-size", "2", "--n", "4", "--max-prompt-len", "160",
         "--max-response-len", "96", "--lr", "1e-3", "--reward", f"{REWARD}:answered", "--tools", str(tools),
         "--max-turns", "3", "--set", "checkpoint.export_hf=false", "--samples-every", "1",
         *extra,

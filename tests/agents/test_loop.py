@@ -72,6 +72,14 @@ class Recording:
         return out
 
 
+def test_the_tools_file_gives_the_schema_the_model_was_trained_with(tmp_path):
+    from rlctl.agents.tools import load_agent_spec
+    from tests.agents.conftest import TOOLS_FILE
+
+    (tmp_path / "tools.py").write_text(TOOLS_FILE)
+    assert load_agent_spec(tools=str(tmp_path / "tools.py")).schemas == [ADD_SCHEMA]
+
+
 @pytest.fixture(scope="module")
 def engine(agent_model_dir):
     from rlctl.rollout import make_rollout_engine

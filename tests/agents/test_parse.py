@@ -57,3 +57,22 @@ def test_style_detected_from_the_chat_template():
     assert detect_style(Tok(CHAT_TEMPLATE)) is None
     with pytest.raises(ValueError):
         parse_tool_calls("x", "nope")  # type: ignore[arg-type]
+
+
+def test_pre_launch_one_liners(tiny_model_dir, tmp_path):
+    """--max-turns without tools, and tools with a chat template that renders no tool calls: one line each."""
+    from tests.support.cli import run_cli
+    from tests.support.rl import error_line
+    from tests.support.sft import write_jsonl
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "What is 1 + 2?", "answer": "3"}])
+    tools = tmp_path / "tools.py"
+    tools.write_text(
+        "def add(a: int, b: int) -> int:\n    '''Add.\n\n    Args:\n        a: A.\n        b: B.\n    '''\n"
+    )
+    base = ["grpo", "--model", str(tiny_model_dir), "--data", str(data), "--device", "cpu", "--max-steps", "1"]
+    base += ["--max-prompt-len", "64", "--max-response-len", "64", "--reward", "exact"]
+    res = run_cli(*base, "--max-turns", "3", "--dry-run")
+    assert res.returncode == 2 and "--max-turns needs something to take turns with" in error_line(res)
+    res = run_cli(*base, "--tools", str(tools), "--output-dir", str(tmp_path / "run"))
+    assert res.returncode == 2 and "the chat template has no tool-call format" in error_line(res), res.stderr
