@@ -221,6 +221,8 @@ EvalEvery = Annotated[
         rich_help_panel="Evaluation",
     ),
 ]
+_EVAL_BEFORE_HELP = "Also evaluate before the first step (step 0): a baseline for the curves (needs validation data)."
+EvalBefore = Annotated[bool | None, typer.Option(help=_EVAL_BEFORE_HELP, rich_help_panel="Evaluation")]
 Warmup = Annotated[
     float | None,
     typer.Option("--warmup-ratio", help="Share of the steps with a linear lr warmup.", rich_help_panel="Training"),
@@ -313,6 +315,7 @@ COMMON_KEYS = {
     "batch_size": "train.batch_size",
     "micro_batch_size": "train.micro_batch_size",
     "eval_every": "train.eval_every",
+    "eval_before": "train.eval_before",
     "save_every": "checkpoint.save_every",
     "keep_last": "checkpoint.keep_last",
     "resume": "checkpoint.resume",

@@ -84,6 +84,7 @@ def _rl_command(method: str):
         val_data: o.ValData = None,
         val_fraction: o.ValFraction = None,
         eval_every: o.EvalEvery = None,
+        eval_before: o.EvalBefore = None,
         eval_n: Annotated[
             int | None,
             typer.Option(

@@ -7,6 +7,7 @@ A run directory::
       data_cache/                  # the tokenized data (datasets.map cache files), made once per run
       samples.jsonl                # RL: a few (prompt, response, reward, advantage) samples every K steps
       report.png  report.json      # `rlctl report RUN`: the curves, and the data they plot
+      report.html                  # `rlctl report RUN`: every metric and the rollout browser, one file
       errors/rank_N.json           # one per rank that failed: kind, one-line message, traceback, time
       model_meta/                  # config.json + tokenizer of the trained model
       hf/                          # the final Hugging Face export
@@ -88,6 +89,10 @@ class RunPaths:
     @property
     def report_json(self) -> Path:
         return self.root / "report.json"
+
+    @property
+    def report_html(self) -> Path:
+        return self.root / "report.html"
 
     @property
     def train_log(self) -> Path:
