@@ -175,7 +175,7 @@ class VLLMRolloutEngine(RolloutEngine):
             )
             for i in range(len(prompt_token_ids))
         ]
-        return self._run(prompt_token_ids, params)
+        return self._run(prompt_token_ids, params, copies)
 
     def _continue(self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]) -> list[Sample]:
         # token ids in (no re-tokenization); one request each, its own budget and seed, in one call
@@ -189,7 +189,8 @@ class VLLMRolloutEngine(RolloutEngine):
         ]
         return self._run(histories, params)
 
-    def _run(self, prompt_token_ids: list[list[int]], params: list) -> list[Sample]:
+    def _run(self, prompt_token_ids: list[list[int]], params: list, copies: int = 1) -> list[Sample]:
+        """Generate; each completion ``copies`` times over (greedy n > 1)."""
         outputs = self._llm.generate(
             [{"prompt_token_ids": prompt} for prompt in prompt_token_ids], params, use_tqdm=False
         )
