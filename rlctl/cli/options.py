@@ -402,7 +402,7 @@ def run_training(
     import os
 
     from rlctl.errors import NotAvailableYet, UserError
-    from rlctl.job import check_job, resolve_job, with_run_dir
+    from rlctl.job import check_dry_run, check_job, resolve_job, with_run_dir
     from rlctl.launch import build_command, default_run_dir
     from rlctl.slurm import allocation_options
 
@@ -420,6 +420,7 @@ def run_training(
             f"on a filesystem all nodes share"
         )
     if dry_run:
+        check_dry_run(cfg)
         run_dir = cfg.output_dir or str(default_run_dir(cfg))
         argv = build_command(cfg, plan, run_dir)
         if as_json:
@@ -446,11 +447,12 @@ def submit_slurm(cfg, plan, *, dry_run: bool, as_json: bool, ignore_memory_check
     from pathlib import Path
 
     from rlctl.errors import UserError
-    from rlctl.job import check_job, with_run_dir
+    from rlctl.job import check_dry_run, check_job, with_run_dir
     from rlctl.launch import default_run_dir
     from rlctl.slurm import sbatch_script, submit, write_job
 
     if dry_run:
+        check_dry_run(cfg)
         run_dir = Path(cfg.output_dir or default_run_dir(cfg)).absolute()
         script = sbatch_script(cfg, plan, run_dir)
         if as_json:

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from rlctl import names
+from rlctl.algos.registry import adv_names
 from rlctl.cli import options as o
 from rlctl.names import describe
 
@@ -37,14 +38,23 @@ Examples:
 """
 
 
-ADV_OPTION = {
-    method: Annotated[str | None, typer.Option("--adv", help=text, rich_help_panel=RL)]
-    for method, text in (
-        ("grpo", "grpo | rloo | reinforce_pp."),
-        ("ppo", "gae | grpo | rloo | reinforce_pp."),
-    )
+ADV_OPTION = {  # the registered estimators each method can run (rlctl.algos.registry; a plugin may add more)
+    method: Annotated[
+        str | None, typer.Option("--adv", help=f"{' | '.join(adv_names(needs_critic=critic))}.", rich_help_panel=RL)
+    ]
+    for method, critic in (("grpo", False), ("ppo", True))
 }
 
+
+Plugin = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--plugin",
+        help="A Python file (or module) that registers a policy loss or advantage estimator, imported before "
+        "the config is checked and on every rank; repeatable (docs/plugins.md).",
+        rich_help_panel="Configuration",
+    ),
+]
 
 KEYS = {
     **o.COMMON_KEYS,
@@ -68,6 +78,7 @@ KEYS = {
     "rollout": "rollout.engine",
     "reward_model": "reward.model",
     "samples_every": "log.samples_every",
+    "plugin": "plugins",
     "tools": "agent.tools",
     "env": "agent.env",
     "interaction": "agent.interaction",
@@ -260,6 +271,7 @@ def _rl_command(method: str):
         run_name: o.RunName = None,
         trust_remote_code: o.TrustRemoteCode = None,
         ignore_memory_check: o.IgnoreMemoryCheck = False,
+        plugin: Plugin = None,
     ) -> None:
         mapping = o.to_mapping(locals(), KEYS)
         mapping["reward.fn"] = reward[0] if reward and len(reward) == 1 else None

@@ -357,6 +357,14 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
     return choose_resume(resume, run_dir).path
 
 
+def interrupted_summary(paths: RunPaths) -> dict:
+    """summary.json of a run stopped before its loop could write one (a second Ctrl-C, a kill): its last
+    checkpoint, if any, and that checkpoint's step (0 when there is none)."""
+    last = latest_checkpoint(paths.checkpoints)
+    step = (step_of(last) or 0) if last else 0
+    return {"status": "interrupted", "step": step, "checkpoint": str(last) if last else None, "hf": None}
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``path`` so that a reader sees the old or the new content, never half of it."""
     tmp = path.with_name(f".{path.name}.tmp")

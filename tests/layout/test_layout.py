@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"runtime"},
     {"engines", "rollout", "rewards", "agents"},
     {"recipes"},
-    {"launch", "job", "slurm"},
+    {"launch", "job", "slurm", "preflight"},
     {"convert"},
     {"bench", "demo", "report", "viewer"},
     {"cli", "__main__"},

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from rlctl.algos import AdaptiveKLController, FixedKLController, get_adv_estimator, kl_estimate
-from rlctl.config.choices import check_algorithm
+from rlctl.config.algorithm import check_algorithm
 from rlctl.data.packing import StepSampler
 from rlctl.data.rl import Prompt, build_rl_data
 from rlctl.data.sft import use_chat_template
@@ -41,7 +41,7 @@ class RLTrainer(ScoringSteps):
         a = cfg.algo
         get_adv_estimator(a.adv)  # an unknown name: a one-line error naming the registered ones
         # the same check as before launch (rlctl.job), for a run directory written by other means
-        check_algorithm(cfg.method, a.adv, n=cfg.rollout.n, kl_coef=a.kl_coef, kl_target=a.kl_target)
+        check_algorithm(cfg)
 
         self.source = model_source(cfg.model.name, random_init=cfg.model.random_init)
         self.tokenizer = use_chat_template(load_tokenizer(self.source), cfg)
