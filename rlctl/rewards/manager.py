@@ -52,10 +52,6 @@ class RewardBatch:
     trajectories: list = field(default_factory=list)  # agent runs: rlctl.agents Trajectory per sample
 
     @property
-    def prompt_lengths(self) -> list[int]:
-        return [len(p) for p in self.prompt_ids]
-
-    @property
     def response_lengths(self) -> list[int]:
         return [len(r) for r in self.response_ids]
 
