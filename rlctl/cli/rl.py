@@ -79,7 +79,13 @@ KEYS = {
     "reward_model": "reward.model",
     "samples_every": "log.samples_every",
     "plugin": "plugins",
+    "tools": "agent.tools",
+    "env": "agent.env",
+    "interaction": "agent.interaction",
+    "max_turns": "agent.max_turns",
 }
+
+AGENT = "Agent (multi-turn, tools)"
 
 
 def _rl_command(method: str):
@@ -221,6 +227,36 @@ def _rl_command(method: str):
                 help="Write a few (prompt, response, reward, advantage) samples to samples.jsonl every N steps "
                 "and show two (0 = never).",
                 rich_help_panel="Training",
+            ),
+        ] = None,
+        tools: Annotated[
+            str | None,
+            typer.Option(
+                "--tools",
+                help="Tools the model may call: FILE.py (every public function), FILE.py:a,b, or a verl tool "
+                "config YAML.",
+                rich_help_panel=AGENT,
+            ),
+        ] = None,
+        env: Annotated[
+            str | None,
+            typer.Option(
+                "--env",
+                help="An environment FILE.py:Class, one per trajectory: reset(**row), its public methods are "
+                "tools, get_reward() a reward component.",
+                rich_help_panel=AGENT,
+            ),
+        ] = None,
+        interaction: Annotated[
+            str | None,
+            typer.Option(
+                "--interaction", help="A verl Interaction (a simulated user) config YAML.", rich_help_panel=AGENT
+            ),
+        ] = None,
+        max_turns: Annotated[
+            int | None,
+            typer.Option(
+                "--max-turns", help="Assistant turns per trajectory (default 8 with tools).", rich_help_panel=AGENT
             ),
         ] = None,
         save_every: o.SaveEvery = None,
