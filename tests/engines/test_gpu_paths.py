@@ -98,7 +98,7 @@ def test_no_masked_sdpa_call_asks_for_grouped_heads(monkeypatch, tiny_model_dir)
     estimate): flash takes grouped heads but no mask. The shared-prefix blocks of engines/varlen.py and the
     hf engine's own prefill repeat the KV heads instead; the results are unchanged."""
     from rlctl.engines import varlen
-    from rlctl.rollout import SamplingParams, make_rollout_engine
+    from rlctl.rollout import RolloutSpec, SamplingParams, make_rollout_engine
 
     calls = _record_sdpa(monkeypatch)
     g = torch.Generator().manual_seed(0)
@@ -117,7 +117,9 @@ def test_no_masked_sdpa_call_asks_for_grouped_heads(monkeypatch, tiny_model_dir)
         torch.testing.assert_close(out[0, start:end].transpose(0, 1), (scores.softmax(-1) @ values)[0])
 
     calls.clear()
-    engine = make_rollout_engine("hf", str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=64)
+    engine = make_rollout_engine(
+        RolloutSpec(engine="hf", model_path=str(tiny_model_dir), device="cpu", dtype="float32", max_model_len=64)
+    )
     assert engine._fast is not None  # the fast path's own prefill (GQA: 2 heads, 1 KV head)
     engine.generate([[5, 6, 7], [8, 9]], n=2, sampling=SamplingParams(temperature=0, max_tokens=3))
     assert calls and not any(c["mask"] and c["gqa"] for c in calls)
