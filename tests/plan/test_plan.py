@@ -382,7 +382,7 @@ def test_what_to_rent_rows_are_the_smallest_counts():
     cfg = cfg_for("grpo", model={"name": "Qwen2.5-14B"})
     rows = what_to_rent(cfg, local=LAPTOP)
     from rlctl.catalog import list_gpus
-    from rlctl.plan.rent import gpu_counts, without_offload
+    from rlctl.plan.advice import gpu_counts, without_offload
 
     assert [(r.gpu, r.offload) for r in rows] == [(g.name, o) for g in list_gpus() for o in (False, True)]
     by_gpu = {(r.gpu, r.offload): r for r in rows}
