@@ -125,12 +125,12 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l device -x -a 'auto cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l host-memory -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l backend -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l backend -x -a 'fsdp megatron'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l pp -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l ep -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l cp -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l precision -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l precision -x -a 'mixed bf16'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l selective-checkpointing -l no-selective-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l offload-activations -l no-offload-activations
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l shard -l no-shard
@@ -168,7 +168,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l node-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l master-addr -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l master-port -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rdzv-endpoint -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l launcher -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l launcher -x -a 'torchrun slurm'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l partition -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l account -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l time -x
@@ -182,7 +182,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-steps -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lr -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lr-scheduler -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lr-scheduler -x -a 'cosine constant'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l warmup-ratio -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l weight-decay -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l batch-size -x
@@ -197,7 +197,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l micro-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gradient-checkpointing -l no-gradient-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ppo-epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-coef -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-kind -x -a 'k1 abs k2 k3'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-kind -x -a 'k1 abs k2 k3 kl mse low_var_kl'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l entropy-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l critic-lr -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l adv -x -a 'grpo rloo reinforce_pp gae'
@@ -238,7 +238,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l node-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l master-addr -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l master-port -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rdzv-endpoint -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l launcher -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l launcher -x -a 'torchrun slurm'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l partition -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l account -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l time -x
@@ -252,7 +252,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-steps -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lr -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lr-scheduler -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lr-scheduler -x -a 'cosine constant'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l warmup-ratio -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l weight-decay -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l batch-size -x
@@ -267,7 +267,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l micro-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gradient-checkpointing -l no-gradient-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l ppo-epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-coef -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-kind -x -a 'k1 abs k2 k3'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-kind -x -a 'k1 abs k2 k3 kl mse low_var_kl'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l entropy-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l critic-lr -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l adv -x -a 'grpo rloo reinforce_pp gae'
@@ -316,7 +316,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l node-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l master-addr -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l master-port -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l rdzv-endpoint -x
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l launcher -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l launcher -x -a 'torchrun slurm'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l partition -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l account -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l time -x
@@ -330,7 +330,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l max-steps -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lr -x
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lr-scheduler -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lr-scheduler -x -a 'cosine constant'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l warmup-ratio -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l weight-decay -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l batch-size -x

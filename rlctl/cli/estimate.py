@@ -13,6 +13,9 @@ from typing import Annotated
 
 import typer
 
+from rlctl import names
+from rlctl.names import describe
+
 EXAMPLES = """
 Examples:
 
@@ -42,10 +45,6 @@ JOB, HW, PAR, RO = "Job", "Hardware", "Parallelism", "Rollout"
 @app.callback()
 def _group() -> None:
     """Estimate memory before you run: trainer and rollout engine, per GPU, with the plan."""
-
-
-def _tri(value: bool | None) -> str | None:
-    return None if value is None else ("true" if value else "false")
 
 
 def _alias(name: str, value: int | None, old: str, old_value: int | None) -> int | None:
@@ -88,7 +87,7 @@ def memory(
             rich_help_panel=JOB,
         ),
     ],
-    method: Annotated[str, typer.Option("--method", help="sft | grpo | ppo.", rich_help_panel=JOB)] = "grpo",
+    method: Annotated[str, typer.Option("--method", help=f"{describe(names.Method)}.", rich_help_panel=JOB)] = "grpo",
     lora_rank: Annotated[
         int | None, typer.Option("--lora-rank", help="LoRA rank (0 = full fine-tuning).", rich_help_panel=JOB)
     ] = None,
@@ -126,7 +125,11 @@ def memory(
     ] = None,
     device: Annotated[
         str | None,
-        typer.Option("--device", help="cuda | cpu (default cuda: estimates are for GPUs).", rich_help_panel=HW),
+        typer.Option(
+            "--device",
+            help=f"{describe(names.Device, without=('auto',))} (default cuda: estimates are for GPUs).",
+            rich_help_panel=HW,
+        ),
     ] = None,
     host_memory: Annotated[
         float | None,
@@ -137,7 +140,10 @@ def memory(
             rich_help_panel=HW,
         ),
     ] = None,
-    backend: Annotated[str | None, typer.Option("--backend", help="fsdp | megatron.", rich_help_panel=PAR)] = None,
+    backend: Annotated[
+        str | None,
+        typer.Option("--backend", help=f"{describe(names.Backend, without=('auto',))}.", rich_help_panel=PAR),
+    ] = None,
     tp: Annotated[int | None, typer.Option("--tp", help="Megatron tensor-parallel size.", rich_help_panel=PAR)] = None,
     pp: Annotated[int | None, typer.Option("--pp", help="Megatron pipeline stages.", rich_help_panel=PAR)] = None,
     ep: Annotated[
@@ -151,7 +157,7 @@ def memory(
         str | None,
         typer.Option(
             "--precision",
-            help="mixed (fp32 master weights, grads, AdamW: 16 bytes/param) | bf16 (pure bf16: 8 bytes/param).",
+            help=f"{describe(names.Precision)}.",
             rich_help_panel=PAR,
         ),
     ] = None,
@@ -227,8 +233,13 @@ def memory(
             rich_help_panel=PAR,
         ),
     ] = None,
-    dtype: Annotated[str | None, typer.Option("--dtype", help="bf16 | fp16 | fp32.", rich_help_panel=PAR)] = None,
-    rollout: Annotated[str | None, typer.Option("--rollout", help="hf | vllm | sglang.", rich_help_panel=RO)] = None,
+    dtype: Annotated[
+        str | None, typer.Option("--dtype", help=f"{describe(names.Dtype, without=('auto',))}.", rich_help_panel=PAR)
+    ] = None,
+    rollout: Annotated[
+        str | None,
+        typer.Option("--rollout", help=f"{describe(names.RolloutEngine, without=('auto',))}.", rich_help_panel=RO),
+    ] = None,
     rollout_tp: Annotated[
         int | None,
         typer.Option("--rollout-tp", help="Tensor parallelism of the rollout engine.", rich_help_panel=RO),
@@ -290,15 +301,15 @@ def memory(
         "parallel.ep": ep,
         "parallel.cp": cp,
         "train.precision": precision,
-        "parallel.selective_checkpointing": _tri(selective_checkpointing),
-        "parallel.offload_activations": _tri(offload_activations),
-        "parallel.shard": _tri(shard),
+        "parallel.selective_checkpointing": selective_checkpointing,
+        "parallel.offload_activations": offload_activations,
+        "parallel.shard": shard,
         "train.max_tokens_per_micro_batch": max_tokens_per_micro_batch,
         "algo.kl_coef": kl_coef,
         "reward.model": reward_model,
-        "parallel.activation_checkpointing": _tri(activation_checkpointing),
-        "parallel.offload_params": _tri(offload_params),
-        "parallel.offload_optimizer": _tri(offload_optimizer),
+        "parallel.activation_checkpointing": activation_checkpointing,
+        "parallel.offload_params": offload_params,
+        "parallel.offload_optimizer": offload_optimizer,
         "model.dtype": dtype,
         "rollout.engine": rollout,
         "rollout.tp": rollout_tp,

@@ -13,6 +13,8 @@ from typing import Annotated
 
 import typer
 
+from rlctl import names
+
 Model = Annotated[
     str | None,
     typer.Option(
@@ -81,7 +83,9 @@ Gpu = Annotated[
         rich_help_panel="Hardware",
     ),
 ]
-Device = Annotated[str | None, typer.Option("--device", help="auto | cuda | cpu.", rich_help_panel="Hardware")]
+Device = Annotated[
+    str | None, typer.Option("--device", help=f"{names.describe(names.Device)}.", rich_help_panel="Hardware")
+]
 Nproc = Annotated[
     int | None,
     typer.Option(
@@ -107,12 +111,7 @@ Rdzv = Annotated[
     ),
 ]
 Launcher = Annotated[
-    str | None,
-    typer.Option(
-        "--launcher",
-        help="torchrun (run on this node) or slurm (write an sbatch script for all nodes and submit it).",
-        rich_help_panel="Cluster",
-    ),
+    str | None, typer.Option("--launcher", help=f"{names.describe(names.Launcher)}.", rich_help_panel="Cluster")
 ]
 Partition = Annotated[
     str | None, typer.Option("--partition", help="SLURM partition (--launcher slurm).", rich_help_panel="Cluster")
@@ -230,12 +229,7 @@ WeightDecay = Annotated[
     float | None, typer.Option("--weight-decay", help="AdamW weight decay.", rich_help_panel="Training")
 ]
 LrScheduler = Annotated[
-    str | None,
-    typer.Option(
-        "--lr-scheduler",
-        help="cosine (warmup, then down to train.min_lr_ratio of the peak) | constant (after the warmup).",
-        rich_help_panel="Training",
-    ),
+    str | None, typer.Option("--lr-scheduler", help=f"{names.describe(names.LrScheduler)}.", rich_help_panel="Training")
 ]
 GradCkpt = Annotated[
     bool | None,
@@ -349,7 +343,7 @@ def to_mapping(values: dict, keys: dict[str, str]) -> dict[str, object]:
         out["model.trust_remote_code"] = True
     ckpt = values.get("gradient_checkpointing")
     if ckpt is not None:
-        out["parallel.activation_checkpointing"] = "true" if ckpt else "false"
+        out["parallel.activation_checkpointing"] = ckpt
     prompt = out.get("data.system_prompt")
     if isinstance(prompt, str) and prompt.startswith("@"):
         from pathlib import Path

@@ -10,7 +10,9 @@ from typing import Annotated
 
 import typer
 
+from rlctl import names
 from rlctl.cli import options as o
+from rlctl.names import describe
 
 RL = "RL"
 
@@ -154,7 +156,7 @@ def _rl_command(method: str):
             ),
         ] = None,
         kl_kind: Annotated[
-            str | None, typer.Option("--kl-kind", help="k1 | abs | k2 | k3.", rich_help_panel=RL)
+            str | None, typer.Option("--kl-kind", help=f"{describe(names.KlKind)}.", rich_help_panel=RL)
         ] = None,
         entropy_coef: Annotated[
             float | None,
@@ -169,7 +171,7 @@ def _rl_command(method: str):
             str | None,
             typer.Option(
                 "--loss-agg",
-                help="token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm.",
+                help=f"{describe(names.LossAgg)}.",
                 rich_help_panel=RL,
             ),
         ] = None,
@@ -181,7 +183,7 @@ def _rl_command(method: str):
             typer.Option("--clip-high", help="PPO clip above 1 (0.28 = DAPO's clip-higher).", rich_help_panel=RL),
         ] = None,
         rollout: Annotated[
-            str | None, typer.Option("--rollout", help="auto | hf | vllm | sglang.", rich_help_panel=RL)
+            str | None, typer.Option("--rollout", help=f"{describe(names.RolloutEngine)}.", rich_help_panel=RL)
         ] = None,
         reward: Annotated[
             list[str] | None,

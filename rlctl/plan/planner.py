@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from rlctl.catalog import active_params
-from rlctl.config import RunConfig, tri_state
+from rlctl.config import RunConfig
 from rlctl.errors import UserError
 from rlctl.estimate.memory import GIB, MemoryEstimate, MemorySettings, estimate_memory
 from rlctl.plan import rules
@@ -218,7 +218,7 @@ def _offload_levels(job: Job, backend: str) -> list[tuple[bool, bool]]:
     the GPU between RL phases yet, so that level is not planned (FSDP2 with offload comes next).
     CPU runs have nothing to offload. Flags set in the config are kept.
     """
-    user_p, user_o = tri_state(job.cfg.parallel.offload_params), tri_state(job.cfg.parallel.offload_optimizer)
+    user_p, user_o = job.cfg.parallel.offload_params, job.cfg.parallel.offload_optimizer
     if job.device == "cpu":
         return [(False, False)]
     if backend == "fsdp":
@@ -247,7 +247,7 @@ def options_for(job: Job, tier: str) -> list[Option]:
     else:
         backends = [tier]
     options = [Option(b, *level) for b in backends for level in _offload_levels(job, b)]
-    acts = tri_state(p.offload_activations)
+    acts = p.offload_activations
     if acts:
         options = [replace(o, offload_activations=o.backend == "fsdp") for o in options]
     elif acts is None and job.device == "cuda":
@@ -328,7 +328,7 @@ def search(job: Job, options: list[Option]) -> SearchResult:
 def _attempt(job: Job, option: Option, tp: int, pp: int, ep: int, rollout_tp: int) -> tuple[MemoryEstimate, bool]:
     """The estimate of one combination, and whether its update fits the GPU (without the margin)."""
     p = job.cfg.parallel
-    ckpt, sp_user = tri_state(p.activation_checkpointing), tri_state(p.sequence_parallel)
+    ckpt, sp_user = p.activation_checkpointing, p.sequence_parallel
     megatron = option.backend == "megatron"
     s = settings_for(
         job,
@@ -344,8 +344,8 @@ def _attempt(job: Job, option: Option, tp: int, pp: int, ep: int, rollout_tp: in
         offload_optimizer=option.offload_optimizer,
         offload_activations=option.offload_activations,
         # the FSDP engine's savers as configured; Megatron has none of them
-        selective_checkpointing=option.backend == "fsdp" and tri_state(p.selective_checkpointing) is True,
-        shard=option.backend != "fsdp" or tri_state(p.shard) is not False,
+        selective_checkpointing=option.backend == "fsdp" and p.selective_checkpointing is True,
+        shard=option.backend != "fsdp" or p.shard is not False,
     )
     if _plain_module(job, s):
         s = replace(s, shard=False)
@@ -361,7 +361,7 @@ def _plain_module(job: Job, s: MemorySettings) -> bool:
     """One GPU (or one CPU process) and nothing offloaded: the plain module (no FSDP wrappers) holds no
     gathered copies and runs no collectives or DTensor dispatch, so the search uses it unless
     parallel.shard is set."""
-    return s.backend == "fsdp" and s.gpus == 1 and not s.cpu_offload and tri_state(job.cfg.parallel.shard) is None
+    return s.backend == "fsdp" and s.gpus == 1 and not s.cpu_offload and job.cfg.parallel.shard is None
 
 
 def _auto_fraction(job: Job, est: MemoryEstimate) -> float:
@@ -396,7 +396,7 @@ def relax(job: Job, est: MemoryEstimate, decisions: list[Decision]) -> MemoryEst
     unshard = _unshard_decision(job, s)
     if unshard is not None:
         decisions.append(unshard)
-    if tri_state(job.cfg.parallel.activation_checkpointing) is None and not s.offload_activations:
+    if job.cfg.parallel.activation_checkpointing is None and not s.offload_activations:
         s = _relax_checkpointing(job, s, decisions)
     if not job.cfg.train.micro_batch_size:
         s = _relax_micro_batch(job, s, decisions)
@@ -414,7 +414,7 @@ def _comfort_limit(job: Job) -> str:
 
 
 def _unshard_decision(job: Job, s: MemorySettings) -> Decision | None:
-    if s.shard or tri_state(job.cfg.parallel.shard) is not None:
+    if s.shard or job.cfg.parallel.shard is not None:
         return None
     if job.device != "cuda":
         why = (
@@ -441,9 +441,7 @@ def _relax_checkpointing(job: Job, s: MemorySettings, decisions: list[Decision])
         why = f"activation checkpointing off: the update fits comfortably without it ({need:.1f} GiB <= {limit})"
         decisions.append(Decision("parallel.activation_checkpointing", False, why))
         return off.settings
-    savers = (
-        s.backend == "fsdp" and job.device == "cuda" and tri_state(job.cfg.parallel.selective_checkpointing) is None
-    )
+    savers = s.backend == "fsdp" and job.device == "cuda" and job.cfg.parallel.selective_checkpointing is None
     if savers:
         selective = estimate_memory(
             job.spec, job.gpu, replace(s, activation_checkpointing=False, selective_checkpointing=True)
@@ -535,7 +533,7 @@ def explain_search(tier: str, result: SearchResult) -> list[Decision]:
 
 def backend_warnings(job: Job, backend: str, local: LocalEnv) -> list[str]:
     out = []
-    if tri_state(job.cfg.parallel.sequence_parallel) is True and backend == "fsdp":
+    if job.cfg.parallel.sequence_parallel is True and backend == "fsdp":
         out.append("parallel.sequence_parallel applies to Megatron with tp > 1; ignored with fsdp")
     if backend == "megatron" and job.spec.is_moe:
         out.append(
@@ -572,7 +570,7 @@ def offload_decisions(job: Job, s: MemorySettings) -> list[Decision]:
     """What a plan that fits offloads, and why (nothing to say for SFT without offload)."""
     p = job.cfg.parallel
     value = {"params": s.offload_params, "optimizer": s.offload_optimizer}
-    user_p, user_o = tri_state(p.offload_params), tri_state(p.offload_optimizer)
+    user_p, user_o = p.offload_params, p.offload_optimizer
     if user_p is not None and user_o is not None:
         why = f"offload params {_word(user_p)}, optimizer {_word(user_o)}: as configured"
     elif s.cpu_offload:
@@ -672,7 +670,8 @@ def _plan(job: Job, est: MemoryEstimate, decisions: list[Decision], warnings: li
 
 
 def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
-    """A copy of ``cfg`` with every "auto" (or 0) field the plan decides filled in."""
+    """A copy of ``cfg`` with every field the plan decides ("auto", None or 0) filled in: the resolved
+    config has no None left in parallel.*."""
     out = copy.deepcopy(cfg)
     m, hw, par, tr, ro = out.model, out.hardware, out.parallel, out.train, out.rollout
     if m.dtype == "auto":
@@ -697,8 +696,8 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
         ("offload_activations", plan.offload_activations),
         ("shard", plan.shard),
     ):
-        if getattr(par, key) == "auto":
-            setattr(par, key, "true" if value else "false")
+        if getattr(par, key) is None:
+            setattr(par, key, value)
     tr.micro_batch_size = tr.micro_batch_size or plan.micro_batch_size
     if plan.rollout is not None:
         if ro.engine == "auto":
