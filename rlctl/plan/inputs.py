@@ -135,7 +135,8 @@ def resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) -> 
     where = (_cpu_processes if device == "cpu" else _gpu_processes)(cfg, local, decisions, warnings)
     dtype, attn = _dtype_and_attn(cfg, device, local, later, warnings)
     _check_lora_targets(cfg, spec)
-    engine = _resolve_engine(cfg, device, local, later, warnings) if cfg.method != "sft" else None
+    weight_share = 2 * params / max(where.gpu.memory_bytes, 1)  # bf16 weights over one GPU
+    engine = _resolve_engine(cfg, device, local, later, warnings, weight_share) if cfg.method != "sft" else None
     return Job(
         cfg,
         spec,
@@ -275,11 +276,15 @@ def _check_lora_targets(cfg: RunConfig, spec: ModelSpec) -> None:
             )
 
 
-def _resolve_engine(cfg: RunConfig, device: str, local: LocalEnv, later: list[Decision], warnings: list[str]) -> str:
+def _resolve_engine(
+    cfg: RunConfig, device: str, local: LocalEnv, later: list[Decision], warnings: list[str], weight_share: float
+) -> str:
+    """The rollout engine: configured (checked against the device), or chosen (``weight_share``: the
+    model's bf16 weights over one GPU's memory)."""
     chosen = cfg.rollout.engine
     if chosen == "auto":
         decision = rules.choose_engine(
-            device=device, n=cfg.rollout.n, lora=cfg.lora.rank > 0, installed=local.installed
+            device=device, n=cfg.rollout.n, lora=cfg.lora.rank > 0, installed=local.installed, weight_share=weight_share
         )
         later.append(decision)
         chosen = decision.value

@@ -103,6 +103,8 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         rollout_tp=cfg.rollout.tp,
         is_rl=job.is_rl,
     )
+    if job.is_rl:
+        rules.check_rollout_engine_tp(job.engine, cfg.rollout.tp)
     return tier
 
 
@@ -278,9 +280,9 @@ def _rollout_tps(job: Job) -> list[int]:
         return [1]
     if job.cfg.rollout.tp:
         return [job.cfg.rollout.tp]
-    if job.engine == "hf" or job.device == "cpu":
-        return [1]
-    # vLLM/SGLang tensor parallelism stays inside a node (the launcher refuses a group across nodes)
+    if rules.parallel.rollout_engine_tp_problem(job.engine, 2) or job.device == "cpu":
+        return [1]  # hf and SGLang run one copy per rank
+    # vLLM tensor parallelism stays inside a node (the launcher refuses a group across nodes)
     return rules.rollout_tps(job.spec, min(job.world, job.nproc))
 
 
@@ -599,14 +601,17 @@ def _word(flag: bool) -> str:
 def rollout_decisions(
     job: Job, est: MemoryEstimate, kv_short: bool, decisions: list[Decision], warnings: list[str]
 ) -> None:
-    """The rollout TP and memory fraction the search chose; a warning when the KV cache is short."""
+    """The rollout TP (1 where the engine runs one copy per rank) and memory fraction the search chose; a
+    warning when the KV cache is short."""
     s = est.settings
     target = kv_target(s)
     weights = est.phases["rollout"].components["engine_weights"] / GIB
-    if job.engine == "hf" or job.device == "cpu":
+    one_copy = job.device == "cpu" or rules.parallel.rollout_engine_tp_problem(job.engine, 2) is not None
+    if one_copy:  # CPU; hf and sglang anywhere
         decisions.append(Decision("rollout.tp", 1, f"rollout tp 1: the {job.engine} engine runs one copy per rank"))
+    if job.engine == "hf" or job.device == "cpu":
         return
-    if not job.cfg.rollout.tp:
+    if not job.cfg.rollout.tp and not one_copy:
         why = (
             f"rollout tp {s.rollout_tp}: the smallest that holds the weights ({weights:.1f} GiB per GPU) "
             f"and a KV cache for {est.kv_cache_sequences} sequences (target {target}: an engine's share of the batch)"
