@@ -572,3 +572,14 @@ def test_the_plan_never_gives_a_rollout_engine_a_tp_it_refuses(engine):
             hardware={"gpus": 8},
             rollout={"engine": "sglang", "tp": 2},
         )
+
+
+def test_offload_set_in_the_config_is_worded_as_yaml_writes_it():
+    p = plan_for(
+        "sft",
+        model={"name": "Qwen2.5-0.5B"},
+        hardware={"gpus": 4, "gpu": "A100-80GB"},
+        parallel={"offload_params": True, "offload_optimizer": False},
+    )
+    assert p.decided("offload") == {"params": p.offload_params, "optimizer": p.offload_optimizer}
+    assert "offload params true, optimizer false: as configured" in p.reasons
