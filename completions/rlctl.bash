@@ -37,6 +37,7 @@ _rlctl() {
         --gpus) return ;;
         --hf-config) return ;;
         --host-memory) return ;;
+        --interval) return ;;
         --keep-last) return ;;
         --kl-coef) return ;;
         --kl-kind) COMPREPLY=($(compgen -W "k1 abs k2 k3 kl mse low_var_kl" -- "$cur")); return ;;
@@ -75,6 +76,7 @@ _rlctl() {
         --partition) return ;;
         --peer) return ;;
         --plot) return ;;
+        --plugin) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --pp) return ;;
         --ppo-epochs) return ;;
         --precision) COMPREPLY=($(compgen -W "mixed bf16" -- "$cur")); return ;;
@@ -96,6 +98,7 @@ _rlctl() {
         --seed) return ;;
         --seq-len) return ;;
         --set|-s) return ;;
+        --smooth) return ;;
         --steps) return ;;
         --system-prompt) return ;;
         --temperature) return ;;
@@ -124,13 +127,13 @@ _rlctl() {
         "/convert/megatron-to-hf") words="--hf-config --dtype --verify --no-verify --force --max-shard-size --trust-checkpoint --help" ;;
         "/estimate") words="memory --help" ;;
         "/estimate/memory") words="--model --method --lora-rank --lora-targets --max-len --max-prompt-len --max-response-len --n --batch-size --micro-batch-size --gpus --nodes --gpu --device --host-memory --backend --tp --pp --ep --cp --precision --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --max-tokens-per-micro-batch --loss-chunk --kl-coef --reward-model --activation-checkpointing --no-activation-checkpointing --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --dtype --rollout --rollout-tp --mem-fraction --what-to-rent --json --prompt-len --response-len --micro-batch --help" ;;
-        "/grpo") words="--model --data --val-data --val-fraction --eval-every --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --samples-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --help" ;;
-        "/ppo") words="--model --data --val-data --val-fraction --eval-every --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --samples-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --help" ;;
+        "/grpo") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --samples-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --plugin --help" ;;
+        "/ppo") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --samples-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --plugin --help" ;;
         "/presets") words="list show --help" ;;
         "/presets/list") words="--help" ;;
         "/presets/show") words="--help" ;;
-        "/report") words="--compare --output --no-plot --json --help" ;;
-        "/sft") words="--model --data --val-data --val-fraction --eval-every --system-prompt --chat-template --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --micro-batch-size --max-len --packing --no-packing --gradient-checkpointing --no-gradient-checkpointing --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --help" ;;
+        "/report") words="--compare --output --html --no-html --no-plot --smooth --follow --interval --json --help" ;;
+        "/sft") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --system-prompt --chat-template --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --micro-batch-size --max-len --packing --no-packing --gradient-checkpointing --no-gradient-checkpointing --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --help" ;;
         *) words="" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))

@@ -16,10 +16,12 @@ import glob
 import json
 import os
 import re
+import sys
 from functools import cache
 from pathlib import Path
 
 from rlctl.config import RunConfig, val_split
+from rlctl.config.algorithm import check_algorithm
 from rlctl.errors import UserError
 
 IGNORE_MEMORY_FLAG = "--ignore-memory-check"
@@ -54,14 +56,6 @@ def resolve_job(method: str, *, preset: str | None, config_file: str | None, opt
     return apply_plan(cfg, plan), plan
 
 
-def check_algorithm(cfg: RunConfig) -> None:
-    """Algorithm settings that run together (:func:`rlctl.config.choices.check_algorithm`)."""
-    from rlctl.config.choices import check_algorithm as check
-
-    a = cfg.algo
-    check(cfg.method, a.adv, n=cfg.rollout.n, kl_coef=a.kl_coef, kl_target=a.kl_target)
-
-
 def with_run_dir(cfg: RunConfig) -> RunConfig:
     """``cfg`` with ``output_dir`` fixed (the default names a time, so it is chosen once, here)."""
     from rlctl.launch import default_run_dir
@@ -73,6 +67,8 @@ def with_run_dir(cfg: RunConfig) -> RunConfig:
 def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_this_machine: bool = True) -> None:
     """Every check before launch, cheapest first; the first problem is a one-line UserError.
     ``on_this_machine=False`` (a job submitted to other machines, e.g. by SLURM): no local device check."""
+    from rlctl.preflight import check_footguns, check_model_available, check_tokenizer
+
     check_algorithm(cfg)
     check_data_given(cfg)
     check_reward_spec(cfg)
@@ -80,16 +76,44 @@ def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_thi
 
     check_backends_installed(cfg.log.backends)
     check_profile_env()
+    warnings = check_footguns(cfg, nproc=int(plan.nproc_per_node or 1), device=plan.device)
     check_memory(plan, ignore=ignore_memory_check)
     if on_this_machine:
         check_device(plan)
     if cfg.output_dir:
-        check_run_dir(cfg, Path(cfg.output_dir))
+        check_run_dir(cfg, Path(cfg.output_dir), backend=plan.backend)
     model = model_files(cfg.model.name)
     if model is not None:
+        check_tokenizer(model.root)
         check_remote_code(cfg, model)
         check_context(cfg, model)
+    elif on_this_machine:
+        check_model_available(cfg.model.name, random_init=cfg.model.random_init)
     check_data_rows(cfg, model)
+    check_agent_template(cfg, model)
+    for line in warnings:
+        print(line, file=sys.stderr, flush=True)
+
+
+def check_dry_run(cfg: RunConfig) -> None:
+    """What ``--dry-run`` checks too: it plans without data or a downloaded model, but what the user
+    names must exist and read (a data file, a log backend's package, a local model's tokenizer)."""
+    from rlctl.metrics import check_backends_installed
+    from rlctl.preflight import check_footguns, check_tokenizer
+
+    check_algorithm(cfg)
+    check_backends_installed(cfg.log.backends)
+    check_footguns(cfg, nproc=1, device="cpu")  # its refusals; the warnings come with the real run
+    model = model_files(cfg.model.name)
+    if model is not None:
+        check_tokenizer(model.root)
+    if cfg.data.path:  # the files exist and read (their columns are checked by the real run)
+        from rlctl.data.io import first_rows
+
+        check_data_given(cfg)
+        for path in (cfg.data.path, cfg.data.val_path):
+            if path:
+                first_rows(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,15 +154,44 @@ def check_reward_spec(cfg: RunConfig) -> None:
         check_reward_config(cfg.reward)  # an unknown name, a missing file/function or model: a UserError
 
 
-def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
-    """A bad or damaged --resume checkpoint, or a run directory that already holds checkpoints without --resume."""
+def check_agent_template(cfg: RunConfig, model: ModelFiles | None) -> None:
+    """An agent run (--tools / --env / --interaction) needs a chat template that renders tool calls."""
+    if not (cfg.agent.tools or cfg.agent.env):  # an interaction alone calls no tools
+        return
+    from rlctl.agents.parse import template_style
+
+    template: object = None
+    if cfg.data.chat_template:
+        template = Path(cfg.data.chat_template).expanduser().read_text()
+    elif model is not None:
+        template = model.tokenizer_config.get("chat_template")
+        jinja = model.root / "chat_template.jinja"
+        if not template and jinja.is_file():
+            template = jinja.read_text()
+    else:
+        return  # a hub model: its template is read on the ranks
+    if template_style(template) is None and "response_schema" not in (model.tokenizer_config if model else {}):
+        raise UserError(
+            "the chat template has no tool-call format (no <tool_call> nor Llama 3 JSON calls), so the model cannot "
+            "call --tools / --env: use a model whose template takes tools, or pass --chat-template FILE.jinja"
+        )
+
+
+def check_run_dir(cfg: RunConfig, run_dir: Path, *, backend: str = "") -> None:
+    """An output that cannot be written or is someone else's directory; a bad or damaged --resume
+    checkpoint, or one this job cannot continue (another method, engine, LoRA rank or model); a run
+    directory that already holds checkpoints without --resume. Nothing in ``run_dir`` changes."""
+    from rlctl.preflight import check_output_dir, check_resume_compatible
     from rlctl.runtime.layout import choose_resume, latest_checkpoint
 
     resume = cfg.checkpoint.resume
+    check_output_dir(run_dir, resume=bool(resume))
     if resume:  # checks every file of the checkpoint it picks (imports torch's DCP classes to read .metadata)
-        note = choose_resume(resume, run_dir).note()
-        if note:
-            print(note, flush=True)  # --resume auto passed over a damaged checkpoint: say which and why
+        choice = choose_resume(resume, run_dir)
+        if choice.path is not None:
+            check_resume_compatible(cfg, choice.path, backend)
+        if choice.note():
+            print(choice.note(), flush=True)  # --resume auto passed over a damaged checkpoint: say which and why
     if not resume and latest_checkpoint(run_dir / "checkpoints") is not None:
         raise UserError(
             f"{run_dir} already holds checkpoints; pass --resume auto to continue that run "
@@ -347,6 +400,8 @@ def _check_rl_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[st
 
     if all(s.spec != "auto" for s in rule_specs(cfg.reward)):
         return  # every component is named (or a reward model alone): no row needs a data_source
+    if cfg.agent.env or cfg.agent.interaction:
+        return  # the environment's get_reward / the interaction's score may be the reward (TRL's convention)
 
     sources = {str(r.get("data_source") or "") for r in rows}
     if "" in sources:

@@ -221,6 +221,8 @@ EvalEvery = Annotated[
         rich_help_panel="Evaluation",
     ),
 ]
+_EVAL_BEFORE_HELP = "Also evaluate before the first step (step 0): a baseline for the curves (needs validation data)."
+EvalBefore = Annotated[bool | None, typer.Option(help=_EVAL_BEFORE_HELP, rich_help_panel="Evaluation")]
 Warmup = Annotated[
     float | None,
     typer.Option("--warmup-ratio", help="Share of the steps with a linear lr warmup.", rich_help_panel="Training"),
@@ -313,6 +315,7 @@ COMMON_KEYS = {
     "batch_size": "train.batch_size",
     "micro_batch_size": "train.micro_batch_size",
     "eval_every": "train.eval_every",
+    "eval_before": "train.eval_before",
     "save_every": "checkpoint.save_every",
     "keep_last": "checkpoint.keep_last",
     "resume": "checkpoint.resume",
@@ -399,7 +402,7 @@ def run_training(
     import os
 
     from rlctl.errors import NotAvailableYet, UserError
-    from rlctl.job import check_job, resolve_job, with_run_dir
+    from rlctl.job import check_dry_run, check_job, resolve_job, with_run_dir
     from rlctl.launch import build_command, default_run_dir
     from rlctl.slurm import allocation_options
 
@@ -417,6 +420,7 @@ def run_training(
             f"on a filesystem all nodes share"
         )
     if dry_run:
+        check_dry_run(cfg)
         run_dir = cfg.output_dir or str(default_run_dir(cfg))
         argv = build_command(cfg, plan, run_dir)
         if as_json:
@@ -443,11 +447,12 @@ def submit_slurm(cfg, plan, *, dry_run: bool, as_json: bool, ignore_memory_check
     from pathlib import Path
 
     from rlctl.errors import UserError
-    from rlctl.job import check_job, with_run_dir
+    from rlctl.job import check_dry_run, check_job, with_run_dir
     from rlctl.launch import default_run_dir
     from rlctl.slurm import sbatch_script, submit, write_job
 
     if dry_run:
+        check_dry_run(cfg)
         run_dir = Path(cfg.output_dir or default_run_dir(cfg)).absolute()
         script = sbatch_script(cfg, plan, run_dir)
         if as_json:

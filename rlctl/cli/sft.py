@@ -34,6 +34,7 @@ def sft(
     val_data: o.ValData = None,
     val_fraction: o.ValFraction = None,
     eval_every: o.EvalEvery = None,
+    eval_before: o.EvalBefore = None,
     system_prompt: o.SystemPrompt = None,
     chat_template: o.ChatTemplate = None,
     gpus: o.Gpus = None,

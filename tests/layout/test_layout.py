@@ -26,9 +26,9 @@ LAYERS: list[set[str]] = [
     {"runtime"},
     {"engines", "rollout", "rewards", "agents"},
     {"recipes"},
-    {"launch", "job", "slurm"},
+    {"launch", "job", "slurm", "preflight"},
     {"convert"},
-    {"bench", "demo", "report"},
+    {"bench", "demo", "report", "viewer"},
     {"cli", "__main__"},
 ]
 # lower in the table, but still not theirs to import: engines model nothing about plans or estimates
