@@ -209,6 +209,10 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout -x -a 'auto h
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward -x -a 'gsm8k math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l samples-every -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l tools -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l env -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l interaction -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-turns -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l save-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l keep-last -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l resume -x
@@ -281,6 +285,10 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout -x -a 'auto hf
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward -x -a 'gsm8k math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l samples-every -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l tools -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l env -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l interaction -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-turns -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l save-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l keep-last -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l resume -x
