@@ -196,6 +196,10 @@ class _Progress:
             if "step" not in rec:
                 continue
             self.last = rec
+            if isinstance(rec.get("warning"), str):  # e.g. reward calls that failed (rlctl.rewards.reward_warning)
+                from rich.markup import escape
+
+                self.console.print(f"[yellow]{escape(rec['warning'])}[/yellow]", soft_wrap=True, highlight=False)
             if self.live:
                 self.bar.update(self.task, completed=rec["step"], total=rec.get("total_steps"), info=_describe(rec))
             else:

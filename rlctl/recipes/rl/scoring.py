@@ -40,6 +40,7 @@ class ScoringSteps:
         warning = reward_warning(sums, result.errors, step)
         if warning:
             self.ctx.log(warning)
+            out["warning"] = warning  # in the step's record: the launcher prints it on the console
         return torch.tensor(result.scores, dtype=torch.float32, device=self.device), out
 
     def score(self, batch: RolloutBatch, step: int) -> None:
