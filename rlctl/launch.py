@@ -392,8 +392,9 @@ def _report(rc: int, paths: RunPaths, progress: _Progress, *, interrupted: bool 
             console.print("interrupted during start-up (before step 1); no checkpoint was written")
             return INTERRUPTED
         reached = f"interrupted at step {progress.last['step']}; " if progress.last is not None else ""
-        console.print(f"{reached}the ranks were stopped before saving; last checkpoint: {summary['checkpoint']}")
-        if summary["checkpoint"] is not None:
+        last = summary["checkpoint"]
+        console.print(f"{reached}the ranks were stopped before saving; last checkpoint: {last}", soft_wrap=True)
+        if last is not None:
             console.print("continue with --resume auto (same --output-dir)")
         return INTERRUPTED
     if summary and summary.get("status") == "interrupted":
