@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from rlctl import names
+from rlctl.algos.registry import adv_names
 from rlctl.cli import options as o
 from rlctl.names import describe
 
@@ -37,14 +38,23 @@ Examples:
 """
 
 
-ADV_OPTION = {
-    method: Annotated[str | None, typer.Option("--adv", help=text, rich_help_panel=RL)]
-    for method, text in (
-        ("grpo", "grpo | rloo | reinforce_pp."),
-        ("ppo", "gae | grpo | rloo | reinforce_pp."),
-    )
+ADV_OPTION = {  # the registered estimators each method can run (rlctl.algos.registry; a plugin may add more)
+    method: Annotated[
+        str | None, typer.Option("--adv", help=f"{' | '.join(adv_names(needs_critic=critic))}.", rich_help_panel=RL)
+    ]
+    for method, critic in (("grpo", False), ("ppo", True))
 }
 
+
+Plugin = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--plugin",
+        help="A Python file (or module) that registers a policy loss or advantage estimator, imported before "
+        "the config is checked and on every rank; repeatable (docs/plugins.md).",
+        rich_help_panel="Configuration",
+    ),
+]
 
 KEYS = {
     **o.COMMON_KEYS,
@@ -68,7 +78,14 @@ KEYS = {
     "rollout": "rollout.engine",
     "reward_model": "reward.model",
     "samples_every": "log.samples_every",
+    "plugin": "plugins",
+    "tools": "agent.tools",
+    "env": "agent.env",
+    "interaction": "agent.interaction",
+    "max_turns": "agent.max_turns",
 }
+
+AGENT = "Agent (multi-turn, tools)"
 
 
 def _rl_command(method: str):
@@ -212,6 +229,36 @@ def _rl_command(method: str):
                 rich_help_panel="Training",
             ),
         ] = None,
+        tools: Annotated[
+            str | None,
+            typer.Option(
+                "--tools",
+                help="Tools the model may call: FILE.py (every public function), FILE.py:a,b, or a verl tool "
+                "config YAML.",
+                rich_help_panel=AGENT,
+            ),
+        ] = None,
+        env: Annotated[
+            str | None,
+            typer.Option(
+                "--env",
+                help="An environment FILE.py:Class, one per trajectory: reset(**row), its public methods are "
+                "tools, get_reward() a reward component.",
+                rich_help_panel=AGENT,
+            ),
+        ] = None,
+        interaction: Annotated[
+            str | None,
+            typer.Option(
+                "--interaction", help="A verl Interaction (a simulated user) config YAML.", rich_help_panel=AGENT
+            ),
+        ] = None,
+        max_turns: Annotated[
+            int | None,
+            typer.Option(
+                "--max-turns", help="Assistant turns per trajectory (default 8 with tools).", rich_help_panel=AGENT
+            ),
+        ] = None,
         save_every: o.SaveEvery = None,
         keep_last: o.KeepLast = None,
         resume: o.Resume = None,
@@ -224,6 +271,7 @@ def _rl_command(method: str):
         run_name: o.RunName = None,
         trust_remote_code: o.TrustRemoteCode = None,
         ignore_memory_check: o.IgnoreMemoryCheck = False,
+        plugin: Plugin = None,
     ) -> None:
         mapping = o.to_mapping(locals(), KEYS)
         mapping["reward.fn"] = reward[0] if reward and len(reward) == 1 else None

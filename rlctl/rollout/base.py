@@ -55,9 +55,10 @@ import torch
 
 from rlctl.errors import UserError, did_you_mean
 from rlctl.names import ROLLOUT_ENGINES
+from rlctl.rollout.spec import RolloutSpec
 
-# Engine name (rlctl.names.RolloutEngine) -> "module:class"; each class takes make_rollout_engine's keyword
-# arguments (tests/config holds the keys equal to the names).
+# Engine name (rlctl.names.RolloutEngine) -> "module:class"; each class is built from a RolloutSpec
+# (tests/config holds the keys equal to the names).
 _ENGINE_CLASSES = {
     "hf": "rlctl.rollout.hf:HFRolloutEngine",
     "vllm": "rlctl.rollout.vllm:VLLMRolloutEngine",
@@ -156,6 +157,37 @@ class RolloutEngine(ABC):
             )
         return self._generate(prompt_token_ids, n, sampling)
 
+    def continue_generation(
+        self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]
+    ) -> list[Sample]:
+        """One more turn after each token history (a multi-turn trajectory so far: its prompt, the tokens
+        sampled and the tool / user tokens appended), at most ``max_tokens[i]`` new tokens for history ``i``
+        (``sampling.max_tokens`` is ignored). Token ids in, token ids out: nothing is re-tokenized. One sample
+        per history, in order (``prompt_index`` = the history's index). Engines with a prefix cache reuse
+        the histories' cached prefixes (vLLM's automatic prefix caching, SGLang's radix cache, the hf engine's
+        kept KV cache)."""
+        if self.weights_state != WeightsState.RESIDENT or self.kv_state != KVState.RESIDENT:
+            raise RolloutStateError(
+                f"{self.name} rollout engine: continue_generation with {self.weights_state} weights and a "
+                f"{self.kv_state} KV cache; call ready(sync) first"
+            )
+        if len(max_tokens) != len(histories) or min(max_tokens, default=1) < 1:
+            raise ValueError("continue_generation needs one max_tokens >= 1 per history")
+        return self._continue(histories, sampling, max_tokens)
+
+    def _continue(self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]) -> list[Sample]:
+        """:meth:`continue_generation` of the engine; by default one ``_generate`` per distinct budget."""
+        from dataclasses import replace
+
+        out: list[Sample | None] = [None] * len(histories)
+        for budget in sorted(set(max_tokens)):
+            idx = [i for i, m in enumerate(max_tokens) if m == budget]
+            seed = None if sampling.seed is None else sampling.seed + budget
+            samples = self._generate([histories[i] for i in idx], 1, replace(sampling, max_tokens=budget, seed=seed))
+            for i, s in zip(idx, samples, strict=True):
+                out[i] = replace(s, prompt_index=i)
+        return out  # type: ignore[return-value]
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights, named as in the HF CausalLM's ``state_dict()``; they become ``resident``.
 
@@ -248,48 +280,25 @@ class RolloutEngine(ABC):
         self.close()
 
 
-def make_rollout_engine(
-    name: str,
-    model_path: str,
-    *,
-    device: str,
-    dtype: str,
-    tp: int = 1,
-    mem_fraction: float = 0.5,
-    max_model_len: int,
-    seed: int = 0,
-    enable_prefix_caching: bool = True,
-) -> RolloutEngine:
-    """Build the rollout engine ``name`` ("hf", "vllm" or "sglang") for the HF model at
-    ``model_path``.
-
-    ``mem_fraction`` is the share of accelerator memory the engine may take (vLLM's
-    ``gpu_memory_utilization``, SGLang's ``mem_fraction_static``; ignored by "hf").
-    ``max_model_len`` bounds prompt + response length.
-    """
+def make_rollout_engine(spec: RolloutSpec) -> RolloutEngine:
+    """Build the rollout engine ``spec.engine`` ("hf", "vllm" or "sglang") for the HF model at
+    ``spec.model_path``; UserError for a spec no engine can take. The engine gets the spec with its dtype
+    spelled as torch spells it (``bf16`` -> ``bfloat16``)."""
+    name = spec.engine
     if name not in ROLLOUT_ENGINES:
         raise UserError(
             f"unknown rollout engine {name!r}{did_you_mean(name, ROLLOUT_ENGINES)}; "
             f"choose one of {', '.join(ROLLOUT_ENGINES)}"
         )
-    if tp < 1:
-        raise UserError(f"rollout tp must be >= 1, got {tp}")
-    if not 0 < mem_fraction <= 1:
-        raise UserError(f"rollout mem_fraction must be in (0, 1], got {mem_fraction}")
-    if max_model_len < 2:
-        raise UserError(f"max_model_len must be >= 2, got {max_model_len}")
+    if spec.tp < 1:
+        raise UserError(f"rollout tp must be >= 1, got {spec.tp}")
+    if not 0 < spec.mem_fraction <= 1:
+        raise UserError(f"rollout mem_fraction must be in (0, 1], got {spec.mem_fraction}")
+    if spec.max_model_len < 2:
+        raise UserError(f"max_model_len must be >= 2, got {spec.max_model_len}")
     module_name, class_name = _ENGINE_CLASSES[name].split(":")
     engine_class = getattr(importlib.import_module(module_name), class_name)
-    return engine_class(
-        model_path,
-        device=device,
-        dtype=canonical_dtype(dtype),
-        tp=tp,
-        mem_fraction=mem_fraction,
-        max_model_len=max_model_len,
-        seed=seed,
-        enable_prefix_caching=enable_prefix_caching,
-    )
+    return engine_class(spec.replace(dtype=canonical_dtype(spec.dtype)))
 
 
 # Helpers shared by the engines ------------------------------------------------------------------
