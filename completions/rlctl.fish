@@ -138,12 +138,12 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout-tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l reward-model -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l backend -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l backend -x -a 'fsdp megatron'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l pp -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l ep -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l cp -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l precision -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l precision -x -a 'mixed bf16'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l dtype -x -a 'bf16 fp16 fp32'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l offload-params -l no-offload-params
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l offload-optimizer -l no-offload-optimizer
@@ -174,7 +174,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l node-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l master-addr -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l master-port -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rdzv-endpoint -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l launcher -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l launcher -x -a 'torchrun slurm'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l partition -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l account -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l time -x
@@ -188,7 +188,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-steps -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lr -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lr-scheduler -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lr-scheduler -x -a 'cosine constant'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l warmup-ratio -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l weight-decay -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l batch-size -x
@@ -205,7 +205,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gradient-checkpointin
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l activation-checkpointing -l no-activation-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ppo-epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-coef -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-kind -x -a 'k1 abs k2 k3'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-kind -x -a 'k1 abs k2 k3 kl mse low_var_kl'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l entropy-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l critic-lr -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l adv -x -a 'grpo rloo reinforce_pp gae'
@@ -218,12 +218,12 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward -x -a 'gsm8k math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l samples-every -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l backend -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l backend -x -a 'fsdp megatron'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l pp -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ep -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l cp -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l precision -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l precision -x -a 'mixed bf16'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l dtype -x -a 'bf16 fp16 fp32'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l offload-params -l no-offload-params
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l offload-optimizer -l no-offload-optimizer
@@ -261,7 +261,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l node-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l master-addr -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l master-port -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rdzv-endpoint -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l launcher -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l launcher -x -a 'torchrun slurm'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l partition -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l account -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l time -x
@@ -275,7 +275,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-steps -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lr -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lr-scheduler -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lr-scheduler -x -a 'cosine constant'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l warmup-ratio -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l weight-decay -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l batch-size -x
@@ -292,7 +292,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gradient-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l activation-checkpointing -l no-activation-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l ppo-epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-coef -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-kind -x -a 'k1 abs k2 k3'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-kind -x -a 'k1 abs k2 k3 kl mse low_var_kl'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l entropy-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l critic-lr -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l adv -x -a 'grpo rloo reinforce_pp gae'
@@ -305,12 +305,12 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward -x -a 'gsm8k math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l samples-every -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l backend -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l backend -x -a 'fsdp megatron'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l pp -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l ep -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l cp -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l precision -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l precision -x -a 'mixed bf16'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l dtype -x -a 'bf16 fp16 fp32'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l offload-params -l no-offload-params
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l offload-optimizer -l no-offload-optimizer
@@ -356,7 +356,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l node-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l master-addr -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l master-port -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l rdzv-endpoint -x
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l launcher -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l launcher -x -a 'torchrun slurm'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l partition -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l account -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l time -x
@@ -370,7 +370,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l max-steps -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lr -x
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lr-scheduler -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lr-scheduler -x -a 'cosine constant'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l warmup-ratio -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l weight-decay -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l batch-size -x
@@ -380,12 +380,12 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l packing -l no-packing
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l max-tokens-per-micro-batch -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gradient-checkpointing -l no-gradient-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l activation-checkpointing -l no-activation-checkpointing
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l backend -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l backend -x -a 'fsdp megatron'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l pp -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l ep -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l cp -x
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l precision -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l precision -x -a 'mixed bf16'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l dtype -x -a 'bf16 fp16 fp32'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l offload-params -l no-offload-params
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l offload-optimizer -l no-offload-optimizer

@@ -17,7 +17,7 @@ _rlctl() {
     case "$prev" in
         --account) return ;;
         --adv) COMPREPLY=($(compgen -W "grpo rloo reinforce_pp gae" -- "$cur")); return ;;
-        --backend) return ;;
+        --backend) COMPREPLY=($(compgen -W "fsdp megatron" -- "$cur")); return ;;
         --batch-size) return ;;
         --chat-template) return ;;
         --clip-high) return ;;
@@ -41,8 +41,8 @@ _rlctl() {
         --host-memory) return ;;
         --keep-last) return ;;
         --kl-coef) return ;;
-        --kl-kind) COMPREPLY=($(compgen -W "k1 abs k2 k3" -- "$cur")); return ;;
-        --launcher) return ;;
+        --kl-kind) COMPREPLY=($(compgen -W "k1 abs k2 k3 kl mse low_var_kl" -- "$cur")); return ;;
+        --launcher) COMPREPLY=($(compgen -W "torchrun slurm" -- "$cur")); return ;;
         --lengths) return ;;
         --log) return ;;
         --lora-alpha) return ;;
@@ -52,7 +52,7 @@ _rlctl() {
         --loss-agg) COMPREPLY=($(compgen -W "token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm" -- "$cur")); return ;;
         --loss-chunk) return ;;
         --lr) return ;;
-        --lr-scheduler) return ;;
+        --lr-scheduler) COMPREPLY=($(compgen -W "cosine constant" -- "$cur")); return ;;
         --master-addr) return ;;
         --master-port) return ;;
         --max-len) return ;;
@@ -79,7 +79,7 @@ _rlctl() {
         --plot) return ;;
         --pp) return ;;
         --ppo-epochs) return ;;
-        --precision) return ;;
+        --precision) COMPREPLY=($(compgen -W "mixed bf16" -- "$cur")); return ;;
         --preset) COMPREPLY=($(compgen -W "grpo ppo sft tiers" -- "$cur")); return ;;
         --prompt-len) return ;;
         --prompts) return ;;

@@ -15,10 +15,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rlctl.names import KlKind, choices
+
 __all__ = ["KL_KINDS", "AdaptiveKLController", "FixedKLController", "entropy_from_logits", "kl_estimate"]
 
 KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
-KL_KINDS = ("k1", "abs", "k2", "k3", *KL_ALIASES)
+KL_KINDS = choices(KlKind)  # the canonical four and verl's aliases
 
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:

@@ -29,10 +29,11 @@ import torch
 from torch import Tensor
 
 from rlctl.algos.masked import masked_count, masked_mean, masked_sum, zero_masked
+from rlctl.names import LossAgg, choices
 
 __all__ = ["AGG_MODES", "aggregate", "gspo_policy_loss", "ppo_policy_loss", "value_loss"]
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = choices(LossAgg)
 LOG_RATIO_CLAMP = 20.0
 
 Count = int | float | Tensor

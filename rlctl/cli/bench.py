@@ -14,6 +14,9 @@ from typing import Annotated
 
 import typer
 
+from rlctl import names
+from rlctl.names import describe
+
 EXAMPLES = """Examples:
 
   rlctl bench rollout --model tiny --engine hf,vllm --prompts 8 --n 4
@@ -44,7 +47,7 @@ Model = Annotated[
 RandomInit = Annotated[
     bool, typer.Option("--random-init", help="Random weights from the catalog config (nothing is downloaded).")
 ]
-Device = Annotated[str, typer.Option("--device", help="auto | cpu | cuda.")]
+Device = Annotated[str, typer.Option("--device", help=f"{describe(names.Device)}.")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object (progress goes to stderr).")]
 Plot = Annotated[
     Path | None,
@@ -71,10 +74,9 @@ def _log():
 def _device(device: str) -> str:
     from rlctl.errors import UserError, did_you_mean
 
-    if device not in ("auto", "cpu", "cuda"):
-        raise UserError(
-            f"unknown --device {device!r}{did_you_mean(device, ['auto', 'cpu', 'cuda'])}; use auto, cpu or cuda"
-        )
+    allowed = names.choices(names.Device)
+    if device not in allowed:
+        raise UserError(f"unknown --device {device!r}{did_you_mean(device, allowed)}; use {describe(names.Device)}")
     if device != "auto":
         return device
     import torch
@@ -108,9 +110,7 @@ def rollout(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens generated per sample.")] = 32,
     reps: Annotated[int, typer.Option("--reps", help="Timed repetitions (interleaved across engines).")] = 3,
     device: Device = "auto",
-    dtype: Annotated[
-        str, typer.Option("--dtype", help="auto (fp32 on CPU, bf16 on GPU) | fp32 | bf16 | fp16.")
-    ] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help=f"{describe(names.Dtype)}.")] = "auto",
     mem_fraction: Annotated[
         float,
         typer.Option("--mem-fraction", help="GPU memory share of each vLLM/SGLang engine (they run side by side)."),
@@ -149,7 +149,7 @@ def rollout(
 @app.command()
 def train(
     model: Model,
-    method: Annotated[str, typer.Option("--method", help="sft | grpo | ppo.")] = "sft",
+    method: Annotated[str, typer.Option("--method", help=f"{describe(names.Method)}.")] = "sft",
     random_init: RandomInit = False,
     device: Device = "auto",
     gpus: Annotated[int, typer.Option("--gpus", help="GPUs in total (0 = every visible GPU).")] = 0,
@@ -166,7 +166,7 @@ def train(
     n: Annotated[int, typer.Option("--n", help="RL: samples per prompt.")] = 4,
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="RL: tokens per prompt (about).")] = 32,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="RL: most tokens per response.")] = 32,
-    rollout: Annotated[str, typer.Option("--rollout", help="RL: auto | hf | vllm | sglang.")] = "auto",
+    rollout: Annotated[str, typer.Option("--rollout", help=f"RL: {describe(names.RolloutEngine)}.")] = "auto",
     micro_batch_size: Annotated[
         int, typer.Option("--micro-batch-size", help="Sequences per forward (default: the plan's).")
     ] = 0,

@@ -2,7 +2,8 @@
 
 `make completions` (python -m rlctl.cli.completions DIR) writes completions/rlctl.{bash,zsh,fish}.
 The scripts are static: completing never starts Python. They complete subcommands, options, preset
-names, catalog model names and GPU types, and the fixed choices of options such as --rollout.
+names, catalog model names and GPU types, and the fixed choices of options such as --rollout (the
+Literals of :mod:`rlctl.names`).
 A test regenerates them and fails when the files in the repository are stale.
 """
 
@@ -11,6 +12,21 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from rlctl.names import (
+    AdvName,
+    Backend,
+    Device,
+    Dtype,
+    KlKind,
+    Launcher,
+    LossAgg,
+    LrScheduler,
+    Method,
+    Precision,
+    RolloutEngine,
+    choices,
+)
 
 FILE_OPTIONS = ("--config", "--data", "--output-dir")
 
@@ -34,13 +50,17 @@ def value_choices() -> dict[str, list[str]]:
         "--model": models,
         "--preset": preset_names(),
         "--gpu": sorted(g.name for g in list_gpus()),
-        "--device": ["auto", "cuda", "cpu"],
-        "--rollout": ["auto", "hf", "vllm", "sglang"],
-        "--adv": ["grpo", "rloo", "reinforce_pp", "gae"],
-        "--kl-kind": ["k1", "abs", "k2", "k3"],
-        "--loss-agg": ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
-        "--method": ["sft", "grpo", "ppo"],
-        "--dtype": ["bf16", "fp16", "fp32"],
+        "--device": list(choices(Device)),
+        "--rollout": list(choices(RolloutEngine)),
+        "--adv": list(choices(AdvName)),
+        "--kl-kind": list(choices(KlKind)),
+        "--loss-agg": list(choices(LossAgg)),
+        "--lr-scheduler": list(choices(LrScheduler)),
+        "--launcher": list(choices(Launcher)),
+        "--backend": list(choices(Backend, without=("auto",))),
+        "--precision": list(choices(Precision)),
+        "--method": list(choices(Method)),
+        "--dtype": list(choices(Dtype, without=("auto",))),
         "--reward": ["gsm8k", "math", "exact", "format", "length"],
     }
 

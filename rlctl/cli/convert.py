@@ -12,6 +12,8 @@ from typing import Annotated
 
 import typer
 
+from rlctl.names import Dtype, choices
+
 app = typer.Typer(
     help="Turn training checkpoints into Hugging Face models (verified), merge LoRA, inspect checkpoints.",
     epilog=(
@@ -46,7 +48,7 @@ Trust = Annotated[
 ]
 Out = Annotated[Path, typer.Argument(help="Output directory (written under a temporary name, renamed when complete).")]
 
-_DTYPES = ("bf16", "fp16", "fp32")
+_DTYPES = choices(Dtype, without=("auto",))
 
 
 def parse_size(text: str) -> int:

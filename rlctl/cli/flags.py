@@ -12,10 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rlctl import names
+from rlctl.names import describe
+
 SFT, GRPO, PPO, ESTIMATE = "sft", "grpo", "ppo", "estimate"
 RL = frozenset({GRPO, PPO})
 TRAIN = frozenset({SFT, GRPO, PPO})
 ALL = TRAIN | {ESTIMATE}
+AUTO = ("auto",)  # left out of the values a flag shows where "the plan decides" says it
 ONLY_SFT, ONLY_ESTIMATE, RL_EST, SFT_EST = frozenset({SFT}), frozenset({ESTIMATE}), RL | {ESTIMATE}, {SFT, ESTIMATE}
 JOB, EVAL, HW, CLUSTER, CONF = "Job", "Evaluation", "Hardware", "Cluster", "Configuration"
 TRAINING, CKPT, LORA, RL_PANEL, PAR = "Training", "Checkpoints", "LoRA", "RL", "Parallelism"
@@ -83,7 +87,7 @@ FLAGS: tuple[Flag, ...] = (
     F("model", ("--model", "-m"), "model.name", JOB, ALL,
       "Catalog name (Qwen2.5-7B), HF id, local HF directory or config.json."),
     F("method", "--method", "", JOB, ONLY_ESTIMATE,
-      "sft | grpo | ppo.", type=str, default="grpo"),
+      f"{describe(names.Method)}.", type=str, default="grpo"),
     F("data", ("--data", "-d"), "data.path", JOB, TRAIN,
       "JSONL, Parquet, a directory of Parquet shards, a `datasets` save_to_disk directory, or a hub dataset"
       " name already in the local cache (e.g. openai/gsm8k)."),
@@ -109,7 +113,8 @@ FLAGS: tuple[Flag, ...] = (
     F("gpu", "--gpu", "hardware.gpu", HW, ALL,
       "GPU type, e.g. H100-80GB, A100-40GB (default: detected, else H100-80GB)."),
     F("device", "--device", "hardware.device", HW, ALL,
-      _per("auto | cuda | cpu.", "cuda | cpu (default cuda: estimates are for GPUs).")),
+      _per(f"{describe(names.Device)}.",
+           f"{describe(names.Device, without=AUTO)} (default cuda: estimates are for GPUs).")),
     F("host_memory", "--host-memory", "hardware.host_memory_gib", HW, ALL,
       "Host (CPU) memory of one node in GiB, which bounds offload (default: the GPU type's typical node, "
       "shared by the GPUs used on it)."),
@@ -124,7 +129,7 @@ FLAGS: tuple[Flag, ...] = (
     F("rdzv_endpoint", "--rdzv-endpoint", "hardware.rdzv_endpoint", HW, TRAIN,
       "host:port of a c10d rendezvous (torchrun's elastic launch)."),
     F("launcher", "--launcher", "cluster.launcher", CLUSTER, TRAIN,
-      "torchrun (run on this node) or slurm (write an sbatch script for all nodes and submit it)."),
+      f"{describe(names.Launcher)}."),
     F("partition", "--partition", "cluster.partition", CLUSTER, TRAIN,
       "SLURM partition (--launcher slurm)."),
     F("account", "--account", "cluster.account", CLUSTER, TRAIN,
@@ -156,7 +161,7 @@ FLAGS: tuple[Flag, ...] = (
     F("lr", "--lr", "train.lr", TRAINING, TRAIN,
       "Peak learning rate."),
     F("lr_scheduler", "--lr-scheduler", "train.lr_scheduler", TRAINING, TRAIN,
-      "cosine (warmup, then down to train.min_lr_ratio of the peak) | constant (after the warmup)."),
+      f"{describe(names.LrScheduler)}."),
     F("warmup_ratio", "--warmup-ratio", "train.warmup_ratio", TRAINING, TRAIN,
       "Share of the steps with a linear lr warmup."),
     F("weight_decay", "--weight-decay", "train.weight_decay", TRAINING, TRAIN,
@@ -204,21 +209,21 @@ FLAGS: tuple[Flag, ...] = (
     F("kl_coef", "--kl-coef", "algo.kl_coef", RL_PANEL, RL_EST,
       "KL coefficient against the reference model (0 = no reference)."),
     F("kl_kind", "--kl-kind", "algo.kl_kind", RL_PANEL, RL,
-      "k1 | abs | k2 | k3."),
+      f"{describe(names.KlKind)}."),
     F("entropy_coef", "--entropy-coef", "algo.entropy_coef", RL_PANEL, RL,
       "Entropy bonus in the policy loss (0 = off)."),
     F("critic_lr", "--critic-lr", "algo.critic_lr", RL_PANEL, RL,
       "Learning rate of the critic (ppo)."),
     F("adv", "--adv", "algo.adv", RL_PANEL, RL,
-      {GRPO: "grpo | rloo | reinforce_pp.", PPO: "gae | grpo | rloo | reinforce_pp."}),
+      {GRPO: f"{describe(names.AdvName, without=('gae',))}.", PPO: f"{describe(names.AdvName)}."}),
     F("loss_agg", "--loss-agg", "algo.loss_agg", RL_PANEL, RL,
-      "token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."),
+      f"{describe(names.LossAgg)}."),
     F("clip_low", "--clip-low", "algo.clip_low", RL_PANEL, RL,
       "PPO clip below 1."),
     F("clip_high", "--clip-high", "algo.clip_high", RL_PANEL, RL,
       "PPO clip above 1 (0.28 = DAPO's clip-higher)."),
     F("rollout", "--rollout", "rollout.engine", RL_PANEL, RL_EST,
-      "auto | hf | vllm | sglang."),
+      f"{describe(names.RolloutEngine)}."),
     F("rollout_tp", "--rollout-tp", "rollout.tp", RL_PANEL, RL_EST,
       "Tensor parallelism of the rollout engine (default: the plan's).", shown=False),
     F("mem_fraction", "--mem-fraction", "rollout.mem_fraction", RL_PANEL, RL_EST,
@@ -233,7 +238,7 @@ FLAGS: tuple[Flag, ...] = (
       "two (0 = never)."),
     # --- parallelism and memory: what is left out, the plan decides
     F("backend", "--backend", "parallel.backend", PAR, ALL,
-      "fsdp | megatron (default: the plan's).", shown=False),
+      f"{describe(names.Backend, without=AUTO)} (default: the plan's).", shown=False),
     F("tp", "--tp", "parallel.tp", PAR, ALL,
       "Megatron tensor-parallel size (default: the plan's).", shown=False),
     F("pp", "--pp", "parallel.pp", PAR, ALL,
@@ -243,9 +248,9 @@ FLAGS: tuple[Flag, ...] = (
     F("cp", "--cp", "parallel.cp", PAR, ALL,
       "Context parallelism (Megatron; the FSDP engine has none).", shown=False),
     F("precision", "--precision", "train.precision", PAR, ALL,
-      "mixed (fp32 master weights, grads, AdamW: 16 bytes/param) | bf16 (pure bf16: 8 bytes/param)."),
+      f"{describe(names.Precision)}."),
     F("dtype", "--dtype", "model.dtype", PAR, ALL,
-      "bf16 | fp16 | fp32 (default: the plan's).", shown=False),
+      f"{describe(names.Dtype, without=AUTO)} (default: the plan's).", shown=False),
     F("offload_params", "--offload-params/--no-offload-params", "parallel.offload_params", PAR, ALL,
       "Move the trainer's weights to CPU between phases (default: the plan's).", shown=False),
     F("offload_optimizer", "--offload-optimizer/--no-offload-optimizer", "parallel.offload_optimizer", PAR, ALL,

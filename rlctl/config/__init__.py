@@ -7,7 +7,8 @@ each overriding the one before::
 
 Every layer is a nested dict with dotted paths such as ``train.lr`` or ``rollout.n``. An unknown key
 anywhere fails with a did-you-mean suggestion; a value of the wrong type fails naming the key and
-the expected type. Fields left at ``"auto"`` (or 0 for sizes) are filled in by the plan.
+the expected type. Enumerated keys take the values of their Literal (:mod:`rlctl.names`). Fields left at
+``"auto"``, None (``bool | None``: the plan decides) or 0 for sizes are filled in by the plan.
 
 This module imports no torch, so the CLI can use it while staying fast.
 """
@@ -36,8 +37,9 @@ from rlctl.config.schema import (  # noqa: F401 - the schema, re-exported
     TrainConfig,
 )
 from rlctl.errors import UserError, did_you_mean
+from rlctl.names import Method, choices
 
-METHODS = ("sft", "grpo", "ppo")
+METHODS = choices(Method)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,7 +53,11 @@ def _type_name(tp: Any) -> str:
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check (and gently convert) one value against a dataclass field type."""
     origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return _choice(value, typing.get_args(tp), key)
     if origin in (typing.Union, types.UnionType):
+        if set(typing.get_args(tp)) == {bool, type(None)}:
+            return _bool_or_none(value, key)
         errors = []
         for arg in typing.get_args(tp):
             if arg is type(None):
@@ -107,10 +113,28 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        if isinstance(value, bool):  # YAML reads `true` for a tri-state "auto|true|false" field
-            return "true" if value else "false"
         raise UserError(f"{key} must be a string, got {value!r}")
     raise UserError(f"{key}: unsupported type {_type_name(tp)}")
+
+
+def _bool_or_none(value: Any, key: str) -> bool | None:
+    """A setting the plan decides when None; "auto" (YAML, --set, older configs) reads as None."""
+    if value is None or (isinstance(value, str) and value.lower() == "auto"):
+        return None
+    try:
+        return _coerce(value, bool, key)
+    except UserError:
+        raise UserError(f"{key} must be true, false or auto (the plan decides), got {value!r}") from None
+
+
+def _choice(value: Any, allowed: tuple[str, ...], key: str) -> str:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if isinstance(value, str) and value in allowed:
+        return value
+    raise UserError(
+        f"{key}={value!r} is not valid{did_you_mean(str(value), allowed)}; choose one of {', '.join(allowed)}"
+    )
 
 
 def _apply(obj: Any, updates: dict, prefix: str = "", *, method: str = "sft") -> None:
@@ -245,29 +269,25 @@ def save_every_steps(save_every: int, total_steps: int) -> int:
     return max(SAVE_EVERY_MIN, -(-total_steps // SAVE_EVERY_COUNT))
 
 
-CHOICES = {
-    "model.dtype": ("auto", "bf16", "fp16", "fp32"),
-    "model.attn": ("auto", "sdpa", "eager", "flash_attention_2"),
-    "data.format": ("auto", "chat", "pairs", "rl"),
-    "data.truncation": ("skip", "right", "left"),
-    "train.lr_scheduler": ("cosine", "constant"),
-    "hardware.device": ("auto", "cuda", "cpu"),
-    "cluster.launcher": ("torchrun", "slurm"),
-    "parallel.backend": ("auto", "fsdp", "megatron"),
-    "parallel.sequence_parallel": ("auto", "true", "false"),
-    "parallel.activation_checkpointing": ("auto", "true", "false"),
-    "parallel.offload_params": ("auto", "true", "false"),
-    "parallel.offload_optimizer": ("auto", "true", "false"),
-    "parallel.selective_checkpointing": ("auto", "true", "false"),
-    "parallel.offload_activations": ("auto", "true", "false"),
-    "parallel.shard": ("auto", "true", "false"),
-    "train.precision": ("mixed", "bf16"),
-    "rollout.engine": ("auto", "hf", "vllm", "sglang"),
-    "algo.adv": ("grpo", "rloo", "reinforce_pp", "gae"),
-    "algo.loss_agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "algo.policy_loss": ("ppo", "gspo"),
-    "algo.kl_kind": ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"),
-}
+def _literal_choices() -> dict[str, tuple[str, ...]]:
+    """Every enumerated key of the schema and its values, read from its Literal type (:mod:`rlctl.names`)."""
+    out: dict[str, tuple[str, ...]] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, tp in typing.get_type_hints(cls).items():
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{name}.")
+                continue
+            options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+            for option in options:  # LossAgg | None: the Literal's values
+                if typing.get_origin(option) is typing.Literal:
+                    out[f"{prefix}{name}"] = typing.get_args(option)
+
+    walk(RunConfig, "")
+    return out
+
+
+CHOICES = _literal_choices()  # e.g. {"rollout.engine": ("auto", "hf", "vllm", "sglang"), ...}
 
 
 def get_key(cfg: RunConfig, key: str) -> Any:
@@ -279,11 +299,11 @@ def get_key(cfg: RunConfig, key: str) -> Any:
 
 def validate(cfg: RunConfig) -> None:
     """Checks that do not need the catalog: choices and value ranges."""
-    for key, choices in CHOICES.items():
+    for key, allowed in CHOICES.items():
         value = get_key(cfg, key)
-        if value is not None and value not in choices:
+        if value is not None and value not in allowed:
             raise UserError(
-                f"{key}={value!r} is not valid{did_you_mean(str(value), choices)}; choose one of {', '.join(choices)}"
+                f"{key}={value!r} is not valid{did_you_mean(str(value), allowed)}; choose one of {', '.join(allowed)}"
             )
     positive = "train.batch_size train.max_len train.epochs rollout.n hardware.nodes rollout.max_prompt_len"
     positive += " rollout.max_response_len algo.ppo_epochs rollout.val_n checkpoint.keep_last"
@@ -310,11 +330,6 @@ def validate(cfg: RunConfig) -> None:
         )
     if cfg.rollout.top_k == 0 or cfg.rollout.top_k < -1:
         raise UserError(f"rollout.top_k must be -1 (off) or at least 1, got {cfg.rollout.top_k}")
-
-
-def tri_state(value: str) -> bool | None:
-    """'auto' -> None, 'true' -> True, 'false' -> False."""
-    return None if value == "auto" else value == "true"
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:

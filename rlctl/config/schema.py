@@ -1,7 +1,8 @@
 """The schema of a run: one dataclass per section of :class:`RunConfig`, with defaults and comments.
 
 Every key a user can set (``--set section.key=value``) is a field here; `rlctl presets show METHOD`
-prints them with their values.
+prints them with their values. Enumerated fields are typed with the Literals of :mod:`rlctl.names` (their
+values and meanings live there); ``bool | None`` fields are decided by the plan when None.
 """
 
 from __future__ import annotations
@@ -9,12 +10,30 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from rlctl.names import (
+    AdvName,
+    Attn,
+    Backend,
+    DataFormat,
+    Device,
+    Dtype,
+    KlKind,
+    Launcher,
+    LossAgg,
+    LrScheduler,
+    Method,
+    PolicyLossName,
+    Precision,
+    RolloutEngine,
+    Truncation,
+)
+
 
 @dataclass
 class ModelConfig:
     name: str = ""  # catalog name, HF id, local HF directory or config.json path
-    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32
-    attn: str = "auto"  # auto (flash_attention_2 when installed on GPU, else sdpa) | sdpa | eager | flash_attention_2
+    dtype: Dtype = "auto"
+    attn: Attn = "auto"
     random_init: bool = False  # build from the config with random weights (nothing is downloaded)
     trust_remote_code: bool = False  # run the model's own Python code (config.json auto_map); never implied
 
@@ -23,7 +42,7 @@ class ModelConfig:
 class DataConfig:
     path: str = ""  # JSONL, Parquet, a directory of Parquet shards, a save_to_disk directory or a hub name (cached)
     split: str = "train"  # the split of a DatasetDict directory or a hub dataset
-    format: str = "auto"  # auto | chat | pairs | rl
+    format: DataFormat = "auto"
     messages_field: str = "messages"
     prompt_field: str = "prompt"
     response_field: str = "response"
@@ -32,7 +51,7 @@ class DataConfig:
     val_split: str = ""  # the split of val_path for a hub / DatasetDict source ("" = test, else validation)
     val_fraction: float = 0.0
     packing: bool = True
-    truncation: str = "skip"  # skip (drop rows longer than max_len, counted as bad) | right | left
+    truncation: Truncation = "skip"
     max_bad_fraction: float = 0.1  # fail when more than this share of rows is bad
     shuffle: bool = True
     system_prompt: str = ""  # a system message put before every conversation / prompt that has none
@@ -44,7 +63,7 @@ class HardwareConfig:
     gpus: int = 0  # GPUs in total (0 = every visible GPU, or none on CPU)
     nodes: int = 1
     gpu: str = ""  # GPU type from the catalog, e.g. H100-80GB ("" = detect locally, else H100-80GB)
-    device: str = "auto"  # auto | cuda | cpu
+    device: Device = "auto"
     nproc: int = 0  # processes per node (0 = GPUs per node, or 1 on CPU)
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -55,18 +74,19 @@ class HardwareConfig:
 
 @dataclass
 class ParallelConfig:
-    backend: str = "auto"  # auto | fsdp | megatron
+    backend: Backend = "auto"
     tp: int = 0  # 0 = chosen by the plan
     pp: int = 0
     cp: int = 1
     ep: int = 0
-    sequence_parallel: str = "auto"  # auto | true | false
-    activation_checkpointing: str = "auto"  # auto | true | false
-    offload_params: str = "auto"  # auto | true | false
-    offload_optimizer: str = "auto"
-    selective_checkpointing: str = "auto"  # auto | true | false: recompute the MLPs only (FSDP engine)
-    offload_activations: str = "auto"  # auto | true | false: saved activations in host memory (FSDP engine)
-    shard: str = "auto"  # auto | true | false: false = one device, a plain module without FSDP wrappers
+    # None: the plan decides (a resolved config has True or False); "auto"/"true"/"false" are read as input
+    sequence_parallel: bool | None = None
+    activation_checkpointing: bool | None = None
+    offload_params: bool | None = None
+    offload_optimizer: bool | None = None
+    selective_checkpointing: bool | None = None  # recompute the MLPs only (FSDP engine)
+    offload_activations: bool | None = None  # saved activations in host memory (FSDP engine)
+    shard: bool | None = None  # False: one device, a plain module without FSDP wrappers
 
 
 @dataclass
@@ -82,7 +102,7 @@ class TrainConfig:
     max_steps: int = 0  # 0 = run `epochs` passes over the data
     epochs: int = 1
     lr: float = 1e-5
-    lr_scheduler: str = "cosine"  # cosine (warmup, then down to min_lr_ratio) | constant (min_lr_ratio = 1)
+    lr_scheduler: LrScheduler = "cosine"
     min_lr_ratio: float = 0.1
     warmup_ratio: float = 0.03
     weight_decay: float = 0.0
@@ -92,7 +112,7 @@ class TrainConfig:
     micro_batch_size: int = 0  # sequences per device per forward (0 = from the plan)
     max_tokens_per_micro_batch: int = 0  # packing budget per device (0 = micro_batch_size x max_len)
     max_len: int = 2048
-    precision: str = "mixed"  # mixed (fp32 master weights, grads, AdamW) | bf16 (pure bf16: half the state bytes)
+    precision: Precision = "mixed"
     seed: int = 42
     eval_every: int = 0
     compile: bool = False
@@ -108,7 +128,7 @@ class CheckpointConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "auto"  # auto | hf | vllm | sglang
+    engine: RolloutEngine = "auto"
     tp: int = 0  # 0 = chosen by the plan
     mem_fraction: float = 0.0  # 0 = chosen by the plan
     n: int = 8  # samples per prompt
@@ -123,19 +143,19 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
-    adv: str = "grpo"  # grpo | rloo | reinforce_pp | gae
+    adv: AdvName = "grpo"
     norm_by_std: bool = True
     # None = the policy loss's own default (ppo: token-mean, 0.2, 0.2, 3.0; gspo: seq-mean-token-mean,
     # 3e-4, 4e-4, off; rlctl.algos.registry); a value set here wins. dual_clip=0 turns it off.
-    loss_agg: str | None = None
-    policy_loss: str = "ppo"  # ppo | gspo
+    loss_agg: LossAgg | None = None
+    policy_loss: PolicyLossName = "ppo"
     clip_low: float | None = None
     clip_high: float | None = None
     dual_clip: float | None = None
     ppo_epochs: int = 1
     mini_batch_size: int = 0  # prompts per optimizer step (0 = the whole batch)
     kl_coef: float = 0.0
-    kl_kind: str = "k3"
+    kl_kind: KlKind = "k3"
     kl_in_reward: bool = False
     kl_target: float = 0.0  # > 0 turns on the adaptive KL controller
     entropy_coef: float = 0.0
@@ -171,7 +191,7 @@ class LogConfig:
 
 @dataclass
 class ClusterConfig:
-    launcher: str = "torchrun"  # torchrun (this node) | slurm (write an sbatch script and submit it)
+    launcher: Launcher = "torchrun"
     partition: str = ""  # SLURM partition ("" = the cluster's default)
     account: str = ""  # SLURM account
     time: str = ""  # SLURM time limit, e.g. 04:00:00 or 2-00:00:00 ("" = the partition's default)
@@ -180,7 +200,7 @@ class ClusterConfig:
 
 @dataclass
 class RunConfig:
-    method: str = "sft"
+    method: Method = "sft"
     output_dir: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

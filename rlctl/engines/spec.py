@@ -1,7 +1,7 @@
 """What an engine is asked to build: :class:`EngineSpec`, read once from the resolved run config.
 
 The planner fills every "auto" of the config (:func:`rlctl.plan.apply_plan`) before a job starts and
-the run directory keeps that resolved config; :meth:`EngineSpec.from_config` parses its strings here,
+the run directory keeps that resolved config; :meth:`EngineSpec.from_config` checks it here,
 in one place, and the engines read typed fields only.
 """
 
@@ -11,11 +11,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from rlctl import names
+
 if TYPE_CHECKING:
     from rlctl.config import RunConfig
 
-BACKENDS = ("fsdp", "megatron")
-DEVICES = ("cpu", "cuda")
+BACKENDS = names.BACKENDS
+DEVICES = names.choices(names.Device, without=("auto",))
 
 
 class UnresolvedConfig(RuntimeError):
@@ -69,9 +71,9 @@ class EngineSpec:
 
         def flag(name: str) -> bool:
             value = getattr(par, name)
-            if value not in ("true", "false"):
-                raise UnresolvedConfig(f"parallel.{name} is {value!r}, not 'true'/'false': the plan was not applied")
-            return value == "true"
+            if not isinstance(value, bool):
+                raise UnresolvedConfig(f"parallel.{name} is {value!r}, not true/false: the plan was not applied")
+            return value
 
         for key, value in (
             ("parallel.backend", par.backend),
@@ -98,10 +100,10 @@ class EngineSpec:
             attn=cfg.model.attn,
             micro_batch_size=cfg.train.micro_batch_size or 1,
             precision=cfg.train.precision,
-            # the memory options below default to off ("auto" the plan left alone: the engine's default)
-            selective_checkpointing=par.selective_checkpointing == "true",
-            offload_activations=par.offload_activations == "true",
-            shard=par.shard != "false",
+            # the memory options below default to off (None the plan left alone: the engine's default)
+            selective_checkpointing=par.selective_checkpointing is True,
+            offload_activations=par.offload_activations is True,
+            shard=par.shard is not False,
         )
 
     def replace(self, **changes) -> EngineSpec:

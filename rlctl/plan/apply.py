@@ -9,7 +9,7 @@ from rlctl.plan.types import Plan
 
 
 def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
-    """A copy of ``cfg`` with every "auto" (or 0) field the plan decides filled in."""
+    """A copy of ``cfg`` with every "auto", None (or 0) field the plan decides filled in."""
     out = copy.deepcopy(cfg)
     m, hw, par, tr, ro = out.model, out.hardware, out.parallel, out.train, out.rollout
     if m.dtype == "auto":
@@ -34,8 +34,8 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
         ("offload_activations", plan.offload_activations),
         ("shard", plan.shard),
     ):
-        if getattr(par, key) == "auto":
-            setattr(par, key, "true" if value else "false")
+        if getattr(par, key) is None:
+            setattr(par, key, bool(value))
     tr.micro_batch_size = tr.micro_batch_size or plan.micro_batch_size
     if plan.rollout is not None:
         if ro.engine == "auto":

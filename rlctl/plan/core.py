@@ -71,7 +71,7 @@ def plan_with_search(cfg: RunConfig, local: LocalEnv, *, host_memory_bytes: int 
     if backend != tier:
         how = "is the first option that fits" if est.fits else "comes closest (no option fits)"
         reasons.append(f"backend {backend}: {result.option.label} {how}")
-    if cfg.parallel.sequence_parallel == "true" and backend == "fsdp":
+    if cfg.parallel.sequence_parallel is True and backend == "fsdp":
         warnings.append("parallel.sequence_parallel applies to Megatron with tp > 1; ignored with fsdp")
     if backend == "megatron" and job.spec.is_moe:
         warnings.append(
@@ -97,7 +97,7 @@ def plan_with_search(cfg: RunConfig, local: LocalEnv, *, host_memory_bytes: int 
             f"parallel: tp {s.tp} x pp {s.pp} x dp {s.dp}{ep}: the most data-parallel layout whose update fits"
             + (", sequence parallel on" if s.sequence_parallel else "")
         )
-    user_offload = "auto" not in (p.offload_params, p.offload_optimizer)
+    user_offload = None not in (p.offload_params, p.offload_optimizer)
     if est.fits:
         if user_offload:
             reasons.append(f"offload params {p.offload_params}, optimizer {p.offload_optimizer}: as configured")

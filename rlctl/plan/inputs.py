@@ -85,7 +85,7 @@ def resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) -> 
     if device == "cpu":
         if hw.gpus:
             warnings.append(f"hardware.gpus={hw.gpus} is ignored on CPU (hardware.nproc sets the processes)")
-        if "true" in (cfg.parallel.offload_params, cfg.parallel.offload_optimizer):
+        if True in (cfg.parallel.offload_params, cfg.parallel.offload_optimizer):
             warnings.append("offload is ignored on CPU: everything already lives in host memory")
         nproc = hw.nproc or 1
         world = nproc * nodes
@@ -251,8 +251,8 @@ def settings_for(job: Job, **kw) -> MemorySettings:
         micro_batch_tokens=c.train.max_tokens_per_micro_batch,
         reward_model=bool(c.reward.model) and c.method != "sft",
         # the FSDP engine's savers: as configured; "auto" starts from the engine's default (the search may pick)
-        selective_checkpointing=c.parallel.selective_checkpointing == "true",
-        offload_activations=c.parallel.offload_activations == "true",
-        shard=c.parallel.shard != "false",
+        selective_checkpointing=c.parallel.selective_checkpointing is True,
+        offload_activations=c.parallel.offload_activations is True,
+        shard=c.parallel.shard is not False,
     )
     return replace(base, **kw)

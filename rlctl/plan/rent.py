@@ -76,7 +76,7 @@ def gpu_counts(gpu: GpuSpec) -> list[tuple[int, int]]:
 def without_offload(cfg: RunConfig) -> RunConfig:
     """A copy of ``cfg`` that may not offload anything."""
     out = copy.deepcopy(cfg)
-    out.parallel.offload_params = out.parallel.offload_optimizer = "false"
+    out.parallel.offload_params = out.parallel.offload_optimizer = False
     return out
 
 

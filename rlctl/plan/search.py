@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from rlctl.config import tri_state
 from rlctl.estimate.memory import GIB, MemoryEstimate, MemorySettings, estimate_memory
 from rlctl.plan import rules
 from rlctl.plan.inputs import Job, settings_for
@@ -114,7 +113,7 @@ def _offload_levels(job: Job, backend: str) -> list[tuple[bool, bool]]:
     the GPU between RL phases yet, so that level is not planned (FSDP2 with offload comes next).
     CPU runs have nothing to offload. Flags set in the config are kept.
     """
-    user_p, user_o = tri_state(job.cfg.parallel.offload_params), tri_state(job.cfg.parallel.offload_optimizer)
+    user_p, user_o = job.cfg.parallel.offload_params, job.cfg.parallel.offload_optimizer
     if job.device == "cpu":
         return [(False, False)]
     if backend == "fsdp":
@@ -143,7 +142,7 @@ def options_for(job: Job, tier: str) -> list[Option]:
     else:
         backends = [tier]
     options = [Option(b, *level) for b in backends for level in _offload_levels(job, b)]
-    acts = tri_state(p.offload_activations)
+    acts = p.offload_activations
     if acts:
         options = [replace(o, offload_activations=o.backend == "fsdp") for o in options]
     elif acts is None and job.device == "cuda":
@@ -191,8 +190,8 @@ def search(job: Job, options: list[Option]) -> SearchResult:
     attempt that came closest.
     """
     p = job.cfg.parallel
-    ckpt = tri_state(p.activation_checkpointing)
-    sp_user = tri_state(p.sequence_parallel)
+    ckpt = p.activation_checkpointing
+    sp_user = p.sequence_parallel
     auto_fraction = job.is_rl and not job.cfg.rollout.mem_fraction and job.engine != "hf" and job.device == "cuda"
     tps = _rollout_tps(job)
     inside, across = [t for t in tps if t <= job.nproc], [t for t in tps if t > job.nproc]
@@ -224,8 +223,8 @@ def search(job: Job, options: list[Option]) -> SearchResult:
             offload_optimizer=option.offload_optimizer,
             offload_activations=option.offload_activations,
             # the FSDP engine's savers as configured; Megatron has none of them
-            selective_checkpointing=option.backend == "fsdp" and tri_state(p.selective_checkpointing) is True,
-            shard=option.backend != "fsdp" or tri_state(p.shard) is not False,
+            selective_checkpointing=option.backend == "fsdp" and p.selective_checkpointing is True,
+            shard=option.backend != "fsdp" or p.shard is not False,
         )
         if _plain_module(job, s):
             s = replace(s, shard=False)
@@ -260,11 +259,11 @@ def _plain_module(job: Job, s: MemorySettings) -> bool:
     """One GPU (or one CPU process) and nothing offloaded: the plain module (no FSDP wrappers) holds no
     gathered copies and runs no collectives or DTensor dispatch, so the search uses it unless
     parallel.shard is set."""
-    return s.backend == "fsdp" and s.gpus == 1 and not s.cpu_offload and tri_state(job.cfg.parallel.shard) is None
+    return s.backend == "fsdp" and s.gpus == 1 and not s.cpu_offload and job.cfg.parallel.shard is None
 
 
 def _unshard_reason(job: Job, s: MemorySettings, reasons: list[str]) -> None:
-    if s.shard or tri_state(job.cfg.parallel.shard) is not None:
+    if s.shard or job.cfg.parallel.shard is not None:
         return
     if job.device != "cuda":
         reasons.append(
@@ -286,11 +285,11 @@ def relax(job: Job, est: MemoryEstimate, reasons: list[str]) -> MemoryEstimate:
     margin = rules.tiers()["memory"]["comfort_fraction"]
     limit = f"{(1 - margin) * job.memory / GIB:.1f} GiB"
     _unshard_reason(job, s, reasons)
-    if tri_state(p.activation_checkpointing) is None and not s.offload_activations:
+    if p.activation_checkpointing is None and not s.offload_activations:
         off = estimate_memory(job.spec, job.gpu, replace(s, activation_checkpointing=False))
         need = off.phases["training"].total_bytes / GIB
         selective = None
-        savers = s.backend == "fsdp" and job.device == "cuda" and tri_state(p.selective_checkpointing) is None
+        savers = s.backend == "fsdp" and job.device == "cuda" and p.selective_checkpointing is None
         if savers and not _comfortable(off):
             selective = estimate_memory(
                 job.spec, job.gpu, replace(s, activation_checkpointing=False, selective_checkpointing=True)

@@ -6,11 +6,10 @@ log-probability convention, and docs/rollout.md.
 """
 
 from rlctl.rollout.base import (
-    ENGINE_NAMES,
     RolloutEngine,
     Sample,
     SamplingParams,
     make_rollout_engine,
 )
 
-__all__ = ["ENGINE_NAMES", "RolloutEngine", "Sample", "SamplingParams", "make_rollout_engine"]
+__all__ = ["RolloutEngine", "Sample", "SamplingParams", "make_rollout_engine"]

@@ -46,14 +46,15 @@ from typing import Literal, Self
 import torch
 
 from rlctl.errors import UserError, did_you_mean
+from rlctl.names import ROLLOUT_ENGINES
 
-# Engine name -> "module:class"; each class takes make_rollout_engine's keyword arguments.
+# Engine name (rlctl.names.RolloutEngine) -> "module:class"; each class takes make_rollout_engine's keyword
+# arguments (tests/config holds the keys equal to the names).
 _ENGINE_CLASSES = {
     "hf": "rlctl.rollout.hf:HFRolloutEngine",
     "vllm": "rlctl.rollout.vllm:VLLMRolloutEngine",
     "sglang": "rlctl.rollout.sglang:SGLangRolloutEngine",
 }
-ENGINE_NAMES = tuple(_ENGINE_CLASSES)
 
 FinishReason = Literal["stop", "length"]
 
@@ -255,10 +256,10 @@ def make_rollout_engine(
     ``gpu_memory_utilization``, SGLang's ``mem_fraction_static``; ignored by "hf").
     ``max_model_len`` bounds prompt + response length.
     """
-    if name not in ENGINE_NAMES:
+    if name not in ROLLOUT_ENGINES:
         raise UserError(
-            f"unknown rollout engine {name!r}{did_you_mean(name, ENGINE_NAMES)}; "
-            f"choose one of {', '.join(ENGINE_NAMES)}"
+            f"unknown rollout engine {name!r}{did_you_mean(name, ROLLOUT_ENGINES)}; "
+            f"choose one of {', '.join(ROLLOUT_ENGINES)}"
         )
     if tp < 1:
         raise UserError(f"rollout tp must be >= 1, got {tp}")

@@ -453,13 +453,13 @@ def test_build_engine_picks_the_backend_of_the_spec(tiny_model_dir, data_file, t
 
 
 def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, tmp_path):
-    """EngineSpec.from_config parses the config the planner resolved (apply_plan): "true"/"false" strings
-    become bools, sizes ints; an "auto" left (the plan not applied) is an internal error naming the field."""
+    """EngineSpec.from_config reads the config the planner resolved (apply_plan); an "auto" or a None left
+    (the plan not applied) is an internal error naming the field."""
     from rlctl.engines.spec import EngineSpec, UnresolvedConfig
     from rlctl.errors import UserError
     from rlctl.plan import apply_plan
 
-    raw = make_cfg(tiny_model_dir, data_file, tmp_path, parallel__offload_optimizer="true", model__attn="auto")
+    raw = make_cfg(tiny_model_dir, data_file, tmp_path, parallel__offload_optimizer=True, model__attn="auto")
     plan = SimpleNamespace(**cpu_plan(1, backend="megatron", tp=2, pp=1, ep=1, activation_checkpointing=True))
     assert EngineSpec.from_config(apply_plan(raw, plan)) == EngineSpec(
         backend="megatron",
@@ -479,10 +479,10 @@ def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, t
     with pytest.raises(UnresolvedConfig, match="parallel.backend is 'auto'"):
         EngineSpec.from_config(raw)
     resolved = apply_plan(raw, SimpleNamespace(**cpu_plan(1)))
-    resolved.parallel.sequence_parallel = "auto"
-    with pytest.raises(UnresolvedConfig, match="parallel.sequence_parallel is 'auto'"):
+    resolved.parallel.sequence_parallel = None
+    with pytest.raises(UnresolvedConfig, match="parallel.sequence_parallel is None"):
         EngineSpec.from_config(resolved)
-    resolved.parallel.sequence_parallel, resolved.parallel.tp = "false", 0
+    resolved.parallel.sequence_parallel, resolved.parallel.tp = False, 0
     with pytest.raises(UnresolvedConfig, match="parallel.tp is 0"):
         EngineSpec.from_config(resolved)
     assert not issubclass(UnresolvedConfig, UserError)  # a bug of the caller, never the user's input

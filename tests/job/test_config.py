@@ -38,7 +38,7 @@ def test_types_are_checked_and_coerced():
     assert cfg.rollout.n == 4 and isinstance(cfg.rollout.n, int)
     assert cfg.train.lr == 2e-6
     assert cfg.data.packing is False
-    assert cfg.parallel.offload_params == "true"
+    assert cfg.parallel.offload_params is True
     with pytest.raises(UserError, match="rollout.n must be an integer"):
         build_config("grpo", [parse_set_options(["rollout.n=four"])])
     with pytest.raises(UserError, match="must be true or false"):
@@ -78,3 +78,65 @@ def test_every_key_is_reachable_with_set():
         obj = defaults
         for part in key.split("."):
             obj = getattr(obj, part)
+
+
+def test_tri_states_are_bool_or_none_and_read_the_old_strings(tmp_path):
+    """parallel.* tri-states are ``bool | None`` (None: the plan decides); "auto"/"true"/"false" from an
+    older YAML file or --set still read, and a resolved config written to disk reads back typed."""
+    keys = ("sequence_parallel", "activation_checkpointing", "offload_params", "offload_optimizer")
+    keys += ("selective_checkpointing", "offload_activations", "shard")
+    assert all(getattr(RunConfig().parallel, k) is None for k in keys)
+    old = tmp_path / "old.yaml"
+    old.write_text("parallel:\n  shard: 'false'\n  offload_params: auto\n  sequence_parallel: true\n")
+    from rlctl.config import load_yaml_file
+
+    sets = parse_set_options(["parallel.offload_optimizer=auto", "parallel.activation_checkpointing=false"])
+    sets["parallel"]["selective_checkpointing"] = "TRUE"
+    cfg = build_config("grpo", [load_yaml_file(old), sets])
+    got = {k: getattr(cfg.parallel, k) for k in keys}
+    assert got == {
+        "sequence_parallel": True,
+        "activation_checkpointing": False,
+        "offload_params": None,
+        "offload_optimizer": None,
+        "selective_checkpointing": True,
+        "offload_activations": None,
+        "shard": False,
+    }
+    save_config(cfg, tmp_path / "config.yaml")
+    assert "'auto'" not in (tmp_path / "config.yaml").read_text()
+    assert load_config(tmp_path / "config.yaml") == cfg
+    with pytest.raises(UserError, match=r"parallel.shard must be true, false or auto \(the plan decides\)"):
+        build_config("sft", [parse_set_options(["parallel.shard=maybe"])])
+
+
+def test_choices_come_from_the_names_module():
+    """CHOICES is read off the schema's Literal types: every enumerated key, each value once, and a
+    value outside its Literal is refused with a did-you-mean, whichever layer sets it."""
+    import typing
+
+    from rlctl import names
+    from rlctl.config import CHOICES
+
+    literals = {v for v in vars(names).values() if typing.get_origin(v) is typing.Literal}
+    assert {typing.get_args(v) for v in literals} >= set(CHOICES.values())
+    assert CHOICES["rollout.engine"] == ("auto", "hf", "vllm", "sglang")
+    assert CHOICES["algo.loss_agg"] == names.choices(names.LossAgg)  # LossAgg | None
+    assert "parallel.shard" not in CHOICES and "model.name" not in CHOICES
+    with pytest.raises(UserError, match=r"rollout.engine='vlm' is not valid \(did you mean vllm\?\)"):
+        build_config("grpo", [{"rollout": {"engine": "vlm"}}])
+    with pytest.raises(UserError, match="train.precision='fp8' is not valid.*choose one of mixed, bf16"):
+        build_config("sft", [parse_set_options(["train.precision=fp8"])])
+    assert names.describe(names.Dtype) == "auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32"
+    assert names.describe(names.Backend, without=("auto",)) == "fsdp | megatron"
+
+
+def test_rollout_engines_and_algorithm_names_match_their_implementations():
+    from rlctl import names
+    from rlctl.algos import AGG_MODES, KL_KINDS
+    from rlctl.algos.kl import KL_ALIASES
+    from rlctl.rollout.base import _ENGINE_CLASSES
+
+    assert tuple(_ENGINE_CLASSES) == names.ROLLOUT_ENGINES == ("hf", "vllm", "sglang")
+    assert AGG_MODES == names.choices(names.LossAgg)
+    assert set(KL_ALIASES) < set(KL_KINDS) == set(names.choices(names.KlKind))

@@ -17,12 +17,12 @@ MAX_LINES = 500
 
 # low -> high; a part may import parts of its own layer's index or lower
 LAYERS: list[set[str]] = [
-    {"errors", "catalog", "algos", "presets", "testing"},
+    {"errors", "names", "catalog", "algos", "presets", "testing"},
     {"config", "formats", "metrics"},
     {"data", "estimate"},
     {"plan"},
     {"runtime"},
-    {"engines", "rollout", "rewards"},
+    {"engines", "rollout", "rewards", "agents"},
     {"recipes"},
     {"launch", "job", "slurm"},
     {"convert"},

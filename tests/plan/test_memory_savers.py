@@ -22,12 +22,12 @@ def test_one_gpu_runs_the_plain_module_with_its_reason():
     assert p.fits and not s.shard
     assert p.estimate.phases["training"].components["unsharded_buffers"] == 0
     assert any(r.startswith("shard off: one GPU") for r in p.reasons)
-    assert apply_plan(cfg, p).parallel.shard == "false"
+    assert apply_plan(cfg, p).parallel.shard is False
 
 
 def test_several_gpus_stay_sharded_and_a_user_choice_is_kept():
     cfg, p = plan(model__name="Qwen2.5-0.5B", hardware__gpus=8, hardware__gpu="H100")
-    assert p.estimate.settings.shard and apply_plan(cfg, p).parallel.shard == "true"
+    assert p.estimate.settings.shard and apply_plan(cfg, p).parallel.shard is True
     cfg, p = plan(model__name="Qwen2.5-0.5B", hardware__gpus=1, hardware__gpu="H100", parallel__shard="true")
     assert p.estimate.settings.shard and not any(r.startswith("shard off") for r in p.reasons)
 
@@ -47,7 +47,7 @@ def test_activation_offload_comes_before_offloading_the_states():
     assert p.fits and s.offload_activations and not (s.offload_params or s.offload_optimizer)
     assert any("rejected fsdp, dp 1" in r for r in p.reasons)
     assert p.estimate.host_phases["training"].components["offloaded_activations"] > 0
-    assert apply_plan(cfg, p).parallel.offload_activations == "true"
+    assert apply_plan(cfg, p).parallel.offload_activations is True
 
 
 def test_one_cpu_process_runs_the_plain_module_and_two_stay_sharded():
@@ -57,7 +57,7 @@ def test_one_cpu_process_runs_the_plain_module_and_two_stay_sharded():
         return cfg, plan_config(cfg, LocalEnv(memory_bytes=64 * 2**30))
 
     cfg, p = cpu_plan(1)
-    assert not p.estimate.settings.shard and apply_plan(cfg, p).parallel.shard == "false"
+    assert not p.estimate.settings.shard and apply_plan(cfg, p).parallel.shard is False
     assert any(r.startswith("shard off: one process") for r in p.reasons)
     cfg, p = cpu_plan(2)
-    assert p.estimate.settings.shard and apply_plan(cfg, p).parallel.shard == "true"
+    assert p.estimate.settings.shard and apply_plan(cfg, p).parallel.shard is True

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from rlctl.catalog import count_params, resolve_gpu, resolve_model
-from rlctl.config import build_config, tri_state
+from rlctl.config import build_config
 from rlctl.errors import UserError
 from rlctl.estimate import MemorySettings, estimate_memory
 from rlctl.plan import LocalEnv, apply_plan, resolve_plan, what_to_rent
@@ -296,7 +296,7 @@ def test_apply_plan_fills_every_auto_field_and_is_stable():
         "H100-80GB",
     )
     for key in ("sequence_parallel", "activation_checkpointing", "offload_params", "offload_optimizer"):
-        assert tri_state(getattr(applied.parallel, key)) == getattr(plan, key)
+        assert getattr(applied.parallel, key) is getattr(plan, key)  # None (auto) filled with the plan's bool
     again = resolve_plan(applied, local=LAPTOP)
     same = (
         "backend",

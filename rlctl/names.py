@@ -1,0 +1,62 @@
+"""The allowed values of every enumerated setting, in one place, without torch.
+
+Each setting with a fixed set of values is a ``Literal`` here. The config schema types its fields with
+them (:mod:`rlctl.config.schema`); ``rlctl.config.CHOICES``, the CLI's help strings and the shell
+completions are derived from them, so a value is added in exactly one line. :data:`MEANINGS` says what
+a value means where a word helps (shown in ``--help``).
+
+Advantage estimators and policy losses are open sets: the built-in names are listed here, and a
+plugin module may register more (:mod:`rlctl.algos.registry`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+Method = Literal["sft", "grpo", "ppo"]
+Dtype = Literal["auto", "bf16", "fp16", "fp32"]
+Attn = Literal["auto", "sdpa", "eager", "flash_attention_2"]
+DataFormat = Literal["auto", "chat", "pairs", "rl"]
+Truncation = Literal["skip", "right", "left"]
+LrScheduler = Literal["cosine", "constant"]
+Precision = Literal["mixed", "bf16"]
+Device = Literal["auto", "cuda", "cpu"]
+Launcher = Literal["torchrun", "slurm"]
+Backend = Literal["auto", "fsdp", "megatron"]
+RolloutEngine = Literal["auto", "hf", "vllm", "sglang"]
+LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KlKind = Literal["k1", "abs", "k2", "k3", "kl", "mse", "low_var_kl"]
+AdvName = Literal["grpo", "rloo", "reinforce_pp", "gae"]  # built in; plugins may register more
+PolicyLossName = Literal["ppo", "gspo"]  # built in; plugins may register more
+
+# value -> what it means, per Literal (only where a word helps)
+MEANINGS: dict[Any, dict[str, str]] = {
+    Dtype: {"auto": "bf16 on GPU, fp32 on CPU"},
+    Attn: {"auto": "flash_attention_2 when installed on GPU, else sdpa"},
+    Truncation: {"skip": "drop rows longer than max_len, counted as bad"},
+    LrScheduler: {
+        "cosine": "warmup, then down to train.min_lr_ratio of the peak",
+        "constant": "after the warmup; min_lr_ratio = 1",
+    },
+    Precision: {
+        "mixed": "fp32 master weights, grads, AdamW: 16 bytes/param",
+        "bf16": "pure bf16: 8 bytes/param",
+    },
+    Launcher: {"torchrun": "this node", "slurm": "write an sbatch script and submit it"},
+    KlKind: {"kl": "= k1", "mse": "= k2", "low_var_kl": "= k3"},
+}
+
+
+def choices(tp: Any, *, without: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The values of the Literal ``tp`` (e.g. ``choices(RolloutEngine, without=("auto",))``)."""
+    return tuple(v for v in get_args(tp) if v not in without)
+
+
+def describe(tp: Any, *, without: tuple[str, ...] = ()) -> str:
+    """``'auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32'``: the values and their meanings, for help."""
+    meaning = MEANINGS.get(tp, {})
+    return " | ".join(f"{v} ({meaning[v]})" if v in meaning else v for v in choices(tp, without=without))
+
+
+ROLLOUT_ENGINES = choices(RolloutEngine, without=("auto",))
+BACKENDS = choices(Backend, without=("auto",))
