@@ -39,7 +39,7 @@ def report(
 
     from rich.console import Console
 
-    from rlctl.report import load_run, plot, render_summary, summarize
+    from rlctl.run_report import load_run, plot, render_summary, summarize
 
     runs = [load_run(run_dir)] + [load_run(p) for p in compare or []]
     summaries = [summarize(r) for r in runs]

@@ -62,7 +62,7 @@ def test_report_plots_exactly_the_metrics_and_the_reward_rises(run_dir):
 
 def test_the_figure_draws_what_the_sidecar_says(run_dir):
     pytest.importorskip("matplotlib")
-    from rlctl.report import load_run, plot
+    from rlctl.run_report import load_run, plot
 
     fig = plot([load_run(run_dir)], run_dir / "r.png", sidecar=run_dir / "r.json")
     sidecar = json.loads((run_dir / "r.json").read_text())["panels"]
@@ -95,7 +95,7 @@ def test_compare_overlays_two_runs(run_dir, tmp_path):
 
 def test_sft_run_summary_best_is_the_lowest_loss_and_nan_is_kept(tmp_path):
     from rlctl.metrics import MetricsLogger
-    from rlctl.report import load_run, summarize
+    from rlctl.run_report import load_run, summarize
 
     run = tmp_path / "sft"
     logger = MetricsLogger(run / "metrics.jsonl", backends="")
