@@ -3,7 +3,10 @@
 Two row formats (field names from ``cfg.data``):
 
 * chat: ``{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}, ...]}``;
-  the loss covers every assistant turn.
+  the loss covers every assistant turn. Tool traces in the OpenAI/HF format train the same way: assistant
+  turns with ``tool_calls`` (``{"function": {"name", "arguments"}}``, arguments a JSON string or an object)
+  are trained on, ``tool`` messages (the results) are context; a ``tools`` column (a list of function
+  schemas, or its JSON text) goes to the chat template, which renders it into the prompt.
 * pairs: ``{"prompt": ..., "response": ...}``; the prompt is a string (or a list of messages), the
   loss covers the response only.
 
@@ -87,24 +90,29 @@ class SFTData:
 # One row
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False, tools: list | None = None) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
     except Exception as e:  # noqa: BLE001 (jinja raises many types, e.g. "Conversation roles must alternate")
         raise BadRow(f"chat template failed ({str(e).splitlines()[0][:80]})") from None
 
 
-def assistant_spans(tokenizer, messages: list[dict], *, last_only: bool = False) -> tuple[str, list[tuple[int, int]]]:
-    """Render ``messages``; return the text and the character spans of the assistant turns."""
-    text = _render(tokenizer, messages)
+def assistant_spans(
+    tokenizer, messages: list[dict], *, last_only: bool = False, tools: list | None = None
+) -> tuple[str, list[tuple[int, int]]]:
+    """Render ``messages`` (with ``tools``' schemas); return the text and the character spans of the
+    assistant turns (tool calls included; tool results are other roles, never trained on)."""
+    text = _render(tokenizer, messages, tools=tools)
     spans: list[tuple[int, int]] = []
     search_from = 0
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if last_only:
         turns = turns[-1:]
     for i in turns:
-        end_text = _render(tokenizer, messages[: i + 1])
-        start_text = _render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
+        end_text = _render(tokenizer, messages[: i + 1], tools=tools)
+        start_text = _render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools) if i else ""
         if i and end_text.startswith(start_text) and text.startswith(end_text):
             span = (len(start_text), len(end_text))
         else:
@@ -149,10 +157,60 @@ def checked_messages(value, where: str) -> list[dict]:
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             texts = [p.get("text") for p in content if isinstance(p, dict)]
             content = "".join(t for t in texts if isinstance(t, str)) if texts else None
+        calls = m.get("tool_calls")
+        if calls is not None and m["role"] == "assistant":
+            m = {**m, "tool_calls": _checked_tool_calls(calls, where)}
+            content = content if isinstance(content, str) else ""  # OpenAI: content null beside tool_calls
+        elif "tool_calls" in m:
+            m = {k: v for k, v in m.items() if k != "tool_calls"}  # null (a column other rows fill) or misplaced
         if not isinstance(content, str):
             raise BadRow(f"a message in '{where}' has no text content")
         out.append({**m, "content": content})
     return out
+
+
+def _checked_tool_calls(calls, where: str) -> list[dict]:
+    """OpenAI/HF tool calls, normalised to ``{"type": "function", "function": {"name", "arguments": dict}}``
+    (chat templates expect the arguments as an object; OpenAI stores them as JSON text)."""
+    import json
+
+    if not isinstance(calls, list):
+        raise BadRow(f"'tool_calls' of a message in '{where}' is not a list")
+    out = []
+    for call in calls:
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRow(f"a tool call in '{where}' has no function name")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise BadRow(f"a tool call's arguments in '{where}' are not JSON") from None
+        if not isinstance(args, dict):
+            raise BadRow(f"a tool call's arguments in '{where}' are not a JSON object")
+        normal = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call.get("id"), str):
+            normal["id"] = call["id"]
+        out.append(normal)
+    return out
+
+
+def row_tools(row: dict) -> list[dict] | None:
+    """The ``tools`` column of a chat row: function schemas (a list, or its JSON text), for the template."""
+    import json
+
+    tools = row.get("tools")
+    if tools is None or tools == "" or tools == []:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise BadRow("'tools' is not JSON") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRow("'tools' is not a list of function schemas")
+    return tools
 
 
 def use_chat_template(tokenizer, cfg: RunConfig):
@@ -188,7 +246,10 @@ def row_tokens(row: dict, tokenizer, cfg: RunConfig) -> tuple[list[int], list[in
         messages = with_system(checked_messages(row[d.messages_field], d.messages_field), d.system_prompt)
         if not any(m["role"] == "assistant" for m in messages):
             raise BadRow("no assistant turn")
-        text, spans = assistant_spans(tokenizer, messages)
+        tools = row_tools(row)
+        if (tools or any(m.get("tool_calls") for m in messages)) and "tool" not in str(tokenizer.chat_template):
+            raise BadRow("tool calls, but the chat template has no tool support (give one with --chat-template)")
+        text, spans = assistant_spans(tokenizer, messages, tools=tools)
     elif fmt == "pairs":
         for name in (d.prompt_field, d.response_field):
             if not isinstance(row.get(name), (str, list)) or not row.get(name):

@@ -16,8 +16,8 @@ GIB = 2**30
 CUDA_CONTEXT_BYTES = GIB  # CUDA context, cuBLAS workspaces, NCCL buffers: outside torch's allocator
 ALLOCATOR_SLACK = 0.25  # reserved = allocated + this x the transient tensors (activations, logits, gathered layers)
 ENGINE_GRAPH_BYTES = GIB // 2  # CUDA graphs captured by vLLM / SGLang
-ENGINE_BATCHED_TOKENS = 8192  # tokens per engine forward (vLLM's max_num_batched_tokens as verl sets it)
-ENGINE_MAX_SEQS = 256  # sequences per engine step (vLLM's max_num_seqs default): the sampler's logits
+ENGINE_BATCHED_TOKENS = 8192  # tokens per SGLang forward (its chunked prefill size on large GPUs)
+ENGINE_MAX_SEQS = 256  # sequences per SGLang step: the sampler's logits
 ADAM_STATE_BYTES = 8  # AdamW m and v in fp32
 LOGIT_EXTRA_BYTES = 8  # unfused loss peak per logit: fp32 log-softmax (saved) + its fp32 gradient, beside
 # the logits and their gradient in the compute dtype (2 x compute bytes): 12 bytes per value in bf16

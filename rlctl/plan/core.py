@@ -56,6 +56,8 @@ def plan_with_search(cfg: RunConfig, local: LocalEnv, *, host_memory_bytes: int 
         rollout_tp=cfg.rollout.tp,
         is_rl=job.is_rl,
     )
+    if job.is_rl:
+        rules.check_rollout_engine_tp(job.engine, cfg.rollout.tp)
 
     options = options_for(job, tier)
     if len(options) > 1:

@@ -163,7 +163,7 @@ def resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) -> 
 
     engine = None
     if cfg.method != "sft":
-        engine = _resolve_engine(cfg, device, local, later, warnings)
+        engine = _resolve_engine(cfg, device, local, later, warnings, 2 * params / max(gpu.memory_bytes, 1))
     return Job(
         cfg,
         spec,
@@ -206,11 +206,13 @@ def backend_the_engine_runs(job: Job, tier: str, reasons: list[str]) -> str:
     return "fsdp"
 
 
-def _resolve_engine(cfg: RunConfig, device: str, local: LocalEnv, reasons: list[str], warnings: list[str]) -> str:
+def _resolve_engine(
+    cfg: RunConfig, device: str, local: LocalEnv, reasons: list[str], warnings: list[str], weight_share: float
+) -> str:
     chosen = cfg.rollout.engine
     if chosen == "auto":
         chosen, why = rules.choose_engine(
-            device=device, n=cfg.rollout.n, lora=cfg.lora.rank > 0, installed=local.installed
+            device=device, n=cfg.rollout.n, lora=cfg.lora.rank > 0, installed=local.installed, weight_share=weight_share
         )
         reasons.append(why)
     elif device == "cpu" and chosen == "sglang":

@@ -49,10 +49,12 @@ def rollout_reasons(job: Job, est: MemoryEstimate, kv_short: bool, reasons: list
     s = est.settings
     target = kv_target(s)
     weights = est.phases["rollout"].components["engine_weights"] / GIB
-    if job.engine == "hf" or job.device == "cpu":
+    one_copy = job.device == "cpu" or rules.parallel.rollout_engine_tp_problem(job.engine, 2) is not None
+    if one_copy:  # CPU; hf and sglang anywhere
         reasons.append(f"rollout tp 1: the {job.engine} engine runs one copy per rank")
+    if job.engine == "hf" or job.device == "cpu":
         return
-    if not job.cfg.rollout.tp:
+    if not job.cfg.rollout.tp and not one_copy:
         reasons.append(
             f"rollout tp {s.rollout_tp}: the smallest that holds the weights ({weights:.1f} GiB per GPU) "
             f"and a KV cache for {est.kv_cache_sequences} sequences (target {target}: an engine's share of the batch)"

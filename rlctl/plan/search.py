@@ -163,9 +163,9 @@ def _rollout_tps(job: Job) -> list[int]:
         return [1]
     if job.cfg.rollout.tp:
         return [job.cfg.rollout.tp]
-    if job.engine == "hf" or job.device == "cpu":
-        return [1]
-    # vLLM/SGLang tensor parallelism stays inside a node (the launcher refuses a group across nodes)
+    if rules.parallel.rollout_engine_tp_problem(job.engine, 2) or job.device == "cpu":
+        return [1]  # hf and SGLang run one copy per rank
+    # vLLM tensor parallelism stays inside a node (the launcher refuses a group across nodes)
     return rules.rollout_tps(job.spec, min(job.world, job.nproc))
 
 

@@ -9,7 +9,9 @@ Log-probability convention (every engine returns the same quantity, the trainer 
   *before* top-k / top-p filtering (filtering changes which tokens can be drawn, not the reported
   log-probability);
 * greedy decoding is ``temperature == 0``; its log-probabilities are ``log_softmax(logits)``
-  (temperature 1).
+  (temperature 1);
+* one exception: vLLM reports the log-probability it sampled from, which with top-k/top-p on is the
+  filtered, renormalised distribution's (``logprobs_filtered``; see :mod:`rlctl.rollout.vllm`).
 
 A response's ``token_ids`` include the stop token when generation stopped on one
 (``finish_reason == "stop"``); otherwise it ran out of budget (``"length"``: ``max_tokens``, or the
@@ -27,15 +29,21 @@ state machine kept by :class:`RolloutEngine` for every engine, whether or not it
 Waking is tagged, as vLLM (``wake_up(tags=["weights"])`` then ``["kv_cache"]``) and SGLang
 (``resume_memory_occupation(tags)``) define it: :meth:`~RolloutEngine.wake_weights` first, then a sync
 when the weights are not current, then :meth:`~RolloutEngine.wake_kv`; :meth:`~RolloutEngine.ready`
-does the three. Woken weights are ``resident`` only when the engine keeps them while asleep (vLLM's
-level 1 moves them to host memory) AND the trainer has not stepped since the last sync; otherwise
-(SGLang without a CPU backup discards them) they are ``stale`` and must be synced. An illegal
+does the three. Woken weights are ``resident`` only when the engine keeps them while asleep AND the
+trainer has not stepped since the last sync; otherwise they are ``stale`` and must be synced. vLLM
+(sleep level 2) and SGLang (no CPU backup) both discard them: the trainer overwrites them after every
+step anyway, and a host copy would cost host memory and a device-to-host copy per step.
+
+Before every wake, the process's freed blocks go back to the device (``gc.collect()``, then
+``torch.cuda.empty_cache()``): the trainer's allocator keeps what it freed reserved, and vLLM's
+allocator and SGLang's scheduler process (another process) can only map memory the driver sees as free. An illegal
 transition (generate with stale or released weights or a released KV cache, sync into released
 weights, wake the KV cache before the weights) raises :class:`RolloutStateError`, a bug of the caller.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -130,6 +138,7 @@ class RolloutEngine(ABC):
     name: str
     supports_sleep: bool = False  # whether sleep really frees accelerator memory
     keeps_weights_asleep: bool = True  # whether the weights survive a sleep (in host memory)
+    logprobs_filtered: bool = False  # with top-k/top-p on, log-probs of the filtered distribution (vLLM)
     weights_state: WeightsState = WeightsState.RESIDENT
     kv_state: KVState = KVState.RESIDENT
     _trainer_stepped: bool = False  # since the last sync
@@ -178,6 +187,7 @@ class RolloutEngine(ABC):
         if self.weights_state != WeightsState.RELEASED:
             return
         if self.supports_sleep:
+            release_cached_blocks()
             self._resume(("weights",))
         current = self.keeps_weights_asleep or not self.supports_sleep
         self.weights_state = WeightsState.RESIDENT if current and not self._trainer_stepped else WeightsState.STALE
@@ -189,6 +199,7 @@ class RolloutEngine(ABC):
         if self.weights_state == WeightsState.RELEASED:
             raise RolloutStateError(f"{self.name} rollout engine: wake the weights before the KV cache")
         if self.supports_sleep:
+            release_cached_blocks()
             self._resume(("kv_cache",))
         self.kv_state = KVState.RESIDENT
 
@@ -282,6 +293,13 @@ def make_rollout_engine(
 
 
 # Helpers shared by the engines ------------------------------------------------------------------
+
+
+def release_cached_blocks() -> None:
+    """Give the device the memory this process freed: drop unreachable tensors, then the caching
+    allocator's free blocks (a no-op without CUDA)."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def canonical_dtype(dtype: str) -> str:

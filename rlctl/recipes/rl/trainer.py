@@ -255,6 +255,9 @@ class RLTrainer(ScoringSteps):
         self.warn_logprob_diff()
 
     def warn_logprob_diff(self) -> None:
+        r = self.cfg.rollout
+        if getattr(self.rollout, "logprobs_filtered", False) and (r.top_k != -1 or r.top_p < 1):
+            return  # the engine's log-probs are of the top-k/top-p filtered distribution: they differ by design
         if self.m.get("rollout/logprob_diff", 0.0) > LOGPROB_DIFF_WARN:
             self.ctx.log(
                 f"warning: the rollout engine's log-probs differ from the trainer's by "
