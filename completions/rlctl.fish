@@ -7,7 +7,7 @@ complete -c rlctl -n 'not __fish_seen_subcommand_from bench convert estimate grp
 complete -c rlctl -n 'not __fish_seen_subcommand_from bench convert estimate grpo ppo presets report sft' -a grpo -d 'GRPO: n samples per prompt, group-normalised advantages, PPO-clip updates, no...'
 complete -c rlctl -n 'not __fish_seen_subcommand_from bench convert estimate grpo ppo presets report sft' -a ppo -d 'PPO with a critic: GAE advantages, clipped value loss, KL penalty in the reward.'
 complete -c rlctl -n 'not __fish_seen_subcommand_from bench convert estimate grpo ppo presets report sft' -a presets -d 'List and show the presets shipped with rlctl.'
-complete -c rlctl -n 'not __fish_seen_subcommand_from bench convert estimate grpo ppo presets report sft' -a report -d 'Summarize a run (steps, time, tokens/s, first/last/best reward or loss,...'
+complete -c rlctl -n 'not __fish_seen_subcommand_from bench convert estimate grpo ppo presets report sft' -a report -d 'Summarize runs (steps, time, tokens/s, first/last/best reward or loss, evals,...'
 complete -c rlctl -n 'not __fish_seen_subcommand_from bench convert estimate grpo ppo presets report sft' -a sft -d 'Supervised fine-tuning: packed sequences, loss on assistant tokens, LoRA or...'
 complete -c rlctl -n 'not __fish_seen_subcommand_from bench convert estimate grpo ppo presets report sft' -l version
 complete -c rlctl -n 'not __fish_seen_subcommand_from bench convert estimate grpo ppo presets report sft' -l help -s h
@@ -161,6 +161,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l data -s d -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l val-data -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l val-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l eval-every -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l eval-before -l no-eval-before
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l eval-n -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l system-prompt -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l chat-template -x
@@ -202,7 +203,6 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l mini-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l micro-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-tokens-per-micro-batch -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gradient-checkpointing -l no-gradient-checkpointing
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l activation-checkpointing -l no-activation-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ppo-epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-kind -x -a 'k1 abs k2 k3 kl mse low_var_kl'
@@ -248,6 +248,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l data -s d -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l val-data -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l val-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l eval-every -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l eval-before -l no-eval-before
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l eval-n -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l system-prompt -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l chat-template -x
@@ -289,7 +290,6 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l mini-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l micro-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-tokens-per-micro-batch -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gradient-checkpointing -l no-gradient-checkpointing
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l activation-checkpointing -l no-activation-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l ppo-epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-kind -x -a 'k1 abs k2 k3 kl mse low_var_kl'
@@ -336,7 +336,11 @@ complete -c rlctl -n '__fish_seen_subcommand_from presets; and __fish_seen_subco
 complete -c rlctl -n '__fish_seen_subcommand_from presets; and __fish_seen_subcommand_from show' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from report' -l compare -x
 complete -c rlctl -n '__fish_seen_subcommand_from report' -l output -s o -x
+complete -c rlctl -n '__fish_seen_subcommand_from report' -l html -l no-html
 complete -c rlctl -n '__fish_seen_subcommand_from report' -l no-plot
+complete -c rlctl -n '__fish_seen_subcommand_from report' -l smooth -x
+complete -c rlctl -n '__fish_seen_subcommand_from report' -l follow -s f
+complete -c rlctl -n '__fish_seen_subcommand_from report' -l interval -x
 complete -c rlctl -n '__fish_seen_subcommand_from report' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from report' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
@@ -344,6 +348,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l data -s d -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l val-data -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l val-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l eval-every -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l eval-before -l no-eval-before
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l system-prompt -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l chat-template -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gpus -x
@@ -379,7 +384,6 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l max-len -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l packing -l no-packing
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l max-tokens-per-micro-batch -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gradient-checkpointing -l no-gradient-checkpointing
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l activation-checkpointing -l no-activation-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l backend -x -a 'fsdp megatron'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l pp -x

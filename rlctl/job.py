@@ -16,6 +16,7 @@ import glob
 import json
 import os
 import re
+import sys
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
@@ -37,6 +38,9 @@ class Job:
     requested: RunConfig  # preset < --config < options < --set; "auto" settings still open (what-to-rent reads it)
     cfg: RunConfig  # with the plan applied: what the launcher writes and the ranks read
     plan: Plan
+
+    def __iter__(self):  # ``cfg, plan = resolve_job(...)``
+        return iter((self.cfg, self.plan))
 
 
 def resolve_job(
@@ -130,6 +134,8 @@ def with_run_dir(cfg: RunConfig) -> RunConfig:
 def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_this_machine: bool = True) -> None:
     """Every check before launch, cheapest first; the first problem is a one-line UserError.
     ``on_this_machine=False`` (a job submitted to other machines, e.g. by SLURM): no local device check."""
+    from rlctl.preflight import check_footguns, check_model_available, check_tokenizer
+
     check_algorithm(cfg)
     check_data_given(cfg)
     check_reward_spec(cfg)
@@ -137,16 +143,43 @@ def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_thi
 
     check_backends_installed(cfg.log.backends)
     check_profile_env()
+    warnings = check_footguns(cfg, nproc=int(plan.nproc_per_node or 1), device=plan.device)
     check_memory(plan, ignore=ignore_memory_check)
     if on_this_machine:
         check_device(plan)
     if cfg.output_dir:
-        check_run_dir(cfg, Path(cfg.output_dir))
+        check_run_dir(cfg, Path(cfg.output_dir), backend=plan.backend)
     model = model_files(cfg.model.name)
     if model is not None:
+        check_tokenizer(model.root)
         check_remote_code(cfg, model)
         check_context(cfg, model)
+    elif on_this_machine:
+        check_model_available(cfg.model.name, random_init=cfg.model.random_init)
     check_data_rows(cfg, model)
+    for line in warnings:
+        print(line, file=sys.stderr, flush=True)
+
+
+def check_dry_run(cfg: RunConfig) -> None:
+    """What ``--dry-run`` checks too: it plans without data or a downloaded model, but what the user
+    names must exist and read (a data file, a log backend's package, a local model's tokenizer)."""
+    from rlctl.metrics import check_backends_installed
+    from rlctl.preflight import check_footguns, check_tokenizer
+
+    check_algorithm(cfg)
+    check_backends_installed(cfg.log.backends)
+    check_footguns(cfg, nproc=1, device="cpu")  # its refusals; the warnings come with the real run
+    model = model_files(cfg.model.name)
+    if model is not None:
+        check_tokenizer(model.root)
+    if cfg.data.path:  # the files exist and read (their columns are checked by the real run)
+        from rlctl.data.io import first_rows
+
+        check_data_given(cfg)
+        for path in (cfg.data.path, cfg.data.val_path):
+            if path:
+                first_rows(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,15 +220,21 @@ def check_reward_spec(cfg: RunConfig) -> None:
         check_reward_config(cfg.reward)  # an unknown name, a missing file/function or model: a UserError
 
 
-def check_run_dir(cfg: RunConfig, run_dir: Path) -> None:
-    """A bad or damaged --resume checkpoint, or a run directory that already holds checkpoints without --resume."""
+def check_run_dir(cfg: RunConfig, run_dir: Path, *, backend: str = "") -> None:
+    """An output that cannot be written or is someone else's directory; a bad or damaged --resume
+    checkpoint, or one this job cannot continue (another method, engine, LoRA rank or model); a run
+    directory that already holds checkpoints without --resume. Nothing in ``run_dir`` changes."""
+    from rlctl.preflight import check_output_dir, check_resume_compatible
     from rlctl.runtime.layout import choose_resume, latest_checkpoint
 
     resume = cfg.checkpoint.resume
+    check_output_dir(run_dir, resume=bool(resume))
     if resume:  # checks every file of the checkpoint it picks (imports torch's DCP classes to read .metadata)
-        note = choose_resume(resume, run_dir).note()
-        if note:
-            print(note, flush=True)  # --resume auto passed over a damaged checkpoint: say which and why
+        choice = choose_resume(resume, run_dir)
+        if choice.path is not None:
+            check_resume_compatible(cfg, choice.path, backend)
+        if choice.note():
+            print(choice.note(), flush=True)  # --resume auto passed over a damaged checkpoint: say which and why
     if not resume and latest_checkpoint(run_dir / "checkpoints") is not None:
         raise UserError(
             f"{run_dir} already holds checkpoints; pass --resume auto to continue that run "

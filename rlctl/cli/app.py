@@ -67,7 +67,8 @@ def _root(
 
 
 def main() -> None:
-    """Console-script entry point: user errors become one line and exit code 2.
+    """Console-script entry point: user errors and OS errors (rlctl.errors.os_error_line) become one
+    line and exit code 2.
 
     Usage errors (an unknown option, a missing argument) are click's, also exit code 2.
     """
@@ -78,3 +79,8 @@ def main() -> None:
     except UserError as e:
         sys.stderr.write(f"error: {e}\n")
         sys.exit(e.exit_code)
+    except OSError as e:  # a file-system problem anywhere (an unwritable output, a full disk): one line too
+        from rlctl.errors import os_error_line
+
+        sys.stderr.write(f"error: {os_error_line(e)}\n")
+        sys.exit(UserError.exit_code)

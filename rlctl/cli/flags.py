@@ -97,6 +97,8 @@ FLAGS: tuple[Flag, ...] = (
       "Share of --data held out for evaluation (without --val-data)."),
     F("eval_every", "--eval-every", "train.eval_every", EVAL, TRAIN,
       "Evaluate the validation data every N steps (0 = only at the end)."),
+    F("eval_before", "--eval-before/--no-eval-before", "train.eval_before", EVAL, TRAIN,
+      "Also evaluate before the first step (step 0): a baseline for the curves (needs validation data)."),
     F("eval_n", "--eval-n", "rollout.val_n", EVAL, RL,
       "Samples per validation prompt besides the greedy one: mean@k and pass@k (k = this)."),
     F("system_prompt", "--system-prompt", "data.system_prompt", JOB, TRAIN,
@@ -201,7 +203,8 @@ FLAGS: tuple[Flag, ...] = (
     F("gradient_checkpointing", "--gradient-checkpointing/--no-gradient-checkpointing",
       "parallel.activation_checkpointing", TRAINING, ALL,
       "Recompute activations in the backward pass (default: the plan decides).", shown=False),
-    F("activation_checkpointing", "--activation-checkpointing/--no-activation-checkpointing", "", TRAINING, ALL,
+    F("activation_checkpointing", "--activation-checkpointing/--no-activation-checkpointing", "", TRAINING,
+      ONLY_ESTIMATE,
       "", alias_of="gradient_checkpointing"),
     # --- RL
     F("ppo_epochs", "--ppo-epochs", "algo.ppo_epochs", RL_PANEL, RL,

@@ -62,7 +62,7 @@ def run_training(method: str, values: dict[str, Any]) -> None:
     """The body of `rlctl sft|grpo|ppo`: resolve the job, then print it (--dry-run), submit it to SLURM
     or launch it here, once every check of :mod:`rlctl.job` has passed."""
     from rlctl.errors import UserError
-    from rlctl.job import check_placement, ready_to_launch, resolve_job
+    from rlctl.job import check_dry_run, check_placement, ready_to_launch, resolve_job
 
     job = resolve_job(
         method,
@@ -74,6 +74,8 @@ def run_training(method: str, values: dict[str, Any]) -> None:
     )
     check_placement(job.plan)
     dry_run, as_json = values["dry_run"], values["as_json"]
+    if dry_run:
+        check_dry_run(job.cfg)  # what the user names must exist and read, even for a dry run
     if job.cfg.cluster.launcher == "slurm":
         return submit_slurm(job, dry_run=dry_run, as_json=as_json, ignore_memory_check=values["ignore_memory_check"])
     if dry_run:

@@ -115,6 +115,7 @@ class TrainConfig:
     precision: Precision = "mixed"
     seed: int = 42
     eval_every: int = 0
+    eval_before: bool = False  # also evaluate at step 0, before training (a fresh run only), as a baseline
     compile: bool = False
 
 

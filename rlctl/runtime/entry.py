@@ -32,7 +32,7 @@ from rlctl.config import RunConfig, load_config
 from rlctl.errors import UserError
 from rlctl.runtime.dist import Dist, init_distributed
 from rlctl.runtime.errors import INTERRUPTED, write_rank_error
-from rlctl.runtime.layout import RunPaths, latest_checkpoint, step_of, write_json_atomic
+from rlctl.runtime.layout import RunPaths, interrupted_summary, write_json_atomic
 from rlctl.runtime.rng import seed_everything
 from rlctl.runtime.shared_dir import check_shared_run_dir
 from rlctl.runtime.signals import requested_early
@@ -89,10 +89,7 @@ def _quiet_libraries() -> None:
 
 def _interrupted_summary(paths: RunPaths) -> None:
     """summary.json of a run interrupted before the loop could write one: its last checkpoint, if any."""
-    last = latest_checkpoint(paths.checkpoints)
-    step = (step_of(last) or 0) if last else 0
-    summary = {"status": "interrupted", "step": step, "checkpoint": str(last) if last else None, "hf": None}
-    write_json_atomic(paths.summary, summary)
+    write_json_atomic(paths.summary, interrupted_summary(paths))
 
 
 def recipe_main(body: Callable[[RunContext], None], argv: list[str] | None = None) -> None:

@@ -94,7 +94,7 @@ def test_an_old_flag_name_agrees_with_the_new_one_or_is_one_line():
     r = _invoke("estimate", "memory", "--model", "Qwen2.5-7B", "--gpus", "1", "--json", "--activation-checkpointing")
     assert r.exit_code == 0 and json.loads(r.output)["settings"]["activation_checkpointing"] is True
     r = _invoke(
-        "grpo", "--model", "Qwen2.5-7B", "--gradient-checkpointing", "--no-activation-checkpointing", "--dry-run"
+        "estimate", "memory", "--model", "Qwen2.5-7B", "--gradient-checkpointing", "--no-activation-checkpointing"
     )
     assert isinstance(r.exception, UserError) and "\n" not in str(r.exception)
     assert "--activation-checkpointing is the old name of --gradient-checkpointing" in str(r.exception)

@@ -24,9 +24,9 @@ LAYERS: list[set[str]] = [
     {"runtime"},
     {"engines", "rollout", "rewards", "agents"},
     {"recipes"},
-    {"launch", "job", "slurm"},
+    {"launch", "job", "slurm", "preflight"},
     {"convert"},
-    {"bench", "demo", "run_report"},
+    {"bench", "demo", "run_report", "viewer"},
     {"cli", "__main__"},
 ]
 # lower in the table, but still not theirs to import: engines model nothing about plans or estimates
