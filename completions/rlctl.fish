@@ -120,6 +120,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l preset -x -a 'grpo ppo sft tiers'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l set -s s -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l plugin -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l n -x
@@ -183,6 +184,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l sbatch -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l preset -x -a 'grpo ppo sft tiers'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l set -s s -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l plugin -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l output-dir -s o -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l dry-run
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l json
@@ -270,6 +272,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l sbatch -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l preset -x -a 'grpo ppo sft tiers'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l set -s s -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l plugin -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l output-dir -s o -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l dry-run
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l json

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlctl.config import RunConfig, val_split
+from rlctl.config.algorithm import check_algorithm
 from rlctl.errors import UserError
 
 if TYPE_CHECKING:
@@ -113,14 +114,6 @@ def check_placement(plan: Plan) -> None:
         from rlctl.runtime.dist import check_rollout_in_node  # (imports torch: only for multi-node RL)
 
         check_rollout_in_node(plan.rollout_tp, plan.nproc_per_node)
-
-
-def check_algorithm(cfg: RunConfig) -> None:
-    """Algorithm settings that run together (:func:`rlctl.config.choices.check_algorithm`)."""
-    from rlctl.config.choices import check_algorithm as check
-
-    a = cfg.algo
-    check(cfg.method, a.adv, n=cfg.rollout.n, kl_coef=a.kl_coef, kl_target=a.kl_target)
 
 
 def with_run_dir(cfg: RunConfig) -> RunConfig:

@@ -70,16 +70,18 @@ def _build(kind: str, model_path: str, s: RolloutSettings):
     if kind in PEER_ENGINES:
         module, name = PEER_ENGINES[kind].split(":")
         return getattr(importlib.import_module(module), name)(model_path, device=s.device, dtype=s.dtype, seed=s.seed)
-    from rlctl.rollout import make_rollout_engine
+    from rlctl.rollout import RolloutSpec, make_rollout_engine
 
     return make_rollout_engine(
-        kind,
-        model_path,
-        device=s.device,
-        dtype=s.dtype,
-        mem_fraction=s.mem_fraction,
-        max_model_len=s.prompt_len + s.max_tokens,
-        seed=s.seed,
+        RolloutSpec(
+            engine=kind,
+            model_path=model_path,
+            device=s.device,
+            dtype=s.dtype,
+            mem_fraction=s.mem_fraction,
+            max_model_len=s.prompt_len + s.max_tokens,
+            seed=s.seed,
+        )
     )
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rlctl import names
+from rlctl.algos.registry import adv_names
 from rlctl.names import describe
 
 SFT, GRPO, PPO, ESTIMATE = "sft", "grpo", "ppo", "estimate"
@@ -148,6 +149,9 @@ FLAGS: tuple[Flag, ...] = (
     F("sets", ("--set", "-s"), "", CONF, ALL,
       "key=value with a dotted key, repeatable; wins over everything (e.g. --set train.lr=2e-5).",
       type=list[str] | None),
+    F("plugin", "--plugin", "plugins", CONF, RL_EST,
+      "A Python file (or module) that registers a policy loss or advantage estimator, imported before the config is "
+      "checked and on every rank; repeatable (docs/plugins.md)."),
     F("output_dir", ("--output-dir", "-o"), "output_dir", CONF, TRAIN,
       "Run directory (default: runs/<method>-<model>-<time>)."),
     F("dry_run", "--dry-run", "", CONF, TRAIN,
@@ -218,7 +222,7 @@ FLAGS: tuple[Flag, ...] = (
     F("critic_lr", "--critic-lr", "algo.critic_lr", RL_PANEL, RL,
       "Learning rate of the critic (ppo)."),
     F("adv", "--adv", "algo.adv", RL_PANEL, RL,
-      {GRPO: f"{describe(names.AdvName, without=('gae',))}.", PPO: f"{describe(names.AdvName)}."}),
+      {GRPO: f"{' | '.join(adv_names(needs_critic=False))}.", PPO: f"{' | '.join(adv_names())}."}),
     F("loss_agg", "--loss-agg", "algo.loss_agg", RL_PANEL, RL,
       f"{describe(names.LossAgg)}."),
     F("clip_low", "--clip-low", "algo.clip_low", RL_PANEL, RL,

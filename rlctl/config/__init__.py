@@ -21,6 +21,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from rlctl.config.algorithm import check_registered_names
+from rlctl.config.plugins import load_plugins
 from rlctl.config.schema import (  # noqa: F401 - the schema, re-exported
     AlgoConfig,
     CheckpointConfig,
@@ -244,6 +246,7 @@ def build_config(method: str, layers: list[dict]) -> RunConfig:
             layer = dict(layer)
             layer.pop("method", None)
             _apply(cfg, layer, method=method)
+    cfg.plugins = load_plugins(cfg.plugins)  # before validate: a plugin's names are valid choices
     validate(cfg)
     if cfg.train.lr_scheduler == "constant":
         cfg.train.min_lr_ratio = 1.0
@@ -305,6 +308,7 @@ def validate(cfg: RunConfig) -> None:
             raise UserError(
                 f"{key}={value!r} is not valid{did_you_mean(str(value), allowed)}; choose one of {', '.join(allowed)}"
             )
+    check_registered_names(cfg)
     positive = "train.batch_size train.max_len train.epochs rollout.n hardware.nodes rollout.max_prompt_len"
     positive += " rollout.max_response_len algo.ppo_epochs rollout.val_n checkpoint.keep_last"
     for key in positive.split():

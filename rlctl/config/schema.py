@@ -203,6 +203,9 @@ class ClusterConfig:
 class RunConfig:
     method: Method = "sft"
     output_dir: str = ""
+    # Python files (my_loss.py) or module names imported before the config is checked, in the CLI and on
+    # every rank: they register policy losses / advantage estimators (rlctl.algos.registry, docs/plugins.md)
+    plugins: list[str] = field(default_factory=list)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)

@@ -50,10 +50,6 @@ class RewardBatch:
     extra_infos: list[dict | None]
 
     @property
-    def prompt_lengths(self) -> list[int]:
-        return [len(p) for p in self.prompt_ids]
-
-    @property
     def response_lengths(self) -> list[int]:
         return [len(r) for r in self.response_ids]
 

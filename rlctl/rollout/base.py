@@ -55,9 +55,10 @@ import torch
 
 from rlctl.errors import UserError, did_you_mean
 from rlctl.names import ROLLOUT_ENGINES
+from rlctl.rollout.spec import RolloutSpec
 
-# Engine name (rlctl.names.RolloutEngine) -> "module:class"; each class takes make_rollout_engine's keyword
-# arguments (tests/config holds the keys equal to the names).
+# Engine name (rlctl.names.RolloutEngine) -> "module:class"; each class is built from a RolloutSpec
+# (tests/config holds the keys equal to the names).
 _ENGINE_CLASSES = {
     "hf": "rlctl.rollout.hf:HFRolloutEngine",
     "vllm": "rlctl.rollout.vllm:VLLMRolloutEngine",
@@ -248,48 +249,25 @@ class RolloutEngine(ABC):
         self.close()
 
 
-def make_rollout_engine(
-    name: str,
-    model_path: str,
-    *,
-    device: str,
-    dtype: str,
-    tp: int = 1,
-    mem_fraction: float = 0.5,
-    max_model_len: int,
-    seed: int = 0,
-    enable_prefix_caching: bool = True,
-) -> RolloutEngine:
-    """Build the rollout engine ``name`` ("hf", "vllm" or "sglang") for the HF model at
-    ``model_path``.
-
-    ``mem_fraction`` is the share of accelerator memory the engine may take (vLLM's
-    ``gpu_memory_utilization``, SGLang's ``mem_fraction_static``; ignored by "hf").
-    ``max_model_len`` bounds prompt + response length.
-    """
+def make_rollout_engine(spec: RolloutSpec) -> RolloutEngine:
+    """Build the rollout engine ``spec.engine`` ("hf", "vllm" or "sglang") for the HF model at
+    ``spec.model_path``; UserError for a spec no engine can take. The engine gets the spec with its dtype
+    spelled as torch spells it (``bf16`` -> ``bfloat16``)."""
+    name = spec.engine
     if name not in ROLLOUT_ENGINES:
         raise UserError(
             f"unknown rollout engine {name!r}{did_you_mean(name, ROLLOUT_ENGINES)}; "
             f"choose one of {', '.join(ROLLOUT_ENGINES)}"
         )
-    if tp < 1:
-        raise UserError(f"rollout tp must be >= 1, got {tp}")
-    if not 0 < mem_fraction <= 1:
-        raise UserError(f"rollout mem_fraction must be in (0, 1], got {mem_fraction}")
-    if max_model_len < 2:
-        raise UserError(f"max_model_len must be >= 2, got {max_model_len}")
+    if spec.tp < 1:
+        raise UserError(f"rollout tp must be >= 1, got {spec.tp}")
+    if not 0 < spec.mem_fraction <= 1:
+        raise UserError(f"rollout mem_fraction must be in (0, 1], got {spec.mem_fraction}")
+    if spec.max_model_len < 2:
+        raise UserError(f"max_model_len must be >= 2, got {spec.max_model_len}")
     module_name, class_name = _ENGINE_CLASSES[name].split(":")
     engine_class = getattr(importlib.import_module(module_name), class_name)
-    return engine_class(
-        model_path,
-        device=device,
-        dtype=canonical_dtype(dtype),
-        tp=tp,
-        mem_fraction=mem_fraction,
-        max_model_len=max_model_len,
-        seed=seed,
-        enable_prefix_caching=enable_prefix_caching,
-    )
+    return engine_class(spec.replace(dtype=canonical_dtype(spec.dtype)))
 
 
 # Helpers shared by the engines ------------------------------------------------------------------

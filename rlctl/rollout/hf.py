@@ -39,6 +39,7 @@ from rlctl.rollout.base import (
     torch_dtype,
 )
 from rlctl.rollout.hf_decode import FastDecoder, unsupported_reason
+from rlctl.rollout.spec import RolloutSpec
 
 logger = logging.getLogger(__name__)
 
@@ -49,28 +50,17 @@ class HFRolloutEngine(RolloutEngine):
     name = "hf"
     supports_sleep = False
 
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        device: str,
-        dtype: str,
-        tp: int = 1,
-        mem_fraction: float = 0.5,
-        max_model_len: int,
-        seed: int = 0,
-        enable_prefix_caching: bool = True,
-    ) -> None:
+    def __init__(self, spec: RolloutSpec) -> None:
         # mem_fraction does not apply; the n samples of a prompt always share its prefill.
-        if tp != 1:
-            raise UserError(f"the hf rollout engine runs on one device; use tp=1 (got tp={tp}) or the vllm engine")
-        self.device = torch.device(device)
-        self.max_model_len = max_model_len
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype(dtype))
+        if spec.tp != 1:
+            raise UserError(f"the hf rollout engine runs on one device; use tp=1 (got tp={spec.tp}) or the vllm engine")
+        self.device = torch.device(spec.device)
+        self.max_model_len = spec.max_model_len
+        self.model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch_dtype(spec.dtype))
         self.model.to(self.device).eval().requires_grad_(False)
-        self.stop_token_ids = default_stop_token_ids(model_path)
+        self.stop_token_ids = default_stop_token_ids(spec.model_path)
         self.pad_token_id = 0  # any id works: padded positions are masked out
-        self._generator = torch.Generator(self.device).manual_seed(seed)
+        self._generator = torch.Generator(self.device).manual_seed(spec.seed)
         # The fast decode step (rlctl.rollout.hf_decode) when the architecture allows; it fuses the
         # projections in place, so it is built before the state dict below is taken.
         self.fast_decode = True  # False: always the generic loop (tests and benchmarks compare both)

