@@ -220,6 +220,10 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward -x -a 'gsm8k math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l samples-every -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l tools -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l env -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l interaction -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-turns -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l backend -x -a 'fsdp megatron'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l pp -x
@@ -308,6 +312,10 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward -x -a 'gsm8k math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l samples-every -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l tools -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l env -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l interaction -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-turns -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l backend -x -a 'fsdp megatron'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l pp -x

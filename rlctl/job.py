@@ -150,6 +150,7 @@ def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_thi
     elif on_this_machine:
         check_model_available(cfg.model.name, random_init=cfg.model.random_init)
     check_data_rows(cfg, model)
+    check_agent_template(cfg, model)
     for line in warnings:
         print(line, file=sys.stderr, flush=True)
 
@@ -211,6 +212,29 @@ def check_reward_spec(cfg: RunConfig) -> None:
         from rlctl.rewards import check_reward_config
 
         check_reward_config(cfg.reward)  # an unknown name, a missing file/function or model: a UserError
+
+
+def check_agent_template(cfg: RunConfig, model: ModelFiles | None) -> None:
+    """An agent run (--tools / --env / --interaction) needs a chat template that renders tool calls."""
+    if not (cfg.agent.tools or cfg.agent.env):  # an interaction alone calls no tools
+        return
+    from rlctl.agents.parse import template_style
+
+    template: object = None
+    if cfg.data.chat_template:
+        template = Path(cfg.data.chat_template).expanduser().read_text()
+    elif model is not None:
+        template = model.tokenizer_config.get("chat_template")
+        jinja = model.root / "chat_template.jinja"
+        if not template and jinja.is_file():
+            template = jinja.read_text()
+    else:
+        return  # a hub model: its template is read on the ranks
+    if template_style(template) is None and "response_schema" not in (model.tokenizer_config if model else {}):
+        raise UserError(
+            "the chat template has no tool-call format (no <tool_call> nor Llama 3 JSON calls), so the model cannot "
+            "call --tools / --env: use a model whose template takes tools, or pass --chat-template FILE.jinja"
+        )
 
 
 def check_run_dir(cfg: RunConfig, run_dir: Path, *, backend: str = "") -> None:
@@ -437,6 +461,8 @@ def _check_rl_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[st
 
     if all(s.spec != "auto" for s in rule_specs(cfg.reward)):
         return  # every component is named (or a reward model alone): no row needs a data_source
+    if cfg.agent.env or cfg.agent.interaction:
+        return  # the environment's get_reward / the interaction's score may be the reward (TRL's convention)
 
     sources = {str(r.get("data_source") or "") for r in rows}
     if "" in sources:

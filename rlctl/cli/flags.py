@@ -24,6 +24,7 @@ AUTO = ("auto",)  # left out of the values a flag shows where "the plan decides"
 ONLY_SFT, ONLY_ESTIMATE, RL_EST, SFT_EST = frozenset({SFT}), frozenset({ESTIMATE}), RL | {ESTIMATE}, {SFT, ESTIMATE}
 JOB, EVAL, HW, CLUSTER, CONF = "Job", "Evaluation", "Hardware", "Cluster", "Configuration"
 TRAINING, CKPT, LORA, RL_PANEL, PAR = "Training", "Checkpoints", "LoRA", "RL", "Parallelism"
+AGENT = "Agent (multi-turn, tools)"
 
 
 def _rewards(specs: list[str]) -> dict[str, object]:
@@ -243,6 +244,15 @@ FLAGS: tuple[Flag, ...] = (
     F("samples_every", "--samples-every", "log.samples_every", TRAINING, RL,
       "Write a few (prompt, response, reward, advantage) samples to samples.jsonl every N steps and show "
       "two (0 = never)."),
+    F("tools", "--tools", "agent.tools", AGENT, RL,
+      "Tools the model may call: FILE.py (every public function), FILE.py:a,b, or a verl tool config YAML."),
+    F("env", "--env", "agent.env", AGENT, RL,
+      "An environment FILE.py:Class, one per trajectory: reset(**row), its public methods are tools, get_reward() "
+      "a reward component."),
+    F("interaction", "--interaction", "agent.interaction", AGENT, RL,
+      "A verl Interaction (a simulated user) config YAML."),
+    F("max_turns", "--max-turns", "agent.max_turns", AGENT, RL,
+      "Assistant turns per trajectory (default 8 with tools).", shown=False),
     # --- parallelism and memory: what is left out, the plan decides
     F("backend", "--backend", "parallel.backend", PAR, ALL,
       f"{describe(names.Backend, without=AUTO)} (default: the plan's).", shown=False),

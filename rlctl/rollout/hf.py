@@ -80,8 +80,17 @@ class HFRolloutEngine(RolloutEngine):
             self._logged.add(reason)
             logger.info("hf rollout: generic decoding loop, not the fast decode step: %s", reason)
 
-    @torch.inference_mode()
     def _generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
+        return self._decode(prompt_token_ids, n, sampling, [sampling.max_tokens] * (len(prompt_token_ids) * n))
+
+    def _continue(self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]) -> list[Sample]:
+        return self._decode(histories, 1, sampling, max_tokens)
+
+    @torch.inference_mode()
+    def _decode(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams, max_tokens: list[int]
+    ) -> list[Sample]:
+        """``n`` samples per prompt, sample ``s`` at most ``max_tokens[s]`` tokens."""
         check_generate_args(prompt_token_ids, n, self.max_model_len)
         stop_ids = self.stop_token_ids | set(sampling.stop_token_ids or ())
         generator = self._generator
@@ -90,9 +99,7 @@ class HFRolloutEngine(RolloutEngine):
 
         input_ids, attention_mask = left_pad(prompt_token_ids, self.pad_token_id, self.device)
         num_samples = len(prompt_token_ids) * n
-        budget = [
-            min(sampling.max_tokens, self.max_model_len - len(prompt_token_ids[s // n])) for s in range(num_samples)
-        ]
+        budget = [min(max_tokens[s], self.max_model_len - len(prompt_token_ids[s // n])) for s in range(num_samples)]
         fast = self._fast if self.fast_decode else None
         if fast is not None and (reason := fast.window_reason(input_ids.shape[1] + max(budget))):
             self._log_fallback(reason)
