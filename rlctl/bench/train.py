@@ -34,8 +34,9 @@ from rlctl.bench import mfu as M
 from rlctl.bench.common import ProcessSampler, median, relative_error, run_measured
 from rlctl.bench.models import BenchModel, token_space
 from rlctl.errors import UserError
+from rlctl.names import Method, choices
 
-METHODS = ("sft", "grpo", "ppo")
+METHODS = choices(Method)
 LENGTHS = ("fixed", "spread")
 SPLIT_KEYS = ("time/rollout", "time/logprobs", "time/update", "time/weight_sync")
 RECIPE_PEAK_KEY = "mem/peak_bytes"  # per-rank peak, logged by the recipe (max over ranks)
@@ -67,7 +68,7 @@ class TrainSettings:
             from rlctl.errors import did_you_mean
 
             raise UserError(
-                f"unknown --method {self.method!r}{did_you_mean(self.method, METHODS)}; use sft, grpo or ppo"
+                f"unknown --method {self.method!r}{did_you_mean(self.method, METHODS)}; use {', '.join(METHODS)}"
             )
         if self.steps < 1:
             raise UserError(f"--steps must be at least 1, got {self.steps}")
