@@ -277,16 +277,15 @@ def check_device(plan) -> None:
 
 
 def check_memory(plan, *, ignore: bool) -> None:
-    """The planner's "does not fit" verdict stops a real launch (as it is printed by --dry-run)."""
+    """The planner's "does not fit" verdict stops a real launch (as it is printed by --dry-run), with what
+    would fit (the plan's advice)."""
     if plan.fits or ignore:
         return
-    verdict = next((r[len("estimate: ") :] for r in plan.reasons if r.startswith("estimate: ")), "")
-    idx = next((i for i, r in enumerate(plan.reasons) if r.startswith("estimate: ")), None)
-    instead = plan.reasons[idx + 1] if idx is not None and idx + 1 < len(plan.reasons) else ""
-    verdict = verdict.removeprefix("does not fit").lstrip(": ")
-    parts = [f"the plan does not fit in memory: {verdict}" if verdict else "the plan does not fit in memory"]
-    if instead:
-        parts.append(instead.rstrip("."))
+    from rlctl.plan.types import advice_line
+
+    parts = [f"the plan does not fit in memory: {plan.verdict.why}"]
+    if plan.advice:
+        parts.append(advice_line(plan.advice).rstrip("."))
     parts.append(f"pass {IGNORE_MEMORY_FLAG} to launch anyway")
     raise UserError(" ".join("; ".join(parts).split()))
 
