@@ -214,9 +214,9 @@ def test_hf_prefills_each_prompt_once_for_its_group(hf_engine, monkeypatch):
     )
     own_prefill = DecodeState.prefill  # the fast path prefills without the HF model
 
-    def recording(state, input_ids):
+    def recording(state, input_ids, *rest):
         shapes.append(tuple(input_ids.shape))
-        return own_prefill(state, input_ids)
+        return own_prefill(state, input_ids, *rest)
 
     monkeypatch.setattr(DecodeState, "prefill", recording)
     try:
