@@ -206,9 +206,13 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l loss-agg -x -a 'token
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-high -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout -x -a 'auto hf vllm sglang'
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward -x -a 'gsm8k math exact format length'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward -x -a 'gsm8k gsm8k_flexible math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l samples-every -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l tools -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l env -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l interaction -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-turns -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l save-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l keep-last -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l resume -x
@@ -217,7 +221,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-alpha -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-targets -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-dropout -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l log -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l log -x -a 'console tensorboard wandb'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ignore-memory-check
@@ -278,9 +282,13 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l loss-agg -x -a 'token-
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-high -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout -x -a 'auto hf vllm sglang'
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward -x -a 'gsm8k math exact format length'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward -x -a 'gsm8k gsm8k_flexible math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l samples-every -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l tools -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l env -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l interaction -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-turns -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l save-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l keep-last -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l resume -x
@@ -289,7 +297,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-alpha -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-targets -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-dropout -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l log -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l log -x -a 'console tensorboard wandb'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l ignore-memory-check
@@ -355,7 +363,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-alpha -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-targets -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-dropout -x
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l log -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l log -x -a 'console tensorboard wandb'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l ignore-memory-check

@@ -31,6 +31,7 @@ _rlctl() {
         --dtype) COMPREPLY=($(compgen -W "bf16 fp16 fp32" -- "$cur")); return ;;
         --engine) return ;;
         --entropy-coef) return ;;
+        --env) return ;;
         --ep) return ;;
         --epochs) return ;;
         --eval-every) return ;;
@@ -39,13 +40,14 @@ _rlctl() {
         --gpus) return ;;
         --hf-config) return ;;
         --host-memory) return ;;
+        --interaction) return ;;
         --interval) return ;;
         --keep-last) return ;;
         --kl-coef) return ;;
         --kl-kind) COMPREPLY=($(compgen -W "k1 abs k2 k3 kl mse low_var_kl" -- "$cur")); return ;;
         --launcher) COMPREPLY=($(compgen -W "torchrun slurm" -- "$cur")); return ;;
         --lengths) return ;;
-        --log) return ;;
+        --log) COMPREPLY=($(compgen -W "console tensorboard wandb" -- "$cur")); return ;;
         --lora-alpha) return ;;
         --lora-dropout) return ;;
         --lora-rank) return ;;
@@ -63,6 +65,7 @@ _rlctl() {
         --max-steps) return ;;
         --max-tokens) return ;;
         --max-tokens-per-micro-batch) return ;;
+        --max-turns) return ;;
         --mem-fraction) return ;;
         --method) COMPREPLY=($(compgen -W "sft grpo ppo" -- "$cur")); return ;;
         --micro-batch) return ;;
@@ -89,7 +92,7 @@ _rlctl() {
         --reps) return ;;
         --response-len) return ;;
         --resume) return ;;
-        --reward) COMPREPLY=($(compgen -W "gsm8k math exact format length" -- "$cur")); return ;;
+        --reward) COMPREPLY=($(compgen -W "gsm8k gsm8k_flexible math exact format length" -- "$cur")); return ;;
         --reward-model) return ;;
         --rollout) COMPREPLY=($(compgen -W "auto hf vllm sglang" -- "$cur")); return ;;
         --rollout-tp) return ;;
@@ -105,6 +108,7 @@ _rlctl() {
         --system-prompt) return ;;
         --temperature) return ;;
         --time) return ;;
+        --tools) return ;;
         --top-k) return ;;
         --top-p) return ;;
         --tp) return ;;
@@ -129,8 +133,8 @@ _rlctl() {
         "/convert/megatron-to-hf") words="--hf-config --dtype --verify --no-verify --force --max-shard-size --trust-checkpoint --help" ;;
         "/estimate") words="memory --help" ;;
         "/estimate/memory") words="--model --method --lora-rank --lora-targets --max-len --max-prompt-len --max-response-len --n --batch-size --micro-batch-size --gpus --nodes --gpu --device --host-memory --backend --tp --pp --ep --cp --precision --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --max-tokens-per-micro-batch --loss-chunk --kl-coef --reward-model --activation-checkpointing --no-activation-checkpointing --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --dtype --rollout --rollout-tp --mem-fraction --what-to-rent --json --prompt-len --response-len --micro-batch --help" ;;
-        "/grpo") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --samples-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --plugin --help" ;;
-        "/ppo") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --samples-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --plugin --help" ;;
+        "/grpo") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --samples-every --tools --env --interaction --max-turns --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --plugin --help" ;;
+        "/ppo") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --samples-every --tools --env --interaction --max-turns --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --plugin --help" ;;
         "/presets") words="list show --help" ;;
         "/presets/list") words="--help" ;;
         "/presets/show") words="--help" ;;

@@ -261,7 +261,7 @@ LoraTargets = Annotated[
 LoraDropout = Annotated[float | None, typer.Option("--lora-dropout", help="LoRA dropout.", rich_help_panel="LoRA")]
 Log = Annotated[
     str | None,
-    typer.Option("--log", help="Comma list of metric sinks: console, tensorboard, wandb.", rich_help_panel="Training"),
+    typer.Option("--log", help=f"Comma list of {names.describe(names.LogBackend)}.", rich_help_panel="Training"),
 ]
 
 

@@ -207,8 +207,9 @@ def _rl_command(method: str):
             list[str] | None,
             typer.Option(
                 "--reward",
-                help="NAME[:WEIGHT], repeatable (weighted sum): gsm8k | math | exact | format | length | "
-                "file.py:fn | file.py:Class | module:fn. E.g. --reward gsm8k --reward format:0.2.",
+                help="NAME[:WEIGHT], repeatable (weighted sum): a built-in reward (docs/rewards.md; the shell "
+                "completion lists them), file.py:fn, file.py:Class or module:fn. "
+                "E.g. --reward gsm8k --reward format:0.2.",
                 rich_help_panel=RL,
             ),
         ] = None,
