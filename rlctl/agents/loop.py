@@ -67,6 +67,7 @@ class AgentLoop:
     def run(self, engine, prompts: list[AgentPrompt], n: int, sampling) -> list[Trajectory]:
         """``n`` trajectories per prompt, prompt-major (as ``engine.generate`` orders samples)."""
         episodes = [self.spec.open(p.row) for p in prompts for _ in range(n)]
+        engine.start_session()  # the hf engine keeps each sample's keys and values for its next turn
         try:
             trajs = [self._start(prompts[i // n], ep, i // n) for i, ep in enumerate(episodes)]
             self._first_turn(engine, trajs, n, sampling)
@@ -88,6 +89,7 @@ class AgentLoop:
                 t.rewards.update(_episode_reward(ep))
             return trajs
         finally:
+            engine.end_session()
             for ep in episodes:
                 ep.close()
 

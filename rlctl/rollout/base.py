@@ -175,6 +175,15 @@ class RolloutEngine(ABC):
             raise ValueError("continue_generation needs one max_tokens >= 1 per history")
         return self._continue(histories, sampling, max_tokens)
 
+    def start_session(self) -> None:
+        """A multi-turn rollout begins: engines that can keep what they computed for the samples of each call
+        (the hf engine: their keys and values) keep it, for :meth:`continue_generation` to start from."""
+        return None  # vLLM and SGLang cache prefixes on their own
+
+    def end_session(self) -> None:
+        """The multi-turn rollout is over: drop what :meth:`start_session` kept."""
+        return None
+
     def _continue(self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]) -> list[Sample]:
         """:meth:`continue_generation` of the engine; by default one ``_generate`` per distinct budget."""
         from dataclasses import replace

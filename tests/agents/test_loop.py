@@ -66,6 +66,12 @@ class Recording:
         self.calls.append(("generate", [p for p in prompts for _ in range(n)], out))
         return out
 
+    def start_session(self):
+        self.engine.start_session()
+
+    def end_session(self):
+        self.engine.end_session()
+
     def continue_generation(self, histories, sampling, max_tokens):
         out = self.engine.continue_generation(histories, sampling, max_tokens)
         self.calls.append(("continue", histories, out))
@@ -82,9 +88,10 @@ def test_the_tools_file_gives_the_schema_the_model_was_trained_with(tmp_path):
 
 @pytest.fixture(scope="module")
 def engine(agent_model_dir):
-    from rlctl.rollout import make_rollout_engine
+    from rlctl.rollout import RolloutSpec, make_rollout_engine
 
-    with make_rollout_engine("hf", str(agent_model_dir), device="cpu", dtype="fp32", max_model_len=256) as e:
+    spec = RolloutSpec(engine="hf", model_path=str(agent_model_dir), device="cpu", dtype="fp32", max_model_len=256)
+    with make_rollout_engine(spec) as e:
         yield e
 
 
@@ -268,7 +275,7 @@ def test_trainer_log_probs_equal_the_rollout_engines_on_multi_turn_trajectories(
     cfg = build_config(
         "grpo", [dotted_to_nested({"model.name": str(agent_model_dir), "model.attn": "sdpa", "model.dtype": "fp32"})]
     )
-    ref = FSDPEngine(cpu_spec(), cfg, role="ref", trainable=False)
+    ref = FSDPEngine(cpu_spec(cfg), role="ref", trainable=False)
     for share in (True, False):
         logp, _ = compute_logprobs(ref, batch, temperature=0.8, budget=1024, pad_id=0, share_prefix=share)
         diff = ((logp - batch.rollout_logp).abs() * batch.mask).max().item()
@@ -299,3 +306,34 @@ def test_budget_interaction_and_max_turns(engine, tokenizer):
         if users:
             assert users == [{"role": "user", "content": "Are you sure?"}]
             assert t.turns >= 2 and 0 in t.mask
+
+
+def test_hf_continuation_starts_from_the_kept_keys_and_values(engine, tokenizer):
+    """In a session the hf engine's next turn computes only the appended tokens (and the last sampled one),
+    not the whole trajectory, and samples what a full prefill of the same token ids samples."""
+    from dataclasses import replace
+
+    from rlctl.rollout import SamplingParams
+
+    prompt = _prompt(tokenizer).token_ids
+    sampling = SamplingParams(max_tokens=40, seed=11)
+    delta = _text_delta(
+        tokenizer,
+        {"role": "assistant", "content": "", "tool_calls": []},
+        [{"role": "tool", "name": "add", "content": "7"}],
+    )
+    engine.start_session()
+    try:
+        first = engine.generate([prompt], 4, sampling)
+        histories = [prompt + s.token_ids + delta for s in first]
+        before = engine.prefilled_tokens
+        kept = engine.continue_generation(histories, replace(sampling, seed=12), [30] * 4)
+        computed = engine.prefilled_tokens - before
+    finally:
+        engine.end_session()
+    full = engine.continue_generation(histories, replace(sampling, seed=12), [30] * 4)
+    assert computed == 4 * (len(delta) + 1)  # per row: the last sampled token and the tool turn
+    assert engine.prefilled_tokens - before - computed == 4 * max(len(h) for h in histories)
+    for a, b in zip(kept, full, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
