@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from grpo_vs_trl import REGIMES, build_models  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from rlctl.rollout import SamplingParams, make_rollout_engine  # noqa: E402
+from rlctl.rollout import RolloutSpec, SamplingParams, make_rollout_engine  # noqa: E402
 
 
 def prompt_ids(model: Path, data: Path, count: int) -> list[list[int]]:
@@ -49,7 +49,9 @@ def measure(name: str, model: Path, data: Path, repeats: int) -> dict:
     r = REGIMES[name]
     prompts = prompt_ids(model, data, r.batch)
     sampling = SamplingParams(temperature=1.0, max_tokens=r.response_len, seed=0)
-    engine = make_rollout_engine("hf", str(model), device="cpu", dtype="float32", max_model_len=512)
+    engine = make_rollout_engine(
+        RolloutSpec(engine="hf", model_path=str(model), device="cpu", dtype="float32", max_model_len=512)
+    )
     assert engine._fast is not None, "the fast decode step does not apply to this model"
     times: dict[str, list[float]] = {"generic": [], "fast": []}
     outputs = {}

@@ -85,17 +85,22 @@ def step_loss(loss):
 def make_engine(
     hf_dir: str, tp: int, pp: int, *, dtype: str, trainable: bool, lr: float = 1e-3, random_init: bool = False
 ):
-    from rlctl.config import RunConfig
-    from rlctl.engines.megatron import build_engine
-    from rlctl.engines.spec import EngineSpec
+    from rlctl.engines import build_engine
+    from rlctl.engines.spec import EngineSpec, OptimizerSpec
 
-    cfg = RunConfig(method="grpo")
-    cfg.model.name, cfg.model.random_init = hf_dir, random_init
-    cfg.train.lr, cfg.train.warmup_ratio, cfg.train.min_lr_ratio, cfg.train.grad_clip = lr, 0.0, 1.0, 1e9
-    cfg.train.max_len = 128
-    cfg.rollout.max_prompt_len = cfg.rollout.max_response_len = 32
-    spec = EngineSpec(backend="megatron", device="cuda", dtype=dtype, tp=tp, pp=pp, sequence_parallel=tp > 1)
-    return build_engine(spec, cfg, role="actor", trainable=trainable, total_steps=100)
+    spec = EngineSpec(
+        backend="megatron",
+        device="cuda",
+        dtype=dtype,
+        tp=tp,
+        pp=pp,
+        sequence_parallel=tp > 1,
+        model=hf_dir,
+        random_init=random_init,
+        max_seq_len=128,
+        optimizer=OptimizerSpec(lr=lr, warmup_ratio=0.0, min_lr_ratio=1.0, grad_clip=1e9),
+    )
+    return build_engine(spec, role="actor", trainable=trainable, total_steps=100)
 
 
 class Checks:
@@ -206,10 +211,12 @@ def check_layout(c: Checks, hf_dir: str, tp: int, pp: int, prev_ckpt: Path | Non
     del engine
 
     # 5. a GRPO-style step and the weight sync to the hf rollout engine
-    from rlctl.rollout import SamplingParams, make_rollout_engine
+    from rlctl.rollout import RolloutSpec, SamplingParams, make_rollout_engine
 
     engine = make_engine(hf_dir, tp, pp, dtype="bf16", trainable=True, lr=1e-3)
-    rollout = make_rollout_engine("hf", hf_dir, device="cuda", dtype="bf16", max_model_len=64, seed=0)
+    rollout = make_rollout_engine(
+        RolloutSpec(engine="hf", model_path=hf_dir, device="cuda", dtype="bf16", max_model_len=64, seed=0)
+    )
     prompts = [DOCS[0][:4], DOCS[1][:5]]
     # rank 0's samples for everyone: the TP/PP ranks of a replica must see the same batch
     samples = [rollout.generate(prompts, 4, SamplingParams(temperature=1.0, max_tokens=6, seed=0))]

@@ -168,12 +168,19 @@ def sft_args(out: Path, base: Path, data: Path, size: DemoSize, *, nproc: int, s
     ]
 
 
-def grpo_args(out: Path, model: Path, data: Path, size: DemoSize, *, nproc: int, seed: int, rollout: str) -> list[str]:
+def grpo_args(
+    out: Path, model: Path, data: Path, size: DemoSize, *, nproc: int, seed: int, rollout: str, val: Path
+) -> list[str]:
+    """The GRPO run; it also measures the held-out accuracy itself, before the first step and after the last
+    (--val-data, --eval-before: greedy, exact match), so its report shows the gain."""
     return [
         "--model",
         str(model),
         "--data",
         str(data),
+        "--val-data",
+        str(val),
+        "--eval-before",
         "--reward",
         "exact",
         "--device",
@@ -248,6 +255,15 @@ def sample_answer(model_dir: Path, problem: arith.Problem) -> str:
     return tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
+def write_report(run_dir: Path) -> Path:
+    """The HTML report of ``run_dir`` (what `rlctl report RUN` writes), next to its metrics."""
+    from rlctl.run_report import load_run
+    from rlctl.viewer import write_html
+
+    run = load_run(run_dir)
+    return write_html([run], run.paths.report_html)
+
+
 def prepare_out(out: Path) -> None:
     """Start from an empty ``out``: replace an earlier demo's directory, refuse anything else."""
     if out.exists():
@@ -318,7 +334,16 @@ def run_demo(
         run_rlctl(
             console,
             "grpo",
-            grpo_args(grpo_dir, sft_dir / "hf", data / "rl.jsonl", size, nproc=nproc, seed=seed, rollout=rollout),
+            grpo_args(
+                grpo_dir,
+                sft_dir / "hf",
+                data / "rl.jsonl",
+                size,
+                nproc=nproc,
+                seed=seed,
+                rollout=rollout,
+                val=data / "heldout.jsonl",
+            ),
         )
 
     with step("6/6  held-out accuracy after GRPO, and the exported model", "eval"):
@@ -338,12 +363,15 @@ def run_demo(
         answer = sample_answer(grpo_dir / "hf", example)
         console.print(f"the exported model {grpo_dir / 'hf'}, loaded with AutoModelForCausalLM.from_pretrained:")
         console.print(f"  {example.question} -> [bold]{answer}[/bold] (true answer {example.answer})")
+        page = write_report(grpo_dir)
+        console.print(f"the run's report (every curve, held-out accuracy at step 0 and at the end, rollouts): {page}")
     total = time.perf_counter() - began
     console.print(f"total time {total / 60:.1f} min (" + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()) + ")")
     return {
         "before": before,
         "after": after,
         "hf": str(grpo_dir / "hf"),
+        "report": str(page),
         "example": (example.question, answer),
         "times": times,
         "total_s": total,

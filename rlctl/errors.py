@@ -16,10 +16,6 @@ class UserError(Exception):
     exit_code = 2
 
 
-class NotAvailableYet(UserError):
-    """A command whose engine is not built yet."""
-
-
 def did_you_mean(word: str, choices: Iterable[str], n: int = 3) -> str:
     """Return ' (did you mean X?)' or '' when nothing is close."""
     choices = list(choices)
@@ -34,3 +30,34 @@ def did_you_mean(word: str, choices: Iterable[str], n: int = 3) -> str:
 def one_line(text: object) -> str:
     """``text`` on one line: every run of whitespace, newlines included, becomes one space."""
     return " ".join(str(text).split())
+
+
+# What to do about an OS error, by errno name (the one place that turns OS errors into a line).
+_OS_FIXES = {
+    "ENOSPC": "free some space there or choose another place",
+    "EDQUOT": "free some space there (disk quota) or choose another place",
+    "EROFS": "choose a place on a writable file system",
+    "EACCES": "choose a place you can write, or fix its permissions",
+    "EPERM": "choose a place you can write, or fix its permissions",
+    "EEXIST": "remove it or choose another name",
+    "ENOTDIR": "a part of the path is a file, not a directory: choose another path",
+    "EISDIR": "it is a directory: name a file",
+    "ENOENT": "check the path",
+    "ENAMETOOLONG": "choose a shorter path",
+}
+
+
+def os_error_text(e: OSError) -> str:
+    """An OS error as one phrase: ``No space left on device: /runs/a/x``."""
+    what = e.strerror or str(e) or type(e).__name__
+    name = e.filename if e.filename is not None else ""
+    return f"{what}: {name}" if name else what
+
+
+def os_error_line(e: OSError, doing: str = "") -> str:
+    """An OS error as the one line the CLI prints: what failed, on which path, and what to do."""
+    import errno as errno_names
+
+    fix = _OS_FIXES.get(errno_names.errorcode.get(e.errno or -1, ""), "")
+    head = f"{doing}: " if doing else ""
+    return one_line(f"{head}{os_error_text(e)}" + (f"; {fix}" if fix else ""))

@@ -33,7 +33,7 @@ from rlctl.errors import UserError, one_line
 from rlctl.metrics import from_json
 from rlctl.plan import apply_plan, save_plan
 from rlctl.runtime.errors import INTERRUPTED
-from rlctl.runtime.layout import RunPaths, has_checkpoint
+from rlctl.runtime.layout import RunPaths, has_checkpoint, interrupted_summary, write_json_atomic
 from rlctl.runtime.net import free_port
 
 if TYPE_CHECKING:
@@ -196,6 +196,10 @@ class _Progress:
             if "step" not in rec:
                 continue
             self.last = rec
+            if isinstance(rec.get("warning"), str):  # e.g. reward calls that failed (rlctl.rewards.reward_warning)
+                from rich.markup import escape
+
+                self.console.print(f"[yellow]{escape(rec['warning'])}[/yellow]", soft_wrap=True, highlight=False)
             if self.live:
                 self.bar.update(self.task, completed=rec["step"], total=rec.get("total_steps"), info=_describe(rec))
             else:
@@ -251,6 +255,7 @@ def launch_job(cfg: RunConfig, plan: Plan) -> int:
     run_dir = (Path(cfg.output_dir) if cfg.output_dir else default_run_dir(cfg)).absolute()
     paths = RunPaths(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    previous = _RunFiles(paths)  # put back when this job stops before its first step (a failed resume)
     for stale in (paths.summary,):
         stale.unlink(missing_ok=True)
     if paths.errors.is_dir():
@@ -279,7 +284,7 @@ def launch_job(cfg: RunConfig, plan: Plan) -> int:
                 progress.console.print(
                     "stopping: the ranks save a checkpoint first (Ctrl-C again to kill them)"
                     if progress.last is not None
-                    else "stopping: still starting up, nothing to save (Ctrl-C again to kill the ranks)"
+                    else "stopping: the ranks stop before their first step ends (Ctrl-C again to kill them)"
                 )
                 for pid in workers:
                     try:
@@ -307,7 +312,36 @@ def launch_job(cfg: RunConfig, plan: Plan) -> int:
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
-    return _report(proc.returncode, paths, progress, interrupted=signals["count"] > 0)
+    try:
+        return _report(proc.returncode, paths, progress, interrupted=signals["count"] > 0)
+    finally:
+        if proc.returncode != 0 and not previous.advanced():
+            previous.restore()
+
+
+class _RunFiles:
+    """A run directory's own files before a launch (config.yaml, plan.json, summary.json): a job that
+    stops before its first step (a resume that fails on the ranks, a Ctrl-C during start-up) leaves
+    them as they were, so a finished run still reads as finished (train.log keeps the attempt's
+    output, errors/ its report)."""
+
+    def __init__(self, paths: RunPaths):
+        self.paths = paths
+        self.saved = {p: p.read_bytes() for p in (paths.config, paths.plan, paths.summary) if p.is_file()}
+        self.metrics_size = paths.metrics.stat().st_size if paths.metrics.is_file() else 0
+
+    def advanced(self) -> bool:
+        """Whether the job logged a step (metrics.jsonl grew)."""
+        return (self.paths.metrics.stat().st_size if self.paths.metrics.is_file() else 0) > self.metrics_size
+
+    def restore(self) -> None:
+        if not self.saved:
+            return  # a new run directory: this attempt's files are all it has
+        for path in (self.paths.config, self.paths.plan, self.paths.summary):
+            if path in self.saved:
+                path.write_bytes(self.saved[path])
+            else:
+                path.unlink(missing_ok=True)
 
 
 def read_rank_errors(paths: RunPaths) -> list[dict]:
@@ -351,10 +385,17 @@ def _report(rc: int, paths: RunPaths, progress: _Progress, *, interrupted: bool 
                 soft_wrap=True,
             )
             return 1
-    if summary is None and interrupted:  # Ctrl-C before the ranks had written anything (start-up)
-        summary = {"status": "interrupted", "step": 0, "checkpoint": None}
-        paths.summary.write_text(json.dumps(summary) + "\n")
-        console.print("interrupted during start-up (before step 1); no checkpoint was written")
+    if summary is None and interrupted:  # the ranks were killed (a second Ctrl-C) or stopped in start-up
+        summary = interrupted_summary(paths)
+        write_json_atomic(paths.summary, summary)
+        if progress.last is None and summary["checkpoint"] is None:
+            console.print("interrupted during start-up (before step 1); no checkpoint was written")
+            return INTERRUPTED
+        reached = f"interrupted at step {progress.last['step']}; " if progress.last is not None else ""
+        last = summary["checkpoint"]
+        console.print(f"{reached}the ranks were stopped before saving; last checkpoint: {last}", soft_wrap=True)
+        if last is not None:
+            console.print("continue with --resume auto (same --output-dir)")
         return INTERRUPTED
     if summary and summary.get("status") == "interrupted":
         console.print(f"interrupted at step {summary['step']}; checkpoint: {summary['checkpoint']}")

@@ -5,8 +5,8 @@ them (:mod:`rlctl.config.schema`); ``rlctl.config.CHOICES``, the CLI's help stri
 completions are derived from them, so a value is added in exactly one line. :data:`MEANINGS` says what
 a value means where a word helps (shown in ``--help``).
 
-Advantage estimators and policy losses are open sets: the built-in names are listed here, and a
-plugin module may register more (:mod:`rlctl.algos.registry`).
+Advantage estimators and policy losses are open sets: their names are the ones registered in
+:mod:`rlctl.algos.registry` (the built-ins, and any a plugin module registers: docs/plugins.md).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ Backend = Literal["auto", "fsdp", "megatron"]
 RolloutEngine = Literal["auto", "hf", "vllm", "sglang"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KlKind = Literal["k1", "abs", "k2", "k3", "kl", "mse", "low_var_kl"]
-AdvName = Literal["grpo", "rloo", "reinforce_pp", "gae"]  # built in; plugins may register more
-PolicyLossName = Literal["ppo", "gspo"]  # built in; plugins may register more
+# Open sets, not Literals: the names registered in rlctl.algos.registry (the built-ins and any plugin's)
+AdvName = str
+PolicyLossName = str
 
 # value -> what it means, per Literal (only where a word helps)
 MEANINGS: dict[Any, dict[str, str]] = {

@@ -2,6 +2,11 @@
 ``register_policy_loss``): the config names one (``algo.adv``, ``algo.policy_loss``) and the recipe
 looks it up; no recipe branches on the algorithm.
 
+This module imports no torch: the CLI checks a config's names and the algorithm's facts against it
+before launch. A built-in's function is named as ``"module:function"`` and imported on first use; a
+plugin (``--plugin my_loss.py``, docs/plugins.md) registers its own with the same decorators, and a
+name registered twice is refused.
+
 A policy loss carries its OWN defaults (clip range, dual clip, loss aggregation): PPO clips at
 0.2/0.2 with a dual clip of 3 and averages over tokens; GSPO clips its sequence ratio at 3e-4/4e-4
 with no dual clip and aggregates seq-mean-token-mean (Zheng et al. 2025). A config key the user set
@@ -12,37 +17,59 @@ consecutive rows per prompt)::
 
     estimator(rewards [B, T], mask [B, T], *, n, values [B, T] | None, gamma, lam, norm_by_std)
         -> (advantages [B, T], returns [B, T])
+
+Every policy loss: ``fn(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip, agg,
+norm_len, global_tokens, global_seqs) -> (loss, metrics)``.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-from torch import Tensor
-
-from rlctl.algos.advantages import gae, grpo, reinforce_pp, rloo
-from rlctl.algos.losses import gspo_policy_loss, ppo_policy_loss
 from rlctl.errors import UserError, did_you_mean
+from rlctl.names import LossAgg, choices
+
+Target = Callable[..., Any] | str  # the function, or "module:function" imported on first use
+
+
+def _load(target: Target) -> Callable[..., Any]:
+    if callable(target):
+        return target
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _where(target: Target) -> str:
+    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
 
 
 @dataclass(frozen=True)
 class AdvEstimator:
     name: str
-    fn: Callable[..., tuple[Tensor, Tensor]]
+    target: Target
     needs_critic: bool  # GAE: values from a critic (rlctl ppo)
     needs_groups: bool  # compares the samples of one prompt: rollout.n >= 2
+
+    @property
+    def fn(self) -> Callable[..., Any]:
+        return _load(self.target)
 
 
 @dataclass(frozen=True)
 class PolicyLoss:
     name: str
-    fn: Callable[..., tuple[Tensor, dict[str, Tensor]]]
+    target: Target
     clip_low: float
     clip_high: float
     dual_clip: float | None
     agg: str
+
+    @property
+    def fn(self) -> Callable[..., Any]:
+        return _load(self.target)
 
 
 @dataclass(frozen=True)
@@ -69,11 +96,23 @@ ADV_ESTIMATORS: dict[str, AdvEstimator] = {}
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
-def register_adv_est(name: str, *, needs_critic: bool = False, needs_groups: bool = False):
+def _add(table: dict, key: str, entry: AdvEstimator | PolicyLoss) -> None:
+    if not isinstance(entry.name, str) or not entry.name.strip():
+        raise UserError(f"{key}: a registered name must be a non-empty string, got {entry.name!r}")
+    old = table.get(entry.name)
+    if old is not None:
+        raise UserError(
+            f"{key} {entry.name!r} is already registered ({_where(old.target)}); "
+            f"register {_where(entry.target)} under another name"
+        )
+    table[entry.name] = entry
+
+
+def register_adv_est(name: str, *, needs_critic: bool = False, needs_groups: bool = False) -> Callable:
     """Decorator: register an advantage estimator under ``name`` (the value of ``algo.adv``)."""
 
-    def wrap(fn):
-        ADV_ESTIMATORS[name] = AdvEstimator(name, fn, needs_critic, needs_groups)
+    def wrap(fn: Target) -> Target:
+        _add(ADV_ESTIMATORS, "algo.adv", AdvEstimator(name, fn, needs_critic, needs_groups))
         return fn
 
     return wrap
@@ -82,32 +121,45 @@ def register_adv_est(name: str, *, needs_critic: bool = False, needs_groups: boo
 def register_policy_loss(
     name: str, *, clip_low: float, clip_high: float, dual_clip: float | None, agg: str
 ) -> Callable:
-    """Decorator: register ``fn(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip, agg,
-    norm_len, global_tokens, global_seqs) -> (loss, metrics)`` under ``name`` with its defaults."""
+    """Decorator: register a policy loss under ``name`` (the value of ``algo.policy_loss``) with its
+    defaults; ``agg`` is one of :data:`rlctl.names.LossAgg`."""
+    if agg not in choices(LossAgg):
+        raise UserError(
+            f"policy loss {name!r}: agg={agg!r} is not valid{did_you_mean(agg, choices(LossAgg))}; "
+            f"choose one of {', '.join(choices(LossAgg))}"
+        )
 
-    def wrap(fn):
-        POLICY_LOSSES[name] = PolicyLoss(name, fn, clip_low, clip_high, dual_clip, agg)
+    def wrap(fn: Target) -> Target:
+        _add(POLICY_LOSSES, "algo.policy_loss", PolicyLoss(name, fn, clip_low, clip_high, dual_clip, agg))
         return fn
 
     return wrap
 
 
-def get_adv_estimator(name: str) -> AdvEstimator:
-    if name not in ADV_ESTIMATORS:
+def adv_names(*, needs_critic: bool | None = None) -> tuple[str, ...]:
+    """The registered estimators (those with or without a critic when ``needs_critic`` is given)."""
+    return tuple(n for n, e in ADV_ESTIMATORS.items() if needs_critic in (None, e.needs_critic))
+
+
+def policy_loss_names() -> tuple[str, ...]:
+    return tuple(POLICY_LOSSES)
+
+
+def _get(table: dict, key: str, what: str, name: str):
+    if name not in table:
         raise UserError(
-            f"unknown advantage estimator algo.adv={name!r}{did_you_mean(name, ADV_ESTIMATORS)}; "
-            f"choose one of {', '.join(ADV_ESTIMATORS)}"
+            f"unknown {what} {key}={name!r}{did_you_mean(name, table)}; choose one of {', '.join(table)} "
+            f"(a plugin can register more: docs/plugins.md)"
         )
-    return ADV_ESTIMATORS[name]
+    return table[name]
+
+
+def get_adv_estimator(name: str) -> AdvEstimator:
+    return _get(ADV_ESTIMATORS, "algo.adv", "advantage estimator", name)
 
 
 def get_policy_loss(name: str) -> PolicyLoss:
-    if name not in POLICY_LOSSES:
-        raise UserError(
-            f"unknown policy loss algo.policy_loss={name!r}{did_you_mean(name, POLICY_LOSSES)}; "
-            f"choose one of {', '.join(POLICY_LOSSES)}"
-        )
-    return POLICY_LOSSES[name]
+    return _get(POLICY_LOSSES, "algo.policy_loss", "policy loss", name)
 
 
 def resolve_policy_loss(
@@ -126,49 +178,15 @@ def resolve_policy_loss(
 
 
 # ---------------------------------------------------------------------------------------------
-# The built-in policy losses
+# The built-ins (their functions are imported on first use)
 
-register_policy_loss("ppo", clip_low=0.2, clip_high=0.2, dual_clip=3.0, agg="token-mean")(ppo_policy_loss)
-register_policy_loss("gspo", clip_low=3e-4, clip_high=4e-4, dual_clip=None, agg="seq-mean-token-mean")(gspo_policy_loss)
-
-
-# ---------------------------------------------------------------------------------------------
-# The built-in advantage estimators
-
-
-def _outcome_scores(rewards: Tensor, mask: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    scores = (rewards * mask).sum(-1)
-    return scores, torch.arange(scores.numel(), device=scores.device) // n
-
-
-@register_adv_est("grpo", needs_groups=True)
-def grpo_advantages(rewards: Tensor, mask: Tensor, *, n: int, norm_by_std: bool = True, **_) -> tuple[Tensor, Tensor]:
-    """GRPO: the sequence score against its group's mean (and std); broadcast over the tokens."""
-    scores, groups = _outcome_scores(rewards, mask, n)
-    adv = grpo(scores, groups, norm_by_std=norm_by_std)[:, None].to(mask.dtype) * mask
-    return adv, adv
-
-
-@register_adv_est("rloo", needs_groups=True)
-def rloo_advantages(rewards: Tensor, mask: Tensor, *, n: int, **_) -> tuple[Tensor, Tensor]:
-    """RLOO: the sequence score minus the mean of the other samples of its prompt."""
-    scores, groups = _outcome_scores(rewards, mask, n)
-    adv = rloo(scores, groups)[:, None].to(mask.dtype) * mask
-    return adv, adv
-
-
-@register_adv_est("reinforce_pp")
-def reinforce_pp_advantages(rewards: Tensor, mask: Tensor, *, gamma: float = 1.0, **_) -> tuple[Tensor, Tensor]:
-    """REINFORCE++: discounted token returns, whitened over the batch."""
-    adv = reinforce_pp(rewards, mask, gamma=gamma)
-    return adv, adv
-
-
-@register_adv_est("gae", needs_critic=True)
-def gae_advantages(
-    rewards: Tensor, mask: Tensor, *, values: Tensor | None, gamma: float = 1.0, lam: float = 1.0, **_
-) -> tuple[Tensor, Tensor]:
-    """GAE on the critic's values; returns = advantages + values (before whitening)."""
-    if values is None:
-        raise ValueError("gae needs the critic's values")
-    return gae(rewards, values, mask, gamma=gamma, lam=lam)
+register_policy_loss("ppo", clip_low=0.2, clip_high=0.2, dual_clip=3.0, agg="token-mean")(
+    "rlctl.algos.losses:ppo_policy_loss"
+)
+register_policy_loss("gspo", clip_low=3e-4, clip_high=4e-4, dual_clip=None, agg="seq-mean-token-mean")(
+    "rlctl.algos.losses:gspo_policy_loss"
+)
+register_adv_est("grpo", needs_groups=True)("rlctl.algos.estimators:grpo_advantages")
+register_adv_est("rloo", needs_groups=True)("rlctl.algos.estimators:rloo_advantages")
+register_adv_est("reinforce_pp")("rlctl.algos.estimators:reinforce_pp_advantages")
+register_adv_est("gae", needs_critic=True)("rlctl.algos.estimators:gae_advantages")

@@ -18,7 +18,9 @@ Three cases per repetition, with random prompts of ``prompt_len`` tokens:
 Memory per engine. CPU: the worker's peak RSS (the kernel's ``ru_maxrss``) minus its RSS after
 importing the engine's libraries and before building the engine. GPU:
 ``torch.cuda.max_memory_allocated()`` in the worker, with the device memory in use
-(``mem_get_info``) as a cross-check.
+(``mem_get_info``) as a cross-check; SGLang's model and KV pool live in its scheduler's child
+processes, outside the worker's allocator, so its peak is the device memory in use (after each
+generate call) less what was in use before the engine.
 """
 
 from __future__ import annotations
@@ -68,16 +70,18 @@ def _build(kind: str, model_path: str, s: RolloutSettings):
     if kind in PEER_ENGINES:
         module, name = PEER_ENGINES[kind].split(":")
         return getattr(importlib.import_module(module), name)(model_path, device=s.device, dtype=s.dtype, seed=s.seed)
-    from rlctl.rollout import make_rollout_engine
+    from rlctl.rollout import RolloutSpec, make_rollout_engine
 
     return make_rollout_engine(
-        kind,
-        model_path,
-        device=s.device,
-        dtype=s.dtype,
-        mem_fraction=s.mem_fraction,
-        max_model_len=s.prompt_len + s.max_tokens,
-        seed=s.seed,
+        RolloutSpec(
+            engine=kind,
+            model_path=model_path,
+            device=s.device,
+            dtype=s.dtype,
+            mem_fraction=s.mem_fraction,
+            max_model_len=s.prompt_len + s.max_tokens,
+            seed=s.seed,
+        )
     )
 
 
@@ -102,16 +106,19 @@ def _preload(kind: str) -> None:
 class _Memory:
     """Peak memory of this worker since its baseline (see the module docstring)."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, kind: str):
         import psutil
 
         self.cuda = device.startswith("cuda")
+        self.in_process = kind != "sglang"  # SGLang's memory is its child processes'
         if self.cuda:
             import torch
 
             torch.cuda.init()
             self.baseline = torch.cuda.memory_allocated()
-            self.device_used = 0
+            free, total = torch.cuda.mem_get_info()
+            self.device_baseline = total - free
+            self.device_used = self.device_baseline
         else:
             self.baseline = psutil.Process().memory_info().rss
 
@@ -126,6 +133,13 @@ class _Memory:
         if self.cuda:
             import torch
 
+            device_peak = self.device_used - self.device_baseline
+            if not self.in_process:
+                return {
+                    "source": "mem_get_info: device memory in use - before the engine",
+                    "peak_bytes": device_peak,
+                    "device_used_bytes": self.device_used,
+                }
             return {
                 "source": "torch.cuda.max_memory_allocated",
                 "peak_bytes": torch.cuda.max_memory_allocated() - self.baseline,
@@ -164,7 +178,7 @@ def worker_main(conn: Connection, kind: str, model_path: str, s: RolloutSettings
         from rlctl.rollout import SamplingParams
 
         _preload(kind)
-        memory = _Memory(s.device)
+        memory = _Memory(s.device, kind)
         start = time.perf_counter()
         engine = _build(kind, model_path, s)
         conn.send(

@@ -152,3 +152,12 @@ def resolve_gpu(name: str) -> GpuSpec:
             return gpu
     names = [g.name for g in _GPUS]
     raise UserError(f"unknown GPU '{name}'{did_you_mean(name, names)}; known GPUs: {', '.join(names)}")
+
+
+def vllm_batch_limits(gpu_memory_bytes: int, gpu_name: str) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) of vLLM 0.32's offline ``LLM`` on a GPU: 16384 tokens and
+    1024 sequences from 70 GiB up (A100s excepted), 8192 and 256 below (``EngineArgs.get_batch_defaults``).
+    rlctl's vLLM engine passes these explicitly, so the estimate and the engine agree."""
+    if gpu_memory_bytes >= 70 * 2**30 and "a100" not in gpu_name.lower():
+        return 16384, 1024
+    return 8192, 256

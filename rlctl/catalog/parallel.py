@@ -61,3 +61,16 @@ def world_problem(world: int, tp: int, pp: int, cp: int = 1) -> str | None:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+#: Rollout engines that run one copy per rank (no tensor parallelism): the hf engine (one device), and
+#: rlctl's SGLang adapter (one offline engine per torchrun rank: SGLang's own TP workers would be
+#: processes of their own, outside the trainer's world).
+SINGLE_DEVICE_ROLLOUT_ENGINES = ("hf", "sglang")
+
+
+def rollout_engine_tp_problem(engine: str, tp: int) -> str | None:
+    """Why the rollout engine ``engine`` cannot run with tensor parallelism ``tp``; None when it can."""
+    if tp > 1 and engine in SINGLE_DEVICE_ROLLOUT_ENGINES:
+        return f"the {engine} rollout engine runs one copy per rank (tp 1)"
+    return None

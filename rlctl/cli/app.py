@@ -11,7 +11,7 @@ import sys
 import typer
 
 from rlctl import __version__
-from rlctl.cli import bench, convert, estimate, presets, report, rl, sft
+from rlctl.cli import bench, convert, estimate, presets, report, train
 
 HELP = """rlctl: post-train LLMs (SFT, GRPO, PPO) from one command.
 
@@ -44,9 +44,8 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-app.command("sft", epilog=sft.EXAMPLES)(sft.sft)
-app.command("grpo", epilog=rl.GRPO_EXAMPLES)(rl.grpo)
-app.command("ppo", epilog=rl.PPO_EXAMPLES)(rl.ppo)
+for method in ("sft", "grpo", "ppo"):
+    app.command(method, epilog=train.EXAMPLES[method])(getattr(train, method))
 app.command("report", epilog=report.EXAMPLES)(report.report)
 app.add_typer(convert.app, name="convert")
 app.add_typer(estimate.app, name="estimate")
@@ -68,7 +67,8 @@ def _root(
 
 
 def main() -> None:
-    """Console-script entry point: user errors become one line and exit code 2.
+    """Console-script entry point: user errors and OS errors (rlctl.errors.os_error_line) become one
+    line and exit code 2.
 
     Usage errors (an unknown option, a missing argument) are click's, also exit code 2.
     """
@@ -79,3 +79,8 @@ def main() -> None:
     except UserError as e:
         sys.stderr.write(f"error: {e}\n")
         sys.exit(e.exit_code)
+    except OSError as e:  # a file-system problem anywhere (an unwritable output, a full disk): one line too
+        from rlctl.errors import os_error_line
+
+        sys.stderr.write(f"error: {os_error_line(e)}\n")
+        sys.exit(UserError.exit_code)

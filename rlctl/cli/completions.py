@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlctl.names import (
-    AdvName,
     Backend,
     Device,
     Dtype,
@@ -28,7 +27,7 @@ from rlctl.names import (
     choices,
 )
 
-FILE_OPTIONS = ("--config", "--data", "--output-dir")
+FILE_OPTIONS = ("--config", "--data", "--output-dir", "--plugin")
 
 
 @dataclass
@@ -42,6 +41,7 @@ class Node:
 
 def value_choices() -> dict[str, list[str]]:
     """Completions for option values (keyed by the option's long name)."""
+    from rlctl.algos.registry import adv_names
     from rlctl.catalog import list_gpus, list_models
     from rlctl.presets import preset_names
 
@@ -52,7 +52,7 @@ def value_choices() -> dict[str, list[str]]:
         "--gpu": sorted(g.name for g in list_gpus()),
         "--device": list(choices(Device)),
         "--rollout": list(choices(RolloutEngine)),
-        "--adv": list(choices(AdvName)),
+        "--adv": list(adv_names()),
         "--kl-kind": list(choices(KlKind)),
         "--loss-agg": list(choices(LossAgg)),
         "--lr-scheduler": list(choices(LrScheduler)),

@@ -115,6 +115,7 @@ class TrainConfig:
     precision: Precision = "mixed"
     seed: int = 42
     eval_every: int = 0
+    eval_before: bool = False  # also evaluate at step 0, before training (a fresh run only), as a baseline
     compile: bool = False
 
 
@@ -180,6 +181,16 @@ class RewardConfig:
 
 
 @dataclass
+class AgentConfig:
+    tools: str = ""  # FILE.py (every public function), FILE.py:a,b, or a verl tool config YAML
+    env: str = ""  # FILE.py:Class, one instance per trajectory (TRL's environment_factory convention)
+    interaction: str = ""  # a verl Interaction: a simulated user answering each assistant turn
+    max_turns: int | None = None  # assistant turns per trajectory (None: 8 with tools / env / interaction)
+    tool_timeout_s: float = 30.0  # seconds per tool call; a call that runs over returns an error to the model
+    tool_max_chars: int = 4096  # a tool's output is cut to this many characters
+
+
+@dataclass
 class LogConfig:
     backends: str = "console"  # comma list: console, tensorboard, wandb
     project: str = "rlctl"
@@ -202,6 +213,9 @@ class ClusterConfig:
 class RunConfig:
     method: Method = "sft"
     output_dir: str = ""
+    # Python files (my_loss.py) or module names imported before the config is checked, in the CLI and on
+    # every rank: they register policy losses / advantage estimators (rlctl.algos.registry, docs/plugins.md)
+    plugins: list[str] = field(default_factory=list)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
@@ -212,6 +226,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     log: LogConfig = field(default_factory=LogConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 

@@ -204,6 +204,11 @@ def first_rows(path: str | Path, n: int = 32) -> tuple[list[dict], list[str]] | 
                 if not line.strip():
                     continue
                 lines += 1
+                if lines == 1 and line.lstrip().startswith("["):
+                    raise UserError(
+                        f"{p} holds a JSON array, not one JSON object per line; rename it to .json, "
+                        f"or write one object per line (JSON Lines)"
+                    )
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError:

@@ -114,9 +114,6 @@ class StepSampler:
         self._perm_epoch = -1
         self._perm: np.ndarray | None = None
 
-    def epoch_of(self, step: int) -> int:
-        return step // self.steps_per_epoch
-
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
             order = np.arange(self.n)

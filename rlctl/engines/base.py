@@ -3,8 +3,9 @@
 An engine owns one model (actor, reference or critic) split over the ranks, its optimizer and its
 learning-rate schedule. The recipes (sft, grpo, ppo) only talk to this interface, and
 :func:`rlctl.engines.build_engine` picks the engine from the spec's ``backend``
-(:class:`rlctl.engines.spec.EngineSpec`): the FSDP2 engine (:mod:`rlctl.engines.fsdp`) or the Megatron
-engine (:mod:`rlctl.engines.megatron`).
+(:class:`rlctl.engines.spec.EngineSpec`, the engine's only input besides its role): the FSDP2 engine
+(:mod:`rlctl.engines.fsdp`) or the Megatron engine (:mod:`rlctl.engines.megatron`). What every engine
+does first (check the role, take the device, read the model's config) is :meth:`TrainEngine._setup`.
 
 Contract of a training step, for every engine::
 
@@ -30,7 +31,6 @@ would count each value ``mp_size`` times. For FSDP every rank is its own replica
 from __future__ import annotations
 
 import abc
-import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from rlctl.engines.schedule import lr_factor
+from rlctl.engines.spec import EngineSpec
 from rlctl.errors import UserError
 
 ROLES = ("actor", "ref", "critic")
@@ -54,11 +56,32 @@ class TrainEngine(abc.ABC):
     """
 
     backend: str  # "fsdp" | "megatron": recorded in checkpoints, which only the same backend loads
+    spec: EngineSpec
     role: str
+    trainable: bool
+    total_steps: int  # optimizer steps of the run (the lr schedule's length)
+    peak_lr: float
+    global_step: int  # optimizer steps taken
     model: torch.nn.Module
     device: torch.device
     compute_dtype: torch.dtype  # the dtype of the forward and backward
+    source: ModelSource
     hf_config: object  # the transformers config of the underlying model
+
+    def _setup(self, spec: EngineSpec, *, role: str, trainable: bool, total_steps: int, source: ModelSource | None):
+        """What every engine does first: check the role, keep the spec, take the device, read the model's config."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if spec.compile:
+            raise UserError(f"train.compile is not supported by the {self.backend} engine yet; set train.compile=false")
+        self.spec, self.role, self.trainable, self.total_steps = spec, role, trainable, total_steps
+        self.peak_lr = spec.optimizer.lr
+        self.global_step = 0
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" else torch.device("cpu")
+        )
+        self.source = source or model_source(spec.model, random_init=spec.random_init)
+        self.hf_config = self.source.load_config()
 
     @abc.abstractmethod
     def forward(
@@ -105,14 +128,18 @@ class TrainEngine(abc.ABC):
     def step(self) -> float:
         """Clip gradients, step the optimizer and the schedule, zero gradients; return the total grad norm."""
 
+    def _lr_factor(self, step: int) -> float:
+        o = self.spec.optimizer
+        return lr_factor(step, max(1, self.total_steps), o.warmup_ratio, o.min_lr_ratio)
+
     @property
-    @abc.abstractmethod
     def lr(self) -> float:
         """The learning rate the next :meth:`step` uses."""
+        return self.peak_lr * self._lr_factor(self.global_step)
 
-    @abc.abstractmethod
     def train(self, mode: bool = True) -> None:
-        """Switch dropout etc. on (train) or off (eval)."""
+        """Switch dropout etc. on (train) or off (eval); a frozen model stays in eval mode."""
+        self.model.train(mode and self.trainable)
 
     # ------------------------------------------------------------------ data-parallel coordinates
 
@@ -274,7 +301,3 @@ def write_model_meta(out_dir: str | Path, hf_config, tokenizer, source: ModelSou
         gen = GenerationConfig.from_model_config(hf_config)
     gen.save_pretrained(str(out))
     return out
-
-
-def read_json(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text())

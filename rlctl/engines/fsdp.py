@@ -53,12 +53,10 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from rlctl.config import RunConfig
 from rlctl.engines import varlen
-from rlctl.engines.base import ROLES, ModelSource, TrainEngine, model_source
+from rlctl.engines.base import ModelSource, TrainEngine
 from rlctl.engines.modules import CriticModel, _full, _non_persistent_buffers
 from rlctl.engines.savers import HostActivations, checkpoint_mlp
-from rlctl.engines.schedule import lr_factor
 from rlctl.engines.spec import EngineSpec
 from rlctl.errors import UserError, did_you_mean
 
@@ -69,15 +67,13 @@ class FSDPEngine(TrainEngine):
     """One model sharded with FSDP2 over all ranks, with its optimizer (when trainable).
 
     Args:
-        spec: what to build (fields used: device, dtype, attn, activation_checkpointing,
-            offload_params, offload_optimizer).
-        cfg: the run config (model name, LoRA, train settings).
+        spec: what to build (the model, placement, precision, memory options, optimizer and LoRA).
         role: "actor" / "ref" (a CausalLM, forward gives logits) or "critic" (values).
         trainable: False for a frozen model (no optimizer, weights in the compute dtype).
         total_steps: optimizer steps of the run (for the lr schedule).
-        lr: peak learning rate (default ``cfg.train.lr``; the PPO critic passes ``algo.critic_lr``).
-        source: where the weights come from (default ``cfg.model``); e.g. a PPO critic from another model.
-        lora: apply ``cfg.lora`` when its rank > 0 (default: for trainable actors and critics).
+        source: where the weights come from (default ``spec.model``); e.g. a PPO critic from another model.
+
+    LoRA (``spec.lora.rank`` > 0) applies to trainable actors and critics, never to the reference.
     """
 
     backend = "fsdp"
@@ -85,34 +81,18 @@ class FSDPEngine(TrainEngine):
     def __init__(
         self,
         spec: EngineSpec,
-        cfg: RunConfig,
         *,
         role: str = "actor",
         trainable: bool = True,
         total_steps: int = 0,
-        lr: float | None = None,
         source: ModelSource | None = None,
-        lora: bool | None = None,
     ):
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        if cfg.train.compile:
-            raise UserError("train.compile is not supported by the FSDP engine yet; set train.compile=false")
-        self.cfg, self.role, self.trainable = cfg, role, trainable
-        self.total_steps = total_steps
-        self.peak_lr = cfg.train.lr if lr is None else lr
+        self._setup(spec, role=role, trainable=trainable, total_steps=total_steps, source=source)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.spec = spec
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" else torch.device("cpu")
-        )
         self.compute_dtype = self._compute_dtype(spec)
         self.attn = self._attn(spec)
         self.offload = self.device.type == "cuda" and (spec.offload_params or spec.offload_optimizer)
-        self.source = source or model_source(cfg.model.name, random_init=cfg.model.random_init)
-        self.hf_config = self.source.load_config()
-        use_lora = (trainable and role != "ref") if lora is None else lora
-        self.lora_rank = cfg.lora.rank if use_lora else 0
+        self.lora_rank = spec.lora.rank if trainable and role != "ref" else 0
         self.pure_bf16 = self._pure_bf16(spec)
         # what the optimizer steps: fp32 master weights (mixed precision), or bf16 ones (pure bf16)
         self.param_dtype = torch.bfloat16 if self.pure_bf16 else torch.float32 if trainable else self.compute_dtype
@@ -127,7 +107,6 @@ class FSDPEngine(TrainEngine):
             varlen.install(self._hf_model().config)
         self._apply_fsdp(spec.activation_checkpointing, spec.selective_checkpointing)
         self._materialize()
-        self.global_step = 0
         self.optimizer = None
         if trainable:
             self._build_optimizer()
@@ -198,15 +177,11 @@ class FSDPEngine(TrainEngine):
             return model, model
         from peft import LoraConfig, get_peft_model
 
-        lc = self.cfg.lora
-        targets = (
-            "all-linear"
-            if lc.targets in ("", "all-linear")
-            else [t.strip() for t in lc.targets.split(",") if t.strip()]
-        )
+        lc = self.spec.lora
+        targets = lc.target_modules
         lora_cfg = LoraConfig(
             r=self.lora_rank,
-            lora_alpha=lc.alpha or 2 * self.lora_rank,
+            lora_alpha=lc.scaled_alpha,
             lora_dropout=lc.dropout,
             target_modules=targets,
             bias="none",
@@ -285,7 +260,7 @@ class FSDPEngine(TrainEngine):
         full_sd, ref = {}, None
         if self.rank == 0:
             with torch.random.fork_rng(devices=[]):  # seeded init (random weights, LoRA's A, value head)
-                torch.manual_seed(self.cfg.train.seed)
+                torch.manual_seed(self.spec.seed)
                 model, state_module = self._build(self.hf_config, pretrained=True)
             full_sd, ref = state_module.state_dict(), model
         self._scatter_from_rank0(full_sd)
@@ -329,28 +304,17 @@ class FSDPEngine(TrainEngine):
         params = [p for p in self.model.parameters() if p.requires_grad]
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
-        t = self.cfg.train
+        o = self.spec.optimizer
         self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.peak_lr * self._lr_factor(0),
-            betas=tuple(t.betas),
+            betas=o.betas,
             eps=1e-8,
             fused=True,  # one kernel for every parameter (the per-tensor loop costs ms on small models)
         )
         self._trainable = params
 
     # ------------------------------------------------------------------ training
-
-    def _lr_factor(self, step: int) -> float:
-        t = self.cfg.train
-        return lr_factor(step, max(1, self.total_steps), t.warmup_ratio, t.min_lr_ratio)
-
-    @property
-    def lr(self) -> float:
-        return self.peak_lr * self._lr_factor(self.global_step)
-
-    def train(self, mode: bool = True) -> None:
-        self.model.train(mode and self.trainable)
 
     def _memory_context(self) -> contextlib.ExitStack:
         """Activations saved to host memory; unsharded mixed precision autocasts to the compute dtype."""
@@ -406,7 +370,7 @@ class FSDPEngine(TrainEngine):
         (loss * self.world if self.world > 1 else loss).backward()
 
     def step(self) -> float:
-        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else float("inf")
+        clip = self.spec.optimizer.grad_clip if self.spec.optimizer.grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self._trainable, clip)
         norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         if math.isfinite(norm):

@@ -1,8 +1,9 @@
-"""What an engine is asked to build: :class:`EngineSpec`, read once from the resolved run config.
+"""What an engine is asked to build: :class:`EngineSpec` (with its :class:`OptimizerSpec` and
+:class:`LoraSpec`), read once from the resolved run config.
 
 The planner fills every "auto" of the config (:func:`rlctl.plan.apply_plan`) before a job starts and
-the run directory keeps that resolved config; :meth:`EngineSpec.from_config` checks it here,
-in one place, and the engines read typed fields only.
+the run directory keeps that resolved config; :meth:`EngineSpec.from_config` reads it here, in one
+place, and the engines read typed fields only: they never see the run config.
 """
 
 from __future__ import annotations
@@ -25,8 +26,66 @@ class UnresolvedConfig(RuntimeError):
 
 
 @dataclass(frozen=True)
+class OptimizerSpec:
+    """AdamW and its schedule: linear warmup over ``warmup_ratio`` of the steps, then cosine decay to
+    ``min_lr_ratio`` of the peak ``lr`` (:func:`rlctl.engines.schedule.lr_factor`); gradients clipped to
+    the global norm ``grad_clip`` (0: no clipping)."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    warmup_ratio: float = 0.03
+    min_lr_ratio: float = 0.1
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> OptimizerSpec:
+        """``train.*``'s optimizer settings (the PPO critic replaces ``lr`` with ``algo.critic_lr``)."""
+        t = cfg.train
+        return cls(
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            betas=(float(t.betas[0]), float(t.betas[1])),
+            grad_clip=t.grad_clip,
+            warmup_ratio=t.warmup_ratio,
+            min_lr_ratio=t.min_lr_ratio,
+        )
+
+    def replace(self, **changes) -> OptimizerSpec:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA adapters on the trained model (``rank`` 0: full fine-tuning)."""
+
+    rank: int = 0
+    alpha: float = 0.0  # 0 = 2 x rank
+    dropout: float = 0.0
+    targets: str = "all-linear"  # all-linear or a comma list such as q_proj,v_proj
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> LoraSpec:
+        lc = cfg.lora
+        return cls(rank=lc.rank, alpha=lc.alpha, dropout=lc.dropout, targets=lc.targets)
+
+    @property
+    def scaled_alpha(self) -> float:
+        """peft's ``lora_alpha``: ``alpha``, or 2 x rank when it is 0."""
+        return self.alpha or 2 * self.rank
+
+    @property
+    def target_modules(self) -> str | list[str]:
+        """peft's ``target_modules``: "all-linear" or the listed module names."""
+        if self.targets in ("", "all-linear"):
+            return "all-linear"
+        return [t.strip() for t in self.targets.split(",") if t.strip()]
+
+
+@dataclass(frozen=True)
 class EngineSpec:
-    """How to build a training engine: placement, precision, parallel layout and memory savings.
+    """How to build a training engine: the model, placement, precision, parallel layout, memory savings,
+    the optimizer and LoRA.
 
     ``attn`` may stay "auto": the engine picks flash_attention_2 where flash-attn is installed on a GPU
     and sdpa otherwise, at run time (the planner leaves ``model.attn`` as it is).
@@ -49,6 +108,13 @@ class EngineSpec:
     selective_checkpointing: bool = False  # recompute each decoder layer's MLP in the backward (FSDP engine)
     offload_activations: bool = False  # tensors saved for the backward go to (pinned) host memory (FSDP engine)
     shard: bool = True  # FSDP2 wrappers; False (one process only): the plain module, no gather buffers
+    model: str = ""  # model.name: a local HF directory, catalog name or hub id (rlctl.engines.base.model_source)
+    random_init: bool = False  # random weights from the model's config (nothing is read)
+    seed: int = 42  # train.seed: random weights, LoRA's A and a critic's value head are drawn from it
+    compile: bool = False  # train.compile (no engine supports it yet)
+    max_seq_len: int = 0  # the longest sequence the run feeds (0: unknown); the megatron engine checks windows
+    optimizer: OptimizerSpec = OptimizerSpec()
+    lora: LoraSpec = LoraSpec()
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -57,7 +123,7 @@ class EngineSpec:
             raise UnresolvedConfig(f"EngineSpec.device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype == "auto":
             raise UnresolvedConfig("EngineSpec.dtype is 'auto': resolve the config with the plan first")
-        if self.precision not in ("mixed", "bf16"):
+        if self.precision not in names.choices(names.Precision):
             raise UnresolvedConfig(f"EngineSpec.precision must be mixed or bf16, got {self.precision!r}")
         for name in ("tp", "pp", "cp", "ep", "micro_batch_size"):
             if getattr(self, name) < 1:
@@ -104,7 +170,22 @@ class EngineSpec:
             selective_checkpointing=par.selective_checkpointing is True,
             offload_activations=par.offload_activations is True,
             shard=par.shard is not False,
+            **cls.run_fields(cfg),
         )
+
+    @staticmethod
+    def run_fields(cfg: RunConfig) -> dict:
+        """The fields that come from the model, train, lora and rollout sections (none is planned)."""
+        r = cfg.rollout
+        return {
+            "model": cfg.model.name,
+            "random_init": cfg.model.random_init,
+            "seed": cfg.train.seed,
+            "compile": cfg.train.compile,
+            "max_seq_len": max(cfg.train.max_len, r.max_prompt_len + r.max_response_len),
+            "optimizer": OptimizerSpec.from_config(cfg),
+            "lora": LoraSpec.from_config(cfg),
+        }
 
     def replace(self, **changes) -> EngineSpec:
         """A copy with ``changes`` (checked like a new spec)."""

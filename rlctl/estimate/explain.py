@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rlctl.catalog import layer_params as largest_layer_params
+from rlctl.catalog.gpus import vllm_batch_limits
 from rlctl.catalog.spec import GpuSpec, ModelSpec
 from rlctl.estimate.result import MemoryEstimate
 from rlctl.estimate.settings import (
@@ -12,6 +13,7 @@ from rlctl.estimate.settings import (
     CUDA_CONTEXT_BYTES,
     ENGINE_BATCHED_TOKENS,
     ENGINE_GRAPH_BYTES,
+    ENGINE_MAX_SEQS,
     GIB,
     HOST_MARGIN_FRACTION,
     HOST_PROCESS_BYTES,
@@ -139,8 +141,8 @@ def assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEs
                 "smaller: no vocabulary logits); idle, it keeps its weights and optimizer states unless offloaded"
             )
         out.append(
-            "the rollout engine sleeps while the trainer updates (weights to CPU, KV cache freed, "
-            "as verl's colocated engines)"
+            "the rollout engine sleeps while the trainer updates (weights and KV cache freed: vLLM's sleep "
+            "level 2, SGLang's released memory; the next sync reloads the weights)"
         )
         kept = [
             name
@@ -161,9 +163,14 @@ def assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEs
                 if s.rollout == "vllm"
                 else "weights and KV pool (activations on top)"
             )
+            tokens, seqs = (
+                vllm_batch_limits(gpu.memory_bytes, gpu.name)
+                if s.rollout == "vllm"
+                else (ENGINE_BATCHED_TOKENS, ENGINE_MAX_SEQS)
+            )
             out.append(
                 f"{s.rollout} (tp {s.rollout_tp}): memory fraction {frac} covers its {cover}; "
-                f"CUDA graphs {_gib(ENGINE_GRAPH_BYTES)} on top; {ENGINE_BATCHED_TOKENS} tokens per engine step"
+                f"CUDA graphs {_gib(ENGINE_GRAPH_BYTES)} on top; {tokens} tokens and {seqs} sequences per engine step"
             )
     if s.device == "cuda":
         out.append(f"CUDA context, cuBLAS workspaces and NCCL buffers: {_gib(CUDA_CONTEXT_BYTES)} per GPU")
@@ -186,6 +193,4 @@ def assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEs
                 f"loading: FSDP's rank 0 reads the whole checkpoint into host memory ({CHECKPOINT_BYTES} bytes per "
                 "parameter) and scatters it to the other ranks"
             )
-        if s.is_rl and s.rollout == "vllm":
-            out.append("vLLM sleeps at level 1 while the trainer updates: its weights wait in host memory")
     return out

@@ -81,8 +81,8 @@ def host_phases(
 ) -> dict[str, Phase]:
     """Host memory of the busiest node in each phase: what its ``gpus_per_node`` processes keep in CPU memory.
 
-    - training: offloaded states (and the idle reference and critic when offloaded), a sleeping
-      vLLM engine's weights (vLLM's sleep level 1 keeps them in CPU memory; SGLang releases them);
+    - training: offloaded states (and the idle reference and critic when offloaded); a sleeping engine
+      keeps nothing here (vLLM sleeps at level 2 and SGLang without a CPU backup: both discard the weights);
     - rollout (RL): offloaded states, plus Megatron's between-phase offload;
     - loading (FSDP): rank 0 reads the whole checkpoint into CPU memory and scatters it into the
       (offloaded) shards of the others;
@@ -101,10 +101,7 @@ def host_phases(
             )
         critic = math.ceil(critic_ratio * (sum(whole.values()) + sum(between.values()))) if s.has_critic else 0
         common = {**whole, "reference_model": reference, "critic": critic, "processes": HOST_PROCESS_BYTES}
-        engine = 0
-        if s.is_rl and s.rollout == "vllm":
-            engine = math.ceil(cb * count_params(spec) / s.rollout_tp)
-        phases["training"].append({**common, "engine_weights": engine})
+        phases["training"].append(dict(common))
         phases["rollout"].append({**common, **{key: common.get(key, 0) + v for key, v in between.items()}})
         if s.backend == "fsdp":
             critic_weights = math.ceil(critic_ratio * whole.get("offloaded_weights", 0)) if s.has_critic else 0

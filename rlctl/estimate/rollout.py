@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import math
 
+from rlctl.catalog.gpus import vllm_batch_limits
 from rlctl.catalog.spec import GpuSpec, ModelSpec
 from rlctl.estimate.result import MemoryEstimate
-from rlctl.estimate.settings import ENGINE_BATCHED_TOKENS, ENGINE_GRAPH_BYTES, ENGINE_MAX_SEQS, MemorySettings
+from rlctl.estimate.settings import (
+    ENGINE_BATCHED_TOKENS,
+    ENGINE_GRAPH_BYTES,
+    ENGINE_MAX_SEQS,
+    MemorySettings,
+)
 from rlctl.estimate.training import count_params
 
 
@@ -58,11 +64,15 @@ def engine_phase(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryE
             # (rlctl.rollout.hf_decode); counted as the whole model, an upper bound by the embedding
             parts["engine_packed_weights"] = weights
     else:
+        # the fraction is of the GPU's whole memory for both engines (rlctl's SGLang adapter converts it
+        # to SGLang's share of the memory free when it starts, rlctl.rollout.sglang)
         budget = int(s.mem_fraction * gpu.memory_bytes)
-        act = engine_activation_bytes(model, ENGINE_BATCHED_TOKENS, ENGINE_MAX_SEQS, rtp, eb)
         if s.rollout == "vllm":  # gpu_memory_utilization covers weights, activations and the cache
+            tokens, seqs = vllm_batch_limits(gpu.memory_bytes, gpu.name)
+            act = engine_activation_bytes(model, tokens, seqs, rtp, eb)
             kv = budget - weights - act
         else:  # sglang's mem_fraction_static covers weights and the KV pool; activations come on top
+            act = engine_activation_bytes(model, ENGINE_BATCHED_TOKENS, ENGINE_MAX_SEQS, rtp, eb)
             kv = budget - weights
         parts = {
             "engine_weights": weights,

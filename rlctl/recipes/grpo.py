@@ -10,21 +10,22 @@ the loop around the steps (resume, eval, checkpoints, export) is :func:`rlctl.ru
 
 from __future__ import annotations
 
-from rlctl.recipes.rl.trainer import RLTrainer
+from rlctl.recipes.rl.batch import RolloutBatch
+from rlctl.recipes.rl.trainer import Metrics, RLTrainer, merged
 from rlctl.runtime.entry import RunContext, recipe_main
 from rlctl.runtime.fit import fit
 
 
-def train_step(rl: RLTrainer, step: int) -> None:
-    """One GRPO step; its metrics land in ``rl.m``."""
-    batch = rl.generate(step)  # this rank's prompts, n samples each (weights synced after the last update)
-    rl.score(batch, step)  # reward function -> one score per sample
+def train_step(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
+    """One GRPO step: its batch and its metrics."""
+    batch, generated = rl.generate(step)  # this rank's prompts, n samples each (weights synced after the last update)
+    scored = rl.score(batch, step)  # reward function -> one score per sample
     batch = rl.pool(batch)  # the ranks of one model replica (Megatron TP x PP) train on their samples together
-    if rl.ref is not None:
-        rl.ref_logprobs(batch)  # frozen reference policy, for the KL term
-    rl.old_logprobs(batch)  # the actor before the update (+ rollout/logprob_diff)
-    rl.advantages(batch)  # group-relative advantages on the global batch
-    rl.update_actor(batch)  # ppo_epochs x mini-batches of clipped policy-gradient steps
+    ref = rl.ref_logprobs(batch) if rl.ref is not None else {}  # frozen reference policy, for the KL term
+    old = rl.old_logprobs(batch)  # the actor before the update (+ rollout/logprob_diff)
+    advantages = rl.advantages(batch)  # group-relative advantages on the global batch
+    update = rl.update_actor(batch)  # ppo_epochs x mini-batches of clipped policy-gradient steps
+    return batch, merged(generated, scored, ref, old, advantages, update)
 
 
 def run(ctx: RunContext) -> None:

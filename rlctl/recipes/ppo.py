@@ -11,24 +11,26 @@ the loop around the steps (resume, eval, checkpoints, export) is :func:`rlctl.ru
 
 from __future__ import annotations
 
-from rlctl.recipes.rl.trainer import RLTrainer
+from rlctl.recipes.rl.batch import RolloutBatch
+from rlctl.recipes.rl.trainer import Metrics, RLTrainer, merged
 from rlctl.runtime.entry import RunContext, recipe_main
 from rlctl.runtime.fit import fit
 
 
-def train_step(rl: RLTrainer, step: int) -> None:
-    """One PPO step; its metrics land in ``rl.m``."""
-    batch = rl.generate(step)  # this rank's prompts, n samples each (weights synced after the last update)
-    rl.score(batch, step)  # reward function -> one score per sample
+def train_step(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
+    """One PPO step: its batch and its metrics."""
+    batch, generated = rl.generate(step)  # this rank's prompts, n samples each (weights synced after the last update)
+    scored = rl.score(batch, step)  # reward function -> one score per sample
     batch = rl.pool(batch)  # the ranks of one model replica (Megatron TP x PP) train on their samples together
-    if rl.ref is not None:
-        rl.ref_logprobs(batch)  # frozen reference policy, for the KL penalty
-    rl.old_logprobs(batch)  # the actor before the update (+ rollout/logprob_diff)
-    rl.values(batch)  # the critic's values of the states before each response token
-    rl.advantages(batch)  # KL-penalised token rewards -> GAE advantages and returns
-    rl.update_critic(batch)  # clipped value loss on the returns
+    ref = rl.ref_logprobs(batch) if rl.ref is not None else {}  # frozen reference policy, for the KL penalty
+    old = rl.old_logprobs(batch)  # the actor before the update (+ rollout/logprob_diff)
+    values = rl.values(batch)  # the critic's values of the states before each response token
+    advantages = rl.advantages(batch)  # KL-penalised token rewards -> GAE advantages and returns
+    critic = rl.update_critic(batch)  # clipped value loss on the returns
+    actor = {}
     if step >= rl.cfg.algo.critic_warmup:
-        rl.update_actor(batch)  # ppo_epochs x mini-batches of clipped policy-gradient steps
+        actor = rl.update_actor(batch)  # ppo_epochs x mini-batches of clipped policy-gradient steps
+    return batch, merged(generated, scored, ref, old, values, advantages, critic, actor)
 
 
 def run(ctx: RunContext) -> None:

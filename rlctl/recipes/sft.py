@@ -161,7 +161,7 @@ def run(ctx: RunContext) -> None:
     ctx.log(f"data: {data.report.summary()}; {len(data.train)} train / {len(data.val)} val sequences")
     sampler = StepSampler(len(data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
-    engine = build_engine(EngineSpec.from_config(cfg), cfg, role="actor", total_steps=total_steps, source=source)
+    engine = build_engine(EngineSpec.from_config(cfg), role="actor", total_steps=total_steps, source=source)
     trainer = SFTTrainer(ctx, engine, data, sampler, pad_id=tokenizer.pad_token_id)
     if d.is_main:
         write_model_meta(paths.model_meta, engine.hf_config, tokenizer, source)

@@ -1,4 +1,4 @@
-"""Rollout engines behind one small interface: ``make_rollout_engine(name, model_path, ...)``.
+"""Rollout engines behind one small interface: ``make_rollout_engine(RolloutSpec(...))``.
 
 Engines: "hf" (plain transformers, our own decoding loop), "vllm" (in-process ``vllm.LLM``) and
 "sglang" (in-process ``sglang.Engine``). See :mod:`rlctl.rollout.base` for the interface and the
@@ -11,5 +11,6 @@ from rlctl.rollout.base import (
     SamplingParams,
     make_rollout_engine,
 )
+from rlctl.rollout.spec import RolloutSpec
 
-__all__ = ["RolloutEngine", "Sample", "SamplingParams", "make_rollout_engine"]
+__all__ = ["RolloutEngine", "RolloutSpec", "Sample", "SamplingParams", "make_rollout_engine"]

@@ -9,7 +9,9 @@ Log-probability convention (every engine returns the same quantity, the trainer 
   *before* top-k / top-p filtering (filtering changes which tokens can be drawn, not the reported
   log-probability);
 * greedy decoding is ``temperature == 0``; its log-probabilities are ``log_softmax(logits)``
-  (temperature 1).
+  (temperature 1);
+* one exception: vLLM reports the log-probability it sampled from, which with top-k/top-p on is the
+  filtered, renormalised distribution's (``logprobs_filtered``; see :mod:`rlctl.rollout.vllm`).
 
 A response's ``token_ids`` include the stop token when generation stopped on one
 (``finish_reason == "stop"``); otherwise it ran out of budget (``"length"``: ``max_tokens``, or the
@@ -27,15 +29,21 @@ state machine kept by :class:`RolloutEngine` for every engine, whether or not it
 Waking is tagged, as vLLM (``wake_up(tags=["weights"])`` then ``["kv_cache"]``) and SGLang
 (``resume_memory_occupation(tags)``) define it: :meth:`~RolloutEngine.wake_weights` first, then a sync
 when the weights are not current, then :meth:`~RolloutEngine.wake_kv`; :meth:`~RolloutEngine.ready`
-does the three. Woken weights are ``resident`` only when the engine keeps them while asleep (vLLM's
-level 1 moves them to host memory) AND the trainer has not stepped since the last sync; otherwise
-(SGLang without a CPU backup discards them) they are ``stale`` and must be synced. An illegal
+does the three. Woken weights are ``resident`` only when the engine keeps them while asleep AND the
+trainer has not stepped since the last sync; otherwise they are ``stale`` and must be synced. vLLM
+(sleep level 2) and SGLang (no CPU backup) both discard them: the trainer overwrites them after every
+step anyway, and a host copy would cost host memory and a device-to-host copy per step.
+
+Before every wake, the process's freed blocks go back to the device (``gc.collect()``, then
+``torch.cuda.empty_cache()``): the trainer's allocator keeps what it freed reserved, and vLLM's
+allocator and SGLang's scheduler process (another process) can only map memory the driver sees as free. An illegal
 transition (generate with stale or released weights or a released KV cache, sync into released
 weights, wake the KV cache before the weights) raises :class:`RolloutStateError`, a bug of the caller.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -47,9 +55,10 @@ import torch
 
 from rlctl.errors import UserError, did_you_mean
 from rlctl.names import ROLLOUT_ENGINES
+from rlctl.rollout.spec import RolloutSpec
 
-# Engine name (rlctl.names.RolloutEngine) -> "module:class"; each class takes make_rollout_engine's keyword
-# arguments (tests/config holds the keys equal to the names).
+# Engine name (rlctl.names.RolloutEngine) -> "module:class"; each class is built from a RolloutSpec
+# (tests/config holds the keys equal to the names).
 _ENGINE_CLASSES = {
     "hf": "rlctl.rollout.hf:HFRolloutEngine",
     "vllm": "rlctl.rollout.vllm:VLLMRolloutEngine",
@@ -130,6 +139,7 @@ class RolloutEngine(ABC):
     name: str
     supports_sleep: bool = False  # whether sleep really frees accelerator memory
     keeps_weights_asleep: bool = True  # whether the weights survive a sleep (in host memory)
+    logprobs_filtered: bool = False  # with top-k/top-p on, log-probs of the filtered distribution (vLLM)
     weights_state: WeightsState = WeightsState.RESIDENT
     kv_state: KVState = KVState.RESIDENT
     _trainer_stepped: bool = False  # since the last sync
@@ -146,6 +156,46 @@ class RolloutEngine(ABC):
                 f"{self.kv_state} KV cache; call ready(sync) (wake, sync, wake the KV cache) first"
             )
         return self._generate(prompt_token_ids, n, sampling)
+
+    def continue_generation(
+        self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]
+    ) -> list[Sample]:
+        """One more turn after each token history (a multi-turn trajectory so far: its prompt, the tokens
+        sampled and the tool / user tokens appended), at most ``max_tokens[i]`` new tokens for history ``i``
+        (``sampling.max_tokens`` is ignored). Token ids in, token ids out: nothing is re-tokenized. One sample
+        per history, in order (``prompt_index`` = the history's index). Engines with a prefix cache reuse
+        the histories' cached prefixes (vLLM's automatic prefix caching, SGLang's radix cache, the hf engine's
+        kept KV cache)."""
+        if self.weights_state != WeightsState.RESIDENT or self.kv_state != KVState.RESIDENT:
+            raise RolloutStateError(
+                f"{self.name} rollout engine: continue_generation with {self.weights_state} weights and a "
+                f"{self.kv_state} KV cache; call ready(sync) first"
+            )
+        if len(max_tokens) != len(histories) or min(max_tokens, default=1) < 1:
+            raise ValueError("continue_generation needs one max_tokens >= 1 per history")
+        return self._continue(histories, sampling, max_tokens)
+
+    def start_session(self) -> None:
+        """A multi-turn rollout begins: engines that can keep what they computed for the samples of each call
+        (the hf engine: their keys and values) keep it, for :meth:`continue_generation` to start from."""
+        return None  # vLLM and SGLang cache prefixes on their own
+
+    def end_session(self) -> None:
+        """The multi-turn rollout is over: drop what :meth:`start_session` kept."""
+        return None
+
+    def _continue(self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]) -> list[Sample]:
+        """:meth:`continue_generation` of the engine; by default one ``_generate`` per distinct budget."""
+        from dataclasses import replace
+
+        out: list[Sample | None] = [None] * len(histories)
+        for budget in sorted(set(max_tokens)):
+            idx = [i for i, m in enumerate(max_tokens) if m == budget]
+            seed = None if sampling.seed is None else sampling.seed + budget
+            samples = self._generate([histories[i] for i in idx], 1, replace(sampling, max_tokens=budget, seed=seed))
+            for i, s in zip(idx, samples, strict=True):
+                out[i] = replace(s, prompt_index=i)
+        return out  # type: ignore[return-value]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights, named as in the HF CausalLM's ``state_dict()``; they become ``resident``.
@@ -178,6 +228,7 @@ class RolloutEngine(ABC):
         if self.weights_state != WeightsState.RELEASED:
             return
         if self.supports_sleep:
+            release_cached_blocks()
             self._resume(("weights",))
         current = self.keeps_weights_asleep or not self.supports_sleep
         self.weights_state = WeightsState.RESIDENT if current and not self._trainer_stepped else WeightsState.STALE
@@ -189,6 +240,7 @@ class RolloutEngine(ABC):
         if self.weights_state == WeightsState.RELEASED:
             raise RolloutStateError(f"{self.name} rollout engine: wake the weights before the KV cache")
         if self.supports_sleep:
+            release_cached_blocks()
             self._resume(("kv_cache",))
         self.kv_state = KVState.RESIDENT
 
@@ -237,51 +289,35 @@ class RolloutEngine(ABC):
         self.close()
 
 
-def make_rollout_engine(
-    name: str,
-    model_path: str,
-    *,
-    device: str,
-    dtype: str,
-    tp: int = 1,
-    mem_fraction: float = 0.5,
-    max_model_len: int,
-    seed: int = 0,
-    enable_prefix_caching: bool = True,
-) -> RolloutEngine:
-    """Build the rollout engine ``name`` ("hf", "vllm" or "sglang") for the HF model at
-    ``model_path``.
-
-    ``mem_fraction`` is the share of accelerator memory the engine may take (vLLM's
-    ``gpu_memory_utilization``, SGLang's ``mem_fraction_static``; ignored by "hf").
-    ``max_model_len`` bounds prompt + response length.
-    """
+def make_rollout_engine(spec: RolloutSpec) -> RolloutEngine:
+    """Build the rollout engine ``spec.engine`` ("hf", "vllm" or "sglang") for the HF model at
+    ``spec.model_path``; UserError for a spec no engine can take. The engine gets the spec with its dtype
+    spelled as torch spells it (``bf16`` -> ``bfloat16``)."""
+    name = spec.engine
     if name not in ROLLOUT_ENGINES:
         raise UserError(
             f"unknown rollout engine {name!r}{did_you_mean(name, ROLLOUT_ENGINES)}; "
             f"choose one of {', '.join(ROLLOUT_ENGINES)}"
         )
-    if tp < 1:
-        raise UserError(f"rollout tp must be >= 1, got {tp}")
-    if not 0 < mem_fraction <= 1:
-        raise UserError(f"rollout mem_fraction must be in (0, 1], got {mem_fraction}")
-    if max_model_len < 2:
-        raise UserError(f"max_model_len must be >= 2, got {max_model_len}")
+    if spec.tp < 1:
+        raise UserError(f"rollout tp must be >= 1, got {spec.tp}")
+    if not 0 < spec.mem_fraction <= 1:
+        raise UserError(f"rollout mem_fraction must be in (0, 1], got {spec.mem_fraction}")
+    if spec.max_model_len < 2:
+        raise UserError(f"max_model_len must be >= 2, got {spec.max_model_len}")
     module_name, class_name = _ENGINE_CLASSES[name].split(":")
     engine_class = getattr(importlib.import_module(module_name), class_name)
-    return engine_class(
-        model_path,
-        device=device,
-        dtype=canonical_dtype(dtype),
-        tp=tp,
-        mem_fraction=mem_fraction,
-        max_model_len=max_model_len,
-        seed=seed,
-        enable_prefix_caching=enable_prefix_caching,
-    )
+    return engine_class(spec.replace(dtype=canonical_dtype(spec.dtype)))
 
 
 # Helpers shared by the engines ------------------------------------------------------------------
+
+
+def release_cached_blocks() -> None:
+    """Give the device the memory this process freed: drop unreachable tensors, then the caching
+    allocator's free blocks (a no-op without CUDA)."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def canonical_dtype(dtype: str) -> str:

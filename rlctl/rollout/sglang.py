@@ -9,11 +9,25 @@ boundary; the calls into SGLang follow its documented offline-engine API:
   per request with ``meta_info["output_token_logprobs"]`` (``(logprob, token_id, text)`` per
   generated token, the stop token included) and ``meta_info["finish_reason"]["type"]``;
 * ``Engine.update_weights_from_tensor(named_tensors, flush_cache=...)`` and ``Engine.flush_cache()``;
+  from 0.5.23 the updates must run inside a session, ``begin_weight_update()`` ...
+  ``end_weight_update()`` (the scheduler refuses them otherwise,
+  ``managers/scheduler_components/weight_updater.py``); 0.5.20 has no such methods. The adapter opens a
+  session whenever the engine has them;
 * ``Engine.release_memory_occupation(tags)`` / ``resume_memory_occupation(tags)`` with the tags
   "kv_cache" and "weights" (needs ``enable_memory_saver=True``). Without SGLang's
   ``enable_weights_cpu_backup`` the released weights are DISCARDED, so ``keeps_weights_asleep`` is
   False: after a sleep the weights wake ``stale`` and :meth:`RolloutEngine.ready` syncs them before
   the next generate (see :mod:`rlctl.rollout.base`).
+
+``mem_fraction`` is rlctl's share of the GPU's whole memory (as vLLM's ``gpu_memory_utilization``), but
+SGLang's ``mem_fraction_static`` is a share of the memory free when its scheduler starts (0.5.23:
+``mem_cache/kv_cache_configurator.py``, ``_profile_available_bytes``: the KV budget is the free memory
+less ``free_before_load x (1 - mem_fraction_static)``). Colocated, the trainer already holds its
+weights then, so the adapter converts: ``mem_fraction_static = mem_fraction x total / free``.
+
+Seeds: SGLang reads a request's ``sampling_seed`` only under ``--enable-deterministic-inference``
+(``sampling/sampling_batch_info.py``), which rlctl does not turn on (it restricts the attention
+backends and costs throughput): SGLang rollouts are not reproducible from the seed, and no seed is sent.
 
 Log-probabilities: SGLang's default returned log-probs are taken after temperature and before
 top-k/top-p, and greedy requests run at temperature 1 with top-k 1, which is our convention, as
@@ -37,6 +51,7 @@ from rlctl.rollout.base import (
     check_generate_args,
     default_stop_token_ids,
 )
+from rlctl.rollout.spec import RolloutSpec
 
 # Weight updates are sent in chunks of at most this many bytes (one tensor may exceed it alone).
 WEIGHT_CHUNK_BYTES = 512 << 20
@@ -58,41 +73,33 @@ class SGLangRolloutEngine(RolloutEngine):
     name = "sglang"
     keeps_weights_asleep = False  # release_memory_occupation drops the weights (no CPU backup)
 
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        device: str,
-        dtype: str,
-        tp: int = 1,
-        mem_fraction: float = 0.5,
-        max_model_len: int,
-        seed: int = 0,
-        enable_prefix_caching: bool = True,
-    ) -> None:
+    def __init__(self, spec: RolloutSpec) -> None:
         engine_class = _import_engine_class()
-        device_type = torch.device(device).type
+        device_type = torch.device(spec.device).type
         colocated = torch.distributed.is_initialized()
-        if colocated and tp != 1:
+        if colocated and spec.tp != 1:
             raise UserError(
-                f"the sglang rollout engine runs one engine per torchrun rank, so tp must be 1 (got {tp}); "
+                f"the sglang rollout engine runs one engine per torchrun rank, so tp must be 1 (got {spec.tp}); "
                 f"use the vllm engine for tp > 1"
             )
         self.supports_sleep = device_type == "cuda"
-        self.max_model_len = max_model_len
-        self.stop_token_ids = default_stop_token_ids(model_path)
+        self.max_model_len = spec.max_model_len
+        self.stop_token_ids = default_stop_token_ids(spec.model_path)
+        mem_fraction = spec.mem_fraction
+        if self.supports_sleep:
+            mem_fraction = static_fraction(mem_fraction, *torch.cuda.mem_get_info(torch.device(spec.device)))
         self._engine = engine_class(
-            model_path=model_path,
+            model_path=spec.model_path,
             skip_tokenizer_init=True,
             device=device_type,
             # under torchrun, each rank's engine sits on that rank's GPU
             base_gpu_id=int(os.environ.get("LOCAL_RANK", "0")) if colocated else 0,
-            dtype=dtype,
-            tp_size=tp,
+            dtype=spec.dtype,
+            tp_size=spec.tp,
             mem_fraction_static=mem_fraction,
-            context_length=max_model_len,
-            random_seed=seed,
-            disable_radix_cache=not enable_prefix_caching,
+            context_length=spec.max_model_len,
+            random_seed=spec.seed,
+            disable_radix_cache=not spec.enable_prefix_caching,
             enable_memory_saver=self.supports_sleep,
         )
 
@@ -104,14 +111,32 @@ class SGLangRolloutEngine(RolloutEngine):
         input_ids = [prompt for prompt in prompt_token_ids for _ in range(n)]
         outputs = self._engine.generate(
             input_ids=input_ids,
-            sampling_params=sglang_sampling_params(sampling, stop_ids, len(input_ids)),
+            sampling_params=sglang_sampling_params(sampling, stop_ids),
             return_logprob=True,
         )
         return samples_from_outputs(outputs, n)
 
+    def _continue(self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]) -> list[Sample]:
+        # token ids in (input_ids, never text); the radix cache reuses each history's cached prefix
+        check_generate_args(histories, 1, self.max_model_len)
+        stop_ids = sorted(self.stop_token_ids | set(sampling.stop_token_ids or ()))
+        params = sglang_sampling_params(sampling, stop_ids, len(histories))
+        per_request = params if isinstance(params, list) else [dict(params) for _ in histories]
+        for p, m in zip(per_request, max_tokens, strict=True):
+            p["max_new_tokens"] = m
+        outputs = self._engine.generate(input_ids=histories, sampling_params=per_request, return_logprob=True)
+        return samples_from_outputs(outputs, 1)
+
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        for chunk in chunk_named_tensors(named_tensors, WEIGHT_CHUNK_BYTES):
-            _raise_unless_ok(self._engine.update_weights_from_tensor(named_tensors=chunk, flush_cache=False))
+        session = callable(getattr(self._engine, "begin_weight_update", None))  # SGLang >= 0.5.23
+        if session:
+            _raise_unless_ok(self._engine.begin_weight_update())
+        try:
+            for chunk in chunk_named_tensors(named_tensors, WEIGHT_CHUNK_BYTES):
+                _raise_unless_ok(self._engine.update_weights_from_tensor(named_tensors=chunk, flush_cache=False))
+        finally:
+            if session:
+                _raise_unless_ok(self._engine.end_weight_update())
         if self.kv_state == KVState.RESIDENT:  # (a released KV cache holds nothing; waking it flushes)
             self._engine.flush_cache()
 
@@ -129,11 +154,21 @@ class SGLangRolloutEngine(RolloutEngine):
             self._engine = None
 
 
-def sglang_sampling_params(
-    sampling: SamplingParams, stop_token_ids: list[int], num_requests: int
-) -> dict[str, Any] | list[dict[str, Any]]:
-    """SGLang sampling parameters: one dict for all requests, or one per request when seeded
-    (request k gets seed + k, so the samples of a prompt differ)."""
+def static_fraction(mem_fraction: float, free_bytes: int, total_bytes: int) -> float:
+    """SGLang's ``mem_fraction_static`` (a share of the free memory) for rlctl's ``mem_fraction`` (a share
+    of the whole GPU); UserError when the GPU has not that much free."""
+    fraction = mem_fraction * total_bytes / max(free_bytes, 1)
+    if fraction > 0.95:
+        raise UserError(
+            f"the sglang rollout engine needs {mem_fraction * total_bytes / 2**30:.1f} GiB "
+            f"(rollout.mem_fraction={mem_fraction}) but only {free_bytes / 2**30:.1f} GiB of the GPU are free "
+            f"next to the trainer; lower rollout.mem_fraction or offload the trainer (parallel.offload_params)"
+        )
+    return round(fraction, 4)
+
+
+def sglang_sampling_params(sampling: SamplingParams, stop_token_ids: list[int]) -> dict[str, Any]:
+    """SGLang sampling parameters, one dict for every request (no ``sampling_seed``: see the module docstring)."""
     params = {
         "temperature": sampling.temperature,  # SGLang treats 0 as greedy
         "top_p": sampling.top_p,
@@ -141,9 +176,7 @@ def sglang_sampling_params(
         "max_new_tokens": sampling.max_tokens,
         "stop_token_ids": stop_token_ids,
     }
-    if sampling.seed is None:
-        return params
-    return [{**params, "sampling_seed": sampling.seed + k} for k in range(num_requests)]
+    return params
 
 
 def samples_from_outputs(outputs: list[dict[str, Any]], n: int) -> list[Sample]:

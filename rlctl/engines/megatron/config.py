@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from rlctl.config import RunConfig
 from rlctl.engines.megatron.parallel import pipeline_stages
+from rlctl.engines.spec import OptimizerSpec
 from rlctl.errors import UserError
 from rlctl.formats.megatron_layout import MegatronLayoutConfig
 
@@ -155,11 +155,10 @@ def layer_spec(hf: Mapping[str, Any], *, cuda: bool):
     return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
 
 
-def optimizer_settings(cfg: RunConfig, *, lr: float, dtype: torch.dtype, offload: bool) -> dict[str, Any]:
+def optimizer_settings(t: OptimizerSpec, *, lr: float, dtype: torch.dtype, offload: bool) -> dict[str, Any]:
     """megatron-core ``OptimizerConfig`` fields: AdamW over the distributed optimizer (fp32 master weights
-    beside bf16 parameters), clipping by ``train.grad_clip``. ``offload``: all optimizer states and the
+    beside bf16 parameters), clipping by ``grad_clip``. ``offload``: all optimizer states and the
     step on the CPU (``optimizer_cpu_offload`` with fraction 1.0, which needs the precision-aware optimizer)."""
-    t = cfg.train
     settings: dict[str, Any] = {
         "optimizer": "adam",
         "lr": lr,

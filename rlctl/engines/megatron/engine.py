@@ -12,21 +12,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlctl.config import RunConfig
-from rlctl.engines.base import (
-    ROLES,
-    LossFn,
-    ModelSource,
-    TrainEngine,
-    detached,
-    model_source,
-)
+from rlctl.engines.base import LossFn, ModelSource, TrainEngine, detached
 from rlctl.engines.megatron import config as mconfig
 from rlctl.engines.megatron.parallel import CUDA_MAX_CONNECTIONS, check_megatron_layout, layer_stages
 from rlctl.engines.megatron.patches import init_torch_adam_state, torch_adam_load_fix
 from rlctl.engines.megatron.rows import Unpacked, moved, unpack_rows
 from rlctl.engines.megatron.weights import StageGather, build_gpt_model, in_stage, layout_state, load_hf_weights
-from rlctl.engines.schedule import lr_factor
 from rlctl.engines.spec import EngineSpec
 from rlctl.errors import UserError
 from rlctl.formats.megatron_layout import megatron_to_hf
@@ -60,8 +51,8 @@ class MegatronEngine(TrainEngine):
     """One model split by megatron-core (TP x PP, replicated over DP), with its optimizer when trainable.
 
     The constructor mirrors :class:`rlctl.engines.fsdp.FSDPEngine` (same arguments); spec fields used:
-    device, dtype, tp, pp, cp, ep, sequence_parallel, activation_checkpointing, offload_params,
-    offload_optimizer.
+    model, device, dtype, tp, pp, cp, ep, sequence_parallel, activation_checkpointing, offload_params,
+    offload_optimizer, seed, max_seq_len, optimizer (no LoRA, no critic).
     """
 
     backend = "megatron"
@@ -69,62 +60,30 @@ class MegatronEngine(TrainEngine):
     def __init__(
         self,
         spec: EngineSpec,
-        cfg: RunConfig,
         *,
         role: str = "actor",
         trainable: bool = True,
         total_steps: int = 0,
-        lr: float | None = None,
         source: ModelSource | None = None,
-        lora: bool | None = None,
     ):
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        if role == "critic":
-            raise UserError(
-                "the PPO critic is not supported by the megatron engine yet; "
-                "use method grpo, or parallel.backend=fsdp for ppo"
-            )
-        if (trainable if lora is None else lora) and cfg.lora.rank > 0:
-            raise UserError("LoRA is not supported by the megatron engine; set lora.rank=0 or parallel.backend=fsdp")
-        if cfg.train.compile:
-            raise UserError("train.compile is not supported by the megatron engine; set train.compile=false")
-        self.spec = spec
-        self.cuda = spec.device == "cuda"
-        if spec.offload_params:
-            raise UserError(
-                "parallel.offload_params (weights on the CPU between phases) is not supported by the "
-                "megatron engine yet; set parallel.offload_params=false (parallel.offload_optimizer=true "
-                "keeps the optimizer on the CPU) or use more GPUs"
-            )
-        self.offload_optimizer = spec.offload_optimizer and trainable and self.cuda
-        if self.offload_optimizer and not mconfig.have_transformer_engine():
-            raise UserError(
-                "parallel.offload_optimizer on the megatron engine needs Transformer Engine "
-                "(megatron-core's precision-aware optimizer): pip install 'transformer-engine[pytorch]', "
-                "or set parallel.offload_optimizer=false"
-            )
+        self._refuse_unsupported(spec, role, trainable)
         mconfig.require_megatron_core()
+        self._setup(spec, role=role, trainable=trainable, total_steps=total_steps, source=source)
+        self.cuda = spec.device == "cuda"
+        self.offload_optimizer = spec.offload_optimizer and trainable and self.cuda
         from megatron.core import parallel_state
 
-        self.cfg, self.role, self.trainable = cfg, role, trainable
-        self.total_steps = total_steps
-        self.peak_lr = cfg.train.lr if lr is None else lr
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         if spec.dtype not in mconfig.DTYPES:
             raise UserError(f"the megatron engine trains in bf16 or fp32, not {spec.dtype}; set model.dtype=bf16")
         self.compute_dtype = mconfig.DTYPES[spec.dtype]
         self.tp, self.pp, cp, ep = spec.tp, spec.pp, spec.cp, spec.ep
         self.sequence_parallel = spec.sequence_parallel and self.tp > 1
 
-        self.source = source or model_source(cfg.model.name, random_init=cfg.model.random_init)
-        self.hf_config = self.source.load_config()
         hf = self.hf_config.to_dict()
         self.layout = mconfig.layout_config(hf, self.tp)
         check_megatron_layout(self.layout, world=dist.get_world_size(), tp=self.tp, pp=self.pp, cp=cp, ep=ep)
         mconfig.rope(hf)
-        longest = max(cfg.train.max_len, cfg.rollout.max_prompt_len + cfg.rollout.max_response_len)
-        mconfig.check_sliding_window(hf, longest)
+        mconfig.check_sliding_window(hf, spec.max_seq_len)
         if self.cuda and (self.tp > 1 or self.sequence_parallel) and os.environ.get(CUDA_MAX_CONNECTIONS) != "1":
             print(
                 f"warning: {CUDA_MAX_CONNECTIONS}=1 is not set; megatron-core's TP communication overlap "
@@ -133,7 +92,7 @@ class MegatronEngine(TrainEngine):
                 flush=True,
             )
 
-        init_model_parallel(self.tp, self.pp, cp, ep, seed=cfg.train.seed, cuda=self.cuda)
+        init_model_parallel(self.tp, self.pp, cp, ep, seed=spec.seed, cuda=self.cuda)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.config = mconfig.transformer_config(
@@ -147,13 +106,12 @@ class MegatronEngine(TrainEngine):
             cuda=self.cuda,
             recompute=trainable and spec.activation_checkpointing,
         )
-        torch.manual_seed(cfg.train.seed)
+        torch.manual_seed(spec.seed)
         self.gpt = build_gpt_model(hf, self.config, tp=self.tp, cuda=self.cuda)
         if self.cuda:
             self.gpt.cuda(self.device)
         if not self.source.random_init:
             self._load_hf()
-        self.global_step = 0
         self.optimizer = None
         self.model: torch.nn.Module = self.gpt
         if trainable:
@@ -163,6 +121,30 @@ class MegatronEngine(TrainEngine):
         self.train(trainable)
 
     # ------------------------------------------------------------------ setup
+
+    @staticmethod
+    def _refuse_unsupported(spec: EngineSpec, role: str, trainable: bool) -> None:
+        """UserError for what this engine does not run: a critic, LoRA, parameter offload, optimizer offload
+        without Transformer Engine."""
+        if role == "critic":
+            raise UserError(
+                "the PPO critic is not supported by the megatron engine yet; "
+                "use method grpo, or parallel.backend=fsdp for ppo"
+            )
+        if trainable and spec.lora.rank > 0:
+            raise UserError("LoRA is not supported by the megatron engine; set lora.rank=0 or parallel.backend=fsdp")
+        if spec.offload_params:
+            raise UserError(
+                "parallel.offload_params (weights on the CPU between phases) is not supported by the "
+                "megatron engine yet; set parallel.offload_params=false (parallel.offload_optimizer=true "
+                "keeps the optimizer on the CPU) or use more GPUs"
+            )
+        if spec.offload_optimizer and trainable and spec.device == "cuda" and not mconfig.have_transformer_engine():
+            raise UserError(
+                "parallel.offload_optimizer on the megatron engine needs Transformer Engine "
+                "(megatron-core's precision-aware optimizer): pip install 'transformer-engine[pytorch]', "
+                "or set parallel.offload_optimizer=false"
+            )
 
     def _load_hf(self) -> None:
         from rlctl.formats.safetensors import HFSafetensors
@@ -195,7 +177,10 @@ class MegatronEngine(TrainEngine):
         if self.source.random_init:
             self.model.broadcast_params()  # the same random weights on every data-parallel replica
         settings = mconfig.optimizer_settings(
-            self.cfg, lr=self.peak_lr * self._lr_factor(0), dtype=self.compute_dtype, offload=self.offload_optimizer
+            self.spec.optimizer,
+            lr=self.peak_lr * self._lr_factor(0),
+            dtype=self.compute_dtype,
+            offload=self.offload_optimizer,
         )
         self.optimizer = get_megatron_optimizer(OptimizerConfig(**settings), [self.model])
         # the pipeline schedule syncs gradients through these hooks; no per-token scaling (the
@@ -206,17 +191,6 @@ class MegatronEngine(TrainEngine):
         )
 
     # ------------------------------------------------------------------ training
-
-    def _lr_factor(self, step: int) -> float:
-        t = self.cfg.train
-        return lr_factor(step, max(1, self.total_steps), t.warmup_ratio, t.min_lr_ratio)
-
-    @property
-    def lr(self) -> float:
-        return self.peak_lr * self._lr_factor(self.global_step)
-
-    def train(self, mode: bool = True) -> None:
-        self.model.train(mode and self.trainable)
 
     def _run(self, model, unpacked: Unpacked) -> torch.Tensor:
         """This stage of the model on unpacked rows: hidden states, or on the last stage the logits over

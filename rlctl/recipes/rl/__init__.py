@@ -4,21 +4,22 @@
 - :mod:`.passes`: forward log-probs (and entropy) and the critic's values
 - :mod:`.advantages`: token rewards and the advantage estimator ``algo.adv`` names
 - :mod:`.update`: the one PPO-style update loop, for the actor (policy loss) and the critic (value loss)
-- :mod:`.scoring`: reward functions and the scoring step
+- :mod:`.scoring`: :class:`~.scoring.RewardScorer`, the reward component the trainer owns
 - :mod:`.trainer`: :class:`~.trainer.RLTrainer`, the run's state and its steps; the outer loop is
   :func:`rlctl.runtime.fit.fit`
 
-One RL step (the recipes spell it out in order)::
+One RL step (the recipes spell it out in order; every step returns its metrics, which
+:func:`~.trainer.merged` joins into the step's record)::
 
-    batch = rl.generate(step)    # prompts -> n samples each, on every rank's colocated rollout engine
-    rl.score(batch, step)        # reward function -> one score per sample
-    batch = rl.pool(batch)       # the ranks of one model replica (Megatron TP x PP) pool their samples
-    rl.ref_logprobs(batch)       # frozen reference policy (when algo.kl_coef > 0)
-    rl.old_logprobs(batch)       # the trainer's log-probs of the samples (+ rollout/logprob_diff)
-    rl.values(batch)             # PPO: the critic's values
-    rl.advantages(batch)         # token rewards (KL in the reward for PPO) -> grpo/rloo/reinforce_pp/gae
-    rl.update_critic(batch)      # PPO
-    rl.update_actor(batch)       # ppo_epochs x mini-batches, one optimizer step per mini-batch
+    batch, m = rl.generate(step)  # prompts -> n samples each, on every rank's colocated rollout engine
+    rl.score(batch, step)         # the reward scorer -> one score per sample
+    batch = rl.pool(batch)        # the ranks of one model replica (Megatron TP x PP) pool their samples
+    rl.ref_logprobs(batch)        # frozen reference policy (when algo.kl_coef > 0)
+    rl.old_logprobs(batch)        # the trainer's log-probs of the samples (+ rollout/logprob_diff)
+    rl.values(batch)              # PPO: the critic's values
+    rl.advantages(batch)          # token rewards (KL in the reward for PPO) -> grpo/rloo/reinforce_pp/gae
+    rl.update_critic(batch)       # PPO
+    rl.update_actor(batch)        # ppo_epochs x mini-batches, one optimizer step per mini-batch
 
 Where the samples live. The step's global batch is ``train.batch_size`` prompts, fixed by the step
 number alone (:class:`~rlctl.data.packing.StepSampler`). It is cut into mini-batches of

@@ -1,8 +1,12 @@
-"""The trainer's scoring step (:class:`ScoringSteps`, mixed into :class:`rlctl.recipes.rl.trainer.RLTrainer`):
-the run's :class:`rlctl.rewards.RewardManager` scores this rank's samples, the sums go over the ranks,
-and :func:`rlctl.rewards.reward_metrics` turns them into metrics; plus the response-length metrics."""
+"""The run's reward scorer, a component the trainer owns (:class:`RewardScorer`): the run's
+:class:`rlctl.rewards.RewardManager` scores this rank's samples, the sums go over the ranks, and
+:func:`rlctl.rewards.reward_metrics` turns them into metrics; plus the response-length metrics of a
+batch (:func:`response_metrics`)."""
 
 from __future__ import annotations
+
+import os
+from collections.abc import Callable
 
 import torch
 
@@ -12,54 +16,100 @@ from rlctl.recipes.rl.batch import RolloutBatch
 from rlctl.runtime.dist import all_gather_objects, all_reduce_max, global_sums
 
 
-def reward_manager(cfg: RunConfig, data: RLData, tokenizer, device: torch.device):
-    """The run's :class:`rlctl.rewards.RewardManager` (all reward logic lives in rlctl/rewards)."""
-    import os
+class RewardScorer:
+    """Scores samples with the run's reward manager (all reward logic lives in rlctl/rewards) and keeps
+    the run's totals of failed and non-finite rewards (for summary.json)."""
 
-    from rlctl.rewards import RewardManager
+    def __init__(self, manager, device: torch.device, log: Callable[[str], None]):
+        self.manager, self.device, self.log = manager, device, log
+        self.totals: dict[str, int] = {}  # reward/failed and reward/nonfinite samples over the run
 
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return RewardManager.for_run(cfg, data, tokenizer, device=str(device), local_world=local_world)
+    @classmethod
+    def for_run(cls, cfg: RunConfig, data: RLData, tokenizer, device: torch.device, log: Callable[[str], None]):
+        from rlctl.rewards import RewardManager
 
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        manager = RewardManager.for_run(cfg, data, tokenizer, device=str(device), local_world=local_world)
+        return cls(manager, device, log)
 
-class ScoringSteps:
-    """The trainer's reward steps; they use its ``tokenizer``, ``rewards``, ``ctx``, ``device`` and ``m``."""
-
-    def _score(
-        self, prompts: list[list[int]], responses: list[list[int]], meta: list[Prompt], step: int
-    ) -> tuple[torch.Tensor, dict]:
+    def score(
+        self,
+        prompts: list[list[int]],
+        responses: list[list[int]],
+        meta: list[Prompt],
+        step: int,
+        trajectories: list | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """Scores of this rank's samples and the global reward metrics (collective): score locally,
         sum the counts over ranks, then :func:`rlctl.rewards.reward_metrics` (which alone decides that
         every sample failed)."""
         from rlctl.rewards import reward_metrics, reward_warning
 
-        result = self.rewards.score(self.rewards.batch(prompts, responses, meta))
+        result = self.manager.score(self.manager.batch(prompts, responses, meta, trajectories))
         keys = sorted({k for ks in all_gather_objects(sorted(result.sums)) for k in ks})
         sums = global_sums({k: result.sums.get(k, 0.0) for k in keys}, self.device)
         out = reward_metrics(sums, result.errors)  # UserError when every sample failed
         warning = reward_warning(sums, result.errors, step)
         if warning:
-            self.ctx.log(warning)
+            self.log(warning)
+            out["warning"] = warning  # type: ignore[assignment] (in the step's record: the launcher prints it)
         return torch.tensor(result.scores, dtype=torch.float32, device=self.device), out
 
-    def score(self, batch: RolloutBatch, step: int) -> None:
-        """Score this rank's samples (before :meth:`pool`, so sums run over every rank); reward and
-        response-length metrics."""
-        batch.scores, metrics = self._score(batch.prompts, batch.responses, batch.meta, step)
-        self.m.update(metrics)
-        for key in ("reward/failed", "reward/nonfinite"):  # run totals, for summary.json
-            self.reward_totals[key] = self.reward_totals.get(key, 0) + int(metrics[key])
-        lengths = batch.mask.sum(-1)
-        s = global_sums(
-            {
-                "len": lengths.sum(),
-                "trunc": batch.truncated.sum(),
-                "n": len(batch),
-                "prompt": sum(len(p) for p in batch.prompts),
-            },
-            self.device,
-        )
-        self.m["response_len/mean"] = s["len"] / max(1.0, s["n"])
-        self.m["response_len/max"] = float(all_reduce_max(int(lengths.max()) if len(batch) else 0, self.device))
-        self.m["response/truncated"] = s["trunc"] / max(1.0, s["n"])
-        self.m["tokens"] = s["len"] + s["prompt"]
+    def score_batch(self, batch: RolloutBatch, step: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """This rank's samples of a training step (scored before pooling, so sums run over every rank):
+        their scores, and the reward and response-length metrics (collective)."""
+        scores, metrics = self.score(batch.prompts, batch.responses, batch.meta, step, batch.trajectories)
+        for key in ("reward/failed", "reward/nonfinite"):
+            self.totals[key] = self.totals.get(key, 0) + int(metrics[key])
+        out = {**metrics, **response_metrics(batch, self.device)}
+        if batch.trajectories:
+            out.update(agent_metrics(batch.trajectories, self.device))
+        return scores, out
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def response_metrics(batch: RolloutBatch, device: torch.device) -> dict[str, float]:
+    """Response lengths (mean, max), the share truncated, and the step's tokens, over every rank (collective)."""
+    lengths = torch.tensor([float(len(r)) for r in batch.responses], device=device)  # tool turns included
+    s = global_sums(
+        {
+            "len": lengths.sum(),
+            "trunc": batch.truncated.sum(),
+            "n": len(batch),
+            "prompt": sum(len(p) for p in batch.prompts),
+        },
+        device,
+    )
+    return {
+        "response_len/mean": s["len"] / max(1.0, s["n"]),
+        "response_len/max": float(all_reduce_max(int(lengths.max()) if len(batch) else 0, device)),
+        "response/truncated": s["trunc"] / max(1.0, s["n"]),
+        "tokens": s["len"] + s["prompt"],
+    }
+
+
+def agent_metrics(trajectories: list, device: torch.device) -> dict[str, float]:
+    """turns/mean and the tool counts of a step's trajectories, over every rank (collective)."""
+    s = global_sums(
+        {
+            "n": float(len(trajectories)),
+            "turns": float(sum(t.turns for t in trajectories)),
+            "calls": float(sum(t.tool_calls for t in trajectories)),
+            "errors": float(sum(t.tool_errors for t in trajectories)),
+            "timeouts": float(sum(t.tool_timeouts for t in trajectories)),
+            "malformed": float(sum(t.malformed for t in trajectories)),
+            "context": float(sum(len(t.mask) - sum(t.mask) for t in trajectories)),
+        },
+        device,
+    )
+    n = max(1.0, s["n"])
+    return {
+        "turns/mean": s["turns"] / n,
+        "tool/calls": s["calls"],
+        "tool/errors": s["errors"],
+        "tool/timeouts": s["timeouts"],
+        "tool/malformed": s["malformed"],
+        "response/context_tokens": s["context"] / n,
+    }

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from rlctl.algos import AdaptiveKLController, FixedKLController, get_adv_estimator, kl_estimate
-from rlctl.config.choices import check_algorithm
+from rlctl.config.algorithm import check_algorithm
 from rlctl.data.packing import StepSampler
 from rlctl.data.rl import Prompt, build_rl_data
 from rlctl.data.sft import use_chat_template
@@ -20,35 +20,71 @@ from rlctl.engines import EngineSpec, build_engine
 from rlctl.engines.base import TrainEngine, load_tokenizer, model_source, write_model_meta
 from rlctl.errors import UserError
 from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
+from rlctl.recipes.rl.agent import load_agent, make_agent_loop, run_agent
 from rlctl.recipes.rl.batch import RolloutBatch, rank_positions, token_budget
 from rlctl.recipes.rl.passes import compute_logprobs, compute_values
-from rlctl.recipes.rl.scoring import ScoringSteps, reward_manager
+from rlctl.recipes.rl.scoring import RewardScorer
 from rlctl.recipes.rl.update import policy_settings, single_step, update_actor, update_critic
 from rlctl.runtime.dist import all_gather_objects, barrier, check_rollout_in_node, global_sums
 from rlctl.runtime.entry import RunContext
 
 LOGPROB_DIFF_WARN = 0.1  # mean |rollout - trainer| log-prob above this: the engines disagree
 
+Metrics = dict[str, float]
+#: A recipe's step: ``(trainer, step) -> (the step's batch, its metrics)`` (rlctl.recipes.grpo / ppo).
+RecipeStep = Callable[["RLTrainer", int], tuple[RolloutBatch, Metrics]]
 
-class RLTrainer(ScoringSteps):
-    """Everything one GRPO / PPO run holds, and the steps the recipes call in order."""
 
-    def __init__(self, ctx: RunContext, recipe_step: Callable[[RLTrainer, int], None], *, with_critic: bool):
+@contextmanager
+def timed(metrics: Metrics, key: str) -> Iterator[None]:
+    """Adds the block's seconds to ``metrics[key]``; a named range in a profile (RLCTL_PROFILE)."""
+    start = time.perf_counter()
+    try:
+        if torch.autograd._profiler_enabled():
+            with torch.profiler.record_function(key):
+                yield
+        else:
+            yield
+    finally:
+        metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - start
+
+
+def merged(*parts: Metrics) -> Metrics:
+    """One step's metrics from those its steps returned: the seconds of a phase several steps time
+    (``time/logprobs``, ``time/update``) add up; every other key comes from one step."""
+    out: Metrics = {}
+    for part in parts:
+        for key, value in part.items():
+            out[key] = out[key] + value if key in out and key.startswith("time/") else value
+    return out
+
+
+class RLTrainer:
+    """Everything one GRPO / PPO run holds, and the steps the recipes call in order; each step returns
+    its metrics."""
+
+    def __init__(self, ctx: RunContext, recipe_step: RecipeStep, *, with_critic: bool):
         cfg, d = ctx.cfg, ctx.dist
         self.ctx, self.cfg, self.dist = ctx, cfg, d
         self.recipe_step = recipe_step  # the recipe's steps in order (rlctl.recipes.grpo / ppo)
         a = cfg.algo
         get_adv_estimator(a.adv)  # an unknown name: a one-line error naming the registered ones
         # the same check as before launch (rlctl.job), for a run directory written by other means
-        check_algorithm(cfg.method, a.adv, n=cfg.rollout.n, kl_coef=a.kl_coef, kl_target=a.kl_target)
+        check_algorithm(cfg)
 
         self.source = model_source(cfg.model.name, random_init=cfg.model.random_init)
         self.tokenizer = use_chat_template(load_tokenizer(self.source), cfg)
         self.pad_id = self.tokenizer.pad_token_id
-        self.data = build_rl_data(cfg, self.tokenizer, cache_dir=ctx.paths.data_cache, log=ctx.log)
+        self.agent_spec = load_agent(cfg)  # tools / environment / interaction (None: single-turn)
+        self.data = build_rl_data(
+            cfg,
+            self.tokenizer,
+            cache_dir=ctx.paths.data_cache,
+            log=ctx.log,
+            tools=self.agent_spec.schemas if self.agent_spec is not None else None,
+        )
         ctx.log(f"data: {self.data.report.summary()}; {len(self.data.train)} train / {len(self.data.val)} val prompts")
-        self.rewards = reward_manager(cfg, self.data, self.tokenizer, d.device)
-        self.reward_totals: dict[str, int] = {}  # failed / non-finite reward samples over the run
+        self.scorer = RewardScorer.for_run(cfg, self.data, self.tokenizer, d.device, ctx.log)
         self.sampler = StepSampler(
             len(self.data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle
         )
@@ -61,10 +97,11 @@ class RLTrainer(ScoringSteps):
         self.temperature = cfg.rollout.temperature or 1.0
 
         spec = EngineSpec.from_config(cfg)
-        self.actor = build_engine(spec, cfg, role="actor", total_steps=optimizer_steps, source=self.source)
-        self.ref = build_engine(spec, cfg, role="ref", trainable=False, source=self.source) if a.kl_coef > 0 else None
+        self.actor = build_engine(spec, role="actor", total_steps=optimizer_steps, source=self.source)
+        self.ref = build_engine(spec, role="ref", trainable=False, source=self.source) if a.kl_coef > 0 else None
+        critic_spec = spec.replace(optimizer=spec.optimizer.replace(lr=a.critic_lr))
         self.critic = (
-            build_engine(spec, cfg, role="critic", total_steps=optimizer_steps, lr=a.critic_lr, source=self.source)
+            build_engine(critic_spec, role="critic", total_steps=optimizer_steps, source=self.source)
             if with_critic
             else None
         )
@@ -76,50 +113,32 @@ class RLTrainer(ScoringSteps):
         self.kl_ctl = AdaptiveKLController(a.kl_coef, a.kl_target) if a.kl_target else FixedKLController(a.kl_coef)
         self.rollout_dtype = "fp32" if self.actor.compute_dtype == torch.float32 else "bf16"
         self.rollout = self._make_rollout()
+        self.agent_loop = make_agent_loop(cfg, self.agent_spec, self.tokenizer, self.rollout, self.rollout_tp)
         self.weights_stale = False  # the rollout engine's weights lag the actor's
-        self.m: dict[str, float] = {}  # the current step's metrics
-        self.last_batch: RolloutBatch | None = None
 
     def _make_rollout(self):
-        from rlctl.rollout import make_rollout_engine
+        """This rank's rollout engine: the run's RolloutSpec with this rank's weights, device, dtype and seed."""
+        from rlctl.rollout import RolloutSpec, make_rollout_engine
 
-        cfg, d = self.cfg, self.dist
-        name = cfg.rollout.engine if cfg.rollout.engine != "auto" else "hf"  # auto: the plan chose none
+        d = self.dist
+        spec = RolloutSpec.from_config(self.cfg)
         path = self.source.path
         if self.source.random_init:  # no weights on disk: the rollout engine starts from the actor's
             path = str(self.actor.export_hf(self.ctx.paths.root / "rollout_init", self.ctx.paths.model_meta))
-        device = f"cuda:{d.local_rank}" if self.device.type == "cuda" else "cpu"
-        self.rollout_tp = cfg.rollout.tp or 1
+        self.rollout_tp = spec.tp
         if d.world_size % self.rollout_tp:
             raise UserError(f"rollout.tp={self.rollout_tp} does not divide the {d.world_size} processes")
         check_rollout_in_node(self.rollout_tp, d.local_world_size)
         engine = make_rollout_engine(
-            name,
-            path,
-            device=device,
-            dtype=self.rollout_dtype,
-            tp=self.rollout_tp,
-            mem_fraction=cfg.rollout.mem_fraction or 0.5,
-            max_model_len=cfg.rollout.max_prompt_len + cfg.rollout.max_response_len,
-            seed=cfg.train.seed + d.rank,
+            spec.replace(
+                model_path=path,
+                device=f"cuda:{d.local_rank}" if self.device.type == "cuda" else "cpu",
+                dtype=self.rollout_dtype,
+                seed=spec.seed + d.rank,
+            )
         )
-        self.ctx.log(f"rollout: {name} engine on every rank ({self.rollout_dtype})")
+        self.ctx.log(f"rollout: {spec.engine} engine on every rank ({self.rollout_dtype})")
         return engine
-
-    # ------------------------------------------------------------------ timing
-
-    @contextmanager
-    def timed(self, key: str) -> Iterator[None]:
-        """Adds the block's seconds to metric ``key``; a named range in a profile (RLCTL_PROFILE)."""
-        start = time.perf_counter()
-        try:
-            if torch.autograd._profiler_enabled():
-                with torch.profiler.record_function(key):
-                    yield
-            else:
-                yield
-        finally:
-            self.m[key] = self.m.get(key, 0.0) + time.perf_counter() - start
 
     # ------------------------------------------------------------------ rollout
 
@@ -136,6 +155,12 @@ class RLTrainer(ScoringSteps):
             max_tokens=r.max_response_len,
             seed=self.cfg.train.seed + call * 1_000_003,
         )
+
+    def _rollout(self, shares: list[list[Prompt]], n: int, sampling) -> list:
+        """This rank's samples (:meth:`_group_generate`), or its multi-turn trajectories in agent runs."""
+        if self.agent_loop is None:
+            return self._group_generate(shares, n, sampling)
+        return run_agent(self.agent_loop, self.cfg, self.rollout, shares[0], n, sampling)
 
     def _group_generate(self, shares: list[list[Prompt]], n: int, sampling) -> list:
         """Samples of this rank's prompts. ``shares[i]`` are the prompts of the i-th rank of this rank's
@@ -154,9 +179,10 @@ class RLTrainer(ScoringSteps):
             if start <= s.prompt_index < start + len(shares[own])
         ]
 
-    def _wake_and_sync(self) -> None:
+    def _wake_and_sync(self, metrics: Metrics) -> None:
         """Wake the rollout engine's weights, load the actor's into it when they are not current (an
-        update since the last sync, or weights the engine dropped asleep), then wake its KV cache."""
+        update since the last sync, or weights the engine dropped asleep; ``time/weight_sync``), then
+        wake its KV cache."""
         from rlctl.rollout.base import torch_dtype
 
         if self.weights_stale:
@@ -164,7 +190,7 @@ class RLTrainer(ScoringSteps):
             self.weights_stale = False
 
         def sync() -> None:
-            with self.timed("time/weight_sync"):
+            with timed(metrics, "time/weight_sync"):
                 self.rollout.update_weights(self.actor.iter_full_params(dtype=torch_dtype(self.rollout_dtype)))
 
         self.rollout.ready(sync)
@@ -172,7 +198,7 @@ class RLTrainer(ScoringSteps):
     def _sleep(self) -> None:
         self.rollout.sleep()
 
-    def generate(self, step: int) -> RolloutBatch:
+    def generate(self, step: int) -> tuple[RolloutBatch, Metrics]:
         """This rank's prompts of step ``step``, ``rollout.n`` samples each."""
         d, n = self.dist, self.cfg.rollout.n
         indices = self.sampler.indices(step)
@@ -183,10 +209,10 @@ class RLTrainer(ScoringSteps):
         first = d.rank - d.rank % self.rollout_tp  # this rank's rollout group: rollout.tp consecutive ranks
         shares = [[self.data.train[indices[p]] for p in positions_of(r)] for r in range(first, first + self.rollout_tp)]
         positions, prompts = positions_of(d.rank), shares[d.rank - first]
-        self.m["time/weight_sync"] = 0.0  # stays 0 when the weights are current (first step, after an eval)
-        self._wake_and_sync()
-        with self.timed("time/rollout"):
-            samples = self._group_generate(shares, n, self._sampling(step, temperature=self.cfg.rollout.temperature))
+        m = {"time/weight_sync": 0.0}  # stays 0 when the weights are current (first step, after an eval)
+        self._wake_and_sync(m)
+        with timed(m, "time/rollout"):
+            samples = self._rollout(shares, n, self._sampling(step, temperature=self.cfg.rollout.temperature))
             self._sleep()
         seen: dict[int, int] = {}
         uid = []
@@ -194,8 +220,9 @@ class RLTrainer(ScoringSteps):
             j = seen.get(s.prompt_index, 0)
             seen[s.prompt_index] = j + 1
             uid.append(positions[s.prompt_index] * n + j)
-        return RolloutBatch.build(
-            [prompts[s.prompt_index].token_ids for s in samples],
+        agent = self.agent_loop is not None
+        batch = RolloutBatch.build(
+            [s.prompt_ids if agent else prompts[s.prompt_index].token_ids for s in samples],
             [s.token_ids for s in samples],
             [s.logprobs for s in samples],
             uid,
@@ -206,7 +233,16 @@ class RLTrainer(ScoringSteps):
             truncated=[s.finish_reason == "length" for s in samples],
             meta=[prompts[s.prompt_index] for s in samples],
             device=self.device,
+            loss_masks=[s.mask for s in samples] if agent else None,
+            trajectories=samples if agent else None,
         )
+        return batch, m
+
+    def score(self, batch: RolloutBatch, step: int) -> Metrics:
+        """Score this rank's samples (before :meth:`pool`, so sums run over every rank): reward and
+        response-length metrics."""
+        batch.scores, metrics = self.scorer.score_batch(batch, step)
+        return metrics
 
     def pool(self, batch: RolloutBatch) -> RolloutBatch:
         """The samples of every rank that splits this rank's model replica (Megatron: its TP x PP group),
@@ -218,19 +254,22 @@ class RLTrainer(ScoringSteps):
 
     # ------------------------------------------------------------------ log-prob passes
 
-    def ref_logprobs(self, batch: RolloutBatch) -> None:
-        with self.timed("time/logprobs"):
+    def ref_logprobs(self, batch: RolloutBatch) -> Metrics:
+        m: Metrics = {}
+        with timed(m, "time/logprobs"):
             batch.ref_logp, _ = compute_logprobs(
                 self.ref, batch, temperature=self.temperature, budget=self.budget, pad_id=self.pad_id
             )
+        return m
 
-    def old_logprobs(self, batch: RolloutBatch) -> None:
+    def old_logprobs(self, batch: RolloutBatch) -> Metrics:
         """The actor's log-probs before the update; compared with the rollout engine's. Skipped when the
         batch gets one optimizer step and no KL term reads them: the update's own forward gives them."""
         if self.ref is None and single_step(batch, self.cfg):
             batch.old_logp = None
-            return
-        with self.timed("time/logprobs"):
+            return {}
+        m: Metrics = {}
+        with timed(m, "time/logprobs"):
             batch.old_logp, entropy = compute_logprobs(
                 self.actor,
                 batch,
@@ -250,58 +289,68 @@ class RLTrainer(ScoringSteps):
             self.dp_group,
         )
         tokens = max(1.0, s["tok"])
-        self.m["rollout/logprob_diff"] = s["diff"] / tokens
-        self.m["entropy"] = s["ent"] / tokens
-        self.warn_logprob_diff()
+        m["rollout/logprob_diff"] = s["diff"] / tokens
+        m["entropy"] = s["ent"] / tokens
+        self.warn_logprob_diff(m)
+        return m
 
-    def warn_logprob_diff(self) -> None:
-        if self.m.get("rollout/logprob_diff", 0.0) > LOGPROB_DIFF_WARN:
+    def warn_logprob_diff(self, metrics: Metrics) -> None:
+        r = self.cfg.rollout
+        if getattr(self.rollout, "logprobs_filtered", False) and (r.top_k != -1 or r.top_p < 1):
+            return  # the engine's log-probs are of the top-k/top-p filtered distribution: they differ by design
+        if metrics.get("rollout/logprob_diff", 0.0) > LOGPROB_DIFF_WARN:
             self.ctx.log(
                 f"warning: the rollout engine's log-probs differ from the trainer's by "
-                f"{self.m['rollout/logprob_diff']:.3g} per token on average (weights out of sync, "
+                f"{metrics['rollout/logprob_diff']:.3g} per token on average (weights out of sync, "
                 f"or a precision mismatch)"
             )
 
-    def values(self, batch: RolloutBatch) -> None:
-        with self.timed("time/logprobs"):
+    def values(self, batch: RolloutBatch) -> Metrics:
+        m: Metrics = {}
+        with timed(m, "time/logprobs"):
             batch.values = compute_values(self.critic, batch, budget=self.budget, pad_id=self.pad_id)
+        return m
 
     # ------------------------------------------------------------------ advantages
 
-    def advantages(self, batch: RolloutBatch) -> None:
+    def advantages(self, batch: RolloutBatch) -> Metrics:
         """Token rewards (minus the KL penalty when algo.kl_in_reward), then algo.adv on the global batch."""
         a = self.cfg.algo
-        kl = None
+        kl, m = None, {}
         if batch.ref_logp is not None:
             kl = kl_estimate(batch.old_logp, batch.ref_logp, a.kl_kind) * batch.mask
             s = global_sums({"kl": kl.sum(), "tok": batch.mask.sum()}, self.device, self.dp_group)
-            self.m["kl"] = s["kl"] / max(1.0, s["tok"])
+            m["kl"] = s["kl"] / max(1.0, s["tok"])
         coef = self.kl_ctl.value if a.kl_in_reward and kl is not None else 0.0
         rewards = token_rewards(batch, coef, kl)
         batch.advantages, batch.returns = compute_advantages(batch, self.cfg, rewards, self.dp_group)
-        self.last_batch = batch  # a few of its samples go to samples.jsonl (write_samples)
         if coef:
-            self.m["kl_coef"] = coef
-            self.kl_ctl.update(self.m["kl"], batch.total)
+            m["kl_coef"] = coef
+            self.kl_ctl.update(m["kl"], batch.total)
+        return m
 
     # ------------------------------------------------------------------ updates
 
-    def update_actor(self, batch: RolloutBatch) -> None:
+    def update_actor(self, batch: RolloutBatch) -> Metrics:
         a = self.cfg.algo
         kl_loss_coef = a.kl_coef if self.ref is not None and not a.kl_in_reward else 0.0
-        with self.timed("time/update"):
-            self.m.update(
+        m: Metrics = {}
+        with timed(m, "time/update"):
+            m.update(
                 update_actor(
                     self.actor, batch, self.cfg, budget=self.budget, pad_id=self.pad_id, kl_loss_coef=kl_loss_coef
                 )
             )
         if batch.old_logp is None:  # the log-prob pass was skipped: the update measured the difference
-            self.warn_logprob_diff()
+            self.warn_logprob_diff(m)
         self.weights_stale = True
+        return m
 
-    def update_critic(self, batch: RolloutBatch) -> None:
-        with self.timed("time/update"):
-            self.m.update(update_critic(self.critic, batch, self.cfg, budget=self.budget, pad_id=self.pad_id))
+    def update_critic(self, batch: RolloutBatch) -> Metrics:
+        m: Metrics = {}
+        with timed(m, "time/update"):
+            m.update(update_critic(self.critic, batch, self.cfg, budget=self.budget, pad_id=self.pad_id))
+        return m
 
     # ------------------------------------------------------------------ evaluation
 
@@ -312,13 +361,18 @@ class RLTrainer(ScoringSteps):
         group_prompts = self.data.val[d.rank // tp :: d.world_size // tp]
         shares = [group_prompts[i::tp] for i in range(tp)]
         mine = shares[d.rank % tp]
-        self._wake_and_sync()
-        samples = self._group_generate(
-            shares, n, self._sampling(step, temperature=temperature, seed_offset=seed_offset)
-        )
+        self._wake_and_sync({})  # (an eval's weight sync is not a training step's time)
+        samples = self._rollout(shares, n, self._sampling(step, temperature=temperature, seed_offset=seed_offset))
         self._sleep()
         picked = [mine[s.prompt_index] for s in samples]
-        scores, metrics = self._score([p.token_ids for p in picked], [s.token_ids for s in samples], picked, step)
+        agent = self.agent_loop is not None
+        scores, metrics = self.scorer.score(
+            [s.prompt_ids if agent else p.token_ids for s, p in zip(samples, picked)],
+            [s.token_ids for s in samples],
+            picked,
+            step,
+            samples if agent else None,
+        )
         return scores.tolist(), [s.prompt_index for s in samples], metrics, len(mine)
 
     def evaluate(self, step: int) -> dict:
@@ -348,11 +402,11 @@ class RLTrainer(ScoringSteps):
 
     # ------------------------------------------------------------------ samples.jsonl
 
-    def write_samples(self, step: int) -> None:
-        """``log.samples`` of this step's samples (rank 0's, spread over its prompts) into samples.jsonl:
+    def write_samples(self, b: RolloutBatch, step: int) -> None:
+        """``log.samples`` of the step's samples ``b`` (rank 0's, spread over its prompts) into samples.jsonl:
         prompt, response, reward, advantage (the mean over the response tokens), length, truncated."""
-        b, lg = self.last_batch, self.cfg.log
-        if b is None or not self.dist.is_main or not len(b):
+        lg = self.cfg.log
+        if not self.dist.is_main or not len(b):
             return
         import json
 
@@ -370,6 +424,9 @@ class RLTrainer(ScoringSteps):
                     "response_len": len(b.responses[i]),
                     "truncated": bool(b.truncated[i]),
                 }
+                if b.trajectories:  # the whole conversation, with roles and tool calls
+                    t = b.trajectories[i]
+                    rec.update(messages=t.messages, turns=t.turns, finish_reason=t.finish_reason, rewards=t.rewards)
                 f.write(json.dumps(rec) + "\n")
 
     # ------------------------------------------------------------------ what rlctl.runtime.fit needs
@@ -391,23 +448,22 @@ class RLTrainer(ScoringSteps):
 
     def train_step(self, step: int) -> dict:
         """The recipe's step ``step`` (0-based) and its metrics record."""
-        self.m = {}
         lr = self.actor.lr
         began = time.perf_counter()
-        self.recipe_step(self, step)
+        batch, m = self.recipe_step(self, step)
         elapsed = time.perf_counter() - began
         every = self.cfg.log.samples_every
         if every and (step == 0 or (step + 1) % every == 0 or step + 1 == self.total_steps):
-            self.write_samples(step + 1)
+            self.write_samples(batch, step + 1)
         return {
             "step": step + 1,
             "total_steps": self.total_steps,
-            "reward": self.m["reward/mean"],
-            **{k: self.m[k] for k in sorted(self.m)},
+            "reward": m["reward/mean"],
+            **{k: m[k] for k in sorted(m)},
             "lr": lr,
             "epoch": round((step + 1) / self.sampler.steps_per_epoch, 4),
             "time/step": elapsed,
-            "tokens_per_s": self.m.get("tokens", 0.0) / elapsed,
+            "tokens_per_s": m.get("tokens", 0.0) / elapsed,
         }
 
     def state(self) -> dict:
@@ -421,10 +477,10 @@ class RLTrainer(ScoringSteps):
         return {
             "data": self.data.report.to_dict(),
             "prompts_too_long": self.data.too_long,
-            "rewards": self.reward_totals,  # reward/failed and reward/nonfinite samples over the run
+            "rewards": self.scorer.totals,  # reward/failed and reward/nonfinite samples over the run
             "policy_loss": self.policy.as_metrics(),
         }
 
     def close(self) -> None:
         self.rollout.close()
-        self.rewards.close()
+        self.scorer.close()

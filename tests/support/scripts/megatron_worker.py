@@ -37,18 +37,22 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from rlctl.config import RunConfig
-from rlctl.engines.megatron import build_engine
+from rlctl.engines import build_engine
 from rlctl.engines.spec import EngineSpec
 
 
 def make(hf_dir: str, tp: int, pp: int, random_init: bool = False):
-    cfg = RunConfig(method="sft")
-    cfg.model.name, cfg.model.random_init = hf_dir, random_init
-    cfg.train.max_len = 64
-    cfg.rollout.max_prompt_len = cfg.rollout.max_response_len = 16
-    spec = EngineSpec(backend="megatron", device="cpu", dtype="fp32", tp=tp, pp=pp)
-    return build_engine(spec, cfg, role="actor", trainable=False)
+    spec = EngineSpec(
+        backend="megatron",
+        device="cpu",
+        dtype="fp32",
+        tp=tp,
+        pp=pp,
+        model=hf_dir,
+        random_init=random_init,
+        max_seq_len=64,
+    )
+    return build_engine(spec, role="actor", trainable=False)
 
 
 def run(spec: dict, batch: dict) -> None:

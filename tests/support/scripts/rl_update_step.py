@@ -30,8 +30,8 @@ from tests.support.sft import cpu_spec
 def one_update(model_dir: str, spec: dict, agg: str, d) -> tuple[FSDPEngine, dict]:
     settings = {**spec["settings"], "model.name": model_dir, "algo.loss_agg": agg}
     cfg = build_config("grpo", [dotted_to_nested(settings)])
-    actor = FSDPEngine(cpu_spec(), cfg, role="actor", total_steps=1)
-    ref = FSDPEngine(cpu_spec(), cfg, role="ref", trainable=False)
+    actor = FSDPEngine(cpu_spec(cfg), role="actor", total_steps=1)
+    ref = FSDPEngine(cpu_spec(cfg), role="ref", trainable=False)
     n, prompts = spec["n"], spec["prompts"]
     mini = cfg.algo.mini_batch_size
     positions = rank_positions(len(prompts), mini, d.rank, d.world_size)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 import rlctl.rollout.vllm  # noqa: F401  (importing vllm sets variables of its own, e.g. via cv2)
-from rlctl.rollout import SamplingParams, make_rollout_engine
+from rlctl.rollout import RolloutSpec, SamplingParams, make_rollout_engine
 
 
 def main(model_dir: str) -> None:
@@ -25,7 +25,9 @@ def main(model_dir: str) -> None:
     rank = dist.get_rank()
     env_before = dict(os.environ)
 
-    engine = make_rollout_engine("vllm", model_dir, device="cpu", dtype="float32", max_model_len=64, seed=rank)
+    engine = make_rollout_engine(
+        RolloutSpec(engine="vllm", model_path=model_dir, device="cpu", dtype="float32", max_model_len=64, seed=rank)
+    )
     # Starting the engine must not change anything the trainer had (vLLM sets LOCAL_WORLD_SIZE...).
     changed = {k for k, v in env_before.items() if os.environ.get(k) != v}
     assert not changed, f"vLLM changed the trainer's environment: {changed}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,52 +106,93 @@ def summarize(run: Run) -> dict:
     return out
 
 
+# The panels of a report, in order: (panel, section, which metric keys it draws). The PNG draws one panel
+# each; the HTML report draws one chart per metric, under its section's heading.
+PANELS: list[tuple[str, str, Callable[[str], bool]]] = [
+    ("reward", "reward", lambda k: k == "reward" or (k.startswith("reward/") and k not in REWARD_BOOKKEEPING)),
+    ("reward spread", "reward", lambda k: k in REWARD_BOOKKEEPING and k != "reward/mean"),
+    ("loss", "loss and KL", lambda k: k in ("loss", "pg/loss", "critic/value_loss")),
+    ("KL", "loss and KL", lambda k: k in ("kl", "kl_loss", "pg/approx_kl")),
+    ("entropy", "entropy", lambda k: k == "entropy"),
+    ("grad norm", "optimizer", lambda k: k.endswith("grad_norm")),
+    ("lr", "optimizer", lambda k: k == "lr" or k.endswith("/lr")),
+    ("clip fraction", "optimizer", lambda k: k.endswith("clip_frac")),
+    ("response length", "lengths", lambda k: k.startswith("response_len/")),
+    ("truncated", "lengths", lambda k: k == "response/truncated"),
+    ("agent turns", "agent and tools", lambda k: k.startswith(("turns/", "tool/"))),
+    ("tokens/s", "throughput and timings", lambda k: k == "tokens_per_s"),
+    ("time", "throughput and timings", lambda k: k.startswith("time/")),
+    ("memory", "memory", lambda k: k.startswith(("mem/", "memory/"))),
+    ("rollout", "rollout", lambda k: k.startswith("rollout/")),
+]
+NOT_PLOTTED = {"step", "total_steps", "time", "epoch", "reward/mean"}  # the x axis, bookkeeping, duplicates
+EVAL_NOT_PLOTTED = {"step", "time", "time/eval"}
+
+
+def panel_of(key: str) -> tuple[str, str]:
+    """(panel, section) of a training metric; "other" for a key no panel claims."""
+    for panel, section, wants in PANELS:
+        if wants(key):
+            return panel, section
+    return "other", "other"
+
+
+def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of ``key`` over ``records`` (NaN kept: a gap in the line)."""
+    pts = [(int(r["step"]), float(r[key])) for r in records if _is_number(r.get(key))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def numeric_keys(records: list[dict], skip: set[str]) -> list[str]:
+    return sorted({k for r in records for k, v in r.items() if _is_number(v)} - skip)
+
+
 def curves(run: Run) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
-    """panel -> line label -> (steps, values) of the series a run has, in a fixed panel order."""
-    t, panels = run.train, {}
-
-    def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-        pts = [(int(r["step"]), float(r[key])) for r in records if isinstance(r.get(key), (int, float))]
-        return [p[0] for p in pts], [p[1] for p in pts]
-
-    keys = sorted({k for r in t for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
-    components = [k for k in keys if k.startswith("reward/") and k not in REWARD_BOOKKEEPING]
-    wanted = {
-        "reward": ["reward", *components],
-        "loss": [k for k in ("loss", "pg/loss", "critic/value_loss") if k in keys],
-        "KL": [k for k in ("kl", "kl_loss") if k in keys],
-        "entropy": ["entropy"],
-        "response length": ["response_len/mean"],
-        "tokens/s": ["tokens_per_s"],
-    }
-    for panel, names in wanted.items():
-        lines = {k: series(t, k) for k in names if k in keys}
-        lines = {k: v for k, v in lines.items() if v[0]}
-        if lines:
-            panels[panel] = lines
-    eval_keys = sorted(
-        {k for e in run.evals for k, v in e.items() if isinstance(v, (int, float)) and k != "step"}
-        - {"time", "time/eval"}
-    )
-    lines = {k: series(run.evals, k) for k in eval_keys}
-    if any(v[0] for v in lines.values()):
-        panels["eval"] = {k: v for k, v in lines.items() if v[0]}
+    """panel -> line label -> (steps, values) of every series a run logged, panels in :data:`PANELS` order,
+    then "other", then "eval" (every number of the eval records)."""
+    by_panel: dict[str, dict[str, tuple[list[int], list[float]]]] = {}
+    for key in numeric_keys(run.train, NOT_PLOTTED):
+        x, y = series(run.train, key)
+        if x:
+            by_panel.setdefault(panel_of(key)[0], {})[key] = (x, y)
+    order = [p for p, _, _ in PANELS] + ["other"]
+    panels = {p: by_panel[p] for p in order if p in by_panel}
+    evals = {k: series(run.evals, k) for k in numeric_keys(run.evals, EVAL_NOT_PLOTTED)}
+    if any(v[0] for v in evals.values()):
+        panels["eval"] = {k: v for k, v in evals.items() if v[0]}
     return panels
+
+
+def ema(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing: an exponential moving average, debiased at the start; NaN/inf are skipped
+    (the smoothed line carries the last finite value)."""
+    out, acc, norm = [], 0.0, 0.0
+    for v in values:
+        if math.isfinite(v):
+            acc, norm = acc * weight + (1 - weight) * v, norm * weight + (1 - weight)
+        out.append(acc / norm if norm else math.nan)
+    return out
 
 
 def _json_number(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def plot(runs: list[Run], out: str | Path, *, sidecar: str | Path | None = None):
-    """Draw every panel any of ``runs`` has (the runs overlaid) into ``out`` (PNG); write the plotted
-    numbers to ``sidecar`` (JSON). Returns the matplotlib figure (closed: its lines stay readable)."""
+def plot(runs: list[Run], out: str | Path, *, sidecar: str | Path | None = None, smooth: float = 0.6):
+    """Draw every panel any of ``runs`` has into ``out`` (PNG): training curves smoothed (EMA ``smooth``)
+    over the raw values drawn faint, eval as points, one colour per run when several are overlaid, integer
+    step ticks. Writes the plotted numbers to ``sidecar`` (JSON). Returns the (closed) matplotlib figure."""
     try:
         import matplotlib
     except ImportError:
-        raise UserError(f"rlctl report draws its curves with matplotlib: {PLOT_HINT}") from None
+        raise UserError(f"rlctl report draws its PNG with matplotlib: {PLOT_HINT}") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     per_run = [(run, curves(run)) for run in runs]
     names = []
@@ -160,35 +202,50 @@ def plot(runs: list[Run], out: str | Path, *, sidecar: str | Path | None = None)
         raise UserError(f"{runs[0].paths.metrics} has no numeric metrics to plot")
     cols = 2 if len(names) > 1 else 1
     rows = math.ceil(len(names) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 3.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 3.2 * rows), squeeze=False)
     drawn: dict[str, dict[str, dict]] = {}
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, panel in enumerate(names):
         ax = axes[i // cols][i % cols]
-        styles = ["-", "--", ":", "-."]
         for j, (run, panels) in enumerate(per_run):
             for k, (label, (x, y)) in enumerate(panels.get(panel, {}).items()):
                 full = f"{run.name}: {label}" if len(runs) > 1 else label
-                marker = "o" if panel == "eval" or len(x) == 1 else None
-                ax.plot(x, y, styles[j % len(styles)], color=colors[k % len(colors)], marker=marker, label=full)
-                drawn.setdefault(panel, {})[full] = {"x": x, "y": [_json_number(v) for v in y]}
+                color, style = (f"C{j % 10}", LINE_STYLES[k % 4]) if len(runs) > 1 else (f"C{k % 10}", "-")
+                drawn.setdefault(panel, {})[full] = _draw(ax, x, y, full, color, style, panel, smooth)
         ax.set_title(panel)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        if len(ax.get_lines()) > 1:
+        labels = [ln.get_label() for ln in ax.get_lines() if not ln.get_label().startswith("_")]
+        if len(labels) > 1 or (labels and labels[0] != panel):
             ax.legend(fontsize=7)
     for i in range(len(names), rows * cols):
         axes[i // cols][i % cols].set_visible(False)
     fig.suptitle(" vs ".join(run.name for run in runs) if len(runs) > 1 else f"{runs[0].name} ({runs[0].method})")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=100)
     plt.close(fig)
     if sidecar is not None:
-        doc = {"runs": [str(run.paths.root) for run in runs], "png": str(out), "panels": drawn}
+        doc = {"runs": [str(run.paths.root) for run in runs], "png": str(out), "smooth": smooth, "panels": drawn}
         Path(sidecar).write_text(json.dumps(doc, indent=1) + "\n")
     return fig
+
+
+LINE_STYLES = ["-", "--", ":", "-."]
+
+
+def _draw(ax, x: list[int], y: list[float], label: str, color: str, style: str, panel: str, smooth: float) -> dict:
+    """One series: eval and single points as markers; otherwise the raw values faint (label ``_raw:...``,
+    kept out of the legend) under their EMA. Returns the series' sidecar entry."""
+    entry = {"x": x, "y": [_json_number(v) for v in y]}
+    if panel == "eval" or len(x) == 1 or not smooth:
+        ax.plot(x, y, style, color=color, marker="o" if panel == "eval" or len(x) == 1 else None, label=label)
+        return entry
+    smoothed = ema(y, smooth)
+    ax.plot(x, y, style, color=color, alpha=0.25, linewidth=0.8, label=f"_raw:{label}")
+    ax.plot(x, smoothed, style, color=color, label=label)
+    return {**entry, "smoothed": [_json_number(v) for v in smoothed]}
 
 
 def render_summary(console, s: dict) -> None:

@@ -1,0 +1,51 @@
+"""The algorithm settings of a config, checked against the registry (:mod:`rlctl.algos.registry`, no
+torch): the names of ``algo.adv`` and ``algo.policy_loss`` (the built-ins and any plugin's), and the
+settings that cannot run together. Checked before launch (:mod:`rlctl.job`) and again on the ranks."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rlctl.algos.registry import ADV_ESTIMATORS, POLICY_LOSSES
+from rlctl.errors import UserError, did_you_mean
+
+if TYPE_CHECKING:
+    from rlctl.config.schema import RunConfig
+
+PLUGIN_HINT = "a plugin can register more: --plugin FILE.py, docs/plugins.md"
+
+
+def check_registered_names(cfg: RunConfig) -> None:
+    """``algo.adv`` and ``algo.policy_loss`` name registered entries (after the plugins are imported)."""
+    for key, value, table in (
+        ("algo.adv", cfg.algo.adv, ADV_ESTIMATORS),
+        ("algo.policy_loss", cfg.algo.policy_loss, POLICY_LOSSES),
+    ):
+        if value not in table:
+            raise UserError(
+                f"{key}={value!r} is not valid{did_you_mean(str(value), table)}; "
+                f"choose one of {', '.join(table)} ({PLUGIN_HINT})"
+            )
+
+
+def check_algorithm(cfg: RunConfig) -> None:
+    """A one-line UserError for settings that cannot run together (the method's critic and the
+    estimator, group advantages with one sample per prompt, adaptive KL without a start value)."""
+    method, a, n = cfg.method, cfg.algo, cfg.rollout.n
+    if method not in ("grpo", "ppo"):
+        return
+    if a.kl_target and not a.kl_coef:
+        raise UserError("algo.kl_target (adaptive KL) needs an initial algo.kl_coef > 0, e.g. --kl-coef 0.001")
+    check_registered_names(cfg)
+    facts = ADV_ESTIMATORS[a.adv]
+    if method == "grpo" and facts.needs_critic:
+        others = " | ".join(name for name, e in ADV_ESTIMATORS.items() if not e.needs_critic)
+        raise UserError(f"grpo cannot use --adv {a.adv}: it needs a critic, use `rlctl ppo` (or --adv {others})")
+    if method == "ppo" and not facts.needs_critic:
+        critics = " | ".join(name for name, e in ADV_ESTIMATORS.items() if e.needs_critic)
+        raise UserError(
+            f"rlctl ppo trains a critic for GAE advantages; --adv {a.adv} needs no critic: "
+            f"use `rlctl grpo --adv {a.adv}` or --adv {critics}"
+        )
+    if facts.needs_groups and n < 2:
+        raise UserError(f"--adv {a.adv} compares the samples of a prompt; set rollout.n >= 2 (e.g. --n 8)")
