@@ -6,7 +6,7 @@
 run directory's checkpoints). Each problem is one :class:`~rlctl.errors.UserError` naming the fix;
 nothing is written until every check has passed (the launcher creates the run directory after).
 
-Used by ``rlctl sft|grpo|ppo``, ``rlctl bench`` and the demo. No torch import here.
+Used by ``rlctl sft|grpo|ppo``, ``rlctl estimate memory``, ``rlctl bench`` and the demo. No torch import here.
 """
 
 from __future__ import annotations
@@ -17,30 +17,58 @@ import json
 import os
 import re
 import sys
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlctl.config import RunConfig, val_split
 from rlctl.config.algorithm import check_algorithm
 from rlctl.errors import UserError
 
+if TYPE_CHECKING:
+    from rlctl.plan import Plan
+
 IGNORE_MEMORY_FLAG = "--ignore-memory-check"
 
 
-def resolve_job(method: str, *, preset: str | None, config_file: str | None, options: dict, sets: list[str] | None):
-    """The configuration (preset < config file < options < --set) with its plan applied, and the plan."""
-    from rlctl.config import build_config, dotted_to_nested, load_yaml_file, parse_set_options
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A job resolved once: what the user asked for, and the same with the plan's choices filled in."""
+
+    requested: RunConfig  # preset < --config < options < --set; "auto" settings still open (what-to-rent reads it)
+    cfg: RunConfig  # with the plan applied: what the launcher writes and the ranks read
+    plan: Plan
+
+    def __iter__(self):  # ``cfg, plan = resolve_job(...)``
+        return iter((self.cfg, self.plan))
+
+
+def resolve_job(
+    method: str,
+    *,
+    preset: str | None = None,
+    config_file: str | None = None,
+    options: dict,
+    sets: list[str] | None = None,
+    defaults: dict | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Job:
+    """The configuration (preset < ``defaults`` < config file < options < --set) and its plan.
+
+    ``defaults``: a command's own defaults over the preset's (``rlctl estimate memory``: CUDA);
+    ``environ``: inside a SLURM allocation, this node's place in it fills the options left out."""
+    from rlctl.config import build_config, dotted_to_nested, parse_set_options
     from rlctl.plan import apply_plan, resolve_plan
     from rlctl.presets import method_layers
 
-    layers = method_layers(method, preset)
+    if environ is not None:
+        from rlctl.slurm import allocation_options
+
+        options = allocation_options(options, environ)
+    layers = method_layers(method, preset) + [dotted_to_nested(defaults or {})]
     if config_file:
-        file_layer = load_yaml_file(config_file)
-        if file_layer.get("method") not in (None, method):
-            raise UserError(
-                f"{config_file} is a `{file_layer['method']}` config; run `rlctl {file_layer['method']}` with it"
-            )
-        layers.append(file_layer)
+        layers.append(_config_file_layer(config_file, method))
     layers.append(dotted_to_nested({k: v for k, v in options.items() if v is not None}))
     layers.append(parse_set_options(sets or []))
     cfg = build_config(method, layers)
@@ -53,7 +81,39 @@ def resolve_job(method: str, *, preset: str | None, config_file: str | None, opt
     if model is not None:
         check_remote_code(cfg, model)  # before the planner, which would only say the model type is unknown
     plan = resolve_plan(cfg)
-    return apply_plan(cfg, plan), plan
+    return Job(requested=cfg, cfg=apply_plan(cfg, plan), plan=plan)
+
+
+def _config_file_layer(path: str, method: str) -> dict:
+    from rlctl.config import load_yaml_file
+
+    layer = load_yaml_file(path)
+    if layer.get("method") not in (None, method):
+        raise UserError(f"{path} is a `{layer['method']}` config; run `rlctl {layer['method']}` with it")
+    return layer
+
+
+def ready_to_launch(job: Job, *, ignore_memory_check: bool = False, environ: Mapping[str, str] = os.environ):
+    """The config to launch: its run directory fixed, and every check before launch passed
+    (:func:`check_job`); a job submitted to SLURM skips the checks of this machine's devices."""
+    cfg, plan = job.cfg, job.plan
+    slurm = cfg.cluster.launcher == "slurm"
+    if plan.nodes > 1 and not cfg.output_dir and not slurm and not environ.get("SLURM_JOB_ID"):
+        raise UserError(
+            f"a run on {plan.nodes} nodes needs --output-dir: the same run directory on every node, "
+            f"on a filesystem all nodes share"
+        )
+    cfg = with_run_dir(cfg)
+    check_job(cfg, plan, ignore_memory_check=ignore_memory_check, on_this_machine=not slurm)
+    return cfg
+
+
+def check_placement(plan: Plan) -> None:
+    """Where the ranks go (checked for a dry run too): a vLLM/SGLang engine's tensor parallel stays inside one node."""
+    if plan.nodes > 1 and plan.rollout in ("vllm", "sglang") and plan.rollout_tp > 1:
+        from rlctl.runtime.dist import check_rollout_in_node  # (imports torch: only for multi-node RL)
+
+        check_rollout_in_node(plan.rollout_tp, plan.nproc_per_node)
 
 
 def with_run_dir(cfg: RunConfig) -> RunConfig:

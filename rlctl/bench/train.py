@@ -299,16 +299,14 @@ def measured_memory(records: list[dict], sampler: ProcessSampler, baseline: int,
 
 def prepare_job(model: BenchModel, s: TrainSettings, work: Path, data: Path | None = None):
     """(cfg, plan) of the job, configured and planned as ``rlctl <method>`` does; writes the data unless given."""
-    from rlctl.job import check_job, resolve_job, with_run_dir
+    from rlctl.job import ready_to_launch, resolve_job
 
     s.check()
     data = data or write_data(model.path, s, work)
     longest = longest_prompt(model.path, data) if s.is_rl else 0
     opts = job_options(model, s, data, longest, work / "run")
-    cfg, plan = resolve_job(s.method, preset=None, config_file=None, options=opts, sets=s.sets)
-    cfg = with_run_dir(cfg)
-    check_job(cfg, plan)
-    return cfg, plan
+    job = resolve_job(s.method, options=opts, sets=s.sets)
+    return ready_to_launch(job), job.plan
 
 
 def longest_prompt(model_path: Path, data: Path) -> int:

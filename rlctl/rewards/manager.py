@@ -24,6 +24,7 @@ from rlctl.rewards.loader import default_for_data_source, get_reward
 from rlctl.rewards.model import RewardModel
 from rlctl.rewards.pool import RewardPool
 from rlctl.rewards.spec import RewardSpec, reward_kind, rule_specs
+from rlctl.rewards.worker import error_text
 
 __all__ = [
     "RewardBatch",
@@ -183,7 +184,7 @@ class _Class(_Component):
         try:
             result = self.obj(batch)
         except Exception as exc:
-            return _spread(False, f"{type(exc).__name__}: {exc}", len(batch))
+            return _spread(False, error_text(exc), len(batch))
         extra_info: dict = {}
         if isinstance(result, dict):
             extra_info = result.get("reward_extra_info") or {}
@@ -211,7 +212,7 @@ class _Model(_Component):
         try:
             return [(True, v) for v in self.rm.score(batch.prompts, batch.responses)]
         except Exception as exc:
-            return _spread(False, f"{type(exc).__name__}: {exc}", len(batch))
+            return _spread(False, error_text(exc), len(batch))
 
 
 class _EnvReward(_Component):

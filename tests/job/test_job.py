@@ -147,7 +147,7 @@ def test_grpo_help_does_not_offer_gae():
 
 def test_checks_take_well_under_a_second_in_process(files, tiny_model_dir, tmp_path):
     """resolve + check of a good job that will launch: the cost the user pays before torchrun starts."""
-    from rlctl.job import check_job, resolve_job, with_run_dir
+    from rlctl.job import ready_to_launch, resolve_job
 
     opts = {
         "model.name": str(tiny_model_dir),
@@ -159,10 +159,9 @@ def test_checks_take_well_under_a_second_in_process(files, tiny_model_dir, tmp_p
         "rollout.max_response_len": 12,
         "output_dir": str(tmp_path / "run"),
     }
-    resolve_job("grpo", preset=None, config_file=None, options=opts, sets=None)  # warm the imports
+    resolve_job("grpo", options=opts)  # warm the imports
     start = time.perf_counter()
-    cfg, plan = resolve_job("grpo", preset=None, config_file=None, options=opts, sets=None)
-    check_job(with_run_dir(cfg), plan)
+    ready_to_launch(resolve_job("grpo", options=opts))
     assert time.perf_counter() - start < 1.0
     assert not (tmp_path / "run").exists()
 

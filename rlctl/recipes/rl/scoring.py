@@ -52,6 +52,7 @@ class RewardScorer:
         warning = reward_warning(sums, result.errors, step)
         if warning:
             self.log(warning)
+            out["warning"] = warning  # type: ignore[assignment] (in the step's record: the launcher prints it)
         return torch.tensor(result.scores, dtype=torch.float32, device=self.device), out
 
     def score_batch(self, batch: RolloutBatch, step: int) -> tuple[torch.Tensor, dict[str, float]]:
