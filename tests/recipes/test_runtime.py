@@ -178,6 +178,7 @@ def test_recipe_loss_uses_gspo_defaults_unless_overridden(sets, clip):
     seq-mean-token-mean aggregation reach the loss, except for the keys the user set."""
     from rlctl.config import build_config, dotted_to_nested
     from rlctl.recipes.rl.batch import micro_batches
+    from rlctl.recipes.rl.spec import AlgoSpec
     from rlctl.recipes.rl.update import policy_loss_fn
     from tests.recipes.test_grpo import _random_batch
 
@@ -189,7 +190,7 @@ def test_recipe_loss_uses_gspo_defaults_unless_overridden(sets, clip):
     (mb,) = micro_batches(batch, list(range(len(batch))), budget=10_000, pad_id=0, device=torch.device("cpu"))
     logits = torch.randn(1, mb.input_ids.shape[1], 50, generator=gen) * 0.05
     denoms = {"global_tokens": float(batch.mask.sum()), "global_seqs": 9.0, "norm_len": 6}
-    loss, stats = policy_loss_fn(batch, cfg, denoms, kl_loss_coef=0.0)(logits, mb)
+    loss, stats = policy_loss_fn(batch, AlgoSpec.from_config(cfg), denoms, kl_loss_coef=0.0)(logits, mb)
 
     sel = logits[0, mb.logit_index].log_softmax(-1).gather(-1, mb.labels[:, None]).squeeze(-1)
     logp = torch.zeros_like(batch.mask)
