@@ -336,3 +336,16 @@ def test_a_grpo_run_profiles_the_steps_rlctl_profile_names(tiny_model_dir, tmp_p
     table = (run / "profile" / "rank0.txt").read_text()
     assert "time/update" in table and "time/rollout" in table
     assert (run / "profile" / "rank0.trace.json").exists()
+
+
+def test_step_metrics_merge_sums_the_phases_several_steps_time():
+    """The RL steps return their metrics; a step's record joins them, adding up the seconds of a phase
+    that several steps time (reference, old and value passes: time/logprobs) and keeping the rest."""
+    from rlctl.recipes.rl.trainer import merged, timed
+
+    m: dict[str, float] = {}
+    with timed(m, "time/logprobs"):
+        pass
+    assert m["time/logprobs"] >= 0.0
+    parts = ({"time/logprobs": 0.25, "kl": 0.5}, {"time/logprobs": 0.5, "entropy": 2.0}, {"time/update": 1.0}, {})
+    assert merged(*parts) == {"time/logprobs": 0.75, "kl": 0.5, "entropy": 2.0, "time/update": 1.0}
