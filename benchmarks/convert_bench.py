@@ -94,7 +94,7 @@ def build_checkpoint(work: Path, gb: float) -> Path:
 def main() -> None:
     from rlctl.bench.common import envelope
     from rlctl.bench.convert import bench_convert
-    from rlctl.bench.report import render
+    from rlctl.bench.tables import render
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=2.0, help="checkpoint size in GB (fp32)")

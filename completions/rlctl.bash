@@ -29,6 +29,7 @@ _rlctl() {
         --dtype) COMPREPLY=($(compgen -W "bf16 fp16 fp32" -- "$cur")); return ;;
         --engine) return ;;
         --entropy-coef) return ;;
+        --env) return ;;
         --ep) return ;;
         --epochs) return ;;
         --eval-every) return ;;
@@ -37,6 +38,7 @@ _rlctl() {
         --gpus) return ;;
         --hf-config) return ;;
         --host-memory) return ;;
+        --interaction) return ;;
         --interval) return ;;
         --keep-last) return ;;
         --kl-coef) return ;;
@@ -61,6 +63,7 @@ _rlctl() {
         --max-steps) return ;;
         --max-tokens) return ;;
         --max-tokens-per-micro-batch) return ;;
+        --max-turns) return ;;
         --mem-fraction) return ;;
         --method) COMPREPLY=($(compgen -W "sft grpo ppo" -- "$cur")); return ;;
         --micro-batch) return ;;
@@ -103,6 +106,7 @@ _rlctl() {
         --system-prompt) return ;;
         --temperature) return ;;
         --time) return ;;
+        --tools) return ;;
         --top-k) return ;;
         --top-p) return ;;
         --tp) return ;;
@@ -126,14 +130,14 @@ _rlctl() {
         "/convert/lora-merge") words="--dtype --verify --no-verify --force --max-shard-size --help" ;;
         "/convert/megatron-to-hf") words="--hf-config --dtype --verify --no-verify --force --max-shard-size --trust-checkpoint --help" ;;
         "/estimate") words="memory --help" ;;
-        "/estimate/memory") words="--model --method --lora-rank --lora-targets --max-len --max-prompt-len --max-response-len --n --batch-size --micro-batch-size --gpus --nodes --gpu --device --host-memory --backend --tp --pp --ep --cp --precision --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --max-tokens-per-micro-batch --loss-chunk --kl-coef --reward-model --activation-checkpointing --no-activation-checkpointing --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --dtype --rollout --rollout-tp --mem-fraction --what-to-rent --json --prompt-len --response-len --micro-batch --help" ;;
-        "/grpo") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --samples-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --plugin --help" ;;
-        "/ppo") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --rollout --reward --reward-model --samples-every --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --plugin --help" ;;
+        "/estimate/memory") words="--model --method --gpus --nodes --gpu --device --host-memory --preset --config --set --plugin --json --batch-size --n --max-prompt-len --prompt-len --max-response-len --response-len --micro-batch-size --micro-batch --max-len --max-tokens-per-micro-batch --gradient-checkpointing --no-gradient-checkpointing --activation-checkpointing --no-activation-checkpointing --kl-coef --rollout --rollout-tp --mem-fraction --reward-model --backend --tp --pp --ep --cp --precision --dtype --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --loss-chunk --lora-rank --lora-targets --trust-remote-code --what-to-rent --help" ;;
+        "/grpo") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --host-memory --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --plugin --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --max-tokens-per-micro-batch --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --rollout --rollout-tp --mem-fraction --reward --reward-model --samples-every --tools --env --interaction --max-turns --backend --tp --pp --ep --cp --precision --dtype --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --help" ;;
+        "/ppo") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --host-memory --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --plugin --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --max-tokens-per-micro-batch --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --rollout --rollout-tp --mem-fraction --reward --reward-model --samples-every --tools --env --interaction --max-turns --backend --tp --pp --ep --cp --precision --dtype --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --help" ;;
         "/presets") words="list show --help" ;;
         "/presets/list") words="--help" ;;
         "/presets/show") words="--help" ;;
         "/report") words="--compare --output --html --no-html --no-plot --smooth --follow --interval --json --help" ;;
-        "/sft") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --system-prompt --chat-template --gpus --nodes --gpu --device --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --micro-batch-size --max-len --packing --no-packing --gradient-checkpointing --no-gradient-checkpointing --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --help" ;;
+        "/sft") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --system-prompt --chat-template --gpus --nodes --gpu --device --host-memory --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --micro-batch-size --max-len --packing --no-packing --max-tokens-per-micro-batch --gradient-checkpointing --no-gradient-checkpointing --backend --tp --pp --ep --cp --precision --dtype --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --log --run-name --trust-remote-code --ignore-memory-check --help" ;;
         *) words="" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))

@@ -112,44 +112,50 @@ complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subco
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and not __fish_seen_subcommand_from memory' -a memory -d 'Per-GPU memory of the training and rollout phases, the KV cache, and whether...'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l method -x -a 'sft grpo ppo'
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l lora-rank -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l lora-targets -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l max-len -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l max-prompt-len -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l max-response-len -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l n -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l batch-size -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l micro-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l device -x -a 'auto cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l host-memory -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l preset -x -a 'grpo ppo sft tiers'
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l config -s c -r -F
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l set -s s -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l plugin -r -F
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l json
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l batch-size -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l n -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l max-prompt-len -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l prompt-len -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l max-response-len -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l response-len -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l micro-batch-size -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l micro-batch -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l max-len -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l max-tokens-per-micro-batch -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gradient-checkpointing -l no-gradient-checkpointing
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l activation-checkpointing -l no-activation-checkpointing
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l kl-coef -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout -x -a 'auto hf vllm sglang'
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout-tp -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l mem-fraction -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l backend -x -a 'fsdp megatron'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l pp -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l ep -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l cp -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l precision -x -a 'mixed bf16'
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l dtype -x -a 'bf16 fp16 fp32'
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l offload-params -l no-offload-params
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l offload-optimizer -l no-offload-optimizer
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l selective-checkpointing -l no-selective-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l offload-activations -l no-offload-activations
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l shard -l no-shard
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l max-tokens-per-micro-batch -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l loss-chunk -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l kl-coef -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l reward-model -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l activation-checkpointing -l no-activation-checkpointing
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l offload-params -l no-offload-params
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l offload-optimizer -l no-offload-optimizer
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l dtype -x -a 'bf16 fp16 fp32'
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout -x -a 'auto hf vllm sglang'
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout-tp -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l mem-fraction -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l lora-rank -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l lora-targets -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l what-to-rent
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l json
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l prompt-len -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l response-len -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l micro-batch -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l data -s d -r -F
@@ -164,6 +170,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l device -x -a 'auto cuda cpu'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l host-memory -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l nproc -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l node-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l master-addr -x
@@ -177,6 +184,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l sbatch -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l preset -x -a 'grpo ppo sft tiers'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l set -s s -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l plugin -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l output-dir -s o -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l dry-run
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l json
@@ -195,6 +203,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l top-p -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l top-k -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l mini-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l micro-batch-size -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-tokens-per-micro-batch -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gradient-checkpointing -l no-gradient-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ppo-epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-coef -x
@@ -206,9 +215,27 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l loss-agg -x -a 'token
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-high -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout -x -a 'auto hf vllm sglang'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout-tp -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward -x -a 'gsm8k math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l samples-every -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l tools -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l env -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l interaction -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-turns -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l backend -x -a 'fsdp megatron'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l tp -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l pp -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ep -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l cp -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l precision -x -a 'mixed bf16'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l dtype -x -a 'bf16 fp16 fp32'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l offload-params -l no-offload-params
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l offload-optimizer -l no-offload-optimizer
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l selective-checkpointing -l no-selective-checkpointing
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l offload-activations -l no-offload-activations
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l shard -l no-shard
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l save-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l keep-last -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l resume -x
@@ -221,7 +248,6 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l log -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ignore-memory-check
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l plugin -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l data -s d -r -F
@@ -236,6 +262,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l device -x -a 'auto cuda cpu'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l host-memory -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l nproc -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l node-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l master-addr -x
@@ -249,6 +276,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l sbatch -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l preset -x -a 'grpo ppo sft tiers'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l set -s s -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l plugin -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l output-dir -s o -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l dry-run
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l json
@@ -267,6 +295,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l top-p -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l top-k -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l mini-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l micro-batch-size -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-tokens-per-micro-batch -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gradient-checkpointing -l no-gradient-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l ppo-epochs -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-coef -x
@@ -278,9 +307,27 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l loss-agg -x -a 'token-
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-high -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout -x -a 'auto hf vllm sglang'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout-tp -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward -x -a 'gsm8k math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l samples-every -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l tools -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l env -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l interaction -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-turns -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l backend -x -a 'fsdp megatron'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l tp -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l pp -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l ep -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l cp -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l precision -x -a 'mixed bf16'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l dtype -x -a 'bf16 fp16 fp32'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l offload-params -l no-offload-params
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l offload-optimizer -l no-offload-optimizer
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l selective-checkpointing -l no-selective-checkpointing
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l offload-activations -l no-offload-activations
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l shard -l no-shard
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l save-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l keep-last -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l resume -x
@@ -293,7 +340,6 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l log -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l ignore-memory-check
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l plugin -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from presets; and not __fish_seen_subcommand_from list show' -a list -d 'List the presets: per-method defaults, named presets and the planner\'s...'
 complete -c rlctl -n '__fish_seen_subcommand_from presets; and not __fish_seen_subcommand_from list show' -a show -d 'Print a preset\'s YAML (with the method\'s full resolved defaults for method...'
@@ -320,6 +366,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l device -x -a 'auto cuda cpu'
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l host-memory -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l nproc -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l node-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l master-addr -x
@@ -346,7 +393,20 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l micro-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l max-len -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l packing -l no-packing
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l max-tokens-per-micro-batch -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gradient-checkpointing -l no-gradient-checkpointing
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l backend -x -a 'fsdp megatron'
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l tp -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l pp -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l ep -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l cp -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l precision -x -a 'mixed bf16'
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l dtype -x -a 'bf16 fp16 fp32'
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l offload-params -l no-offload-params
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l offload-optimizer -l no-offload-optimizer
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l selective-checkpointing -l no-selective-checkpointing
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l offload-activations -l no-offload-activations
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l shard -l no-shard
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l save-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l keep-last -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l resume -x

@@ -257,7 +257,7 @@ def sample_answer(model_dir: Path, problem: arith.Problem) -> str:
 
 def write_report(run_dir: Path) -> Path:
     """The HTML report of ``run_dir`` (what `rlctl report RUN` writes), next to its metrics."""
-    from rlctl.report import load_run
+    from rlctl.run_report import load_run
     from rlctl.viewer import write_html
 
     run = load_run(run_dir)

@@ -16,10 +16,6 @@ class UserError(Exception):
     exit_code = 2
 
 
-class NotAvailableYet(UserError):
-    """A command whose engine is not built yet."""
-
-
 def did_you_mean(word: str, choices: Iterable[str], n: int = 3) -> str:
     """Return ' (did you mean X?)' or '' when nothing is close."""
     choices = list(choices)

@@ -6,7 +6,7 @@
 run directory's checkpoints). Each problem is one :class:`~rlctl.errors.UserError` naming the fix;
 nothing is written until every check has passed (the launcher creates the run directory after).
 
-Used by ``rlctl sft|grpo|ppo``, ``rlctl bench`` and the demo. No torch import here.
+Used by ``rlctl sft|grpo|ppo``, ``rlctl estimate memory``, ``rlctl bench`` and the demo. No torch import here.
 """
 
 from __future__ import annotations
@@ -17,30 +17,58 @@ import json
 import os
 import re
 import sys
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlctl.config import RunConfig, val_split
 from rlctl.config.algorithm import check_algorithm
 from rlctl.errors import UserError
 
+if TYPE_CHECKING:
+    from rlctl.plan import Plan
+
 IGNORE_MEMORY_FLAG = "--ignore-memory-check"
 
 
-def resolve_job(method: str, *, preset: str | None, config_file: str | None, options: dict, sets: list[str] | None):
-    """The configuration (preset < config file < options < --set) with its plan applied, and the plan."""
-    from rlctl.config import build_config, dotted_to_nested, load_yaml_file, parse_set_options
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A job resolved once: what the user asked for, and the same with the plan's choices filled in."""
+
+    requested: RunConfig  # preset < --config < options < --set; "auto" settings still open (what-to-rent reads it)
+    cfg: RunConfig  # with the plan applied: what the launcher writes and the ranks read
+    plan: Plan
+
+    def __iter__(self):  # ``cfg, plan = resolve_job(...)``
+        return iter((self.cfg, self.plan))
+
+
+def resolve_job(
+    method: str,
+    *,
+    preset: str | None = None,
+    config_file: str | None = None,
+    options: dict,
+    sets: list[str] | None = None,
+    defaults: dict | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Job:
+    """The configuration (preset < ``defaults`` < config file < options < --set) and its plan.
+
+    ``defaults``: a command's own defaults over the preset's (``rlctl estimate memory``: CUDA);
+    ``environ``: inside a SLURM allocation, this node's place in it fills the options left out."""
+    from rlctl.config import build_config, dotted_to_nested, parse_set_options
     from rlctl.plan import apply_plan, resolve_plan
     from rlctl.presets import method_layers
 
-    layers = method_layers(method, preset)
+    if environ is not None:
+        from rlctl.slurm import allocation_options
+
+        options = allocation_options(options, environ)
+    layers = method_layers(method, preset) + [dotted_to_nested(defaults or {})]
     if config_file:
-        file_layer = load_yaml_file(config_file)
-        if file_layer.get("method") not in (None, method):
-            raise UserError(
-                f"{config_file} is a `{file_layer['method']}` config; run `rlctl {file_layer['method']}` with it"
-            )
-        layers.append(file_layer)
+        layers.append(_config_file_layer(config_file, method))
     layers.append(dotted_to_nested({k: v for k, v in options.items() if v is not None}))
     layers.append(parse_set_options(sets or []))
     cfg = build_config(method, layers)
@@ -53,7 +81,39 @@ def resolve_job(method: str, *, preset: str | None, config_file: str | None, opt
     if model is not None:
         check_remote_code(cfg, model)  # before the planner, which would only say the model type is unknown
     plan = resolve_plan(cfg)
-    return apply_plan(cfg, plan), plan
+    return Job(requested=cfg, cfg=apply_plan(cfg, plan), plan=plan)
+
+
+def _config_file_layer(path: str, method: str) -> dict:
+    from rlctl.config import load_yaml_file
+
+    layer = load_yaml_file(path)
+    if layer.get("method") not in (None, method):
+        raise UserError(f"{path} is a `{layer['method']}` config; run `rlctl {layer['method']}` with it")
+    return layer
+
+
+def ready_to_launch(job: Job, *, ignore_memory_check: bool = False, environ: Mapping[str, str] = os.environ):
+    """The config to launch: its run directory fixed, and every check before launch passed
+    (:func:`check_job`); a job submitted to SLURM skips the checks of this machine's devices."""
+    cfg, plan = job.cfg, job.plan
+    slurm = cfg.cluster.launcher == "slurm"
+    if plan.nodes > 1 and not cfg.output_dir and not slurm and not environ.get("SLURM_JOB_ID"):
+        raise UserError(
+            f"a run on {plan.nodes} nodes needs --output-dir: the same run directory on every node, "
+            f"on a filesystem all nodes share"
+        )
+    cfg = with_run_dir(cfg)
+    check_job(cfg, plan, ignore_memory_check=ignore_memory_check, on_this_machine=not slurm)
+    return cfg
+
+
+def check_placement(plan: Plan) -> None:
+    """Where the ranks go (checked for a dry run too): a vLLM/SGLang engine's tensor parallel stays inside one node."""
+    if plan.nodes > 1 and plan.rollout in ("vllm", "sglang") and plan.rollout_tp > 1:
+        from rlctl.runtime.dist import check_rollout_in_node  # (imports torch: only for multi-node RL)
+
+        check_rollout_in_node(plan.rollout_tp, plan.nproc_per_node)
 
 
 def with_run_dir(cfg: RunConfig) -> RunConfig:
@@ -72,6 +132,7 @@ def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_thi
     check_algorithm(cfg)
     check_data_given(cfg)
     check_reward_spec(cfg)
+    check_agent_files(cfg)
     from rlctl.metrics import check_backends_installed
 
     check_backends_installed(cfg.log.backends)
@@ -90,6 +151,7 @@ def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_thi
     elif on_this_machine:
         check_model_available(cfg.model.name, random_init=cfg.model.random_init)
     check_data_rows(cfg, model)
+    check_agent_template(cfg, model)
     for line in warnings:
         print(line, file=sys.stderr, flush=True)
 
@@ -102,6 +164,7 @@ def check_dry_run(cfg: RunConfig) -> None:
 
     check_algorithm(cfg)
     check_backends_installed(cfg.log.backends)
+    check_agent_files(cfg)
     check_footguns(cfg, nproc=1, device="cpu")  # its refusals; the warnings come with the real run
     model = model_files(cfg.model.name)
     if model is not None:
@@ -153,6 +216,39 @@ def check_reward_spec(cfg: RunConfig) -> None:
         check_reward_config(cfg.reward)  # an unknown name, a missing file/function or model: a UserError
 
 
+def check_agent_files(cfg: RunConfig) -> None:
+    """--tools / --env / --interaction load here as on the ranks (torch-free): a file that does not import,
+    a tool without a documented argument, a missing class or a bad verl YAML is one line before launch."""
+    a = cfg.agent
+    if cfg.method in ("grpo", "ppo") and (a.tools or a.env or a.interaction):
+        from rlctl.agents.tools import load_agent_spec
+
+        load_agent_spec(tools=a.tools, env=a.env, interaction=a.interaction, timeout_s=a.tool_timeout_s)
+
+
+def check_agent_template(cfg: RunConfig, model: ModelFiles | None) -> None:
+    """An agent run (--tools / --env / --interaction) needs a chat template that renders tool calls."""
+    if not (cfg.agent.tools or cfg.agent.env):  # an interaction alone calls no tools
+        return
+    from rlctl.agents.parse import template_style
+
+    template: object = None
+    if cfg.data.chat_template:
+        template = Path(cfg.data.chat_template).expanduser().read_text()
+    elif model is not None:
+        template = model.tokenizer_config.get("chat_template")
+        jinja = model.root / "chat_template.jinja"
+        if not template and jinja.is_file():
+            template = jinja.read_text()
+    else:
+        return  # a hub model: its template is read on the ranks
+    if template_style(template) is None and "response_schema" not in (model.tokenizer_config if model else {}):
+        raise UserError(
+            "the chat template has no tool-call format (no <tool_call> nor Llama 3 JSON calls), so the model cannot "
+            "call --tools / --env: use a model whose template takes tools, or pass --chat-template FILE.jinja"
+        )
+
+
 def check_run_dir(cfg: RunConfig, run_dir: Path, *, backend: str = "") -> None:
     """An output that cannot be written or is someone else's directory; a bad or damaged --resume
     checkpoint, or one this job cannot continue (another method, engine, LoRA rank or model); a run
@@ -193,16 +289,15 @@ def check_device(plan) -> None:
 
 
 def check_memory(plan, *, ignore: bool) -> None:
-    """The planner's "does not fit" verdict stops a real launch (as it is printed by --dry-run)."""
+    """The planner's "does not fit" verdict stops a real launch (as it is printed by --dry-run), with what
+    would fit (the plan's advice)."""
     if plan.fits or ignore:
         return
-    verdict = next((r[len("estimate: ") :] for r in plan.reasons if r.startswith("estimate: ")), "")
-    idx = next((i for i, r in enumerate(plan.reasons) if r.startswith("estimate: ")), None)
-    instead = plan.reasons[idx + 1] if idx is not None and idx + 1 < len(plan.reasons) else ""
-    verdict = verdict.removeprefix("does not fit").lstrip(": ")
-    parts = [f"the plan does not fit in memory: {verdict}" if verdict else "the plan does not fit in memory"]
-    if instead:
-        parts.append(instead.rstrip("."))
+    from rlctl.plan.types import advice_line
+
+    parts = [f"the plan does not fit in memory: {plan.verdict.why}"]
+    if plan.advice:
+        parts.append(advice_line(plan.advice).rstrip("."))
     parts.append(f"pass {IGNORE_MEMORY_FLAG} to launch anyway")
     raise UserError(" ".join("; ".join(parts).split()))
 
@@ -377,6 +472,8 @@ def _check_rl_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[st
 
     if all(s.spec != "auto" for s in rule_specs(cfg.reward)):
         return  # every component is named (or a reward model alone): no row needs a data_source
+    if cfg.agent.env or cfg.agent.interaction:
+        return  # the environment's get_reward / the interaction's score may be the reward (TRL's convention)
 
     sources = {str(r.get("data_source") or "") for r in rows}
     if "" in sources:

@@ -196,6 +196,10 @@ class _Progress:
             if "step" not in rec:
                 continue
             self.last = rec
+            if isinstance(rec.get("warning"), str):  # e.g. reward calls that failed (rlctl.rewards.reward_warning)
+                from rich.markup import escape
+
+                self.console.print(f"[yellow]{escape(rec['warning'])}[/yellow]", soft_wrap=True, highlight=False)
             if self.live:
                 self.bar.update(self.task, completed=rec["step"], total=rec.get("total_steps"), info=_describe(rec))
             else:
@@ -388,8 +392,9 @@ def _report(rc: int, paths: RunPaths, progress: _Progress, *, interrupted: bool 
             console.print("interrupted during start-up (before step 1); no checkpoint was written")
             return INTERRUPTED
         reached = f"interrupted at step {progress.last['step']}; " if progress.last is not None else ""
-        console.print(f"{reached}the ranks were stopped before saving; last checkpoint: {summary['checkpoint']}")
-        if summary["checkpoint"] is not None:
+        last = summary["checkpoint"]
+        console.print(f"{reached}the ranks were stopped before saving; last checkpoint: {last}", soft_wrap=True)
+        if last is not None:
             console.print("continue with --resume auto (same --output-dir)")
         return INTERRUPTED
     if summary and summary.get("status") == "interrupted":

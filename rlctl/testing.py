@@ -19,6 +19,42 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# A Hermes/Qwen-style template that takes tools (as Qwen2.5's does): the schemas in the system turn, calls as
+# <tool_call>{json}</tool_call> re-serialized from the parsed message, consecutive tool results in one user turn.
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}"
+    "<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% elif message['role'] == 'user' or (message['role'] == 'assistant' and not message.get('tool_calls')) %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% elif message['role'] == 'assistant' %}<|im_start|>assistant\n{{ message['content'] }}"
+    "{% for tc in message['tool_calls'] %}{% if message['content'] or not loop.first %}\n{% endif %}"
+    '<tool_call>\n{"name": "{{ tc[\'function\'][\'name\'] }}", "arguments": '
+    "{{ tc['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+TOOL_CORPUS = [  # tool schemas, calls and results, so the tiny tokenizer spends few tokens on them
+    '<tools>\n{"type": "function", "function": {"name": "add", "description": "Add two integers.", '
+    '"parameters": {"type": "object", "properties": {"a": {"type": "integer", "description": "The first integer."}, '
+    '"b": {"type": "integer", "description": "The second integer."}}, "required": ["a", "b"]}, '
+    '"return": {"type": "integer"}}}\n</tools>',
+    '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>',
+    '<tool_call>{"name":"add","arguments":{"a":3,"b":4}}</tool_call>',
+    "<tool_response>\n7\n</tool_response>",
+]
+
 
 def default_corpus() -> list[str]:
     """Text that covers digits, arithmetic and chat words, so the tiny tokenizer is usable."""
@@ -83,17 +119,25 @@ def tiny_qwen2_config(vocab_size: int = 512, **overrides):
     return Qwen2Config(**kwargs)
 
 
-def build_tiny_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 512, **config_overrides):
+def build_tiny_model(
+    out_dir: str | Path, *, seed: int = 0, vocab_size: int = 512, tools: bool = False, **config_overrides
+):
     """Write a tiny random Qwen2 model with its tokenizer and generation config to ``out_dir``.
 
-    Returns the directory as a Path. The tokenizer's eos is ``<|im_end|>``.
+    Returns the directory as a Path. The tokenizer's eos is ``<|im_end|>``. ``tools``: the tokenizer also
+    learns tool-call text and its chat template takes tools (:data:`TOOL_CHAT_TEMPLATE`).
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(out, vocab_size=vocab_size)
+    if tools:
+        tok = build_tokenizer(vocab_size=vocab_size, corpus=default_corpus() + TOOL_CORPUS * 50)
+        tok.chat_template = TOOL_CHAT_TEMPLATE
+        tok.save_pretrained(str(out))
+    else:
+        tok = build_tokenizer(out, vocab_size=vocab_size)
     config = tiny_qwen2_config(vocab_size=len(tok), **config_overrides)
     config.eos_token_id = tok.eos_token_id
     config.pad_token_id = tok.pad_token_id

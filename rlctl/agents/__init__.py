@@ -1,2 +1,8 @@
-"""Agentic RL: tools, environments and interactions (tools.py, torch-free loading), and the multi-turn
-rollout loop around them."""
+"""Agentic RL: tools, environments and multi-turn trajectories (layer 5, beside rollout).
+
+- :mod:`.tools`: tools from a .py file or a verl tool YAML, TRL-style environments, verl interactions, and
+  running a batch's calls in parallel with timeouts (torch-free loading: the pre-launch checks use it)
+- :mod:`.parse`: tool calls out of a response, in the chat template's format (no torch)
+- :mod:`.trajectory`: a trajectory's tokens, loss mask and conversation; appended turns as a token delta
+- :mod:`.loop`: the multi-turn loop over any rollout engine, token ids in and out
+"""

@@ -7,7 +7,7 @@
 * :mod:`rlctl.bench.convert`: ``fsdp-to-hf`` GB/s and peak RSS beside a plain copy;
 * :mod:`rlctl.bench.compare`: the same work through TRL and rlctl, interleaved, with ratios;
 * :mod:`rlctl.bench.mfu`: the FLOP counting convention; :mod:`rlctl.bench.models`: ``--model``
-  (``tiny``, a local directory, a catalog name with random weights); :mod:`rlctl.bench.report` and
+  (``tiny``, a local directory, a catalog name with random weights); :mod:`rlctl.bench.tables` and
   :mod:`rlctl.bench.plot`: tables and bar charts. Every command returns one JSON-ready dict
   (see :func:`rlctl.bench.common.envelope`).
 """

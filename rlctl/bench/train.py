@@ -34,8 +34,9 @@ from rlctl.bench import mfu as M
 from rlctl.bench.common import ProcessSampler, median, relative_error, run_measured
 from rlctl.bench.models import BenchModel, token_space
 from rlctl.errors import UserError
+from rlctl.names import Method, choices
 
-METHODS = ("sft", "grpo", "ppo")
+METHODS = choices(Method)
 LENGTHS = ("fixed", "spread")
 SPLIT_KEYS = ("time/rollout", "time/logprobs", "time/update", "time/weight_sync")
 RECIPE_PEAK_KEY = "mem/peak_bytes"  # per-rank peak, logged by the recipe (max over ranks)
@@ -67,7 +68,7 @@ class TrainSettings:
             from rlctl.errors import did_you_mean
 
             raise UserError(
-                f"unknown --method {self.method!r}{did_you_mean(self.method, METHODS)}; use sft, grpo or ppo"
+                f"unknown --method {self.method!r}{did_you_mean(self.method, METHODS)}; use {', '.join(METHODS)}"
             )
         if self.steps < 1:
             raise UserError(f"--steps must be at least 1, got {self.steps}")
@@ -298,16 +299,14 @@ def measured_memory(records: list[dict], sampler: ProcessSampler, baseline: int,
 
 def prepare_job(model: BenchModel, s: TrainSettings, work: Path, data: Path | None = None):
     """(cfg, plan) of the job, configured and planned as ``rlctl <method>`` does; writes the data unless given."""
-    from rlctl.job import check_job, resolve_job, with_run_dir
+    from rlctl.job import ready_to_launch, resolve_job
 
     s.check()
     data = data or write_data(model.path, s, work)
     longest = longest_prompt(model.path, data) if s.is_rl else 0
     opts = job_options(model, s, data, longest, work / "run")
-    cfg, plan = resolve_job(s.method, preset=None, config_file=None, options=opts, sets=s.sets)
-    cfg = with_run_dir(cfg)
-    check_job(cfg, plan)
-    return cfg, plan
+    job = resolve_job(s.method, options=opts, sets=s.sets)
+    return ready_to_launch(job), job.plan
 
 
 def longest_prompt(model_path: Path, data: Path) -> int:

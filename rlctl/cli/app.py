@@ -11,7 +11,7 @@ import sys
 import typer
 
 from rlctl import __version__
-from rlctl.cli import bench, convert, estimate, presets, report, rl, sft
+from rlctl.cli import bench, convert, estimate, presets, report, train
 
 HELP = """rlctl: post-train LLMs (SFT, GRPO, PPO) from one command.
 
@@ -44,9 +44,8 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-app.command("sft", epilog=sft.EXAMPLES)(sft.sft)
-app.command("grpo", epilog=rl.GRPO_EXAMPLES)(rl.grpo)
-app.command("ppo", epilog=rl.PPO_EXAMPLES)(rl.ppo)
+for method in ("sft", "grpo", "ppo"):
+    app.command(method, epilog=train.EXAMPLES[method])(getattr(train, method))
 app.command("report", epilog=report.EXAMPLES)(report.report)
 app.add_typer(convert.app, name="convert")
 app.add_typer(estimate.app, name="estimate")

@@ -92,7 +92,7 @@ def _emit(doc: dict, as_json: bool, plot: Path | None) -> None:
     if as_json:
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
-        from rlctl.bench.report import render
+        from rlctl.bench.tables import render
 
         render(doc)
 

@@ -57,7 +57,7 @@ def report(
     beside it."""
     from rich.console import Console
 
-    from rlctl.report import load_run
+    from rlctl.run_report import load_run
 
     dirs = [*run_dirs, *(compare or [])]
     console = Console(stderr=as_json)
@@ -94,7 +94,7 @@ def _outputs(runs, output: str | None, *, html: bool, png: bool) -> dict:
 def _write(runs, outputs: dict, *, smooth: float, refresh_s: int, console) -> str:
     """Write the HTML and the PNG; a missing matplotlib costs only the PNG (one note line)."""
     from rlctl.errors import UserError
-    from rlctl.report import plot
+    from rlctl.run_report import plot
 
     done = []
     if outputs["html"] is not None:
@@ -113,7 +113,7 @@ def _write(runs, outputs: dict, *, smooth: float, refresh_s: int, console) -> st
 
 
 def _print(runs, written: str, *, as_json: bool, console) -> None:
-    from rlctl.report import render_summary, summarize
+    from rlctl.run_report import render_summary, summarize
 
     summaries = [summarize(r) for r in runs]
     if as_json:

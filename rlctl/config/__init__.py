@@ -24,6 +24,7 @@ from typing import Any
 from rlctl.config.algorithm import check_registered_names
 from rlctl.config.plugins import load_plugins
 from rlctl.config.schema import (  # noqa: F401 - the schema, re-exported
+    AgentConfig,
     AlgoConfig,
     CheckpointConfig,
     ClusterConfig,
@@ -334,6 +335,40 @@ def validate(cfg: RunConfig) -> None:
         )
     if cfg.rollout.top_k == 0 or cfg.rollout.top_k < -1:
         raise UserError(f"rollout.top_k must be -1 (off) or at least 1, got {cfg.rollout.top_k}")
+    _validate_agent(cfg)
+
+
+DEFAULT_MAX_TURNS = 8  # agent.max_turns when tools, an environment or an interaction are given
+
+
+def agent_enabled(cfg: RunConfig) -> bool:
+    """Whether the run is multi-turn: tools, an environment or an interaction given."""
+    a = cfg.agent
+    return bool(a.tools or a.env or a.interaction)
+
+
+def max_turns(cfg: RunConfig) -> int:
+    """Assistant turns per trajectory: agent.max_turns, else 8 for agent runs (1 otherwise)."""
+    if cfg.agent.max_turns is not None:
+        return cfg.agent.max_turns
+    return DEFAULT_MAX_TURNS if agent_enabled(cfg) else 1
+
+
+def _validate_agent(cfg: RunConfig) -> None:
+    a = cfg.agent
+    if a.max_turns is not None and a.max_turns < 1:
+        raise UserError(f"agent.max_turns must be at least 1, got {a.max_turns}")
+    if a.max_turns is not None and not agent_enabled(cfg):
+        raise UserError(
+            "--max-turns needs something to take turns with: pass --tools FILE.py, --env FILE.py:Class or "
+            "--interaction FILE"
+        )
+    if a.tool_timeout_s <= 0:
+        raise UserError(f"agent.tool_timeout_s must be > 0 seconds, got {a.tool_timeout_s}")
+    if a.tool_max_chars < 1:
+        raise UserError(f"agent.tool_max_chars must be at least 1, got {a.tool_max_chars}")
+    if agent_enabled(cfg) and cfg.method == "sft":
+        raise UserError("--tools / --env / --interaction are for grpo and ppo; sft trains on tool traces in the data")
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:

@@ -181,6 +181,16 @@ class RewardConfig:
 
 
 @dataclass
+class AgentConfig:
+    tools: str = ""  # FILE.py (every public function), FILE.py:a,b, or a verl tool config YAML
+    env: str = ""  # FILE.py:Class, one instance per trajectory (TRL's environment_factory convention)
+    interaction: str = ""  # a verl Interaction: a simulated user answering each assistant turn
+    max_turns: int | None = None  # assistant turns per trajectory (None: 8 with tools / env / interaction)
+    tool_timeout_s: float = 30.0  # seconds per tool call; a call that runs over returns an error to the model
+    tool_max_chars: int = 4096  # a tool's output is cut to this many characters
+
+
+@dataclass
 class LogConfig:
     backends: str = "console"  # comma list: console, tensorboard, wandb
     project: str = "rlctl"
@@ -216,6 +226,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     log: LogConfig = field(default_factory=LogConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 

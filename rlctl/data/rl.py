@@ -38,6 +38,7 @@ class Prompt:
     data_source: str
     ground_truth: Any
     extra_info: dict | None
+    row: dict | None = None  # the dataset row, kept for agent runs (an environment's reset(**row))
 
 
 @dataclass
@@ -58,25 +59,31 @@ def _ground_truth(row: dict, answer_field: str) -> tuple[bool, Any]:
     return False, None
 
 
-def render_prompt(prompt: Any, tokenizer, field: str, system: str = "") -> list[int]:
+def prompt_messages(prompt: Any, field: str, system: str = "") -> list[dict]:
+    """A prompt (a string or a chat message list) as chat messages, ``system`` first unless it has one."""
+    messages = checked_messages(prompt, field) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    return with_system(messages, system)
+
+
+def render_prompt(prompt: Any, tokenizer, field: str, system: str = "", tools: list[dict] | None = None) -> list[int]:
     """Token ids of a prompt (a string or a chat message list), ending with the generation prompt;
-    ``system`` (data.system_prompt) goes first unless the prompt has a system message."""
+    ``system`` (data.system_prompt) goes first unless the prompt has a system message; ``tools`` (OpenAI
+    function schemas, agent runs) go to the chat template."""
     if isinstance(prompt, str) and not prompt:
         raise BadRow(f"empty '{field}'")
     if not tokenizer.chat_template:
         if not isinstance(prompt, str):
             raise BadRow(f"'{field}' is a message list but the tokenizer has no chat template")
         return list(tokenizer(f"{system}\n\n{prompt}" if system else prompt)["input_ids"])
-    messages = checked_messages(prompt, field) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    messages = with_system(messages, system)
+    messages = prompt_messages(prompt, field, system)
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # noqa: BLE001 (jinja raises many types)
         raise BadRow(f"chat template failed ({str(e).splitlines()[0][:80]})") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def row_prompt(row: dict, tokenizer, cfg: RunConfig) -> Prompt:
+def row_prompt(row: dict, tokenizer, cfg: RunConfig, tools: list[dict] | None = None) -> Prompt:
     """One row as a :class:`Prompt`; raises :class:`BadRow` with the reason when it cannot be used."""
     field = cfg.data.prompt_field
     prompt = row.get(field)
@@ -85,7 +92,7 @@ def row_prompt(row: dict, tokenizer, cfg: RunConfig) -> Prompt:
     found, truth = _ground_truth(row, cfg.data.answer_field)
     if not found:
         raise BadRow(f"missing field '{cfg.data.answer_field}'")
-    ids = render_prompt(prompt, tokenizer, field, cfg.data.system_prompt)
+    ids = render_prompt(prompt, tokenizer, field, cfg.data.system_prompt, tools)
     if len(ids) > cfg.rollout.max_prompt_len:
         raise BadRow(TOO_LONG)
     return _with_meta(ids, row, cfg)
@@ -98,11 +105,20 @@ def _with_meta(ids: list[int], row: dict, cfg: RunConfig) -> Prompt:
     extra = dict(extra) if isinstance(extra, dict) else None
     if cfg.reward.format_pattern:
         extra = {**(extra or {}), "pattern": cfg.reward.format_pattern}
-    return Prompt(ids, str(row.get("data_source") or ""), truth, extra)
+    from rlctl.config import agent_enabled
+
+    return Prompt(ids, str(row.get("data_source") or ""), truth, extra, dict(row) if agent_enabled(cfg) else None)
 
 
 def read_prompts(
-    path: str, tokenizer, cfg: RunConfig, split: str = "train", *, cache_dir=None, log=lambda msg: None
+    path: str,
+    tokenizer,
+    cfg: RunConfig,
+    split: str = "train",
+    *,
+    cache_dir=None,
+    log=lambda msg: None,
+    tools: list[dict] | None = None,
 ) -> tuple[list[Prompt], DataReport]:
     """Every usable prompt of a data source (rendered through ``datasets.map``, cached in ``cache_dir``
     and done once: :func:`rlctl.data.mapped.map_rows`), and the report of what was skipped."""
@@ -123,7 +139,7 @@ def read_prompts(
 
     def render(row: dict) -> dict:
         try:
-            return {"token_ids": row_prompt(row, tokenizer, cfg).token_ids, "bad": ""}
+            return {"token_ids": row_prompt(row, tokenizer, cfg, tools).token_ids, "bad": ""}
         except BadRow as e:
             return {"token_ids": [], "bad": str(e)}
 
@@ -134,6 +150,7 @@ def read_prompts(
         data=asdict(cfg.data),
         max_prompt_len=cfg.rollout.max_prompt_len,
         tokenizer=tokenizer_stamp(tokenizer),
+        **({"tools": tools} if tools else {}),
     )
     features = {"token_ids": "int32 list", "bad": "string"}
     prompts = []
@@ -146,7 +163,9 @@ def read_prompts(
     return prompts, report
 
 
-def build_rl_data(cfg: RunConfig, tokenizer, *, cache_dir=None, log=lambda msg: None) -> RLData:
+def build_rl_data(
+    cfg: RunConfig, tokenizer, *, cache_dir=None, log=lambda msg: None, tools: list[dict] | None = None
+) -> RLData:
     """The training prompts (and validation prompts from ``data.val_path`` or ``data.val_fraction``).
 
     Deterministic, so every rank computes the same list. Prompts too long are skipped (not counted
@@ -158,7 +177,9 @@ def build_rl_data(cfg: RunConfig, tokenizer, *, cache_dir=None, log=lambda msg: 
         )
     if not cfg.data.path:
         raise UserError("no data given: pass --data FILE (JSONL, Parquet or a datasets directory of prompts)")
-    prompts, report = read_prompts(cfg.data.path, tokenizer, cfg, cfg.data.split, cache_dir=cache_dir, log=log)
+    prompts, report = read_prompts(
+        cfg.data.path, tokenizer, cfg, cfg.data.split, cache_dir=cache_dir, log=log, tools=tools
+    )
     too_long = report.bad.get(TOO_LONG, 0)
     malformed = report.num_bad - too_long
     if report.total and malformed / report.total > cfg.data.max_bad_fraction:
@@ -171,7 +192,9 @@ def build_rl_data(cfg: RunConfig, tokenizer, *, cache_dir=None, log=lambda msg: 
         raise UserError(f"{cfg.data.path}: no usable prompts{hint}: {report.summary()}")
     val: list[Prompt] = []
     if cfg.data.val_path:
-        val, _ = read_prompts(cfg.data.val_path, tokenizer, cfg, val_split(cfg), cache_dir=cache_dir, log=log)
+        val, _ = read_prompts(
+            cfg.data.val_path, tokenizer, cfg, val_split(cfg), cache_dir=cache_dir, log=log, tools=tools
+        )
     elif cfg.data.val_fraction > 0:
         import numpy as np
 

@@ -123,7 +123,7 @@ class EngineSpec:
             raise UnresolvedConfig(f"EngineSpec.device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype == "auto":
             raise UnresolvedConfig("EngineSpec.dtype is 'auto': resolve the config with the plan first")
-        if self.precision not in ("mixed", "bf16"):
+        if self.precision not in names.choices(names.Precision):
             raise UnresolvedConfig(f"EngineSpec.precision must be mixed or bf16, got {self.precision!r}")
         for name in ("tp", "pp", "cp", "ep", "micro_batch_size"):
             if getattr(self, name) < 1:

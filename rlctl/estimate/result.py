@@ -119,8 +119,8 @@ class MemoryEstimate:
         return self.headroom_bytes >= 0 and self.engine_starts and self.host_fits
 
     @property
-    def verdict(self) -> str:
-        peak, total = self.peak_bytes / GIB, self.gpu_memory_bytes / GIB
+    def problems(self) -> list[str]:
+        """Why the job does not fit, one entry per limit it overflows (empty when it fits)."""
         problems = []
         if not self.engine_starts:
             problems.append(
@@ -129,7 +129,8 @@ class MemoryEstimate:
             )
         elif self.headroom_bytes < 0:
             problems.append(
-                f"the {self.peak_phase} phase needs {peak:.1f} GiB per GPU, the {self.gpu} has {total:.1f} GiB"
+                f"the {self.peak_phase} phase needs {self.peak_bytes / GIB:.1f} GiB per GPU, "
+                f"the {self.gpu} has {self.gpu_memory_bytes / GIB:.1f} GiB"
             )
         if not self.host_fits:
             problems.append(
@@ -137,8 +138,12 @@ class MemoryEstimate:
                 f"a node has {self.host_memory_bytes / GIB:.0f} GiB ({self.host_limit_bytes / GIB:.1f} GiB usable "
                 f"after the {HOST_MARGIN_FRACTION:.0%} kept for the system)"
             )
-        if problems:
-            return "does not fit: " + "; ".join(problems)
+        return problems
+
+    @property
+    def fit_summary(self) -> str:
+        """The peak and the headroom, in words (what the verdict says after "fits: ")."""
+        peak, total = self.peak_bytes / GIB, self.gpu_memory_bytes / GIB
         share = self.headroom_bytes / self.gpu_memory_bytes
         tight = " (tight: allocator fragmentation may not fit)" if share < 0.05 else ""
         host = (
@@ -148,10 +153,15 @@ class MemoryEstimate:
         )
         phase = self.phases[self.peak_phase]
         return (
-            f"fits: peak {peak:.1f} GiB ({self.peak_phase}: {phase.allocated_bytes / GIB:.1f} allocated, "
+            f"peak {peak:.1f} GiB ({self.peak_phase}: {phase.allocated_bytes / GIB:.1f} allocated, "
             f"{phase.reserved_bytes / GIB:.1f} reserved by torch, plus the CUDA context and engine pools) "
             f"of {total:.1f} GiB, {share:.0%} headroom{tight}{host}"
         )
+
+    @property
+    def verdict(self) -> str:
+        problems = self.problems
+        return "does not fit: " + "; ".join(problems) if problems else "fits: " + self.fit_summary
 
     def to_dict(self) -> dict:
         return {

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 
+from rlctl import names
 from rlctl.catalog import pipeline_split
 from rlctl.catalog.spec import ModelSpec
 from rlctl.errors import UserError
@@ -22,14 +23,15 @@ ADAM_STATE_BYTES = 8  # AdamW m and v in fp32
 LOGIT_EXTRA_BYTES = 8  # unfused loss peak per logit: fp32 log-softmax (saved) + its fp32 gradient, beside
 # the logits and their gradient in the compute dtype (2 x compute bytes): 12 bytes per value in bf16
 CHUNK_LOGIT_BYTES = 12  # per logit of one loss chunk beyond the compute dtype: fp32 upcast, log-softmax, gradient
-PRECISIONS = ("mixed", "bf16")  # mixed: fp32 master, grads and AdamW; bf16: pure bf16 weights, grads and AdamW
+PRECISIONS = names.choices(names.Precision)  # mixed: fp32 master, grads and AdamW; bf16: pure bf16 state
 HOST_PROCESS_BYTES = 4 * GIB  # host memory of one GPU process: Python, torch/CUDA/NCCL host allocations, data
 HOST_MARGIN_FRACTION = 0.10  # host memory kept free: the OS, page cache, allocator slack
 CHECKPOINT_BYTES = 2  # bytes per parameter of the HF checkpoint (bf16) that FSDP's rank 0 loads whole
 
-METHODS = ("sft", "grpo", "ppo")
-BACKENDS = ("fsdp", "megatron")
-ENGINES = ("hf", "vllm", "sglang")
+METHODS = names.choices(names.Method)
+BACKENDS = names.BACKENDS
+ENGINES = names.ROLLOUT_ENGINES
+DEVICES = names.choices(names.Device, without=("auto",))
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -155,7 +157,7 @@ class MemorySettings:
 
     def check(self, spec: ModelSpec) -> None:
         """Reject impossible settings with a one-line UserError."""
-        choices = {"method": METHODS, "backend": BACKENDS, "dtype": tuple(DTYPE_BYTES), "device": ("cuda", "cpu")}
+        choices = {"method": METHODS, "backend": BACKENDS, "dtype": tuple(DTYPE_BYTES), "device": DEVICES}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise UserError(f"{key}={getattr(self, key)!r} is not one of {', '.join(allowed)}")

@@ -1,23 +1,46 @@
 """The plan: how a job runs on given hardware (backend, parallel sizes, rollout engine, micro
-batch, checkpointing, offload, dtype), each choice with its reason, and its memory estimate.
+batch, checkpointing, offload, dtype), each choice a :class:`Decision` with its reason, and its memory
+estimate and verdict.
 
 :func:`resolve_plan` is a pure function of the configuration and a :class:`LocalEnv` (what the
 machine printing the plan has); :func:`apply_plan` fills a config's "auto" fields from a plan.
+
+The modules, each importing only those before it: types (the Plan and its JSON), rules (thresholds
+and legal sizes), inputs (the local machine and the job), planner (choose the backend, search,
+relax, explain), advice (what would fit, what to rent); render and compare print them.
 """
 
-from rlctl.plan.local import LocalEnv, detect_local
-from rlctl.plan.planner import apply_plan, resolve_plan
-from rlctl.plan.rent import RentRow, what_to_rent
-from rlctl.plan.types import Plan, load_plan, save_plan
+from rlctl.config import RunConfig
+from rlctl.plan.advice import RentRow, what_to_rent, what_would_fit
+from rlctl.plan.inputs import LocalEnv, detect_local
+from rlctl.plan.planner import apply_plan, plan_config, plan_with_search
+from rlctl.plan.types import Decision, Plan, Verdict, load_plan, save_plan
 
 __all__ = [
+    "Decision",
     "LocalEnv",
     "Plan",
     "RentRow",
+    "Verdict",
     "apply_plan",
     "detect_local",
     "load_plan",
+    "plan_config",
     "resolve_plan",
     "save_plan",
     "what_to_rent",
 ]
+
+
+def resolve_plan(cfg: RunConfig, *, local: LocalEnv | None = None, host_memory_bytes: int = 0) -> Plan:
+    """Choose every "auto" setting of ``cfg`` for its model and hardware, with reasons; a plan that
+    does not fit carries what would (``plan.advice``).
+
+    ``host_memory_bytes``: the host memory of one node of the cluster (0 = the GPU type's typical
+    node, shared by the GPUs used on it).
+    """
+    local = local if local is not None else detect_local()
+    plan, job, result = plan_with_search(cfg, local, host_memory_bytes=host_memory_bytes)
+    if not plan.fits:
+        plan.advice = what_would_fit(cfg, local, job, result)
+    return plan

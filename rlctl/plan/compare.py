@@ -94,8 +94,8 @@ def verl_min_gpus() -> str:
     """verl's "minimum GPUs found to work" for GRPO beside the fewest GPUs rlctl plans for, without
     offload and with offload allowed (host memory permitting)."""
     from rlctl.config import build_config
-    from rlctl.plan.local import LocalEnv
-    from rlctl.plan.rent import smallest_fit
+    from rlctl.plan.advice import smallest_fit
+    from rlctl.plan.inputs import LocalEnv
     from rlctl.presets import method_layers
 
     local = LocalEnv(0, None, frozenset())

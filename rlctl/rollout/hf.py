@@ -71,6 +71,10 @@ class HFRolloutEngine(RolloutEngine):
             self._fast = FastDecoder(self.model)
         else:
             self._log_fallback(reason)
+        # multi-turn sessions (start_session): each sample's keys and values, by the tokens they cover
+        self._session = False
+        self._kept: dict[tuple[int, ...], torch.Tensor] = {}
+        self.prefilled_tokens = 0  # prompt columns computed by the fast path's prefill (tests, benchmarks)
         # state_dict() tensors share storage with the model's parameters: copying into them
         # updates the model (and the fast path's fused weights) in place.
         self._tensors = self.model.state_dict()
@@ -80,8 +84,54 @@ class HFRolloutEngine(RolloutEngine):
             self._logged.add(reason)
             logger.info("hf rollout: generic decoding loop, not the fast decode step: %s", reason)
 
-    @torch.inference_mode()
     def _generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
+        return self._decode(prompt_token_ids, n, sampling, [sampling.max_tokens] * (len(prompt_token_ids) * n))
+
+    def _continue(self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]) -> list[Sample]:
+        return self._decode(histories, 1, sampling, max_tokens)
+
+    def start_session(self) -> None:
+        self._session, self._kept = True, {}
+
+    def end_session(self) -> None:
+        self._session, self._kept = False, {}
+
+    def _kept_prefix(self, history: list[int]) -> torch.Tensor | None:
+        """The kept keys and values of the longest kept prefix of ``history`` (None: nothing kept)."""
+        for length in sorted({len(k) for k in self._kept}, reverse=True):
+            if length < len(history) and (kv := self._kept.get(tuple(history[:length]))) is not None:
+                return kv
+        return None
+
+    def _fast_prefill(self, fast: FastDecoder, prompts: list[list[int]], n: int, max_new: int, input_ids):
+        """The fast path's state and first logits; in a session, each prompt (a trajectory so far) starts from
+        the keys and values kept for its prefix, and only the columns after the shortest kept prefix are
+        computed (the appended tool tokens and the last sampled token), not the whole trajectory again."""
+        state = fast.start([len(p) for p in prompts], n, max_new, keep_rows=self._session)
+        width, cached = input_ids.shape[1], 0
+        kept = [self._kept_prefix(p) for p in prompts] if self._session and n == 1 else []
+        if kept and all(kv is not None for kv in kept):
+            cached = min(width - len(p) + kv.shape[3] for p, kv in zip(prompts, kept))
+            for row, (p, kv) in enumerate(zip(prompts, kept)):
+                state.load_row_kv(row, width - len(p), kv)
+        self.prefilled_tokens += len(prompts) * (width - cached)
+        return state, state.prefill(input_ids, cached)
+
+    def _keep(self, state, prompts: list[list[int]], n: int, tokens: list[list[int]]) -> None:
+        """After a session's call: each sample's keys and values (its prompt and every token fed back)."""
+        width = max(len(p) for p in prompts)
+        self._kept = {}
+        for s, sampled in enumerate(tokens):
+            prompt = prompts[s // n]
+            covered = prompt + sampled[:-1]  # the last sampled token was never fed
+            start = width - len(prompt)
+            self._kept[tuple(covered)] = state.row_kv(s, start, start + len(covered))
+
+    @torch.inference_mode()
+    def _decode(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams, max_tokens: list[int]
+    ) -> list[Sample]:
+        """``n`` samples per prompt, sample ``s`` at most ``max_tokens[s]`` tokens."""
         check_generate_args(prompt_token_ids, n, self.max_model_len)
         stop_ids = self.stop_token_ids | set(sampling.stop_token_ids or ())
         generator = self._generator
@@ -90,17 +140,15 @@ class HFRolloutEngine(RolloutEngine):
 
         input_ids, attention_mask = left_pad(prompt_token_ids, self.pad_token_id, self.device)
         num_samples = len(prompt_token_ids) * n
-        budget = [
-            min(sampling.max_tokens, self.max_model_len - len(prompt_token_ids[s // n])) for s in range(num_samples)
-        ]
+        budget = [min(max_tokens[s], self.max_model_len - len(prompt_token_ids[s // n])) for s in range(num_samples)]
         fast = self._fast if self.fast_decode else None
         if fast is not None and (reason := fast.window_reason(input_ids.shape[1] + max(budget))):
             self._log_fallback(reason)
             fast = None
         # One prefill per prompt; its cache is shared by the prompt's n samples.
         if fast is not None:
-            state = fast.start([len(p) for p in prompt_token_ids], n, max(budget))
-            logits = state.prefill(input_ids)  # the fast path's own prefill, into its preallocated cache
+            # the fast path's own prefill, into its preallocated cache (after kept columns, in a session)
+            state, logits = self._fast_prefill(fast, prompt_token_ids, n, max(budget), input_ids)
             steps: _Steps = state
         else:
             position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -140,6 +188,10 @@ class HFRolloutEngine(RolloutEngine):
                 next_tokens = next_tokens[keep]
             logits = steps.step(next_tokens)
 
+        if fast is not None and self._session:
+            self._keep(steps, prompt_token_ids, n, tokens)
+        elif self._session:
+            self._kept = {}
         return [
             Sample(s // n, tokens[s], logprobs[s], finish[s])  # type: ignore[arg-type]
             for s in range(num_samples)

@@ -208,8 +208,10 @@ class FastDecoder:
             return f"sliding window {self.window} < sequence length {total_len}"
         return None
 
-    def start(self, prompt_lens: list[int], n: int, max_new: int) -> DecodeState:
-        """The decode state of a generation of left-padded prompts, ``n`` samples each; ``prefill`` next."""
+    def start(self, prompt_lens: list[int], n: int, max_new: int, *, keep_rows: bool = False) -> DecodeState:
+        """The decode state of a generation of left-padded prompts, ``n`` samples each; ``prefill`` next.
+        ``keep_rows``: never compact, so every row's keys and values can be read at the end (:meth:`DecodeState.
+        row_kv`), and start from zeros (a prefill after cached columns leaves no column unwritten garbage)."""
         weight = self.lm_head.weight
         pack = weight.device.type == "cpu" and weight.dtype == torch.float32 and _mkldnn_linear_available()
         for linear in self.linears:
@@ -217,7 +219,7 @@ class FastDecoder:
         # each RMSNorm weight twice over, for rms_norm's fp32 path (taken per generation: weights change)
         self.ln_pairs = [(_pair(layer.ln1), _pair(layer.ln2)) for layer in self.layers]
         self.norm_pair = _pair(self.norm)
-        return DecodeState(self, prompt_lens, n, max_new)
+        return DecodeState(self, prompt_lens, n, max_new, keep_rows=keep_rows)
 
 
 class DecodeState:
@@ -229,7 +231,7 @@ class DecodeState:
     # 655 ms compacting at once or at 4, 914 ms never; on hidden 128 x 2 layers all within noise.
     COMPACT_ROW_STEPS = 4
 
-    def __init__(self, dec: FastDecoder, prompt_lens: list[int], n: int, max_new: int) -> None:
+    def __init__(self, dec: FastDecoder, prompt_lens: list[int], n: int, max_new: int, *, keep_rows: bool = False):
         self.dec = dec
         first = dec.layers[0].qkv.weight
         device, dtype = first.device, first.dtype
@@ -238,7 +240,9 @@ class DecodeState:
         self.max_len = width + max_new
         self.t = width  # next cache column
         # every layer's keys and values: (layers, 2, rows, kv_heads, max_len, head_dim)
-        buf = torch.empty(layers, 2, prompts, n, kv, self.max_len, hd, device=device, dtype=dtype)
+        alloc = torch.zeros if keep_rows else torch.empty
+        buf = alloc(layers, 2, prompts, n, kv, self.max_len, hd, device=device, dtype=dtype)
+        self.keep_rows = keep_rows
         self.prompt_kv = buf[..., :width, :]  # the prompts' columns, one row per prompt (x n, broadcast)
         self.kv = buf.view(layers, 2, rows, kv, self.max_len, hd)
         # additive mask: -inf on each row's left padding, per (row, kv head) to match the products' batch
@@ -263,28 +267,32 @@ class DecodeState:
         self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
         self._rope_buffer()  # and the fixed views
 
-    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, cached: int = 0) -> torch.Tensor:
         """Prefill the left-padded prompts ``input_ids`` (prompts, width) into the cache (each prompt's
         keys and values into its ``n`` rows); return the logits at each prompt's last position.
 
         The HF model's computation: each token attends causally within its prompt, padding masked (a pad
-        attends to itself only, so it stays finite), position ids from 0 at each prompt's first token."""
+        attends to itself only, so it stays finite), position ids from 0 at each prompt's first token.
+        ``cached``: the keys and values of the columns before it are in the cache already (:meth:`load_row_kv`,
+        ``n`` = 1): only the columns from ``cached`` on are computed (a multi-turn continuation)."""
         dec = self.dec
         prompts, width = input_ids.shape
+        q_len = width - cached
         heads, kv, hd = dec.heads, dec.kv_heads, dec.head_dim
         qk_heads, half, inter = heads + kv, hd // 2, dec.intermediate
         start = width - self.position.view(prompts, -1)[:, 0]  # first real column of each prompt
         cols = torch.arange(width, device=input_ids.device)
-        positions = (cols[None, :] - start[:, None]).clamp(min=0)
-        cos, sin = self.rope[:, positions, None].unbind(0)  # (prompts, width, 1, head_dim)
+        q_cols = cols[cached:]
+        positions = (q_cols[None, :] - start[:, None]).clamp(min=0)
+        cos, sin = self.rope[:, positions, None].unbind(0)  # (prompts, q_len, 1, head_dim)
         sin_lo, sin_hi = sin[..., :half], sin[..., half:]
-        causal = cols[None, :] <= cols[:, None]
-        diagonal = torch.eye(width, dtype=torch.bool, device=cols.device)
+        causal = cols[None, :] <= q_cols[:, None]
+        diagonal = cols[None, :] == q_cols[:, None]
         mask = ((causal & (cols[None, None, :] >= start[:, None, None])) | diagonal)[:, None]  # query x key
         qk_norms = self.qk_norm or [None] * len(dec.layers)
-        h = F.embedding(input_ids, dec.embed).view(prompts * width, -1)
+        h = F.embedding(input_ids[:, cached:], dec.embed).view(prompts * q_len, -1)
         for i, (layer, (ln1, ln2), qk_norm) in enumerate(zip(dec.layers, dec.ln_pairs, qk_norms, strict=True)):
-            qkv = layer.qkv(rms_norm(h, layer.ln1, layer.eps1, ln1)).view(prompts, width, qk_heads + kv, hd)
+            qkv = layer.qkv(rms_norm(h, layer.ln1, layer.eps1, ln1)).view(prompts, q_len, qk_heads + kv, hd)
             qk = qkv[:, :, :qk_heads]
             if qk_norm is not None:
                 qk = rms_norm(qk, qk_norm, layer.qk_eps)
@@ -292,16 +300,27 @@ class DecodeState:
             r[..., :half].addcmul_(qk[..., half:], sin_lo)
             r[..., half:].addcmul_(qk[..., :half], sin_hi)
             k, v = r[:, :, heads:].transpose(1, 2), qkv[:, :, qk_heads:].transpose(1, 2)
-            self.prompt_kv[i, 0].copy_(k[:, None])
-            self.prompt_kv[i, 1].copy_(v[:, None])
+            self.prompt_kv[i, 0, ..., cached:, :].copy_(k[:, None])
+            self.prompt_kv[i, 1, ..., cached:, :].copy_(v[:, None])
+            if cached:  # the keys and values of every column, the cached ones included (n = 1)
+                k, v = self.prompt_kv[i, 0, :, 0], self.prompt_kv[i, 1, :, 0]
             q = r[:, :, :heads].transpose(1, 2)  # (prompts, heads, width, head_dim)
             if i == len(dec.layers) - 1:  # the last layer: only the last position goes on
-                q, mask, h = q[:, :, -1:], mask[:, :, -1:], h.view(prompts, width, -1)[:, -1]
+                q, mask, h = q[:, :, -1:], mask[:, :, -1:], h.view(prompts, q_len, -1)[:, -1]
             out = F.scaled_dot_product_attention(q, k, v, mask, scale=dec.scaling, enable_gqa=heads != kv)
             h = layer.o.add_to(h, out.transpose(1, 2).reshape(len(h), heads * hd))
             gu = layer.gate_up(rms_norm(h, layer.ln2, layer.eps2, ln2))
             h = layer.down.add_to(h, F.silu(gu[:, :inter]) * gu[:, inter:])
         return dec.lm_head(rms_norm(h, dec.norm, dec.norm_eps, dec.norm_pair))
+
+    def load_row_kv(self, prompt: int, column: int, kv: torch.Tensor) -> None:
+        """Put kept keys and values ``kv`` (layers, 2, kv_heads, L, head_dim) at ``column`` of prompt ``prompt``'s
+        row (n = 1), before a :meth:`prefill` with ``cached`` past them."""
+        self.prompt_kv[:, :, prompt, 0, :, column : column + kv.shape[3]].copy_(kv)
+
+    def row_kv(self, row: int, start: int, stop: int) -> torch.Tensor:
+        """A copy of row ``row``'s keys and values of columns [start, stop) (``keep_rows`` states)."""
+        return self.kv[:, :, row, :, start:stop].clone()
 
     def _rope_buffer(self) -> None:
         # cos and sin for every head of the fused QKV output; the value heads get cos 1, sin 0 (unrotated)
@@ -325,7 +344,7 @@ class DecodeState:
         """Keep only the active rows at indices ``keep`` (into the current active rows)."""
         self.active = self.active[keep]
         self.num_active = len(keep)
-        if (self.rows - self.num_active) * (self.max_len - self.t) >= self.COMPACT_ROW_STEPS:
+        if not self.keep_rows and (self.rows - self.num_active) * (self.max_len - self.t) >= self.COMPACT_ROW_STEPS:
             idx = self.active
             self.kv = self.kv.index_select(2, idx)
             self.bias = self.bias.index_select(0, idx)

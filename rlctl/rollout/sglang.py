@@ -116,6 +116,17 @@ class SGLangRolloutEngine(RolloutEngine):
         )
         return samples_from_outputs(outputs, n)
 
+    def _continue(self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]) -> list[Sample]:
+        # token ids in (input_ids, never text); the radix cache reuses each history's cached prefix
+        check_generate_args(histories, 1, self.max_model_len)
+        stop_ids = sorted(self.stop_token_ids | set(sampling.stop_token_ids or ()))
+        params = sglang_sampling_params(sampling, stop_ids, len(histories))
+        per_request = params if isinstance(params, list) else [dict(params) for _ in histories]
+        for p, m in zip(per_request, max_tokens, strict=True):
+            p["max_new_tokens"] = m
+        outputs = self._engine.generate(input_ids=histories, sampling_params=per_request, return_logprob=True)
+        return samples_from_outputs(outputs, 1)
+
     def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         session = callable(getattr(self._engine, "begin_weight_update", None))  # SGLang >= 0.5.23
         if session:

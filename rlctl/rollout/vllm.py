@@ -35,6 +35,7 @@ import os
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -164,6 +165,22 @@ class VLLMRolloutEngine(RolloutEngine):
             )
             for i in range(len(prompt_token_ids))
         ]
+        return self._run(prompt_token_ids, params, copies)
+
+    def _continue(self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]) -> list[Sample]:
+        # token ids in (no re-tokenization); one request each, its own budget and seed, in one call
+        check_generate_args(histories, 1, self.max_model_len)
+        stop_ids = sorted(self.stop_token_ids | set(sampling.stop_token_ids or ()))
+        params = [
+            to_vllm_sampling_params(
+                replace(sampling, max_tokens=m), 1, stop_ids, None if sampling.seed is None else sampling.seed + i
+            )
+            for i, m in enumerate(max_tokens)
+        ]
+        return self._run(histories, params)
+
+    def _run(self, prompt_token_ids: list[list[int]], params: list, copies: int = 1) -> list[Sample]:
+        """Generate; each completion ``copies`` times over (greedy n > 1)."""
         outputs = self._llm.generate(
             [{"prompt_token_ids": prompt} for prompt in prompt_token_ids], params, use_tqdm=False
         )

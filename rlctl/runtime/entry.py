@@ -34,7 +34,7 @@ from rlctl.runtime.errors import INTERRUPTED, write_rank_error
 from rlctl.runtime.layout import RunPaths, interrupted_summary, write_json_atomic
 from rlctl.runtime.rng import seed_everything
 from rlctl.runtime.shared_dir import check_shared_run_dir
-from rlctl.runtime.signals import requested_early
+from rlctl.runtime.signals import note_stop, requested_early
 
 # Test hooks (environment variables), documented in docs/sft.md:
 STOP_AFTER_ENV = "RLCTL_STOP_AFTER_STEP"  # behave as if Ctrl-C arrived right after this step
@@ -58,6 +58,7 @@ class StopRequest:
             signal.signal(signum, signal.SIG_DFL)
             raise KeyboardInterrupt
         self.requested = True
+        note_stop()  # long work (reward calls) reads it: rlctl.runtime.signals.stop_requested
 
     def local(self, step: int) -> bool:
         """Whether this rank wants to stop after ``step`` (count of finished steps; 0 = before the first)."""

@@ -31,3 +31,13 @@ def install_early() -> None:
 def requested_early() -> bool:
     """Whether a stop was requested before :class:`StopRequest` existed."""
     return _early["requested"]
+
+
+def note_stop() -> None:
+    """Record a stop request (:class:`rlctl.runtime.entry.StopRequest` calls it on a signal)."""
+    _early["requested"] = True
+
+
+def stop_requested() -> bool:
+    """Whether this process was asked to stop (read by work that can take long, e.g. reward calls)."""
+    return _early["requested"]

@@ -1,5 +1,5 @@
 """The HTML report: one self-contained page (data, script and style embedded; no network) with every
-logged metric and a rollout browser. :func:`write_html` builds it from :class:`rlctl.report.Run`s."""
+logged metric and a rollout browser. :func:`write_html` builds it from :class:`rlctl.run_report.Run`s."""
 
 from rlctl.viewer.page import write_html
 

@@ -3,7 +3,7 @@ distinct colours, and a rollout browser over samples.jsonl, in ONE file that nee
 
 The page is a template (``report.js``, ``report.css`` beside this module) and the runs' records as JSON
 in a ``<script type="application/json">`` element; the script draws SVG charts from it. Which metric
-goes in which section is :data:`rlctl.report.PANELS`, the same table the PNG draws from.
+goes in which section is :data:`rlctl.run_report.PANELS`, the same table the PNG draws from.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from rlctl.report import EVAL_NOT_PLOTTED, NOT_PLOTTED, PANELS, Run, numeric_keys, panel_of, summarize
+from rlctl.run_report import EVAL_NOT_PLOTTED, NOT_PLOTTED, PANELS, Run, numeric_keys, panel_of, summarize
 
 HERE = Path(__file__).resolve().parent
 MAX_SAMPLES = 20_000  # samples.jsonl records embedded per run (the newest kept): the page stays a few MB

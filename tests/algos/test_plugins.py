@@ -88,6 +88,31 @@ def test_a_plugin_file_registers_a_loss_the_config_accepts(plugin_file, tmp_path
     assert again.algo.policy_loss == name
 
 
+def test_a_plugin_module_registers_an_estimator_with_its_facts(tmp_path, monkeypatch):
+    """A module name on sys.path works like a file; the estimator's facts drive the algorithm check."""
+    from rlctl.config.algorithm import check_algorithm
+
+    (tmp_path / "my_adv_plugin.py").write_text(
+        "from rlctl.algos.registry import register_adv_est\n"
+        "@register_adv_est('my_group_adv', needs_groups=True)\n"
+        "def my_group_adv(rewards, mask, *, n, **_):\n"
+        "    return rewards, rewards\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        cfg = build_config("grpo", [{"plugins": "my_adv_plugin", "algo": {"adv": "my_group_adv"}}])
+        assert cfg.plugins == ["my_adv_plugin"] and ADV_ESTIMATORS["my_group_adv"].fn.__name__ == "my_group_adv"
+        check_algorithm(cfg)
+        cfg.rollout.n = 1
+        with pytest.raises(UserError, match="--adv my_group_adv compares the samples of a prompt"):
+            check_algorithm(cfg)
+        with pytest.raises(UserError, match="rlctl ppo trains a critic .* or --adv gae$"):
+            check_algorithm(build_config("ppo", [{"plugins": ["my_adv_plugin"], "algo": {"adv": "my_group_adv"}}]))
+    finally:
+        ADV_ESTIMATORS.pop("my_group_adv", None)
+        sys.modules.pop("my_adv_plugin", None)
+
+
 @pytest.mark.parametrize(
     ("source", "plugin", "message"),
     [

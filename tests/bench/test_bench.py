@@ -34,7 +34,7 @@ def rendered(doc: dict) -> str:
     """The tables `rlctl bench` prints without --json."""
     from rich.console import Console
 
-    from rlctl.bench.report import render
+    from rlctl.bench.tables import render
 
     console = Console(record=True, width=200)
     render(doc, console)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from rlctl.bench.report import render_rollout
+from rlctl.bench.tables import render_rollout
 
 DOC = {
     "settings": {"prompts": 8, "n": 4, "prompt_len": 64, "max_tokens": 64, "device": "cpu", "dtype": "fp32", "reps": 3},

@@ -158,7 +158,7 @@ source {script}
 COMP_WORDS=(rlctl gr); COMP_CWORD=1; _rlctl; echo "${{COMPREPLY[@]}}"
 COMP_WORDS=(rlctl grpo --model Qwen2.5-7); COMP_CWORD=3; _rlctl; echo "${{COMPREPLY[@]}}"
 COMP_WORDS=(rlctl convert fs); COMP_CWORD=2; _rlctl; echo "${{COMPREPLY[@]}}"
-COMP_WORDS=(rlctl sft --pre); COMP_CWORD=2; _rlctl; echo "${{COMPREPLY[@]}}"
+COMP_WORDS=(rlctl sft --pres); COMP_CWORD=2; _rlctl; echo "${{COMPREPLY[@]}}"
 COMP_WORDS=(rlctl sft --preset g); COMP_CWORD=3; _rlctl; echo "${{COMPREPLY[@]}}"
 """
     out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout.splitlines()

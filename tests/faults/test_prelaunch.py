@@ -252,12 +252,11 @@ def test_an_unrelated_non_empty_output_dir_is_refused(monkeypatch, capsys, tiny_
 def test_nproc_far_above_the_cores_warns_on_the_console(capsys, tiny_model_dir, files, tmp_path):
     import os
 
-    from rlctl.job import check_job, resolve_job, with_run_dir
+    from rlctl.job import ready_to_launch, resolve_job
 
     nproc = 3 * (os.cpu_count() or 1)
     opts = {"model.name": str(tiny_model_dir), "data.path": str(files / "chat.jsonl"), "hardware.device": "cpu"}
     opts |= {"hardware.nproc": nproc, "output_dir": str(tmp_path / "run")}
-    cfg, plan = resolve_job("sft", preset=None, config_file=None, options=opts, sets=None)
-    check_job(with_run_dir(cfg), plan)
+    ready_to_launch(resolve_job("sft", options=opts))
     err = capsys.readouterr().err
     assert f"--nproc {nproc}" in err and "warning" in err, err

@@ -147,7 +147,7 @@ def test_grpo_help_does_not_offer_gae():
 
 def test_checks_take_well_under_a_second_in_process(files, tiny_model_dir, tmp_path):
     """resolve + check of a good job that will launch: the cost the user pays before torchrun starts."""
-    from rlctl.job import check_job, resolve_job, with_run_dir
+    from rlctl.job import ready_to_launch, resolve_job
 
     opts = {
         "model.name": str(tiny_model_dir),
@@ -159,10 +159,9 @@ def test_checks_take_well_under_a_second_in_process(files, tiny_model_dir, tmp_p
         "rollout.max_response_len": 12,
         "output_dir": str(tmp_path / "run"),
     }
-    resolve_job("grpo", preset=None, config_file=None, options=opts, sets=None)  # warm the imports
+    resolve_job("grpo", options=opts)  # warm the imports
     start = time.perf_counter()
-    cfg, plan = resolve_job("grpo", preset=None, config_file=None, options=opts, sets=None)
-    check_job(with_run_dir(cfg), plan)
+    ready_to_launch(resolve_job("grpo", options=opts))
     assert time.perf_counter() - start < 1.0
     assert not (tmp_path / "run").exists()
 
@@ -255,3 +254,23 @@ def test_a_malformed_rlctl_profile_is_refused_before_launch(files, tiny_model_di
     assert r.returncode == 2 and len(lines) == 1, (r.stdout, r.stderr)
     assert "RLCTL_PROFILE='3-6' is not a step range: use START:END" in lines[0]
     assert not out.exists()
+
+
+def test_the_memory_check_reads_the_verdict_and_the_advice_not_the_reasons():
+    from rlctl.config import build_config
+    from rlctl.job import IGNORE_MEMORY_FLAG, check_memory
+    from rlctl.plan import LocalEnv, resolve_plan
+    from rlctl.presets import method_layers
+
+    layer = {"model": {"name": "Qwen2.5-72B"}, "hardware": {"gpus": 1, "gpu": "A10G-24GB"}}
+    plan = resolve_plan(build_config("sft", method_layers("sft", None) + [layer]), local=LocalEnv())
+    assert not plan.fits and plan.advice
+    check_memory(plan, ignore=True)  # --ignore-memory-check: no error
+    plan.decisions = []  # the words of the decisions play no part
+    with pytest.raises(UserError) as e:
+        check_memory(plan, ignore=False)
+    want = (
+        f"the plan does not fit in memory: {'; '.join(plan.estimate.problems)}; "
+        f"what would fit: {'; or '.join(plan.advice)}; pass {IGNORE_MEMORY_FLAG} to launch anyway"
+    )
+    assert str(e.value) == " ".join(want.split())

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from rlctl.config import build_config, dotted_to_nested
 from rlctl.plan import apply_plan
-from rlctl.plan.core import plan_config
-from rlctl.plan.local import LocalEnv
+from rlctl.plan.inputs import LocalEnv
+from rlctl.plan.planner import plan_config
 from rlctl.presets import method_layers
 
 

@@ -328,6 +328,48 @@ def test_plan_json_and_reasons():
     assert p.reasons[-1].startswith("estimate: fits")
 
 
+@pytest.mark.parametrize(
+    "method, layer",
+    [
+        ("sft", {"model": {"name": "Qwen2.5-0.5B"}, "hardware": {"gpus": 1, "gpu": "H100-80GB"}}),
+        ("grpo", {"model": {"name": "Qwen2.5-7B"}, "hardware": {"gpus": 8}}),
+        ("grpo", {"model": {"name": "Qwen2.5-32B"}, "hardware": {"gpus": 8}}),
+        ("sft", {"model": {"name": "Qwen2.5-72B"}, "hardware": {"gpus": 8}}),
+        ("grpo", {"model": {"name": "Qwen2.5-0.5B"}, "hardware": {"device": "cpu"}, "rollout": {"engine": "hf"}}),
+    ],
+    ids=["sft-one-gpu", "grpo-fsdp", "grpo-megatron", "sft-offload", "grpo-cpu"],
+)
+def test_decisions_are_data_that_the_plan_and_the_resolved_config_agree_with(method, layer):
+    cfg = cfg_for(method, **layer)
+    p = resolve_plan(cfg, local=LocalEnv(memory_bytes=256 * 2**30))
+    applied = apply_plan(cfg, p)
+    keys = [d.key for d in p.decisions]
+    assert keys[0] == "model" and p.decided("model") == layer["model"]["name"]
+    assert "parallel.backend" in keys and p.decided("parallel.backend") == p.backend
+    # every decision on a config key is the value the resolved config carries (model.attn stays auto
+    # for the engine to pick at run time; host memory is an assumption, not a setting)
+    for d in p.decisions:
+        section, _, name = d.key.partition(".")
+        if name and d.key not in ("model.attn", "hardware.host_memory_gib"):
+            assert getattr(getattr(applied, section), name) == p.decided(d.key), d.key
+    layout = p.decided("parallel")
+    assert (layout["tp"], layout["pp"], layout["dp"], layout["ep"]) == (p.tp, p.pp, p.dp, p.ep)
+    # the reasons are the decisions' words, then the verdict: rendered, never parsed
+    assert p.reasons == [d.why for d in p.decisions] + [f"estimate: {p.estimate.verdict}"]
+    assert p.verdict.fits == p.fits == p.estimate.fits and p.advice == []
+    assert None not in [getattr(applied.parallel, k) for k in ("shard", "offload_params", "sequence_parallel")]
+
+
+def test_an_unfit_plan_carries_its_verdict_and_advice_as_fields():
+    p = plan_for("sft", model={"name": "Qwen2.5-72B"}, hardware={"gpus": 1, "gpu": "A10G-24GB"})
+    assert not p.fits and not p.verdict.fits
+    assert p.verdict.why == "; ".join(p.estimate.problems) and p.estimate.problems
+    assert p.advice and all(a and not a.startswith("what would fit") for a in p.advice)
+    assert p.reasons[-2:] == [f"estimate: {p.estimate.verdict}", "what would fit: " + "; or ".join(p.advice)]
+    with pytest.raises(KeyError):
+        p.decided("rollout.engine")  # SFT decides no rollout
+
+
 def test_offload_only_when_needed():
     roomy = plan_for("grpo", model={"name": "Qwen2.5-7B"}, hardware={"gpus": 8})
     assert not roomy.offload_params and not roomy.offload_optimizer
@@ -382,7 +424,7 @@ def test_what_to_rent_rows_are_the_smallest_counts():
     cfg = cfg_for("grpo", model={"name": "Qwen2.5-14B"})
     rows = what_to_rent(cfg, local=LAPTOP)
     from rlctl.catalog import list_gpus
-    from rlctl.plan.rent import gpu_counts, without_offload
+    from rlctl.plan.advice import gpu_counts, without_offload
 
     assert [(r.gpu, r.offload) for r in rows] == [(g.name, o) for g in list_gpus() for o in (False, True)]
     by_gpu = {(r.gpu, r.offload): r for r in rows}
@@ -530,3 +572,14 @@ def test_the_plan_never_gives_a_rollout_engine_a_tp_it_refuses(engine):
             hardware={"gpus": 8},
             rollout={"engine": "sglang", "tp": 2},
         )
+
+
+def test_offload_set_in_the_config_is_worded_as_yaml_writes_it():
+    p = plan_for(
+        "sft",
+        model={"name": "Qwen2.5-0.5B"},
+        hardware={"gpus": 4, "gpu": "A100-80GB"},
+        parallel={"offload_params": True, "offload_optimizer": False},
+    )
+    assert p.decided("offload") == {"params": p.offload_params, "optimizer": p.offload_optimizer}
+    assert "offload params true, optimizer false: as configured" in p.reasons

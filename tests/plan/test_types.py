@@ -134,7 +134,7 @@ def test_save_plan_is_atomic(plans, tmp_path):
     path = tmp_path / "plan.json"
     save_plan(plans["sft-cpu"], path)
     before = path.read_text()
-    broken = dataclasses.replace(plans["grpo-megatron"], reasons=[object()])  # not JSON
+    broken = dataclasses.replace(plans["grpo-megatron"], warnings=[object()])  # not JSON
     with pytest.raises(TypeError):
         save_plan(broken, path)
     assert path.read_text() == before  # the old plan is whole

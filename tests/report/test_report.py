@@ -75,7 +75,7 @@ def _ema(values: list[float], w: float) -> list[float]:
 
 def test_the_figure_draws_what_the_sidecar_says(run_dir):
     pytest.importorskip("matplotlib")
-    from rlctl.report import load_run, plot
+    from rlctl.run_report import load_run, plot
 
     fig = plot([load_run(run_dir)], run_dir / "r.png", sidecar=run_dir / "r.json")
     sidecar = json.loads((run_dir / "r.json").read_text())["panels"]
@@ -109,7 +109,7 @@ def test_compare_overlays_two_runs(run_dir, tmp_path):
     assert "grpo_tiny" in r.stdout and "other" in r.stdout
     assert not (run_dir / "report.png").exists()  # the run's own report is not overwritten
     fig_colors = {}
-    from rlctl.report import load_run, plot
+    from rlctl.run_report import load_run, plot
 
     fig = plot([load_run(run_dir), load_run(other)], tmp_path / "c.png")
     for line in fig.axes[0].get_lines():
@@ -120,7 +120,7 @@ def test_compare_overlays_two_runs(run_dir, tmp_path):
 
 def test_sft_run_summary_best_is_the_lowest_loss_and_nan_is_kept(tmp_path):
     from rlctl.metrics import MetricsLogger
-    from rlctl.report import load_run, summarize
+    from rlctl.run_report import load_run, summarize
 
     run = tmp_path / "sft"
     logger = MetricsLogger(run / "metrics.jsonl", backends="")

@@ -51,3 +51,11 @@ class LengthReward:
         self.calls += 1
         lengths = torch.tensor(batch.response_lengths, dtype=torch.float32)
         return 1.0 - lengths.clamp(max=self.max_len) / self.max_len
+
+
+def hangs(data_source, solution_str, ground_truth, extra_info=None):
+    """Never returns (a grader stuck on a lock or a network call); touches $RLCTL_TEST_MARK first."""
+    mark = os.environ.get("RLCTL_TEST_MARK")
+    if mark:
+        open(mark, "a").close()
+    time.sleep(600)

@@ -82,8 +82,10 @@ def cpu_plan(nproc: int, **overrides) -> CpuPlan:
         "dtype": "fp32",
         "attn": "sdpa",
         "lora_rank": 0,
-        "reasons": [],
+        "decisions": [],
         "warnings": [],
+        "verdict": {"fits": True, "why": "a CPU test run"},
+        "advice": [],
         "fits": True,
     }
     plan.update(overrides)

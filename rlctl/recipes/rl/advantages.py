@@ -12,9 +12,15 @@ from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.runtime.dist import all_reduce_max
 
 
+def last_sampled(mask: torch.Tensor) -> torch.Tensor:
+    """[b] the column of each row's last mask-1 token (its last sampled token)."""
+    cols = torch.arange(1, mask.shape[-1] + 1, device=mask.device, dtype=mask.dtype)
+    return ((mask > 0) * cols).argmax(-1)
+
+
 def token_rewards(batch: RolloutBatch, kl_coef: float = 0.0, kl: torch.Tensor | None = None) -> torch.Tensor:
-    """The score on each response's last token, minus ``kl_coef * kl`` on every token (KL in the reward)."""
-    last = batch.mask.sum(-1).long() - 1
+    """The score on each response's last sampled token, minus ``kl_coef * kl`` on every token (KL in the reward)."""
+    last = last_sampled(batch.mask)
     r = torch.zeros_like(batch.mask)
     r[torch.arange(len(batch), device=r.device), last] = batch.scores.to(r.dtype)
     if kl is not None and kl_coef:
@@ -63,6 +69,11 @@ def compute_advantages(
     estimator = get_adv_estimator(a.adv)
     wanted = [rewards, batch.mask] + ([batch.values] if estimator.needs_critic else [])
     g = gather_global(batch, wanted, group)
+    # Multi-turn rows have context tokens (mask 0) between their sampled turns: the estimator sees the
+    # sampled tokens only, moved together (a tool turn is part of the environment's transition, not a step
+    # of the policy), and its results go back to their columns.
+    order = torch.sort((g[1] <= 0).to(torch.int8), dim=-1, stable=True).indices
+    g = [t.gather(1, order) for t in g]
     adv, returns = estimator.fn(
         g[0],
         g[1],
@@ -72,4 +83,7 @@ def compute_advantages(
         lam=a.lam,
         norm_by_std=a.norm_by_std,
     )
+    mask = batch.mask.new_zeros(g[1].shape).scatter_(1, order, g[1])  # the gathered mask, in place again
+    adv = torch.zeros_like(adv).scatter_(1, order, adv) * mask
+    returns = torch.zeros_like(returns).scatter_(1, order, returns) * mask
     return adv[batch.uid].float(), returns[batch.uid].float()

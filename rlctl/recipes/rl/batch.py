@@ -28,7 +28,8 @@ def rank_positions(batch_size: int, mini_batch_size: int, rank: int, world: int)
 @dataclass
 class RolloutBatch:
     """This rank's samples of one step. Per-token tensors are ``[b, width]`` (width = max response
-    length), zero past each response; ``mask`` is 1 on response tokens."""
+    length), zero past each response; ``mask`` is 1 on the response tokens the policy sampled (the loss
+    mask: 0 on the tool / environment / user tokens of a multi-turn trajectory, which are context only)."""
 
     prompts: list[list[int]]  # prompt token ids, one entry per sample
     responses: list[list[int]]  # response token ids (the stop token included when it stopped)
@@ -41,6 +42,7 @@ class RolloutBatch:
     rollout_logp: torch.Tensor  # the rollout engine's log-probs
     truncated: torch.Tensor  # [b] bool: stopped by the length budget
     meta: list[Prompt] = field(default_factory=list)  # the prompt of each sample (reward arguments)
+    trajectories: list = field(default_factory=list)  # agent runs: each sample's rlctl.agents Trajectory
     scores: torch.Tensor | None = None  # [b]
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
@@ -66,15 +68,21 @@ class RolloutBatch:
         truncated: list[bool] | None = None,
         meta: list[Prompt] | None = None,
         device: torch.device | str = "cpu",
+        loss_masks: list[list[int]] | None = None,
+        trajectories: list | None = None,
     ) -> RolloutBatch:
-        """A batch from plain lists (one entry per sample); ``batch_size`` = prompts in the step."""
+        """A batch from plain lists (one entry per sample); ``batch_size`` = prompts in the step.
+        ``loss_masks``: 1 per sampled token, 0 per context token (multi-turn); default all 1."""
         b = len(responses)
         for i, resp in enumerate(responses):
             if not 0 < len(resp) <= width:
                 raise ValueError(f"response {i} has {len(resp)} tokens; expected 1..{width}")
+            if loss_masks is not None and (len(loss_masks[i]) != len(resp) or not any(loss_masks[i])):
+                raise ValueError(f"response {i}: its loss mask must cover its {len(resp)} tokens, one sampled")
         # padded rows built as lists: two tensors at once, not two small copies per sample
         pads = [width - len(r) for r in responses]
-        mask = torch.tensor([[1.0] * len(r) + [0.0] * p for r, p in zip(responses, pads)], device=device)
+        masks = loss_masks or [[1] * len(r) for r in responses]
+        mask = torch.tensor([[float(x) for x in m] + [0.0] * p for m, p in zip(masks, pads)], device=device)
         logp = torch.tensor(
             [[float(x) for x in lp] + [0.0] * p for lp, p in zip(rollout_logp, pads)],
             dtype=torch.float32,
@@ -95,6 +103,7 @@ class RolloutBatch:
             rollout_logp=logp,
             truncated=torch.tensor(truncated or [False] * b, dtype=torch.bool, device=device),
             meta=list(meta or []),
+            trajectories=list(trajectories or []),
         )
 
     @property

@@ -33,29 +33,38 @@ class RewardScorer:
         return cls(manager, device, log)
 
     def score(
-        self, prompts: list[list[int]], responses: list[list[int]], meta: list[Prompt], step: int
+        self,
+        prompts: list[list[int]],
+        responses: list[list[int]],
+        meta: list[Prompt],
+        step: int,
+        trajectories: list | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Scores of this rank's samples and the global reward metrics (collective): score locally,
         sum the counts over ranks, then :func:`rlctl.rewards.reward_metrics` (which alone decides that
         every sample failed)."""
         from rlctl.rewards import reward_metrics, reward_warning
 
-        result = self.manager.score(self.manager.batch(prompts, responses, meta))
+        result = self.manager.score(self.manager.batch(prompts, responses, meta, trajectories))
         keys = sorted({k for ks in all_gather_objects(sorted(result.sums)) for k in ks})
         sums = global_sums({k: result.sums.get(k, 0.0) for k in keys}, self.device)
         out = reward_metrics(sums, result.errors)  # UserError when every sample failed
         warning = reward_warning(sums, result.errors, step)
         if warning:
             self.log(warning)
+            out["warning"] = warning  # type: ignore[assignment] (in the step's record: the launcher prints it)
         return torch.tensor(result.scores, dtype=torch.float32, device=self.device), out
 
     def score_batch(self, batch: RolloutBatch, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         """This rank's samples of a training step (scored before pooling, so sums run over every rank):
         their scores, and the reward and response-length metrics (collective)."""
-        scores, metrics = self.score(batch.prompts, batch.responses, batch.meta, step)
+        scores, metrics = self.score(batch.prompts, batch.responses, batch.meta, step, batch.trajectories)
         for key in ("reward/failed", "reward/nonfinite"):
             self.totals[key] = self.totals.get(key, 0) + int(metrics[key])
-        return scores, {**metrics, **response_metrics(batch, self.device)}
+        out = {**metrics, **response_metrics(batch, self.device)}
+        if batch.trajectories:
+            out.update(agent_metrics(batch.trajectories, self.device))
+        return scores, out
 
     def close(self) -> None:
         self.manager.close()
@@ -63,7 +72,7 @@ class RewardScorer:
 
 def response_metrics(batch: RolloutBatch, device: torch.device) -> dict[str, float]:
     """Response lengths (mean, max), the share truncated, and the step's tokens, over every rank (collective)."""
-    lengths = batch.mask.sum(-1)
+    lengths = torch.tensor([float(len(r)) for r in batch.responses], device=device)  # tool turns included
     s = global_sums(
         {
             "len": lengths.sum(),
@@ -78,4 +87,29 @@ def response_metrics(batch: RolloutBatch, device: torch.device) -> dict[str, flo
         "response_len/max": float(all_reduce_max(int(lengths.max()) if len(batch) else 0, device)),
         "response/truncated": s["trunc"] / max(1.0, s["n"]),
         "tokens": s["len"] + s["prompt"],
+    }
+
+
+def agent_metrics(trajectories: list, device: torch.device) -> dict[str, float]:
+    """turns/mean and the tool counts of a step's trajectories, over every rank (collective)."""
+    s = global_sums(
+        {
+            "n": float(len(trajectories)),
+            "turns": float(sum(t.turns for t in trajectories)),
+            "calls": float(sum(t.tool_calls for t in trajectories)),
+            "errors": float(sum(t.tool_errors for t in trajectories)),
+            "timeouts": float(sum(t.tool_timeouts for t in trajectories)),
+            "malformed": float(sum(t.malformed for t in trajectories)),
+            "context": float(sum(len(t.mask) - sum(t.mask) for t in trajectories)),
+        },
+        device,
+    )
+    n = max(1.0, s["n"])
+    return {
+        "turns/mean": s["turns"] / n,
+        "tool/calls": s["calls"],
+        "tool/errors": s["errors"],
+        "tool/timeouts": s["timeouts"],
+        "tool/malformed": s["malformed"],
+        "response/context_tokens": s["context"] / n,
     }

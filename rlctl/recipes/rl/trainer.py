@@ -20,6 +20,7 @@ from rlctl.engines import EngineSpec, build_engine
 from rlctl.engines.base import TrainEngine, load_tokenizer, model_source, write_model_meta
 from rlctl.errors import UserError
 from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
+from rlctl.recipes.rl.agent import load_agent, make_agent_loop, run_agent
 from rlctl.recipes.rl.batch import RolloutBatch, rank_positions, token_budget
 from rlctl.recipes.rl.passes import compute_logprobs, compute_values
 from rlctl.recipes.rl.scoring import RewardScorer
@@ -75,7 +76,14 @@ class RLTrainer:
         self.source = model_source(cfg.model.name, random_init=cfg.model.random_init)
         self.tokenizer = use_chat_template(load_tokenizer(self.source), cfg)
         self.pad_id = self.tokenizer.pad_token_id
-        self.data = build_rl_data(cfg, self.tokenizer, cache_dir=ctx.paths.data_cache, log=ctx.log)
+        self.agent_spec = load_agent(cfg)  # tools / environment / interaction (None: single-turn)
+        self.data = build_rl_data(
+            cfg,
+            self.tokenizer,
+            cache_dir=ctx.paths.data_cache,
+            log=ctx.log,
+            tools=self.agent_spec.schemas if self.agent_spec is not None else None,
+        )
         ctx.log(f"data: {self.data.report.summary()}; {len(self.data.train)} train / {len(self.data.val)} val prompts")
         self.scorer = RewardScorer.for_run(cfg, self.data, self.tokenizer, d.device, ctx.log)
         self.sampler = StepSampler(
@@ -104,6 +112,7 @@ class RLTrainer:
         self.kl_ctl = AdaptiveKLController(a.kl_coef, a.kl_target) if a.kl_target else FixedKLController(a.kl_coef)
         self.rollout_dtype = "fp32" if self.actor.compute_dtype == torch.float32 else "bf16"
         self.rollout = self._make_rollout()
+        self.agent_loop = make_agent_loop(cfg, self.agent_spec, self.tokenizer, self.rollout, self.rollout_tp)
         self.weights_stale = False  # the rollout engine's weights lag the actor's
 
     def _make_rollout(self):
@@ -145,6 +154,12 @@ class RLTrainer:
             max_tokens=r.max_response_len,
             seed=self.cfg.train.seed + call * 1_000_003,
         )
+
+    def _rollout(self, shares: list[list[Prompt]], n: int, sampling) -> list:
+        """This rank's samples (:meth:`_group_generate`), or its multi-turn trajectories in agent runs."""
+        if self.agent_loop is None:
+            return self._group_generate(shares, n, sampling)
+        return run_agent(self.agent_loop, self.cfg, self.rollout, shares[0], n, sampling)
 
     def _group_generate(self, shares: list[list[Prompt]], n: int, sampling) -> list:
         """Samples of this rank's prompts. ``shares[i]`` are the prompts of the i-th rank of this rank's
@@ -196,7 +211,7 @@ class RLTrainer:
         m = {"time/weight_sync": 0.0}  # stays 0 when the weights are current (first step, after an eval)
         self._wake_and_sync(m)
         with timed(m, "time/rollout"):
-            samples = self._group_generate(shares, n, self._sampling(step, temperature=self.cfg.rollout.temperature))
+            samples = self._rollout(shares, n, self._sampling(step, temperature=self.cfg.rollout.temperature))
             self._sleep()
         seen: dict[int, int] = {}
         uid = []
@@ -204,8 +219,9 @@ class RLTrainer:
             j = seen.get(s.prompt_index, 0)
             seen[s.prompt_index] = j + 1
             uid.append(positions[s.prompt_index] * n + j)
+        agent = self.agent_loop is not None
         batch = RolloutBatch.build(
-            [prompts[s.prompt_index].token_ids for s in samples],
+            [s.prompt_ids if agent else prompts[s.prompt_index].token_ids for s in samples],
             [s.token_ids for s in samples],
             [s.logprobs for s in samples],
             uid,
@@ -216,6 +232,8 @@ class RLTrainer:
             truncated=[s.finish_reason == "length" for s in samples],
             meta=[prompts[s.prompt_index] for s in samples],
             device=self.device,
+            loss_masks=[s.mask for s in samples] if agent else None,
+            trajectories=samples if agent else None,
         )
         return batch, m
 
@@ -343,12 +361,17 @@ class RLTrainer:
         shares = [group_prompts[i::tp] for i in range(tp)]
         mine = shares[d.rank % tp]
         self._wake_and_sync({})  # (an eval's weight sync is not a training step's time)
-        samples = self._group_generate(
-            shares, n, self._sampling(step, temperature=temperature, seed_offset=seed_offset)
-        )
+        samples = self._rollout(shares, n, self._sampling(step, temperature=temperature, seed_offset=seed_offset))
         self._sleep()
         picked = [mine[s.prompt_index] for s in samples]
-        scores, metrics = self.scorer.score([p.token_ids for p in picked], [s.token_ids for s in samples], picked, step)
+        agent = self.agent_loop is not None
+        scores, metrics = self.scorer.score(
+            [s.prompt_ids if agent else p.token_ids for s, p in zip(samples, picked)],
+            [s.token_ids for s in samples],
+            picked,
+            step,
+            samples if agent else None,
+        )
         return scores.tolist(), [s.prompt_index for s in samples], metrics, len(mine)
 
     def evaluate(self, step: int) -> dict:
@@ -400,6 +423,9 @@ class RLTrainer:
                     "response_len": len(b.responses[i]),
                     "truncated": bool(b.truncated[i]),
                 }
+                if b.trajectories:  # the whole conversation, with roles and tool calls
+                    t = b.trajectories[i]
+                    rec.update(messages=t.messages, turns=t.turns, finish_reason=t.finish_reason, rewards=t.rewards)
                 f.write(json.dumps(rec) + "\n")
 
     # ------------------------------------------------------------------ what rlctl.runtime.fit needs

@@ -1,4 +1,6 @@
-"""What to rent: for each catalog GPU type, the fewest GPUs a job fits on, with its plan.
+"""Advice: the planner run at other sizes. What to rent: for each catalog GPU type, the fewest GPUs a job
+fits on, with its plan; what would fit: the changes that make an unfit job fit (more GPUs, LoRA, a bigger
+GPU, more host memory).
 
 Counts tried: 1, 2, 4, ... up to a full node, then whole nodes 2, 3, ..., 8, then 16, 32 and 64
 (``rent.max_nodes`` in presets/tiers.yaml). Each GPU type gets two rows: the fewest GPUs that fit
@@ -10,16 +12,17 @@ switched off for the first row), so it is what `rlctl <method> --gpus N --gpu TY
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 from rlctl.catalog import list_gpus
 from rlctl.catalog.spec import GpuSpec
 from rlctl.config import RunConfig
 from rlctl.errors import UserError
-from rlctl.plan.core import plan_config
-from rlctl.plan.local import LocalEnv, detect_local
+from rlctl.estimate.memory import GIB, HOST_MARGIN_FRACTION
+from rlctl.plan.inputs import Job, LocalEnv, detect_local
+from rlctl.plan.planner import SearchResult, good_fit, gpu_margin_ok, kv_ok, plan_config
 from rlctl.plan.rules import tiers
-from rlctl.plan.search import good_fit
 from rlctl.plan.types import Plan
 
 
@@ -128,3 +131,52 @@ def what_to_rent(cfg: RunConfig, *, local: LocalEnv | None = None, host_memory_b
         rows.append(none or RentRow(gpu.name, 0, 0, None, offload=False))
         rows.append(allowed or RentRow(gpu.name, 0, 0, None, offload=True))
     return rows
+
+
+def what_would_fit(cfg: RunConfig, local: LocalEnv, job: Job, result: SearchResult) -> list[str]:
+    """The changes that would make the job fit, each one way: more GPUs of this type, LoRA, a bigger GPU,
+    more host memory per node (rendered by :func:`rlctl.plan.types.advice_line`)."""
+    if job.device == "cpu":
+        return ["a GPU (--device cuda --gpus N), LoRA (--lora-rank 32), or shorter sequences"]
+    options = []
+    more = smallest_fit(cfg, job.gpu, local, min_gpus=job.world + 1, host_memory_bytes=job.host_memory_bytes)
+    if more is not None:
+        options.append(
+            f"{more.gpus} x {job.gpu.name} ({more.nodes} node{'s' if more.nodes > 1 else ''}), the fewest that fit"
+        )
+    if not cfg.lora.rank:
+        rank = tiers()["lora"]["suggest_rank"]
+        lora_cfg = copy.deepcopy(cfg)
+        lora_cfg.lora.rank = rank
+        if lora_cfg.rollout.engine == "sglang":
+            lora_cfg.rollout.engine = "auto"
+        try:
+            if good_fit(plan_config(lora_cfg, local, host_memory_bytes=job.host_memory_bytes)):
+                options.append(f"LoRA on these {job.world} GPUs (--lora-rank {rank})")
+        except UserError:
+            pass
+    for gpu in sorted(list_gpus(), key=lambda g: g.memory_bytes):
+        if gpu.memory_bytes <= job.gpu.memory_bytes:
+            continue
+        bigger = copy.deepcopy(cfg)
+        bigger.hardware.gpu, bigger.hardware.gpus, bigger.hardware.device = gpu.name, job.world, "cuda"
+        try:
+            if good_fit(plan_config(bigger, local, host_memory_bytes=job.host_memory_bytes)):
+                options.append(f"{job.world} x {gpu.name}")
+                break
+        except UserError:
+            continue
+    host_only = [
+        est
+        for est in [r.closest for r in result.rejected] + [result.est]
+        if not est.host_fits and gpu_margin_ok(est) and kv_ok(est)
+    ]
+    if host_only:
+        need = min(est.host_bytes for est in host_only) / (1 - HOST_MARGIN_FRACTION) / GIB
+        options.append(
+            f"nodes with {math.ceil(need)} GiB of host memory for these GPUs (--host-memory {math.ceil(need)})"
+        )
+    if not options:
+        limit = tiers()["rent"]["max_nodes"]
+        return [f"nothing up to {limit} nodes; shorten the sequences or use LoRA"]
+    return options

@@ -1,0 +1,197 @@
+"""The multi-turn loop: sample, run the tool calls, append their results as tokens, sample again.
+
+Token-in/token-out over any :class:`rlctl.rollout.RolloutEngine`: the first turn is the engine's ``generate``
+(the ``n`` samples of a prompt share its prefill), each later turn :meth:`~rlctl.rollout.RolloutEngine.
+continue_generation` on the trajectory's token ids so far. The tokens trained on are exactly those the engine
+sampled plus the chat template's rendering of the appended tool / user messages (:func:`~rlctl.agents.
+trajectory.render_delta`); the conversation text is never re-tokenized. A trajectory ends when the model
+answers without a tool call (and no simulated user replies), after ``max_turns`` assistant turns, on a
+malformed tool call, or when its response would exceed ``max_response_len`` tokens (then the tool results that
+do not fit are not appended and it counts as truncated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from rlctl.agents.parse import content_before_calls, parse_tool_calls
+from rlctl.agents.trajectory import Trajectory, assistant_message, render_delta
+
+SEED_STRIDE = 7_919  # each later turn samples with seed + turn * SEED_STRIDE
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    max_turns: int
+    max_response_len: int
+    tool_timeout_s: float
+    tool_max_chars: int
+    style: str  # rlctl.agents.parse.ToolCallStyle
+
+
+@dataclass
+class AgentPrompt:
+    """A prompt of an agent run: its ids (rendered with the tool schemas), messages and dataset row."""
+
+    token_ids: list[int]
+    messages: list[dict]
+    row: dict
+
+
+def render_ids(tokenizer, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    """The ids of ``messages`` and the generation prompt, with the tool schemas in the template."""
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _with_suffix(messages: list[dict], suffix: str) -> list[dict]:
+    """The messages with ``suffix`` appended to the last user message (TRL's reset() convention)."""
+    out = [dict(m) for m in messages]
+    for m in reversed(out):
+        if m.get("role") == "user":
+            m["content"] = f"{m.get('content') or ''}{suffix}"
+            return out
+    return out + [{"role": "user", "content": suffix}]
+
+
+class AgentLoop:
+    """Runs the trajectories of one batch of prompts on a rollout engine."""
+
+    def __init__(self, spec: Any, tokenizer: Any, settings: LoopSettings, stop_ids: set[int], run_calls=None):
+        if run_calls is None:
+            from rlctl.agents.tools import run_calls
+        self.spec, self.tokenizer, self.settings = spec, tokenizer, settings
+        self.stop_ids, self.run_calls = set(stop_ids), run_calls
+
+    def run(self, engine, prompts: list[AgentPrompt], n: int, sampling) -> list[Trajectory]:
+        """``n`` trajectories per prompt, prompt-major (as ``engine.generate`` orders samples)."""
+        episodes = [self.spec.open(p.row) for p in prompts for _ in range(n)]
+        engine.start_session()  # the hf engine keeps each sample's keys and values for its next turn
+        try:
+            trajs = [self._start(prompts[i // n], ep, i // n) for i, ep in enumerate(episodes)]
+            self._first_turn(engine, trajs, n, sampling)
+            wants: dict[int, tuple[str, Any]] = {}  # what each going trajectory appends next: tools or a user reply
+            active = [i for i in range(len(trajs)) if self._read_turn(trajs[i], episodes[i], wants, i)]
+            turn = 1
+            while active:
+                if turn == self.settings.max_turns:  # it would go on: ends on its last sampled turn
+                    for i in active:
+                        trajs[i].finish_reason = "max_turns"
+                    break
+                active = self._append_results(trajs, episodes, active, wants)
+                if not active:
+                    break
+                self._next_turn(engine, [trajs[i] for i in active], sampling, turn)
+                turn += 1
+                active = [i for i in active if self._read_turn(trajs[i], episodes[i], wants, i)]
+            for t, ep in zip(trajs, episodes):
+                t.rewards.update(_episode_reward(ep))
+            return trajs
+        finally:
+            engine.end_session()
+            for ep in episodes:
+                ep.close()
+
+    # ------------------------------------------------------------------ turns
+
+    def _start(self, prompt: AgentPrompt, episode, index: int) -> Trajectory:
+        messages, ids = prompt.messages, prompt.token_ids
+        if episode.prompt_suffix:
+            messages = _with_suffix(messages, episode.prompt_suffix)
+            ids = render_ids(self.tokenizer, messages, self.spec.schemas)
+        return Trajectory(prompt_ids=list(ids), prompt_index=index, messages=[dict(m) for m in messages])
+
+    def _first_turn(self, engine, trajs: list[Trajectory], n: int, sampling) -> None:
+        budget = self.settings.max_response_len
+        shared = all(trajs[i].prompt_ids == trajs[i - i % n].prompt_ids for i in range(len(trajs)))
+        if shared:  # the n samples of a prompt share its prefill
+            samples = engine.generate([t.prompt_ids for t in trajs[::n]], n, replace(sampling, max_tokens=budget))
+        else:
+            samples = engine.continue_generation([t.prompt_ids for t in trajs], sampling, [budget] * len(trajs))
+        for t, s in zip(trajs, samples, strict=True):
+            t.add_sampled(s.token_ids, s.logprobs)
+            t.finish_reason = s.finish_reason
+
+    def _next_turn(self, engine, trajs: list[Trajectory], sampling, turn: int) -> None:
+        seed = None if sampling.seed is None else sampling.seed + turn * SEED_STRIDE
+        budgets = [self.settings.max_response_len - len(t.token_ids) for t in trajs]
+        samples = engine.continue_generation([t.history for t in trajs], replace(sampling, seed=seed), budgets)
+        for t, s in zip(trajs, samples, strict=True):
+            t.add_sampled(s.token_ids, s.logprobs)
+            t.finish_reason = s.finish_reason
+
+    def _read_turn(self, t: Trajectory, episode, wants: dict, i: int) -> bool:
+        """Read the turn just sampled into the conversation; whether the trajectory goes on (``wants[i]``:
+        its tool calls, or the simulated user's reply)."""
+        turn_ids = t.token_ids[len(t.token_ids) - self._last_turn_len(t) :]
+        text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
+        calls, malformed = parse_tool_calls(text, self.settings.style, self.tokenizer)
+        t.messages.append(assistant_message(content_before_calls(text, self.settings.style), calls))
+        wants.pop(i, None)
+        if t.finish_reason == "length":
+            return False
+        if malformed:
+            t.malformed += malformed
+            t.finish_reason = "malformed"
+            return False
+        if calls:
+            wants[i] = ("tools", calls)
+            return True
+        done, reply = episode.user_turn(t.messages)
+        if done or reply is None:
+            return False
+        wants[i] = ("user", reply)
+        return True
+
+    @staticmethod
+    def _last_turn_len(t: Trajectory) -> int:
+        end = len(t.mask)
+        start = end
+        while start > 0 and t.mask[start - 1] == 1:
+            start -= 1
+        return end - start
+
+    def _append_results(self, trajs: list[Trajectory], episodes: list, active: list[int], wants: dict) -> list[int]:
+        """Run every pending tool call of the batch (in parallel), append the tool or user messages as
+        tokens; the trajectories that go on."""
+        pending = [(episodes[i], c) for i in active if wants[i][0] == "tools" for c in wants[i][1]]
+        outcomes = iter(
+            self.run_calls(pending, timeout_s=self.settings.tool_timeout_s, max_chars=self.settings.tool_max_chars)
+            if pending
+            else []
+        )
+        going = []
+        for i in active:
+            t = trajs[i]
+            kind, what = wants[i]
+            if kind == "tools":
+                appended = []
+                for call in what:
+                    o = next(outcomes)
+                    t.tool_calls += 1
+                    t.tool_errors += o.status in ("error", "unknown_tool")
+                    t.tool_timeouts += o.status == "timeout"
+                    if o.reward:
+                        t.rewards["tool"] = t.rewards.get("tool", 0.0) + float(o.reward)
+                    appended.append({"role": "tool", "name": call.name, "tool_call_id": call.id, "content": o.content})
+            else:
+                appended = [{"role": "user", "content": what}]
+            delta = render_delta(
+                self.tokenizer, t.messages[-1], appended, tools=self.spec.schemas, stop_ids=self.stop_ids
+            )
+            t.messages += appended
+            if len(t.token_ids) + len(delta) >= self.settings.max_response_len:  # no room left to answer
+                t.finish_reason = "length"
+                continue
+            t.add_context(delta)
+            going.append(i)
+        return going
+
+
+def _episode_reward(episode) -> dict[str, float]:
+    """The environment's named reward components; a raising get_reward scores nan (counted as non-finite)."""
+    try:
+        return {str(k): float(v) for k, v in (episode.reward() or {}).items()}
+    except Exception:  # noqa: BLE001 (a user's environment)
+        return {"env": float("nan")}
