@@ -585,6 +585,23 @@ def test_sglang_generate_expands_n_and_reads_logprobs(fake_sglang, model_a):
     assert len(unseeded) == 2
 
 
+def test_sglang_continuation_sends_token_ids_with_one_budget_each(fake_sglang, model_a):
+    """Multi-turn (rlctl.agents): each history goes to SGLang as input_ids (never text), with its own
+    max_new_tokens, one sample each, in order."""
+    spec = RolloutSpec(engine="sglang", model_path=str(model_a), device="cpu", dtype="bf16", max_model_len=64)
+    engine = make_rollout_engine(spec)
+    fake = fake_sglang.instances[0]
+    histories = [[10, 11, 12, 13], [20, 21]]
+    samples = engine.continue_generation(histories, SamplingParams(temperature=0.5, max_tokens=50), [5, 3])
+    _, input_ids, params, return_logprob = fake.calls[-1]
+    assert input_ids == histories and return_logprob
+    assert [p["max_new_tokens"] for p in params] == [5, 3] and all(p["temperature"] == 0.5 for p in params)
+    assert [s.prompt_index for s in samples] == [0, 1]
+    assert samples[0].token_ids == [10, 7, 9] and samples[1].token_ids == [21, 7, 2]
+    with pytest.raises(ValueError, match="one max_tokens >= 1 per history"):
+        engine.continue_generation(histories, SamplingParams(), [5])
+
+
 def test_sglang_update_weights_in_bounded_chunks(fake_sglang, model_a, monkeypatch):
     import rlctl.rollout.sglang as adapter
 
