@@ -154,7 +154,10 @@ def _rl_models_and_engine(gpu: GpuSpec, s: MemorySettings) -> list[str]:
     if not s.kl:
         out.append("no KL term: no reference model")
     if s.reward_model:
-        out.append("reward model: frozen, assumed the policy's size, sharded like it in the compute dtype")
+        out.append(
+            f"reward model: frozen, assumed the policy's size; a whole replica on every GPU in "
+            f"{s.reward_model_dtype} (reward.model_dtype), during rollout and update"
+        )
     if s.kl and s.lora_rank:
         out.append("reference model: the base with the adapters disabled (no second copy)")
     elif s.kl:

