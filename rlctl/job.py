@@ -132,6 +132,7 @@ def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_thi
     check_algorithm(cfg)
     check_data_given(cfg)
     check_reward_spec(cfg)
+    check_agent_files(cfg)
     from rlctl.metrics import check_backends_installed
 
     check_backends_installed(cfg.log.backends)
@@ -163,6 +164,7 @@ def check_dry_run(cfg: RunConfig) -> None:
 
     check_algorithm(cfg)
     check_backends_installed(cfg.log.backends)
+    check_agent_files(cfg)
     check_footguns(cfg, nproc=1, device="cpu")  # its refusals; the warnings come with the real run
     model = model_files(cfg.model.name)
     if model is not None:
@@ -212,6 +214,16 @@ def check_reward_spec(cfg: RunConfig) -> None:
         from rlctl.rewards import check_reward_config
 
         check_reward_config(cfg.reward)  # an unknown name, a missing file/function or model: a UserError
+
+
+def check_agent_files(cfg: RunConfig) -> None:
+    """--tools / --env / --interaction load here as on the ranks (torch-free): a file that does not import,
+    a tool without a documented argument, a missing class or a bad verl YAML is one line before launch."""
+    a = cfg.agent
+    if cfg.method in ("grpo", "ppo") and (a.tools or a.env or a.interaction):
+        from rlctl.agents.tools import load_agent_spec
+
+        load_agent_spec(tools=a.tools, env=a.env, interaction=a.interaction, timeout_s=a.tool_timeout_s)
 
 
 def check_agent_template(cfg: RunConfig, model: ModelFiles | None) -> None:

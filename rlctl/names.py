@@ -25,6 +25,7 @@ Launcher = Literal["torchrun", "slurm"]
 Backend = Literal["auto", "fsdp", "megatron"]
 RolloutEngine = Literal["auto", "hf", "vllm", "sglang"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LogBackend = Literal["console", "tensorboard", "wandb"]  # log.backends is a comma list of these
 KlKind = Literal["k1", "abs", "k2", "k3", "kl", "mse", "low_var_kl"]
 # Open sets, not Literals: the names registered in rlctl.algos.registry (the built-ins and any plugin's)
 AdvName = str

@@ -192,7 +192,7 @@ class AgentConfig:
 
 @dataclass
 class LogConfig:
-    backends: str = "console"  # comma list: console, tensorboard, wandb
+    backends: str = "console"  # a comma list of rlctl.names.LogBackend
     project: str = "rlctl"
     run_name: str = ""
     every: int = 1

@@ -98,8 +98,9 @@ function axes(svg, s) {
     const y = s.y0 + ((s.y1 - s.y0) * i) / 3;
     g.append(el("svg:line", { x1: M.l, x2: M.w - M.r, y1: s.sy(y), y2: s.sy(y) }), el("svg:text", { x: M.l - 3, y: s.sy(y) + 3, "text-anchor": "end" }, tick(y)));
   }
-  const span = s.x1 - s.x0, step = Math.max(1, Math.ceil(span / 6));  // integer steps only
-  for (let x = Math.ceil(s.x0); x <= s.x1; x += step) g.append(el("svg:text", { x: s.sx(x), y: M.h - 4, "text-anchor": "middle" }, String(x)));
+  const raw = Math.max(1, (s.x1 - s.x0) / 6), mag = 10 ** Math.floor(Math.log10(raw));
+  const step = [1, 2, 5, 10].map((m) => m * mag).find((v) => v >= raw);  // 1, 2, 5 x 10^k: integer steps only
+  for (let x = Math.ceil(s.x0 / step) * step; x <= s.x1; x += step) g.append(el("svg:text", { x: s.sx(x), y: M.h - 4, "text-anchor": "middle" }, String(x)));
   svg.append(g);
 }
 
@@ -111,6 +112,7 @@ function draw(chart) {
     const n = pts.filter((p) => finite(p.y)).length;
     if (chart.kind === "eval" || pts.length === 1) {
       const g = el("svg:g", { class: "points", "data-run": run, "data-points": n });
+      g.append(el("svg:path", { d: pathOf(pts, s), stroke: color, "stroke-opacity": 0.5, fill: "none" }));
       pts.filter((p) => finite(p.y) && p.x >= s.x0 && p.x <= s.x1).forEach((p) => g.append(el("svg:circle", { cx: s.sx(p.x), cy: s.sy(p.y), r: 3, fill: color })));
       svg.append(g); return;
     }

@@ -253,3 +253,21 @@ def test_loading_imports_no_torch():
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_tools_file_that_does_not_import_is_one_line_before_launch(tiny_model_dir, tmp_path):
+    from tests.support.cli import run_cli
+    from tests.support.rl import error_line
+    from tests.support.sft import write_jsonl
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "What is 1 + 2?", "answer": "3"}])
+    broken = tmp_path / "tools.py"
+    broken.write_text("import no_such_package_xyz\n")
+    base = ["grpo", "--model", str(tiny_model_dir), "--data", str(data), "--device", "cpu", "--reward", "exact"]
+    for extra in (["--dry-run"], ["--output-dir", str(tmp_path / "run")]):
+        res = run_cli(*base, "--tools", str(broken), *extra)
+        line = error_line(res)
+        assert res.returncode == 2 and "failed to import: ModuleNotFoundError" in line and "Traceback" not in res.stderr
+    assert not (tmp_path / "run").exists()  # refused before a run directory exists
+    res = run_cli(*base, "--env", f"{FILES / 'counter_env.py'}:Nope", "--dry-run")
+    assert res.returncode == 2 and "has no class 'Nope'" in error_line(res)
