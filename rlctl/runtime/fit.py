@@ -167,6 +167,7 @@ def fit(ctx: RunContext, trainer: Trainer) -> str:
     while step < total and not interrupted:
         profiler.begin(step + 1)
         record = trainer.train_step(step)
+        record.update(cuda_memory_peaks(main.device))
         step += 1
         profiler.end(step)
         fault_point("step", step)  # test hook (RLCTL_FAULT=step:K)
@@ -206,3 +207,22 @@ def fit(ctx: RunContext, trainer: Trainer) -> str:
         write_json_atomic(paths.summary, summary)
     barrier()
     return status
+
+
+def cuda_memory_peaks(device) -> dict[str, int]:
+    """On CUDA, torch's allocator peaks so far on the busiest rank (``max_memory_allocated`` /
+    ``max_memory_reserved``, one collective): what ``rlctl estimate`` calls allocated and reserved, logged
+    beside each step's metrics for benchmarks/gpu_check.sh. Nothing on CPU."""
+    if device.type != "cuda":
+        return {}
+    import torch
+
+    peaks = torch.tensor(
+        [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+        dtype=torch.int64,
+        device=device,
+    )
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
+    allocated, reserved = peaks.tolist()
+    return {"mem/allocated_peak_bytes": allocated, "mem/reserved_peak_bytes": reserved}
