@@ -326,6 +326,7 @@ def settings_for(job: Job, **kw) -> MemorySettings:
         precision=c.train.precision,
         micro_batch_tokens=c.train.max_tokens_per_micro_batch,
         reward_model=bool(c.reward.model) and c.method != "sft",
+        reward_model_dtype={"bfloat16": "bf16", "float16": "fp16"}.get(c.reward.model_dtype, "fp32"),
         # the FSDP engine's savers: as configured; None starts from the engine's default (the search may pick)
         selective_checkpointing=c.parallel.selective_checkpointing is True,
         offload_activations=c.parallel.offload_activations is True,

@@ -182,6 +182,7 @@ def test_hand_built_three_turn_trajectory_masks_exactly_the_sampled_tokens():
     from rlctl.config import build_config
     from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
     from rlctl.recipes.rl.batch import RolloutBatch
+    from rlctl.recipes.rl.spec import AlgoSpec
 
     def traj(seed):
         g = torch.Generator().manual_seed(seed)
@@ -215,12 +216,12 @@ def test_hand_built_three_turn_trajectory_masks_exactly_the_sampled_tokens():
     assert rewards[:, 13].tolist() == [1.0, 0.0] and rewards.sum().item() == 1.0  # on the last sampled token
 
     grpo = build_config("grpo", [{"algo": {"adv": "grpo"}}])
-    adv, _ = compute_advantages(batch, grpo, rewards)
+    adv, _ = compute_advantages(batch, AlgoSpec.from_config(grpo), rewards)
     assert torch.equal(adv != 0, batch.mask.bool())
 
     gae_cfg = build_config("ppo", [{"algo": {"adv": "gae", "gamma": 0.9, "lam": 0.8}}])
     batch.values = torch.randn(2, width, generator=torch.Generator().manual_seed(7))
-    adv, returns = compute_advantages(batch, gae_cfg, rewards)
+    adv, returns = compute_advantages(batch, AlgoSpec.from_config(gae_cfg), rewards)
     raw = torch.zeros(2, width)
     for b in range(2):  # plain GAE over the sampled tokens only, in order
         nxt_v = nxt_a = 0.0

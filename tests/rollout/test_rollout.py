@@ -103,6 +103,22 @@ def test_make_rollout_engine_rejects_unknown_names(model_a):
         )
 
 
+def test_rollout_spec_reads_the_resolved_config():
+    """The run's RolloutSpec: the plan's choices, and its defaults where the plan left 0 / auto."""
+    from rlctl.config import RunConfig
+
+    cfg = RunConfig(method="grpo")
+    cfg.rollout.max_prompt_len, cfg.rollout.max_response_len, cfg.train.seed = 100, 28, 7
+    assert RolloutSpec.from_config(cfg) == RolloutSpec(engine="hf", tp=1, mem_fraction=0.5, max_model_len=128, seed=7)
+    cfg.rollout.engine, cfg.rollout.tp, cfg.rollout.mem_fraction = "vllm", 2, 0.3
+    spec = RolloutSpec.from_config(cfg)
+    assert (spec.engine, spec.tp, spec.mem_fraction) == ("vllm", 2, 0.3)
+    with pytest.raises(UserError, match="mem_fraction must be in"):
+        make_rollout_engine(spec.replace(mem_fraction=1.5))
+    with pytest.raises(UserError, match="max_model_len must be >= 2"):
+        make_rollout_engine(spec.replace(max_model_len=1))
+
+
 def test_filter_top_k_top_p_by_hand():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     logits = probs.log()
@@ -214,9 +230,9 @@ def test_hf_prefills_each_prompt_once_for_its_group(hf_engine, monkeypatch):
     )
     own_prefill = DecodeState.prefill  # the fast path prefills without the HF model
 
-    def recording(state, input_ids):
+    def recording(state, input_ids, *rest):
         shapes.append(tuple(input_ids.shape))
-        return own_prefill(state, input_ids)
+        return own_prefill(state, input_ids, *rest)
 
     monkeypatch.setattr(DecodeState, "prefill", recording)
     try:
