@@ -45,7 +45,7 @@ _rlctl() {
         --kl-kind) COMPREPLY=($(compgen -W "k1 abs k2 k3 kl mse low_var_kl" -- "$cur")); return ;;
         --launcher) COMPREPLY=($(compgen -W "torchrun slurm" -- "$cur")); return ;;
         --lengths) return ;;
-        --log) return ;;
+        --log) COMPREPLY=($(compgen -W "console tensorboard wandb" -- "$cur")); return ;;
         --lora-alpha) return ;;
         --lora-dropout) return ;;
         --lora-rank) return ;;
@@ -90,7 +90,7 @@ _rlctl() {
         --reps) return ;;
         --response-len) return ;;
         --resume) return ;;
-        --reward) COMPREPLY=($(compgen -W "gsm8k math exact format length" -- "$cur")); return ;;
+        --reward) COMPREPLY=($(compgen -W "gsm8k gsm8k_flexible math exact format length" -- "$cur")); return ;;
         --reward-model) return ;;
         --rollout) COMPREPLY=($(compgen -W "auto hf vllm sglang" -- "$cur")); return ;;
         --rollout-tp) return ;;

@@ -217,7 +217,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-high -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout -x -a 'auto hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout-tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l mem-fraction -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward -x -a 'gsm8k math exact format length'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward -x -a 'gsm8k gsm8k_flexible math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l samples-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l tools -x
@@ -244,7 +244,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-alpha -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-targets -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-dropout -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l log -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l log -x -a 'console tensorboard wandb'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ignore-memory-check
@@ -309,7 +309,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-high -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout -x -a 'auto hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout-tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l mem-fraction -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward -x -a 'gsm8k math exact format length'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward -x -a 'gsm8k gsm8k_flexible math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l samples-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l tools -x
@@ -336,7 +336,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-alpha -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-targets -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-dropout -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l log -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l log -x -a 'console tensorboard wandb'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l ignore-memory-check
@@ -415,7 +415,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-alpha -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-targets -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-dropout -x
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l log -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l log -x -a 'console tensorboard wandb'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l ignore-memory-check

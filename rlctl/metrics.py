@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 from rlctl.errors import UserError, did_you_mean
+from rlctl.names import LogBackend, choices
 
-BACKENDS = ("console", "tensorboard", "wandb")
+BACKENDS = choices(LogBackend)
 
 
 def parse_backends(spec: str) -> list[str]:

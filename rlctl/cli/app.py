@@ -12,6 +12,7 @@ import typer
 
 from rlctl import __version__
 from rlctl.cli import bench, convert, estimate, presets, report, train
+from rlctl.names import Method, choices
 
 HELP = """rlctl: post-train LLMs (SFT, GRPO, PPO) from one command.
 
@@ -44,7 +45,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
-for method in ("sft", "grpo", "ppo"):
+for method in choices(Method):
     app.command(method, epilog=train.EXAMPLES[method])(getattr(train, method))
 app.command("report", epilog=report.EXAMPLES)(report.report)
 app.add_typer(convert.app, name="convert")

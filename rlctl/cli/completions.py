@@ -19,6 +19,7 @@ from rlctl.names import (
     Dtype,
     KlKind,
     Launcher,
+    LogBackend,
     LossAgg,
     LrScheduler,
     Method,
@@ -44,6 +45,7 @@ def value_choices() -> dict[str, list[str]]:
     from rlctl.algos.registry import adv_names
     from rlctl.catalog import list_gpus, list_models
     from rlctl.presets import preset_names
+    from rlctl.rewards.builtin import BUILTINS
 
     models = sorted({m.name for m in list_models()} | {m.hf_id for m in list_models()})
     return {
@@ -61,7 +63,8 @@ def value_choices() -> dict[str, list[str]]:
         "--precision": list(choices(Precision)),
         "--method": list(choices(Method)),
         "--dtype": list(choices(Dtype, without=("auto",))),
-        "--reward": ["gsm8k", "math", "exact", "format", "length"],
+        "--reward": list(BUILTINS),  # the built-in rewards (rlctl.rewards.builtin)
+        "--log": list(choices(LogBackend)),
     }
 
 

@@ -237,8 +237,9 @@ FLAGS: tuple[Flag, ...] = (
     F("mem_fraction", "--mem-fraction", "rollout.mem_fraction", RL_PANEL, RL_EST,
       "vLLM gpu_memory_utilization / SGLang mem_fraction_static (default: the plan's).", shown=False),
     F("reward", "--reward", "reward.fns", RL_PANEL, RL,
-      "NAME[:WEIGHT], repeatable (weighted sum): gsm8k | math | exact | format | length | file.py:fn | "
-      "file.py:Class | module:fn. E.g. --reward gsm8k --reward format:0.2.", convert=_rewards),
+      "NAME[:WEIGHT], repeatable (weighted sum): a built-in reward (docs/rewards.md; the shell completion "
+      "lists them), file.py:fn, file.py:Class or module:fn. E.g. --reward gsm8k --reward format:0.2.",
+      convert=_rewards),
     F("reward_model", "--reward-model", "reward.model", RL_PANEL, RL_EST,
       "A sequence-classification reward model (HF directory), added as a reward component."),
     F("samples_every", "--samples-every", "log.samples_every", TRAINING, RL,
@@ -301,7 +302,7 @@ FLAGS: tuple[Flag, ...] = (
     F("lora_dropout", "--lora-dropout", "lora.dropout", LORA, TRAIN,
       "LoRA dropout."),
     F("log", "--log", "log.backends", TRAINING, TRAIN,
-      "Comma list of metric sinks: console, tensorboard, wandb."),
+      f"Comma list of metric sinks: {describe(names.LogBackend)}."),
     F("run_name", "--run-name", "log.run_name", TRAINING, TRAIN,
       "Name of the run in W&B / TensorBoard (default: the run directory's)."),
     F("trust_remote_code", "--trust-remote-code", "model.trust_remote_code", JOB, ALL,

@@ -8,7 +8,9 @@ each overriding the one before::
 Every layer is a nested dict with dotted paths such as ``train.lr`` or ``rollout.n``. An unknown key
 anywhere fails with a did-you-mean suggestion; a value of the wrong type fails naming the key and
 the expected type. Enumerated keys take the values of their Literal (:mod:`rlctl.names`). Fields left at
-``"auto"``, None (``bool | None``: the plan decides) or 0 for sizes are filled in by the plan.
+``"auto"``, None (``bool | None``: the plan decides) or 0 for sizes are filled in by the plan. The
+``plugins`` a config names are imported before it is checked (:mod:`rlctl.config.plugins`), so the names
+they register are valid ``algo.adv`` / ``algo.policy_loss`` values (:mod:`rlctl.config.algorithm`).
 
 This module imports no torch, so the CLI can use it while staying fast.
 """

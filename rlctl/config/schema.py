@@ -169,7 +169,7 @@ class AlgoConfig:
 
 @dataclass
 class RewardConfig:
-    fn: str = "auto"  # auto (from data_source) | gsm8k | math | exact | format | length | file.py:fn | module:fn
+    fn: str = "auto"  # auto (from data_source), a built-in (rlctl.rewards.builtin), file.py:fn or module:fn
     format_pattern: str = ""
     fns: list[str] = field(default_factory=list)  # several weighted rewards NAME[:WEIGHT], e.g. [gsm8k, format:0.2]
     timeout: float = 30.0  # seconds per reward call (0: none); a call that runs over counts as failed
@@ -192,7 +192,7 @@ class AgentConfig:
 
 @dataclass
 class LogConfig:
-    backends: str = "console"  # comma list: console, tensorboard, wandb
+    backends: str = "console"  # a comma list of rlctl.names.LogBackend
     project: str = "rlctl"
     run_name: str = ""
     every: int = 1

@@ -61,3 +61,32 @@ def test_one_cpu_process_runs_the_plain_module_and_two_stay_sharded():
     assert any(r.startswith("shard off: one process") for r in p.reasons)
     cfg, p = cpu_plan(2)
     assert p.estimate.settings.shard and apply_plan(cfg, p).parallel.shard is True
+
+
+def test_a_resolved_config_decides_every_on_off_setting():
+    """None (the plan decides) is never left after apply_plan, for every method, backend and device; a
+    value the user gave is kept."""
+    import dataclasses
+
+    cases = [
+        ("sft", {"model.name": "Qwen2.5-0.5B", "hardware.gpus": 1, "hardware.gpu": "H100"}),
+        (
+            "grpo",
+            {
+                "model.name": "Qwen2.5-7B",
+                "hardware.gpus": 8,
+                "hardware.gpu": "H100",
+                "parallel.offload_optimizer": False,
+            },
+        ),
+        ("ppo", {"model.name": "Qwen2.5-72B", "hardware.gpus": 16, "hardware.gpu": "H100"}),
+        ("sft", {"model.name": "Qwen2.5-0.5B", "hardware.device": "cpu", "parallel.offload_params": "false"}),
+    ]
+    for method, sets in cases:
+        cfg = build_config(method, method_layers(method, None) + [dotted_to_nested(sets)])
+        resolved = apply_plan(cfg, plan_config(cfg, LocalEnv(memory_bytes=64 * 2**30)))
+        flags = {f.name: getattr(resolved.parallel, f.name) for f in dataclasses.fields(resolved.parallel)}
+        on_off = {k: v for k, v in flags.items() if k not in ("backend", "tp", "pp", "cp", "ep")}
+        assert len(on_off) == 7 and all(isinstance(v, bool) for v in on_off.values()), (method, sets, on_off)
+        for key in (k for k in sets if k.startswith("parallel.")):
+            assert on_off[key.split(".")[1]] is False  # the user's false ("false" read as False) is kept

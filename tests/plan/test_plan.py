@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -357,7 +358,9 @@ def test_decisions_are_data_that_the_plan_and_the_resolved_config_agree_with(met
     # the reasons are the decisions' words, then the verdict: rendered, never parsed
     assert p.reasons == [d.why for d in p.decisions] + [f"estimate: {p.estimate.verdict}"]
     assert p.verdict.fits == p.fits == p.estimate.fits and p.advice == []
-    assert None not in [getattr(applied.parallel, k) for k in ("shard", "offload_params", "sequence_parallel")]
+    # the resolved config has decided every bool | None setting
+    tri = [f.name for f in dataclasses.fields(applied.parallel) if f.type in ("bool | None", bool | None)]
+    assert len(tri) == 7 and all(isinstance(getattr(applied.parallel, k), bool) for k in tri), tri
 
 
 def test_an_unfit_plan_carries_its_verdict_and_advice_as_fields():
