@@ -120,3 +120,9 @@ def test_the_walk_of_offload_params_from_the_flag_to_the_engine_spec(flag, want)
     assert EngineSpec.from_config(job.cfg).offload_params is job.plan.offload_params
     with pytest.raises(Exception, match="the plan was not applied"):
         EngineSpec.from_config(job.requested)  # the config before the plan: refused, never guessed
+
+
+def test_estimate_memory_without_a_model_is_one_line():
+    r = _invoke("estimate", "memory", "--method", "sft", "--gpus", "1")
+    assert isinstance(r.exception, UserError) and "\n" not in str(r.exception)
+    assert str(r.exception).startswith("no model given") and "--method sft" in str(r.exception)
