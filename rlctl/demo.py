@@ -347,35 +347,33 @@ def run_demo(
         )
 
     with step("6/6  held-out accuracy after GRPO, and the exported model", "eval"):
-        after = split_accuracy(grpo_dir / "hf", heldout)
-        console.print(_accuracy_line("after GRPO", after))
-        table = Table(title="held-out accuracy (greedy decoding)")
-        for col in ("", "all", "carry", "no carry"):
-            table.add_column(col, justify="right")
-        for name, acc in (("after SFT", before), ("after GRPO", after)):
-            table.add_row(name, *(f"{100 * acc[k]:.1f}%" for k in ("all", "carry", "no carry")))
-        console.print(table)
-        console.print(
-            f"[bold]held-out accuracy: {100 * before['all']:.1f}% -> {100 * after['all']:.1f}% "
-            f"({100 * (after['all'] - before['all']):+.1f} points)"
-        )
-        example = next((p for p in heldout if p.carries), heldout[0])
-        answer = sample_answer(grpo_dir / "hf", example)
-        console.print(f"the exported model {grpo_dir / 'hf'}, loaded with AutoModelForCausalLM.from_pretrained:")
-        console.print(f"  {example.question} -> [bold]{answer}[/bold] (true answer {example.answer})")
-        page = write_report(grpo_dir)
-        console.print(f"the run's report (every curve, held-out accuracy at step 0 and at the end, rollouts): {page}")
+        results = show_results(console, before, heldout, grpo_dir)
     total = time.perf_counter() - began
     console.print(f"total time {total / 60:.1f} min (" + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()) + ")")
-    return {
-        "before": before,
-        "after": after,
-        "hf": str(grpo_dir / "hf"),
-        "report": str(page),
-        "example": (example.question, answer),
-        "times": times,
-        "total_s": total,
-    }
+    return {"before": before, **results, "times": times, "total_s": total}
+
+
+def show_results(console: Console, before: dict[str, float], heldout: list[arith.Problem], grpo_dir: Path) -> dict:
+    """The held-out accuracy after GRPO beside the one before, one answer of the exported model, the report."""
+    after = split_accuracy(grpo_dir / "hf", heldout)
+    console.print(_accuracy_line("after GRPO", after))
+    table = Table(title="held-out accuracy (greedy decoding)")
+    for col in ("", "all", "carry", "no carry"):
+        table.add_column(col, justify="right")
+    for name, acc in (("after SFT", before), ("after GRPO", after)):
+        table.add_row(name, *(f"{100 * acc[k]:.1f}%" for k in ("all", "carry", "no carry")))
+    console.print(table)
+    console.print(
+        f"[bold]held-out accuracy: {100 * before['all']:.1f}% -> {100 * after['all']:.1f}% "
+        f"({100 * (after['all'] - before['all']):+.1f} points)"
+    )
+    example = next((p for p in heldout if p.carries), heldout[0])
+    answer = sample_answer(grpo_dir / "hf", example)
+    console.print(f"the exported model {grpo_dir / 'hf'}, loaded with AutoModelForCausalLM.from_pretrained:")
+    console.print(f"  {example.question} -> [bold]{answer}[/bold] (true answer {example.answer})")
+    page = write_report(grpo_dir)
+    console.print(f"the run's report (every curve, held-out accuracy at step 0 and at the end, rollouts): {page}")
+    return {"after": after, "hf": str(grpo_dir / "hf"), "report": str(page), "example": (example.question, answer)}
 
 
 def _accuracy_line(name: str, acc: dict[str, float]) -> str:

@@ -221,16 +221,39 @@ class _Progress:
                 return escape(text if len(text) <= 160 else text[:157] + "...")
 
             reward, adv = rec.get("reward"), rec.get("advantage")
-            self.console.print(
+            head = (
                 f"[dim]sample at step {step}: reward {reward if reward is None else f'{reward:.3g}'}, "
-                f"advantage {adv if adv is None else f'{adv:.3g}'}[/dim]\n  prompt:   {clip(rec.get('prompt', ''))}"
-                f"\n  response: {clip(rec.get('response', ''))}",
+                f"advantage {adv if adv is None else f'{adv:.3g}'}[/dim]"
+            )
+            if rec.get("messages"):  # an agent run: the whole conversation, one line per message
+                turns = "".join(f"\n  {role + ':':<10} {clip(text)}" for role, text in conversation(rec["messages"]))
+                self.console.print(f"{head}{turns}", soft_wrap=True)
+                continue
+            self.console.print(
+                f"{head}\n  prompt:   {clip(rec.get('prompt', ''))}\n  response: {clip(rec.get('response', ''))}",
                 soft_wrap=True,
             )
 
     def __exit__(self, *exc):
         if self.bar is not None:
             self.bar.__exit__(*exc)
+
+
+def conversation(messages: list[dict]) -> list[tuple[str, str]]:
+    """(role, text) per message of a multi-turn sample (system messages left out); an assistant's tool calls
+    as ``name(arguments)`` after its text."""
+    import json
+
+    out = []
+    for m in messages:
+        role = str(m.get("role", "?"))
+        if role == "system":
+            continue
+        text = str(m.get("content") or "")
+        calls = [c.get("function", c) for c in m.get("tool_calls") or ()]
+        text += " ".join(f" -> {c.get('name')}({json.dumps(c.get('arguments'))})" for c in calls)
+        out.append((role, text.strip()))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

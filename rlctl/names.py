@@ -27,6 +27,8 @@ RolloutEngine = Literal["auto", "hf", "vllm", "sglang"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LogBackend = Literal["console", "tensorboard", "wandb"]  # log.backends is a comma list of these
 KlKind = Literal["k1", "abs", "k2", "k3", "kl", "mse", "low_var_kl"]
+CorrectionMode = Literal["none", "tis", "mis"]  # algo.rollout_correction (docs/algos.md)
+CorrectionLevel = Literal["token", "sequence"]
 # Open sets, not Literals: the names registered in rlctl.algos.registry (the built-ins and any plugin's)
 AdvName = str
 PolicyLossName = str
@@ -46,6 +48,10 @@ MEANINGS: dict[Any, dict[str, str]] = {
     },
     Launcher: {"torchrun": "this node", "slurm": "write an sbatch script and submit it"},
     KlKind: {"kl": "= k1", "mse": "= k2", "low_var_kl": "= k3"},
+    CorrectionMode: {
+        "tis": "truncated importance weights min(w, U)",
+        "mis": "masked importance weights: 0 outside [L, U] (IcePop)",
+    },
 }
 
 

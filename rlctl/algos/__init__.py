@@ -4,6 +4,7 @@
   in the registry's signature on the global batch.
 - :mod:`rlctl.algos.losses`: loss aggregation (with the data-parallel contract), PPO / GSPO policy
   losses, clipped value loss.
+- :mod:`rlctl.algos.correction`: rollout-mismatch importance weights (TIS / MIS, rejection, metrics).
 - :mod:`rlctl.algos.kl`: KL estimators, KL coefficient controllers, entropy.
 - :mod:`rlctl.algos.logprobs`: chosen-token log-probabilities from logits, memory-aware.
 - :mod:`rlctl.algos.masked`: masked mean / variance / whitening.
@@ -21,6 +22,7 @@ from typing import Any
 
 _FROM = {
     "advantages": ("gae", "grpo", "reinforce_pp", "rloo"),
+    "correction": ("is_weights",),
     "kl": ("KL_KINDS", "AdaptiveKLController", "FixedKLController", "entropy_from_logits", "kl_estimate"),
     "logprobs": ("logprobs_from_logits",),
     "losses": ("AGG_MODES", "aggregate", "gspo_policy_loss", "ppo_policy_loss", "value_loss"),

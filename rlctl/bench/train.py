@@ -279,7 +279,15 @@ def measured_memory(records: list[dict], sampler: ProcessSampler, baseline: int,
         )
     measured = raw - base
     estimated = estimate.peak_bytes
+    torch_peaks = {  # on CUDA the recipe logs torch's allocator peaks (rlctl.runtime.fit.cuda_memory_peaks)
+        f"torch_{kind}_peak_bytes": max(r[f"mem/{kind}_peak_bytes"] for r in records if f"mem/{kind}_peak_bytes" in r)
+        for kind in ("allocated", "reserved")
+        if any(f"mem/{kind}_peak_bytes" in r for r in records)
+    }
     return {
+        **torch_peaks,
+        "estimated_allocated_bytes": estimate.phases[estimate.peak_phase].allocated_bytes,
+        "estimated_reserved_bytes": estimate.phases[estimate.peak_phase].reserved_bytes,
         "source": source,
         "ranks": dict(sorted(sampler.peak.items())),
         "samples": sampler.samples,

@@ -65,15 +65,7 @@ def convert_source(
     out_dir = Path(out_dir).absolute()
     check_out_dir(out_dir, force, inputs=[meta_dir, *([adapter_dir] if adapter_dir else []), *inputs])
     layout = lora.hf_layout(source, adapter_dir, where)
-    spec = None
-    if layout.has_lora:
-        if adapter_dir is None or not (adapter_dir / "adapter_config.json").is_file():
-            raise UserError(
-                f"{where}: LoRA weights but no lora_adapter/adapter_config.json to read the rank and alpha from"
-            )
-        spec = lora.LoraSpec.from_dir(adapter_dir)
-    elif keep_adapter:
-        raise UserError(f"{where}: --keep-adapter given but the checkpoint holds no LoRA weights")
+    spec = _lora_spec(layout, adapter_dir, keep_adapter=keep_adapter, where=where)
     arch = Architecture.from_dir(meta_dir)
     unknown = arch.check({name: layout.shape(source, name) for name in layout.base}, where)
     target = resolve_dtype(dtype) or config_dtype(read_hf_config(meta_dir))
@@ -84,21 +76,7 @@ def convert_source(
         lora.write_adapter(tmp / "adapter", layout, spec, target)
 
     def check(tmp: Path):
-        if not layout.has_lora:
-            return verify_model(tmp, lora.base_tensors(source, layout), dtype=target)
-        base = dict(lora.base_tensors(source, layout))
-        with tempfile.TemporaryDirectory() as scratch:
-            peft_dir = adapter_dir
-            if layout.lora_source is source or not (adapter_dir / "adapter_model.safetensors").is_file():
-                peft_dir = Path(scratch)
-                lora.write_adapter(peft_dir, layout, spec)
-            reference = lora.peft_reference(meta_dir, base, peft_dir)
-        if keep_adapter:
-            return verify_model(
-                tmp, base.items(), dtype=target, adapter=lora.adapter_tensors(layout), reference=reference
-            )
-        expected = {name: reference.get(name, tensor) for name, tensor in base.items()}
-        return verify_model(tmp, expected.items(), dtype=target, rounding=True)
+        return _verify(tmp, source, layout, spec, meta_dir, adapter_dir, keep_adapter=keep_adapter, dtype=target)
 
     written = write_verified(
         out_dir,
@@ -123,6 +101,37 @@ def convert_source(
         notes=list(notes or []),
         verdict=written.verdict,
     )
+
+
+def _lora_spec(layout, adapter_dir: Path | None, *, keep_adapter: bool, where: str):
+    """The rank and alpha of the checkpoint's LoRA weights (None: it holds none)."""
+    if not layout.has_lora:
+        if keep_adapter:
+            raise UserError(f"{where}: --keep-adapter given but the checkpoint holds no LoRA weights")
+        return None
+    if adapter_dir is None or not (adapter_dir / "adapter_config.json").is_file():
+        raise UserError(
+            f"{where}: LoRA weights but no lora_adapter/adapter_config.json to read the rank and alpha from"
+        )
+    return lora.LoraSpec.from_dir(adapter_dir)
+
+
+def _verify(tmp: Path, source, layout, spec, meta_dir: Path, adapter_dir, *, keep_adapter: bool, dtype):
+    """The written model against the source: the base tensors, or with LoRA what PEFT computes (folded
+    weights, or the kept adapter beside the base)."""
+    if not layout.has_lora:
+        return verify_model(tmp, lora.base_tensors(source, layout), dtype=dtype)
+    base = dict(lora.base_tensors(source, layout))
+    with tempfile.TemporaryDirectory() as scratch:
+        peft_dir = adapter_dir
+        if layout.lora_source is source or not (adapter_dir / "adapter_model.safetensors").is_file():
+            peft_dir = Path(scratch)
+            lora.write_adapter(peft_dir, layout, spec)
+        reference = lora.peft_reference(meta_dir, base, peft_dir)
+    if keep_adapter:
+        return verify_model(tmp, base.items(), dtype=dtype, adapter=lora.adapter_tensors(layout), reference=reference)
+    expected = {name: reference.get(name, tensor) for name, tensor in base.items()}
+    return verify_model(tmp, expected.items(), dtype=dtype, rounding=True)
 
 
 def fsdp_to_hf(path: str | Path, out_dir: str | Path, *, trust: bool = False, **options) -> ConvertResult:

@@ -251,7 +251,11 @@ class FSDPEngine(TrainEngine):
         offload = CPUOffloadPolicy(pin_memory=True) if self.offload else OffloadPolicy()
         for unit in self._wrap_units():
             fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload)
-        fully_shard(self.model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        # FSDP2 keeps the ROOT's parameters (embedding, final norm, lm_head) unsharded after a forward, for
+        # the backward that follows; a frozen model has none, so its root reshards like every layer
+        # (else the reference model's root stays gathered on every GPU through rollout and update)
+        root_reshard = None if self.trainable else True
+        fully_shard(self.model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=root_reshard)
 
     def _materialize(self) -> None:
         """Allocate the shards and fill them with rank 0's weights (and non-persistent buffers)."""

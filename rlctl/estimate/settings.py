@@ -88,6 +88,7 @@ class MemorySettings:
     micro_batch_tokens: int = 0  # token budget of a packed micro batch (0 = micro_batch x seq_len)
     loss_chunk: int = 0  # tokens per chunk of the loss (0 = one unfused loss over the micro batch)
     reward_model: bool = False  # PPO/GRPO: a frozen reward model on the training GPUs
+    reward_model_dtype: str = "fp32"  # reward.model_dtype: every rank holds a whole replica in it
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -157,7 +158,13 @@ class MemorySettings:
 
     def check(self, spec: ModelSpec) -> None:
         """Reject impossible settings with a one-line UserError."""
-        choices = {"method": METHODS, "backend": BACKENDS, "dtype": tuple(DTYPE_BYTES), "device": DEVICES}
+        choices = {
+            "method": METHODS,
+            "backend": BACKENDS,
+            "dtype": tuple(DTYPE_BYTES),
+            "device": DEVICES,
+            "reward_model_dtype": tuple(DTYPE_BYTES),
+        }
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise UserError(f"{key}={getattr(self, key)!r} is not one of {', '.join(allowed)}")

@@ -28,7 +28,7 @@ def train_step(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
     advantages = rl.advantages(batch)  # KL-penalised token rewards -> GAE advantages and returns
     critic = rl.update_critic(batch)  # clipped value loss on the returns
     actor = {}
-    if step >= rl.cfg.algo.critic_warmup:
+    if step >= rl.algo.critic_warmup:
         actor = rl.update_actor(batch)  # ppo_epochs x mini-batches of clipped policy-gradient steps
     return batch, merged(generated, scored, ref, old, values, advantages, critic, actor)
 

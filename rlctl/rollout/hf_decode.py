@@ -307,7 +307,9 @@ class DecodeState:
             q = r[:, :, :heads].transpose(1, 2)  # (prompts, heads, width, head_dim)
             if i == len(dec.layers) - 1:  # the last layer: only the last position goes on
                 q, mask, h = q[:, :, -1:], mask[:, :, -1:], h.view(prompts, q_len, -1)[:, -1]
-            out = F.scaled_dot_product_attention(q, k, v, mask, scale=dec.scaling, enable_gqa=heads != kv)
+            if heads != kv:  # masked: repeat the KV heads (enable_gqa with a mask is the math kernel on CUDA)
+                k, v = k.repeat_interleave(heads // kv, dim=1), v.repeat_interleave(heads // kv, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, mask, scale=dec.scaling)
             h = layer.o.add_to(h, out.transpose(1, 2).reshape(len(h), heads * hd))
             gu = layer.gate_up(rms_norm(h, layer.ln2, layer.eps2, ln2))
             h = layer.down.add_to(h, F.silu(gu[:, :inter]) * gu[:, inter:])

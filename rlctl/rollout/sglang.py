@@ -120,10 +120,8 @@ class SGLangRolloutEngine(RolloutEngine):
         # token ids in (input_ids, never text); the radix cache reuses each history's cached prefix
         check_generate_args(histories, 1, self.max_model_len)
         stop_ids = sorted(self.stop_token_ids | set(sampling.stop_token_ids or ()))
-        params = sglang_sampling_params(sampling, stop_ids, len(histories))
-        per_request = params if isinstance(params, list) else [dict(params) for _ in histories]
-        for p, m in zip(per_request, max_tokens, strict=True):
-            p["max_new_tokens"] = m
+        params = sglang_sampling_params(sampling, stop_ids)
+        per_request = [{**params, "max_new_tokens": m} for m in max_tokens]  # each history its own budget
         outputs = self._engine.generate(input_ids=histories, sampling_params=per_request, return_logprob=True)
         return samples_from_outputs(outputs, 1)
 

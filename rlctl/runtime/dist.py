@@ -33,7 +33,8 @@ class Dist:
 
 
 def init_distributed(device_type: str) -> Dist:
-    """Start the default process group from torchrun's environment (gloo on CPU, nccl on CUDA)."""
+    """Start the default process group from torchrun's environment (gloo on CPU; nccl and gloo on CUDA,
+    see :func:`process_group_backend`)."""
     if device_type not in ("cpu", "cuda"):
         raise UserError(f"unknown device '{device_type}'; use cpu or cuda (hardware.device)")
     if device_type == "cuda" and not torch.cuda.is_available():
@@ -50,11 +51,19 @@ def init_distributed(device_type: str) -> Dist:
         device = torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(
-            "nccl" if device_type == "cuda" else "gloo",
+            process_group_backend(device_type),
             timeout=timedelta(minutes=30),
             device_id=device if device_type == "cuda" else None,
         )
     return Dist(rank, world, local, device, int(os.environ.get("LOCAL_WORLD_SIZE") or world))
+
+
+def process_group_backend(device_type: str) -> str:
+    """gloo on CPU; on CUDA nccl for CUDA tensors AND gloo for CPU ones: FSDP2's CPU offload keeps the
+    sharded gradients as CPU DTensors, so clip-grad's norm reduction runs on CPU tensors (torch's
+    ``CPUOffloadPolicy`` asks for ``"cpu:gloo,cuda:nccl"``), as do Megatron's CPU-offloaded optimizer and
+    any object collective on CPU tensors. The gloo half costs one TCP store round per group."""
+    return "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
 
 
 def check_rollout_in_node(tp: int, per_node: int) -> None:

@@ -29,7 +29,7 @@ from rlctl.errors import UserError
 from rlctl.formats.hf_writer import config_dtype
 from rlctl.metrics import MetricsLogger
 from rlctl.runtime.checkpoint import fault_point, load_checkpoint, remove_leftovers, save_checkpoint
-from rlctl.runtime.dist import all_reduce_sum, barrier
+from rlctl.runtime.dist import all_gather_objects, all_reduce_sum, barrier
 from rlctl.runtime.layout import choose_resume, step_name, write_json_atomic
 from rlctl.runtime.profile import StepProfiler
 from rlctl.runtime.rng import rng_state, set_rng_state
@@ -103,8 +103,11 @@ def checkpoint(ctx: RunContext, trainer: Trainer, step: int) -> Path:
 def resume(ctx: RunContext, trainer: Trainer) -> tuple[int, Path | None]:
     """Load ``checkpoint.resume`` when set: (the step to start from, the checkpoint)."""
     cfg = ctx.cfg
-    choice = choose_resume(cfg.checkpoint.resume, ctx.paths.root)  # a damaged checkpoint: one named file
-    path = choice.path
+    # a damaged checkpoint: one named file. Rank 0 alone reads every byte (the checksums) and its
+    # choice is every rank's (the launcher checked the same before launch).
+    choice = choose_resume(cfg.checkpoint.resume, ctx.paths.root, checksums=ctx.dist.is_main)
+    chosen = all_gather_objects(str(choice.path) if choice.path is not None else None)[0]
+    path = Path(chosen) if chosen is not None else None
     if choice.note():
         ctx.log(choice.note())
     if ctx.dist.is_main and cfg.checkpoint.resume:
@@ -164,6 +167,7 @@ def fit(ctx: RunContext, trainer: Trainer) -> str:
     while step < total and not interrupted:
         profiler.begin(step + 1)
         record = trainer.train_step(step)
+        record.update(cuda_memory_peaks(main.device))
         step += 1
         profiler.end(step)
         fault_point("step", step)  # test hook (RLCTL_FAULT=step:K)
@@ -203,3 +207,22 @@ def fit(ctx: RunContext, trainer: Trainer) -> str:
         write_json_atomic(paths.summary, summary)
     barrier()
     return status
+
+
+def cuda_memory_peaks(device) -> dict[str, int]:
+    """On CUDA, torch's allocator peaks so far on the busiest rank (``max_memory_allocated`` /
+    ``max_memory_reserved``, one collective): what ``rlctl estimate`` calls allocated and reserved, logged
+    beside each step's metrics for benchmarks/gpu_check.sh. Nothing on CPU."""
+    if device.type != "cuda":
+        return {}
+    import torch
+
+    peaks = torch.tensor(
+        [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+        dtype=torch.int64,
+        device=device,
+    )
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
+    allocated, reserved = peaks.tolist()
+    return {"mem/allocated_peak_bytes": allocated, "mem/reserved_peak_bytes": reserved}

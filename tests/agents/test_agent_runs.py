@@ -55,6 +55,9 @@ def test_tool_grpo_hf_one_process(agent_model_dir, tmp_path):
     res = run_cli("grpo", *_args(agent_model_dir, tmp_path, run, 1, "--rollout", "hf", "--max-steps", "2"))
     assert res.returncode == 0, failure(res, run)
     _check(run, 2)
+    console = res.stdout + res.stderr  # the sampled conversations, one line per message
+    assert "user:      What is" in console and 'assistant: -> add({"a": 3, "b": 4})' in console
+    assert "tool:      7" in console
 
 
 def test_tool_grpo_hf_two_processes_resumes_exactly(agent_model_dir, tmp_path):

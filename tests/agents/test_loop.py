@@ -182,6 +182,7 @@ def test_hand_built_three_turn_trajectory_masks_exactly_the_sampled_tokens():
     from rlctl.config import build_config
     from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
     from rlctl.recipes.rl.batch import RolloutBatch
+    from rlctl.recipes.rl.spec import AlgoSpec
 
     def traj(seed):
         g = torch.Generator().manual_seed(seed)
@@ -215,12 +216,12 @@ def test_hand_built_three_turn_trajectory_masks_exactly_the_sampled_tokens():
     assert rewards[:, 13].tolist() == [1.0, 0.0] and rewards.sum().item() == 1.0  # on the last sampled token
 
     grpo = build_config("grpo", [{"algo": {"adv": "grpo"}}])
-    adv, _ = compute_advantages(batch, grpo, rewards)
+    adv, _ = compute_advantages(batch, AlgoSpec.from_config(grpo), rewards)
     assert torch.equal(adv != 0, batch.mask.bool())
 
     gae_cfg = build_config("ppo", [{"algo": {"adv": "gae", "gamma": 0.9, "lam": 0.8}}])
     batch.values = torch.randn(2, width, generator=torch.Generator().manual_seed(7))
-    adv, returns = compute_advantages(batch, gae_cfg, rewards)
+    adv, returns = compute_advantages(batch, AlgoSpec.from_config(gae_cfg), rewards)
     raw = torch.zeros(2, width)
     for b in range(2):  # plain GAE over the sampled tokens only, in order
         nxt_v = nxt_a = 0.0
@@ -337,3 +338,26 @@ def test_hf_continuation_starts_from_the_kept_keys_and_values(engine, tokenizer)
     for a, b in zip(kept, full, strict=True):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+def test_environment_prompt_suffix_goes_into_each_trajectorys_prompt(engine, tokenizer):
+    """reset() text (TRL's convention) is appended to the last user message, per trajectory; prompts that
+    differ within a group are generated one request each."""
+    from rlctl.rollout import SamplingParams
+
+    class SuffixSpec(AddSpec):
+        def open(self, row):
+            episode = super().open(row)
+            episode.prompt_suffix = f" (try {len(self.episodes)})"
+            return episode
+
+    rec = Recording(engine)
+    trajs = _loop(tokenizer, SuffixSpec(), max_turns=1).run(
+        rec, [_prompt(tokenizer)], 2, SamplingParams(max_tokens=40, seed=1)
+    )
+    for i, t in enumerate(trajs):
+        user = {"role": "user", "content": f"What is 3 + 4? (try {i + 1})"}
+        text = tokenizer.apply_chat_template([user], tools=[ADD_SCHEMA], tokenize=False, add_generation_prompt=True)
+        assert t.prompt_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert t.messages[0] == user
+    assert rec.calls[0][0] == "continue" and rec.calls[0][1] == [t.prompt_ids for t in trajs]

@@ -76,3 +76,21 @@ def test_pre_launch_one_liners(tiny_model_dir, tmp_path):
     assert res.returncode == 2 and "--max-turns needs something to take turns with" in error_line(res)
     res = run_cli(*base, "--tools", str(tools), "--output-dir", str(tmp_path / "run"))
     assert res.returncode == 2 and "the chat template has no tool-call format" in error_line(res), res.stderr
+
+
+def test_console_conversation_lines():
+    from rlctl.launch import conversation
+
+    messages = [
+        {"role": "system", "content": "tools..."},
+        {"role": "user", "content": "What is 3 + 4?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": {"a": 3}}}]},
+        {"role": "tool", "name": "add", "content": "7"},
+        {"role": "assistant", "content": "It is 7."},
+    ]
+    assert conversation(messages) == [
+        ("user", "What is 3 + 4?"),
+        ("assistant", '-> add({"a": 3})'),
+        ("tool", "7"),
+        ("assistant", "It is 7."),
+    ]

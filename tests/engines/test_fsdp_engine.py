@@ -84,6 +84,27 @@ def test_sharded_model_matches_plain_hf(tiny_model_dir, data_file, tmp_path):
     assert all(torch.equal(full[n], p) for n, p in ref.named_parameters())
 
 
+def test_a_frozen_models_root_is_resharded_after_its_forward(tiny_model_dir, data_file, tmp_path):
+    """FSDP2 keeps the root's parameters (embedding, final norm, lm_head) gathered after a forward, for the
+    backward that follows: right for the actor, a waste for the reference model, whose root would stay
+    gathered on every GPU through rollout and update. After a frozen engine's forward every parameter is a
+    shard again (a DTensor); the trainable actor's root stays gathered until its backward."""
+    from torch.distributed.tensor import DTensor
+
+    cfg = make_cfg(tiny_model_dir, data_file, tmp_path)
+    ids, pos = torch.randint(0, 100, (2, 16)), torch.arange(16).expand(2, 16)
+    ref = make_engine(cfg, trainable=False)
+    with torch.no_grad():
+        ref.forward(ids, pos)
+    gathered = [n for n, p in ref.model.named_parameters() if not isinstance(p, DTensor)]
+    assert not gathered
+    actor = make_engine(cfg)
+    loss = actor.forward(ids, pos).float().mean()
+    assert any(not isinstance(p, DTensor) for p in actor.model.parameters())  # the check can fail
+    loss.backward()
+    assert all(isinstance(p, DTensor) for p in actor.model.parameters())
+
+
 def _docs(vocab: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return [torch.randint(5, vocab, (n,), generator=g) for n in (7, 12, 5)]

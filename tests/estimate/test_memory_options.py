@@ -81,7 +81,24 @@ def test_reference_model_off_without_kl_and_the_reward_model_line():
     rl = {"method": "grpo", "gpus": 8, "rollout": "hf"}
     assert train(est(**rl))["reference_model"] == 2 * P7 // 8
     assert train(est(**rl, kl=False))["reference_model"] == 0
-    assert train(est(**rl, reward_model=True))["reward_model"] == 2 * P7 // 8
+    # rlctl.rewards.model: a whole replica on every rank in reward.model_dtype (fp32 by default), awake in both
+    # phases, offload or not (it was counted sharded over the 8 GPUs in bf16: 16x too little)
+    for dtype, size in (("fp32", 4), ("bf16", 2)):
+        for offload in (False, True):
+            e = est(**rl, reward_model=True, reward_model_dtype=dtype, offload_params=offload)
+            assert train(e)["reward_model"] == e.phases["rollout"].components["reward_model"] == size * P7
+    with pytest.raises(UserError, match="reward_model_dtype='int8'"):
+        est(**rl, reward_model=True, reward_model_dtype="int8")
+
+
+def test_the_hf_engine_keeps_its_weights_through_the_update():
+    """The hf rollout engine cannot sleep: its private bf16 copy of the model stays on the GPU while the trainer
+    updates. vLLM and SGLang release theirs."""
+    hf = est(method="grpo", gpus=8, rollout="hf")
+    assert train(hf)["engine_weights"] == hf.phases["rollout"].components["engine_weights"] == 2 * P7
+    assert "kv_cache" not in train(hf)  # allocated only while it generates
+    for engine in ("vllm", "sglang"):
+        assert "engine_weights" not in train(est(method="grpo", gpus=8, rollout=engine, mem_fraction=0.5))
 
 
 def test_allocated_reserved_device_and_the_verdict_on_the_device_figure():

@@ -1,4 +1,5 @@
-"""The layout rules: data flows one way, no import cycles; a module over 500 lines is reported.
+"""The layout rules: data flows one way, no import cycles, every function under 80 lines, every module named in
+docs/architecture.md; a module over 500 lines is reported.
 
 Every top-level part of ``rlctl`` has a layer; a module may import its own part or a lower layer, never
 a higher one. Imports inside functions count too (a lazy import is still a dependency); imports under
@@ -151,3 +152,83 @@ def test_the_report_names_exactly_the_long_modules(tmp_path):
     for name, n in (("at_cap.py", MAX_LINES), ("sub/over.py", MAX_LINES + 1), ("longest.py", 2 * MAX_LINES)):
         (pkg / name).write_text("x = 1\n" * n)
     assert long_modules(pkg) == [("pkg/longest.py", 2 * MAX_LINES), ("pkg/sub/over.py", MAX_LINES + 1)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Functions: one screen each
+
+MAX_FUNCTION_LINES = 80  # a function has fewer lines than this: one you cannot read in one screen is two
+# Known exceptions, each "path::qualified name": TODO(issue 22) split them, then remove them from here (a
+# name that is no longer long, or no longer exists, fails the test below so the list only shrinks).
+LONG_FUNCTIONS_TODO: set[str] = set()
+
+
+def function_lengths(root: Path = PACKAGE) -> dict[str, int]:
+    """{"path::Class.function": lines} of every function under ``root``, from its ``def`` line to its last
+    line (decorators not counted; a nested function counts in its own right and within its parent)."""
+    out: dict[str, int] = {}
+
+    def visit(node: ast.AST, path: str, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                name = f"{prefix}{child.name}"
+                out[f"{path}::{name}"] = child.end_lineno - child.lineno + 1
+                visit(child, path, f"{name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, path, f"{prefix}{child.name}.")
+            else:
+                visit(child, path, prefix)
+
+    for p in sorted(root.rglob("*.py")):
+        visit(ast.parse(p.read_text()), str(p.relative_to(root.parent)), "")
+    return out
+
+
+def test_every_function_fits_on_a_screen():
+    lengths = function_lengths()
+    long = {name: n for name, n in lengths.items() if n >= MAX_FUNCTION_LINES}
+    new = sorted(f"{name}: {n} lines" for name, n in long.items() if name not in LONG_FUNCTIONS_TODO)
+    assert not new, f"functions of {MAX_FUNCTION_LINES} lines or more (split them):\n" + "\n".join(new)
+    stale = sorted(LONG_FUNCTIONS_TODO - set(long))
+    assert not stale, "no longer long (or gone): remove from LONG_FUNCTIONS_TODO:\n" + "\n".join(stale)
+    for name in sorted(LONG_FUNCTIONS_TODO):
+        warnings.warn(f"{name} has {long[name]} lines (TODO: under {MAX_FUNCTION_LINES})", LongModuleWarning, 1)
+
+
+def test_function_lengths_are_counted_from_def_to_last_line(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    body = "\n".join(f"    x{i} = {i}" for i in range(5))
+    source = (
+        f"import functools\n\n\n@functools.cache\ndef five_body_lines():\n{body}\n\n\n"
+        "class C:\n    async def method(self):\n        def inner():\n            return 1\n\n        return inner\n"
+    )
+    (pkg / "m.py").write_text(source)
+    assert function_lengths(pkg) == {
+        "pkg/m.py::five_body_lines": 6,  # the def line and five body lines; the decorator is not counted
+        "pkg/m.py::C.method": 5,
+        "pkg/m.py::C.method.inner": 2,
+    }
+
+
+def test_architecture_md_names_every_module():
+    """docs/architecture.md's "One line per module" names each module of rlctl/ under its package."""
+    import re
+
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    block = doc.split("## One line per module", 1)[1].split("```")[1]
+    sections: dict[str, str] = {}  # "" (top level) or a package -> its lines
+    current = ""
+    for line in block.splitlines()[2:]:
+        m = re.match(r"  (\w+)/", line)
+        current = m.group(1) if m else current if line.startswith("     ") else ""
+        sections[current] = sections.get(current, "") + line + "\n"
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).parts
+        if path.name == "__init__.py" or path.name == "__main__.py":
+            continue
+        text, word = (sections.get("", ""), path.name) if len(parts) == 1 else (sections.get(parts[0], ""), path.stem)
+        if not re.search(rf"(?<![\w.]){re.escape(word)}(?!\w)", text):
+            missing.append(str(path.relative_to(PACKAGE.parent)))
+    assert not missing, "not in docs/architecture.md's one line per module:\n" + "\n".join(missing)

@@ -219,6 +219,7 @@ def test_packed_log_probs_and_values_match_one_sequence_at_a_time(tiny_model_dir
 
 def test_advantages_and_token_rewards_by_hand(process_group):
     from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
+    from rlctl.recipes.rl.spec import AlgoSpec
 
     batch = _random_batch(2, 3, 50, width=5)
     batch.scores = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 2.0])
@@ -231,12 +232,12 @@ def test_advantages_and_token_rewards_by_hand(process_group):
         assert torch.allclose(r[i, : lengths[i]], torch.tensor(want)) and r[i, lengths[i] :].abs().sum() == 0
 
     r0 = token_rewards(batch)
-    adv, _ = compute_advantages(batch, rl_config("m", algo__adv="grpo"), r0)
+    adv, _ = compute_advantages(batch, AlgoSpec.from_config(rl_config("m", algo__adv="grpo")), r0)
     # group 0: scores 1, 0, 0: mean 1/3, unbiased std sqrt(1/3); group 1: all equal -> 0
     std = (1 / 3) ** 0.5
     seq = [(1 - 1 / 3) / (std + 1e-6), (-1 / 3) / (std + 1e-6), (-1 / 3) / (std + 1e-6), 0.0, 0.0, 0.0]
     assert torch.allclose(adv, torch.tensor(seq)[:, None] * batch.mask, atol=1e-5)
-    adv, _ = compute_advantages(batch, rl_config("m", algo__adv="rloo"), r0)
+    adv, _ = compute_advantages(batch, AlgoSpec.from_config(rl_config("m", algo__adv="rloo")), r0)
     seq = [1 - 0.0, 0 - 0.5, 0 - 0.5, 0.0, 0.0, 0.0]  # s minus the mean of the others
     assert torch.allclose(adv, torch.tensor(seq)[:, None] * batch.mask, atol=1e-6)
 

@@ -178,6 +178,7 @@ def test_recipe_loss_uses_gspo_defaults_unless_overridden(sets, clip):
     seq-mean-token-mean aggregation reach the loss, except for the keys the user set."""
     from rlctl.config import build_config, dotted_to_nested
     from rlctl.recipes.rl.batch import micro_batches
+    from rlctl.recipes.rl.spec import AlgoSpec
     from rlctl.recipes.rl.update import policy_loss_fn
     from tests.recipes.test_grpo import _random_batch
 
@@ -189,7 +190,7 @@ def test_recipe_loss_uses_gspo_defaults_unless_overridden(sets, clip):
     (mb,) = micro_batches(batch, list(range(len(batch))), budget=10_000, pad_id=0, device=torch.device("cpu"))
     logits = torch.randn(1, mb.input_ids.shape[1], 50, generator=gen) * 0.05
     denoms = {"global_tokens": float(batch.mask.sum()), "global_seqs": 9.0, "norm_len": 6}
-    loss, stats = policy_loss_fn(batch, cfg, denoms, kl_loss_coef=0.0)(logits, mb)
+    loss, stats = policy_loss_fn(batch, AlgoSpec.from_config(cfg), denoms, kl_loss_coef=0.0)(logits, mb)
 
     sel = logits[0, mb.logit_index].log_softmax(-1).gather(-1, mb.labels[:, None]).squeeze(-1)
     logp = torch.zeros_like(batch.mask)
@@ -335,3 +336,16 @@ def test_a_grpo_run_profiles_the_steps_rlctl_profile_names(tiny_model_dir, tmp_p
     table = (run / "profile" / "rank0.txt").read_text()
     assert "time/update" in table and "time/rollout" in table
     assert (run / "profile" / "rank0.trace.json").exists()
+
+
+def test_step_metrics_merge_sums_the_phases_several_steps_time():
+    """The RL steps return their metrics; a step's record joins them, adding up the seconds of a phase
+    that several steps time (reference, old and value passes: time/logprobs) and keeping the rest."""
+    from rlctl.recipes.rl.trainer import merged, timed
+
+    m: dict[str, float] = {}
+    with timed(m, "time/logprobs"):
+        pass
+    assert m["time/logprobs"] >= 0.0
+    parts = ({"time/logprobs": 0.25, "kl": 0.5}, {"time/logprobs": 0.5, "entropy": 2.0}, {"time/update": 1.0}, {})
+    assert merged(*parts) == {"time/logprobs": 0.75, "kl": 0.5, "entropy": 2.0, "time/update": 1.0}

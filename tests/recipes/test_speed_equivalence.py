@@ -167,6 +167,7 @@ def run_update(model_dir, batch, *, skip_old_pass: bool, **sets):
     """One update_actor call on a fresh engine; returns its metrics and the gradients of its one step."""
     from rlctl.engines.fsdp import FSDPEngine
     from rlctl.recipes.rl.passes import compute_logprobs
+    from rlctl.recipes.rl.spec import AlgoSpec
     from rlctl.recipes.rl.update import update_actor
 
     cfg = rl_config(model_dir, **sets)
@@ -184,7 +185,7 @@ def run_update(model_dir, batch, *, skip_old_pass: bool, **sets):
         return step()
 
     engine.step = recording_step
-    metrics = update_actor(engine, batch, cfg, budget=10_000, pad_id=0)
+    metrics = update_actor(engine, batch, AlgoSpec.from_config(cfg), budget=10_000, pad_id=0)
     return metrics, seen
 
 
@@ -209,11 +210,12 @@ def test_skipping_the_old_logprob_pass_gives_the_same_update(tiny_model_dir, pro
 
 
 def test_several_steps_per_batch_still_need_the_old_logprobs(tiny_model_dir, process_group):
+    from rlctl.recipes.rl.spec import AlgoSpec
     from rlctl.recipes.rl.update import single_step
 
     batch = group_batch(2, 2, width=4, seed=4)
-    assert single_step(batch, rl_config(tiny_model_dir))
-    assert not single_step(batch, rl_config(tiny_model_dir, **{"algo.ppo_epochs": 2}))
+    assert single_step(batch, AlgoSpec.from_config(rl_config(tiny_model_dir)))
+    assert not single_step(batch, AlgoSpec.from_config(rl_config(tiny_model_dir, **{"algo.ppo_epochs": 2})))
     with pytest.raises(ValueError, match="old log-probs"):
         run_update(tiny_model_dir, batch, skip_old_pass=True, **{"algo.ppo_epochs": 2})
 

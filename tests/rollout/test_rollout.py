@@ -103,6 +103,22 @@ def test_make_rollout_engine_rejects_unknown_names(model_a):
         )
 
 
+def test_rollout_spec_reads_the_resolved_config():
+    """The run's RolloutSpec: the plan's choices, and its defaults where the plan left 0 / auto."""
+    from rlctl.config import RunConfig
+
+    cfg = RunConfig(method="grpo")
+    cfg.rollout.max_prompt_len, cfg.rollout.max_response_len, cfg.train.seed = 100, 28, 7
+    assert RolloutSpec.from_config(cfg) == RolloutSpec(engine="hf", tp=1, mem_fraction=0.5, max_model_len=128, seed=7)
+    cfg.rollout.engine, cfg.rollout.tp, cfg.rollout.mem_fraction = "vllm", 2, 0.3
+    spec = RolloutSpec.from_config(cfg)
+    assert (spec.engine, spec.tp, spec.mem_fraction) == ("vllm", 2, 0.3)
+    with pytest.raises(UserError, match="mem_fraction must be in"):
+        make_rollout_engine(spec.replace(mem_fraction=1.5))
+    with pytest.raises(UserError, match="max_model_len must be >= 2"):
+        make_rollout_engine(spec.replace(max_model_len=1))
+
+
 def test_filter_top_k_top_p_by_hand():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     logits = probs.log()
@@ -214,9 +230,9 @@ def test_hf_prefills_each_prompt_once_for_its_group(hf_engine, monkeypatch):
     )
     own_prefill = DecodeState.prefill  # the fast path prefills without the HF model
 
-    def recording(state, input_ids):
+    def recording(state, input_ids, *rest):
         shapes.append(tuple(input_ids.shape))
-        return own_prefill(state, input_ids)
+        return own_prefill(state, input_ids, *rest)
 
     monkeypatch.setattr(DecodeState, "prefill", recording)
     try:
@@ -567,6 +583,23 @@ def test_sglang_generate_expands_n_and_reads_logprobs(fake_sglang, model_a):
     unseeded = engine.generate(prompts, n=1, sampling=SamplingParams(temperature=0))
     assert isinstance(fake.calls[-1][2], dict) and fake.calls[-1][2]["temperature"] == 0
     assert len(unseeded) == 2
+
+
+def test_sglang_continuation_sends_token_ids_with_one_budget_each(fake_sglang, model_a):
+    """Multi-turn (rlctl.agents): each history goes to SGLang as input_ids (never text), with its own
+    max_new_tokens, one sample each, in order."""
+    spec = RolloutSpec(engine="sglang", model_path=str(model_a), device="cpu", dtype="bf16", max_model_len=64)
+    engine = make_rollout_engine(spec)
+    fake = fake_sglang.instances[0]
+    histories = [[10, 11, 12, 13], [20, 21]]
+    samples = engine.continue_generation(histories, SamplingParams(temperature=0.5, max_tokens=50), [5, 3])
+    _, input_ids, params, return_logprob = fake.calls[-1]
+    assert input_ids == histories and return_logprob
+    assert [p["max_new_tokens"] for p in params] == [5, 3] and all(p["temperature"] == 0.5 for p in params)
+    assert [s.prompt_index for s in samples] == [0, 1]
+    assert samples[0].token_ids == [10, 7, 9] and samples[1].token_ids == [21, 7, 2]
+    with pytest.raises(ValueError, match="one max_tokens >= 1 per history"):
+        engine.continue_generation(histories, SamplingParams(), [5])
 
 
 def test_sglang_update_weights_in_bounded_chunks(fake_sglang, model_a, monkeypatch):

@@ -139,20 +139,48 @@ def transformer_config(
         masked_softmax_fusion=te,
         bias_activation_fusion=cuda,
         bias_dropout_fusion=cuda,
-        persist_layer_norm=cuda,
+        persist_layer_norm=te,  # apex/TE's persistent norm kernel; the local spec's torch norm asserts it off
         gradient_accumulation_fusion=False,
         **kwargs,
     )
 
 
-def layer_spec(hf: Mapping[str, Any], *, cuda: bool):
-    """Transformer Engine's layer spec on GPU when installed, megatron-core's local spec otherwise."""
+def layer_spec(hf: Mapping[str, Any], *, cuda: bool, config=None):
+    """Transformer Engine's layer spec on GPU when installed; otherwise megatron-core's local spec with
+    :class:`TorchRMSNorm` for every norm, as the block spec (layers and final norm) of ``config``'s stage.
+
+    Without TE (the ``megatron`` extra does not install it) megatron-core's local spec builds its norms
+    with ``WrappedTorchNorm``, which asserts ``persist_layer_norm`` and sequence parallel off
+    (megatron-core 0.16.1, ``transformer/torch_norm.py``), and its block's final norm is apex's
+    ``FusedLayerNorm`` when apex is installed (LayerNorm only). ``config`` None: the layer spec alone."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     qk_norm = MegatronLayoutConfig.from_hf_config(hf).qk_norm
     if cuda and have_transformer_engine():
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    sub = spec.submodules
+    sub.input_layernorm = sub.pre_mlp_layernorm = TorchRMSNorm
+    attention = sub.self_attention.submodules
+    if qk_norm:
+        attention.q_layernorm = attention.k_layernorm = TorchRMSNorm
+    if config is None:
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=TorchRMSNorm)
+
+
+class TorchRMSNorm:
+    """``torch.nn.RMSNorm`` for the local spec, built like megatron-core's ``WrappedTorchNorm`` without its
+    asserts: with sequence parallel, each TP rank normalises 1/tp of the tokens with a replicated weight,
+    so the weight is marked ``sequence_parallel`` and megatron-core's ``finalize_model_grads`` sums its
+    gradient over the TP group (as apex's ``FusedLayerNorm`` marks its own)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_ignored):
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = bool(config.sequence_parallel)
+        return norm
 
 
 def optimizer_settings(t: OptimizerSpec, *, lr: float, dtype: torch.dtype, offload: bool) -> dict[str, Any]:

@@ -31,7 +31,7 @@ def build_gpt_model(hf: Mapping[str, Any], config, *, tp: int, cuda: bool):
     theta, llama3_factor = rope(hf)
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(hf, cuda=cuda),
+        transformer_layer_spec=layer_spec(hf, cuda=cuda, config=config),
         vocab_size=padded_vocab_size(layout, tp),
         max_sequence_length=int(hf.get("max_position_embeddings", 4096)),
         pre_process=parallel_state.is_pipeline_first_stage(),

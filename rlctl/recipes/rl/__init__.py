@@ -1,5 +1,6 @@
 """What the GRPO and PPO recipes share, by concern:
 
+- :mod:`.spec`: :class:`~.spec.AlgoSpec`, the algorithm read once from the resolved config
 - :mod:`.batch`: which prompts a rank takes, :class:`~.batch.RolloutBatch`, packed micro-batches
 - :mod:`.passes`: forward log-probs (and entropy) and the critic's values
 - :mod:`.advantages`: token rewards and the advantage estimator ``algo.adv`` names

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from rlctl.algos import get_adv_estimator
-from rlctl.config import RunConfig
 from rlctl.recipes.rl.batch import RolloutBatch
+from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.runtime.dist import all_reduce_max
 
 
@@ -61,11 +61,11 @@ def gather_global(
 
 
 def compute_advantages(
-    batch: RolloutBatch, cfg: RunConfig, rewards: torch.Tensor, group: dist.ProcessGroup | None = None
+    batch: RolloutBatch, algo: AlgoSpec, rewards: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns), both [b, W], from token rewards: the estimator ``algo.adv`` names, on the
     global batch gathered over the data-parallel ``group``."""
-    a = cfg.algo
+    a = algo
     estimator = get_adv_estimator(a.adv)
     wanted = [rewards, batch.mask] + ([batch.values] if estimator.needs_critic else [])
     g = gather_global(batch, wanted, group)

@@ -24,7 +24,8 @@ from rlctl.recipes.rl.agent import load_agent, make_agent_loop, run_agent
 from rlctl.recipes.rl.batch import RolloutBatch, rank_positions, token_budget
 from rlctl.recipes.rl.passes import compute_logprobs, compute_values
 from rlctl.recipes.rl.scoring import RewardScorer
-from rlctl.recipes.rl.update import policy_settings, single_step, update_actor, update_critic
+from rlctl.recipes.rl.spec import AlgoSpec
+from rlctl.recipes.rl.update import single_step, update_actor, update_critic
 from rlctl.runtime.dist import all_gather_objects, barrier, check_rollout_in_node, global_sums
 from rlctl.runtime.entry import RunContext
 
@@ -67,10 +68,10 @@ class RLTrainer:
         cfg, d = ctx.cfg, ctx.dist
         self.ctx, self.cfg, self.dist = ctx, cfg, d
         self.recipe_step = recipe_step  # the recipe's steps in order (rlctl.recipes.grpo / ppo)
-        a = cfg.algo
-        get_adv_estimator(a.adv)  # an unknown name: a one-line error naming the registered ones
+        get_adv_estimator(cfg.algo.adv)  # an unknown name: a one-line error naming the registered ones
         # the same check as before launch (rlctl.job), for a run directory written by other means
         check_algorithm(cfg)
+        self.algo = a = AlgoSpec.from_config(cfg)  # the typed algorithm every step reads
 
         self.source = model_source(cfg.model.name, random_init=cfg.model.random_init)
         self.tokenizer = use_chat_template(load_tokenizer(self.source), cfg)
@@ -92,9 +93,7 @@ class RLTrainer:
         self.mini_batch_size = min(a.mini_batch_size or self.sampler.batch_size, self.sampler.batch_size)
         optimizer_steps = self.total_steps * a.ppo_epochs * math.ceil(self.sampler.batch_size / self.mini_batch_size)
         self.budget = token_budget(cfg)
-        self.policy = policy_settings(cfg)  # the loss, and the clip range / aggregation that reach it
-        ctx.log(f"policy loss: {self.policy.as_metrics()}")
-        self.temperature = cfg.rollout.temperature or 1.0
+        ctx.log(f"policy loss: {a.policy.as_metrics()}")
 
         spec = EngineSpec.from_config(cfg)
         self.actor = build_engine(spec, role="actor", total_steps=optimizer_steps, source=self.source)
@@ -258,14 +257,14 @@ class RLTrainer:
         m: Metrics = {}
         with timed(m, "time/logprobs"):
             batch.ref_logp, _ = compute_logprobs(
-                self.ref, batch, temperature=self.temperature, budget=self.budget, pad_id=self.pad_id
+                self.ref, batch, temperature=self.algo.temperature, budget=self.budget, pad_id=self.pad_id
             )
         return m
 
     def old_logprobs(self, batch: RolloutBatch) -> Metrics:
         """The actor's log-probs before the update; compared with the rollout engine's. Skipped when the
         batch gets one optimizer step and no KL term reads them: the update's own forward gives them."""
-        if self.ref is None and single_step(batch, self.cfg):
+        if self.ref is None and single_step(batch, self.algo):
             batch.old_logp = None
             return {}
         m: Metrics = {}
@@ -273,7 +272,7 @@ class RLTrainer:
             batch.old_logp, entropy = compute_logprobs(
                 self.actor,
                 batch,
-                temperature=self.temperature,
+                temperature=self.algo.temperature,
                 budget=self.budget,
                 pad_id=self.pad_id,
                 with_entropy=True,
@@ -315,7 +314,7 @@ class RLTrainer:
 
     def advantages(self, batch: RolloutBatch) -> Metrics:
         """Token rewards (minus the KL penalty when algo.kl_in_reward), then algo.adv on the global batch."""
-        a = self.cfg.algo
+        a = self.algo
         kl, m = None, {}
         if batch.ref_logp is not None:
             kl = kl_estimate(batch.old_logp, batch.ref_logp, a.kl_kind) * batch.mask
@@ -323,7 +322,7 @@ class RLTrainer:
             m["kl"] = s["kl"] / max(1.0, s["tok"])
         coef = self.kl_ctl.value if a.kl_in_reward and kl is not None else 0.0
         rewards = token_rewards(batch, coef, kl)
-        batch.advantages, batch.returns = compute_advantages(batch, self.cfg, rewards, self.dp_group)
+        batch.advantages, batch.returns = compute_advantages(batch, a, rewards, self.dp_group)
         if coef:
             m["kl_coef"] = coef
             self.kl_ctl.update(m["kl"], batch.total)
@@ -332,13 +331,13 @@ class RLTrainer:
     # ------------------------------------------------------------------ updates
 
     def update_actor(self, batch: RolloutBatch) -> Metrics:
-        a = self.cfg.algo
+        a = self.algo
         kl_loss_coef = a.kl_coef if self.ref is not None and not a.kl_in_reward else 0.0
         m: Metrics = {}
         with timed(m, "time/update"):
             m.update(
                 update_actor(
-                    self.actor, batch, self.cfg, budget=self.budget, pad_id=self.pad_id, kl_loss_coef=kl_loss_coef
+                    self.actor, batch, self.algo, budget=self.budget, pad_id=self.pad_id, kl_loss_coef=kl_loss_coef
                 )
             )
         if batch.old_logp is None:  # the log-prob pass was skipped: the update measured the difference
@@ -349,7 +348,7 @@ class RLTrainer:
     def update_critic(self, batch: RolloutBatch) -> Metrics:
         m: Metrics = {}
         with timed(m, "time/update"):
-            m.update(update_critic(self.critic, batch, self.cfg, budget=self.budget, pad_id=self.pad_id))
+            m.update(update_critic(self.critic, batch, self.algo, budget=self.budget, pad_id=self.pad_id))
         return m
 
     # ------------------------------------------------------------------ evaluation
@@ -478,7 +477,7 @@ class RLTrainer:
             "data": self.data.report.to_dict(),
             "prompts_too_long": self.data.too_long,
             "rewards": self.scorer.totals,  # reward/failed and reward/nonfinite samples over the run
-            "policy_loss": self.policy.as_metrics(),
+            "policy_loss": self.algo.policy.as_metrics(),
         }
 
     def close(self) -> None:

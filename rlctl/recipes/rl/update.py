@@ -18,14 +18,13 @@ from rlctl.algos import (
     entropy_from_logits,
     kl_estimate,
     logprobs_from_logits,
-    resolve_policy_loss,
     value_loss,
 )
-from rlctl.algos.registry import PolicyLossSettings
 from rlctl.config import RunConfig
 from rlctl.data.packing import MicroBatch
 from rlctl.engines.base import LossFn, TrainEngine
 from rlctl.recipes.rl.batch import RolloutBatch, can_share_prefix, micro_batches
+from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.runtime.dist import all_reduce_sum, global_sums
 
 
@@ -64,18 +63,10 @@ def _minis(batch: RolloutBatch) -> list[list[int]]:
     return [[i for i in range(len(batch)) if mini[i] == k] for k in range(batch.num_minis)]
 
 
-def policy_settings(cfg: RunConfig) -> PolicyLossSettings:
-    """The policy loss ``algo.policy_loss`` names, with the keys the user set and its own defaults."""
-    a = cfg.algo
-    return resolve_policy_loss(
-        a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, agg=a.loss_agg
-    )
-
-
 def ppo_update(
     engine: TrainEngine,
     batch: RolloutBatch,
-    cfg: RunConfig,
+    algo: AlgoSpec,
     make_loss_fn: Callable[[dict], LossFn],
     keys: tuple[str, ...],
     *,
@@ -89,10 +80,10 @@ def ppo_update(
     device, group = batch.mask.device, engine.dp_group
     sums = Sums(*keys, "tokens")
     grad_norms: list[float] = []
-    for _ in range(cfg.algo.ppo_epochs):
+    for _ in range(algo.ppo_epochs):
         for rows in _minis(batch):
             tokens, seqs = _denominators(batch, rows, group)
-            denoms = {"global_tokens": tokens, "global_seqs": seqs, "norm_len": cfg.rollout.max_response_len}
+            denoms = {"global_tokens": tokens, "global_seqs": seqs, "norm_len": algo.norm_len}
             micro = micro_batches(batch, rows, budget=budget, pad_id=pad_id, device=device, share_prefix=share_prefix)
             sums.add_all(engine.forward_backward(micro, make_loss_fn(denoms)))
             grad_norms.append(engine.step())  # the global norm, the same on every rank
@@ -100,13 +91,36 @@ def ppo_update(
     return sums.reduce(device, group), grad_norms
 
 
-def policy_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict, kl_loss_coef: float) -> LossFn:
+# the rollout-correction metrics logged per step: token-weighted means over the update's micro-batches
+CORRECTION_METRICS = ("is_mean", "is_ess", "is_frac_high", "is_frac_low", "mismatch_kl_k1", "mismatch_kl_k3")
+
+
+def correction_weights(
+    algo: AlgoSpec, old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """The importance weights trainer / rollout of ``algo.correction`` on one micro-batch (None when off)
+    and their metrics as sums over its tokens (``corr/<name>``)."""
+    c = algo.correction
+    if c is None or not mask.bool().any():
+        return None, {}
+    weights, m = c.weights(old_logp - rollout_logp, mask)
+    n_tok = mask.sum()
+    return weights, {key: m[key.removeprefix("corr/")] * n_tok for key in _corr_keys(algo)}
+
+
+def _corr_keys(algo: AlgoSpec) -> tuple[str, ...]:
+    c = algo.correction
+    if c is None:
+        return ()
+    done = "is_frac_truncated" if c.mode == "tis" else "is_frac_masked"
+    return tuple(f"corr/{k}" for k in (*CORRECTION_METRICS, done, "is_seq_rejected"))
+
+
+def policy_loss_fn(batch: RolloutBatch, algo: AlgoSpec, denoms: dict, kl_loss_coef: float) -> LossFn:
     """The engine's ``loss_fn`` for one mini-batch of the actor update:
     ``pg + kl_loss_coef * agg(kl(logp, ref)) - entropy_coef * agg(entropy)``, every term aggregated with
     the mini-batch's global token / sequence counts (``denoms``); returns the loss and its metrics."""
-    a = cfg.algo
-    temperature = cfg.rollout.temperature or 1.0
-    pl = policy_settings(cfg)
+    a, temperature, pl = algo, algo.temperature, algo.policy
 
     def loss_fn(logits: torch.Tensor, mb: MicroBatch):
         if mb.dummy:
@@ -121,6 +135,7 @@ def policy_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict, kl_loss_co
         logp = mb.to_matrix(flat)
         # one optimizer step per batch: the policy before the update is this forward's own (no extra pass)
         old_logp = logp.detach() if batch.old_logp is None else mb.take(batch.old_logp)
+        weights, corr_stats = correction_weights(algo, old_logp, mb.take(batch.rollout_logp), mask)
         loss, m = pl.loss.fn(
             logp,
             old_logp,
@@ -131,12 +146,14 @@ def policy_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict, kl_loss_co
             dual_clip=pl.dual_clip,
             agg=pl.agg,
             **denoms,
+            **({} if weights is None else {"is_weights": weights}),
         )
         n_tok = mask.sum()
         stats = {
             "pg/loss": loss.detach(),
             "pg/clip_frac": m["clip_frac"] * n_tok,
             "pg/approx_kl": m["approx_kl"] * n_tok,
+            **corr_stats,
         }
         if batch.old_logp is None:  # what the skipped log-prob pass reported
             stats["logprob_diff"] = ((logp.detach() - mb.take(batch.rollout_logp)).abs() * mask).sum()
@@ -153,9 +170,9 @@ def policy_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict, kl_loss_co
     return loss_fn
 
 
-def single_step(batch: RolloutBatch, cfg: RunConfig) -> bool:
+def single_step(batch: RolloutBatch, algo: AlgoSpec) -> bool:
     """The batch gets exactly one optimizer step: its old log-probs are the update's own forward (detached)."""
-    return cfg.algo.ppo_epochs == 1 and batch.num_minis == 1
+    return algo.ppo_epochs == 1 and batch.num_minis == 1
 
 
 def skips_old_logprobs(cfg: RunConfig) -> bool:
@@ -169,7 +186,7 @@ def skips_old_logprobs(cfg: RunConfig) -> bool:
 def update_actor(
     engine: TrainEngine,
     batch: RolloutBatch,
-    cfg: RunConfig,
+    algo: AlgoSpec,
     *,
     budget: int,
     pad_id: int,
@@ -179,16 +196,16 @@ def update_actor(
     """The policy update (loss: :func:`policy_loss_fn`). Without ``batch.old_logp`` (allowed only for
     :func:`single_step` batches) the old log-probs are the update's own, and it reports what the log-prob
     pass would have: rollout/logprob_diff and entropy. ``share_prefix``: as in compute_logprobs."""
-    if batch.old_logp is None and not single_step(batch, cfg):
+    if batch.old_logp is None and not single_step(batch, algo):
         raise ValueError("old log-probs are needed when a batch gets more than one optimizer step")
     if share_prefix is None:
         share_prefix = engine.shares_prefix and can_share_prefix(batch)
     s, grad_norms = ppo_update(
         engine,
         batch,
-        cfg,
-        lambda denoms: policy_loss_fn(batch, cfg, denoms, kl_loss_coef),
-        ("pg/loss", "pg/clip_frac", "pg/approx_kl", "kl_loss", "logprob_diff", "entropy"),
+        algo,
+        lambda denoms: policy_loss_fn(batch, algo, denoms, kl_loss_coef),
+        ("pg/loss", "pg/clip_frac", "pg/approx_kl", "kl_loss", "logprob_diff", "entropy", *_corr_keys(algo)),
         budget=budget,
         pad_id=pad_id,
         share_prefix=share_prefix,
@@ -202,17 +219,18 @@ def update_actor(
     }
     if kl_loss_coef:
         out["kl_loss"] = s["kl_loss"] / steps
+    for key in _corr_keys(algo):
+        out[key] = s[key] / max(1.0, s["tokens"])
     if batch.old_logp is None:
         out["rollout/logprob_diff"] = s["logprob_diff"] / max(1.0, s["tokens"])
         out["entropy"] = s["entropy"] / max(1.0, s["tokens"])
     return out
 
 
-def value_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict) -> LossFn:
+def value_loss_fn(batch: RolloutBatch, algo: AlgoSpec, denoms: dict) -> LossFn:
     """The critic's ``loss_fn`` for one mini-batch: the clipped value loss on the returns, aggregated
     (as the policy loss) with the mini-batch's global token / sequence counts."""
-    a = cfg.algo
-    agg = policy_settings(cfg).agg
+    a, agg = algo, algo.policy.agg
 
     def loss_fn(v: torch.Tensor, mb: MicroBatch):
         if mb.dummy:
@@ -234,14 +252,14 @@ def value_loss_fn(batch: RolloutBatch, cfg: RunConfig, denoms: dict) -> LossFn:
 
 
 def update_critic(
-    critic: TrainEngine, batch: RolloutBatch, cfg: RunConfig, *, budget: int, pad_id: int
+    critic: TrainEngine, batch: RolloutBatch, algo: AlgoSpec, *, budget: int, pad_id: int
 ) -> dict[str, float]:
     """The critic update (loss: :func:`value_loss_fn`)."""
     s, grad_norms = ppo_update(
         critic,
         batch,
-        cfg,
-        lambda denoms: value_loss_fn(batch, cfg, denoms),
+        algo,
+        lambda denoms: value_loss_fn(batch, algo, denoms),
         ("critic/value_loss", "critic/vf_clip_frac"),
         budget=budget,
         pad_id=pad_id,

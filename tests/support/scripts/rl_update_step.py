@@ -22,6 +22,7 @@ from rlctl.engines.fsdp import FSDPEngine
 from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
 from rlctl.recipes.rl.batch import RolloutBatch, rank_positions, token_budget
 from rlctl.recipes.rl.passes import compute_logprobs
+from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.recipes.rl.update import update_actor
 from rlctl.runtime.dist import init_distributed
 from tests.support.sft import cpu_spec
@@ -50,9 +51,11 @@ def one_update(model_dir: str, spec: dict, agg: str, d) -> tuple[FSDPEngine, dic
     budget, t = token_budget(cfg), cfg.rollout.temperature
     batch.old_logp, _ = compute_logprobs(actor, batch, temperature=t, budget=budget, pad_id=0)
     batch.ref_logp, _ = compute_logprobs(ref, batch, temperature=t, budget=budget, pad_id=0)
-    batch.advantages, batch.returns = compute_advantages(batch, cfg, token_rewards(batch))
+    batch.advantages, batch.returns = compute_advantages(batch, AlgoSpec.from_config(cfg), token_rewards(batch))
     grads = keep_gradients(actor)
-    metrics = update_actor(actor, batch, cfg, budget=budget, pad_id=0, kl_loss_coef=cfg.algo.kl_coef)
+    metrics = update_actor(
+        actor, batch, AlgoSpec.from_config(cfg), budget=budget, pad_id=0, kl_loss_coef=cfg.algo.kl_coef
+    )
     return actor, {**metrics, "grads": grads}
 
 

@@ -1,0 +1,60 @@
+"""benchmarks/gpu_check.sh --dry: the GPU check's own commands, checked on CPU (no GPU in CI).
+
+Every train step's exact --set options go through ``rlctl <method> --dry-run --json`` on a CUDA plan, and
+the resolved config must carry each value; the other commands' options must exist. A step with a misspelt
+key fails the dry run (checked on a copy of the script), so the real run on a GPU cannot die on its
+command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
+
+
+def _run(script: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "GPU_CHECK_REPO": str(REPO),
+    }
+    return subprocess.run(
+        ["bash", str(script), "--dry", "--out", str(out), *args], capture_output=True, text=True, env=env, timeout=900
+    )
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_mode_checks_every_command(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = _run(SCRIPT, out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    names = [s["step"] for s in doc["steps"]]
+    for expected in ("sft-fsdp-bf16", "sft-offload", "sft-megatron", "grpo-vllm", "grpo-sglang", "ppo-vllm",
+                     "grpo-vllm-pressure", "bench-rollout", "megatron-gpu-check"):  # fmt: skip
+        assert expected in names
+    assert {s["status"] for s in doc["steps"]} == {"dry-ok"}
+    assert "nothing ran on a GPU" in doc["what"]
+    plan = next(s for s in doc["steps"] if s["step"] == "sft-offload")["result"]["plan"]
+    assert plan["device"] == "cuda" and plan["offload_params"] and plan["estimate"]["phases"]
+
+
+def test_gpu_check_dry_mode_fails_on_a_misspelt_option(tmp_path):
+    broken = tmp_path / "gpu_check.sh"
+    broken.write_text(SCRIPT.read_text().replace("lora.rank=16", "lora.rnak=16").replace("--prompts 8", "--promts 8"))
+    out = tmp_path / "gpu_check.json"
+    proc = _run(broken, out, "--only", "sft-lora,bench-rollout")
+    assert proc.returncode == 1
+    steps = {s["step"]: s for s in json.loads(out.read_text())["steps"]}
+    assert steps["sft-lora"]["status"] == steps["bench-rollout"]["status"] == "dry-failed"
+    assert any("rnak" in line for line in steps["sft-lora"]["output_tail"])
