@@ -54,7 +54,7 @@ QUICK = Size(
 )
 SFT_LR, GRPO_LR = 3e-3, 1e-4
 MAX_TURNS = 2  # a call, then the answer
-MAX_RESPONSE = 64  # tokens of a whole trajectory (the call, the tool message, the answer)
+MAX_RESPONSE = 96  # tokens of a whole trajectory (the call, the tool message, the answer: about 60)
 MAX_LEN = 192
 
 

@@ -14,6 +14,8 @@ from rlctl.names import (
     AdvName,
     Attn,
     Backend,
+    CorrectionLevel,
+    CorrectionMode,
     DataFormat,
     Device,
     Dtype,
@@ -165,6 +167,13 @@ class AlgoConfig:
     critic_lr: float = 1e-5
     vf_clip: float = 0.5
     critic_warmup: int = 0
+    # rollout-mismatch correction (rlctl.algos.correction, docs/algos.md): None = tis when the rollout
+    # engine is not the trainer's own forward (vllm, sglang), else none
+    rollout_correction: CorrectionMode | None = None
+    correction_level: CorrectionLevel = "token"
+    correction_threshold: float = 2.0  # U (>= 1): tis truncates above it, mis zeroes outside [lower, U]
+    correction_lower: float | None = None  # mis's lower bound L in (0, 1] (None: 1/U)
+    correction_reject: float | None = None  # R >= 1: drop sequences whose geometric-mean ratio is outside [1/R, R]
 
 
 @dataclass
