@@ -210,7 +210,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-kind -x -a 'k1 abs k2 k3 kl mse low_var_kl'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l entropy-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l critic-lr -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l adv -x -a 'grpo rloo reinforce_pp gae'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l adv -x -a 'grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l loss-agg -x -a 'token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-high -x
@@ -302,7 +302,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-kind -x -a 'k1 abs k2 k3 kl mse low_var_kl'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l entropy-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l critic-lr -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l adv -x -a 'grpo rloo reinforce_pp gae'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l adv -x -a 'grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l loss-agg -x -a 'token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-high -x

@@ -16,7 +16,7 @@ _rlctl() {
     done
     case "$prev" in
         --account) return ;;
-        --adv) COMPREPLY=($(compgen -W "grpo rloo reinforce_pp gae" -- "$cur")); return ;;
+        --adv) COMPREPLY=($(compgen -W "grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg" -- "$cur")); return ;;
         --backend) COMPREPLY=($(compgen -W "fsdp megatron" -- "$cur")); return ;;
         --batch-size) return ;;
         --chat-template) return ;;
