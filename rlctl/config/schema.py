@@ -142,6 +142,7 @@ class RolloutConfig:
     max_response_len: int = 512
     val_temperature: float = 0.0  # the first eval pass: one sample per prompt (0 = greedy)
     val_n: int = 1  # > 1: a second eval pass, val_n samples at `temperature` (mean@k, pass@k)
+    ignore_logprob_check: bool = False  # start even when step 0's rollout / trainer log-probs disagree
 
 
 @dataclass
