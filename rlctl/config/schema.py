@@ -174,6 +174,8 @@ class AlgoConfig:
     correction_level: CorrectionLevel = "token"
     correction_threshold: float = 2.0  # U (>= 1): tis truncates above it, mis zeroes outside [lower, U]
     correction_lower: float | None = None  # mis's lower bound L in (0, 1] (None: 1/U)
+    overlong_buffer: int = 0  # DAPO soft overlong punishment: the last N tokens before the cap (0: off)
+    overlong_factor: float = 1.0  # its size: the penalty reaches -factor at the cap
     correction_reject: float | None = None  # R >= 1: drop sequences whose geometric-mean ratio is outside [1/R, R]
 
 

@@ -215,3 +215,15 @@ def test_the_dr_grpo_preset_is_grpo_without_std_and_with_the_length_norm():
     # and the estimator it names gives s - mean_g (no std), the aggregation sum / (B * norm_len)
     adv, _ = get_adv_estimator("grpo").fn(R, M.float(), n=2, norm_by_std=spec.norm_by_std)
     close(_rows(adv), [0.25, -0.25, -1.0, 1.0])
+
+
+def test_dapo_soft_overlong_penalty_by_hand():
+    from rlctl.algos.shaping import overlong_penalty
+
+    # cap 20, buffer 4: no penalty up to 16 tokens, then (16 - L) / 4 down to -1 at 20, -1 beyond
+    lengths = torch.tensor([3, 16, 17, 18, 20, 25])
+    close(overlong_penalty(lengths, 20, 4), [0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+    close(overlong_penalty(lengths, 20, 4, factor=0.5), [0.0, 0.0, -0.125, -0.25, -0.5, -0.5])
+    close(overlong_penalty(lengths, 20, 0), [0.0] * 6)
+    with pytest.raises(ValueError, match="longer than the generation cap"):
+        overlong_penalty(lengths, 20, 21)

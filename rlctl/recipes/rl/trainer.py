@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from rlctl.algos import AdaptiveKLController, FixedKLController, get_adv_estimator, kl_estimate
+from rlctl.algos.shaping import overlong_penalty
 from rlctl.config.algorithm import check_algorithm
 from rlctl.data.packing import StepSampler
 from rlctl.data.rl import Prompt, build_rl_data
@@ -258,6 +259,13 @@ class RLTrainer:
         """Score this rank's samples (before :meth:`pool`, so sums run over every rank): reward and
         response-length metrics."""
         batch.scores, metrics = self.scorer.score_batch(batch, step)
+        a = self.cfg.algo
+        if a.overlong_buffer:  # DAPO's soft overlong punishment, on the score (rlctl.algos.shaping)
+            lengths = batch.mask.sum(-1)
+            penalty = overlong_penalty(lengths, self.cfg.rollout.max_response_len, a.overlong_buffer, a.overlong_factor)
+            batch.scores = batch.scores + penalty.to(batch.scores.dtype)
+            s = global_sums({"p": penalty.sum(), "n": float(len(penalty))}, self.device)  # before pool: every rank
+            metrics["reward/overlong_penalty"] = s["p"] / max(1.0, s["n"])
         return metrics
 
     def pool(self, batch: RolloutBatch) -> RolloutBatch:
