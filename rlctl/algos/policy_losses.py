@@ -2,7 +2,9 @@
 clip_cov, kl_cov, sapo. Same signature as :func:`rlctl.algos.losses.ppo_policy_loss`; every loss returns
 the metrics ``clip_frac``, ``dual_clip_frac`` and ``approx_kl = mean(old_logp - logp)`` the trainer logs
 (0 where the loss has no such notion). A loss's own knobs (``tau_pos``, ``clip_cov_ratio``...) are keyword
-arguments with the paper's / verl's defaults. Formulas and sources: docs/algos.md.
+arguments with the paper's / verl's defaults. ``is_weights`` (rollout correction) multiply the per-token
+loss before aggregation (geo_mean: their per-sequence geometric mean multiplies the sequence's).
+Formulas and sources: docs/algos.md.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlctl.algos.losses import LOG_RATIO_CLAMP, Count, aggregate
+from rlctl.algos.losses import LOG_RATIO_CLAMP, Count, aggregate, weigh
 from rlctl.algos.masked import masked_mean, zero_masked
 
 __all__ = [
@@ -39,7 +41,8 @@ def _metrics(logp: Tensor, old_logp: Tensor, mask: Tensor, clip_frac: Tensor | N
     }
 
 
-def _agg(per_token: Tensor, mask: Tensor, agg: str, norm_len, global_tokens, global_seqs) -> Tensor:
+def _agg(per_token: Tensor, mask: Tensor, agg: str, norm_len, global_tokens, global_seqs, is_weights) -> Tensor:
+    per_token = weigh(per_token, is_weights)
     return aggregate(per_token, mask, agg, norm_len=norm_len, global_tokens=global_tokens, global_seqs=global_seqs)
 
 
@@ -56,6 +59,7 @@ def cispo_policy_loss(
     norm_len: int | None = None,
     global_tokens: Count | None = None,
     global_seqs: Count | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, 2025): ``L = -sg(clamp(ratio, 1-clip_low, 1+clip_high)) * A * logp``: the clipped
     IS weight, stopped, on the REINFORCE term, so clipped tokens still get a gradient. ``clip_frac``: share of
@@ -65,7 +69,7 @@ def cispo_policy_loss(
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = -clipped.detach() * adv * zero_masked(logp, mask)
     m = _metrics(logp, old_logp, mask, masked_mean((ratio != clipped).float(), mask))
-    return _agg(per_token, mask, agg, norm_len, global_tokens, global_seqs), m
+    return _agg(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), m
 
 
 def gpg_policy_loss(
@@ -81,12 +85,13 @@ def gpg_policy_loss(
     norm_len: int | None = None,
     global_tokens: Count | None = None,
     global_seqs: Count | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GPG (Chu et al. 2025): ``L = -A * logp``, plain policy gradient, no ratio and no clip (the clip
     settings are ignored)."""
     adv, _ = _prepare(logp, old_logp, advantages, mask)
     per_token = -adv * zero_masked(logp, mask)
-    return _agg(per_token, mask, agg, norm_len, global_tokens, global_seqs), _metrics(logp, old_logp, mask)
+    return _agg(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), _metrics(logp, old_logp, mask)
 
 
 def geo_mean_policy_loss(
@@ -102,6 +107,7 @@ def geo_mean_policy_loss(
     norm_len: int | None = None,
     global_tokens: Count | None = None,
     global_seqs: Count | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GMPO (Zhao et al. 2025, arXiv 2507.20673): the geometric mean of the token ratios, clipped in log
     space. With ``sgn = sign(A_t)``: ``l_t = sgn * min(sgn * lr_t, sgn * clamp(lr_t, -clip_low, clip_high))``,
@@ -114,6 +120,8 @@ def geo_mean_policy_loss(
     kept = sgn * torch.minimum(sgn * log_ratio, sgn * clamped)
     ratio = torch.exp(masked_mean(kept, mask, dim=-1))
     per_seq = -masked_mean(adv, mask, dim=-1) * ratio
+    if is_weights is not None:  # verl: the geometric mean of the token weights, per sequence
+        per_seq = per_seq * torch.exp(masked_mean(torch.log(is_weights.detach() + 1e-10), mask, dim=-1))
     n_seqs = per_seq.shape[0] if global_seqs is None else global_seqs
     loss = per_seq.sum() / torch.as_tensor(n_seqs, dtype=per_seq.dtype, device=per_seq.device).clamp(min=1)
     m = _metrics(logp, old_logp, mask, masked_mean((log_ratio != clamped).float(), mask))
@@ -133,6 +141,7 @@ def sapo_policy_loss(
     norm_len: int | None = None,
     global_tokens: Count | None = None,
     global_seqs: Count | None = None,
+    is_weights: Tensor | None = None,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -143,7 +152,7 @@ def sapo_policy_loss(
     ratio = torch.exp(log_ratio)
     tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
     per_token = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv
-    return _agg(per_token, mask, agg, norm_len, global_tokens, global_seqs), _metrics(logp, old_logp, mask)
+    return _agg(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), _metrics(logp, old_logp, mask)
 
 
 def _centred_cov(adv: Tensor, logp: Tensor, valid: Tensor) -> Tensor:
@@ -165,6 +174,7 @@ def clip_cov_policy_loss(
     norm_len: int | None = None,
     global_tokens: Count | None = None,
     global_seqs: Count | None = None,
+    is_weights: Tensor | None = None,
     clip_cov_ratio: float = 2e-4,
     clip_cov_lb: float = 1.0,
     clip_cov_ub: float = 5.0,
@@ -188,7 +198,7 @@ def clip_cov_policy_loss(
     keep[idx[perm, 0], idx[perm, 1]] = 0.0
     per_token = torch.maximum(unclipped, clipped) * keep
     m = _metrics(logp, old_logp, mask, masked_mean((keep == 0).float(), mask))
-    return _agg(per_token, mask, agg, norm_len, global_tokens, global_seqs), m
+    return _agg(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), m
 
 
 def kl_cov_policy_loss(
@@ -204,6 +214,7 @@ def kl_cov_policy_loss(
     norm_len: int | None = None,
     global_tokens: Count | None = None,
     global_seqs: Count | None = None,
+    is_weights: Tensor | None = None,
     kl_cov_ratio: float = 2e-4,
     ppo_kl_coef: float = 0.1,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -219,4 +230,4 @@ def kl_cov_policy_loss(
     penalised = torch.zeros_like(cov).scatter_(0, cov.topk(k).indices, 1.0).reshape(adv.shape)
     per_token = per_token + penalised * ppo_kl_coef * log_ratio.abs()
     m = _metrics(logp, old_logp, mask, masked_mean(penalised, mask))
-    return _agg(per_token, mask, agg, norm_len, global_tokens, global_seqs), m
+    return _agg(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), m

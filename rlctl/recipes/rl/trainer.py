@@ -30,6 +30,22 @@ from rlctl.runtime.dist import all_gather_objects, barrier, check_rollout_in_nod
 from rlctl.runtime.entry import RunContext
 
 LOGPROB_DIFF_WARN = 0.1  # mean |rollout - trainer| log-prob above this: the engines disagree
+# step 0: mean |rollout - trainer| log-prob beyond what the dtype explains refuses to start
+LOGPROB_DIFF_REFUSE = {"fp32": 0.05, "bf16": 0.5}
+
+
+def logprob_check_problem(diff: float, dtype: str) -> str | None:
+    """The one line that refuses to start when the rollout engine's log-probs differ from the trainer's on
+    the same tokens (mean abs ``diff`` per token, before the first update) far beyond ``dtype``'s noise."""
+    bound = LOGPROB_DIFF_REFUSE.get(dtype, LOGPROB_DIFF_REFUSE["bf16"])
+    if diff <= bound:
+        return None
+    return (
+        f"before the first update the rollout engine's log-probs differ from the trainer's by {diff:.3g} per "
+        f"token (at most {bound} is expected in {dtype}): the rollout weights are not the trainer's or the "
+        f"prompts are templated differently; --ignore-logprob-check to train anyway"
+    )
+
 
 Metrics = dict[str, float]
 #: A recipe's step: ``(trainer, step) -> (the step's batch, its metrics)`` (rlctl.recipes.grpo / ppo).
@@ -114,6 +130,7 @@ class RLTrainer:
         self.rollout = self._make_rollout()
         self.agent_loop = make_agent_loop(cfg, self.agent_spec, self.tokenizer, self.rollout, self.rollout_tp)
         self.weights_stale = False  # the rollout engine's weights lag the actor's
+        self.logprobs_checked = cfg.rollout.ignore_logprob_check  # the step-0 check (logprob_check_problem)
 
     def _make_rollout(self):
         """This rank's rollout engine: the run's RolloutSpec with this rank's weights, device, dtype and seed."""
@@ -264,7 +281,7 @@ class RLTrainer:
     def old_logprobs(self, batch: RolloutBatch) -> Metrics:
         """The actor's log-probs before the update; compared with the rollout engine's. Skipped when the
         batch gets one optimizer step and no KL term reads them: the update's own forward gives them."""
-        if self.ref is None and single_step(batch, self.algo):
+        if self.ref is None and single_step(batch, self.algo) and self.logprobs_checked:
             batch.old_logp = None
             return {}
         m: Metrics = {}
@@ -291,7 +308,22 @@ class RLTrainer:
         m["rollout/logprob_diff"] = s["diff"] / tokens
         m["entropy"] = s["ent"] / tokens
         self.warn_logprob_diff(m)
+        self.check_logprobs_once(m)
         return m
+
+    def check_logprobs_once(self, metrics: Metrics) -> None:
+        """Before the first update of this process: print the mismatch; refuse far beyond the dtype's noise."""
+        if self.logprobs_checked:
+            return
+        self.logprobs_checked = True
+        r = self.cfg.rollout
+        if getattr(self.rollout, "logprobs_filtered", False) and (r.top_k != -1 or r.top_p < 1):
+            return  # the engine's log-probs are of the top-k/top-p filtered distribution: they differ by design
+        diff = metrics.get("rollout/logprob_diff", 0.0)
+        self.ctx.log(f"log-prob check: rollout vs trainer differ by {diff:.3g} per token ({self.rollout_dtype})")
+        problem = logprob_check_problem(diff, self.rollout_dtype)
+        if problem:
+            raise UserError(problem)
 
     def warn_logprob_diff(self, metrics: Metrics) -> None:
         r = self.cfg.rollout
