@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from rlctl.config import RunConfig, load_config
 from rlctl.errors import UserError, os_error_line
@@ -96,12 +97,20 @@ def _interrupted_summary(paths: RunPaths) -> None:
 DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
 
-def _internal(paths: RunPaths, rank: int, e: BaseException) -> int:
+def _internal(paths: RunPaths, rank: int, e: BaseException, message: str = "") -> int:
     """A failure that is a bug: its traceback in train.log and the rank's error file; exit status 1."""
     tb = traceback.format_exc()
-    write_rank_error(paths.root, rank, "internal", f"{type(e).__name__}: {e}", tb)
+    write_rank_error(paths.root, rank, "internal", message or f"{type(e).__name__}: {e}", tb)
     print(tb, file=sys.stderr, flush=True)
     return 1
+
+
+def _first_failure(e: CheckpointException) -> str:
+    """The first rank's exception inside torch.distributed.checkpoint's report (its str is every traceback)."""
+    for r, failure in sorted(e.failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        return f"checkpoint load/save failed on rank {r}: {type(exc).__name__}: {exc}"
+    return "checkpoint load/save failed (CheckpointException)"
 
 
 def recipe_main(body: Callable[[RunContext], None], argv: list[str] | None = None) -> None:
@@ -140,6 +149,8 @@ def recipe_main(body: Callable[[RunContext], None], argv: list[str] | None = Non
         code = INTERRUPTED
     except Exception as e:  # noqa: BLE001 (any other failure: a traceback in train.log, exit 1)
         code = _internal(paths, rank, e)
+    except CheckpointException as e:  # a BaseException: a checkpoint load or save failed on some rank
+        code = _internal(paths, rank, e, _first_failure(e))
     finally:
         sys.stdout.flush()
         if dist.is_initialized() and code == 0:

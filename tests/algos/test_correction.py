@@ -233,3 +233,13 @@ def test_update_reports_the_correction_metrics_per_token():
     close(stats["corr/mismatch_kl_k1"], -(0.1 - 1.0))
     Algo.correction = None
     assert correction_weights(Algo(), old, rollout, mask) == (None, {})
+
+
+def test_the_step0_logprob_check_refuses_far_beyond_the_dtype():
+    from rlctl.recipes.rl.trainer import logprob_check_problem
+
+    assert logprob_check_problem(1e-7, "fp32") is None
+    assert logprob_check_problem(0.3, "bf16") is None  # bf16 kernels differ this much
+    line = logprob_check_problem(0.3, "fp32")
+    assert "0.3 per token" in line and "fp32" in line and "--ignore-logprob-check" in line and "\n" not in line
+    assert logprob_check_problem(2.0, "bf16") is not None  # a weight-sync bug: nats per token

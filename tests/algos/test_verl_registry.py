@@ -202,3 +202,28 @@ def test_registered_under_verls_names_with_their_defaults(name, defaults):
     assert (loss.clip_low, loss.clip_high, loss.dual_clip, loss.agg) == defaults
     for adv in ("grpo_passk", "reinforce_plus_plus_baseline", "opo", "gpg"):
         assert get_adv_estimator(adv).needs_groups and not get_adv_estimator(adv).needs_critic
+
+
+def test_the_dr_grpo_preset_is_grpo_without_std_and_with_the_length_norm():
+    from rlctl.config import build_config
+    from rlctl.presets import method_layers
+    from rlctl.recipes.rl.spec import AlgoSpec
+
+    spec = AlgoSpec.from_config(build_config("grpo", method_layers("grpo", "dr-grpo")))
+    assert spec.adv == "grpo" and spec.norm_by_std is False
+    assert spec.policy.agg == "seq-mean-token-sum-norm" and spec.norm_len == 1024  # the grpo preset's max length
+    # and the estimator it names gives s - mean_g (no std), the aggregation sum / (B * norm_len)
+    adv, _ = get_adv_estimator("grpo").fn(R, M.float(), n=2, norm_by_std=spec.norm_by_std)
+    close(_rows(adv), [0.25, -0.25, -1.0, 1.0])
+
+
+def test_dapo_soft_overlong_penalty_by_hand():
+    from rlctl.algos.shaping import overlong_penalty
+
+    # cap 20, buffer 4: no penalty up to 16 tokens, then (16 - L) / 4 down to -1 at 20, -1 beyond
+    lengths = torch.tensor([3, 16, 17, 18, 20, 25])
+    close(overlong_penalty(lengths, 20, 4), [0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+    close(overlong_penalty(lengths, 20, 4, factor=0.5), [0.0, 0.0, -0.125, -0.25, -0.5, -0.5])
+    close(overlong_penalty(lengths, 20, 0), [0.0] * 6)
+    with pytest.raises(ValueError, match="longer than the generation cap"):
+        overlong_penalty(lengths, 20, 21)
