@@ -54,7 +54,7 @@ QUICK = Size(
 )
 SFT_LR, GRPO_LR = 3e-3, 1e-4
 MAX_TURNS = 2  # a call, then the answer
-MAX_RESPONSE = 64  # tokens of a whole trajectory (the call, the tool message, the answer)
+MAX_RESPONSE = 96  # tokens of a whole trajectory (the call, the tool message, the answer: about 60)
 MAX_LEN = 192
 
 
@@ -230,6 +230,8 @@ def final_answers(model_dir: Path, heldout: list[Problem], tools: bool) -> tuple
     answers = [""] * len(heldout)
     active, calls = list(range(len(heldout))), 0
     for turn in range(MAX_TURNS if tools else 1):
+        if not active:
+            break
         texts = _generate(tok, model, [convos[i] for i in active], schemas, MAX_RESPONSE if tools else 8)
         still = []
         for i, text in zip(active, texts):

@@ -23,6 +23,7 @@ effective sample size ``1 / mean((w/mean w)^2)`` of the weights clamped to ``[L,
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -30,7 +31,7 @@ from torch import Tensor
 from rlctl.algos.masked import masked_mean, masked_sum
 from rlctl.names import CorrectionLevel, CorrectionMode, choices
 
-__all__ = ["SAFETY_BOUND", "is_weights", "parse_threshold"]
+__all__ = ["SAFETY_BOUND", "Correction", "correction_for", "is_weights", "parse_threshold"]
 
 SAFETY_BOUND = 20.0
 
@@ -131,3 +132,32 @@ def is_weights(
     metrics["mismatch_kl_k1"] = masked_mean(-log_ratio, valid)
     metrics["mismatch_kl_k3"] = masked_mean(torch.exp(log_ratio) - log_ratio - 1, valid)
     return w, metrics
+
+
+@dataclass(frozen=True)
+class Correction:
+    """The resolved ``algo.rollout_correction`` settings of a run (mode tis | mis)."""
+
+    mode: str
+    level: str
+    threshold: float | str  # U, or "L_U"
+    reject: float | None
+
+    def weights(self, log_ratio: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        return is_weights(
+            log_ratio, mask, level=self.level, threshold=self.threshold, mode=self.mode, reject=self.reject
+        )
+
+
+def correction_for(
+    mode: str | None, engine: str, *, level: str, upper: float, lower: float | None, reject: float | None
+) -> Correction | None:
+    """``mode`` None: tis when the rollout ``engine`` is not the trainer's own forward (vllm, sglang), else
+    none. Returns None for none."""
+    if mode is None:
+        mode = "tis" if engine in ("vllm", "sglang") else "none"
+    if mode == "none":
+        return None
+    threshold: float | str = upper if lower is None else f"{lower}_{upper}"
+    parse_threshold(threshold)
+    return Correction(mode, level, threshold, reject)

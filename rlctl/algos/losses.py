@@ -72,6 +72,12 @@ def aggregate(
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of: {', '.join(AGG_MODES)}")
 
 
+def weigh(per_token: Tensor, is_weights: Tensor | None) -> Tensor:
+    """The per-token loss times the rollout-correction weights (``is_weights``, detached; None: as is), before
+    aggregation, as verl applies them (:mod:`rlctl.algos.correction`)."""
+    return per_token if is_weights is None else per_token * is_weights.detach()
+
+
 def _at_least_one(count: Count, like: Tensor) -> Tensor:
     """A denominator as a float tensor on ``like``'s device, at least 1 (an empty batch gives 0,
     not nan); at least float32, since bfloat16 cannot hold token counts exactly."""
@@ -121,18 +127,21 @@ def ppo_policy_loss(
     norm_len: int | None = None,
     global_tokens: Count | None = None,
     global_seqs: Count | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped policy loss with token-level ratios.
 
     ``ratio = exp(clamp(logp - old_logp, -20, 20))``; per token
     ``L = max(-A*ratio, -A*clamp(ratio, 1-clip_low, 1+clip_high))``; for ``A < 0`` the dual clip
     caps it at ``-A*dual_clip`` (``dual_clip`` > 1, ``None`` disables). ``advantages`` is ``[B, T]``
-    or ``[B]`` (one per sequence). Returns ``(aggregate(L), metrics)`` with metrics ``clip_frac``,
+    or ``[B]`` (one per sequence); ``is_weights`` (rollout correction) multiply ``L`` before aggregation.
+    Returns ``(aggregate(L), metrics)`` with metrics ``clip_frac``,
     ``dual_clip_frac`` and ``approx_kl = mean(old_logp - logp)`` over valid tokens.
     """
     log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     per_token, metrics = _clipped_surrogate(log_ratio, advantages, mask, clip_low, clip_high, dual_clip)
     metrics["approx_kl"] = masked_mean(old_logp - logp, mask).detach()
+    per_token = weigh(per_token, is_weights)
     loss = aggregate(per_token, mask, agg, norm_len=norm_len, global_tokens=global_tokens, global_seqs=global_seqs)
     return loss, metrics
 
@@ -150,6 +159,7 @@ def gspo_policy_loss(
     norm_len: int | None = None,
     global_tokens: Count | None = None,
     global_seqs: Count | None = None,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO policy loss: a clipped *sequence-level* ratio (Zheng et al. 2025, "GSPO-token" form).
 
@@ -162,6 +172,7 @@ def gspo_policy_loss(
     log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach()
     per_token, metrics = _clipped_surrogate(log_ratio, advantages, mask, clip_low, clip_high, dual_clip)
     metrics["approx_kl"] = masked_mean(old_logp - logp, mask).detach()
+    per_token = weigh(per_token, is_weights)
     loss = aggregate(per_token, mask, agg, norm_len=norm_len, global_tokens=global_tokens, global_seqs=global_seqs)
     return loss, metrics
 

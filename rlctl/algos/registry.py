@@ -190,3 +190,28 @@ register_adv_est("grpo", needs_groups=True)("rlctl.algos.estimators:grpo_advanta
 register_adv_est("rloo", needs_groups=True)("rlctl.algos.estimators:rloo_advantages")
 register_adv_est("reinforce_pp")("rlctl.algos.estimators:reinforce_pp_advantages")
 register_adv_est("gae", needs_critic=True)("rlctl.algos.estimators:gae_advantages")
+
+# More of verl's registry, under verl's names (a verl config ports by name; docs/algos.md)
+_PL = "rlctl.algos.policy_losses"
+register_policy_loss("cispo", clip_low=10.0, clip_high=0.2, dual_clip=None, agg="token-mean")(
+    f"{_PL}:cispo_policy_loss"
+)
+register_policy_loss("gpg", clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean")(f"{_PL}:gpg_policy_loss")
+register_policy_loss("geo_mean", clip_low=0.4, clip_high=0.4, dual_clip=None, agg="seq-mean-token-mean")(
+    f"{_PL}:geo_mean_policy_loss"
+)
+register_policy_loss("clip_cov", clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean")(
+    f"{_PL}:clip_cov_policy_loss"
+)
+register_policy_loss("kl_cov", clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean")(
+    f"{_PL}:kl_cov_policy_loss"
+)
+register_policy_loss("sapo", clip_low=0.2, clip_high=0.2, dual_clip=None, agg="seq-mean-token-mean")(
+    f"{_PL}:sapo_policy_loss"
+)
+register_adv_est("grpo_passk", needs_groups=True)("rlctl.algos.estimators:grpo_passk_advantages")
+register_adv_est("reinforce_plus_plus_baseline", needs_groups=True)(
+    "rlctl.algos.estimators:reinforce_pp_baseline_advantages"
+)
+register_adv_est("opo", needs_groups=True)("rlctl.algos.estimators:opo_advantages")
+register_adv_est("gpg", needs_groups=True)("rlctl.algos.estimators:gpg_advantages")

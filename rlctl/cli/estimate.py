@@ -76,6 +76,10 @@ def run_estimate(v: dict[str, Any]) -> None:
         )
     if v["gpus"] is not None and v["gpus"] < 1:
         raise UserError(f"--gpus {v['gpus']}: give the number of GPUs (at least 1), or --device cpu for a CPU run")
+    if not (v["model"] or v["config_file"] or any(x.startswith("model.name=") for x in v["sets"] or [])):
+        raise UserError(
+            f"no model given: pass --model, e.g. `rlctl estimate memory --model Qwen2.5-7B --method {v['method']}`"
+        )
     on_gpus = v["device"] is None and not v["gpus"] and detect_local().gpu_count == 0
     job = resolve_job(
         v["method"],

@@ -309,6 +309,9 @@ FLAGS: tuple[Flag, ...] = (
       "Run the model's own Python code (config.json auto_map); never implied.", shown=False),
     F("ignore_memory_check", "--ignore-memory-check", "", CONF, TRAIN,
       "Launch even when the planner says the job does not fit in GPU memory.", type=bool, default=False),
+    F("ignore_logprob_check", "--ignore-logprob-check", "rollout.ignore_logprob_check", CONF, RL,
+      "Train even when, before the first update, the rollout engine's log-probs differ from the trainer's far "
+      "beyond what the dtype explains (a weight-sync or chat-template bug)."),
     F("what_to_rent", "--what-to-rent", "", CONF, ONLY_ESTIMATE,
       "Also list, for every catalog GPU type, the fewest GPUs that fit without and with offload, and their "
       "plans.", type=bool, default=False),

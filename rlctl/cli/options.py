@@ -8,6 +8,7 @@ parameter per flag the command takes, typed as its config key, with the method's
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 import typing
@@ -32,13 +33,19 @@ def flags_of(name: str) -> list[Flag]:
     return [f for f in FLAGS if name in f.on]
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
 def key_type(key: str) -> Any:
     """The type of a config key (``train.lr`` -> float), None stripped; a Literal is its values' type."""
     from rlctl.config import RunConfig
 
     tp: Any = RunConfig
     for part in key.split("."):
-        tp = typing.get_type_hints(tp)[part]
+        tp = _hints(tp)[part]
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
         tp = args[0]

@@ -33,18 +33,33 @@ def list_() -> None:
 @app.command("show")
 def show(name: Annotated[str, typer.Argument(help="Preset name, e.g. grpo.")]) -> None:
     """Print a preset's YAML (with the method's full resolved defaults for method presets)."""
-    import yaml
     from rich.console import Console
-    from rich.syntax import Syntax
 
     from rlctl.config import build_config
     from rlctl.presets import load_preset, method_layers
 
     doc = load_preset(name)
     console = Console()
-    console.print(Syntax(yaml.safe_dump(doc, sort_keys=False), "yaml"))
+    _print_yaml(console, doc)
     method = doc.get("method")
     if method and "config" in doc:
         cfg = build_config(method, method_layers(method, name))
-        console.print(f"\n[bold]Resolved `{method}` configuration with this preset[/bold] (every key `--set` accepts):")
-        console.print(Syntax(yaml.safe_dump(cfg.to_dict(), sort_keys=False), "yaml"))
+        console.print(
+            f"\n[bold]Resolved `{method}` configuration with this preset[/bold] (every key `--set` accepts):",
+            soft_wrap=True,
+        )
+        _print_yaml(console, cfg.to_dict())
+
+
+def _print_yaml(console, doc: dict) -> None:
+    """YAML whose lines are never cropped: highlighted and wrapped on a terminal, plain text otherwise
+    (a file or a pipe gets valid YAML)."""
+    import yaml
+    from rich.syntax import Syntax
+
+    text = yaml.safe_dump(doc, sort_keys=False, width=10_000)
+    if console.is_terminal:
+        console.print(Syntax(text, "yaml", word_wrap=True))
+    else:
+        console.file.write(text)
+        console.file.flush()

@@ -37,6 +37,7 @@ def check_algorithm(cfg: RunConfig) -> None:
     if a.kl_target and not a.kl_coef:
         raise UserError("algo.kl_target (adaptive KL) needs an initial algo.kl_coef > 0, e.g. --kl-coef 0.001")
     check_registered_names(cfg)
+    check_correction(cfg)
     facts = ADV_ESTIMATORS[a.adv]
     if method == "grpo" and facts.needs_critic:
         others = " | ".join(name for name, e in ADV_ESTIMATORS.items() if not e.needs_critic)
@@ -49,3 +50,16 @@ def check_algorithm(cfg: RunConfig) -> None:
         )
     if facts.needs_groups and n < 2:
         raise UserError(f"--adv {a.adv} compares the samples of a prompt; set rollout.n >= 2 (e.g. --n 8)")
+
+
+def check_correction(cfg: RunConfig) -> None:
+    """The rollout-correction bounds (algo.correction_*) make an interval around 1."""
+    a = cfg.algo
+    if not a.correction_threshold >= 1:
+        raise UserError(
+            f"algo.correction_threshold={a.correction_threshold} must be >= 1 (the upper bound U, e.g. 2.0)"
+        )
+    if a.correction_lower is not None and not 0 < a.correction_lower <= 1:
+        raise UserError(f"algo.correction_lower={a.correction_lower} must be in (0, 1] (e.g. 0.5; unset: 1/U)")
+    if a.correction_reject is not None and not a.correction_reject >= 1:
+        raise UserError(f"algo.correction_reject={a.correction_reject} must be >= 1 (sequences outside [1/R, R] drop)")

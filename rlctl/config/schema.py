@@ -14,6 +14,8 @@ from rlctl.names import (
     AdvName,
     Attn,
     Backend,
+    CorrectionLevel,
+    CorrectionMode,
     DataFormat,
     Device,
     Dtype,
@@ -140,6 +142,7 @@ class RolloutConfig:
     max_response_len: int = 512
     val_temperature: float = 0.0  # the first eval pass: one sample per prompt (0 = greedy)
     val_n: int = 1  # > 1: a second eval pass, val_n samples at `temperature` (mean@k, pass@k)
+    ignore_logprob_check: bool = False  # start even when step 0's rollout / trainer log-probs disagree
 
 
 @dataclass
@@ -165,6 +168,15 @@ class AlgoConfig:
     critic_lr: float = 1e-5
     vf_clip: float = 0.5
     critic_warmup: int = 0
+    # rollout-mismatch correction (rlctl.algos.correction, docs/algos.md): None = tis when the rollout
+    # engine is not the trainer's own forward (vllm, sglang), else none
+    rollout_correction: CorrectionMode | None = None
+    correction_level: CorrectionLevel = "token"
+    correction_threshold: float = 2.0  # U (>= 1): tis truncates above it, mis zeroes outside [lower, U]
+    correction_lower: float | None = None  # mis's lower bound L in (0, 1] (None: 1/U)
+    overlong_buffer: int = 0  # DAPO soft overlong punishment: the last N tokens before the cap (0: off)
+    overlong_factor: float = 1.0  # its size: the penalty reaches -factor at the cap
+    correction_reject: float | None = None  # R >= 1: drop sequences whose geometric-mean ratio is outside [1/R, R]
 
 
 @dataclass

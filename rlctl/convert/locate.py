@@ -136,6 +136,10 @@ def _rlctl_checkpoint(path: Path, notes: list[str]) -> Checkpoint:
         )
     step = state.get("step", step)
     world = state.get("world_size")
+    from rlctl.runtime.layout import checksum_problem
+
+    if problem := checksum_problem(path):  # a byte changed in place (same size): named, never converted
+        raise UserError(f"{path} is damaged: {problem}; copy the checkpoint again, or convert another step")
     adapter = path / "lora_adapter"
     return Checkpoint(
         format="rlctl-dcp",

@@ -120,6 +120,7 @@ class _Processes:
     gpu: GpuSpec
     nproc: int
     world: int
+    nodes: int = 1
 
 
 def resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) -> Job:
@@ -144,7 +145,7 @@ def resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) -> 
         device,
         where.gpu,
         where.world,
-        cfg.hardware.nodes,
+        where.nodes,
         where.nproc,
         dtype,
         attn,
@@ -183,7 +184,7 @@ def _cpu_processes(cfg: RunConfig, local: LocalEnv, decisions: list[Decision], w
         decisions.append(
             Decision("hardware.host_memory_gib", host / GIB, f"host memory unknown: assuming {host / GIB:.0f} GiB")
         )
-    return _Processes(GpuSpec("cpu", host // nproc, 0.0, "none", 0.0, nproc), nproc, nproc * hw.nodes)
+    return _Processes(GpuSpec("cpu", host // nproc, 0.0, "none", 0.0, nproc), nproc, nproc * hw.nodes, hw.nodes)
 
 
 def _gpu_processes(cfg: RunConfig, local: LocalEnv, decisions: list[Decision], warnings: list[str]) -> _Processes:
@@ -197,6 +198,7 @@ def _gpu_processes(cfg: RunConfig, local: LocalEnv, decisions: list[Decision], w
             f"gpus {gpus}: hardware.gpus not set and no local GPU; assuming {nodes} full node(s) of {gpu.gpus_per_node}"
         )
         decisions.append(Decision("hardware.gpus", gpus, why))
+    nodes = _nodes_for(gpus, gpu, local, nodes, decisions)
     if gpus % nodes:
         raise UserError(f"{gpus} GPUs do not split evenly over {nodes} nodes; use a multiple of {nodes} for --gpus")
     per_node = gpus // nodes
@@ -210,7 +212,23 @@ def _gpu_processes(cfg: RunConfig, local: LocalEnv, decisions: list[Decision], w
         warnings.append(f"using {nproc} of the {per_node} GPUs per node (hardware.nproc={nproc})")
     if per_node > gpu.gpus_per_node:
         warnings.append(f"{per_node} GPUs per node: a {gpu.name} server usually has {gpu.gpus_per_node}")
-    return _Processes(gpu, nproc, nproc * nodes)
+    return _Processes(gpu, nproc, nproc * nodes, nodes)
+
+
+def _nodes_for(gpus: int, gpu: GpuSpec, local: LocalEnv, nodes: int, decisions: list[Decision]) -> int:
+    """More GPUs than one server of this type holds, on one node (no --nodes), and not all here: as many
+    nodes as the type's usual server takes (32 H100s: 4 nodes of 8), said in the reasons."""
+    if nodes != 1 or gpus <= gpu.gpus_per_node or local.gpu_count >= gpus:
+        return nodes
+    derived = -(-gpus // gpu.gpus_per_node)
+    if gpus % derived:
+        return nodes  # no even split: one node, and the warning that a server has fewer
+    why = (
+        f"nodes {derived}: {gpus} GPUs are more than one {gpu.name} server holds ({gpu.gpus_per_node}); "
+        f"{derived} nodes of {gpus // derived} (--nodes sets another split)"
+    )
+    decisions.append(Decision("hardware.nodes", derived, why))
+    return derived
 
 
 def _gpu_type(cfg: RunConfig, local: LocalEnv, decisions: list[Decision]) -> GpuSpec:

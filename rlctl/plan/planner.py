@@ -689,6 +689,7 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
         hw.gpus = hw.gpus or plan.gpus
         hw.gpu = hw.gpu or plan.gpu
     hw.nproc = hw.nproc or plan.nproc_per_node
+    hw.nodes = plan.nodes or hw.nodes  # derived from the GPU type's node size when --nodes was not given
     if par.backend == "auto":
         par.backend = plan.backend
     par.tp, par.pp, par.ep = par.tp or plan.tp, par.pp or plan.pp, par.ep or plan.ep

@@ -29,17 +29,21 @@ that saved it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import signal
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from rlctl.errors import UserError
+from rlctl.errors import UserError, os_error_line
+from rlctl.runtime.dist import all_gather_objects
 from rlctl.runtime.layout import (
+    CHECKSUMS,
     LATEST,
     RNG_DIR,
     STEP_PREFIX,
@@ -47,8 +51,10 @@ from rlctl.runtime.layout import (
     TMP_PREFIX,
     TRAINER_STATE,
     checkpoint_problem,
+    file_digests,
     file_sizes,
     is_complete,
+    latest_checkpoint,
     list_checkpoints,
     step_name,
     tmp_name,
@@ -69,7 +75,7 @@ FAULT_POINTS = (
     "rename",  # a save: the .tmp- directory is complete, not yet renamed
     "latest",  # a save: step_N renamed, ``latest`` not yet updated
     "prune",  # a save: an old checkpoint renamed to .tmp-old-, not yet deleted
-)
+)  # and "enospc" (:func:`_disk_fault`): not a kill, a full disk while this rank writes
 
 
 def fault_point(point: str, step: int) -> None:
@@ -98,43 +104,33 @@ def save_checkpoint(
     keep_last: int,
 ) -> Path:
     """Write a checkpoint (collective: every rank calls it). ``engines`` maps sub-directory -> engine
-    ("" for the main model, "critic" for PPO's critic). Returns the final directory."""
+    ("" for the main model, "critic" for PPO's critic). Returns the final directory.
+
+    A file-system error (a full disk, a read-only one) ends in one line (:func:`_disk_errors`): the
+    ``.tmp-`` directory is removed and the previous checkpoint stays as it was."""
     root = Path(root)
     rank = dist.get_rank()
     final = root / step_name(step)
     tmp = root / tmp_name(step)
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        remove_leftovers(root)
-        tmp.mkdir()
+        with _disk_errors(root, tmp, step):
+            root.mkdir(parents=True, exist_ok=True)
+            remove_leftovers(root)
+            tmp.mkdir()
     dist.barrier()
-    for sub, engine in engines.items():
-        engine.save_checkpoint(tmp / sub if sub else tmp)
-    save_rng(tmp / RNG_DIR, rank, rng_state)
+    with _disk_errors(root, tmp, step):
+        for sub, engine in engines.items():
+            engine.save_checkpoint(tmp / sub if sub else tmp)
+        save_rng(tmp / RNG_DIR, rank, rng_state)
+        _disk_fault(tmp, step)
     if rank == 0 and os.environ.get(KILL_DURING_SAVE_ENV, "") == str(step):
         os.kill(os.getpid(), signal.SIGKILL)
     fault_point("write", step)
     dist.barrier()
+    digests = _digests_of_every_rank(tmp)  # collective: each rank hashes a share of the files
     if rank == 0:
-        backend = next(iter(engines.values())).backend  # every engine of a run has the same backend
-        state = {
-            **trainer_state,
-            "step": step,
-            "world_size": dist.get_world_size(),
-            "backend": backend,
-            "lora": engines[""].lora_info() if "" in engines else None,
-        }
-        if "critic" in engines:
-            state["critic_lora"] = engines["critic"].lora_info()
-        if meta_dir is not None:
-            shutil.copytree(meta_dir, tmp / "huggingface", dirs_exist_ok=True)
-        for sub, engine in engines.items():
-            if engine.lora_info():
-                out = tmp / sub / "lora_adapter" if sub else tmp / "lora_adapter"
-                out.mkdir(parents=True, exist_ok=True)
-                engine.save_lora_config(out)
-        state["files"] = file_sizes(tmp)  # every file but this one, with its size (layout.checkpoint_problem)
-        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
+        with _disk_errors(root, tmp, step):
+            _finish(tmp, step, engines, trainer_state=trainer_state, meta_dir=meta_dir, digests=digests)
         fault_point("rename", step)
         if final.exists():  # the same step saved again (after a resume): out of sight first
             _remove(final)
@@ -145,6 +141,112 @@ def save_checkpoint(
             _remove(old, step)
     dist.barrier()
     return final
+
+
+def _finish(tmp: Path, step: int, engines: dict[str, TrainEngine], *, trainer_state, meta_dir, digests) -> None:
+    """Rank 0, once every rank has written: huggingface/, the LoRA configs, and last trainer_state.json
+    with the manifest (every other file's size and sha256)."""
+    backend = next(iter(engines.values())).backend  # every engine of a run has the same backend
+    state = {
+        **trainer_state,
+        "step": step,
+        "world_size": dist.get_world_size(),
+        "backend": backend,
+        "lora": engines[""].lora_info() if "" in engines else None,
+    }
+    if "critic" in engines:
+        state["critic_lora"] = engines["critic"].lora_info()
+    if meta_dir is not None:
+        shutil.copytree(meta_dir, tmp / "huggingface", dirs_exist_ok=True)
+    for sub, engine in engines.items():
+        if engine.lora_info():
+            out = tmp / sub / "lora_adapter" if sub else tmp / "lora_adapter"
+            out.mkdir(parents=True, exist_ok=True)
+            engine.save_lora_config(out)
+    state["files"] = file_sizes(tmp)  # every file but this one, with its size (layout.checkpoint_problem)
+    rest = [name for name in state["files"] if name not in digests]  # written by rank 0 just now
+    state[CHECKSUMS] = dict(sorted({**digests, **file_digests(tmp, rest)}.items()))  # layout.checksum_problem
+    (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
+
+
+def _digests_of_every_rank(tmp: Path) -> dict[str, str]:
+    """The sha256 of every file in ``tmp`` now: rank r hashes files r, r + W, ... (in name order)."""
+    names = sorted(file_sizes(tmp))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = file_digests(tmp, names[rank::world])
+    merged: dict[str, str] = {}
+    for part in all_gather_objects(mine):
+        merged.update({k: v for k, v in part.items() if v is not None})
+    return merged
+
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextmanager
+def _disk_errors(root: Path, tmp: Path, step: int):
+    """An OSError while saving (also inside torch.distributed.checkpoint's CheckpointException): the
+    ``.tmp-`` directory removed, then one UserError naming the path, the space and the checkpoint kept."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (OSError, CheckpointException) as e:
+        err = _os_error_in(e)
+        if err is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(_disk_message(root, step, err)) from None
+
+
+def _os_error_in(exc: BaseException | None, depth: int = 0) -> OSError | None:
+    """The OSError behind ``exc``: itself, its cause or context, or a rank's failure in a CheckpointException."""
+    if exc is None or depth > 8:
+        return None
+    if isinstance(exc, OSError):
+        return exc
+    for failure in getattr(exc, "failures", {}).values():  # {rank: (exception, traceback)}
+        if found := _os_error_in(failure[0] if isinstance(failure, tuple) else failure, depth + 1):
+            return found
+    return _os_error_in(exc.__cause__ or exc.__context__, depth + 1)
+
+
+def _disk_message(root: Path, step: int, err: OSError) -> str:
+    previous = latest_checkpoint(root)
+    parts = [f"saving checkpoint {step_name(step)} in {root} failed: {os_error_line(err)}"]
+    if err.errno in DISK_FULL:
+        try:
+            free = _size(shutil.disk_usage(root).free) + " free there"
+        except OSError:
+            free = "the free space unknown"
+        need = sum(file_sizes(previous).values()) + read_size(previous) if previous else 0
+        parts.append(f"{free}, a checkpoint of this run takes about {_size(need)}" if need else free)
+    if previous is not None:
+        parts.append(f"the previous checkpoint {previous.name} is intact: --resume auto continues from it")
+    else:
+        parts.append("no earlier checkpoint of this run")
+    return "; ".join(parts)
+
+
+def read_size(checkpoint: Path) -> int:
+    """The size of a checkpoint's trainer_state.json (the one file its manifest leaves out)."""
+    try:
+        return (checkpoint / TRAINER_STATE).stat().st_size
+    except OSError:
+        return 0
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def _disk_fault(tmp: Path, step: int) -> None:
+    """Test hook: ``RLCTL_FAULT=enospc:STEP[:RANK]``: this rank's write of the step's checkpoint finds
+    the disk full (after its shard files are written, as a real full disk would, part-way)."""
+    want, _, rest = os.environ.get(FAULT_ENV, "").partition(":")
+    at, _, rank = rest.partition(":")
+    if want == "enospc" and at == str(step) and (int(rank) if rank else 0) == dist.get_rank():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / f"__{dist.get_rank()}_0.distcp"))
 
 
 def remove_leftovers(root: str | Path) -> None:

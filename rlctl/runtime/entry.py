@@ -16,6 +16,7 @@ rank 0 writes summary.json with status "interrupted" when the body had not writt
 from __future__ import annotations
 
 import argparse
+import errno
 import multiprocessing
 import os
 import signal
@@ -26,9 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from rlctl.config import RunConfig, load_config
-from rlctl.errors import UserError
+from rlctl.errors import UserError, os_error_line
 from rlctl.runtime.dist import Dist, init_distributed
 from rlctl.runtime.errors import INTERRUPTED, write_rank_error
 from rlctl.runtime.layout import RunPaths, interrupted_summary, write_json_atomic
@@ -92,6 +94,25 @@ def _interrupted_summary(paths: RunPaths) -> None:
     write_json_atomic(paths.summary, interrupted_summary(paths))
 
 
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _internal(paths: RunPaths, rank: int, e: BaseException, message: str = "") -> int:
+    """A failure that is a bug: its traceback in train.log and the rank's error file; exit status 1."""
+    tb = traceback.format_exc()
+    write_rank_error(paths.root, rank, "internal", message or f"{type(e).__name__}: {e}", tb)
+    print(tb, file=sys.stderr, flush=True)
+    return 1
+
+
+def _first_failure(e: CheckpointException) -> str:
+    """The first rank's exception inside torch.distributed.checkpoint's report (its str is every traceback)."""
+    for r, failure in sorted(e.failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        return f"checkpoint load/save failed on rank {r}: {type(exc).__name__}: {exc}"
+    return "checkpoint load/save failed (CheckpointException)"
+
+
 def recipe_main(body: Callable[[RunContext], None], argv: list[str] | None = None) -> None:
     """Parse ``--run-dir``, set everything up, run ``body`` and exit with 0, 2 (user error), 130
     (interrupted) or 1."""
@@ -113,6 +134,13 @@ def recipe_main(body: Callable[[RunContext], None], argv: list[str] | None = Non
         write_rank_error(paths.root, rank, "user", str(e))
         print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
+    except OSError as e:
+        if e.errno not in DISK_ERRORS:
+            code = _internal(paths, rank, e)
+        else:  # a full or read-only disk, no permission: the user's to fix, one line
+            write_rank_error(paths.root, rank, "user", os_error_line(e))
+            print(f"error: {os_error_line(e)}", file=sys.stderr, flush=True)
+            code = 2
     except KeyboardInterrupt:
         write_rank_error(paths.root, rank, "interrupted", "interrupted (a second Ctrl-C or a signal)")
         if rank == 0 and not paths.summary.is_file():
@@ -120,10 +148,9 @@ def recipe_main(body: Callable[[RunContext], None], argv: list[str] | None = Non
         print(f"rank {rank}: interrupted", file=sys.stderr, flush=True)
         code = INTERRUPTED
     except Exception as e:  # noqa: BLE001 (any other failure: a traceback in train.log, exit 1)
-        tb = traceback.format_exc()
-        write_rank_error(paths.root, rank, "internal", f"{type(e).__name__}: {e}", tb)
-        print(tb, file=sys.stderr, flush=True)
-        code = 1
+        code = _internal(paths, rank, e)
+    except CheckpointException as e:  # a BaseException: a checkpoint load or save failed on some rank
+        code = _internal(paths, rank, e, _first_failure(e))
     finally:
         sys.stdout.flush()
         if dist.is_initialized() and code == 0:

@@ -29,7 +29,7 @@ from rlctl.errors import UserError
 from rlctl.formats.hf_writer import config_dtype
 from rlctl.metrics import MetricsLogger
 from rlctl.runtime.checkpoint import fault_point, load_checkpoint, remove_leftovers, save_checkpoint
-from rlctl.runtime.dist import all_reduce_sum, barrier
+from rlctl.runtime.dist import all_gather_objects, all_reduce_sum, barrier
 from rlctl.runtime.layout import choose_resume, step_name, write_json_atomic
 from rlctl.runtime.profile import StepProfiler
 from rlctl.runtime.rng import rng_state, set_rng_state
@@ -103,8 +103,11 @@ def checkpoint(ctx: RunContext, trainer: Trainer, step: int) -> Path:
 def resume(ctx: RunContext, trainer: Trainer) -> tuple[int, Path | None]:
     """Load ``checkpoint.resume`` when set: (the step to start from, the checkpoint)."""
     cfg = ctx.cfg
-    choice = choose_resume(cfg.checkpoint.resume, ctx.paths.root)  # a damaged checkpoint: one named file
-    path = choice.path
+    # a damaged checkpoint: one named file. Rank 0 alone reads every byte (the checksums) and its
+    # choice is every rank's (the launcher checked the same before launch).
+    choice = choose_resume(cfg.checkpoint.resume, ctx.paths.root, checksums=ctx.dist.is_main)
+    chosen = all_gather_objects(str(choice.path) if choice.path is not None else None)[0]
+    path = Path(chosen) if chosen is not None else None
     if choice.note():
         ctx.log(choice.note())
     if ctx.dist.is_main and cfg.checkpoint.resume:

@@ -23,6 +23,7 @@ No torch here: the launcher and ``rlctl convert`` use this module before anythin
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -216,6 +217,52 @@ def file_sizes(checkpoint: str | Path) -> dict[str, int]:
     return {str(p.relative_to(checkpoint)): p.stat().st_size for p in sorted(files)}
 
 
+CHECKSUMS = "sha256"  # trainer_state.json: {relative path: hex digest} of every other file of the checkpoint
+
+
+def file_digest(path: Path) -> str:
+    """The sha256 of a file's bytes (read in 8 MiB blocks; hashlib releases the GIL, so threads overlap)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_digests(root: Path, names: list[str], threads: int = 8) -> dict[str, str | None]:
+    """{name: sha256 of root/name, or None when it cannot be read}, several files at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(name: str) -> str | None:
+        try:
+            return file_digest(root / name)
+        except OSError:
+            return None
+
+    with ThreadPoolExecutor(max(1, min(threads, len(names)))) as pool:
+        return dict(zip(names, pool.map(one, names)))
+
+
+def checksum_problem(path: str | Path) -> str | None:
+    """None when every file of the checkpoint has the sha256 it was saved with (trainer_state.json's
+    ``"sha256"``; checkpoints saved before it: None), else one phrase naming the first file that
+    differs. Reads every byte (about a second per GB on one core; files are hashed 8 at a time)."""
+    path = Path(path)
+    try:
+        sums = json.loads((path / TRAINER_STATE).read_text()).get(CHECKSUMS)
+    except (OSError, ValueError, AttributeError):
+        return None  # checkpoint_problem names an unreadable trainer state
+    if not isinstance(sums, dict) or not sums:
+        return None
+    got = file_digests(path, sorted(sums))
+    for name in sorted(sums):
+        if got[name] is None:
+            return f"{path / name} missing or unreadable"
+        if got[name] != sums[name]:
+            return f"{path / name} damaged: its bytes differ from the checksum saved with it ({CHECKSUMS})"
+    return None
+
+
 def _manifest_problem(path: Path, manifest: dict) -> str | None:
     for rel, size in manifest.items():
         file = path / rel
@@ -295,18 +342,24 @@ class ResumeChoice:
         return f"resuming from {self.path.name}: {why}"
 
 
-def choose_resume(resume: str, run_dir: str | Path) -> ResumeChoice:
+def resume_problem(path: Path, checksums: bool) -> str | None:
+    """:func:`checkpoint_problem`, then (``checksums``) :func:`checksum_problem`."""
+    return checkpoint_problem(path) or (checksum_problem(path) if checksums else None)
+
+
+def choose_resume(resume: str, run_dir: str | Path, *, checksums: bool = True) -> ResumeChoice:
     """``checkpoint.resume``: "" -> no resume; "auto" -> the newest INTACT checkpoint of the run (newer
     damaged ones are passed over and named in :meth:`ResumeChoice.note`; none at all -> step 0; only
     damaged ones -> UserError); else a path, which must be intact (never a silent fallback).
 
     A path may name a checkpoint (step_N), a checkpoints directory or a run directory (then the
     checkpoint ``latest`` names, else the newest). ``.tmp-*`` directories (unfinished saves) are ignored.
+    ``checksums``: every file's bytes are checked against the sha256 saved with it too.
     """
     if not resume:
         return ResumeChoice(None)
     if resume == "auto":
-        return _newest_intact(RunPaths(Path(run_dir)).checkpoints)
+        return _newest_intact(RunPaths(Path(run_dir)).checkpoints, checksums)
     p = Path(resume).expanduser()
     if p.name.startswith(TMP_PREFIX):
         raise UserError(
@@ -327,7 +380,7 @@ def choose_resume(resume: str, run_dir: str | Path) -> ResumeChoice:
             f"--resume {resume}: no complete checkpoint there (expected a step_N directory with "
             f"trainer_state.json, or a run directory with checkpoints/)"
         )
-    if problem := checkpoint_problem(candidate):
+    if problem := resume_problem(candidate, checksums):
         raise UserError(
             f"--resume {resume}: checkpoint {candidate.name} is damaged: {problem}; copy it again, or pass "
             f"an older step_N directory (--resume auto takes the run's newest intact checkpoint)"
@@ -335,11 +388,11 @@ def choose_resume(resume: str, run_dir: str | Path) -> ResumeChoice:
     return ResumeChoice(candidate)
 
 
-def _newest_intact(root: Path) -> ResumeChoice:
+def _newest_intact(root: Path, checksums: bool) -> ResumeChoice:
     steps = {s: d for s, d in step_dirs(root).items() if STEP_RE.match(d.name)}
     passed: list[tuple[Path, str]] = []
     for step in sorted(steps, reverse=True):
-        problem = checkpoint_problem(steps[step])
+        problem = resume_problem(steps[step], checksums)
         if problem is None:
             return ResumeChoice(steps[step], tuple(passed))
         passed.append((steps[step], problem))

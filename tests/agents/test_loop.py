@@ -338,3 +338,26 @@ def test_hf_continuation_starts_from_the_kept_keys_and_values(engine, tokenizer)
     for a, b in zip(kept, full, strict=True):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+def test_environment_prompt_suffix_goes_into_each_trajectorys_prompt(engine, tokenizer):
+    """reset() text (TRL's convention) is appended to the last user message, per trajectory; prompts that
+    differ within a group are generated one request each."""
+    from rlctl.rollout import SamplingParams
+
+    class SuffixSpec(AddSpec):
+        def open(self, row):
+            episode = super().open(row)
+            episode.prompt_suffix = f" (try {len(self.episodes)})"
+            return episode
+
+    rec = Recording(engine)
+    trajs = _loop(tokenizer, SuffixSpec(), max_turns=1).run(
+        rec, [_prompt(tokenizer)], 2, SamplingParams(max_tokens=40, seed=1)
+    )
+    for i, t in enumerate(trajs):
+        user = {"role": "user", "content": f"What is 3 + 4? (try {i + 1})"}
+        text = tokenizer.apply_chat_template([user], tools=[ADD_SCHEMA], tokenize=False, add_generation_prompt=True)
+        assert t.prompt_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert t.messages[0] == user
+    assert rec.calls[0][0] == "continue" and rec.calls[0][1] == [t.prompt_ids for t in trajs]

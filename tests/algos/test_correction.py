@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -148,3 +149,97 @@ def test_matches_verl_semantics_on_random_batches(level, mode):
         close(w, ref_w)
         for key, value in ref.items():
             close(met[key], value)
+
+
+# ------------------------------------------------------------- wiring: config -> AlgoSpec -> loss
+
+
+def test_correction_is_on_by_default_for_vllm_and_sglang_only():
+    from rlctl.config import build_config
+    from rlctl.recipes.rl.spec import AlgoSpec
+
+    def spec(engine, **algo):
+        return AlgoSpec.from_config(build_config("grpo", [{"rollout": {"engine": engine}, "algo": algo}])).correction
+
+    assert spec("hf") is None
+    c = spec("vllm")
+    assert (c.mode, c.level, c.threshold, c.reject) == ("tis", "token", 2.0, None)
+    assert spec("sglang").mode == "tis"
+    assert spec("vllm", rollout_correction="none") is None
+    c = spec(
+        "hf", rollout_correction="mis", correction_level="sequence", correction_lower=0.5, correction_threshold=3.0
+    )
+    assert (c.mode, c.level, c.threshold) == ("mis", "sequence", "0.5_3.0")
+
+
+def test_bad_correction_bounds_are_one_line_errors():
+    from rlctl.config import build_config
+    from rlctl.config.algorithm import check_algorithm
+    from rlctl.errors import UserError
+
+    for algo, words in (
+        ({"correction_threshold": 0.5}, "correction_threshold=0.5 must be >= 1"),
+        ({"correction_lower": 2.0}, "correction_lower=2.0 must be in (0, 1]"),
+        ({"correction_reject": 0.9}, "correction_reject=0.9 must be >= 1"),
+    ):
+        with pytest.raises(UserError, match=re.escape(words)):
+            check_algorithm(build_config("grpo", [{"algo": algo}]))
+
+
+@pytest.mark.parametrize("name", ["ppo", "gspo", "cispo", "gpg", "sapo", "clip_cov", "kl_cov"])
+def test_the_weights_multiply_the_per_token_loss_before_aggregation(name):
+    from rlctl.algos.registry import get_policy_loss
+
+    gen = torch.Generator().manual_seed(3)
+    old = torch.randn(3, 4, generator=gen, dtype=torch.float64) - 1
+    logp = old + 0.1 * torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    adv = torch.randn(3, generator=gen, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    w = torch.rand(3, 4, generator=gen, dtype=torch.float64) * 2
+    fn = get_policy_loss(name).fn
+    kw = {"agg": "seq-mean-token-sum"}  # linear in the per-token loss: sum_b sum_t L w / B
+    # the loss with weights = the sum of the single-token losses (one token kept at a time), weighted
+    torch.manual_seed(0)
+    weighted, _ = fn(logp, old, adv, mask, is_weights=w, **kw)
+    total = 0.0
+    for b in range(3):
+        for t in range(4):
+            if mask[b, t]:
+                one = torch.zeros(3, 4, dtype=torch.float64)
+                one[b, t] = w[b, t]
+                torch.manual_seed(0)
+                total += float(fn(logp, old, adv, mask, is_weights=one, **kw)[0])
+    close(weighted, total)
+    torch.manual_seed(0)
+    plain, _ = fn(logp, old, adv, mask, **kw)
+    torch.manual_seed(0)
+    ones, _ = fn(logp, old, adv, mask, is_weights=torch.ones(3, 4, dtype=torch.float64), **kw)
+    close(plain, ones)
+
+
+def test_update_reports_the_correction_metrics_per_token():
+    from rlctl.algos.correction import Correction
+    from rlctl.recipes.rl.update import correction_weights
+
+    class Algo:
+        correction = Correction("mis", "token", "0.8_1.25", None)
+
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    rollout = torch.tensor([[-1.1, -1.0, -0.5]])
+    mask = torch.tensor([[1, 1, 0]])
+    w, stats = correction_weights(Algo(), old, rollout, mask)
+    close(w, [[math.exp(0.1), 0.0, 0.0]])  # exp(-1) is outside [0.8, 1.25]
+    close(stats["corr/is_frac_masked"], 1.0)  # 1/2 of 2 tokens, as a sum over tokens
+    close(stats["corr/mismatch_kl_k1"], -(0.1 - 1.0))
+    Algo.correction = None
+    assert correction_weights(Algo(), old, rollout, mask) == (None, {})
+
+
+def test_the_step0_logprob_check_refuses_far_beyond_the_dtype():
+    from rlctl.recipes.rl.trainer import logprob_check_problem
+
+    assert logprob_check_problem(1e-7, "fp32") is None
+    assert logprob_check_problem(0.3, "bf16") is None  # bf16 kernels differ this much
+    line = logprob_check_problem(0.3, "fp32")
+    assert "0.3 per token" in line and "fp32" in line and "--ignore-logprob-check" in line and "\n" not in line
+    assert logprob_check_problem(2.0, "bf16") is not None  # a weight-sync bug: nats per token

@@ -142,3 +142,8 @@ def test_bad_sampling_values_are_one_line(tmp_path):
     ]:
         r = run_cli("grpo", "--model", "Qwen2.5-0.5B", "--dry-run", *args)
         assert r.returncode == 2 and needle in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_ignore_logprob_check_reaches_the_ranks_config(tmp_path):
+    assert _dry_run("grpo", tmp_path)["rollout"]["ignore_logprob_check"] is False
+    assert _dry_run("grpo", tmp_path, "--ignore-logprob-check")["rollout"]["ignore_logprob_check"] is True

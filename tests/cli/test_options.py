@@ -98,3 +98,31 @@ def test_an_old_flag_name_agrees_with_the_new_one_or_is_one_line():
     )
     assert isinstance(r.exception, UserError) and "\n" not in str(r.exception)
     assert "--activation-checkpointing is the old name of --gradient-checkpointing" in str(r.exception)
+
+
+@pytest.mark.parametrize("flag, want", [("--offload-params", True), ("--no-offload-params", False), (None, None)])
+def test_the_walk_of_offload_params_from_the_flag_to_the_engine_spec(flag, want):
+    """docs/architecture.md's walk: the flag -> the options layer -> the plan -> the resolved config -> the
+    engine's spec (what FSDPEngine reads); left out, the plan decides and the spec gets the plan's choice."""
+    from rlctl.cli.options import to_options
+    from rlctl.engines.spec import EngineSpec
+    from rlctl.job import resolve_job
+
+    values = {"offload_params": {"--offload-params": True, "--no-offload-params": False}.get(flag)}
+    options = to_options(values, "grpo")
+    assert options == ({} if flag is None else {"parallel.offload_params": want})
+    opts = {**options, "model.name": "Qwen2.5-7B", "hardware.gpus": 8, "hardware.gpu": "H100-80GB"}
+    job = resolve_job("grpo", options=opts)
+    assert job.requested.parallel.offload_params is want
+    assert isinstance(job.plan.offload_params, bool) and job.cfg.parallel.offload_params is job.plan.offload_params
+    if flag is not None:
+        assert job.plan.offload_params is want
+    assert EngineSpec.from_config(job.cfg).offload_params is job.plan.offload_params
+    with pytest.raises(Exception, match="the plan was not applied"):
+        EngineSpec.from_config(job.requested)  # the config before the plan: refused, never guessed
+
+
+def test_estimate_memory_without_a_model_is_one_line():
+    r = _invoke("estimate", "memory", "--method", "sft", "--gpus", "1")
+    assert isinstance(r.exception, UserError) and "\n" not in str(r.exception)
+    assert str(r.exception).startswith("no model given") and "--method sft" in str(r.exception)

@@ -261,10 +261,11 @@ def test_the_damaged_checkpoint_is_refused_before_launch(run):
 
     victim = run / "checkpoints" / NEWEST / "__0_0.distcp"
     victim.unlink()
-    cfg = SimpleNamespace(checkpoint=SimpleNamespace(resume=str(run / "checkpoints" / NEWEST)))
+    job = {"method": "sft", "lora": SimpleNamespace(rank=0), "model": SimpleNamespace(name="")}
+    cfg = SimpleNamespace(checkpoint=SimpleNamespace(resume=str(run / "checkpoints" / NEWEST)), **job)
     with pytest.raises(UserError, match=f"{victim} missing"):
         check_run_dir(cfg, run)
-    check_run_dir(SimpleNamespace(checkpoint=SimpleNamespace(resume="auto")), run)
+    check_run_dir(SimpleNamespace(checkpoint=SimpleNamespace(resume="auto"), **job), run)
 
 
 @pytest.mark.slow

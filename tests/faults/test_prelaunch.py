@@ -13,26 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import one_line_error, rlctl_in_process
 from tests.support.rl import arith_rows
 from tests.support.sft import chat_rows, write_jsonl
 
 
 def rlctl(monkeypatch, capsys, *args: str) -> tuple[int, str]:
-    """Run ``rlctl ARGS`` in this process: (exit code, stdout + stderr)."""
-    from rlctl.cli.app import main
-
-    monkeypatch.setattr(sys, "argv", ["rlctl", *args])
-    with pytest.raises(SystemExit) as exited:
-        main()
-    out = capsys.readouterr()
-    return int(exited.value.code or 0), out.out + out.err
-
-
-def one_line_error(code: int, text: str) -> str:
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    assert code == 2, text[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("error: "), text[-3000:]
-    return lines[0]
+    return rlctl_in_process(monkeypatch, capsys, *args)
 
 
 def tree(path: Path) -> dict[str, str]:

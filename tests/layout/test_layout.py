@@ -1,4 +1,5 @@
-"""The layout rules: data flows one way, no import cycles; a module over 500 lines is reported.
+"""The layout rules: data flows one way, no import cycles, every function under 80 lines, every module named in
+docs/architecture.md; a module over 500 lines is reported.
 
 Every top-level part of ``rlctl`` has a layer; a module may import its own part or a lower layer, never
 a higher one. Imports inside functions count too (a lazy import is still a dependency); imports under
@@ -208,3 +209,26 @@ def test_function_lengths_are_counted_from_def_to_last_line(tmp_path):
         "pkg/m.py::C.method": 5,
         "pkg/m.py::C.method.inner": 2,
     }
+
+
+def test_architecture_md_names_every_module():
+    """docs/architecture.md's "One line per module" names each module of rlctl/ under its package."""
+    import re
+
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    block = doc.split("## One line per module", 1)[1].split("```")[1]
+    sections: dict[str, str] = {}  # "" (top level) or a package -> its lines
+    current = ""
+    for line in block.splitlines()[2:]:
+        m = re.match(r"  (\w+)/", line)
+        current = m.group(1) if m else current if line.startswith("     ") else ""
+        sections[current] = sections.get(current, "") + line + "\n"
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).parts
+        if path.name == "__init__.py" or path.name == "__main__.py":
+            continue
+        text, word = (sections.get("", ""), path.name) if len(parts) == 1 else (sections.get(parts[0], ""), path.stem)
+        if not re.search(rf"(?<![\w.]){re.escape(word)}(?!\w)", text):
+            missing.append(str(path.relative_to(PACKAGE.parent)))
+    assert not missing, "not in docs/architecture.md's one line per module:\n" + "\n".join(missing)

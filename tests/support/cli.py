@@ -24,3 +24,25 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def rlctl_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """Run ``rlctl ARGS`` in this process (the real entry point, ``rlctl.cli.app.main``): (exit code,
+    stdout + stderr). Milliseconds instead of a new interpreter's seconds."""
+    import pytest
+
+    from rlctl.cli.app import main
+
+    monkeypatch.setattr(sys, "argv", ["rlctl", *args])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    out = capsys.readouterr()
+    return int(exited.value.code or 0), out.out + out.err
+
+
+def one_line_error(code: int, text: str) -> str:
+    """The only line of a failed command's output: ``error: ...`` with exit status 2."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert code == 2, text[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), text[-3000:]
+    return lines[0]

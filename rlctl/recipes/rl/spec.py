@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from rlctl.algos import resolve_policy_loss
+from rlctl.algos.correction import Correction, correction_for
 from rlctl.algos.registry import PolicyLossSettings
 from rlctl.config import RunConfig
 
@@ -38,6 +39,7 @@ class AlgoSpec:
     critic_warmup: int  # PPO: steps that train the critic only
     temperature: float  # the log-probs' temperature: the sampling one (0, greedy, counts as 1)
     norm_len: int  # rollout.max_response_len: the constant of seq-mean-token-sum-norm
+    correction: Correction | None = None  # rollout-mismatch importance weights (None: off)
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> AlgoSpec:
@@ -60,6 +62,14 @@ class AlgoSpec:
             critic_warmup=a.critic_warmup,
             temperature=cfg.rollout.temperature or 1.0,
             norm_len=cfg.rollout.max_response_len,
+            correction=correction_for(
+                a.rollout_correction,
+                cfg.rollout.engine,
+                level=a.correction_level,
+                upper=a.correction_threshold,
+                lower=a.correction_lower,
+                reject=a.correction_reject,
+            ),
         )
 
     def replace(self, **changes) -> AlgoSpec:

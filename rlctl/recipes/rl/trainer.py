@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import torch
 
 from rlctl.algos import AdaptiveKLController, FixedKLController, get_adv_estimator, kl_estimate
+from rlctl.algos.shaping import overlong_penalty
 from rlctl.config.algorithm import check_algorithm
 from rlctl.data.packing import StepSampler
 from rlctl.data.rl import Prompt, build_rl_data
@@ -30,6 +31,22 @@ from rlctl.runtime.dist import all_gather_objects, barrier, check_rollout_in_nod
 from rlctl.runtime.entry import RunContext
 
 LOGPROB_DIFF_WARN = 0.1  # mean |rollout - trainer| log-prob above this: the engines disagree
+# step 0: mean |rollout - trainer| log-prob beyond what the dtype explains refuses to start
+LOGPROB_DIFF_REFUSE = {"fp32": 0.05, "bf16": 0.5}
+
+
+def logprob_check_problem(diff: float, dtype: str) -> str | None:
+    """The one line that refuses to start when the rollout engine's log-probs differ from the trainer's on
+    the same tokens (mean abs ``diff`` per token, before the first update) far beyond ``dtype``'s noise."""
+    bound = LOGPROB_DIFF_REFUSE.get(dtype, LOGPROB_DIFF_REFUSE["bf16"])
+    if diff <= bound:
+        return None
+    return (
+        f"before the first update the rollout engine's log-probs differ from the trainer's by {diff:.3g} per "
+        f"token (at most {bound} is expected in {dtype}): the rollout weights are not the trainer's or the "
+        f"prompts are templated differently; --ignore-logprob-check to train anyway"
+    )
+
 
 Metrics = dict[str, float]
 #: A recipe's step: ``(trainer, step) -> (the step's batch, its metrics)`` (rlctl.recipes.grpo / ppo).
@@ -114,6 +131,7 @@ class RLTrainer:
         self.rollout = self._make_rollout()
         self.agent_loop = make_agent_loop(cfg, self.agent_spec, self.tokenizer, self.rollout, self.rollout_tp)
         self.weights_stale = False  # the rollout engine's weights lag the actor's
+        self.logprobs_checked = cfg.rollout.ignore_logprob_check  # the step-0 check (logprob_check_problem)
 
     def _make_rollout(self):
         """This rank's rollout engine: the run's RolloutSpec with this rank's weights, device, dtype and seed."""
@@ -241,6 +259,13 @@ class RLTrainer:
         """Score this rank's samples (before :meth:`pool`, so sums run over every rank): reward and
         response-length metrics."""
         batch.scores, metrics = self.scorer.score_batch(batch, step)
+        a = self.cfg.algo
+        if a.overlong_buffer:  # DAPO's soft overlong punishment, on the score (rlctl.algos.shaping)
+            lengths = batch.mask.sum(-1)
+            penalty = overlong_penalty(lengths, self.cfg.rollout.max_response_len, a.overlong_buffer, a.overlong_factor)
+            batch.scores = batch.scores + penalty.to(batch.scores.dtype)
+            s = global_sums({"p": penalty.sum(), "n": float(len(penalty))}, self.device)  # before pool: every rank
+            metrics["reward/overlong_penalty"] = s["p"] / max(1.0, s["n"])
         return metrics
 
     def pool(self, batch: RolloutBatch) -> RolloutBatch:
@@ -264,7 +289,7 @@ class RLTrainer:
     def old_logprobs(self, batch: RolloutBatch) -> Metrics:
         """The actor's log-probs before the update; compared with the rollout engine's. Skipped when the
         batch gets one optimizer step and no KL term reads them: the update's own forward gives them."""
-        if self.ref is None and single_step(batch, self.algo):
+        if self.ref is None and single_step(batch, self.algo) and self.logprobs_checked:
             batch.old_logp = None
             return {}
         m: Metrics = {}
@@ -291,7 +316,22 @@ class RLTrainer:
         m["rollout/logprob_diff"] = s["diff"] / tokens
         m["entropy"] = s["ent"] / tokens
         self.warn_logprob_diff(m)
+        self.check_logprobs_once(m)
         return m
+
+    def check_logprobs_once(self, metrics: Metrics) -> None:
+        """Before the first update of this process: print the mismatch; refuse far beyond the dtype's noise."""
+        if self.logprobs_checked:
+            return
+        self.logprobs_checked = True
+        r = self.cfg.rollout
+        if getattr(self.rollout, "logprobs_filtered", False) and (r.top_k != -1 or r.top_p < 1):
+            return  # the engine's log-probs are of the top-k/top-p filtered distribution: they differ by design
+        diff = metrics.get("rollout/logprob_diff", 0.0)
+        self.ctx.log(f"log-prob check: rollout vs trainer differ by {diff:.3g} per token ({self.rollout_dtype})")
+        problem = logprob_check_problem(diff, self.rollout_dtype)
+        if problem:
+            raise UserError(problem)
 
     def warn_logprob_diff(self, metrics: Metrics) -> None:
         r = self.cfg.rollout

@@ -91,6 +91,31 @@ def ppo_update(
     return sums.reduce(device, group), grad_norms
 
 
+# the rollout-correction metrics logged per step: token-weighted means over the update's micro-batches
+CORRECTION_METRICS = ("is_mean", "is_ess", "is_frac_high", "is_frac_low", "mismatch_kl_k1", "mismatch_kl_k3")
+
+
+def correction_weights(
+    algo: AlgoSpec, old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """The importance weights trainer / rollout of ``algo.correction`` on one micro-batch (None when off)
+    and their metrics as sums over its tokens (``corr/<name>``)."""
+    c = algo.correction
+    if c is None or not mask.bool().any():
+        return None, {}
+    weights, m = c.weights(old_logp - rollout_logp, mask)
+    n_tok = mask.sum()
+    return weights, {key: m[key.removeprefix("corr/")] * n_tok for key in _corr_keys(algo)}
+
+
+def _corr_keys(algo: AlgoSpec) -> tuple[str, ...]:
+    c = algo.correction
+    if c is None:
+        return ()
+    done = "is_frac_truncated" if c.mode == "tis" else "is_frac_masked"
+    return tuple(f"corr/{k}" for k in (*CORRECTION_METRICS, done, "is_seq_rejected"))
+
+
 def policy_loss_fn(batch: RolloutBatch, algo: AlgoSpec, denoms: dict, kl_loss_coef: float) -> LossFn:
     """The engine's ``loss_fn`` for one mini-batch of the actor update:
     ``pg + kl_loss_coef * agg(kl(logp, ref)) - entropy_coef * agg(entropy)``, every term aggregated with
@@ -110,6 +135,7 @@ def policy_loss_fn(batch: RolloutBatch, algo: AlgoSpec, denoms: dict, kl_loss_co
         logp = mb.to_matrix(flat)
         # one optimizer step per batch: the policy before the update is this forward's own (no extra pass)
         old_logp = logp.detach() if batch.old_logp is None else mb.take(batch.old_logp)
+        weights, corr_stats = correction_weights(algo, old_logp, mb.take(batch.rollout_logp), mask)
         loss, m = pl.loss.fn(
             logp,
             old_logp,
@@ -120,12 +146,14 @@ def policy_loss_fn(batch: RolloutBatch, algo: AlgoSpec, denoms: dict, kl_loss_co
             dual_clip=pl.dual_clip,
             agg=pl.agg,
             **denoms,
+            **({} if weights is None else {"is_weights": weights}),
         )
         n_tok = mask.sum()
         stats = {
             "pg/loss": loss.detach(),
             "pg/clip_frac": m["clip_frac"] * n_tok,
             "pg/approx_kl": m["approx_kl"] * n_tok,
+            **corr_stats,
         }
         if batch.old_logp is None:  # what the skipped log-prob pass reported
             stats["logprob_diff"] = ((logp.detach() - mb.take(batch.rollout_logp)).abs() * mask).sum()
@@ -177,7 +205,7 @@ def update_actor(
         batch,
         algo,
         lambda denoms: policy_loss_fn(batch, algo, denoms, kl_loss_coef),
-        ("pg/loss", "pg/clip_frac", "pg/approx_kl", "kl_loss", "logprob_diff", "entropy"),
+        ("pg/loss", "pg/clip_frac", "pg/approx_kl", "kl_loss", "logprob_diff", "entropy", *_corr_keys(algo)),
         budget=budget,
         pad_id=pad_id,
         share_prefix=share_prefix,
@@ -191,6 +219,8 @@ def update_actor(
     }
     if kl_loss_coef:
         out["kl_loss"] = s["kl_loss"] / steps
+    for key in _corr_keys(algo):
+        out[key] = s[key] / max(1.0, s["tokens"])
     if batch.old_logp is None:
         out["rollout/logprob_diff"] = s["logprob_diff"] / max(1.0, s["tokens"])
         out["entropy"] = s["entropy"] / max(1.0, s["tokens"])
