@@ -152,6 +152,10 @@ class VLLMRolloutEngine(RolloutEngine):
         client = self._llm.llm_engine.engine_core
         client._finalizer.detach()
         self._shutdown = weakref.finalize(client, _shutdown_engine_core, client.engine_core, self._colocated)
+        # This frame outlives the call (something in vLLM's construction keeps a reference the collector
+        # cannot see): drop its references to vLLM and to this engine, so that dropping the engine still
+        # shuts vLLM down (weakref.finalize above) and frees it.
+        del client, self
 
     def _generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
         check_generate_args(prompt_token_ids, n, self.max_model_len)
