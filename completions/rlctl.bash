@@ -83,7 +83,7 @@ _rlctl() {
         --pp) return ;;
         --ppo-epochs) return ;;
         --precision) COMPREPLY=($(compgen -W "mixed bf16" -- "$cur")); return ;;
-        --preset) COMPREPLY=($(compgen -W "grpo ppo sft tiers" -- "$cur")); return ;;
+        --preset) COMPREPLY=($(compgen -W "dr-grpo grpo ppo sft tiers" -- "$cur")); return ;;
         --prompt-len) return ;;
         --prompts) return ;;
         --rdzv-endpoint) return ;;
