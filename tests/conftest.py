@@ -19,3 +19,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from rlctl.testing import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(autouse=True)
+def _no_stop_request_leaks():
+    """A test that raises a stop request in this process (SIGINT to itself, ``note_stop``) must not leave
+    it set for the next one: reward calls and the fit loop read it (rlctl.runtime.signals)."""
+    from rlctl.runtime import signals
+
+    saved = dict(signals._early)
+    yield
+    signals._early.clear()
+    signals._early.update(saved)

@@ -318,6 +318,9 @@ def test_stop_request_catches_sigint():
         assert not stop.local(1)
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.requested and stop.local(1)
+        from rlctl.runtime.signals import stop_requested
+
+        assert stop_requested()  # long work (reward calls) sees it too
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
