@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	# their PyPI builds break transformers imports on a CPU torch
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	# the HTML report's tests drive a real headless Chromium (Debian's package; Playwright downloads nothing)
-	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
 		|| echo "warning: chromium is not installed; tests/report/test_html.py needs it (apt-get install chromium)"
 	touch $(STAMP)
 
