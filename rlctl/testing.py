@@ -168,6 +168,11 @@ VL_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+VL_CORPUS = [  # picture words, so the tiny tokenizer spends few tokens on questions and answers about colours
+    "Which colour is it? It is red. It is blue. It is green.",
+    "Which colour fills more of the image? Answer with one word: red, blue or green.",
+]
+
 TINY_VL_PIXELS = (28 * 28 * 4, 28 * 28 * 16)  # the image processor's min and max pixels: 4 to 16 image tokens
 
 
@@ -216,7 +221,7 @@ def build_tiny_vl_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int =
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(vocab_size=vocab_size)
+    tok = build_tokenizer(vocab_size=vocab_size, corpus=default_corpus() + VL_CORPUS * 20)
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tok.chat_template = VL_CHAT_TEMPLATE
     tok.save_pretrained(str(out))

@@ -38,6 +38,7 @@ class ModelConfig:
     attn: Attn = "auto"
     random_init: bool = False  # build from the config with random weights (nothing is downloaded)
     trust_remote_code: bool = False  # run the model's own Python code (config.json auto_map); never implied
+    train_vision: bool = False  # vision-language models: train the vision tower too (frozen by default)
 
 
 @dataclass
