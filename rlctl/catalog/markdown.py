@@ -86,7 +86,7 @@ def catalog_markdown() -> str:
         )
     lines.append(_NOTES)
     lines.append(_VISION_INTRO)
-    lines.append("| name | vision params | blocks | width | MLP | heads | patch | merge | out | full-attention blocks |")
+    lines.append("| name | vision params | blocks | width | MLP | heads | patch | merge | out | full attention |")
     lines.append("|" + "---|" * 10)
     for s in list_models():
         v = s.vision

@@ -11,6 +11,7 @@ No torch/transformers import here: the CLI uses this module for completion and -
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -575,5 +576,5 @@ def hf_config_dict(spec: ModelSpec) -> dict:
         )
     if spec.vision is not None:
         d["vision_config"] = _vision_config(spec)
-    d.update(spec.extra)
+    d.update(copy.deepcopy(spec.extra))  # transformers edits nested dicts (rope_scaling) in place
     return d
