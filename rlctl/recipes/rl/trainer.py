@@ -28,9 +28,9 @@ from rlctl.recipes.rl.passes import compute_logprobs, compute_values
 from rlctl.recipes.rl.scoring import RewardScorer
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.recipes.rl.update import single_step, update_actor, update_critic
+from rlctl.rollout import RolloutSpec
 from rlctl.runtime.dist import all_gather_objects, barrier, check_rollout_in_node, global_sums
 from rlctl.runtime.entry import RunContext
-from rlctl.rollout import RolloutSpec
 
 LOGPROB_DIFF_WARN = 0.1  # mean |rollout - trainer| log-prob above this: the engines disagree
 # step 0: mean |rollout - trainer| log-prob beyond what the dtype explains refuses to start
