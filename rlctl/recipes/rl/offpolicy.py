@@ -271,8 +271,7 @@ def rollout_main(ctx: RunContext) -> None:
             worker.load()
         pending.append(worker.generate(step, version))  # kept alive until received
         pending = [w for w in pending if not all(x.is_completed() for work in w for x in work[:2])]
-    kind, _, _ = _broadcast_header(split, device)  # the trainers' STOP (after their last step)
-    for works in pending:
-        for work in works:
-            work[0].wait()
-            work[1].wait()
+    # the trainers' STOP, sent when their loop is over: they received every batch they wanted (a stopped
+    # run leaves the last ones unreceived; they are dropped with the process)
+    _broadcast_header(split, device)
+    del pending
