@@ -22,7 +22,7 @@ from rlctl.engines.base import TrainEngine, load_tokenizer, model_source, write_
 from rlctl.errors import UserError
 from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
 from rlctl.recipes.rl.agent import load_agent, make_agent_loop, run_agent
-from rlctl.recipes.rl.batch import RolloutBatch, rank_positions, token_budget
+from rlctl.recipes.rl.batch import RolloutBatch, rank_positions, sampling_params, token_budget
 from rlctl.recipes.rl.offpolicy import TrainerFeed
 from rlctl.recipes.rl.passes import compute_logprobs, compute_values
 from rlctl.recipes.rl.scoring import RewardScorer
@@ -51,21 +51,6 @@ def logprob_check_problem(diff: float, dtype: str) -> str | None:
 
 
 Metrics = dict[str, float]
-
-
-def sampling_params(cfg, step: int, group: int, groups: int, *, temperature: float, seed_offset: int = 0):
-    """Sampling parameters with a seed of their own for each (step, rollout group ``group`` of ``groups``)."""
-    from rlctl.rollout import SamplingParams
-
-    r = cfg.rollout
-    call = (step * groups + group) * 2 + seed_offset
-    return SamplingParams(
-        temperature=temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        max_tokens=r.max_response_len,
-        seed=cfg.train.seed + call * 1_000_003,
-    )
 
 
 #: A recipe's step: ``(trainer, step) -> (the step's batch, its metrics)`` (rlctl.recipes.grpo / ppo).
