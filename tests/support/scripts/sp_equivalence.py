@@ -4,10 +4,12 @@ Usage: torchrun --nproc-per-node 2 sp_equivalence.py MODEL_DIR OUT_PT CKPT_DIR
 
 For sp in (1, 2), with the recipes' own functions (each rank's share as the recipes deal it):
 
-* SFT: one step over the same documents, packed rows and right-padded rows: the loss and the full
-  gradients (before clipping);
+* SFT: one step over the same documents, packed rows and right-padded rows, and packed rows with
+  LoRA + activation checkpointing and with selective checkpointing + activation offload: the loss and
+  the full gradients (before clipping);
 * GRPO: the log-prob passes (actor and reference) and one update, with packed rows and with
-  shared-prefix groups: every sample's log-probs (by uid), the metrics and the full gradients;
+  shared-prefix groups: every sample's log-probs, entropy, reference log-probs and (packed rows) a
+  critic's values, by uid; the metrics and the full gradients;
 * the sp 2 SFT actor (after its step) is saved, and loaded by a fresh sp 1 engine: its parameters and
   AdamW states.
 
@@ -25,9 +27,10 @@ from rlctl.config import build_config, dotted_to_nested
 from rlctl.data.packing import rank_micro_batches
 from rlctl.data.sft import Example
 from rlctl.engines.fsdp import FSDPEngine
+from rlctl.engines.spec import LoraSpec
 from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
 from rlctl.recipes.rl.batch import RolloutBatch, rank_positions
-from rlctl.recipes.rl.passes import compute_logprobs
+from rlctl.recipes.rl.passes import compute_logprobs, compute_values
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.recipes.rl.update import update_actor
 from rlctl.recipes.sft import token_loss_sum
@@ -36,7 +39,7 @@ from tests.support.sft import cpu_spec
 
 
 def full_grads(engine: FSDPEngine) -> dict:
-    return {name: p.grad.full_tensor().clone() for name, p in engine.model.named_parameters()}
+    return {name: p.grad.full_tensor().clone() for name, p in engine.model.named_parameters() if p.requires_grad}
 
 
 def documents(seed: int = 0) -> list[Example]:
@@ -50,8 +53,18 @@ def documents(seed: int = 0) -> list[Example]:
     return docs
 
 
-def sft_step(model_dir: str, sp: int, packing: bool) -> tuple[FSDPEngine, dict]:
-    engine = FSDPEngine(cpu_spec(model=model_dir, sp=sp), role="actor", total_steps=4)
+#: the SFT variants: rows packed or right-padded, and the memory options on packed rows
+VARIANTS = {
+    "packed": (True, {}),
+    "padded": (False, {}),
+    "lora_ac": (True, {"lora": LoraSpec(rank=4), "activation_checkpointing": True}),
+    "savers": (True, {"selective_checkpointing": True, "offload_activations": True}),
+}
+
+
+def sft_step(model_dir: str, sp: int, variant: str) -> tuple[FSDPEngine, dict]:
+    packing, options = VARIANTS[variant]
+    engine = FSDPEngine(cpu_spec(model=model_dir, sp=sp, **options), role="actor", total_steps=4)
     docs = documents()
     loss_tokens = sum(int((d.labels != -100).sum()) for d in docs)
     micro = rank_micro_batches(
@@ -112,7 +125,11 @@ def grpo_step(model_dir: str, sp: int, share_prefix: bool, d) -> dict:
 
     actor.step = keeping_gradients
     metrics = update_actor(actor, batch, algo, budget=60, pad_id=0, kl_loss_coef=0.1, share_prefix=share_prefix)
-    logp = {int(u): (batch.old_logp[i], entropy[i], batch.ref_logp[i]) for i, u in enumerate(batch.uid)}
+    values = batch.mask
+    if not share_prefix:  # a PPO critic's values (packed rows)
+        critic = FSDPEngine(cpu_spec(cfg, sp=sp), role="critic", total_steps=1)
+        values = compute_values(critic, batch, budget=60, pad_id=0)
+    logp = {int(u): (batch.old_logp[i], entropy[i], batch.ref_logp[i], values[i]) for i, u in enumerate(batch.uid)}
     merged: dict = {}
     for part in all_gather_objects(logp):
         merged.update(part)
@@ -124,11 +141,14 @@ def main(model_dir: str, out: str, ckpt: str) -> None:
     results: dict = {"sft": {}, "grpo": {}}
     for sp in (1, 2):
         results["sft"][sp] = {}
-        for packing in (True, False):
-            engine, r = sft_step(model_dir, sp, packing)
-            results["sft"][sp]["packed" if packing else "padded"] = r
+        for variant in VARIANTS:
+            engine, r = sft_step(model_dir, sp, variant)
+            results["sft"][sp][variant] = r
+            if variant == "padded":
+                saved = engine
         results["grpo"][sp] = {prefix: grpo_step(model_dir, sp, prefix, d) for prefix in (False, True)}
-    engine.save_checkpoint(ckpt)  # the sp 2 engine of the last SFT step (padded rows)
+    engine = saved  # the sp 2 engine after its SFT step on padded rows
+    engine.save_checkpoint(ckpt)
     results["saved"] = {name: t.clone() for name, t in engine.iter_full_params()}
     fresh = FSDPEngine(cpu_spec(model=model_dir, sp=1, seed=7), role="actor", total_steps=4)
     fresh.load_checkpoint(ckpt)
@@ -143,8 +163,10 @@ def main(model_dir: str, out: str, ckpt: str) -> None:
 def optimizer_difference(a: FSDPEngine, b: FSDPEngine) -> float:
     """The largest difference between two engines' AdamW states (collective: full tensors)."""
     worst = 0.0
-    for pa, pb in zip(a.optimizer.param_groups[0]["params"] + a.optimizer.param_groups[1]["params"],
-                      b.optimizer.param_groups[0]["params"] + b.optimizer.param_groups[1]["params"]):
+    for pa, pb in zip(
+        a.optimizer.param_groups[0]["params"] + a.optimizer.param_groups[1]["params"],
+        b.optimizer.param_groups[0]["params"] + b.optimizer.param_groups[1]["params"],
+    ):
         for key in ("exp_avg", "exp_avg_sq"):
             x, y = a.optimizer.state[pa][key].full_tensor(), b.optimizer.state[pb][key].full_tensor()
             worst = max(worst, float((x - y).abs().max()))
