@@ -137,6 +137,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l kl-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout -x -a 'auto hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout-tp -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout-procs -l rollout-gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l backend -x -a 'fsdp megatron'
@@ -217,6 +218,8 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-high -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout -x -a 'auto hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout-tp -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout-procs -l rollout-gpus -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-staleness -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward -x -a 'gsm8k gsm8k_flexible math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward-model -x
@@ -311,6 +314,8 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-high -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout -x -a 'auto hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout-tp -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout-procs -l rollout-gpus -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-staleness -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward -x -a 'gsm8k gsm8k_flexible math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward-model -x
