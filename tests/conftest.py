@@ -33,6 +33,21 @@ def _no_stop_request_leaks():
     signals._early.update(saved)
 
 
+@pytest.fixture(scope="module")
+def process_group():
+    """A one-process gloo group, as torchrun would give a single rank (left as found afterwards)."""
+    import torch.distributed as dist
+
+    from rlctl.runtime.net import free_port
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def tiny_vl_model_dir(tmp_path_factory) -> Path:
     """A tiny random Qwen2-VL (the text model above, a 2-block vision tower) with its tokenizer and image

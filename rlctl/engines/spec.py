@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 BACKENDS = names.BACKENDS
 DEVICES = names.choices(names.Device, without=("auto",))
+DTYPES = names.choices(names.Dtype)
 
 
 class UnresolvedConfig(RuntimeError):
@@ -98,6 +99,7 @@ class EngineSpec:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    sp: int = 1  # Ulysses sequence parallel size: each sequence split over sp ranks (FSDP engine)
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
     offload_params: bool = False
@@ -122,11 +124,11 @@ class EngineSpec:
             raise UnresolvedConfig(f"EngineSpec.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.device not in DEVICES:
             raise UnresolvedConfig(f"EngineSpec.device must be one of {DEVICES}, got {self.device!r}")
-        if self.dtype == "auto":
-            raise UnresolvedConfig("EngineSpec.dtype is 'auto': resolve the config with the plan first")
+        if self.dtype not in DTYPES:
+            raise UnresolvedConfig(f"EngineSpec.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.precision not in names.choices(names.Precision):
             raise UnresolvedConfig(f"EngineSpec.precision must be mixed or bf16, got {self.precision!r}")
-        for name in ("tp", "pp", "cp", "ep", "micro_batch_size"):
+        for name in ("tp", "pp", "cp", "ep", "sp", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise UnresolvedConfig(f"EngineSpec.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -147,10 +149,15 @@ class EngineSpec:
             ("hardware.device", cfg.hardware.device),
             ("model.dtype", cfg.model.dtype),
         ):
-            if value == "auto":
-                raise UnresolvedConfig(f"{key} is 'auto': the plan was not applied to the config")
-        for key, value in (("parallel.tp", par.tp), ("parallel.pp", par.pp), ("parallel.ep", par.ep)):
-            if value < 1:
+            if value is None or value == "auto":
+                raise UnresolvedConfig(f"{key} is {value!r}: the plan was not applied to the config")
+        for key, value in (
+            ("parallel.tp", par.tp),
+            ("parallel.pp", par.pp),
+            ("parallel.ep", par.ep),
+            ("parallel.sp", par.sp),
+        ):
+            if value is None or value < 1:
                 raise UnresolvedConfig(f"{key} is {value}: the plan was not applied to the config")
         return cls(
             backend=par.backend,
@@ -160,6 +167,7 @@ class EngineSpec:
             pp=par.pp,
             cp=max(1, par.cp),
             ep=par.ep,
+            sp=par.sp,
             sequence_parallel=flag("sequence_parallel"),
             activation_checkpointing=flag("activation_checkpointing"),
             offload_params=flag("offload_params"),

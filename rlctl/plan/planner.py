@@ -103,6 +103,7 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         rollout_tp=cfg.rollout.tp,
         is_rl=job.is_rl,
     )
+    rules.check_sp(job.spec, backend=tier, sp=p.sp, world=job.world, attn=cfg.model.attn)
     if job.is_rl:
         rules.check_rollout_engine_tp(job.engine, cfg.rollout.tp)
     return tier
@@ -113,7 +114,15 @@ def backend_the_engine_runs(job: Job, tier: str, decisions: list[Decision]) -> s
     (with offload when needed, as the search decides); a Megatron backend or Megatron-only sizes set
     in the config are a UserError there."""
     c = job.cfg
-    missing = "a PPO critic" if c.method == "ppo" else "LoRA" if c.lora.rank else None
+    missing = (
+        "a vision-language model"
+        if job.spec.is_vl
+        else "a PPO critic"
+        if c.method == "ppo"
+        else "LoRA"
+        if c.lora.rank
+        else None
+    )
     if tier != "megatron" or missing is None:
         return tier
     p = c.parallel
@@ -647,6 +656,7 @@ def _plan(job: Job, est: MemoryEstimate, decisions: list[Decision], warnings: li
         dp=s.dp,
         cp=s.cp,
         ep=s.ep,
+        sp=cfg.parallel.sp or 1,
         sequence_parallel=s.sequence_parallel,
         rollout=job.engine,
         rollout_tp=s.rollout_tp if rl else 0,
@@ -679,7 +689,7 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
     config has no None left in parallel.*."""
     out = copy.deepcopy(cfg)
     m, hw, par, tr, ro = out.model, out.hardware, out.parallel, out.train, out.rollout
-    if m.dtype == "auto":
+    if m.dtype is None:
         m.dtype = plan.dtype
     # model.attn stays "auto": the engine picks flash_attention_2 where flash-attn is installed on
     # the GPU host and sdpa otherwise, at run time (plan.attn says what a GPU cluster will get).
@@ -693,6 +703,7 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
     if par.backend == "auto":
         par.backend = plan.backend
     par.tp, par.pp, par.ep = par.tp or plan.tp, par.pp or plan.pp, par.ep or plan.ep
+    par.sp = par.sp or plan.sp
     for key, value in (
         ("sequence_parallel", plan.sequence_parallel),
         ("activation_checkpointing", plan.activation_checkpointing),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from rlctl.catalog import parallel, pipeline_split
+from rlctl.catalog.count import vision_params
 from rlctl.catalog.spec import ModelSpec
 from rlctl.errors import UserError
 from rlctl.plan.types import Decision
@@ -31,6 +32,8 @@ def billions(n: int) -> str:
 
 def describe_model(spec: ModelSpec, params: int, active: int) -> str:
     kind = f"MoE, {billions(active)} active" if spec.is_moe else "dense"
+    if spec.is_vl:
+        kind += f", {billions(vision_params(spec))} of them the vision tower"
     return f"{spec.name} ({billions(params)} {kind})"
 
 
@@ -81,6 +84,28 @@ def tp_problem(spec: ModelSpec, tp: int) -> str | None:
 
 def valid_tps(spec: ModelSpec, limit: int) -> list[int]:
     return [t for t in range(1, limit + 1) if tp_problem(spec, t) is None]
+
+
+def check_sp(spec: ModelSpec, *, backend: str, sp: int | None, world: int, attn: str = "auto") -> None:
+    """Validate the Ulysses sequence-parallel size a user set (None: not set); UserError names the valid sizes."""
+    if sp is None or sp == 1:
+        return
+    if backend != "fsdp":
+        raise UserError(f"parallel.sp={sp} is the FSDP engine's; Megatron splits sequences with --cp")
+    if attn not in ("auto", "sdpa"):
+        raise UserError(f"parallel.sp={sp} runs attention per document with sdpa, not {attn}; set model.attn=sdpa")
+    if spec.is_vl:
+        raise UserError(
+            f"parallel.sp={sp}: {spec.name} is a vision-language model, whose image tokens and 3-D positions "
+            "are not split by sequence; use parallel.sp=1"
+        )
+    kv = None if spec.uses_mla else spec.num_kv_heads
+    problem = parallel.sp_problem(sp, world, spec.num_heads, kv)
+    if problem:
+        ok = ", ".join(
+            str(d) for d in parallel.divisors(world) if not parallel.sp_problem(d, world, spec.num_heads, kv)
+        )
+        raise UserError(f"parallel.sp={sp}: {problem} ({spec.name} on {world} ranks); valid sp: {ok}")
 
 
 def rollout_tp_problem(spec: ModelSpec, tp: int) -> str | None:
