@@ -691,7 +691,7 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
     m, hw, par, tr, ro = out.model, out.hardware, out.parallel, out.train, out.rollout
     if m.dtype is None:
         m.dtype = plan.dtype
-    # model.attn stays "auto": the engine picks flash_attention_2 where flash-attn is installed on
+    # model.attn stays None: the engine picks flash_attention_2 where flash-attn is installed on
     # the GPU host and sdpa otherwise, at run time (plan.attn says what a GPU cluster will get).
     if hw.device == "auto":
         hw.device = plan.device
