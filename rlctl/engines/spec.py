@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 BACKENDS = names.BACKENDS
 DEVICES = names.choices(names.Device, without=("auto",))
+DTYPES = names.choices(names.Dtype)
 
 
 class UnresolvedConfig(RuntimeError):
@@ -122,8 +123,8 @@ class EngineSpec:
             raise UnresolvedConfig(f"EngineSpec.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.device not in DEVICES:
             raise UnresolvedConfig(f"EngineSpec.device must be one of {DEVICES}, got {self.device!r}")
-        if self.dtype == "auto":
-            raise UnresolvedConfig("EngineSpec.dtype is 'auto': resolve the config with the plan first")
+        if self.dtype not in DTYPES:
+            raise UnresolvedConfig(f"EngineSpec.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.precision not in names.choices(names.Precision):
             raise UnresolvedConfig(f"EngineSpec.precision must be mixed or bf16, got {self.precision!r}")
         for name in ("tp", "pp", "cp", "ep", "sp", "micro_batch_size"):
@@ -147,8 +148,8 @@ class EngineSpec:
             ("hardware.device", cfg.hardware.device),
             ("model.dtype", cfg.model.dtype),
         ):
-            if value == "auto":
-                raise UnresolvedConfig(f"{key} is 'auto': the plan was not applied to the config")
+            if value is None or value == "auto":
+                raise UnresolvedConfig(f"{key} is {value!r}: the plan was not applied to the config")
         for key, value in (
             ("parallel.tp", par.tp),
             ("parallel.pp", par.pp),
