@@ -323,9 +323,11 @@ def _resolve_engine(
 def settings_for(job: Job, **kw) -> MemorySettings:
     """The memory settings of the job, with ``kw`` (the search's choices) on top."""
     c = job.cfg
+    split = c.rollout.procs if 0 < c.rollout.procs < job.world else 0  # more is refused before launch
     base = MemorySettings(
         method=c.method,
-        gpus=job.world,
+        gpus=job.world - split,  # the trainers
+        rollout_procs=split,
         nodes=job.nodes,
         device=job.device,
         dtype=job.dtype,
