@@ -36,7 +36,7 @@ from rlctl.names import (
 class ModelConfig:
     name: str = ""  # catalog name, HF id, local HF directory or config.json path
     dtype: Dtype | None = None  # None: the plan decides (bf16 on GPU, fp32 on CPU)
-    attn: Attn = "auto"
+    attn: Attn | None = None  # None: flash_attention_2 where flash-attn is installed on a GPU, else sdpa (at run time)
     random_init: bool = False  # build from the config with random weights (nothing is downloaded)
     trust_remote_code: bool = False  # run the model's own Python code (config.json auto_map); never implied
     train_vision: bool = False  # vision-language models: train the vision tower too (frozen by default)
