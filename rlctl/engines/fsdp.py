@@ -153,13 +153,13 @@ class FSDPEngine(TrainEngine):
         return ulysses.sp_groups(spec.sp, self.device.type)
 
     def _attn(self, spec: EngineSpec) -> str:
-        attn = spec.attn  # "auto" unless the user chose (the plan's attn is a forecast, not an order)
+        attn = spec.attn  # None unless the user chose (the plan's attn is a forecast, not an order)
         if spec.sp > 1:
-            if attn not in ("auto", "sdpa"):
+            if attn not in (None, "sdpa"):
                 raise UserError(f"parallel.sp={spec.sp} runs attention with sdpa per document; set model.attn=sdpa")
             return "sdpa"
         has_flash = importlib.util.find_spec("flash_attn") is not None
-        if attn == "auto":
+        if attn is None:
             return "flash_attention_2" if self.device.type == "cuda" and has_flash else "sdpa"
         if attn == "flash_attention_2" and (self.device.type != "cuda" or not has_flash):
             raise UserError("model.attn=flash_attention_2 needs a GPU and the flash-attn package; use model.attn=sdpa")
