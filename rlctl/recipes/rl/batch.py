@@ -115,6 +115,18 @@ class RolloutBatch:
         moved = {f.name: v.to(device) for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)
 
+    def take(self, rows: list[int]) -> RolloutBatch:
+        """The samples ``rows`` of this batch, in that order (the step's fields unchanged)."""
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.mask.device)
+        picked: dict = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                picked[f.name] = v[idx]
+            elif isinstance(v, list) and len(v) == len(self):
+                picked[f.name] = [v[i] for i in rows]
+        return replace(self, **picked)
+
     @classmethod
     def join(cls, parts: list[RolloutBatch]) -> RolloutBatch:
         """One batch holding the samples of ``parts`` (batches of the same step), in order."""
@@ -128,6 +140,14 @@ class RolloutBatch:
             else:  # the step's n, num_minis, total; None for what is not computed yet
                 out[f.name] = values[0]
         return cls(**out)
+
+
+def mask_truncated(batch: RolloutBatch) -> int:
+    """DAPO's overlong filtering: zero the loss mask of the truncated samples (stopped by the length
+    budget, no stop token); the update leaves such rows out. Returns how many there are."""
+    cut = batch.truncated.to(batch.mask.dtype)
+    batch.mask = batch.mask * (1 - cut)[:, None]
+    return int(batch.truncated.sum())
 
 
 # ---------------------------------------------------------------------------------------------

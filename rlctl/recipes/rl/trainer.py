@@ -22,7 +22,8 @@ from rlctl.engines.base import TrainEngine, load_tokenizer, model_source, write_
 from rlctl.errors import UserError
 from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
 from rlctl.recipes.rl.agent import load_agent, make_agent_loop, run_agent
-from rlctl.recipes.rl.batch import RolloutBatch, rank_positions, token_budget
+from rlctl.recipes.rl.batch import RolloutBatch, mask_truncated, rank_positions, token_budget
+from rlctl.recipes.rl.dynamic import dynamic_sample
 from rlctl.recipes.rl.passes import compute_logprobs, compute_values
 from rlctl.recipes.rl.scoring import RewardScorer
 from rlctl.recipes.rl.spec import AlgoSpec
@@ -106,6 +107,7 @@ class RLTrainer:
         self.sampler = StepSampler(
             len(self.data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle
         )
+        self.cursor = 0  # the sampler's batches drawn so far: the step, unless dynamic sampling drew more
         self.total_steps = cfg.train.max_steps or cfg.train.epochs * self.sampler.steps_per_epoch
         self.mini_batch_size = min(a.mini_batch_size or self.sampler.batch_size, self.sampler.batch_size)
         optimizer_steps = self.total_steps * a.ppo_epochs * math.ceil(self.sampler.batch_size / self.mini_batch_size)
@@ -215,10 +217,21 @@ class RLTrainer:
     def _sleep(self) -> None:
         self.rollout.sleep()
 
-    def generate(self, step: int) -> tuple[RolloutBatch, Metrics]:
-        """This rank's prompts of step ``step``, ``rollout.n`` samples each."""
+    def sample(self, step: int) -> tuple[RolloutBatch, Metrics]:
+        """This rank's scored samples of step ``step``: the sampler's next batch generated and scored, or
+        with ``algo.dynamic_sampling`` as many batches as fill it with groups whose scores differ
+        (:mod:`rlctl.recipes.rl.dynamic`)."""
+        if self.cfg.algo.dynamic_sampling:
+            return dynamic_sample(self, step)
+        batch, generated = self.generate(self.cursor)
+        self.cursor += 1
+        return batch, merged(generated, self.score(batch, step))
+
+    def generate(self, draw: int) -> tuple[RolloutBatch, Metrics]:
+        """This rank's prompts of the sampler's batch ``draw`` (the step, unless dynamic sampling drew
+        more batches), ``rollout.n`` samples each."""
         d, n = self.dist, self.cfg.rollout.n
-        indices = self.sampler.indices(step)
+        indices = self.sampler.indices(draw)
 
         def positions_of(rank: int) -> list[int]:
             return rank_positions(len(indices), self.mini_batch_size, rank, d.world_size)
@@ -229,7 +242,7 @@ class RLTrainer:
         m = {"time/weight_sync": 0.0}  # stays 0 when the weights are current (first step, after an eval)
         self._wake_and_sync(m)
         with timed(m, "time/rollout"):
-            samples = self._rollout(shares, n, self._sampling(step, temperature=self.cfg.rollout.temperature))
+            samples = self._rollout(shares, n, self._sampling(draw, temperature=self.cfg.rollout.temperature))
             self._sleep()
         seen: dict[int, int] = {}
         uid = []
@@ -363,10 +376,20 @@ class RLTrainer:
         coef = self.kl_ctl.value if a.kl_in_reward and kl is not None else 0.0
         rewards = token_rewards(batch, coef, kl)
         batch.advantages, batch.returns = compute_advantages(batch, a, rewards, self.dp_group)
+        if self.cfg.algo.overlong_filter:
+            m.update(self.filter_overlong(batch))
         if coef:
             m["kl_coef"] = coef
             self.kl_ctl.update(m["kl"], batch.total)
         return m
+
+    def filter_overlong(self, batch: RolloutBatch) -> Metrics:
+        """DAPO's overlong filtering: the truncated samples (no stop token within rollout.max_response_len)
+        get no loss. Their scores still counted in their groups' advantages; their loss mask is zeroed, so
+        the updates skip them (and their tokens leave the denominators). ``response/overlong_filtered``:
+        how many, over every rank."""
+        s = global_sums({"cut": mask_truncated(batch)}, self.device, self.dp_group)
+        return {"response/overlong_filtered": s["cut"]}
 
     # ------------------------------------------------------------------ updates
 
@@ -506,10 +529,11 @@ class RLTrainer:
         }
 
     def state(self) -> dict:
-        return {"kl_coef": self.kl_ctl.value}
+        return {"kl_coef": self.kl_ctl.value, "data_cursor": self.cursor}
 
     def load_state(self, state: dict) -> None:
         self.kl_ctl.value = float(state.get("kl_coef", self.kl_ctl.value))
+        self.cursor = int(state.get("data_cursor", state.get("step", 0)))  # older checkpoints: one batch a step
         self.weights_stale = True  # the rollout engine still holds the initial weights
 
     def summary(self) -> dict:

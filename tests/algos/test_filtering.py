@@ -1,0 +1,66 @@
+"""DAPO's dynamic sampling rule on hand-built scores: which groups vary, and which make the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlctl.algos.filtering import pick_groups, varied_groups
+
+
+def test_varied_groups_by_hand():
+    scores = torch.tensor(
+        [
+            [1.0, 1.0, 1.0],  # all right: dropped
+            [0.0, 0.0, 0.0],  # all wrong: dropped
+            [0.0, 1.0, 0.0],  # kept
+            [0.5, 0.5, 0.5000001],  # any difference is kept (verl: std > 0)
+            [-0.25, -0.25, -0.25],  # equal after the overlong penalty too
+        ]
+    ).reshape(-1)
+    assert varied_groups(scores, 3).tolist() == [False, False, True, True, False]
+    assert varied_groups(torch.zeros(0), 4).tolist() == []
+    with pytest.raises(ValueError, match="groups of 4"):
+        varied_groups(torch.zeros(6), 4)
+
+
+def test_pick_waits_for_a_full_batch_then_takes_the_earliest_varied_groups():
+    # round 0: positions 0..3, only 1 and 3 vary; the target is 3 groups
+    first = [(0, 0, False), (0, 1, True), (0, 2, False), (0, 3, True)]
+    assert pick_groups(first, 3, final=False) is None  # 2 < 3: another round
+    # round 1 (given in rank order, not sorted): 2 more vary; one is surplus
+    second = [(1, 2, True), (1, 0, True), (1, 1, False), (1, 3, False)]
+    pick = pick_groups(first + second, 3, final=False)
+    assert pick.picked == [(0, 1), (0, 3), (1, 0)]
+    assert (pick.kept, pick.padded, pick.dropped, pick.surplus) == (3, 0, 4, 1)
+    assert pick.full
+
+
+def test_the_last_round_tops_the_batch_up_with_dropped_groups():
+    groups = [(0, 0, False), (0, 1, True), (0, 2, False), (1, 0, False), (1, 1, False), (1, 2, False)]
+    pick = pick_groups(groups, 3, final=True)
+    assert pick.picked == [(0, 1), (0, 0), (0, 2)]  # the varied group first, then the earliest others
+    assert (pick.kept, pick.padded, pick.dropped, pick.surplus) == (1, 2, 5, 0)
+    assert not pick.full
+    # fewer groups than the target in all: the batch is what there is
+    assert pick_groups([(0, 0, True)], 3, final=True).picked == [(0, 0)]
+
+
+def test_bad_dapo_settings_are_one_line_errors():
+    import re
+
+    from rlctl.config import build_config
+    from rlctl.config.algorithm import check_algorithm
+    from rlctl.errors import UserError
+
+    for layer, words in (
+        (
+            {"algo": {"overlong_buffer": 2000}},
+            "algo.overlong_buffer=2000 must be in 0..rollout.max_response_len (512)",
+        ),
+        ({"algo": {"dynamic_sampling": True}, "rollout": {"n": 1}}, "set rollout.n >= 2"),
+        ({"algo": {"dynamic_max_rounds": 0}}, "algo.dynamic_max_rounds=0 must be >= 1"),
+    ):
+        with pytest.raises(UserError, match=re.escape(words)):
+            check_algorithm(build_config("grpo", [layer]))
+    check_algorithm(build_config("grpo", [{"algo": {"overlong_buffer": 512, "dynamic_sampling": True}}]))
