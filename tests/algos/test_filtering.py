@@ -64,3 +64,26 @@ def test_bad_dapo_settings_are_one_line_errors():
         with pytest.raises(UserError, match=re.escape(words)):
             check_algorithm(build_config("grpo", [layer]))
     check_algorithm(build_config("grpo", [{"algo": {"overlong_buffer": 512, "dynamic_sampling": True}}]))
+
+
+def test_the_dapo_preset_has_the_papers_settings():
+    from rlctl.config import build_config, dotted_to_nested
+    from rlctl.config.algorithm import check_algorithm
+    from rlctl.errors import UserError
+    from rlctl.presets import method_layers
+    from rlctl.recipes.rl.spec import AlgoSpec
+
+    cfg = build_config("grpo", method_layers("grpo", "dapo"))
+    check_algorithm(cfg)
+    spec = AlgoSpec.from_config(cfg)
+    p = spec.policy
+    assert (p.loss.name, p.clip_low, p.clip_high, p.agg) == ("ppo", 0.2, 0.28, "token-mean")
+    assert spec.adv == "grpo" and spec.kl_coef == 0 and spec.norm_by_std
+    a, r = cfg.algo, cfg.rollout
+    assert a.dynamic_sampling and a.dynamic_max_rounds == 10
+    assert (a.overlong_buffer, a.overlong_factor, r.max_response_len) == (4096, 1.0, 20480)
+    assert (cfg.train.batch_size, r.n, a.mini_batch_size) == (512, 16, 32)  # 16 updates per step
+    # a shorter cap from the command line: the buffer no longer fits, and the message says what to set
+    short = build_config("grpo", [*method_layers("grpo", "dapo"), dotted_to_nested({"rollout.max_response_len": 1024})])
+    with pytest.raises(UserError, match=r"--set algo.overlong_buffer=204 \(DAPO: 4096 of 20480\) or 0"):
+        check_algorithm(short)
