@@ -14,24 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from rlctl.runtime.net import free_port
 from tests.support.sft import chat_rows, cpu_plan, cpu_spec, sft_config, write_jsonl
 
 PLAN = SimpleNamespace(**cpu_plan(1))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    """A one-process gloo group, as torchrun would give a single rank."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("process_group")  # one gloo rank for the whole module
 
 
 @pytest.fixture(scope="module")
@@ -482,7 +472,7 @@ def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, t
     from rlctl.plan import apply_plan
 
     raw = make_cfg(tiny_model_dir, data_file, tmp_path, parallel__offload_optimizer=True, model__attn="auto")
-    plan = SimpleNamespace(**cpu_plan(1, backend="megatron", tp=2, pp=1, ep=1, activation_checkpointing=True))
+    plan = SimpleNamespace(**cpu_plan(1, backend="megatron", tp=2, pp=1, ep=1, sp=2, activation_checkpointing=True))
     assert EngineSpec.from_config(apply_plan(raw, plan)) == EngineSpec(
         backend="megatron",
         device="cpu",
@@ -491,6 +481,7 @@ def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, t
         pp=1,
         cp=1,
         ep=1,
+        sp=2,  # from the plan (None in the config)
         sequence_parallel=False,
         activation_checkpointing=True,  # from the plan ("auto" in the config)
         offload_params=False,
