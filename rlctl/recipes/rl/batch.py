@@ -43,6 +43,8 @@ class RolloutBatch:
     truncated: torch.Tensor  # [b] bool: stopped by the length budget
     meta: list[Prompt] = field(default_factory=list)  # the prompt of each sample (reward arguments)
     trajectories: list = field(default_factory=list)  # agent runs: each sample's rlctl.agents Trajectory
+    greedy: list = field(default_factory=list)  # needs_greedy estimators: the greedy sample of each row's prompt
+    baselines: torch.Tensor | None = None  # [b] the score of greedy[i] (remax's baseline)
     scores: torch.Tensor | None = None  # [b]
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None

@@ -25,7 +25,7 @@ from rlctl.recipes.rl.agent import load_agent, make_agent_loop, run_agent
 from rlctl.recipes.rl.batch import RolloutBatch, mask_truncated, rank_positions, token_budget
 from rlctl.recipes.rl.dynamic import dynamic_sample
 from rlctl.recipes.rl.passes import compute_logprobs, compute_values
-from rlctl.recipes.rl.scoring import RewardScorer
+from rlctl.recipes.rl.scoring import RewardScorer, score_greedy
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.recipes.rl.update import single_step, update_actor, update_critic
 from rlctl.runtime.dist import all_gather_objects, barrier, check_rollout_in_node, global_sums
@@ -86,7 +86,8 @@ class RLTrainer:
         cfg, d = ctx.cfg, ctx.dist
         self.ctx, self.cfg, self.dist = ctx, cfg, d
         self.recipe_step = recipe_step  # the recipe's steps in order (rlctl.recipes.grpo / ppo)
-        get_adv_estimator(cfg.algo.adv)  # an unknown name: a one-line error naming the registered ones
+        # an unknown name: a one-line error naming the registered ones; needs_greedy: remax's greedy baseline
+        self.needs_greedy = get_adv_estimator(cfg.algo.adv).needs_greedy
         # the same check as before launch (rlctl.job), for a run directory written by other means
         check_algorithm(cfg)
         self.algo = a = AlgoSpec.from_config(cfg)  # the typed algorithm every step reads
@@ -243,6 +244,9 @@ class RLTrainer:
         self._wake_and_sync(m)
         with timed(m, "time/rollout"):
             samples = self._rollout(shares, n, self._sampling(draw, temperature=self.cfg.rollout.temperature))
+            greedy = []
+            if self.needs_greedy:  # remax: one greedy response per prompt, its score the baseline
+                greedy = self._rollout(shares, 1, self._sampling(draw, temperature=0.0, seed_offset=1))
             self._sleep()
         seen: dict[int, int] = {}
         uid = []
@@ -266,20 +270,30 @@ class RLTrainer:
             loss_masks=[s.mask for s in samples] if agent else None,
             trajectories=samples if agent else None,
         )
+        by_prompt = {g.prompt_index: g for g in greedy}
+        batch.greedy = [by_prompt[s.prompt_index] for s in samples] if greedy else []
         return batch, m
 
     def score(self, batch: RolloutBatch, step: int) -> Metrics:
         """Score this rank's samples (before :meth:`pool`, so sums run over every rank): reward and
         response-length metrics."""
         batch.scores, metrics = self.scorer.score_batch(batch, step)
-        a = self.cfg.algo
-        if a.overlong_buffer:  # DAPO's soft overlong punishment, on the score (rlctl.algos.shaping)
-            lengths = batch.mask.sum(-1)
-            penalty = overlong_penalty(lengths, self.cfg.rollout.max_response_len, a.overlong_buffer, a.overlong_factor)
+        penalty = self.overlong(batch.mask.sum(-1))
+        if penalty is not None:
             batch.scores = batch.scores + penalty.to(batch.scores.dtype)
             s = global_sums({"p": penalty.sum(), "n": float(len(penalty))}, self.device)  # before pool: every rank
             metrics["reward/overlong_penalty"] = s["p"] / max(1.0, s["n"])
+        if self.needs_greedy:
+            metrics.update(score_greedy(self.scorer, batch, step, self.overlong))
         return metrics
+
+    def overlong(self, lengths: torch.Tensor) -> torch.Tensor | None:
+        """DAPO's soft overlong punishment of responses of ``lengths`` sampled tokens (rlctl.algos.shaping);
+        None when off (``algo.overlong_buffer`` 0)."""
+        a = self.cfg.algo
+        if not a.overlong_buffer:
+            return None
+        return overlong_penalty(lengths, self.cfg.rollout.max_response_len, a.overlong_buffer, a.overlong_factor)
 
     def pool(self, batch: RolloutBatch) -> RolloutBatch:
         """The samples of every rank that splits this rank's model replica (Megatron: its TP x PP group),
