@@ -234,6 +234,11 @@ FLAGS: tuple[Flag, ...] = (
       f"{describe(names.RolloutEngine)}."),
     F("rollout_tp", "--rollout-tp", "rollout.tp", RL_PANEL, RL_EST,
       "Tensor parallelism of the rollout engine (default: the plan's).", shown=False),
+    F("rollout_procs", ("--rollout-procs", "--rollout-gpus"), "rollout.procs", RL_PANEL, RL_EST,
+      "One-step-off-policy: this many of the processes (GPUs) only generate while the others train, one "
+      "batch behind (docs/offpolicy.md); 0: every process does both in turn."),
+    F("max_staleness", "--max-staleness", "rollout.max_staleness", RL_PANEL, RL,
+      "With --rollout-procs: the updates a batch's weights may lag (0: synchronous)."),
     F("mem_fraction", "--mem-fraction", "rollout.mem_fraction", RL_PANEL, RL_EST,
       "vLLM gpu_memory_utilization / SGLang mem_fraction_static (default: the plan's).", shown=False),
     F("reward", "--reward", "reward.fns", RL_PANEL, RL,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from rlctl.catalog import parallel, pipeline_split
+from rlctl.catalog.count import vision_params
 from rlctl.catalog.spec import ModelSpec
 from rlctl.errors import UserError
 from rlctl.plan.types import Decision
@@ -31,6 +32,8 @@ def billions(n: int) -> str:
 
 def describe_model(spec: ModelSpec, params: int, active: int) -> str:
     kind = f"MoE, {billions(active)} active" if spec.is_moe else "dense"
+    if spec.is_vl:
+        kind += f", {billions(vision_params(spec))} of them the vision tower"
     return f"{spec.name} ({billions(params)} {kind})"
 
 

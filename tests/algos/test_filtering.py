@@ -87,3 +87,13 @@ def test_the_dapo_preset_has_the_papers_settings():
     short = build_config("grpo", [*method_layers("grpo", "dapo"), dotted_to_nested({"rollout.max_response_len": 1024})])
     with pytest.raises(UserError, match=r"--set algo.overlong_buffer=204 \(DAPO: 4096 of 20480\) or 0"):
         check_algorithm(short)
+
+
+def test_dynamic_sampling_and_remax_are_refused_with_a_split_rollout():
+    from rlctl.config import build_config
+    from rlctl.config.algorithm import check_algorithm
+    from rlctl.errors import UserError
+
+    for algo, words in (({"dynamic_sampling": True}, "algo.dynamic_sampling"), ({"adv": "remax"}, "--adv remax")):
+        with pytest.raises(UserError, match=f"{words} does not run with rollout.procs=1 .*set rollout.procs=0"):
+            check_algorithm(build_config("grpo", [{"algo": algo, "rollout": {"procs": 1}}]))
