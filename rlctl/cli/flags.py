@@ -275,7 +275,7 @@ FLAGS: tuple[Flag, ...] = (
     F("precision", "--precision", "train.precision", PAR, ALL,
       f"{describe(names.Precision)}."),
     F("dtype", "--dtype", "model.dtype", PAR, ALL,
-      f"{describe(names.Dtype, without=AUTO)} (default: the plan's).", shown=False),
+      f"{describe(names.Dtype)} (default: the plan's: bf16 on GPU, fp32 on CPU).", shown=False),
     F("offload_params", "--offload-params/--no-offload-params", "parallel.offload_params", PAR, ALL,
       "Move the trainer's weights to CPU between phases (default: the plan's).", shown=False),
     F("offload_optimizer", "--offload-optimizer/--no-offload-optimizer", "parallel.offload_optimizer", PAR, ALL,

@@ -2,7 +2,8 @@
 
 Every key a user can set (``--set section.key=value``) is a field here; `rlctl presets show METHOD`
 prints them with their values. Enumerated fields are typed with the Literals of :mod:`rlctl.names` (their
-values and meanings live there); ``bool | None`` fields are decided by the plan when None.
+values and meanings live there); ``bool | None`` and ``Literal | None`` fields are decided by the plan when
+None (the word "auto" in YAML, --set or the CLI reads as None).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from rlctl.names import (
 @dataclass
 class ModelConfig:
     name: str = ""  # catalog name, HF id, local HF directory or config.json path
-    dtype: Dtype = "auto"
-    attn: Attn = "auto"
+    dtype: Dtype | None = None  # None: the plan decides (bf16 on GPU, fp32 on CPU)
+    attn: Attn | None = None  # None: flash_attention_2 where flash-attn is installed on a GPU, else sdpa (at run time)
     random_init: bool = False  # build from the config with random weights (nothing is downloaded)
     trust_remote_code: bool = False  # run the model's own Python code (config.json auto_map); never implied
 
