@@ -58,9 +58,11 @@ def _denominators(batch: RolloutBatch, rows: list[int], group: dist.ProcessGroup
 
 
 def _minis(batch: RolloutBatch) -> list[list[int]]:
-    """This replica's rows of each mini-batch (some may be empty); the same count on every rank."""
+    """This replica's rows of each mini-batch (some may be empty); the same count on every rank. A row
+    without loss tokens (DAPO's overlong filtering zeroed its mask) is left out: it counts nowhere."""
     mini = batch.mini.tolist()
-    return [[i for i in range(len(batch)) if mini[i] == k] for k in range(batch.num_minis)]
+    live = (batch.mask.sum(-1) > 0).tolist()
+    return [[i for i in range(len(batch)) if mini[i] == k and live[i]] for k in range(batch.num_minis)]
 
 
 def ppo_update(
