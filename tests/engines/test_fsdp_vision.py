@@ -1,5 +1,6 @@
-"""A vision-language model (tiny Qwen2-VL and Qwen2.5-VL) on the FSDP2 engine, one process: its log-probs against a plain
-transformers forward on the same images and tokens, the frozen vision tower, LoRA on the language model."""
+"""Vision-language models (tiny Qwen2-VL and Qwen2.5-VL) on the FSDP2 engine, one process: their log-probs
+against a plain transformers forward on the same images and tokens, the frozen vision tower, LoRA on the
+language model."""
 
 from __future__ import annotations
 
