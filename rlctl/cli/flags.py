@@ -117,8 +117,8 @@ FLAGS: tuple[Flag, ...] = (
     F("gpu", "--gpu", "hardware.gpu", HW, ALL,
       "GPU type, e.g. H100-80GB, A100-40GB (default: detected, else H100-80GB)."),
     F("device", "--device", "hardware.device", HW, ALL,
-      _per(f"{describe(names.Device)}.",
-           f"{describe(names.Device, without=AUTO)} (default cuda: estimates are for GPUs).")),
+      _per(f"{describe(names.Device)} (default: cuda when there are GPUs, else cpu).",
+           f"{describe(names.Device)} (default cuda: estimates are for GPUs).")),
     F("host_memory", "--host-memory", "hardware.host_memory_gib", HW, ALL,
       "Host (CPU) memory of one node in GiB, which bounds offload (default: the GPU type's typical node, "
       "shared by the GPUs used on it)."),

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from rlctl.config import RunConfig
 
 BACKENDS = names.BACKENDS
-DEVICES = names.choices(names.Device, without=("auto",))
+DEVICES = names.choices(names.Device)
 DTYPES = names.choices(names.Dtype)
 
 

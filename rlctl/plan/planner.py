@@ -711,7 +711,7 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
         m.dtype = plan.dtype
     # model.attn stays None: the engine picks flash_attention_2 where flash-attn is installed on
     # the GPU host and sdpa otherwise, at run time (plan.attn says what a GPU cluster will get).
-    if hw.device == "auto":
+    if hw.device is None:
         hw.device = plan.device
     if plan.device == "cuda":
         hw.gpus = hw.gpus or plan.gpus

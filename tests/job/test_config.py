@@ -111,7 +111,11 @@ def test_tri_states_are_bool_or_none_and_read_the_old_strings(tmp_path):
 
 
 # enumerated settings the plan decides: ``Literal | None``, no "auto" among their values
-PLAN_DECIDES = {"model.dtype": ("bf16", "fp16", "fp32"), "model.attn": ("sdpa", "eager", "flash_attention_2")}
+PLAN_DECIDES = {
+    "model.dtype": ("bf16", "fp16", "fp32"),
+    "model.attn": ("sdpa", "eager", "flash_attention_2"),
+    "hardware.device": ("cuda", "cpu"),
+}
 RUN_TIME = {"model.attn"}  # the plan forecasts it; the engine picks on the ranks (the resolved config keeps None)
 
 
