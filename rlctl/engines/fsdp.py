@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlctl.data.packing import MicroBatch
 from rlctl.engines import ulysses, varlen
-from rlctl.engines.base import ModelSource, TrainEngine
+from rlctl.engines.base import ModelSource, TrainEngine, full_logits
 from rlctl.engines.modules import CriticModel, _full, _non_persistent_buffers
 from rlctl.engines.savers import HostActivations, checkpoint_mlp
 from rlctl.engines.spec import EngineSpec
@@ -348,7 +348,7 @@ class FSDPEngine(TrainEngine):
 
     def forward(self, input_ids, position_ids, attention_mask=None) -> torch.Tensor:
         if self.sp is not None:
-            return self.forward_micro(MicroBatch(input_ids, position_ids, input_ids, attention_mask))
+            return full_logits(self.forward_micro(MicroBatch(input_ids, position_ids, input_ids, attention_mask)))
         with self._memory_context():
             if self.role == "critic":
                 return self.model(input_ids, position_ids=position_ids, attention_mask=attention_mask)
