@@ -156,6 +156,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l loss-chunk -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l lora-targets -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l train-vision -l no-train-vision
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l what-to-rent
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l help -s h
@@ -249,6 +250,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-alpha -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-targets -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-dropout -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l train-vision -l no-train-vision
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l log -x -a 'console tensorboard wandb'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l trust-remote-code
@@ -345,6 +347,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-alpha -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-targets -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-dropout -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l train-vision -l no-train-vision
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l log -x -a 'console tensorboard wandb'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l trust-remote-code
@@ -426,6 +429,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-alpha -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-targets -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-dropout -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l train-vision -l no-train-vision
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l log -x -a 'console tensorboard wandb'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l trust-remote-code

@@ -308,6 +308,9 @@ FLAGS: tuple[Flag, ...] = (
       "all-linear or a comma list of module names such as q_proj,v_proj."),
     F("lora_dropout", "--lora-dropout", "lora.dropout", LORA, TRAIN,
       "LoRA dropout."),
+    F("train_vision", "--train-vision/--no-train-vision", "model.train_vision", TRAINING, ALL,
+      "Vision-language models: train the vision tower too (frozen by default); with LoRA, adapters on its"
+      " linear layers as well."),
     F("log", "--log", "log.backends", TRAINING, TRAIN,
       f"Comma list of metric sinks: {describe(names.LogBackend)}."),
     F("run_name", "--run-name", "log.run_name", TRAINING, TRAIN,

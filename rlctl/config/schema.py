@@ -39,6 +39,7 @@ class ModelConfig:
     attn: Attn | None = None  # None: flash_attention_2 where flash-attn is installed on a GPU, else sdpa (at run time)
     random_init: bool = False  # build from the config with random weights (nothing is downloaded)
     trust_remote_code: bool = False  # run the model's own Python code (config.json auto_map); never implied
+    train_vision: bool = False  # vision-language models: train the vision tower too (frozen by default)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class DataConfig:
     shuffle: bool = True
     system_prompt: str = ""  # a system message put before every conversation / prompt that has none
     chat_template: str = ""  # a Jinja chat template file used instead of the tokenizer's (also exported)
+    max_image_pixels: int = 4096 * 4096  # VL models: a row with a larger image is a bad row (0 = no limit)
 
 
 @dataclass

@@ -115,6 +115,7 @@ class EngineSpec:
     seed: int = 42  # train.seed: random weights, LoRA's A and a critic's value head are drawn from it
     compile: bool = False  # train.compile (no engine supports it yet)
     max_seq_len: int = 0  # the longest sequence the run feeds (0: unknown); the megatron engine checks windows
+    train_vision: bool = False  # model.train_vision: a VL model's vision tower is trained (else frozen)
     optimizer: OptimizerSpec = OptimizerSpec()
     lora: LoraSpec = LoraSpec()
 
@@ -191,6 +192,7 @@ class EngineSpec:
             "seed": cfg.train.seed,
             "compile": cfg.train.compile,
             "max_seq_len": max(cfg.train.max_len, r.max_prompt_len + r.max_response_len),
+            "train_vision": cfg.model.train_vision,
             "optimizer": OptimizerSpec.from_config(cfg),
             "lora": LoraSpec.from_config(cfg),
         }
