@@ -79,7 +79,7 @@ class HardwareConfig:
 
 @dataclass
 class ParallelConfig:
-    backend: Backend = "auto"
+    backend: Backend | None = None  # None: the plan decides (by the model's size and the hardware)
     tp: int = 0  # 0 = chosen by the plan
     pp: int = 0
     cp: int = 1

@@ -115,6 +115,7 @@ PLAN_DECIDES = {
     "model.dtype": ("bf16", "fp16", "fp32"),
     "model.attn": ("sdpa", "eager", "flash_attention_2"),
     "hardware.device": ("cuda", "cpu"),
+    "parallel.backend": ("fsdp", "megatron"),
 }
 RUN_TIME = {"model.attn"}  # the plan forecasts it; the engine picks on the ranks (the resolved config keeps None)
 
@@ -162,7 +163,7 @@ def test_choices_come_from_the_names_module():
         names.describe(names.Precision)
         == "mixed (fp32 master weights, grads, AdamW: 16 bytes/param) | bf16 (pure bf16: 8 bytes/param)"
     )
-    assert names.describe(names.Backend, without=("auto",)) == "fsdp | megatron"
+    assert names.describe(names.Backend) == "fsdp | megatron"
 
 
 def test_rollout_engines_and_algorithm_names_match_their_implementations():
