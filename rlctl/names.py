@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 Method = Literal["sft", "grpo", "ppo"]
 Dtype = Literal["bf16", "fp16", "fp32"]  # model.dtype None: the plan decides (bf16 on GPU, fp32 on CPU)
 Attn = Literal["sdpa", "eager", "flash_attention_2"]  # model.attn None: the engine picks at run time
-DataFormat = Literal["auto", "chat", "pairs", "rl"]
+DataFormat = Literal["chat", "pairs", "rl"]  # data.format None: chosen per row (sft), rl (grpo/ppo)
 Truncation = Literal["skip", "right", "left"]
 LrScheduler = Literal["cosine", "constant"]
 Precision = Literal["mixed", "bf16"]
