@@ -36,7 +36,7 @@ IGNORE_MEMORY_FLAG = "--ignore-memory-check"
 class Job:
     """A job resolved once: what the user asked for, and the same with the plan's choices filled in."""
 
-    requested: RunConfig  # preset < --config < options < --set; "auto" settings still open (what-to-rent reads it)
+    requested: RunConfig  # preset < --config < options < --set; None settings still open (what-to-rent reads it)
     cfg: RunConfig  # with the plan applied: what the launcher writes and the ranks read
     plan: Plan
 

@@ -59,7 +59,7 @@ def choices(tp: Any, *, without: tuple[str, ...] = ()) -> tuple[str, ...]:
 
 
 def describe(tp: Any, *, without: tuple[str, ...] = ()) -> str:
-    """``'auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32'``: the values and their meanings, for help."""
+    """``'mixed (fp32 master weights, grads, AdamW: 16 bytes/param) | bf16 (...)'``: the values and their meanings."""
     meaning = MEANINGS.get(tp, {})
     return " | ".join(f"{v} ({meaning[v]})" if v in meaning else v for v in choices(tp, without=without))
 
