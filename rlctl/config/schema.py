@@ -58,6 +58,7 @@ class DataConfig:
     shuffle: bool = True
     system_prompt: str = ""  # a system message put before every conversation / prompt that has none
     chat_template: str = ""  # a Jinja chat template file used instead of the tokenizer's (also exported)
+    max_image_pixels: int = 4096 * 4096  # VL models: a row with a larger image is a bad row (0 = no limit)
 
 
 @dataclass
