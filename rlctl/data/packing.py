@@ -57,6 +57,10 @@ class MicroBatch:
     keep_cols: torch.Tensor | None = None  # [K] int64
     # Which positions attend to which, for engines that split rows (rlctl.engines.varlen.Block tuples)
     blocks: list[tuple[int, int, int, int, int]] | None = None
+    # Vision-language models: the images of its documents, in the order of their image tokens (None: no
+    # image); the engine computes the multimodal rope positions from them (rlctl.engines.vision)
+    pixel_values: torch.Tensor | None = None  # [P, D] float32, the image processor's patches
+    image_grid_thw: torch.Tensor | None = None  # [I, 3] int64
 
     @property
     def dummy(self) -> bool:

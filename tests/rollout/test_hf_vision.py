@@ -3,8 +3,6 @@ model on the same image and tokens, whatever the padding and the group size."""
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 import torch
@@ -12,33 +10,7 @@ import torch
 from rlctl.rollout import make_rollout_engine
 from rlctl.rollout.base import SamplingParams
 from rlctl.rollout.spec import RolloutSpec
-from tests.support.vision import png_bytes
-
-
-def vl_prompt(vp, colour: str, size: tuple[int, int], question: str):
-    """(token ids, (pixel_values, image_grid_thw)) of a one-image user turn, as rlctl.data.rl builds them."""
-    from PIL import Image
-
-    image = Image.open(io.BytesIO(png_bytes(colour, size, second="blue"))).convert("RGB")
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-    text = vp.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    pixels = vp.process([image])
-    ids = vp.tokenizer(text, add_special_tokens=False)["input_ids"]
-    ids, _ = vp.expand(ids, pixels[1])
-    return ids, pixels
-
-
-def reference_logprobs(model, ids: list[int], response: list[int], pixels) -> list[float]:
-    """log_softmax at each response token of one unpadded forward over prompt + response, with the positions of
-    the model's own get_rope_index over the whole sequence."""
-    full = torch.tensor([ids + response])
-    pv, grid = torch.as_tensor(pixels[0]), torch.as_tensor(pixels[1])
-    types = (full == model.config.image_token_id).int()
-    rope, _ = model.model.get_rope_index(full, mm_token_type_ids=types, image_grid_thw=grid)
-    with torch.no_grad():
-        logits = model(input_ids=full, pixel_values=pv, image_grid_thw=grid, position_ids=rope).logits[0]
-    logp = logits[len(ids) - 1 : -1].float().log_softmax(-1)
-    return logp[torch.arange(len(response)), torch.tensor(response)].tolist()
+from tests.support.vlm_rl import reference_logprobs, vl_prompt
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +45,8 @@ def test_hf_engine_logprobs_with_images_equal_a_plain_forward(engine_and_process
             ref = logits[len(ids) - 1 : -1].log_softmax(-1)[torch.arange(len(s.token_ids)), torch.tensor(s.token_ids)]
             ref = ref.tolist()
         else:
-            ref = reference_logprobs(engine.model, ids, s.token_ids, pixels)
+            with torch.no_grad():
+                ref = reference_logprobs(engine.model, ids, s.token_ids, pixels).tolist()
         np.testing.assert_allclose(s.logprobs, ref, atol=1e-5)
 
 
