@@ -35,6 +35,20 @@ LOGPROB_DIFF_WARN = 0.1  # mean |rollout - trainer| log-prob above this: the eng
 LOGPROB_DIFF_REFUSE = {"fp32": 0.05, "bf16": 0.5}
 
 
+def vision_processor(source, tokenizer):
+    """A vision-language model's :class:`rlctl.data.vision.VisionProcessor` (its image processor beside the
+    weights and ``tokenizer``), or None for a text model."""
+    from rlctl.data.vision import is_vision_config, load_processor
+
+    return load_processor(source.path, tokenizer) if is_vision_config(source.load_config()) else None
+
+
+def prompt_images(prompts: list[Prompt]) -> list | None:
+    """Each prompt's images for the rollout engine (None for a prompt without); None when no prompt has any."""
+    images = [(p.pixel_values, p.image_grid_thw) if p.pixel_values is not None else None for p in prompts]
+    return images if any(im is not None for im in images) else None
+
+
 def logprob_check_problem(diff: float, dtype: str) -> str | None:
     """The one line that refuses to start when the rollout engine's log-probs differ from the trainer's on
     the same tokens (mean abs ``diff`` per token, before the first update) far beyond ``dtype``'s noise."""
@@ -94,12 +108,16 @@ class RLTrainer:
         self.tokenizer = use_chat_template(load_tokenizer(self.source), cfg)
         self.pad_id = self.tokenizer.pad_token_id
         self.agent_spec = load_agent(cfg)  # tools / environment / interaction (None: single-turn)
+        self.vision = vision_processor(self.source, self.tokenizer)  # a VL model's image processor (else None)
+        if self.vision is not None and self.agent_spec is not None:
+            raise UserError("multi-turn agent runs take text models only; a vision-language model runs single-turn")
         self.data = build_rl_data(
             cfg,
             self.tokenizer,
             cache_dir=ctx.paths.data_cache,
             log=ctx.log,
             tools=self.agent_spec.schemas if self.agent_spec is not None else None,
+            vision=self.vision,
         )
         ctx.log(f"data: {self.data.report.summary()}; {len(self.data.train)} train / {len(self.data.val)} val prompts")
         self.scorer = RewardScorer.for_run(cfg, self.data, self.tokenizer, d.device, ctx.log)
@@ -187,8 +205,9 @@ class RLTrainer:
         from dataclasses import replace
 
         own = self.dist.rank % self.rollout_tp
-        everything = [p.token_ids for share in shares for p in share]
-        samples = self.rollout.generate(everything, n, sampling) if everything else []
+        prompts = [p for share in shares for p in share]
+        everything = [p.token_ids for p in prompts]
+        samples = self.rollout.generate(everything, n, sampling, images=prompt_images(prompts)) if everything else []
         start = sum(len(share) for share in shares[:own])
         return [
             replace(s, prompt_index=s.prompt_index - start)
