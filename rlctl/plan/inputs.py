@@ -308,6 +308,7 @@ def _vision_engine(cfg: RunConfig, engine: str, device: str, later: list[Decisio
             "(or sglang on GPUs)"
         )
     engine = "hf" if device == "cpu" else "sglang"
+    later[:] = [d for d in later if d.key != "rollout.engine"]
     later.append(Decision("rollout.engine", engine, f"rollout {engine}: rlctl's vllm engine takes no images yet"))
     return engine
 
