@@ -206,7 +206,12 @@ def read_prompts(
             out = {"token_ids": p.token_ids, "bad": ""}
         except BadRow as e:
             p, out = None, {"token_ids": [], "bad": str(e)}
-        return {**out, **pixel_columns(p)} if vision is not None else out
+        if vision is None:
+            return out
+        columns = pixel_columns(p)
+        if p is None or p.pixel_values is None:  # typed like the rows with images (datasets concatenates them)
+            columns["pixel_values"] = np.zeros(0, np.float32)
+        return {**out, **columns}
 
     key = cache_key(
         kind="rl",
