@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Literal, get_args
 
 Method = Literal["sft", "grpo", "ppo"]
-Dtype = Literal["auto", "bf16", "fp16", "fp32"]
+Dtype = Literal["bf16", "fp16", "fp32"]  # model.dtype None: the plan decides (bf16 on GPU, fp32 on CPU)
 Attn = Literal["auto", "sdpa", "eager", "flash_attention_2"]
 DataFormat = Literal["auto", "chat", "pairs", "rl"]
 Truncation = Literal["skip", "right", "left"]
@@ -35,7 +35,6 @@ PolicyLossName = str
 
 # value -> what it means, per Literal (only where a word helps)
 MEANINGS: dict[Any, dict[str, str]] = {
-    Dtype: {"auto": "bf16 on GPU, fp32 on CPU"},
     Attn: {"auto": "flash_attention_2 when installed on GPU, else sdpa"},
     Truncation: {"skip": "drop rows longer than max_len, counted as bad"},
     LrScheduler: {

@@ -127,17 +127,25 @@ def build_tiny_model(
     Returns the directory as a Path. The tokenizer's eos is ``<|im_end|>``. ``tools``: the tokenizer also
     learns tool-call text and its chat template takes tools (:data:`TOOL_CHAT_TEMPLATE`).
     """
+    out = Path(out_dir)
+    if tools:
+        tok = build_tokenizer(vocab_size=vocab_size, corpus=default_corpus() + TOOL_CORPUS * 50)
+        tok.chat_template = TOOL_CHAT_TEMPLATE
+    else:
+        tok = build_tokenizer(vocab_size=vocab_size)
+    save_tiny_model(out, tok, seed=seed, **config_overrides)
+    return out
+
+
+def save_tiny_model(out_dir: str | Path, tok, *, seed: int = 0, **config_overrides):
+    """Write ``tok`` and a random Qwen2 for it (:func:`tiny_qwen2_config` with ``config_overrides``, eos and
+    pad from ``tok``, weights drawn after ``torch.manual_seed(seed)``) to ``out_dir``; returns the model."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if tools:
-        tok = build_tokenizer(vocab_size=vocab_size, corpus=default_corpus() + TOOL_CORPUS * 50)
-        tok.chat_template = TOOL_CHAT_TEMPLATE
-        tok.save_pretrained(str(out))
-    else:
-        tok = build_tokenizer(out, vocab_size=vocab_size)
+    tok.save_pretrained(str(out))
     config = tiny_qwen2_config(vocab_size=len(tok), **config_overrides)
     config.eos_token_id = tok.eos_token_id
     config.pad_token_id = tok.pad_token_id
@@ -145,7 +153,7 @@ def build_tiny_model(
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model.save_pretrained(str(out), safe_serialization=True)
-    return out
+    return model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,6 +175,11 @@ VL_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+VL_CORPUS = [  # picture words, so the tiny tokenizer spends few tokens on questions and answers about colours
+    "Which colour is it? It is red. It is blue. It is green.",
+    "Which colour fills more of the image? Answer with one word: red, blue or green.",
+]
 
 TINY_VL_PIXELS = (28 * 28 * 4, 28 * 28 * 16)  # the image processor's min and max pixels: 4 to 16 image tokens
 
@@ -216,7 +229,7 @@ def build_tiny_vl_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int =
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(vocab_size=vocab_size)
+    tok = build_tokenizer(vocab_size=vocab_size, corpus=default_corpus() + VL_CORPUS * 20)
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tok.chat_template = VL_CHAT_TEMPLATE
     tok.save_pretrained(str(out))

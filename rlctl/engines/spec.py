@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 BACKENDS = names.BACKENDS
 DEVICES = names.choices(names.Device, without=("auto",))
+DTYPES = names.choices(names.Dtype)
 
 
 class UnresolvedConfig(RuntimeError):
@@ -114,6 +115,7 @@ class EngineSpec:
     seed: int = 42  # train.seed: random weights, LoRA's A and a critic's value head are drawn from it
     compile: bool = False  # train.compile (no engine supports it yet)
     max_seq_len: int = 0  # the longest sequence the run feeds (0: unknown); the megatron engine checks windows
+    train_vision: bool = False  # model.train_vision: a VL model's vision tower is trained (else frozen)
     optimizer: OptimizerSpec = OptimizerSpec()
     lora: LoraSpec = LoraSpec()
 
@@ -122,8 +124,8 @@ class EngineSpec:
             raise UnresolvedConfig(f"EngineSpec.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.device not in DEVICES:
             raise UnresolvedConfig(f"EngineSpec.device must be one of {DEVICES}, got {self.device!r}")
-        if self.dtype == "auto":
-            raise UnresolvedConfig("EngineSpec.dtype is 'auto': resolve the config with the plan first")
+        if self.dtype not in DTYPES:
+            raise UnresolvedConfig(f"EngineSpec.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.precision not in names.choices(names.Precision):
             raise UnresolvedConfig(f"EngineSpec.precision must be mixed or bf16, got {self.precision!r}")
         for name in ("tp", "pp", "cp", "ep", "sp", "micro_batch_size"):
@@ -147,8 +149,8 @@ class EngineSpec:
             ("hardware.device", cfg.hardware.device),
             ("model.dtype", cfg.model.dtype),
         ):
-            if value == "auto":
-                raise UnresolvedConfig(f"{key} is 'auto': the plan was not applied to the config")
+            if value is None or value == "auto":
+                raise UnresolvedConfig(f"{key} is {value!r}: the plan was not applied to the config")
         for key, value in (
             ("parallel.tp", par.tp),
             ("parallel.pp", par.pp),
@@ -190,6 +192,7 @@ class EngineSpec:
             "seed": cfg.train.seed,
             "compile": cfg.train.compile,
             "max_seq_len": max(cfg.train.max_len, r.max_prompt_len + r.max_response_len),
+            "train_vision": cfg.model.train_vision,
             "optimizer": OptimizerSpec.from_config(cfg),
             "lora": LoraSpec.from_config(cfg),
         }

@@ -263,9 +263,9 @@ def _dtype_and_attn(
 ) -> tuple[str, str]:
     """bf16 and flash-attention on GPUs, fp32 and SDPA on CPU, unless the config sets them."""
     m, cuda = cfg.model, device == "cuda"
-    dtype = m.dtype if m.dtype != "auto" else "bf16" if cuda else "fp32"
+    dtype = m.dtype if m.dtype is not None else "bf16" if cuda else "fp32"
     attn = m.attn if m.attn != "auto" else "flash_attention_2" if cuda else "sdpa"
-    if m.dtype == "auto":
+    if m.dtype is None:
         how = "bf16 mixed precision on GPUs" if cfg.train.precision == "mixed" else "pure bf16 (train.precision=bf16)"
         later.append(Decision("model.dtype", dtype, f"dtype {dtype}: {how if cuda else 'fp32 on CPU'}"))
     if m.attn == "auto":

@@ -103,7 +103,7 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         rollout_tp=cfg.rollout.tp,
         is_rl=job.is_rl,
     )
-    rules.check_sp(job.spec, backend=tier, sp=p.sp, world=job.world)
+    rules.check_sp(job.spec, backend=tier, sp=p.sp, world=job.world, attn=cfg.model.attn)
     if job.is_rl:
         rules.check_rollout_engine_tp(job.engine, cfg.rollout.tp)
     return tier
@@ -689,7 +689,7 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
     config has no None left in parallel.*."""
     out = copy.deepcopy(cfg)
     m, hw, par, tr, ro = out.model, out.hardware, out.parallel, out.train, out.rollout
-    if m.dtype == "auto":
+    if m.dtype is None:
         m.dtype = plan.dtype
     # model.attn stays "auto": the engine picks flash_attention_2 where flash-attn is installed on
     # the GPU host and sdpa otherwise, at run time (plan.attn says what a GPU cluster will get).

@@ -12,6 +12,7 @@ the loop around the steps (resume, eval, checkpoints, export) is :func:`rlctl.ru
 from __future__ import annotations
 
 from rlctl.recipes.rl.batch import RolloutBatch
+from rlctl.recipes.rl.offpolicy import rollout_main
 from rlctl.recipes.rl.trainer import Metrics, RLTrainer, merged
 from rlctl.runtime.entry import RunContext, recipe_main
 from rlctl.runtime.fit import fit
@@ -34,6 +35,8 @@ def train_step(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
 
 
 def run(ctx: RunContext) -> None:
+    if ctx.dist.split is not None and ctx.dist.split.role == "rollout":
+        return rollout_main(ctx)  # a rollout process of a split run (rollout.procs)
     fit(ctx, RLTrainer(ctx, train_step, with_critic=True))
 
 

@@ -513,6 +513,9 @@ def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, t
     resolved.parallel.sequence_parallel, resolved.parallel.tp = False, 0
     with pytest.raises(UnresolvedConfig, match="parallel.tp is 0"):
         EngineSpec.from_config(resolved)
+    resolved.parallel.tp, resolved.model.dtype = 1, None
+    with pytest.raises(UnresolvedConfig, match="model.dtype is None"):
+        EngineSpec.from_config(resolved)
     assert not issubclass(UnresolvedConfig, UserError)  # a bug of the caller, never the user's input
     with pytest.raises(UserError, match="fdsp"):  # a misspelt backend is the user's: the config rejects it
         make_cfg(tiny_model_dir, data_file, tmp_path, parallel__backend="fdsp")

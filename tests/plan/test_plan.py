@@ -262,13 +262,18 @@ def test_overrides_are_honoured():
         ),
         ({"parallel": {"sp": 8}}, r"parallel.sp=8: 8 does not divide the 28 attention heads"),
         ({"parallel": {"backend": "megatron", "sp": 2}}, r"parallel.sp=2 is the FSDP engine's; Megatron .* --cp$"),
+        (
+            {"model": {"name": "Qwen2.5-7B", "attn": "eager"}, "parallel": {"sp": 2}},
+            r"with sdpa, not eager; set model.attn=sdpa$",
+        ),
+        ({"model": {"name": "Qwen2-VL-7B"}, "parallel": {"sp": 2}}, r"parallel.sp=2: Qwen2-VL-7B is a vision-language"),
         ({"lora": {"rank": 8, "targets": "q_proj,vproj"}}, r"no linear module 'vproj' \(did you mean v_proj"),
     ],
 )
 def test_invalid_overrides_name_the_problem(sections, words):
     sections.setdefault("hardware", {}).setdefault("gpus", 8)
     with pytest.raises(UserError, match=words):
-        plan_for("grpo", model={"name": "Qwen2.5-7B"}, **sections)
+        plan_for("grpo", **{"model": {"name": "Qwen2.5-7B"}, **sections})
 
 
 def test_cpu_only_errors(tiny_dir):

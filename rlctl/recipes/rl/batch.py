@@ -25,6 +25,21 @@ def rank_positions(batch_size: int, mini_batch_size: int, rank: int, world: int)
     return [p for r in mini_batch_ranges(batch_size, mini_batch_size) for p in r if (p - r.start) % world == rank]
 
 
+def sampling_params(cfg, step: int, group: int, groups: int, *, temperature: float, seed_offset: int = 0):
+    """Sampling parameters with a seed of their own for each (step, rollout group ``group`` of ``groups``)."""
+    from rlctl.rollout import SamplingParams
+
+    r = cfg.rollout
+    call = (step * groups + group) * 2 + seed_offset
+    return SamplingParams(
+        temperature=temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_tokens=r.max_response_len,
+        seed=cfg.train.seed + call * 1_000_003,
+    )
+
+
 @dataclass
 class RolloutBatch:
     """This rank's samples of one step. Per-token tensors are ``[b, width]`` (width = max response

@@ -22,11 +22,13 @@ from rlctl.engines.base import TrainEngine, load_tokenizer, model_source, write_
 from rlctl.errors import UserError
 from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
 from rlctl.recipes.rl.agent import load_agent, make_agent_loop, run_agent
-from rlctl.recipes.rl.batch import RolloutBatch, rank_positions, token_budget
+from rlctl.recipes.rl.batch import RolloutBatch, rank_positions, sampling_params, token_budget
+from rlctl.recipes.rl.offpolicy import TrainerFeed
 from rlctl.recipes.rl.passes import compute_logprobs, compute_values
 from rlctl.recipes.rl.scoring import RewardScorer
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.recipes.rl.update import single_step, update_actor, update_critic
+from rlctl.rollout import RolloutSpec
 from rlctl.runtime.dist import all_gather_objects, barrier, check_rollout_in_node, global_sums
 from rlctl.runtime.entry import RunContext
 
@@ -63,6 +65,8 @@ def logprob_check_problem(diff: float, dtype: str) -> str | None:
 
 
 Metrics = dict[str, float]
+
+
 #: A recipe's step: ``(trainer, step) -> (the step's batch, its metrics)`` (rlctl.recipes.grpo / ppo).
 RecipeStep = Callable[["RLTrainer", int], tuple[RolloutBatch, Metrics]]
 
@@ -146,21 +150,29 @@ class RLTrainer:
         barrier()
         self.kl_ctl = AdaptiveKLController(a.kl_coef, a.kl_target) if a.kl_target else FixedKLController(a.kl_coef)
         self.rollout_dtype = "fp32" if self.actor.compute_dtype == torch.float32 else "bf16"
-        self.rollout = self._make_rollout()
+        # split runs (rollout.procs, rlctl.recipes.rl.offpolicy): other processes generate; this one's own
+        # rollout engine is made for the first evaluation only
+        self.feed = TrainerFeed(self) if d.split is not None else None
+        self.rollout_tp = RolloutSpec.from_config(cfg).tp
+        self.rollout_path = self._rollout_path()
+        self.rollout = self._make_rollout() if self.feed is None else None
         self.agent_loop = make_agent_loop(cfg, self.agent_spec, self.tokenizer, self.rollout, self.rollout_tp)
         self.weights_stale = False  # the rollout engine's weights lag the actor's
         self.logprobs_checked = cfg.rollout.ignore_logprob_check  # the step-0 check (logprob_check_problem)
 
+    def _rollout_path(self) -> str:
+        """The model the rollout engines load first (collective when the model is randomly initialised)."""
+        if self.source.random_init:  # no weights on disk: the rollout engine starts from the actor's
+            return str(self.actor.export_hf(self.ctx.paths.root / "rollout_init", self.ctx.paths.model_meta))
+        return self.source.path
+
     def _make_rollout(self):
         """This rank's rollout engine: the run's RolloutSpec with this rank's weights, device, dtype and seed."""
-        from rlctl.rollout import RolloutSpec, make_rollout_engine
+        from rlctl.rollout import make_rollout_engine
 
         d = self.dist
         spec = RolloutSpec.from_config(self.cfg)
-        path = self.source.path
-        if self.source.random_init:  # no weights on disk: the rollout engine starts from the actor's
-            path = str(self.actor.export_hf(self.ctx.paths.root / "rollout_init", self.ctx.paths.model_meta))
-        self.rollout_tp = spec.tp
+        path = self.rollout_path
         if d.world_size % self.rollout_tp:
             raise UserError(f"rollout.tp={self.rollout_tp} does not divide the {d.world_size} processes")
         check_rollout_in_node(self.rollout_tp, d.local_world_size)
@@ -179,16 +191,9 @@ class RLTrainer:
 
     def _sampling(self, step: int, *, temperature: float, seed_offset: int = 0):
         """Sampling parameters with a seed of its own for each (step, rollout group)."""
-        from rlctl.rollout import SamplingParams
-
-        r, d = self.cfg.rollout, self.dist
-        call = (step * (d.world_size // self.rollout_tp) + d.rank // self.rollout_tp) * 2 + seed_offset
-        return SamplingParams(
-            temperature=temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_tokens=r.max_response_len,
-            seed=self.cfg.train.seed + call * 1_000_003,
+        d, tp = self.dist, self.rollout_tp
+        return sampling_params(
+            self.cfg, step, d.rank // tp, d.world_size // tp, temperature=temperature, seed_offset=seed_offset
         )
 
     def _rollout(self, shares: list[list[Prompt]], n: int, sampling) -> list:
@@ -221,6 +226,8 @@ class RLTrainer:
         wake its KV cache."""
         from rlctl.rollout.base import torch_dtype
 
+        if self.rollout is None:  # a split run's first evaluation
+            self.rollout = self._make_rollout()
         if self.weights_stale:
             self.rollout.trainer_stepped()
             self.weights_stale = False
@@ -246,10 +253,13 @@ class RLTrainer:
         shares = [[self.data.train[indices[p]] for p in positions_of(r)] for r in range(first, first + self.rollout_tp)]
         positions, prompts = positions_of(d.rank), shares[d.rank - first]
         m = {"time/weight_sync": 0.0}  # stays 0 when the weights are current (first step, after an eval)
-        self._wake_and_sync(m)
-        with timed(m, "time/rollout"):
-            samples = self._rollout(shares, n, self._sampling(step, temperature=self.cfg.rollout.temperature))
-            self._sleep()
+        if self.feed is not None:  # generated by a rollout process (rlctl.recipes.rl.offpolicy)
+            samples = self.feed.receive(step, m)
+        else:
+            self._wake_and_sync(m)
+            with timed(m, "time/rollout"):
+                samples = self._rollout(shares, n, self._sampling(step, temperature=self.cfg.rollout.temperature))
+                self._sleep()
         seen: dict[int, int] = {}
         uid = []
         for s in samples:
@@ -354,6 +364,8 @@ class RLTrainer:
 
     def warn_logprob_diff(self, metrics: Metrics) -> None:
         r = self.cfg.rollout
+        if self.feed is not None and r.max_staleness > 0:
+            return  # stale batches: the difference is the staleness (the rollout correction's metrics show it)
         if getattr(self.rollout, "logprobs_filtered", False) and (r.top_k != -1 or r.top_p < 1):
             return  # the engine's log-probs are of the top-k/top-p filtered distribution: they differ by design
         if metrics.get("rollout/logprob_diff", 0.0) > LOGPROB_DIFF_WARN:
@@ -509,6 +521,8 @@ class RLTrainer:
         lr = self.actor.lr
         began = time.perf_counter()
         batch, m = self.recipe_step(self, step)
+        if self.feed is not None:  # the new weights to the rollout processes
+            m = merged(m, self.feed.after_update(step))
         elapsed = time.perf_counter() - began
         every = self.cfg.log.samples_every
         if every and (step == 0 or (step + 1) % every == 0 or step + 1 == self.total_steps):
@@ -540,5 +554,8 @@ class RLTrainer:
         }
 
     def close(self) -> None:
-        self.rollout.close()
+        if self.feed is not None:
+            self.feed.close()
+        if self.rollout is not None:
+            self.rollout.close()
         self.scorer.close()
