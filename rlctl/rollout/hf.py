@@ -71,6 +71,8 @@ class HFRolloutEngine(RolloutEngine):
         self.model.to(self.device).eval().requires_grad_(False)
         self.stop_token_ids = default_stop_token_ids(spec.model_path)
         self.pad_token_id = 0  # any id works: padded positions are masked out
+        # a VL model never samples its vision tokens: an image token in a response has no image behind it
+        self.banned = vision_token_ids(self.model.config, self.device) if self.vision else None
         self._generator = torch.Generator(self.device).manual_seed(spec.seed)
         # The fast decode step (rlctl.rollout.hf_decode) when the architecture allows; it fuses the
         # projections in place, so it is built before the state dict below is taken.
@@ -212,7 +214,7 @@ class HFRolloutEngine(RolloutEngine):
         rows = list(range(num_samples))  # sample index of each row still decoding
 
         while True:
-            next_tokens, next_logprobs = sample_next_token(logits, sampling, generator)
+            next_tokens, next_logprobs = sample_next_token(logits, sampling, generator, self.banned)
             for s, token, logprob in zip(rows, next_tokens.tolist(), next_logprobs.tolist()):
                 tokens[s].append(token)
                 logprobs[s].append(logprob)
@@ -258,6 +260,13 @@ class HFRolloutEngine(RolloutEngine):
 
 
 VISION_REASON = "a vision-language model: the prefill runs through the whole model with the images"
+VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def vision_token_ids(config, device: torch.device) -> torch.Tensor | None:
+    """The vision tokens of a VL model's config (never sampled), or None when it names none."""
+    ids = sorted({int(i) for k in VISION_TOKEN_KEYS if (i := getattr(config, k, None)) is not None})
+    return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
 
 
 class _Steps(Protocol):
@@ -308,23 +317,28 @@ def left_pad(prompts: list[list[int]], pad_token_id: int, device: torch.device) 
 
 
 def sample_next_token(
-    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    generator: torch.Generator,
+    banned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of ``logits`` (rows, vocab); return (tokens, their log-probs).
 
     The log-prob is ``log_softmax(logits / temperature)`` at the drawn token, before top-k/top-p
-    (``log_softmax(logits)`` when greedy).
+    (``log_softmax(logits)`` when greedy). ``banned`` token ids are never drawn (a filter like top-k: the
+    log-probs are still the unfiltered distribution's).
     """
     if logits.dtype != torch.float32:
         logits = logits.float()
     if sampling.greedy:
-        tokens = logits.argmax(dim=-1)
         logprobs = logits.log_softmax(dim=-1)
+        tokens = (logits if banned is None else logits.index_fill(-1, banned, float("-inf"))).argmax(dim=-1)
     else:
         scaled = logits if sampling.temperature == 1 else logits / sampling.temperature
         logprobs = scaled.log_softmax(dim=-1)
-        if 0 < sampling.top_k < logits.shape[-1] or sampling.top_p < 1:
-            probs = filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p).softmax(dim=-1)
+        if 0 < sampling.top_k < logits.shape[-1] or sampling.top_p < 1 or banned is not None:
+            kept = scaled if banned is None else scaled.index_fill(-1, banned, float("-inf"))
+            probs = filter_top_k_top_p(kept, sampling.top_k, sampling.top_p).softmax(dim=-1)
         else:
             probs = logprobs.exp()  # softmax(scaled) up to float rounding
         tokens = draw(probs, generator)

@@ -58,3 +58,16 @@ def test_images_need_an_engine_that_takes_them(engine_and_processor, tiny_model_
     text_engine = make_rollout_engine(RolloutSpec(engine="hf", model_path=str(tiny_model_dir), max_model_len=256))
     with pytest.raises(UserError, match="no vision tower"):
         text_engine.generate([ids], 1, SamplingParams(max_tokens=2), images=[pixels])
+
+
+def test_vision_tokens_are_never_sampled_and_keep_the_unfiltered_logprob():
+    from rlctl.rollout.hf import sample_next_token
+
+    logits = torch.zeros(64, 10)
+    logits[:, 7] = 20.0  # a vision token, by far the most likely
+    banned = torch.tensor([7, 8])
+    for sampling in (SamplingParams(temperature=1.0), SamplingParams(temperature=0)):
+        tokens, logprobs = sample_next_token(logits, sampling, torch.Generator().manual_seed(0), banned)
+        assert not set(tokens.tolist()) & {7, 8}
+        want = logits.log_softmax(-1)[torch.arange(64), tokens]
+        torch.testing.assert_close(logprobs, want)
