@@ -52,4 +52,5 @@ def test_vl_grpo_one_and_two_processes_and_an_exact_resume(tiny_vl_model_dir, tm
     assert any(r["grad_norm"] > 0 for r in a) and a[0]["reward/std"] > 0  # it trained on a signal
     _same_numbers(a, b)
     _assert_same_weights(whole, part)
+    assert (whole / "hf" / "preprocessor_config.json").is_file()  # the export carries the image processor
     assert json.loads((part / "summary.json").read_text())["status"] == "completed"

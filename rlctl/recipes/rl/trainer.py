@@ -18,7 +18,7 @@ from rlctl.data.packing import StepSampler
 from rlctl.data.rl import Prompt, build_rl_data
 from rlctl.data.sft import use_chat_template
 from rlctl.engines import EngineSpec, build_engine
-from rlctl.engines.base import TrainEngine, load_tokenizer, model_source, write_model_meta
+from rlctl.engines.base import TrainEngine, load_tokenizer, load_vision_processor, model_source, write_model_meta
 from rlctl.errors import UserError
 from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
 from rlctl.recipes.rl.agent import load_agent, make_agent_loop, run_agent
@@ -35,14 +35,6 @@ from rlctl.runtime.entry import RunContext
 LOGPROB_DIFF_WARN = 0.1  # mean |rollout - trainer| log-prob above this: the engines disagree
 # step 0: mean |rollout - trainer| log-prob beyond what the dtype explains refuses to start
 LOGPROB_DIFF_REFUSE = {"fp32": 0.05, "bf16": 0.5}
-
-
-def vision_processor(source, tokenizer):
-    """A vision-language model's :class:`rlctl.data.vision.VisionProcessor` (its image processor beside the
-    weights and ``tokenizer``), or None for a text model."""
-    from rlctl.data.vision import is_vision_config, load_processor
-
-    return load_processor(source.path, tokenizer) if is_vision_config(source.load_config()) else None
 
 
 def prompt_images(prompts: list[Prompt]) -> list | None:
@@ -112,7 +104,7 @@ class RLTrainer:
         self.tokenizer = use_chat_template(load_tokenizer(self.source), cfg)
         self.pad_id = self.tokenizer.pad_token_id
         self.agent_spec = load_agent(cfg)  # tools / environment / interaction (None: single-turn)
-        self.vision = vision_processor(self.source, self.tokenizer)  # a VL model's image processor (else None)
+        self.vision = load_vision_processor(self.source, self.tokenizer)  # a VL model's image processor, or None
         if self.vision is not None and self.agent_spec is not None:
             raise UserError("multi-turn agent runs take text models only; a vision-language model runs single-turn")
         self.data = build_rl_data(
@@ -146,7 +138,9 @@ class RLTrainer:
         self.device = self.actor.device
         self.dp_group = self.actor.dp_group  # sums over the (pooled) data: over the data-parallel replicas
         if d.is_main:
-            write_model_meta(ctx.paths.model_meta, self.actor.hf_config, self.tokenizer, self.source)
+            write_model_meta(
+                ctx.paths.model_meta, self.actor.hf_config, self.tokenizer, self.source, vision=self.vision
+            )
         barrier()
         self.kl_ctl = AdaptiveKLController(a.kl_coef, a.kl_target) if a.kl_target else FixedKLController(a.kl_coef)
         self.rollout_dtype = "fp32" if self.actor.compute_dtype == torch.float32 else "bf16"
