@@ -117,7 +117,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l device -x -a 'auto cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l host-memory -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l preset -x -a 'dr-grpo grpo ppo sft tiers'
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l preset -x -a 'dapo dr-grpo grpo ppo sft tiers'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l set -s s -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l plugin -r -F
@@ -184,7 +184,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l partition -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l account -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l time -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l sbatch -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l preset -x -a 'dr-grpo grpo ppo sft tiers'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l preset -x -a 'dapo dr-grpo grpo ppo sft tiers'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l set -s s -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l plugin -r -F
@@ -213,7 +213,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-kind -x -a 'k1 abs k2 k3 kl mse low_var_kl'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l entropy-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l critic-lr -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l adv -x -a 'grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l adv -x -a 'grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg remax'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l loss-agg -x -a 'token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-high -x
@@ -281,7 +281,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l partition -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l account -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l time -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l sbatch -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l preset -x -a 'dr-grpo grpo ppo sft tiers'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l preset -x -a 'dapo dr-grpo grpo ppo sft tiers'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l set -s s -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l plugin -r -F
@@ -310,7 +310,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-kind -x -a 'k1 abs k2 k3 kl mse low_var_kl'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l entropy-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l critic-lr -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l adv -x -a 'grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l adv -x -a 'grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg remax'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l loss-agg -x -a 'token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-high -x
@@ -390,7 +390,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l partition -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l account -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l time -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l sbatch -x
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l preset -x -a 'dr-grpo grpo ppo sft tiers'
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l preset -x -a 'dapo dr-grpo grpo ppo sft tiers'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l set -s s -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l output-dir -s o -r -F

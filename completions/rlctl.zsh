@@ -16,7 +16,7 @@ _rlctl() {
     done
     case "$prev" in
         --account) return ;;
-        --adv) COMPREPLY=($(compgen -W "grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg" -- "$cur")); return ;;
+        --adv) COMPREPLY=($(compgen -W "grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg remax" -- "$cur")); return ;;
         --backend) COMPREPLY=($(compgen -W "fsdp megatron" -- "$cur")); return ;;
         --batch-size) return ;;
         --chat-template) return ;;
@@ -86,7 +86,7 @@ _rlctl() {
         --pp) return ;;
         --ppo-epochs) return ;;
         --precision) COMPREPLY=($(compgen -W "mixed bf16" -- "$cur")); return ;;
-        --preset) COMPREPLY=($(compgen -W "dr-grpo grpo ppo sft tiers" -- "$cur")); return ;;
+        --preset) COMPREPLY=($(compgen -W "dapo dr-grpo grpo ppo sft tiers" -- "$cur")); return ;;
         --prompt-len) return ;;
         --prompts) return ;;
         --rdzv-endpoint) return ;;

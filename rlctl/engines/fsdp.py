@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from rlctl.data.packing import MicroBatch
 from rlctl.data.vision import is_vision_config
 from rlctl.engines import ulysses, varlen
-from rlctl.engines.base import ModelSource, TrainEngine
+from rlctl.engines.base import ModelSource, TrainEngine, full_logits
 from rlctl.engines.modules import CriticModel, _full, _non_persistent_buffers
 from rlctl.engines.savers import HostActivations, checkpoint_mlp
 from rlctl.engines.spec import EngineSpec
@@ -160,13 +160,13 @@ class FSDPEngine(TrainEngine):
         return ulysses.sp_groups(spec.sp, self.device.type)
 
     def _attn(self, spec: EngineSpec) -> str:
-        attn = spec.attn  # "auto" unless the user chose (the plan's attn is a forecast, not an order)
+        attn = spec.attn  # None unless the user chose (the plan's attn is a forecast, not an order)
         if spec.sp > 1:
-            if attn not in ("auto", "sdpa"):
+            if attn not in (None, "sdpa"):
                 raise UserError(f"parallel.sp={spec.sp} runs attention with sdpa per document; set model.attn=sdpa")
             return "sdpa"
         has_flash = importlib.util.find_spec("flash_attn") is not None
-        if attn == "auto":
+        if attn is None:
             return "flash_attention_2" if self.device.type == "cuda" and has_flash else "sdpa"
         if attn == "flash_attention_2" and (self.device.type != "cuda" or not has_flash):
             raise UserError("model.attn=flash_attention_2 needs a GPU and the flash-attn package; use model.attn=sdpa")
@@ -366,7 +366,7 @@ class FSDPEngine(TrainEngine):
 
     def forward(self, input_ids, position_ids, attention_mask=None) -> torch.Tensor:
         if self.sp is not None:
-            return self.forward_micro(MicroBatch(input_ids, position_ids, input_ids, attention_mask))
+            return full_logits(self.forward_micro(MicroBatch(input_ids, position_ids, input_ids, attention_mask)))
         with self._memory_context():
             if self.role == "critic":
                 return self.model(input_ids, position_ids=position_ids, attention_mask=attention_mask)

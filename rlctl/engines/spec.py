@@ -88,7 +88,7 @@ class EngineSpec:
     """How to build a training engine: the model, placement, precision, parallel layout, memory savings,
     the optimizer and LoRA.
 
-    ``attn`` may stay "auto": the engine picks flash_attention_2 where flash-attn is installed on a GPU
+    ``attn`` may stay None: the engine picks flash_attention_2 where flash-attn is installed on a GPU
     and sdpa otherwise, at run time (the planner leaves ``model.attn`` as it is).
     """
 
@@ -104,7 +104,7 @@ class EngineSpec:
     activation_checkpointing: bool = False
     offload_params: bool = False
     offload_optimizer: bool = False
-    attn: str = "auto"  # auto | sdpa | eager | flash_attention_2
+    attn: str | None = None  # sdpa | eager | flash_attention_2; None: the engine picks at run time
     micro_batch_size: int = 1
     precision: str = "mixed"  # mixed | bf16 (pure bf16 weights, gradients and AdamW states; FSDP engine)
     selective_checkpointing: bool = False  # recompute each decoder layer's MLP in the backward (FSDP engine)

@@ -204,17 +204,14 @@ def _rl_models_and_engine(gpu: GpuSpec, s: MemorySettings) -> list[str]:
             "critic: the policy's body with a value head, trained after the actor (its own activations are "
             "smaller: no vocabulary logits); idle, it keeps its weights and optimizer states unless offloaded"
         )
-    out.append(
-        "the rollout engine sleeps while the trainer updates (weights and KV cache freed: vLLM's sleep "
-        "level 2, SGLang's released memory; the next sync reloads the weights)"
-    )
-    kept = [
-        name
-        for name, off in (("weights", s.idle_weights_offloaded), ("optimizer states", s.idle_optimizer_offloaded))
-        if not off
-    ]
-    freed = "gradients freed" if s.backend == "fsdp" else "gradient buffer kept unless params are offloaded"
-    out.append(f"during rollout the trainer keeps its {' and '.join(kept) or 'nothing'} on the GPU ({freed})")
+    if s.rollout_procs:
+        out.append(
+            f"rollout split: {s.rollout_procs} rollout-only devices hold the engine (inference weights, KV cache, "
+            f"activations) and nothing of the trainer; the {s.gpus} trainer-only devices hold the training states "
+            "and no engine (docs/offpolicy.md)"
+        )
+    else:
+        _colocated(s, out)
     if s.rollout == "hf" or s.device == "cpu":
         out.append(
             f"{s.rollout} engine: KV cache sized for its share of the batch ({s.rollout_batch} prompts x {s.rollout_n})"
@@ -260,3 +257,18 @@ def _device_and_host(gpu: GpuSpec, s: MemorySettings, est: MemoryEstimate) -> li
             "parameter) and scatters it to the other ranks"
         )
     return out
+
+
+def _colocated(s: MemorySettings, out: list[str]) -> None:
+    """The rollout engine and the trainer take turns on the same GPUs."""
+    out.append(
+        "the rollout engine sleeps while the trainer updates (weights and KV cache freed: vLLM's sleep "
+        "level 2, SGLang's released memory; the next sync reloads the weights)"
+    )
+    kept = [
+        name
+        for name, off in (("weights", s.idle_weights_offloaded), ("optimizer states", s.idle_optimizer_offloaded))
+        if not off
+    ]
+    freed = "gradients freed" if s.backend == "fsdp" else "gradient buffer kept unless params are offloaded"
+    out.append(f"during rollout the trainer keeps its {' and '.join(kept) or 'nothing'} on the GPU ({freed})")

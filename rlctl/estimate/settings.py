@@ -77,6 +77,7 @@ class MemorySettings:
     sequence_parallel: bool = False
     rollout: str | None = "vllm"  # hf | vllm | sglang (ignored for sft)
     rollout_tp: int = 1
+    rollout_procs: int = 0  # split runs (rollout.procs): devices that only generate; ``gpus`` only train
     mem_fraction: float = 0.5  # vLLM gpu_memory_utilization / SGLang mem_fraction_static
     kl: bool = True  # a reference model is kept (RL with a KL term)
     critic: bool | None = None  # None = PPO has one

@@ -58,6 +58,8 @@ def plan_with_search(cfg: RunConfig, local: LocalEnv, *, host_memory_bytes: int 
         est = relax(job, est, decisions)
     if job.is_rl:
         rollout_decisions(job, est, result.kv_short, decisions, warnings)
+    if est.settings.rollout_procs:
+        decisions.append(split_decision(job, est.settings))
     decisions += job.later
     if est.fits and not margin_ok(est):
         warnings.append(
@@ -639,6 +641,22 @@ def rollout_decisions(
         )
 
 
+def split_decision(job: Job, s) -> Decision:
+    """One-step-off-policy (rollout.procs): the split, and when it pays (docs/offpolicy.md)."""
+    r, unit = job.cfg.rollout, "GPUs" if job.device == "cuda" else "processes"
+    value = {"rollout": s.rollout_procs, "train": s.gpus, "max_staleness": r.max_staleness}
+    why = (
+        f"rollout split: {s.rollout_procs} of {s.rollout_procs + s.gpus} {unit} only generate (inference weights "
+        f"and KV cache), {s.gpus} only train (the training states), the rollout {r.max_staleness} update(s) "
+        "behind, stale batches importance-corrected. It pays when a rollout and an update take comparable "
+        "times and response lengths are long-tailed: the longest response sets a rollout's time, which "
+        "more data-parallel ranks do not shorten, and the rollout hides behind the update. It does not when "
+        "one phase dominates or lengths are even: the trainers lose the rollout devices' share of the "
+        "update (docs/offpolicy.md)"
+    )
+    return Decision("rollout.procs", value, why)
+
+
 def _plan(job: Job, est: MemoryEstimate, decisions: list[Decision], warnings: list[str]) -> Plan:
     cfg, s, rl = job.cfg, est.settings, job.is_rl
     return Plan(
@@ -691,7 +709,7 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
     m, hw, par, tr, ro = out.model, out.hardware, out.parallel, out.train, out.rollout
     if m.dtype is None:
         m.dtype = plan.dtype
-    # model.attn stays "auto": the engine picks flash_attention_2 where flash-attn is installed on
+    # model.attn stays None: the engine picks flash_attention_2 where flash-attn is installed on
     # the GPU host and sdpa otherwise, at run time (plan.attn says what a GPU cluster will get).
     if hw.device == "auto":
         hw.device = plan.device

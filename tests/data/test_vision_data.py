@@ -131,3 +131,21 @@ def test_processed_images_are_cached_with_the_tokens(vp, tiny_vl_model_dir, tmp_
             np.testing.assert_array_equal(a.pixel_values, b.pixel_values)
             np.testing.assert_array_equal(a.image_grid_thw, b.image_grid_thw)
     assert len(list((tmp_path / "cache").glob("sft-*.arrow"))) == 1
+
+
+def test_a_vl_model_without_its_image_processor_fails_before_launch(tiny_vl_model_dir, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from tests.support.cli import one_line_error, rlctl_in_process
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_vl_model_dir, model)
+    (model / "preprocessor_config.json").unlink()
+    data = write_parquet(tmp_path / "d.parquet", chat_rows(2))
+    args = ("sft", "--model", str(model), "--data", str(data), "--output-dir", str(tmp_path / "run"), "--dry-run")
+    line = one_line_error(*rlctl_in_process(monkeypatch, capsys, *args))
+    assert "vision-language model without preprocessor_config.json" in line
+    shutil.copy(tiny_vl_model_dir / "preprocessor_config.json", model)
+    code, text = rlctl_in_process(monkeypatch, capsys, *args)
+    assert code == 0, text[-2000:]
+    assert "vision tower" in text  # the plan counts it (rlctl.estimate)

@@ -5,22 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from rlctl.runtime.net import free_port
 from tests.support.sft import cpu_spec, sft_config
 from tests.support.vision import chat_row, write_parquet
 
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("process_group")  # one gloo process (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

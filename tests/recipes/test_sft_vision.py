@@ -27,7 +27,7 @@ def _launch(model, data, out, nproc, env=None, **sets):
 
     os.environ.update(env or {})
     try:
-        return launch_job(sft_config(model, data, out, **RUN, **sets), cpu_plan(nproc))
+        return launch_job(sft_config(model, data, out, **{**RUN, **sets}), cpu_plan(nproc))
     finally:
         for k in env or {}:
             del os.environ[k]
@@ -93,3 +93,29 @@ def _check_export(hf_dir: Path, initial_dir: Path) -> None:
         )
     answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert answer.startswith("It is"), answer
+
+
+@pytest.mark.slow
+def test_vl_lora_checkpoint_converts_folded_and_verified(tiny_vl_model_dir, vl_data, tmp_path):
+    """LoRA (all-linear: the language model's layers) on one process; `rlctl convert` folds the adapters,
+    verifies tensor by tensor against the checkpoint (and peft's own merge), and equals the run's export."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from rlctl.convert.pipeline import fsdp_to_hf
+
+    out = tmp_path / "run"
+    sets = {"train__max_steps": 2, "checkpoint__save_every": 0, "lora__rank": 4, "lora__alpha": 8}
+    assert _launch(tiny_vl_model_dir, vl_data, out, 1, **sets) == 0
+    result = fsdp_to_hf(out / "checkpoints" / "step_000002", tmp_path / "converted")
+    assert result.committed and result.verdict.ok, result.verdict.checks
+    assert result.folded and all("language_model" in name for name in result.folded)
+    assert (tmp_path / "converted" / "preprocessor_config.json").is_file()
+    converted = load_file(str(tmp_path / "converted" / "model.safetensors"))
+    exported = load_file(str(out / "hf" / "model.safetensors"))
+    assert sorted(converted) == sorted(exported)
+    assert all(torch.equal(converted[k], exported[k]) for k in converted)
+    initial = AutoModelForImageTextToText.from_pretrained(str(tiny_vl_model_dir), dtype=torch.float32).state_dict()
+    moved = {k for k in initial if not torch.equal(initial[k], converted[k])}
+    assert moved and all(".visual." not in k for k in moved)
+    assert all(k.endswith("proj.weight") for k in moved)  # folded linear layers only (the rest is frozen)
