@@ -116,14 +116,14 @@ def rlctl(method: str, *args: str) -> None:
 def common(model: Path, data: Path, out: Path, nproc: int, seed: int) -> list[str]:
     return [
         *("--model", str(model), "--data", str(data), "--output-dir", str(out), "--device", "cpu"),
-        *("--nproc", str(nproc), "--seed", str(seed), "--resume", "never"),
+        *("--nproc", str(nproc), "--seed", str(seed)),
     ]
 
 
 def run(out: Path, size: Size, nproc: int, seed: int) -> dict:
     from rlctl.testing import build_tiny_vl_model
 
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_out(out)
     times = {}
     start = time.perf_counter()
     base = build_tiny_vl_model(out / "base", seed=seed)
@@ -150,6 +150,21 @@ def run(out: Path, size: Size, nproc: int, seed: int) -> dict:
     _table(before, after, len(heldout))
     print("time: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()))
     return {"after_sft": before, "after_grpo": after, "seconds": times}
+
+
+MARKER = ".vlm-colors-example"  # a directory holding this file was made by this script and may be replaced
+
+
+def prepare_out(out: Path) -> None:
+    """A fresh output directory; one this script made before is replaced, anything else is refused."""
+    import shutil
+
+    if out.exists() and any(out.iterdir()):
+        if not (out / MARKER).is_file():
+            raise SystemExit(f"{out} exists and was not made by this example; pass another --out")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("made by examples/vlm_colors/run.py\n")
 
 
 def _line(acc: dict[str, float]) -> str:
