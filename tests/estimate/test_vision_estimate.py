@@ -94,3 +94,9 @@ def test_vl_models_roll_out_with_an_engine_that_takes_images():
     assert any("vllm engine takes no images" in r for r in lora.reasons)
     with pytest.raises(UserError, match="rollout.engine=vllm takes no images"):
         plan_for("grpo", model={"name": "Qwen2.5-VL-7B"}, hardware={"gpus": 8}, rollout={"engine": "vllm"})
+
+
+def test_train_vision_flag_reaches_the_estimate(monkeypatch, capsys):
+    args = ("estimate", "memory", "--model", "Qwen2.5-VL-7B", "--method", "grpo", "--gpus", "8", "--train-vision")
+    code, out = rlctl_in_process(monkeypatch, capsys, *args)
+    assert code == 0 and "trained (--train-vision): full states like the text model" in " ".join(out.split())
