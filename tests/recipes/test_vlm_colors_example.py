@@ -14,9 +14,9 @@ from tests.support.cli import REPO
 
 @pytest.mark.slow
 def test_vlm_colors_example_quick(tmp_path):
-    out = tmp_path / "vlm_colors"
+    out, script = tmp_path / "vlm_colors", str(REPO / "examples" / "vlm_colors" / "run.py")
     res = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "vlm_colors" / "run.py"), "--quick", "--nproc", "1", "--out", str(out)],
+        [sys.executable, script, "--quick", "--nproc", "1", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -25,7 +25,7 @@ def test_vlm_colors_example_quick(tmp_path):
     assert "held-out accuracy, 16 pictures" in res.stdout and "after GRPO" in res.stdout
     assert (out / "grpo" / "hf" / "preprocessor_config.json").is_file()
     again = subprocess.run(  # the directory it made is replaced; any other is refused
-        [sys.executable, str(REPO / "examples" / "vlm_colors" / "run.py"), "--out", str(tmp_path)],
+        [sys.executable, script, "--out", str(tmp_path)],
         capture_output=True,
         text=True,
     )
