@@ -25,7 +25,7 @@ _rlctl() {
         --cp) return ;;
         --critic-lr) return ;;
         --data|-d) COMPREPLY=($(compgen -f -- "$cur")); return ;;
-        --device) COMPREPLY=($(compgen -W "auto cuda cpu" -- "$cur")); return ;;
+        --device) COMPREPLY=($(compgen -W "cuda cpu" -- "$cur")); return ;;
         --dtype) COMPREPLY=($(compgen -W "bf16 fp16 fp32" -- "$cur")); return ;;
         --engine) return ;;
         --entropy-coef) return ;;

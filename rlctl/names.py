@@ -20,9 +20,9 @@ DataFormat = Literal["auto", "chat", "pairs", "rl"]
 Truncation = Literal["skip", "right", "left"]
 LrScheduler = Literal["cosine", "constant"]
 Precision = Literal["mixed", "bf16"]
-Device = Literal["auto", "cuda", "cpu"]
+Device = Literal["cuda", "cpu"]  # hardware.device None: the plan decides (cuda when there are GPUs)
 Launcher = Literal["torchrun", "slurm"]
-Backend = Literal["auto", "fsdp", "megatron"]
+Backend = Literal["fsdp", "megatron"]  # parallel.backend None: the plan decides (by the model's size)
 RolloutEngine = Literal["auto", "hf", "vllm", "sglang"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LogBackend = Literal["console", "tensorboard", "wandb"]  # log.backends is a comma list of these
@@ -65,4 +65,4 @@ def describe(tp: Any, *, without: tuple[str, ...] = ()) -> str:
 
 
 ROLLOUT_ENGINES = choices(RolloutEngine, without=("auto",))
-BACKENDS = choices(Backend, without=("auto",))
+BACKENDS = choices(Backend)

@@ -68,7 +68,7 @@ class HardwareConfig:
     gpus: int = 0  # GPUs in total (0 = every visible GPU, or none on CPU)
     nodes: int = 1
     gpu: str = ""  # GPU type from the catalog, e.g. H100-80GB ("" = detect locally, else H100-80GB)
-    device: Device = "auto"
+    device: Device | None = None  # None: the plan decides (cuda with hardware.gpus > 0 or local GPUs, else cpu)
     nproc: int = 0  # processes per node (0 = GPUs per node, or 1 on CPU)
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -79,7 +79,7 @@ class HardwareConfig:
 
 @dataclass
 class ParallelConfig:
-    backend: Backend = "auto"
+    backend: Backend | None = None  # None: the plan decides (by the model's size and the hardware)
     tp: int = 0  # 0 = chosen by the plan
     pp: int = 0
     cp: int = 1

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from rlctl.config import RunConfig
 
 BACKENDS = names.BACKENDS
-DEVICES = names.choices(names.Device, without=("auto",))
+DEVICES = names.choices(names.Device)
 DTYPES = names.choices(names.Dtype)
 
 
@@ -149,7 +149,7 @@ class EngineSpec:
             ("hardware.device", cfg.hardware.device),
             ("model.dtype", cfg.model.dtype),
         ):
-            if value is None or value == "auto":
+            if value is None:
                 raise UnresolvedConfig(f"{key} is {value!r}: the plan was not applied to the config")
         for key, value in (
             ("parallel.tp", par.tp),

@@ -161,7 +161,7 @@ def resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) -> 
 
 def _device(cfg: RunConfig, local: LocalEnv, decisions: list[Decision]) -> str:
     hw = cfg.hardware
-    if hw.device != "auto":
+    if hw.device is not None:
         return hw.device
     device = "cuda" if hw.gpus > 0 or local.gpu_count > 0 else "cpu"
     why = (

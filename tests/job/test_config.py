@@ -111,7 +111,12 @@ def test_tri_states_are_bool_or_none_and_read_the_old_strings(tmp_path):
 
 
 # enumerated settings the plan decides: ``Literal | None``, no "auto" among their values
-PLAN_DECIDES = {"model.dtype": ("bf16", "fp16", "fp32"), "model.attn": ("sdpa", "eager", "flash_attention_2")}
+PLAN_DECIDES = {
+    "model.dtype": ("bf16", "fp16", "fp32"),
+    "model.attn": ("sdpa", "eager", "flash_attention_2"),
+    "hardware.device": ("cuda", "cpu"),
+    "parallel.backend": ("fsdp", "megatron"),
+}
 RUN_TIME = {"model.attn"}  # the plan forecasts it; the engine picks on the ranks (the resolved config keeps None)
 
 
@@ -158,7 +163,7 @@ def test_choices_come_from_the_names_module():
         names.describe(names.Precision)
         == "mixed (fp32 master weights, grads, AdamW: 16 bytes/param) | bf16 (pure bf16: 8 bytes/param)"
     )
-    assert names.describe(names.Backend, without=("auto",)) == "fsdp | megatron"
+    assert names.describe(names.Backend) == "fsdp | megatron"
 
 
 def test_rollout_engines_and_algorithm_names_match_their_implementations():

@@ -296,7 +296,7 @@ def test_apply_plan_fills_every_auto_field_and_is_stable():
     cfg = cfg_for("grpo", model={"name": "Qwen2.5-7B"}, hardware={"gpus": 8})
     plan = resolve_plan(cfg, local=LAPTOP)
     applied = apply_plan(cfg, plan)
-    assert cfg.parallel.backend == "auto"  # the input is not modified
+    assert cfg.parallel.backend is None  # the input is not modified
     assert (applied.parallel.backend, applied.parallel.tp, applied.parallel.pp) == (plan.backend, plan.tp, plan.pp)
     assert applied.rollout.engine == plan.rollout and applied.rollout.tp == plan.rollout_tp
     assert applied.rollout.mem_fraction == plan.rollout_mem_fraction
