@@ -23,7 +23,7 @@ Precision = Literal["mixed", "bf16"]
 Device = Literal["cuda", "cpu"]  # hardware.device None: the plan decides (cuda when there are GPUs)
 Launcher = Literal["torchrun", "slurm"]
 Backend = Literal["fsdp", "megatron"]  # parallel.backend None: the plan decides (by the model's size)
-RolloutEngine = Literal["auto", "hf", "vllm", "sglang"]
+RolloutEngine = Literal["hf", "vllm", "sglang"]  # rollout.engine None: the plan decides
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LogBackend = Literal["console", "tensorboard", "wandb"]  # log.backends is a comma list of these
 KlKind = Literal["k1", "abs", "k2", "k3", "kl", "mse", "low_var_kl"]
@@ -54,7 +54,7 @@ MEANINGS: dict[Any, dict[str, str]] = {
 
 
 def choices(tp: Any, *, without: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The values of the Literal ``tp`` (e.g. ``choices(RolloutEngine, without=("auto",))``)."""
+    """The values of the Literal ``tp`` (e.g. ``choices(LogBackend, without=("console",))``)."""
     return tuple(v for v in get_args(tp) if v not in without)
 
 
@@ -64,5 +64,5 @@ def describe(tp: Any, *, without: tuple[str, ...] = ()) -> str:
     return " | ".join(f"{v} ({meaning[v]})" if v in meaning else v for v in choices(tp, without=without))
 
 
-ROLLOUT_ENGINES = choices(RolloutEngine, without=("auto",))
+ROLLOUT_ENGINES = choices(RolloutEngine)
 BACKENDS = choices(Backend)

@@ -301,7 +301,7 @@ def _literal_choices() -> dict[str, tuple[str, ...]]:
     return out
 
 
-CHOICES = _literal_choices()  # e.g. {"rollout.engine": ("auto", "hf", "vllm", "sglang"), ...}
+CHOICES = _literal_choices()  # e.g. {"rollout.engine": ("hf", "vllm", "sglang"), ...}
 
 
 def get_key(cfg: RunConfig, key: str) -> Any:

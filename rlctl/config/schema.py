@@ -135,7 +135,7 @@ class CheckpointConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: RolloutEngine = "auto"
+    engine: RolloutEngine | None = None  # None: the plan decides (hf on CPU; vllm or sglang on GPUs)
     tp: int = 0  # 0 = chosen by the plan
     mem_fraction: float = 0.0  # 0 = chosen by the plan
     n: int = 8  # samples per prompt

@@ -319,7 +319,7 @@ def _resolve_engine(
     """The rollout engine: configured (checked against the device), or chosen (``weight_share``: the
     model's bf16 weights over one GPU's memory)."""
     chosen = cfg.rollout.engine
-    if chosen == "auto":
+    if chosen is None:
         decision = rules.choose_engine(
             device=device, n=cfg.rollout.n, lora=cfg.lora.rank > 0, installed=local.installed, weight_share=weight_share
         )

@@ -735,7 +735,7 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
             setattr(par, key, value)
     tr.micro_batch_size = tr.micro_batch_size or plan.micro_batch_size
     if plan.rollout is not None:
-        if ro.engine == "auto":
+        if ro.engine is None:
             ro.engine = plan.rollout
         ro.tp = ro.tp or plan.rollout_tp
         ro.mem_fraction = ro.mem_fraction or plan.rollout_mem_fraction
