@@ -289,7 +289,7 @@ def _row_text(row: dict, tokenizer, cfg: RunConfig):
     without a chat template (tokenized in two pieces)."""
     d = cfg.data
     fmt = d.format
-    if fmt == "auto":
+    if fmt is None:
         fmt = "chat" if d.messages_field in row else "pairs" if d.prompt_field in row else ""
     if fmt == "chat":
         if d.messages_field not in row:
@@ -415,8 +415,8 @@ PIXEL_FEATURES = {"pixel_values": "float32 list", "image_grid_thw": "int32 list"
 
 def pixel_columns(ex: Example | None) -> dict:
     """An example's images as two flat columns of the data cache (empty for a text row)."""
-    if ex is None or ex.pixel_values is None:
-        return {"pixel_values": [], "image_grid_thw": []}
+    if ex is None or ex.pixel_values is None:  # typed like a row with images: datasets concatenates the batches
+        return {"pixel_values": np.zeros(0, np.float32), "image_grid_thw": []}
     return {"pixel_values": ex.pixel_values.reshape(-1), "image_grid_thw": ex.image_grid_thw.reshape(-1).tolist()}
 
 

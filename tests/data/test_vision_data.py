@@ -122,8 +122,14 @@ def test_image_paths_relative_to_the_data_file_and_text_models_refuse_images(
 def test_processed_images_are_cached_with_the_tokens(vp, tiny_vl_model_dir, tmp_path):
     from rlctl.data.sft import build_sft_data
 
-    cfg = sft_config(tiny_vl_model_dir, write_parquet(tmp_path / "d.parquet", chat_rows(4)), tmp_path / "r")
+    text_only = {**chat_row("red"), "images": []}
+    text_only["messages"][0]["content"] = [{"type": "text", "text": "Say red.", "image": None}]
+    bad = {**chat_row("red"), "images": [{"bytes": b"not an image", "path": None}]}
+    rows = [text_only, *chat_rows(4), bad]  # a batch of the cache mixes rows with and without pixels
+    path = write_parquet(tmp_path / "d.parquet", rows)
+    cfg = sft_config(tiny_vl_model_dir, path, tmp_path / "r", data__max_bad_fraction=0.5)
     plain = build_sft_data(cfg, vp.tokenizer, vision=vp)
+    assert len(plain.train) == 5 and plain.train[0].pixel_values is None
     for _ in range(2):  # the second call reads the cache file
         cached = build_sft_data(cfg, vp.tokenizer, vision=vp, cache_dir=tmp_path / "cache")
         for a, b in zip(plain.train, cached.train):
