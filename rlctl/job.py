@@ -36,7 +36,7 @@ IGNORE_MEMORY_FLAG = "--ignore-memory-check"
 class Job:
     """A job resolved once: what the user asked for, and the same with the plan's choices filled in."""
 
-    requested: RunConfig  # preset < --config < options < --set; "auto" settings still open (what-to-rent reads it)
+    requested: RunConfig  # preset < --config < options < --set; None settings still open (what-to-rent reads it)
     cfg: RunConfig  # with the plan applied: what the launcher writes and the ranks read
     plan: Plan
 
@@ -459,7 +459,7 @@ def _columns(columns: list[str]) -> str:
 
 def _check_sft_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[str], model: ModelFiles | None):
     d = cfg.data
-    chat = d.format == "chat" or (d.format == "auto" and any(d.messages_field in r for r in rows))
+    chat = d.format == "chat" or (d.format is None and any(d.messages_field in r for r in rows))
     if chat:
         if not any(d.messages_field in r for r in rows):
             raise UserError(
@@ -484,8 +484,8 @@ def _check_sft_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[s
 
 def _check_rl_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[str]) -> None:
     d = cfg.data
-    if d.format not in ("auto", "rl"):
-        raise UserError(f"data.format={d.format} is for sft; grpo/ppo read RL prompt rows (data.format=rl or auto)")
+    if d.format not in (None, "rl"):
+        raise UserError(f"data.format={d.format} is for sft; grpo/ppo read RL prompt rows (data.format=rl or unset)")
     if not any(d.prompt_field in r for r in rows):
         raise UserError(
             f"{path}: no '{d.prompt_field}' column (the rows have {_columns(columns)}); "

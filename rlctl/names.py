@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 Method = Literal["sft", "grpo", "ppo"]
 Dtype = Literal["bf16", "fp16", "fp32"]  # model.dtype None: the plan decides (bf16 on GPU, fp32 on CPU)
 Attn = Literal["sdpa", "eager", "flash_attention_2"]  # model.attn None: the engine picks at run time
-DataFormat = Literal["auto", "chat", "pairs", "rl"]
+DataFormat = Literal["chat", "pairs", "rl"]  # data.format None: chosen per row (sft), rl (grpo/ppo)
 Truncation = Literal["skip", "right", "left"]
 LrScheduler = Literal["cosine", "constant"]
 Precision = Literal["mixed", "bf16"]
@@ -59,7 +59,7 @@ def choices(tp: Any, *, without: tuple[str, ...] = ()) -> tuple[str, ...]:
 
 
 def describe(tp: Any, *, without: tuple[str, ...] = ()) -> str:
-    """``'auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32'``: the values and their meanings, for help."""
+    """``'mixed (fp32 master weights, grads, AdamW: 16 bytes/param) | bf16 (...)'``: the values and their meanings."""
     meaning = MEANINGS.get(tp, {})
     return " | ".join(f"{v} ({meaning[v]})" if v in meaning else v for v in choices(tp, without=without))
 

@@ -76,7 +76,9 @@ def _log():
 
 def _given(value: str | None) -> str | None:
     """A value the plan or the benchmark decides when None; the word "auto" (older usage) reads as None."""
-    return None if value is None or value.strip().lower() == "auto" else value
+    from rlctl.config import is_auto
+
+    return None if value is None or is_auto(value) else value
 
 
 def _device(device: str | None) -> str:

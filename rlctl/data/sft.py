@@ -289,7 +289,7 @@ def _row_text(row: dict, tokenizer, cfg: RunConfig):
     without a chat template (tokenized in two pieces)."""
     d = cfg.data
     fmt = d.format
-    if fmt == "auto":
+    if fmt is None:
         fmt = "chat" if d.messages_field in row else "pairs" if d.prompt_field in row else ""
     if fmt == "chat":
         if d.messages_field not in row:

@@ -121,7 +121,7 @@ def dynamic_sample(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
             "dynamic/padded_groups": float(pick.padded),
             "dynamic/surplus_groups": float(pick.surplus),
             "dynamic/generated_samples": sum(counts),
-            "dynamic/extra_samples": sum(counts[1:]),
+            "dynamic/extra_samples": float(sum(counts[1:])),
         }
     )
     if pick.padded:
