@@ -14,6 +14,7 @@ LABELS = {
     "optimizer_states": "optimizer states",
     "unsharded_buffers": "FSDP unsharded layers",
     "activations": "activations",
+    "sp_all_to_all": "Ulysses all-to-all",
     "logits": "logits (loss)",
     "reference_model": "reference model",
     "reward_model": "reward model",
