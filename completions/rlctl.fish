@@ -144,6 +144,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l pp -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l ep -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l cp -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l sp -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l precision -x -a 'mixed bf16'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l dtype -x -a 'bf16 fp16 fp32'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l offload-params -l no-offload-params
@@ -229,6 +230,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l pp -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ep -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l cp -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l sp -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l precision -x -a 'mixed bf16'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l dtype -x -a 'bf16 fp16 fp32'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l offload-params -l no-offload-params
@@ -322,6 +324,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l pp -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l ep -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l cp -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l sp -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l precision -x -a 'mixed bf16'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l dtype -x -a 'bf16 fp16 fp32'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l offload-params -l no-offload-params
@@ -402,6 +405,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l pp -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l ep -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l cp -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l sp -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l precision -x -a 'mixed bf16'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l dtype -x -a 'bf16 fp16 fp32'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l offload-params -l no-offload-params

@@ -59,6 +59,23 @@ def world_problem(world: int, tp: int, pp: int, cp: int = 1) -> str | None:
     return None
 
 
+def sp_problem(sp: int, world: int, heads: int, kv_heads: int | None = None) -> str | None:
+    """Why Ulysses sequence parallelism of size ``sp`` cannot run on ``world`` ranks of a model with
+    ``heads`` attention heads and ``kv_heads`` KV heads (None: not checked); None when it can.
+
+    The all-to-all gives each rank ``heads / sp`` query heads; KV heads are split the same way, or each
+    repeated ``sp / kv_heads`` times where there are fewer KV heads than ``sp``."""
+    if sp < 1:
+        return f"{sp} is not a size (sp >= 1)"
+    if world % sp:
+        return f"{sp} does not divide the {world} ranks"
+    if heads % sp:
+        return f"{sp} does not divide the {heads} attention heads"
+    if kv_heads is not None and kv_heads % sp and sp % kv_heads:
+        return f"{sp} neither divides nor is a multiple of the {kv_heads} KV heads"
+    return None
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -81,6 +81,7 @@ class ParallelConfig:
     pp: int = 0
     cp: int = 1
     ep: int = 0
+    sp: int | None = None  # Ulysses sequence parallel size (FSDP); None: the plan decides (1 where nothing needs it)
     # None: the plan decides (a resolved config has True or False); "auto"/"true"/"false" are read as input
     sequence_parallel: bool | None = None
     activation_checkpointing: bool | None = None

@@ -89,6 +89,8 @@ class FSDPEngine(TrainEngine):
     ):
         self._setup(spec, role=role, trainable=trainable, total_steps=total_steps, source=source)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if spec.sp > 1:  # the engine side of --sp is being built (issue 28)
+            raise UserError(f"parallel.sp={spec.sp}: the FSDP engine does not split sequences yet; use parallel.sp=1")
         self.compute_dtype = self._compute_dtype(spec)
         self.attn = self._attn(spec)
         self.offload = self.device.type == "cuda" and (spec.offload_params or spec.offload_optimizer)

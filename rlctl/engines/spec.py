@@ -98,6 +98,7 @@ class EngineSpec:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    sp: int = 1  # Ulysses sequence parallel size: each sequence split over sp ranks (FSDP engine)
     sequence_parallel: bool = False
     activation_checkpointing: bool = False
     offload_params: bool = False
@@ -125,7 +126,7 @@ class EngineSpec:
             raise UnresolvedConfig("EngineSpec.dtype is 'auto': resolve the config with the plan first")
         if self.precision not in names.choices(names.Precision):
             raise UnresolvedConfig(f"EngineSpec.precision must be mixed or bf16, got {self.precision!r}")
-        for name in ("tp", "pp", "cp", "ep", "micro_batch_size"):
+        for name in ("tp", "pp", "cp", "ep", "sp", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise UnresolvedConfig(f"EngineSpec.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -148,8 +149,13 @@ class EngineSpec:
         ):
             if value == "auto":
                 raise UnresolvedConfig(f"{key} is 'auto': the plan was not applied to the config")
-        for key, value in (("parallel.tp", par.tp), ("parallel.pp", par.pp), ("parallel.ep", par.ep)):
-            if value < 1:
+        for key, value in (
+            ("parallel.tp", par.tp),
+            ("parallel.pp", par.pp),
+            ("parallel.ep", par.ep),
+            ("parallel.sp", par.sp),
+        ):
+            if value is None or value < 1:
                 raise UnresolvedConfig(f"{key} is {value}: the plan was not applied to the config")
         return cls(
             backend=par.backend,
@@ -159,6 +165,7 @@ class EngineSpec:
             pp=par.pp,
             cp=max(1, par.cp),
             ep=par.ep,
+            sp=par.sp,
             sequence_parallel=flag("sequence_parallel"),
             activation_checkpointing=flag("activation_checkpointing"),
             offload_params=flag("offload_params"),

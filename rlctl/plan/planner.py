@@ -103,6 +103,7 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         rollout_tp=cfg.rollout.tp,
         is_rl=job.is_rl,
     )
+    rules.check_sp(job.spec, backend=tier, sp=p.sp, world=job.world)
     if job.is_rl:
         rules.check_rollout_engine_tp(job.engine, cfg.rollout.tp)
     return tier
@@ -647,6 +648,7 @@ def _plan(job: Job, est: MemoryEstimate, decisions: list[Decision], warnings: li
         dp=s.dp,
         cp=s.cp,
         ep=s.ep,
+        sp=cfg.parallel.sp or 1,
         sequence_parallel=s.sequence_parallel,
         rollout=job.engine,
         rollout_tp=s.rollout_tp if rl else 0,
@@ -693,6 +695,7 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
     if par.backend == "auto":
         par.backend = plan.backend
     par.tp, par.pp, par.ep = par.tp or plan.tp, par.pp or plan.pp, par.ep or plan.ep
+    par.sp = par.sp or plan.sp
     for key, value in (
         ("sequence_parallel", plan.sequence_parallel),
         ("activation_checkpointing", plan.activation_checkpointing),

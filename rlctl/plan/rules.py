@@ -83,6 +83,21 @@ def valid_tps(spec: ModelSpec, limit: int) -> list[int]:
     return [t for t in range(1, limit + 1) if tp_problem(spec, t) is None]
 
 
+def check_sp(spec: ModelSpec, *, backend: str, sp: int | None, world: int) -> None:
+    """Validate the Ulysses sequence-parallel size a user set (None: not set); UserError names the valid sizes."""
+    if sp is None or sp == 1:
+        return
+    if backend != "fsdp":
+        raise UserError(f"parallel.sp={sp} is the FSDP engine's; Megatron splits sequences with --cp")
+    kv = None if spec.uses_mla else spec.num_kv_heads
+    problem = parallel.sp_problem(sp, world, spec.num_heads, kv)
+    if problem:
+        ok = ", ".join(
+            str(d) for d in parallel.divisors(world) if not parallel.sp_problem(d, world, spec.num_heads, kv)
+        )
+        raise UserError(f"parallel.sp={sp}: {problem} ({spec.name} on {world} ranks); valid sp: {ok}")
+
+
 def rollout_tp_problem(spec: ModelSpec, tp: int) -> str | None:
     """vLLM/SGLang split the heads; KV heads are split, or replicated when TP exceeds them."""
     if spec.num_heads % tp:

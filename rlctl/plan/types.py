@@ -76,6 +76,7 @@ class Plan:
     dp: int
     cp: int
     ep: int
+    sp: int  # Ulysses sequence parallel size (FSDP engine)
     sequence_parallel: bool
     rollout: str | None  # hf | vllm | sglang; None for sft
     rollout_tp: int

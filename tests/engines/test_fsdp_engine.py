@@ -482,7 +482,7 @@ def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, t
     from rlctl.plan import apply_plan
 
     raw = make_cfg(tiny_model_dir, data_file, tmp_path, parallel__offload_optimizer=True, model__attn="auto")
-    plan = SimpleNamespace(**cpu_plan(1, backend="megatron", tp=2, pp=1, ep=1, activation_checkpointing=True))
+    plan = SimpleNamespace(**cpu_plan(1, backend="megatron", tp=2, pp=1, ep=1, sp=2, activation_checkpointing=True))
     assert EngineSpec.from_config(apply_plan(raw, plan)) == EngineSpec(
         backend="megatron",
         device="cpu",
@@ -491,6 +491,7 @@ def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, t
         pp=1,
         cp=1,
         ep=1,
+        sp=2,  # from the plan (None in the config)
         sequence_parallel=False,
         activation_checkpointing=True,  # from the plan ("auto" in the config)
         offload_params=False,

@@ -218,7 +218,7 @@ def test_overrides_are_honoured():
         rollout={"engine": "vllm", "tp": 2, "mem_fraction": 0.4},
         train={"micro_batch_size": 2},
     )
-    assert (p.backend, p.tp, p.pp, p.dp) == ("megatron", 2, 1, 4)
+    assert (p.backend, p.tp, p.pp, p.dp, p.sp) == ("megatron", 2, 1, 4, 1)
     assert (p.rollout, p.rollout_tp, p.rollout_mem_fraction) == ("vllm", 2, 0.4)
     assert (p.micro_batch_size, p.activation_checkpointing, p.offload_optimizer) == (2, False, True)
     s = p.estimate.settings
@@ -256,6 +256,12 @@ def test_overrides_are_honoured():
             {"rollout": {"tp": 7}},
             r"rollout.tp=7: 7 neither divides nor is a multiple of the 4 KV heads; valid rollout tp: 1, 2, 4$",
         ),
+        (
+            {"parallel": {"sp": 3}},
+            r"parallel.sp=3: 3 does not divide the 8 ranks \(Qwen2.5-7B on 8 ranks\); valid sp: 1, 2, 4$",
+        ),
+        ({"parallel": {"sp": 8}}, r"parallel.sp=8: 8 does not divide the 28 attention heads"),
+        ({"parallel": {"backend": "megatron", "sp": 2}}, r"parallel.sp=2 is the FSDP engine's; Megatron .* --cp$"),
         ({"lora": {"rank": 8, "targets": "q_proj,vproj"}}, r"no linear module 'vproj' \(did you mean v_proj"),
     ],
 )

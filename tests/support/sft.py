@@ -69,6 +69,7 @@ def cpu_plan(nproc: int, **overrides) -> CpuPlan:
         "dp": nproc,
         "cp": 1,
         "ep": 1,
+        "sp": 1,
         "sequence_parallel": False,
         "rollout": None,
         "rollout_mem_fraction": 0.5,
