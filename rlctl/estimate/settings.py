@@ -242,8 +242,6 @@ class MemorySettings:
             return
         if self.backend != "fsdp":
             raise UserError(f"sp {self.sp}: Ulysses sequence parallelism is the fsdp engine's; Megatron uses --cp")
-        if self.gpus % self.sp:
-            raise UserError(f"sp {self.sp} must divide the {self.gpus} GPUs")
-        problem = sp_problem(self.sp, spec.num_heads, None if spec.uses_mla else spec.num_kv_heads)
+        problem = sp_problem(self.sp, self.gpus, spec.num_heads, None if spec.uses_mla else spec.num_kv_heads)
         if problem:
-            raise UserError(f"sp {self.sp}: {problem} of {spec.name}")
+            raise UserError(f"sp {self.sp}: {problem} ({spec.name} on {self.gpus} GPUs)")

@@ -53,6 +53,9 @@ def plan_with_search(cfg: RunConfig, local: LocalEnv, *, host_memory_bytes: int 
     decisions += explain_search(tier, result)
     warnings += backend_warnings(job, result.option.backend, local)
     decisions.append(layout_decision(job, est.settings))
+    sp = sp_decision(job, est)
+    if sp is not None:
+        decisions.append(sp)
     if est.fits:
         decisions += offload_decisions(job, est.settings)
         est = relax(job, est, decisions)
@@ -92,6 +95,10 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         if tier == "megatron" and job.device == "cpu":
             raise UserError("parallel.backend=megatron needs CUDA GPUs; on CPU use fsdp")
     tier = backend_the_engine_runs(job, tier, decisions)
+    if p.backend == "auto" and tier == "megatron" and (p.sp or 1) > 1:
+        why = f"backend fsdp: parallel.sp={p.sp} is the FSDP engine's Ulysses sequence parallelism"
+        decisions.append(Decision("parallel.backend", "fsdp", why))
+        tier = "fsdp"
     rules.check_overrides(
         job.spec,
         backend=tier,
@@ -259,7 +266,10 @@ def options_for(job: Job, tier: str) -> list[Option]:
     return sorted(options, key=lambda o: o.cost)  # stable: Megatron before FSDP2 at the same cost
 
 
-def _search_order(job: Job, options: list[Option]) -> list[tuple[Option, tuple[int, int, int], int]]:
+Layout = tuple[int, int, int, int]  # (tp, pp, ep, sp)
+
+
+def _search_order(job: Job, options: list[Option]) -> list[tuple[Option, Layout, int]]:
     """(option, (tp, pp, ep), rollout TP) in the order tried: rollout TP inside a node before any offload
     (option, then layout, then TP); a rollout TP across nodes after every option (TP first)."""
     tps = _rollout_tps(job)
@@ -269,11 +279,22 @@ def _search_order(job: Job, options: list[Option]) -> list[tuple[Option, tuple[i
     return order + [(o, lay, t) for t in across for o in options for lay in layouts[o.backend]]
 
 
-def _layouts(job: Job, backend: str) -> list[tuple[int, int, int]]:
+def _layouts(job: Job, backend: str) -> list[Layout]:
+    """FSDP: each Ulysses sequence-parallel size, smallest first; Megatron: its (tp, pp, ep) layouts."""
     p = job.cfg.parallel
     if backend == "fsdp":
-        return [(1, 1, 1)]
-    return rules.megatron_layouts(job.spec, world=job.world, per_node=job.nproc, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp)
+        return [(1, 1, 1, sp) for sp in _sp_sizes(job)]
+    layouts = rules.megatron_layouts(job.spec, world=job.world, per_node=job.nproc, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp)
+    return [(tp, pp, ep, 1) for tp, pp, ep in layouts]
+
+
+def _sp_sizes(job: Job) -> list[int]:
+    """Ulysses SP sizes to try: as configured, else 1 then each size inside a node (the all-to-all of every
+    layer wants the node's links) that the heads, the ranks and the job allow (rlctl.plan.rules.sp_sizes)."""
+    sp = job.cfg.parallel.sp
+    if sp is not None:
+        return [sp]
+    return rules.sp_sizes(job.spec, world=job.world, per_node=job.nproc, refused=rules.sp_refusal(job.cfg))
 
 
 def _rollout_tps(job: Job) -> list[int]:
@@ -300,14 +321,14 @@ def search(job: Job, options: list[Option]) -> SearchResult:
     closest: dict[Option, MemoryEstimate] = {}
     tried: dict[Option, set] = {}
     update_fits: dict[tuple, bool] = {}
-    for option, (tp, pp, ep), rollout_tp in _search_order(job, options):
-        key = (option, tp, pp, ep)
+    for option, layout, rollout_tp in _search_order(job, options):
+        key = (option, layout)
         if update_fits.get(key) is False:
             continue  # the update does not depend on the rollout TP
-        est, update_fits[key] = _attempt(job, option, tp, pp, ep, rollout_tp)
+        est, update_fits[key] = _attempt(job, option, layout, rollout_tp)
         if option not in closest or _shortfall(est) < _shortfall(closest[option]):
             closest[option] = est
-        tried.setdefault(option, set()).add((tp, pp, ep))
+        tried.setdefault(option, set()).add(layout)
         if not update_fits[key] or not est.fits:
             continue
         if not margin_ok(est):
@@ -328,9 +349,9 @@ def search(job: Job, options: list[Option]) -> SearchResult:
     return SearchResult(best.closest, best.option, rejected=rejected)
 
 
-def _attempt(job: Job, option: Option, tp: int, pp: int, ep: int, rollout_tp: int) -> tuple[MemoryEstimate, bool]:
+def _attempt(job: Job, option: Option, layout: Layout, rollout_tp: int) -> tuple[MemoryEstimate, bool]:
     """The estimate of one combination, and whether its update fits the GPU (without the margin)."""
-    p = job.cfg.parallel
+    p, (tp, pp, ep, sp) = job.cfg.parallel, layout
     ckpt, sp_user = p.activation_checkpointing, p.sequence_parallel
     megatron = option.backend == "megatron"
     s = settings_for(
@@ -339,6 +360,7 @@ def _attempt(job: Job, option: Option, tp: int, pp: int, ep: int, rollout_tp: in
         tp=tp,
         pp=pp,
         ep=ep,
+        sp=sp,
         sequence_parallel=(megatron and tp > 1) if sp_user is None else (sp_user and megatron),
         rollout_tp=rollout_tp,
         micro_batch=job.cfg.train.micro_batch_size or 1,
@@ -513,7 +535,10 @@ def why_not(est: MemoryEstimate) -> str:
 
 
 def describe_layout(s: MemorySettings) -> str:
-    text = f"dp {s.dp}" if s.backend == "fsdp" else f"tp {s.tp} x pp {s.pp}" + (f" x ep {s.ep}" if s.ep > 1 else "")
+    if s.backend == "fsdp":
+        text = f"dp {s.dp}" + (f" x sp {s.sp}" if s.sp > 1 else "")
+    else:
+        text = f"tp {s.tp} x pp {s.pp}" + (f" x ep {s.ep}" if s.ep > 1 else "")
     return text + (f", rollout tp {s.rollout_tp}" if s.is_rl else "")
 
 
@@ -552,14 +577,14 @@ def backend_warnings(job: Job, backend: str, local: LocalEnv) -> list[str]:
 
 
 def layout_decision(job: Job, s: MemorySettings) -> Decision:
-    value = {"tp": s.tp, "pp": s.pp, "dp": s.dp, "ep": s.ep, "sequence_parallel": s.sequence_parallel}
+    value = {"tp": s.tp, "pp": s.pp, "dp": s.dp, "ep": s.ep, "sp": s.sp, "sequence_parallel": s.sequence_parallel}
     if s.backend == "fsdp" and not s.sharded:
         one = "one GPU" if job.device == "cuda" else "one process"
         return Decision("parallel", value, f"parallel: {one}, the plain module (no FSDP): every state on it")
     if s.backend == "fsdp":
         why = (
-            f"parallel: FSDP2 full shard, dp {s.dp}: weights, gradients and optimizer states split over "
-            f"{job.world} ranks"
+            f"parallel: FSDP2 full shard, {describe_layout(replace(s, method='sft'))}: weights, gradients and "
+            f"optimizer states split over {s.fsdp_shards} ranks"
         )
         return Decision("parallel", value, why)
     ep = f" x ep {s.ep}" if s.ep > 1 else ""
@@ -567,6 +592,31 @@ def layout_decision(job: Job, s: MemorySettings) -> Decision:
         ", sequence parallel on" if s.sequence_parallel else ""
     )
     return Decision("parallel", value, why)
+
+
+def sp_decision(job: Job, est: MemoryEstimate) -> Decision | None:
+    """Why the search split each sequence (Ulysses SP it chose, not configured): the update at sp 1 and at
+    the chosen size, the activations and logits that divide, the all-to-all buffers that come on top."""
+    s = est.settings
+    if s.sp == 1 or job.cfg.parallel.sp is not None:
+        return None
+    one = estimate_memory(job.spec, job.gpu, replace(s, sp=1)).phases["training"]
+    at = est.phases["training"]
+    limit = job.memory * (1 - rules.tiers()["memory"]["margin_fraction"])
+
+    def gib(phase, key: str) -> str:
+        return f"{phase.components.get(key, 0) / GIB:.1f}"
+
+    tokens = replace(s, sp=1).tokens_per_micro_batch
+    why = (
+        f"sp {s.sp} (Ulysses sequence parallelism): at sp 1 a {tokens}-token micro batch needs "
+        f"{gib(one, 'activations')} GiB of activations and {gib(one, 'logits')} GiB of logits "
+        f"per GPU, the update {one.total_bytes / GIB:.1f} GiB (the limit: {limit / GIB:.1f} GiB); sp {s.sp} "
+        f"splits each sequence over {s.sp} GPUs: activations {gib(at, 'activations')} GiB, logits "
+        f"{gib(at, 'logits')} GiB, all-to-all buffers {gib(at, 'sp_all_to_all')} GiB, the update "
+        f"{at.total_bytes / GIB:.1f} GiB"
+    )
+    return Decision("parallel.sp", s.sp, why)
 
 
 def offload_decisions(job: Job, s: MemorySettings) -> list[Decision]:
@@ -648,7 +698,7 @@ def _plan(job: Job, est: MemoryEstimate, decisions: list[Decision], warnings: li
         dp=s.dp,
         cp=s.cp,
         ep=s.ep,
-        sp=cfg.parallel.sp or 1,
+        sp=s.sp,
         sequence_parallel=s.sequence_parallel,
         rollout=job.engine,
         rollout_tp=s.rollout_tp if rl else 0,

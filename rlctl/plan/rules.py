@@ -98,6 +98,26 @@ def check_sp(spec: ModelSpec, *, backend: str, sp: int | None, world: int) -> No
         raise UserError(f"parallel.sp={sp}: {problem} ({spec.name} on {world} ranks); valid sp: {ok}")
 
 
+def sp_sizes(spec: ModelSpec, *, world: int, per_node: int, refused: str | None = None) -> list[int]:
+    """Ulysses SP sizes the planner tries, smallest first: 1, then the powers of two up to a node's GPUs
+    (the all-to-all of every layer stays on the node's links) that split the ranks and the heads;
+    only 1 when the job's settings cannot run with SP (``refused``)."""
+    if refused is not None:
+        return [1]
+    kv = None if spec.uses_mla else spec.num_kv_heads
+    return [
+        sp
+        for sp in POWERS_OF_TWO
+        if sp <= per_node and (sp == 1 or parallel.sp_problem(sp, world, spec.num_heads, kv) is None)
+    ]
+
+
+def sp_refusal(cfg) -> str | None:
+    """Why this job cannot run with Ulysses SP on the FSDP engine (what the engine refuses before launch);
+    None when it can."""
+    return None
+
+
 def rollout_tp_problem(spec: ModelSpec, tp: int) -> str | None:
     """vLLM/SGLang split the heads; KV heads are split, or replicated when TP exceeds them."""
     if spec.num_heads % tp:
