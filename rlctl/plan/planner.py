@@ -321,10 +321,16 @@ def search(job: Job, options: list[Option]) -> SearchResult:
     closest: dict[Option, MemoryEstimate] = {}
     tried: dict[Option, set] = {}
     update_fits: dict[tuple, bool] = {}
+    sp_needed: dict[Option, bool] = {}
     for option, layout, rollout_tp in _search_order(job, options):
         key = (option, layout)
         if update_fits.get(key) is False:
             continue  # the update does not depend on the rollout TP
+        if layout[3] > 1 and job.cfg.parallel.sp is None:
+            if option not in sp_needed:
+                sp_needed[option] = _sp_needed(job, option, rollout_tp)
+            if not sp_needed[option]:
+                continue
         est, update_fits[key] = _attempt(job, option, layout, rollout_tp)
         if option not in closest or _shortfall(est) < _shortfall(closest[option]):
             closest[option] = est
@@ -347,6 +353,20 @@ def search(job: Job, options: list[Option]) -> SearchResult:
         return fallback
     best = min(rejected, key=lambda r: _shortfall(r.closest))
     return SearchResult(best.closest, best.option, rejected=rejected)
+
+
+def _update_ok(est: MemoryEstimate) -> bool:
+    """The update (training phase) fits the GPU with the safety margin."""
+    return est.phases["training"].total_bytes <= est.gpu_memory_bytes * (1 - rules.tiers()["memory"]["margin_fraction"])
+
+
+def _sp_needed(job: Job, option: Option, rollout_tp: int) -> bool:
+    """Ulysses SP is tried for an option only when it makes the difference: the update does not fit with
+    the margin at sp 1 and does at the largest size tried (otherwise the sequence is not the problem)."""
+    sizes = _sp_sizes(job)
+    one, _ = _attempt(job, option, (1, 1, 1, 1), rollout_tp)
+    top, _ = _attempt(job, option, (1, 1, 1, sizes[-1]), rollout_tp)
+    return not _update_ok(one) and _update_ok(top)
 
 
 def _attempt(job: Job, option: Option, layout: Layout, rollout_tp: int) -> tuple[MemoryEstimate, bool]:

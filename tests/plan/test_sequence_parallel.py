@@ -62,16 +62,21 @@ def test_a_configured_sp_is_kept_and_sp_1_falls_back_to_offload():
 
 
 def test_sp_sizes_respect_the_heads_and_the_node():
-    # Qwen2.5-7B has 28 heads: sp 8 is never tried, so a 128k response gets sp 4, the closest (it does not fit)
-    p = long_plan(rollout={"max_response_len": 131072})
-    assert (p.sp, p.fits) == (4, False)
-    assert "closest of 3 layouts" in next(d.why for d in p.decisions if d.key == "rejected")  # sp 1, 2, 4
+    # a 64k response: sp 2 is not enough, and sp 4 the largest Qwen2.5-7B's 28 heads allow (sp 1, 2, 4 tried)
+    p = long_plan(rollout={"max_response_len": 65536})
+    assert (p.sp, p.fits) == (4, True)
+    assert "(the closest of 3 layouts)" in next(d.why for d in p.decisions if d.key == "rejected")
+    two = estimate_memory(resolve_model("Qwen2.5-7B"), resolve_gpu("H100-80GB"), replace(p.estimate.settings, sp=2))
+    assert two.phases["training"].total_bytes > two.gpu_memory_bytes * 0.95
+    # a 128k response does not fit at sp 4 either: SP is not what makes the difference, so not tried
+    far = long_plan(rollout={"max_response_len": 131072})
+    assert (far.sp, far.fits) == (1, False) and not any(d.key == "parallel.sp" for d in far.decisions)
     # on 2 GPUs per node, sp 2 is the largest tried
-    two = resolve_plan(
-        cfg_for("grpo", **{**LONG, "hardware": {"gpus": 2, "gpu": "H100-80GB"}}, rollout=RESPONSE_32K), local=LAPTOP
-    )
-    assert two.sp == two.estimate.settings.sp == 2
-    assert "(the closest of 2 layouts)" in next(d.why for d in two.decisions if d.key == "rejected")  # sp 1, 2
+    two_gpus = {**LONG, "hardware": {"gpus": 2, "gpu": "H100-80GB"}}
+    small = resolve_plan(cfg_for("grpo", **two_gpus, rollout=RESPONSE_32K), local=LAPTOP)
+    assert small.sp == small.estimate.settings.sp == 2
+    assert "dp 1 x sp 2:" in next(d.why for d in small.decisions if d.key == "parallel")
+    assert small.offload_params  # the states of 7.6B parameters need the CPU on 2 GPUs; sp 2 the sequence
     with pytest.raises(UserError, match=re.escape("parallel.sp=8: 8 does not divide the 28 attention heads")):
         long_plan(parallel={"sp": 8})
 
