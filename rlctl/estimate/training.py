@@ -21,7 +21,13 @@ from rlctl.estimate.inventory import (
     lora_params,
     tensors,
 )
-from rlctl.estimate.settings import ADAM_STATE_BYTES, CHUNK_LOGIT_BYTES, LOGIT_EXTRA_BYTES, MemorySettings
+from rlctl.estimate.settings import (
+    ADAM_STATE_BYTES,
+    CHUNK_LOGIT_BYTES,
+    LOGIT_EXTRA_BYTES,
+    SP_GATHERS_LOGITS,
+    MemorySettings,
+)
 
 
 @lru_cache(maxsize=64)
@@ -226,16 +232,18 @@ def attention_saved_layers(s: MemorySettings, stage: Stage) -> int:
 
 
 def ulysses_bytes(spec: ModelSpec, s: MemorySettings, stage: Stage) -> int:
-    """What Ulysses sequence parallelism adds on one GPU beyond ``1 / sp`` of the activations.
+    """What Ulysses sequence parallelism adds on one GPU beyond ``1 / sp`` of the activations, as
+    rlctl.engines.ulysses runs it.
 
-    Per layer, the Q, K and V of the local ``T / sp`` tokens (all heads) are exchanged by an
-    all-to-all for ``heads / sp`` over all ``T`` tokens, and the attention output is exchanged back:
-    - in flight, one layer at a time: the exchange's send and receive buffers, ``2 (q + 2 kv) T / sp``
-      values (the forward's Q, K, V, or the backward's dQ, dK, dV);
-    - saved, for each layer whose attention tensors are alive: the output in both layouts (the
-      attention keeps the head-sharded one, the output projection its sequence-sharded input; one
-      tensor without SP), ``q T / sp``, and, when the KV heads are repeated up to ``sp``, the
-      repeated K and V beyond the model's ``2 kv T / sp``.
+    Per layer, the Q, K and V of the local ``T / sp`` tokens (all heads) are traded by all-to-all for
+    ``heads / sp`` over all ``T`` tokens, attention runs, and its output is traded back:
+    - in flight, the layer being computed: its Q, K, V in the sequence layout wait beside their traded
+      copies until attention runs, ``(q + 2 kv) T / sp`` values (with the KV heads repeated up to
+      ``sp``, the repeated K and V too), and one trade's contiguous send and receive buffers, the
+      largest Q's, ``2 q T / sp``;
+    - saved, for each layer whose attention tensors are alive: the output in both layouts (attention
+      keeps the head-sharded one, the output projection its sequence-sharded input; one tensor
+      without SP), ``q T / sp``, and the repeated K and V beyond the model's ``2 kv T / sp``.
     ``q`` = heads x head_dim, ``kv`` = KV heads x head_dim, in the compute dtype. 0 without SP.
     """
     if s.sp == 1:
@@ -243,16 +251,19 @@ def ulysses_bytes(spec: ModelSpec, s: MemorySettings, stage: Stage) -> int:
     tokens, cb = s.tokens_per_micro_batch, s.compute_bytes
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     kv_sent = sp_kv_heads(s.sp, spec.num_kv_heads) * spec.head_dim
-    in_flight = 2 * (q + 2 * kv_sent)
+    repeated = 2 * kv_sent if kv_sent > kv else 0
+    in_flight = q + 2 * kv + repeated + 2 * q
     saved = q + 2 * (kv_sent - kv)
     return cb * tokens * (in_flight + attention_saved_layers(s, stage) * saved)
 
 
 def logit_tokens(s: MemorySettings) -> int:
-    """Positions whose logits the loss needs on one GPU: every token of its share (SFT); in RL with a
-    chunked loss the engine computes logits at the response positions only. Under Ulysses SP each GPU
-    computes the logits of its ``1 / sp`` of the sequence."""
-    tokens = s.tokens_per_micro_batch
+    """Positions whose logits the loss needs on one GPU: every token (SFT); in RL with a chunked loss
+    the engine computes logits at the response positions only. Under Ulysses SP each GPU computes the
+    logits of its ``1 / sp`` of the sequence; the loss then holds those of the whole micro batch on
+    every GPU while the engine gathers them (:data:`SP_GATHERS_LOGITS`), else its share only."""
+    share = 1 if SP_GATHERS_LOGITS else s.sp
+    tokens = (s.micro_batch_tokens or s.micro_batch * s.seq_len) // (s.cp * share)
     if s.is_rl and s.loss_chunk:
         return math.ceil(tokens * s.response_len / s.seq_len)
     return tokens
@@ -261,13 +272,17 @@ def logit_tokens(s: MemorySettings) -> int:
 def logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
     """Logits alive at the loss's peak. Unfused (the peak is in the loss's backward): ``b s V`` logits
     in the compute dtype, the fp32 log-softmax saved for the backward, its fp32 gradient and the
-    logits' gradient in the compute dtype (12 bytes per value in bf16). Chunked (``loss_chunk`` tokens at a time, the
-    chunk's backward before the next chunk): one chunk's logits, fp32 upcast, log-softmax and
-    gradient. Vocabulary-parallel under TP."""
-    vocab = math.ceil(spec.vocab_size / s.tp)
-    if s.loss_chunk:
-        return min(s.loss_chunk, logit_tokens(s)) * vocab * (s.compute_bytes + CHUNK_LOGIT_BYTES)
-    return logit_tokens(s) * vocab * (2 * s.compute_bytes + LOGIT_EXTRA_BYTES)
+    logits' gradient in the compute dtype (12 bytes per value in bf16). Chunked (``loss_chunk`` tokens
+    at a time, the chunk's backward before the next chunk): one chunk's logits, fp32 upcast, log-softmax
+    and gradient; under Ulysses SP with gathered logits the whole micro batch's logits and their
+    gradient exist anyway, beside the chunk. Vocabulary-parallel under TP."""
+    vocab, cb, tokens = math.ceil(spec.vocab_size / s.tp), s.compute_bytes, logit_tokens(s)
+    if not s.loss_chunk:
+        return tokens * vocab * (2 * cb + LOGIT_EXTRA_BYTES)
+    chunk = min(s.loss_chunk, tokens) * vocab * (cb + CHUNK_LOGIT_BYTES)
+    if s.sp > 1 and SP_GATHERS_LOGITS:
+        return tokens * vocab * 2 * cb + min(s.loss_chunk, tokens) * vocab * CHUNK_LOGIT_BYTES
+    return chunk
 
 
 def critic_params(spec: ModelSpec) -> int:

@@ -27,6 +27,7 @@ from rlctl.catalog import active_params
 from rlctl.config import RunConfig
 from rlctl.errors import UserError
 from rlctl.estimate.memory import GIB, MemoryEstimate, MemorySettings, estimate_memory
+from rlctl.estimate.settings import SP_GATHERS_LOGITS
 from rlctl.plan import rules
 from rlctl.plan.inputs import OPTIONAL_PACKAGES, Job, LocalEnv, resolve_job, settings_for
 from rlctl.plan.types import Decision, Plan, Verdict
@@ -61,6 +62,8 @@ def plan_with_search(cfg: RunConfig, local: LocalEnv, *, host_memory_bytes: int 
         est = relax(job, est, decisions)
     if job.is_rl:
         rollout_decisions(job, est, result.kv_short, decisions, warnings)
+    if est.settings.sp > 1:
+        sp_attention(job, est.settings.sp)
     decisions += job.later
     if est.fits and not margin_ok(est):
         warnings.append(
@@ -110,7 +113,7 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         rollout_tp=cfg.rollout.tp,
         is_rl=job.is_rl,
     )
-    rules.check_sp(job.spec, backend=tier, sp=p.sp, world=job.world)
+    rules.check_sp(job.spec, cfg, backend=tier, sp=p.sp, world=job.world)
     if job.is_rl:
         rules.check_rollout_engine_tp(job.engine, cfg.rollout.tp)
     return tier
@@ -615,28 +618,69 @@ def layout_decision(job: Job, s: MemorySettings) -> Decision:
 
 
 def sp_decision(job: Job, est: MemoryEstimate) -> Decision | None:
-    """Why the search split each sequence (Ulysses SP it chose, not configured): the update at sp 1 and at
-    the chosen size, the activations and logits that divide, the all-to-all buffers that come on top."""
+    """Ulysses SP the search chose (not configured), and why: the update at sp 1 and at the chosen size, the
+    activations that divide, the logits, the all-to-all buffers on top. At sp 1 when the update does not fit:
+    why splitting the sequence was not enough either."""
     s = est.settings
-    if s.sp == 1 or job.cfg.parallel.sp is not None:
+    if job.cfg.parallel.sp is not None:
         return None
-    one = estimate_memory(job.spec, job.gpu, replace(s, sp=1)).phases["training"]
+    one = estimate_memory(job.spec, job.gpu, replace(s, sp=1))
+    if s.sp == 1:
+        return _sp_not_enough(job, one)
     at = est.phases["training"]
-    limit = job.memory * (1 - rules.tiers()["memory"]["margin_fraction"])
-
-    def gib(phase, key: str) -> str:
-        return f"{phase.components.get(key, 0) / GIB:.1f}"
-
-    tokens = replace(s, sp=1).tokens_per_micro_batch
     why = (
-        f"sp {s.sp} (Ulysses sequence parallelism): at sp 1 a {tokens}-token micro batch needs "
-        f"{gib(one, 'activations')} GiB of activations and {gib(one, 'logits')} GiB of logits "
-        f"per GPU, the update {one.total_bytes / GIB:.1f} GiB (the limit: {limit / GIB:.1f} GiB); sp {s.sp} "
-        f"splits each sequence over {s.sp} GPUs: activations {gib(at, 'activations')} GiB, logits "
-        f"{gib(at, 'logits')} GiB, all-to-all buffers {gib(at, 'sp_all_to_all')} GiB, the update "
+        f"sp {s.sp} (Ulysses sequence parallelism): at sp 1 a {one.settings.tokens_per_micro_batch}-token micro "
+        f"batch needs {_gib(one, 'activations')} GiB of activations and {_gib(one, 'logits')} GiB of logits per "
+        f"GPU, the update {one.phases['training'].total_bytes / GIB:.1f} GiB (the limit: {_limit(job) / GIB:.1f} "
+        f"GiB); sp {s.sp} splits each sequence over {s.sp} GPUs: activations {_gib(est, 'activations')} GiB, "
+        f"logits {_gib(est, 'logits')} GiB, all-to-all buffers {_gib(est, 'sp_all_to_all')} GiB, the update "
         f"{at.total_bytes / GIB:.1f} GiB"
     )
     return Decision("parallel.sp", s.sp, why)
+
+
+def _gib(est: MemoryEstimate, key: str) -> str:
+    return f"{est.phases['training'].components.get(key, 0) / GIB:.1f}"
+
+
+def _limit(job: Job) -> float:
+    return job.memory * (1 - rules.tiers()["memory"]["margin_fraction"])
+
+
+def _sp_not_enough(job: Job, one: MemoryEstimate) -> Decision | None:
+    """sp 1 although the update does not fit: what the largest SP size would leave (None when the update fits
+    or no SP size can run)."""
+    sizes = _sp_sizes(job)
+    if _update_ok(one) or len(sizes) == 1:
+        return None
+    top = estimate_memory(job.spec, job.gpu, replace(one.settings, sp=sizes[-1]))
+    if _update_ok(top):
+        return None
+    logits = (
+        f"the logits of the whole micro batch ({_gib(top, 'logits')} GiB) stay on every GPU for the loss"
+        if SP_GATHERS_LOGITS
+        else f"logits {_gib(one, 'logits')} -> {_gib(top, 'logits')} GiB"
+    )
+    why = (
+        f"sp 1: splitting each sequence over sp {sizes[-1]} GPUs (the most the heads and a node allow) would "
+        f"still need {top.phases['training'].total_bytes / GIB:.1f} GiB for the update (the limit: "
+        f"{_limit(job) / GIB:.1f} GiB): activations {_gib(one, 'activations')} -> {_gib(top, 'activations')} GiB, "
+        f"{logits}"
+    )
+    return Decision("parallel.sp", 1, why)
+
+
+def sp_attention(job: Job, sp: int) -> None:
+    """Ulysses SP runs attention with sdpa per document (rlctl.engines.ulysses): the plan's attention, its
+    reason, and no flash-attn warning."""
+    job.attn = "sdpa"
+    job.later = [
+        Decision("model.attn", "sdpa", f"attn sdpa: Ulysses sequence parallelism (sp {sp}) runs sdpa per document")
+        if d.key == "model.attn"
+        else d
+        for d in job.later
+    ]
+    job.warnings[:] = [w for w in job.warnings if not w.startswith("flash-attn is not installed here")]
 
 
 def offload_decisions(job: Job, s: MemorySettings) -> list[Decision]:

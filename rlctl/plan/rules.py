@@ -11,6 +11,7 @@ from functools import lru_cache
 
 from rlctl.catalog import parallel, pipeline_split
 from rlctl.catalog.spec import ModelSpec
+from rlctl.config import RunConfig
 from rlctl.errors import UserError
 from rlctl.plan.types import Decision
 
@@ -83,10 +84,12 @@ def valid_tps(spec: ModelSpec, limit: int) -> list[int]:
     return [t for t in range(1, limit + 1) if tp_problem(spec, t) is None]
 
 
-def check_sp(spec: ModelSpec, *, backend: str, sp: int | None, world: int) -> None:
+def check_sp(spec: ModelSpec, cfg: RunConfig, *, backend: str, sp: int | None, world: int) -> None:
     """Validate the Ulysses sequence-parallel size a user set (None: not set); UserError names the valid sizes."""
     if sp is None or sp == 1:
         return
+    if refused := sp_refusal(cfg):
+        raise UserError(f"parallel.sp={sp}: {refused}; set model.attn=sdpa (or auto), or parallel.sp=1")
     if backend != "fsdp":
         raise UserError(f"parallel.sp={sp} is the FSDP engine's; Megatron splits sequences with --cp")
     kv = None if spec.uses_mla else spec.num_kv_heads
@@ -112,9 +115,11 @@ def sp_sizes(spec: ModelSpec, *, world: int, per_node: int, refused: str | None 
     ]
 
 
-def sp_refusal(cfg) -> str | None:
-    """Why this job cannot run with Ulysses SP on the FSDP engine (what the engine refuses before launch);
-    None when it can."""
+def sp_refusal(cfg: RunConfig) -> str | None:
+    """Why this job cannot run with Ulysses SP on the FSDP engine (what rlctl.engines.ulysses refuses);
+    None when it can. The planner then keeps sp 1."""
+    if cfg.model.attn not in ("auto", "sdpa"):
+        return f"model.attn={cfg.model.attn}: Ulysses sequence parallelism runs attention with sdpa per document"
     return None
 
 

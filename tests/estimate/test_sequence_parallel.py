@@ -2,7 +2,8 @@
 
 Qwen2.5-7B: hidden 3584, MLP 18944, 28 layers, 28 heads and 4 KV heads of 128 (q = 3584, kv = 512),
 vocabulary 152064. GRPO with a 512-token prompt and a 32768-token response: T = 33280 tokens per
-sequence, so each GPU of an SP group of size N computes T / N tokens.
+sequence, so each GPU of an SP group of size N computes T / N tokens. The engine
+(rlctl.engines.ulysses) gathers the logits of the whole micro batch on every GPU of the group.
 """
 
 from __future__ import annotations
@@ -34,25 +35,36 @@ def test_activations_and_logits_are_those_of_t_over_sp_tokens(sp):
     t = T // sp
     full_layer = 2 * t * (4 * H + 2 * Q + 2 * KV + 4 * F)  # bf16: norms and inputs, Q K V out, gated MLP
     assert c["activations"] == L * 2 * t * H + full_layer  # checkpointing: each layer's input + one recomputed
-    assert c["logits"] == t * V * (2 + 2 + 4 + 4)
+    assert c["logits"] == T * V * (2 + 2 + 4 + 4)  # gathered: the whole micro batch's logits at the loss
     one = train(**LONG, sp=1)
-    assert c["activations"] * sp == one["activations"] and c["logits"] * sp == one["logits"]
+    assert c["activations"] * sp == one["activations"] and c["logits"] == one["logits"]
     for key in ("weights", "gradients", "optimizer_states", "unsharded_buffers", "reference_model"):
         assert c[key] == one[key]  # FSDP2 shards the states over all 8 GPUs (dp x sp), whatever sp is
+
+
+def test_a_chunked_loss_under_sp_still_holds_the_gathered_logits():
+    chunk = 1024
+    sp1 = train(**LONG, loss_chunk=chunk)["logits"]
+    assert sp1 == chunk * V * (2 + 12)  # one chunk's logits and its fp32 upcast, log-softmax, gradient
+    response = 32768  # RL with a chunked loss: logits at the response positions only
+    assert train(**LONG, loss_chunk=chunk, sp=2)["logits"] == response * V * 2 * 2 + chunk * V * 12
 
 
 def test_all_to_all_buffers_by_hand():
     assert "sp_all_to_all" not in train(**LONG)
     t = T // 2
-    exchange = 2 * (Q + 2 * KV)  # one layer's send and receive buffers of Q, K, V
+    # the layer in flight: its Q, K, V in the sequence layout beside their traded copies, and one trade's
+    # send and receive buffers (Q's, the largest)
+    in_flight = (Q + 2 * KV) + 2 * Q
     ckpt = train(**LONG, sp=2)
-    assert ckpt["sp_all_to_all"] == 2 * t * (exchange + Q)  # + the recomputed layer's output in both layouts
+    assert ckpt["sp_all_to_all"] == 2 * t * (in_flight + Q)  # + the recomputed layer's output in both layouts
     none = train(**LONG, sp=2, activation_checkpointing=False)
-    assert none["sp_all_to_all"] == 2 * t * (exchange + L * Q)  # every layer keeps its output twice
+    assert none["sp_all_to_all"] == 2 * t * (in_flight + L * Q)  # every layer keeps its output twice
     # Qwen2.5-1.5B (12 heads, 2 KV heads of 128): sp 4 repeats each KV head twice, one per GPU
     q, kv, kv4 = 12 * 128, 2 * 128, 4 * 128
     small = train("Qwen2.5-1.5B", method="sft", gpus=8, max_len=8192, sp=4)
-    assert small["sp_all_to_all"] == 2 * 2048 * (2 * (q + 2 * kv4) + q + 2 * (kv4 - kv))
+    repeated_in_flight = (q + 2 * kv) + 2 * kv4 + 2 * q
+    assert small["sp_all_to_all"] == 2 * 2048 * (repeated_in_flight + q + 2 * (kv4 - kv))
 
 
 def test_sp_settings_that_cannot_run_are_one_line_errors():
@@ -84,5 +96,5 @@ def test_cli_activation_line_scales_as_one_over_sp():
         lines[sp] = d["phases"]["training"]["components"]
     for sp in (2, 4):
         assert lines[1]["activations"] == sp * lines[sp]["activations"]
-        assert lines[1]["logits"] == sp * lines[sp]["logits"]
+        assert lines[1]["logits"] == lines[sp]["logits"]  # gathered over the SP group for the loss
     assert 0 < lines[4]["sp_all_to_all"] < lines[2]["sp_all_to_all"]

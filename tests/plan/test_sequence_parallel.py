@@ -1,4 +1,9 @@
-"""The planner and Ulysses sequence parallelism: SP when a sequence does not fit otherwise, said why."""
+"""The planner and Ulysses sequence parallelism: SP when a sequence does not fit otherwise, said why.
+
+The FSDP engine gathers the whole micro batch's logits on every GPU of an SP group for the loss
+(rlctl.estimate.settings.SP_GATHERS_LOGITS), so SP divides the activations only: it decides where the
+activations are what overflows (long sequences, a small vocabulary: Mistral-7B's 32768).
+"""
 
 from __future__ import annotations
 
@@ -15,75 +20,102 @@ from rlctl.plan import apply_plan, resolve_plan, what_to_rent
 from rlctl.plan.planner import good_fit
 from tests.plan.test_plan import LAPTOP, cfg_for
 
-LONG = {"model": {"name": "Qwen2.5-7B"}, "hardware": {"gpus": 8, "gpu": "H100-80GB"}}
-RESPONSE_32K = {"max_response_len": 32768}
+H100 = {"gpus": 8, "gpu": "H100-80GB"}
+MISTRAL_64K = {"model": {"name": "Mistral-7B"}, "hardware": H100, "rollout": {"max_response_len": 65536}}
+QWEN_32K = {"model": {"name": "Qwen2.5-7B"}, "hardware": H100, "rollout": {"max_response_len": 32768}}
 
 
-def long_plan(**sections):
-    layers = {**LONG, "rollout": RESPONSE_32K, **sections}
-    return resolve_plan(cfg_for("grpo", **layers), local=LAPTOP)
+def plan(layers: dict, **more):
+    return resolve_plan(cfg_for("grpo", **{**layers, **more}), local=LAPTOP)
 
 
-def test_a_32k_response_is_planned_with_the_smallest_sp_that_fits_and_says_why():
-    p = long_plan()
+def training(model: str, settings):
+    return estimate_memory(resolve_model(model), resolve_gpu("H100-80GB"), settings).phases["training"]
+
+
+def test_a_64k_response_is_planned_with_the_smallest_sp_that_fits_and_says_why():
+    p = plan(MISTRAL_64K)
     assert (p.backend, p.sp, p.dp, p.fits) == ("fsdp", 2, 4, True)
     assert not (p.offload_params or p.offload_optimizer or p.offload_activations)  # SP before any offload
-    s = p.estimate.settings
-    assert s.sp == 2 and p.decided("parallel")["sp"] == 2
-    why = next(d.why for d in p.decisions if d.key == "parallel.sp")
-    # the numbers in the reason are the estimator's at sp 1 and at sp 2
-    gpu, model = resolve_gpu("H100-80GB"), resolve_model("Qwen2.5-7B")
-    one = estimate_memory(model, gpu, replace(s, sp=1)).phases["training"]
+    assert p.estimate.settings.sp == 2 and p.decided("parallel")["sp"] == 2
+    assert p.attn == "sdpa" and p.decided("model.attn") == "sdpa"  # the engine's attention under SP
+    assert not any("flash-attn" in w for w in p.warnings)
+    # the numbers in the reason are the estimator's at sp 1 and at sp 2; sp 1 does not fit with the margin
+    one = training("Mistral-7B", replace(p.estimate.settings, sp=1))
+    assert one.total_bytes > 0.95 * resolve_gpu("H100-80GB").memory_bytes
     two = p.estimate.phases["training"].components
-    assert one.total_bytes > gpu.memory_bytes * 0.95  # sp 1 does not fit with the margin
-    expected = (
-        f"sp 2 (Ulysses sequence parallelism): at sp 1 a 33280-token micro batch needs "
+    why = next(d.why for d in p.decisions if d.key == "parallel.sp")
+    assert why.startswith(
+        f"sp 2 (Ulysses sequence parallelism): at sp 1 a 66048-token micro batch needs "
         f"{one.components['activations'] / GIB:.1f} GiB of activations and {one.components['logits'] / GIB:.1f} "
-        f"GiB of logits per GPU"
-    )
-    assert why.startswith(expected), why
-    assert f"logits {two['logits'] / GIB:.1f} GiB, all-to-all buffers {two['sp_all_to_all'] / GIB:.1f} GiB" in why
-    assert apply_plan(cfg_for("grpo", **LONG, rollout=RESPONSE_32K), p).parallel.sp == 2
+        f"GiB of logits per GPU, the update {one.total_bytes / GIB:.1f} GiB"
+    ), why
+    assert f"activations {two['activations'] / GIB:.1f} GiB" in why
+    assert f"all-to-all buffers {two['sp_all_to_all'] / GIB:.1f} GiB" in why
+    assert apply_plan(cfg_for("grpo", **MISTRAL_64K), p).parallel.sp == 2
 
 
 def test_short_sequences_keep_sp_1_and_say_nothing_about_it():
-    p = resolve_plan(cfg_for("grpo", **LONG), local=LAPTOP)
+    p = plan({**QWEN_32K, "rollout": {}})
     assert p.sp == 1 and "sp_all_to_all" not in p.estimate.phases["training"].components
     assert not any(d.key == "parallel.sp" for d in p.decisions)
 
 
-def test_a_configured_sp_is_kept_and_sp_1_falls_back_to_offload():
-    four = long_plan(parallel={"sp": 4})
-    assert four.sp == 4 and four.dp == 2 and not any(d.key == "parallel.sp" for d in four.decisions)
+def test_when_sp_cannot_make_it_fit_the_plan_says_what_it_would_leave():
+    # Qwen2.5-7B, 32k response: the 56.6 GiB of logits are gathered whole, sp 4 (28 heads) is not enough
+    p = plan(QWEN_32K)
+    assert (p.sp, p.fits) == (1, False)
+    why = p.decisions[[d.key for d in p.decisions].index("parallel.sp")].why
+    top = training("Qwen2.5-7B", replace(p.estimate.settings, sp=4))
+    assert why.startswith(
+        f"sp 1: splitting each sequence over sp 4 GPUs (the most the heads and a node allow) would still need "
+        f"{top.total_bytes / GIB:.1f} GiB for the update"
+    ), why
+    assert f"the logits of the whole micro batch ({top.components['logits'] / GIB:.1f} GiB) stay on every GPU" in why
+
+
+def test_a_configured_sp_is_kept_and_checked():
+    four = plan(MISTRAL_64K, parallel={"sp": 4})
+    assert (four.sp, four.dp) == (4, 2) and not any(d.key == "parallel.sp" for d in four.decisions)
     assert "FSDP2 full shard, dp 2 x sp 4:" in next(d.why for d in four.decisions if d.key == "parallel")
-    assert four.fits and four.estimate.phases["training"].components["logits"] == 33280 // 4 * 152064 * 12
-    one = long_plan(parallel={"sp": 1})  # without SP every offload is tried, and the logits still do not fit
-    assert (one.sp, one.fits, one.offload_params, one.offload_activations) == (1, False, True, True)
-
-
-def test_sp_sizes_respect_the_heads_and_the_node():
-    # a 64k response: sp 2 is not enough, and sp 4 the largest Qwen2.5-7B's 28 heads allow (sp 1, 2, 4 tried)
-    p = long_plan(rollout={"max_response_len": 65536})
-    assert (p.sp, p.fits) == (4, True)
-    assert "(the closest of 3 layouts)" in next(d.why for d in p.decisions if d.key == "rejected")
-    two = estimate_memory(resolve_model("Qwen2.5-7B"), resolve_gpu("H100-80GB"), replace(p.estimate.settings, sp=2))
-    assert two.phases["training"].total_bytes > two.gpu_memory_bytes * 0.95
-    # a 128k response does not fit at sp 4 either: SP is not what makes the difference, so not tried
-    far = long_plan(rollout={"max_response_len": 131072})
-    assert (far.sp, far.fits) == (1, False) and not any(d.key == "parallel.sp" for d in far.decisions)
-    # on 2 GPUs per node, sp 2 is the largest tried
-    two_gpus = {**LONG, "hardware": {"gpus": 2, "gpu": "H100-80GB"}}
-    small = resolve_plan(cfg_for("grpo", **two_gpus, rollout=RESPONSE_32K), local=LAPTOP)
-    assert small.sp == small.estimate.settings.sp == 2
-    assert "dp 1 x sp 2:" in next(d.why for d in small.decisions if d.key == "parallel")
-    assert small.offload_params  # the states of 7.6B parameters need the CPU on 2 GPUs; sp 2 the sequence
+    one = plan(MISTRAL_64K, parallel={"sp": 1})  # without SP the plan offloads
+    assert one.sp == 1 and (one.offload_params or one.offload_activations or not one.fits)
     with pytest.raises(UserError, match=re.escape("parallel.sp=8: 8 does not divide the 28 attention heads")):
-        long_plan(parallel={"sp": 8})
+        plan(QWEN_32K, parallel={"sp": 8})
+    with pytest.raises(UserError, match=r"parallel.sp=2: model.attn=flash_attention_2: .* set model.attn=sdpa"):
+        plan(MISTRAL_64K, parallel={"sp": 2}, model={"name": "Mistral-7B", "attn": "flash_attention_2"})
+    flash = plan(MISTRAL_64K, model={"name": "Mistral-7B", "attn": "flash_attention_2"})
+    assert flash.sp == 1  # the planner does not pick SP where the engine cannot run it
+
+
+def test_sp_stays_inside_a_node():
+    # a 128k response: sp 8 on one node of 8 GPUs; on two nodes of 4, sp 4 (the all-to-all stays on the node)
+    long = {"max_response_len": 131072}
+    one_node = plan(MISTRAL_64K, rollout=long)
+    two_nodes = plan(MISTRAL_64K, rollout=long, hardware={**H100, "nodes": 2})
+    assert (one_node.sp, one_node.nodes, two_nodes.sp, two_nodes.nodes) == (8, 1, 4, 2)
+    assert "dp 2 x sp 4:" in next(d.why for d in two_nodes.decisions if d.key == "parallel")
 
 
 def test_what_to_rent_considers_sp():
-    cfg = cfg_for("grpo", model={"name": "Qwen2.5-7B"}, rollout=RESPONSE_32K)
-    rows = [r for r in what_to_rent(cfg, local=LAPTOP) if r.plan is not None and r.gpu == "H100-80GB"]
-    assert rows and all(good_fit(r.plan) for r in rows)
-    no_offload = next(r for r in rows if not r.offload)
-    assert no_offload.plan.sp > 1 and no_offload.to_dict()["plan"]["sp"] == no_offload.plan.sp
+    # SFT of 64k-token sequences: the fewest H100s without offload are 4, with sp 4
+    cfg = cfg_for("sft", model={"name": "Mistral-7B"}, train={"max_len": 65536})
+    row = next(r for r in what_to_rent(cfg, local=LAPTOP) if r.gpu == "H100-80GB" and not r.offload)
+    assert (row.gpus, row.plan.sp, row.to_dict()["plan"]["sp"]) == (4, 4, 4) and good_fit(row.plan)
+    two = resolve_plan(
+        cfg_for("sft", model={"name": "Mistral-7B"}, train={"max_len": 65536}, hardware={"gpus": 2}), local=LAPTOP
+    )
+    assert two.offload_params  # on 2 GPUs (sp 2 at most) only offload fits
+
+
+def test_with_the_loss_on_shards_the_32k_qwen_job_is_planned_with_sp(monkeypatch):
+    # the estimator when the engine computes the loss on sequence shards (logits divided by sp as well)
+    import rlctl.estimate.training as training_module
+    import rlctl.plan.planner as planner_module
+
+    monkeypatch.setattr(training_module, "SP_GATHERS_LOGITS", False)
+    monkeypatch.setattr(planner_module, "SP_GATHERS_LOGITS", False)
+    p = plan(QWEN_32K)
+    assert (p.sp, p.fits) == (2, True) and not (p.offload_params or p.offload_activations)
+    one = training("Qwen2.5-7B", replace(p.estimate.settings, sp=1)).components
+    assert p.estimate.phases["training"].components["logits"] * 2 == one["logits"]
