@@ -34,7 +34,7 @@ CASES = {
     "sft-offload": ("sft", {"model": {"name": "Qwen2.5-72B"}, "hardware": {"gpus": 8, "gpu": "H100-80GB"}}),
     "grpo-long-ulysses": (
         "grpo",
-        {"model": {"name": "Qwen2.5-7B"}, "hardware": {"gpus": 8}, "rollout": {"max_response_len": 32768}},
+        {"model": {"name": "Mistral-7B"}, "hardware": {"gpus": 8}, "rollout": {"max_response_len": 65536}},
     ),
     "grpo-does-not-fit": ("grpo", {"model": {"name": "Qwen2.5-72B"}, "hardware": {"gpus": 2, "gpu": "L40S-48GB"}}),
 }
