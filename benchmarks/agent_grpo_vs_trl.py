@@ -28,21 +28,19 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from grpo_vs_trl import slope, step_times
-from sft_vs_trl import WARMUP_STEPS, _env, run_rlctl_clocked
+import grpo_harness as h
+from sft_vs_trl import _env
 
 ROOT = Path(__file__).resolve().parent.parent
 CALC = ROOT / "examples" / "calculator"
 TOOLS = CALC / "calc.py"
 REWARD = CALC / "reward.py"
-LR = 1e-4
 
 
 @dataclass(frozen=True)
@@ -71,11 +69,9 @@ def _example():
 def build(out: Path, s: Setting) -> tuple[Path, Path]:
     """Tokenizer (Qwen2.5's chat template as TRL ships it), a random tiny Qwen2 fine-tuned on tool traces
     by ``rlctl sft``, and the RL prompts. Returns (model dir, prompts file)."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
     from trl.chat_template_utils import qwen2_5_chat_template
 
-    from rlctl.testing import build_tokenizer, tiny_qwen2_config
+    from rlctl.testing import build_tokenizer
 
     ex = _example()
     size = ex.QUICK.__class__(**{**asdict(ex.QUICK), "n_sft": s.sft_traces, "n_heldout": 0})
@@ -88,21 +84,7 @@ def build(out: Path, s: Setting) -> tuple[Path, Path]:
     tok = build_tokenizer(vocab_size=700, corpus=corpus)
     tok.chat_template = qwen2_5_chat_template
     base = out / "base"
-    tok.save_pretrained(str(base))
-    config = tiny_qwen2_config(
-        vocab_size=len(tok),
-        hidden_size=s.hidden,
-        intermediate_size=4 * s.hidden,
-        num_hidden_layers=s.layers,
-        num_attention_heads=s.hidden // 64,
-        num_key_value_heads=1,
-        max_position_embeddings=1024,
-    )
-    config.eos_token_id, config.pad_token_id = tok.eos_token_id, tok.pad_token_id
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model.save_pretrained(str(base))
+    ex.random_model(base, tok, s.hidden, s.layers, seed=0, max_positions=1024)
     ex._jsonl(out / "sft.jsonl", traces)
     rl = [{"prompt": p.question, "answer": p.answer, "data_source": "calculator"} for p in train[s.sft_traces :]]
     ex._jsonl(out / "rl.jsonl", rl[:256])
@@ -116,62 +98,32 @@ def build(out: Path, s: Setting) -> tuple[Path, Path]:
 
 
 def rlctl_run(args, s: Setting, model: Path, data: Path, out: Path) -> dict:
-    argv = [sys.executable, "-m", "rlctl", "grpo", "--model", str(model), "--data", str(data)]
-    argv += ["--reward", str(REWARD), "--device", "cpu", "--nproc", "1", "--rollout", "hf", "-o", str(out)]
-    argv += ["--max-steps", str(args.steps), "--batch-size", str(s.batch), "--n", str(s.n), "--lr", str(LR)]
-    argv += ["--temperature", str(s.temperature), "--max-prompt-len", str(s.max_prompt_len)]
-    argv += ["--max-response-len", str(s.response_len), "--kl-coef", "0", "--seed", "0"]
-    argv += ["--tools", str(TOOLS), "--max-turns", str(s.max_turns), "--set", "checkpoint.export_hf=false"]
-    load = os.getloadavg()[0]
-    marks = run_rlctl_clocked(argv, out, "grpo", out.parent / f"{out.name}.log")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    records = [x for x in records if x.get("kind") != "eval"]
-    rewards = [x["reward"] for x in records]
+    argv = h.rlctl_grpo_argv(
+        model, data, str(REWARD), out, args.steps, batch=s.batch, n=s.n, temperature=s.temperature,
+        max_prompt_len=s.max_prompt_len, response_len=s.response_len,
+    )  # fmt: skip
+    argv += ["--tools", str(TOOLS), "--max-turns", str(s.max_turns)]
+    result, records = h.rlctl_run(argv, out)
     calls = statistics.mean(x.get("tool/calls", 0.0) for x in records)
     turns = statistics.mean(x.get("turns/mean", 0.0) for x in records)
-    times = {k: statistics.mean(x.get(k, 0.0) for x in records[WARMUP_STEPS:]) for k in records[-1] if "time/" in k}
-    return {
-        **step_times(marks),
-        "rewards": rewards,
-        "gain_per_step": slope(rewards),
-        "tool_calls_per_step": calls,
-        "turns_mean": turns,
-        "load": load,
-        "phases": times,
-    }
+    return {**result, "tool_calls_per_step": calls, "turns_mean": turns}
 
 
 def trl_run(args, s: Setting, model: Path, data: Path, out: Path) -> dict:
-    argv = [sys.executable, __file__, "--trl-worker", "--model", str(model), "--data", str(data), "--out", str(out)]
-    argv += ["--steps", str(args.steps), "--setting-json", json.dumps(asdict(s))]
-    out.mkdir(parents=True, exist_ok=True)
-    log_path = out.parent / f"{out.name}.log"
-    load = os.getloadavg()[0]
-    with open(log_path, "w") as log:
-        code = subprocess.call(argv, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-    if code:
-        lines = [line for line in log_path.read_text().splitlines() if "Error" in line]
-        return {"failed": (lines[-1].strip() if lines else f"exit code {code}") + f" (log: {log_path})"}
-    res = json.loads((out / "result.json").read_text())
-    return {**res, "gain_per_step": slope(res["rewards"]), "load": load}
+    return h.trl_run(__file__, ["--setting-json", json.dumps(asdict(s))], model, data, out, args.steps)
 
 
 def trl_worker(args) -> None:
     """One TRL GRPOTrainer run with tools=[calculator] (in its own process); writes OUT/result.json."""
-    import time
-
-    import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     sys.path.insert(0, str(CALC))
     from calc import calculator
 
     s = Setting(**json.loads(args.setting_json))
-    torch.set_num_threads(1)
     out = Path(args.out)
-    tok = AutoTokenizer.from_pretrained(args.model)
+    model, tok = h.trl_model_and_tokenizer(args.model)
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
     ds = Dataset.from_list(
         [{"prompt": [{"role": "user", "content": x["prompt"]}], "answer": x["answer"]} for x in rows]
@@ -185,47 +137,16 @@ def trl_worker(args) -> None:
             scores.append(float(bool(ok)))
         return scores
 
-    marks: dict[int, tuple[float, float]] = {0: (time.process_time(), time.perf_counter())}
+    marks: dict[int, tuple[float, float]] = {}
     rewards: list[float] = []
     calls: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, cfg, state, *a, **k):
-            marks[state.global_step] = (time.process_time(), time.perf_counter())
-
-        def on_log(self, cfg, state, control, logs=None, **k):
-            if logs and "reward" in logs:
-                rewards.append(float(logs["reward"]))
-                calls.append(float(logs.get("tools/call_frequency", 0.0)) * s.batch * s.n)
-
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
-    config = GRPOConfig(
-        output_dir=str(out),
-        per_device_train_batch_size=s.batch * s.n,
-        num_generations=s.n,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_iterations=1,
-        max_completion_length=s.response_len,
-        max_tool_calling_iterations=s.max_turns - 1,
-        max_steps=args.steps,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        beta=0.0,
-        loss_type="dapo",
-        scale_rewards="group",
-        epsilon=0.2,
-        temperature=s.temperature,
-        max_grad_norm=1.0,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        disable_tqdm=True,
+    clock = h.trl_clock(
+        marks, rewards, on_logs=lambda logs: calls.append(float(logs.get("tools/call_frequency", 0.0)) * s.batch * s.n)
     )
+    config = h.trl_grpo_config(
+        out, args.steps, batch=s.batch, n=s.n, response_len=s.response_len, temperature=s.temperature,
+        max_tool_calling_iterations=s.max_turns - 1,
+    )  # fmt: skip
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward,
@@ -233,38 +154,29 @@ def trl_worker(args) -> None:
         train_dataset=ds,
         processing_class=tok,
         tools=[calculator],
-        callbacks=[Clock()],
+        callbacks=[clock],
     )
     trainer.train()
     calls_per_step = statistics.mean(calls) if calls else 0.0
-    result = {**step_times(marks), "rewards": rewards, "tool_calls_per_step": calls_per_step}
+    result = {**h.step_times(marks), "rewards": rewards, "tool_calls_per_step": calls_per_step}
     (out / "result.json").write_text(json.dumps(result))
 
 
 def _line(fw: str, x: dict) -> str:
-    if "failed" in x:
-        return f"{fw} FAILED: {x['failed']}"
-    return (
-        f"{fw} {x['s_per_step']:.2f} s/step (CPU {x['cpu_s_per_step']:.2f}, "
-        f"{x['tool_calls_per_step']:.1f} calls/step, load {x['load']:.1f})"
-    )
+    return h.run_line(fw, x, f"{x.get('tool_calls_per_step', 0.0):.1f} calls/step, ")
 
 
 def summarise(results: dict[str, list[dict]], rounds: int) -> dict:
-    med = {}
-    for fw, runs in results.items():
-        ok = [x for x in runs if "failed" not in x]
-        keys = ("s_per_step", "cpu_s_per_step", "gain_per_step", "tool_calls_per_step", "load")
-        med[fw] = {key: statistics.median(x[key] for x in ok) if ok else float("nan") for key in keys}
-    ratio_wall = med["rlctl"]["s_per_step"] / med["trl"]["s_per_step"]
-    ratio_cpu = med["rlctl"]["cpu_s_per_step"] / med["trl"]["cpu_s_per_step"]
+    med = h.medians(results, ("s_per_step", "cpu_s_per_step", "gain_per_step", "tool_calls_per_step", "load"))
+    ratio = h.ratios(med)
+    ratio_wall, ratio_cpu = ratio["ratio_wall"], ratio["ratio_cpu"]
     print(
         f"\nmedians over {rounds} rounds: rlctl {med['rlctl']['s_per_step']:.2f} s/step "
         f"(CPU {med['rlctl']['cpu_s_per_step']:.2f}), TRL {med['trl']['s_per_step']:.2f} "
         f"(CPU {med['trl']['cpu_s_per_step']:.2f}): {ratio_wall:.2f}x wall, {ratio_cpu:.2f}x CPU (target <= 0.5x); "
         f"tool calls/step {med['rlctl']['tool_calls_per_step']:.1f} vs {med['trl']['tool_calls_per_step']:.1f}"
     )
-    return {**med, "ratio_wall": ratio_wall, "ratio_cpu": ratio_cpu, "target": 0.5}
+    return {**med, **ratio, "target": 0.5}
 
 
 def main() -> None:

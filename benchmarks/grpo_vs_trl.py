@@ -17,27 +17,21 @@ otherwise (rlctl: the plan's; no speed flag). Runs alternate (rlctl, TRL, rlctl,
 ratio is the median over rounds, so a change in the machine's load hits both alike; the load
 average is recorded with each run.
 
-Measured from the end of step WARMUP_STEPS to the end of the last step: seconds per step by the wall
-clock and by the training process's CPU time (robust when other jobs share the machine), sampled for
-rlctl when its metrics.jsonl grows and for TRL in a callback. Reward gain per step: the least-squares
-slope of the mean training reward over the steps.
+Measured as grpo_harness.py says: seconds per step after WARMUP_STEPS by the wall clock and by the
+training process's CPU time (robust when other jobs share the machine); reward gain per step: the
+least-squares slope of the mean training reward over the steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import statistics
-import subprocess
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sft_vs_trl import WARMUP_STEPS, _env, run_rlctl_clocked
+import grpo_harness as h
 
-LR = 1e-4
 REWARD = str(Path(__file__).with_name("speed_reward.py")) + ":digits"
 
 
@@ -73,119 +67,42 @@ def write_prompts(path: Path, shots: int, count: int = 64, seed: int = 0) -> Pat
     return path
 
 
-def slope(values: list[float]) -> float:
-    """Least-squares slope of ``values`` over their index (reward gain per step)."""
-    n = len(values)
-    if n < 2:
-        return 0.0
-    mx, my = (n - 1) / 2, statistics.mean(values)
-    return sum((i - mx) * (v - my) for i, v in enumerate(values)) / sum((i - mx) ** 2 for i in range(n))
-
-
-def step_times(marks: dict[int, tuple[float, float]]) -> dict:
-    seen = sorted(n for n in marks if n >= WARMUP_STEPS)
-    first, last = seen[0], seen[-1]
-    steps = last - first
-    return {
-        "cpu_s_per_step": (marks[last][0] - marks[first][0]) / steps,
-        "s_per_step": (marks[last][1] - marks[first][1]) / steps,
-        "steps": steps,
-    }
-
-
 def rlctl_run(args, r: Regime, model: Path, data: Path, out: Path) -> dict:
-    argv = [sys.executable, "-m", "rlctl", "grpo", "--model", str(model), "--data", str(data)]
-    argv += ["--reward", REWARD, "--device", "cpu", "--nproc", "1", "--rollout", "hf", "-o", str(out)]
-    argv += ["--max-steps", str(args.steps), "--batch-size", str(r.batch), "--n", str(r.n), "--lr", str(LR)]
-    argv += ["--temperature", "1.0", "--max-prompt-len", str(r.max_prompt_len)]
-    argv += ["--max-response-len", str(r.response_len), "--kl-coef", "0", "--seed", "0"]
-    argv += ["--set", "checkpoint.export_hf=false"]
-    load = os.getloadavg()[0]
-    marks = run_rlctl_clocked(argv, out, "grpo", out.parent / f"{out.name}.log")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    rewards = [x["reward"] for x in records if x.get("kind") != "eval"]
-    times = {k: statistics.mean(x.get(k, 0.0) for x in records[WARMUP_STEPS:]) for k in records[-1] if "time/" in k}
-    return {**step_times(marks), "rewards": rewards, "gain_per_step": slope(rewards), "load": load, "phases": times}
+    argv = h.rlctl_grpo_argv(
+        model, data, REWARD, out, args.steps, batch=r.batch, n=r.n, temperature=1.0,
+        max_prompt_len=r.max_prompt_len, response_len=r.response_len,
+    )  # fmt: skip
+    return h.rlctl_run(argv, out)[0]
 
 
 def trl_run(args, r: Regime, model: Path, data: Path, out: Path) -> dict:
-    argv = [sys.executable, __file__, "--trl-worker", "--model", str(model), "--data", str(data), "--out", str(out)]
-    argv += ["--steps", str(args.steps), "--regime-json", json.dumps(asdict(r))]
-    out.mkdir(parents=True, exist_ok=True)
-    log_path = out.parent / f"{out.name}.log"
-    load = os.getloadavg()[0]
-    with open(log_path, "w") as log:
-        code = subprocess.call(argv, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-    if code:
-        lines = [line for line in log_path.read_text().splitlines() if "Error" in line]
-        return {"failed": (lines[-1].strip() if lines else f"exit code {code}") + f" (log: {log_path})"}
-    res = json.loads((out / "result.json").read_text())
-    return {**res, "gain_per_step": slope(res["rewards"]), "load": load}
+    return h.trl_run(__file__, ["--regime-json", json.dumps(asdict(r))], model, data, out, args.steps)
 
 
 def trl_worker(args) -> None:
     """One TRL GRPOTrainer run (in its own process); writes OUT/result.json."""
-    import time
-
-    import torch
     from datasets import Dataset
     from speed_reward import digits
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     r = Regime(**json.loads(args.regime_json))
-    torch.set_num_threads(1)
     out = Path(args.out)
-    tok = AutoTokenizer.from_pretrained(args.model)
+    model, tok = h.trl_model_and_tokenizer(args.model)
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": x["prompt"]}]} for x in rows])
 
     def reward(completions, **kwargs):
         return [digits("", c[0]["content"], None) for c in completions]
 
-    marks: dict[int, tuple[float, float]] = {0: (time.process_time(), time.perf_counter())}
+    marks: dict[int, tuple[float, float]] = {}
     rewards: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, cfg, state, *a, **k):
-            marks[state.global_step] = (time.process_time(), time.perf_counter())
-
-        def on_log(self, cfg, state, control, logs=None, **k):
-            if logs and "reward" in logs:
-                rewards.append(float(logs["reward"]))
-
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa")
-    config = GRPOConfig(
-        output_dir=str(out),
-        per_device_train_batch_size=r.batch * r.n,
-        num_generations=r.n,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_iterations=1,
-        max_completion_length=r.response_len,
-        max_steps=args.steps,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        beta=0.0,
-        loss_type="dapo",
-        scale_rewards="group",
-        epsilon=0.2,
-        temperature=1.0,
-        max_grad_norm=1.0,
-        gradient_checkpointing=False,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        disable_tqdm=True,
-    )
+    clock = h.trl_clock(marks, rewards)
+    config = h.trl_grpo_config(out, args.steps, batch=r.batch, n=r.n, response_len=r.response_len, temperature=1.0)
     trainer = GRPOTrainer(
-        model=model, reward_funcs=reward, args=config, train_dataset=ds, processing_class=tok, callbacks=[Clock()]
+        model=model, reward_funcs=reward, args=config, train_dataset=ds, processing_class=tok, callbacks=[clock]
     )
     trainer.train()
-    (out / "result.json").write_text(json.dumps({**step_times(marks), "rewards": rewards}))
+    (out / "result.json").write_text(json.dumps({**h.step_times(marks), "rewards": rewards}))
 
 
 def build_models(out: Path, names: list[str]) -> dict[str, tuple[Path, Path]]:
@@ -237,29 +154,16 @@ def main() -> None:
         for k in range(args.rounds):
             results[name]["rlctl"].append(rlctl_run(args, r, model, data, out / f"{name}-rlctl-{k}"))
             results[name]["trl"].append(trl_run(args, r, model, data, out / f"{name}-trl-{k}"))
-            line = []
-            for fw in ("rlctl", "trl"):
-                x = results[name][fw][-1]
-                line.append(
-                    f"{fw} FAILED: {x['failed']}"
-                    if "failed" in x
-                    else f"{fw} {x['s_per_step']:.2f} s/step (CPU {x['cpu_s_per_step']:.2f}, load {x['load']:.1f})"
-                )
-            print(f"{name} round {k + 1}: " + ", ".join(line), flush=True)
+            line = ", ".join(h.run_line(fw, results[name][fw][-1]) for fw in ("rlctl", "trl"))
+            print(f"{name} round {k + 1}: {line}", flush=True)
     print(f"\nmedians over {args.rounds} rounds (one process, one thread each, hf rollouts):")
     summary = {}
     for name in names:
-        med = {}
-        for fw, runs in results[name].items():
-            ok = [x for x in runs if "failed" not in x]
-            med[fw] = {
-                key: statistics.median(x[key] for x in ok) if ok else float("nan")
-                for key in ("s_per_step", "cpu_s_per_step", "gain_per_step", "load")
-            }
+        med = h.medians(results[name], ("s_per_step", "cpu_s_per_step", "gain_per_step", "load"))
         target = 0.8 if name == "compute" else 0.5
-        ratio_wall = med["rlctl"]["s_per_step"] / med["trl"]["s_per_step"]
-        ratio_cpu = med["rlctl"]["cpu_s_per_step"] / med["trl"]["cpu_s_per_step"]
-        summary[name] = {**med, "ratio_wall": ratio_wall, "ratio_cpu": ratio_cpu, "target": target}
+        ratio = h.ratios(med)
+        ratio_wall, ratio_cpu = ratio["ratio_wall"], ratio["ratio_cpu"]
+        summary[name] = {**med, **ratio, "target": target}
         print(
             f"  {name:8s} rlctl {med['rlctl']['s_per_step']:.2f} s/step (CPU {med['rlctl']['cpu_s_per_step']:.2f}), "
             f"TRL {med['trl']['s_per_step']:.2f} (CPU {med['trl']['cpu_s_per_step']:.2f}): {ratio_wall:.2f}x wall, "

@@ -127,17 +127,25 @@ def build_tiny_model(
     Returns the directory as a Path. The tokenizer's eos is ``<|im_end|>``. ``tools``: the tokenizer also
     learns tool-call text and its chat template takes tools (:data:`TOOL_CHAT_TEMPLATE`).
     """
+    out = Path(out_dir)
+    if tools:
+        tok = build_tokenizer(vocab_size=vocab_size, corpus=default_corpus() + TOOL_CORPUS * 50)
+        tok.chat_template = TOOL_CHAT_TEMPLATE
+    else:
+        tok = build_tokenizer(vocab_size=vocab_size)
+    save_tiny_model(out, tok, seed=seed, **config_overrides)
+    return out
+
+
+def save_tiny_model(out_dir: str | Path, tok, *, seed: int = 0, **config_overrides):
+    """Write ``tok`` and a random Qwen2 for it (:func:`tiny_qwen2_config` with ``config_overrides``, eos and
+    pad from ``tok``, weights drawn after ``torch.manual_seed(seed)``) to ``out_dir``; returns the model."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if tools:
-        tok = build_tokenizer(vocab_size=vocab_size, corpus=default_corpus() + TOOL_CORPUS * 50)
-        tok.chat_template = TOOL_CHAT_TEMPLATE
-        tok.save_pretrained(str(out))
-    else:
-        tok = build_tokenizer(out, vocab_size=vocab_size)
+    tok.save_pretrained(str(out))
     config = tiny_qwen2_config(vocab_size=len(tok), **config_overrides)
     config.eos_token_id = tok.eos_token_id
     config.pad_token_id = tok.pad_token_id
@@ -145,4 +153,4 @@ def build_tiny_model(
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model.save_pretrained(str(out), safe_serialization=True)
-    return out
+    return model

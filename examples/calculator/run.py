@@ -128,10 +128,7 @@ def _jsonl(path: Path, rows: list[dict]) -> None:
 def build_model(out: Path, size: Size, seed: int) -> int:
     """A tokenizer trained on the task's words and the tool-call text (no digits: every digit is one
     token) with a chat template that renders tools, and a random Qwen2 model."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    from rlctl.testing import build_tokenizer, tiny_qwen2_config
+    from rlctl.testing import build_tokenizer
 
     corpus = [
         "What is * ?",
@@ -142,22 +139,25 @@ def build_model(out: Path, size: Size, seed: int) -> int:
     ] * 20
     tok = build_tokenizer(vocab_size=400, corpus=corpus)
     tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(out))
-    config = tiny_qwen2_config(
-        vocab_size=len(tok),
-        hidden_size=size.hidden,
-        intermediate_size=4 * size.hidden,
-        num_hidden_layers=size.layers,
-        num_attention_heads=size.hidden // 64,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-    )
-    config.eos_token_id, config.pad_token_id = tok.eos_token_id, tok.pad_token_id
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model.save_pretrained(str(out))
+    model = random_model(out, tok, size.hidden, size.layers, seed, max_positions=256)
     return sum(p.numel() for p in model.parameters())
+
+
+def random_model(out: Path, tok, hidden: int, layers: int, seed: int, max_positions: int):
+    """``tok`` and a random Qwen2 of ``layers`` x ``hidden`` for it (head_dim 64, one kv head), saved to ``out``."""
+    from rlctl.testing import save_tiny_model
+
+    return save_tiny_model(
+        out,
+        tok,
+        seed=seed,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=1,
+        max_position_embeddings=max_positions,
+    )
 
 
 def rlctl(method: str, args: list[str], log) -> None:

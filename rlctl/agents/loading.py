@@ -13,9 +13,6 @@
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import sys
 import typing
@@ -24,7 +21,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from rlctl.agents.verl_compat import install_shim
 from rlctl.errors import UserError, did_you_mean, one_line
+from rlctl.usercode import import_user_file, import_user_module
 
 __all__ = [
     "NOT_TOOLS",
@@ -57,27 +56,8 @@ def load_file(path_text: str, what: str) -> ModuleType:
         raise UserError(f"{what} file {path} not found; check the path")
     if path.suffix != ".py":
         raise UserError(f"{what} file {path} is not a .py file")
-    resolved = path.resolve()
-    name = f"rlctl_user_{hashlib.sha1(str(resolved).encode()).hexdigest()[:12]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, resolved)
-    if module_spec is None or module_spec.loader is None:
-        raise UserError(f"cannot load {path} as Python; a {what} file must be a .py file")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # dataclasses and pickling look their module up by name
-    try:
-        from rlctl.agents.verl_compat import install_shim
-
-        install_shim()  # a verl tool file imports verl.tools.base_tool: runs unchanged without verl
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise UserError(
-            f"{what} file {path} failed to import: {type(exc).__name__}: {one_line(exc)}; fix the file "
-            "(or install what it imports)"
-        ) from exc
-    return module
+    # a verl tool file imports verl.tools.base_tool: install_shim lets it run unchanged without verl
+    return import_user_file(path, what, before=install_shim)
 
 
 def function_schema(fn: Callable, where: str) -> dict:
@@ -180,8 +160,6 @@ def load_class(spec: str, what: str, base_dirs: tuple[Path, ...] = ()) -> type:
 
 
 def _import_module(name: str, what: str, base_dirs: tuple[Path, ...]) -> ModuleType:
-    from rlctl.agents.verl_compat import install_shim
-
     shimmed = install_shim()
     if shimmed and (name == "verl" or name.startswith("verl.")) and name not in sys.modules:
         raise UserError(
@@ -190,14 +168,7 @@ def _import_module(name: str, what: str, base_dirs: tuple[Path, ...]) -> ModuleT
         )
     added = [str(d) for d in base_dirs if str(d) not in sys.path]
     sys.path[:0] = added  # verl resolves class_name on PYTHONPATH; the YAML's folder and the cwd also work
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
-            raise UserError(f"{what} module {name!r} not found; add its folder to PYTHONPATH") from exc
-        raise UserError(f"{what} module {name!r} failed to import: {one_line(exc)}") from exc
-    except Exception as exc:
-        raise UserError(f"{what} module {name!r} failed to import: {type(exc).__name__}: {one_line(exc)}") from exc
+    return import_user_module(name, what, "add its folder to PYTHONPATH")
 
 
 def read_yaml_list(path_text: str, key: str, what: str) -> list[dict]:

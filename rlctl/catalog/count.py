@@ -12,11 +12,16 @@ model.parameters())``, tied weights once):
 - norms: two RMSNorms per layer (four for Gemma-2) and the final norm.
 - DeepSeek-V3's multi-token-prediction module is not built by transformers and is not counted
   (``spec.mtp_layers`` records it).
+- a vision-language model adds its vision tower (``model.visual``): the patch embedding (a bias-free
+  Conv3d), the blocks (two norms, fused qkv and proj with biases, the MLP with biases) and the merger
+  (a norm and two biased linears from ``merge^2 x width`` to the text width). Qwen2-VL's norms are
+  LayerNorms (weight and bias) and its MLP is fc1/fc2; Qwen2.5-VL's are RMSNorms and a gated MLP.
+  The rotary tables are buffers, not parameters.
 """
 
 from __future__ import annotations
 
-from .spec import ModelSpec
+from .spec import ModelSpec, VisionSpec
 
 
 def embedding_params(spec: ModelSpec) -> int:
@@ -104,12 +109,44 @@ def layer_params(spec: ModelSpec) -> int:
     return max(sizes)
 
 
-def count_params(spec: ModelSpec) -> int:
-    """Total parameters, exactly as transformers counts them (tied weights once, no MTP)."""
+def text_params(spec: ModelSpec) -> int:
+    """The language model: embeddings, decoder layers, final norm and output head (tied weights once, no MTP)."""
     layers = num_dense_layers(spec) * dense_layer_params(spec)
     layers += num_moe_layers(spec) * moe_layer_params(spec)
     final_norm = spec.hidden_size
     return embedding_params(spec) + layers + final_norm + lm_head_params(spec)
+
+
+def _vision_norm(v: VisionSpec, width: int) -> int:
+    return (1 if v.arch == "qwen2_5_vl" else 2) * width  # RMSNorm: weight; LayerNorm: weight and bias
+
+
+def vision_block_params(v: VisionSpec) -> int:
+    """One vision block: two norms, qkv and proj (with biases), the MLP (with biases)."""
+    w, f = v.hidden_size, v.intermediate_size
+    attention = 4 * w * w + 4 * w
+    mlp = (3 * w * f + 2 * f + w) if v.arch == "qwen2_5_vl" else (2 * w * f + f + w)
+    return 2 * _vision_norm(v, w) + attention + mlp
+
+
+def vision_merger_params(v: VisionSpec) -> int:
+    """The patch merger: a norm over the tower's width, then Linear(m, m) and Linear(m, out), m = merge^2 x width."""
+    m = v.hidden_size * v.spatial_merge_size**2
+    return _vision_norm(v, v.hidden_size) + m * m + m + m * v.out_hidden_size + v.out_hidden_size
+
+
+def vision_params(spec: ModelSpec) -> int:
+    """The whole vision tower (patch embedding, blocks, merger); 0 for a text model."""
+    v = spec.vision
+    if v is None:
+        return 0
+    patch_embed = v.patch_values * v.hidden_size  # Conv3d without bias
+    return patch_embed + v.depth * vision_block_params(v) + vision_merger_params(v)
+
+
+def count_params(spec: ModelSpec) -> int:
+    """Total parameters, exactly as transformers counts them (tied weights once, no MTP, the vision tower)."""
+    return text_params(spec) + vision_params(spec)
 
 
 def active_params(spec: ModelSpec) -> int:

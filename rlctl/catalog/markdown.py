@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .count import active_params, count_params, kv_cache_bytes_per_token
+from .count import active_params, count_params, kv_cache_bytes_per_token, vision_params
 from .gpus import list_gpus
 from .models import list_models
 
@@ -36,6 +36,20 @@ Notes:
   builds: the 671B main model. The published checkpoint also holds one multi-token-prediction module
   (`mtp_layers` = 1, about 14B more, 685B in all); transformers does not load it, and neither does rlctl.
   The router's `e_score_correction_bias` is a buffer, not a parameter, so it is not counted.
+- Qwen2-VL and Qwen2.5-VL: the text model is Qwen2's (q/k/v biases, multimodal rope); params include
+  the vision tower below. The official `-Instruct` repositories are the entries (no base VL checkpoint
+  exists for every size); the totals equal the counts Hugging Face shows for their safetensors.
+"""
+
+_VISION_INTRO = """
+### Vision towers
+
+A `temporal x patch x patch` patch of pixels (an image is its own frame repeated) is one row through the
+tower's blocks; the merger folds each `merge x merge` group of patches into one token of the text width,
+so an image at the processor's `max_pixels` (28 x 28 x 1280 by default) is 5120 patches and 1280 tokens.
+Qwen2-VL's blocks have LayerNorms and an fc1/fc2 MLP (width 4 x 1280); Qwen2.5-VL's have RMSNorms, a
+gated MLP and windowed attention (112 pixels) except in the full-attention blocks. Training keeps the
+tower frozen unless asked (`rlctl estimate memory` counts it as frozen weights: no gradients, no AdamW).
 """
 
 _GPU_INTRO = """## GPUs
@@ -71,6 +85,18 @@ def catalog_markdown() -> str:
             f"{'yes' if s.tie_embeddings else 'no'} | {kv_kib:.0f} KiB |"
         )
     lines.append(_NOTES)
+    lines.append(_VISION_INTRO)
+    lines.append("| name | vision params | blocks | width | MLP | heads | patch | merge | out | full attention |")
+    lines.append("|" + "---|" * 10)
+    for s in list_models():
+        v = s.vision
+        if v is not None:
+            full = ", ".join(map(str, v.fullatt_block_indexes)) or "all"
+            lines.append(
+                f"| {s.name} | {vision_params(s):,} | {v.depth} | {v.hidden_size} | {v.intermediate_size} | "
+                f"{v.num_heads} | {v.patch_size} | {v.spatial_merge_size} | {v.out_hidden_size} | {full} |"
+            )
+    lines.append("")
     lines.append(_GPU_INTRO)
     lines.append("| name | aliases | memory (MiB) | bf16 TFLOP/s | interconnect | GB/s | GPUs/node | host GiB/node |")
     lines.append("|" + "---|" * 8)

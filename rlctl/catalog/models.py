@@ -11,12 +11,13 @@ No torch/transformers import here: the CLI uses this module for completion and -
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
 
 from ..errors import UserError, did_you_mean
-from .spec import ModelSpec
+from .spec import ModelSpec, VisionSpec
 
 # --- catalog ----------------------------------------------------------------------------------
 
@@ -115,6 +116,52 @@ def _gemma2(size, hidden, inter, layers, heads, kv, head_dim, query_scalar) -> M
     )
 
 
+# Vision-language models: the text fields and vision_config of the published config.json of
+# Qwen/Qwen2-VL-{2B,7B,72B}-Instruct and Qwen/Qwen2.5-VL-{3B,7B,32B,72B}-Instruct on huggingface.co
+# (Qwen2-VL's vision_config gives embed_dim 1280, depth 32, 16 heads, mlp_ratio 4, patch 14, merge 2 and
+# its "hidden_size" is the text width; Qwen2.5-VL's gives hidden_size 1280, depth 32, 16 heads, window 112,
+# full attention in blocks 7/15/23/31, intermediate_size 3420 (3B, 7B) or 3456 (32B, 72B) and
+# out_hidden_size = the text width). The totals match the parameter counts Hugging Face shows for the
+# safetensors (2.21B, 8.29B, 3.75B, 8.29B, 73.4B); the AWQ/GPTQ copies pad the 72B MLP to 29696.
+# The processor's default max_pixels is 28 x 28 x 1280 (1280 image tokens) for both families.
+
+
+def _qwen_vl(name, family, hidden, inter, layers, heads, kv, vocab, tied, vision_inter=0) -> ModelSpec:
+    v25 = family == "qwen2_5_vl"
+    vision = VisionSpec(
+        arch=family,
+        depth=32,
+        hidden_size=1280,
+        intermediate_size=vision_inter if v25 else 4 * 1280,
+        num_heads=16,
+        out_hidden_size=hidden,
+        window_size=112 if v25 else 0,
+        fullatt_block_indexes=(7, 15, 23, 31) if v25 else (),
+    )
+    return ModelSpec(
+        name=name,
+        hf_id=f"Qwen/{name}-Instruct",
+        arch=family,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=hidden // heads,
+        vocab_size=vocab,
+        tie_embeddings=tied,
+        qkv_bias=True,
+        max_position=128000 if v25 else 32768,
+        rope_theta=1e6,
+        vision=vision,
+        extra={
+            "rms_norm_eps": 1e-6,
+            "hidden_act": "silu",
+            "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+        },
+    )
+
+
 _MODELS: tuple[ModelSpec, ...] = (
     _qwen25("0.5B", 896, 4864, 24, 14, 2, 151936, True),
     _qwen25("1.5B", 1536, 8960, 28, 12, 2, 151936, True),
@@ -177,6 +224,13 @@ _MODELS: tuple[ModelSpec, ...] = (
     _gemma2("2B", 2304, 9216, 26, 8, 4, 256, 256),
     _gemma2("9B", 3584, 14336, 42, 16, 8, 256, 256),
     _gemma2("27B", 4608, 36864, 46, 32, 16, 128, 144),
+    _qwen_vl("Qwen2-VL-2B", "qwen2_vl", 1536, 8960, 28, 12, 2, 151936, True),
+    _qwen_vl("Qwen2-VL-7B", "qwen2_vl", 3584, 18944, 28, 28, 4, 152064, False),
+    _qwen_vl("Qwen2-VL-72B", "qwen2_vl", 8192, 29568, 80, 64, 8, 152064, False),
+    _qwen_vl("Qwen2.5-VL-3B", "qwen2_5_vl", 2048, 11008, 36, 16, 2, 151936, True, 3420),
+    _qwen_vl("Qwen2.5-VL-7B", "qwen2_5_vl", 3584, 18944, 28, 28, 4, 152064, False, 3420),
+    _qwen_vl("Qwen2.5-VL-32B", "qwen2_5_vl", 5120, 27648, 64, 40, 8, 152064, False, 3456),
+    _qwen_vl("Qwen2.5-VL-72B", "qwen2_5_vl", 8192, 29568, 80, 64, 8, 152064, False, 3456),
     ModelSpec(
         name="DeepSeek-V3",
         hf_id="deepseek-ai/DeepSeek-V3",
@@ -288,7 +342,10 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
+VL_ARCHS = ("qwen2_vl", "qwen2_5_vl")  # their text model is Qwen2's (q/k/v biases), with multimodal rope
 SUPPORTED_ARCHS = tuple(_ARCHITECTURES)
 
 # head_dim when config.json does not give one: transformers' class default where it has one.
@@ -326,14 +383,26 @@ def spec_from_path(path: str | Path) -> ModelSpec:
         config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"cannot read {config_path}: {e}; is it a transformers config.json?") from e
-    return spec_from_hf_config(config, source=str(path), name=config_path.parent.name)
+    processor = {}
+    preprocessor = config_path.parent / "preprocessor_config.json"
+    if config.get("model_type") in VL_ARCHS and preprocessor.is_file():
+        try:
+            processor = json.loads(preprocessor.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise UserError(f"cannot read {preprocessor}: {e}; is it a transformers preprocessor_config.json?") from e
+    return spec_from_hf_config(config, source=str(path), name=config_path.parent.name, processor=processor)
 
 
-def spec_from_hf_config(config: dict, *, source: str, name: str) -> ModelSpec:
-    """Map a transformers config.json dict onto a ModelSpec (the architectures in SUPPORTED_ARCHS)."""
+def spec_from_hf_config(config: dict, *, source: str, name: str, processor: dict | None = None) -> ModelSpec:
+    """Map a transformers config.json dict onto a ModelSpec (the architectures in SUPPORTED_ARCHS); a VL
+    model's ``processor`` (its preprocessor_config.json) gives the pixel bounds of an image."""
     arch = config.get("model_type")
     if arch not in SUPPORTED_ARCHS:
         raise UserError(f"{source}: model_type '{arch}' is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
+    vision = None
+    if arch in VL_ARCHS:  # transformers >= 5 nests the text fields in text_config; published files keep them flat
+        vision = _vision_from_config(arch, config.get("vision_config") or {}, processor or {})
+        config = {**config, **(config.get("text_config") or {}), "model_type": arch}
 
     def need(key: str, *alternatives: str):
         for k in (key, *alternatives):
@@ -356,13 +425,14 @@ def spec_from_hf_config(config: dict, *, source: str, name: str) -> ModelSpec:
         head_dim=config.get("head_dim") or _HEAD_DIM_DEFAULT.get(arch, hidden // heads),
         vocab_size=need("vocab_size"),
         tie_embeddings=bool(config.get("tie_word_embeddings", _TIED_DEFAULT.get(arch, False))),
-        qkv_bias=arch == "qwen2" or (attention_bias and arch != "mistral"),
-        o_bias=attention_bias and arch not in ("qwen2", "mistral"),
+        qkv_bias=arch in ("qwen2", *VL_ARCHS) or (attention_bias and arch != "mistral"),
+        o_bias=attention_bias and arch not in ("qwen2", "mistral", *VL_ARCHS),
         mlp_bias=arch == "llama" and bool(config.get("mlp_bias", False)),
         qk_norm=arch in ("qwen3", "qwen3_moe"),
         max_position=config.get("max_position_embeddings") or 32768,
         rope_theta=float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         source=source,
+        vision=vision,
         extra={k: config[k] for k in _EXTRA_KEYS if k in config},
     )
     if arch == "qwen3_moe":
@@ -393,6 +463,70 @@ def spec_from_hf_config(config: dict, *, source: str, name: str) -> ModelSpec:
             mtp_layers=config.get("num_nextn_predict_layers") or 0,
         )
     return ModelSpec(**fields)
+
+
+def _vision_from_config(arch: str, vc: dict, processor: dict) -> VisionSpec:
+    """A vision_config dict (absent keys: transformers' defaults for the family) and the processor's pixel bounds."""
+    size = processor.get("size") or {}
+    pixels = {
+        "min_pixels": processor.get("min_pixels") or size.get("shortest_edge") or 56 * 56,
+        "max_pixels": processor.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280,
+    }
+    common = dict(
+        arch=arch,
+        depth=vc.get("depth", 32),
+        num_heads=vc.get("num_heads", 16),
+        patch_size=vc.get("patch_size") or vc.get("spatial_patch_size") or 14,
+        temporal_patch_size=vc.get("temporal_patch_size", 2),
+        spatial_merge_size=vc.get("spatial_merge_size", 2),
+        in_channels=vc.get("in_channels") or vc.get("in_chans") or 3,
+        **pixels,
+    )
+    if arch == "qwen2_vl":
+        width = vc.get("embed_dim", 1280)
+        return VisionSpec(
+            hidden_size=width,
+            intermediate_size=int(width * vc.get("mlp_ratio", 4)),
+            out_hidden_size=vc.get("hidden_size", 3584),
+            **common,
+        )
+    return VisionSpec(
+        hidden_size=vc.get("hidden_size", 3584),
+        intermediate_size=vc.get("intermediate_size", 3420),
+        out_hidden_size=vc.get("out_hidden_size", 3584),
+        window_size=vc.get("window_size", 112),
+        fullatt_block_indexes=tuple(vc.get("fullatt_block_indexes", (7, 15, 23, 31))),
+        **common,
+    )
+
+
+def _vision_config(spec: ModelSpec) -> dict:
+    """The vision_config of a VL spec, in the keys transformers reads."""
+    v = spec.vision
+    assert v is not None
+    d = {
+        "depth": v.depth,
+        "num_heads": v.num_heads,
+        "patch_size": v.patch_size,
+        "temporal_patch_size": v.temporal_patch_size,
+        "spatial_merge_size": v.spatial_merge_size,
+        "in_channels": v.in_channels,
+    }
+    if v.arch == "qwen2_vl":
+        return {
+            **d,
+            "embed_dim": v.hidden_size,
+            "mlp_ratio": v.intermediate_size // v.hidden_size,
+            "hidden_size": v.out_hidden_size,
+        }
+    return {
+        **d,
+        "hidden_size": v.hidden_size,
+        "intermediate_size": v.intermediate_size,
+        "out_hidden_size": v.out_hidden_size,
+        "window_size": v.window_size,
+        "fullatt_block_indexes": list(v.fullatt_block_indexes),
+    }
 
 
 # --- ModelSpec -> config.json -------------------------------------------------------------------
@@ -440,5 +574,7 @@ def hf_config_dict(spec: ModelSpec) -> dict:
             v_head_dim=spec.v_head_dim,
             num_nextn_predict_layers=spec.mtp_layers,
         )
-    d.update(spec.extra)
+    if spec.vision is not None:
+        d["vision_config"] = _vision_config(spec)
+    d.update(copy.deepcopy(spec.extra))  # transformers edits nested dicts (rope_scaling) in place
     return d

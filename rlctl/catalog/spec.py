@@ -10,6 +10,48 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class VisionSpec:
+    """The vision tower of a vision-language model (Qwen2-VL, Qwen2.5-VL) and its processor's defaults.
+
+    A ``temporal_patch_size x patch_size x patch_size`` patch of pixels is one row through the tower's
+    ``depth`` blocks; the merger folds each ``spatial_merge_size x spatial_merge_size`` group of patches into
+    one token of the text model's width (``out_hidden_size``), placed where the prompt's image tokens are.
+    """
+
+    arch: str  # the model_type: qwen2_vl (LayerNorm, fc1/fc2 MLP) | qwen2_5_vl (RMSNorm, gated MLP)
+    depth: int  # vision blocks
+    hidden_size: int  # the tower's width (Qwen2-VL's embed_dim)
+    intermediate_size: int  # the blocks' MLP width (Qwen2-VL: embed_dim x mlp_ratio)
+    num_heads: int
+    out_hidden_size: int  # the merger's output width: the text model's hidden size
+    patch_size: int = 14
+    temporal_patch_size: int = 2  # an image is its own frame repeated: one patch row per spatial patch
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    window_size: int = 0  # Qwen2.5-VL: windowed attention over this many pixels (0: every block attends globally)
+    fullatt_block_indexes: tuple[int, ...] = ()  # Qwen2.5-VL: the blocks that attend over the whole image
+    # the image processor's defaults (preprocessor_config.json): an image is resized to within these pixel counts
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+
+    @property
+    def patch_values(self) -> int:
+        """Input values of one patch row: channels x temporal x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    def patches(self, pixels: int) -> int:
+        """Patch rows of one image of at most ``pixels`` pixels (the processor resizes to multiples of
+        patch x merge, so a count of whole merge groups)."""
+        group = (self.patch_size * self.spatial_merge_size) ** 2
+        groups = max(1, max(min(pixels, self.max_pixels), self.min_pixels) // group)
+        return groups * self.spatial_merge_size**2
+
+    def image_tokens(self, pixels: int) -> int:
+        """Tokens one image adds to the text sequence: its patches merged."""
+        return self.patches(pixels) // self.spatial_merge_size**2
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str  # canonical catalog name, e.g. "Qwen2.5-7B"
     hf_id: str  # e.g. "Qwen/Qwen2.5-7B"
@@ -41,6 +83,7 @@ class ModelSpec:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     mtp_layers: int = 0  # DeepSeek-V3 multi-token-prediction modules (not counted by transformers)
+    vision: VisionSpec | None = None  # a vision-language model's vision tower (the fields above: its text model)
     source: str = "catalog"  # "catalog" or the local path it was read from
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -51,6 +94,10 @@ class ModelSpec:
     @property
     def uses_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def is_vl(self) -> bool:
+        return self.vision is not None
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,8 @@ def map_rows(
     index = datasets.Dataset.from_dict({"i": list(range(len(rows)))})
     cache_dir = Path(cache_dir)
     cache_file = cache_dir / f"{desc}-{key}.arrow"
+    how = dict(batched=True, batch_size=256, remove_columns=["i"], features=schema, cache_file_name=str(cache_file))
+    how.update(new_fingerprint=key, load_from_cache_file=True)  # every rank: the same call, the same file
     d = _dist()
     main = d is None or d.get_rank() == 0
     began = time.perf_counter()
@@ -87,34 +89,15 @@ def map_rows(
         if not cached and os.environ.get("RLCTL_DATA_PROGRESS", "1") == "1":
             datasets.enable_progress_bars()
         try:
-            mapped = index.map(
-                batch_fn,
-                batched=True,
-                batch_size=256,
-                remove_columns=["i"],
-                features=schema,
-                cache_file_name=str(cache_file),
-                new_fingerprint=key,
-                load_from_cache_file=True,
-                desc=f"tokenizing {desc}",
-            )
+            mapped = index.map(batch_fn, **how, desc=f"tokenizing {desc}")
         finally:
             datasets.disable_progress_bars()
     if d is not None:
         d.barrier()  # rank 0 has written the cache file
     if not main:  # the same call finds rank 0's file (or maps by itself where the run dir is not shared)
-        mapped = index.map(
-            batch_fn,
-            batched=True,
-            batch_size=256,
-            remove_columns=["i"],
-            features=schema,
-            cache_file_name=str(cache_file),
-            new_fingerprint=key,
-            load_from_cache_file=True,
-        )
+        mapped = index.map(batch_fn, **how)
     out = mapped.to_list()
     if main:
-        how = "loaded from the cache" if cached else "tokenized"
-        log(f"{desc}: {len(out)} rows {how} in {time.perf_counter() - began:.1f}s ({cache_file})")
+        done = "loaded from the cache" if cached else "tokenized"
+        log(f"{desc}: {len(out)} rows {done} in {time.perf_counter() - began:.1f}s ({cache_file})")
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rlctl.catalog import layer_params as largest_layer_params
+from rlctl.catalog.count import vision_params
 from rlctl.catalog.gpus import vllm_batch_limits
 from rlctl.catalog.parallel import sp_kv_heads
 from rlctl.catalog.spec import GpuSpec, ModelSpec
@@ -19,6 +20,7 @@ from rlctl.estimate.settings import (
     HOST_MARGIN_FRACTION,
     HOST_PROCESS_BYTES,
     LOGIT_EXTRA_BYTES,
+    SP_GATHERS_LOGITS,
     MemorySettings,
 )
 
@@ -29,7 +31,7 @@ def _gib(x: float) -> str:
 
 def assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEstimate) -> list[str]:
     """The choices behind the numbers, in words, so they can be checked and changed."""
-    out = _batch(model, s) + _layout(model, s, est) + _memory_options(s)
+    out = _batch(model, s) + _layout(model, s, est) + _vision(model, s) + _memory_options(s)
     if s.is_rl:
         out += _rl_models_and_engine(gpu, s)
     if s.device == "cuda":
@@ -40,14 +42,16 @@ def assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEs
 def _batch(model: ModelSpec, s: MemorySettings) -> list[str]:
     """The tokens of one forward."""
     out = []
+    images = f" + {s.image_tokens} image tokens" if s.image_tokens else ""
     if s.is_rl:
         out.append(
-            f"sequence length {s.seq_len} tokens (prompt {s.prompt_len} + response {s.response_len}), "
+            f"sequence length {s.seq_len} tokens (prompt {s.prompt_len}{images} + response {s.response_len}), "
             f"micro batch {s.micro_batch}: {s.tokens_per_micro_batch} tokens per forward{_per_gpu(s)}"
         )
     else:
+        text = f" ({s.max_len} text{images})" if images else ""
         out.append(
-            f"sequence length {s.seq_len} tokens, micro batch {s.micro_batch}: "
+            f"sequence length {s.seq_len} tokens{text}, micro batch {s.micro_batch}: "
             f"{s.tokens_per_micro_batch} tokens per forward (packed){_per_gpu(s)}"
         )
     if s.sp > 1:
@@ -63,12 +67,50 @@ def _ulysses(model: ModelSpec, s: MemorySettings) -> str:
     """What Ulysses sequence parallelism divides, and what it adds."""
     kv = sp_kv_heads(s.sp, model.num_kv_heads)
     repeated = f" ({model.num_kv_heads} KV heads repeated to {kv})" if kv > model.num_kv_heads else ""
-    return (
-        f"Ulysses sequence parallelism sp {s.sp} (dp {s.dp} x sp {s.sp}): each GPU keeps the activations and "
-        f"computes the logits of 1/{s.sp} of the sequence; attention trades sequence shards for head shards by "
-        f"all-to-all ({model.num_heads // s.sp} query heads per GPU{repeated}); the all-to-all line counts one "
-        "layer's send and receive buffers of Q, K, V and the attention output kept in both layouts"
+    logits = (
+        "computes the logits of its share, then the SP group gathers those of the whole micro batch on every GPU "
+        "for the loss (the logits line is not divided)"
+        if SP_GATHERS_LOGITS
+        else "computes the logits and the loss of its share"
     )
+    return (
+        f"Ulysses sequence parallelism sp {s.sp} (dp {s.dp} x sp {s.sp}): each GPU keeps the activations of 1/{s.sp} "
+        f"of the sequence and {logits}; attention trades sequence shards for head shards by all-to-all "
+        f"({model.num_heads // s.sp} query heads per GPU over the whole sequence{repeated}); the all-to-all line "
+        "counts a layer's Q, K, V in both layouts, one trade's send and receive buffers, and the attention output "
+        "kept in both layouts"
+    )
+
+
+def _vision(model: ModelSpec, s: MemorySettings) -> list[str]:
+    """A VL model's vision tower: its parameters, whether it trains, and what an image costs."""
+    v = model.vision
+    if v is None:
+        return []
+    family = "Qwen2.5-VL" if v.arch == "qwen2_5_vl" else "Qwen2-VL"
+    tower = (
+        f"vision tower ({family} ViT: {v.depth} blocks of width {v.hidden_size}, patch {v.patch_size}, "
+        f"merge {v.spatial_merge_size}x{v.spatial_merge_size}): {vision_params(model):,} parameters"
+    )
+    if s.train_vision and s.lora_rank:
+        tower += ", trained (--train-vision): LoRA adapters on its linear layers too"
+    elif s.train_vision:
+        tower += ", trained (--train-vision): full states like the text model"
+    else:
+        tower += (
+            ", frozen: its weights sharded with the model's, no gradients or AdamW states (--train-vision "
+            "trains it); its forward keeps no activations (one block's transient is counted)"
+        )
+    tower += "; it is one FSDP unit, gathered whole for its forward"
+    pixels = s.image_pixels or v.max_pixels
+    where = "" if s.image_pixels else " (the processor's max_pixels)"
+    per_image = v.patches(pixels)
+    images = (
+        f"images: {s.images} per sample at up to {pixels:,} pixels{where}: {per_image} patches of "
+        f"{v.patch_size}x{v.patch_size} each through the vision tower, merged into {v.image_tokens(pixels)} tokens "
+        "added to the sequence (training and the rollout engine's prefill and KV cache)"
+    )
+    return [tower, images]
 
 
 def _layout(model: ModelSpec, s: MemorySettings, est: MemoryEstimate) -> list[str]:

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from rlctl.catalog.spec import ModelSpec
+from rlctl.catalog.count import vision_block_params, vision_merger_params
+from rlctl.catalog.spec import ModelSpec, VisionSpec
 from rlctl.errors import UserError
 
 
@@ -155,11 +156,27 @@ def tensors(
         out.append(Tensor(layer.other, 1, n, ""))
     if embedding:
         out.append(Tensor(spec.vocab_size, spec.hidden_size, 1, "tp"))
+        if spec.vision is not None:  # the vision tower sits before the decoder
+            out += vision_tensors(spec.vision)
     if head:
         out.append(Tensor(spec.hidden_size, 1, 1, ""))  # final norm
         if not spec.tie_embeddings:
             out.append(Tensor(spec.vocab_size, spec.hidden_size, 1, "tp"))
     return out
+
+
+def vision_tensors(v: VisionSpec) -> list[Tensor]:
+    """The vision tower's tensors: the patch embedding, per block qkv, proj and the MLP's matrices (with the
+    block's norms and biases as one vector), and the merger's two matrices (with its norm and biases)."""
+    w, f, m = v.hidden_size, v.intermediate_size, v.hidden_size * v.spatial_merge_size**2
+    mlp = [Tensor(f, w, 2 if v.arch == "qwen2_5_vl" else 1, ""), Tensor(w, f, 1, "")]
+    matrices = 4 * w * w + sum(t.rows * t.cols * t.count for t in mlp)
+    blocks = [Tensor(3 * w, w, 1, ""), Tensor(w, w, 1, ""), *mlp, Tensor(vision_block_params(v) - matrices, 1, 1, "")]
+    out = [Tensor(v.hidden_size, v.patch_values, 1, "")]
+    out += [Tensor(t.rows, t.cols, t.count * v.depth, "") for t in blocks]
+    merger = [Tensor(m, m, 1, ""), Tensor(v.out_hidden_size, m, 1, "")]
+    merger_vector = vision_merger_params(v) - m * m - v.out_hidden_size * m
+    return [*out, *merger, Tensor(merger_vector, 1, 1, "")]
 
 
 def expert_params(spec: ModelSpec) -> int:
@@ -178,7 +195,13 @@ _FUSED_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def lora_params(
-    spec: ModelSpec, rank: int, targets: str = "all-linear", start: int = 0, stop: int | None = None
+    spec: ModelSpec,
+    rank: int,
+    targets: str = "all-linear",
+    start: int = 0,
+    stop: int | None = None,
+    *,
+    vision: bool = False,
 ) -> int:
     """Adapter parameters peft adds: rank x (fan_in + fan_out) per targeted linear layer.
 
@@ -191,9 +214,25 @@ def lora_params(
     (``gate_up_proj`` at rank 2r: ``2r E (h + 2f)``; ``down_proj``: ``r E (f + h)``), so the dense
     layers' and shared experts' MLP linears get no adapter; ``gate`` (in all-linear) adapts the
     router: ``r (h + E)``.
+
+    A VL model's vision tower gets adapters on all its linear layers when it is trained (``vision``, with
+    all-linear: rlctl.engines.vision.language_linear_names); a frozen tower gets none.
     """
     if rank <= 0:
         return 0
+    tower = vision_lora_params(spec.vision, rank) if vision and spec.vision and lora_targets(targets) is None else 0
+    return tower + _text_lora_params(spec, rank, targets, start, stop)
+
+
+def vision_lora_params(v: VisionSpec, rank: int) -> int:
+    """Adapters on every linear layer of a vision tower: qkv, proj and the MLP per block, the merger's two."""
+    w, f, m = v.hidden_size, v.intermediate_size, v.hidden_size * v.spatial_merge_size**2
+    mlp = (3 if v.arch == "qwen2_5_vl" else 2) * (w + f)
+    return rank * (v.depth * (4 * w + 2 * w + mlp) + 2 * m + m + v.out_hidden_size)
+
+
+def _text_lora_params(spec: ModelSpec, rank: int, targets: str, start: int, stop: int | None) -> int:
+    """lora_params of the decoder layers."""
     wanted = lora_targets(targets)
     names = set(wanted) if wanted is not None else lora_target_names(spec)
     if spec.is_moe:

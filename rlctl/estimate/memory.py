@@ -34,6 +34,7 @@ import math
 from dataclasses import replace
 
 from rlctl.catalog import pipeline_split
+from rlctl.catalog.count import vision_params
 from rlctl.catalog.spec import GpuSpec, ModelSpec
 from rlctl.estimate.explain import assumptions
 from rlctl.estimate.host import host_memory_per_node, host_phases, pinned_bytes, pow2ceil
@@ -56,6 +57,7 @@ from rlctl.estimate.settings import (
     LOGIT_EXTRA_BYTES,
     METHODS,
     MemorySettings,
+    with_images,
 )
 from rlctl.estimate.training import (
     activation_bytes,
@@ -67,6 +69,7 @@ from rlctl.estimate.training import (
     logits_bytes,
     model_states,
     ulysses_bytes,
+    vision_activation_bytes,
 )
 
 __all__ = [
@@ -114,6 +117,8 @@ def _stage_phases(model: ModelSpec, s: MemorySettings, stage, states: dict, crit
     if s.backend == "fsdp":
         train["unsharded_buffers"] = fsdp_buffers(model, s)
     train["activations"] = activation_bytes(model, s, stage)
+    if model.is_vl:
+        train["vision_activations"] = vision_activation_bytes(model, s)
     if s.sp > 1:
         train["sp_all_to_all"] = ulysses_bytes(model, s, stage)
     train["logits"] = logits_bytes(model, s) if stage.has_head else 0
@@ -157,10 +162,14 @@ def _frozen_models(s: MemorySettings, stage, states: dict, critic_ratio: float) 
 def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> MemoryEstimate:
     """Per-GPU memory of each phase of the job on the busiest GPU, and the busiest node's host memory."""
     s.check(model)
+    s = with_images(model, s)
     cuda = s.device == "cuda"
     context = CUDA_CONTEXT_BYTES if cuda else 0
     stages = job_stages(model, s)
-    trainable = lora_params(model, s.lora_rank, s.lora_targets) if s.lora_rank else count_params(model)
+    if s.lora_rank:
+        trainable = lora_params(model, s.lora_rank, s.lora_targets, vision=s.train_vision)
+    else:
+        trainable = count_params(model) - (0 if s.train_vision else vision_params(model))
     critic_ratio = critic_params(model) / count_params(model)
 
     train_phases, rollout_phases, stage_states = [], [], []

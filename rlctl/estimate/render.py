@@ -15,6 +15,7 @@ LABELS = {
     "unsharded_buffers": "FSDP unsharded layers",
     "activations": "activations",
     "sp_all_to_all": "Ulysses all-to-all",
+    "vision_activations": "vision tower activations",
     "logits": "logits (loss)",
     "reference_model": "reference model",
     "reward_model": "reward model",

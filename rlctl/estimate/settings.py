@@ -6,7 +6,7 @@ No torch import: the CLI estimates in milliseconds.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from rlctl import names
 from rlctl.catalog import pipeline_split
@@ -95,6 +95,12 @@ class MemorySettings:
     loss_chunk: int = 0  # tokens per chunk of the loss (0 = one unfused loss over the micro batch)
     reward_model: bool = False  # PPO/GRPO: a frozen reward model on the training GPUs
     reward_model_dtype: str = "fp32"  # reward.model_dtype: every rank holds a whole replica in it
+    # vision-language models (text models ignore these)
+    images: int = 1  # images per sample (in the prompt)
+    image_pixels: int = 0  # pixels of each image after the processor (0 = its max_pixels: the most an image costs)
+    train_vision: bool = False  # train the vision tower too (default: frozen: no gradients, no AdamW states)
+    image_tokens: int = 0  # derived (with_images): merged image tokens per sample, added to the sequence
+    image_patches: int = 0  # derived (with_images): patch rows per sample through the vision tower
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,8 +120,13 @@ class MemorySettings:
 
     @property
     def seq_len(self) -> int:
-        """Tokens of one training sequence."""
-        return self.prompt_len + self.response_len if self.is_rl else self.max_len
+        """Tokens of one training sequence (a VL model's image tokens added to the text)."""
+        return (self.prompt_len + self.response_len if self.is_rl else self.max_len) + self.image_tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of one prompt as the rollout engine prefills it (image tokens included)."""
+        return self.prompt_len + self.image_tokens
 
     @property
     def tokens_per_micro_batch(self) -> int:
@@ -197,6 +208,13 @@ class MemorySettings:
                 "the megatron engine has no pure-bf16, selective-checkpointing, activation-offload or no-shard "
                 "option in rlctl: use --backend fsdp for them"
             )
+        if spec.is_vl and self.backend == "megatron":
+            raise UserError(
+                f"{spec.name} is a vision-language model: rlctl's Megatron engine trains text models only; "
+                "use --backend fsdp"
+            )
+        if self.images < 0 or self.image_pixels < 0:
+            raise UserError("images and image_pixels must be positive (image_pixels 0 = the processor's max_pixels)")
         if self.micro_batch_tokens < 0 or self.loss_chunk < 0:
             raise UserError("micro_batch_tokens and loss_chunk must be positive (0 = off)")
         if self.optimizer != "adamw":
@@ -246,6 +264,18 @@ class MemorySettings:
             return
         if self.backend != "fsdp":
             raise UserError(f"sp {self.sp}: Ulysses sequence parallelism is the fsdp engine's; Megatron uses --cp")
+        if spec.is_vl:
+            raise UserError(f"sp {self.sp}: Ulysses sequence parallelism does not split a VL model's images; sp 1")
         problem = sp_problem(self.sp, self.gpus, spec.num_heads, None if spec.uses_mla else spec.num_kv_heads)
         if problem:
             raise UserError(f"sp {self.sp}: {problem} ({spec.name} on {self.gpus} GPUs)")
+
+
+def with_images(spec: ModelSpec, s: MemorySettings) -> MemorySettings:
+    """``s`` with the image tokens and patches of ``spec`` filled in (zero for a text model): ``images`` per
+    sample at ``image_pixels`` (or the processor's max_pixels), patches of the vision tower, merged into tokens."""
+    v = spec.vision
+    if v is None:
+        return replace(s, image_tokens=0, image_patches=0)
+    pixels = s.image_pixels or v.max_pixels
+    return replace(s, image_tokens=s.images * v.image_tokens(pixels), image_patches=s.images * v.patches(pixels))

@@ -10,9 +10,9 @@ from functools import lru_cache
 from rlctl.catalog import count_params as _count_params
 from rlctl.catalog import layer_params as largest_layer_params
 from rlctl.catalog import pipeline_split
-from rlctl.catalog.count import embedding_params, lm_head_params
+from rlctl.catalog.count import embedding_params, lm_head_params, vision_params
 from rlctl.catalog.parallel import sp_kv_heads
-from rlctl.catalog.spec import ModelSpec
+from rlctl.catalog.spec import ModelSpec, VisionSpec
 from rlctl.estimate.inventory import (
     LayerParams,
     Tensor,
@@ -48,6 +48,7 @@ class Stage:
     has_head: bool  # computes the logits and the loss
     in_flight: int  # micro batches whose activations are alive at once (1F1B: pp - stage index)
     tensors: list[Tensor]  # its parameter tensors, whole (before TP / sharding)
+    vision_params: int = 0  # a VL model's vision tower (part of dense_params), whole
 
 
 def job_stages(spec: ModelSpec, s: MemorySettings) -> list[Stage]:
@@ -61,10 +62,11 @@ def job_stages(spec: ModelSpec, s: MemorySettings) -> list[Stage]:
                 layer_kinds(spec),
                 count_params(spec) - experts,
                 experts,
-                lora_params(spec, rank, targets),
+                lora_params(spec, rank, targets, vision=s.train_vision),
                 True,
                 1,
                 tensors(spec),
+                vision_params(spec),
             )
         ]
     split = pipeline_split(spec.num_layers, s.pp)
@@ -105,7 +107,8 @@ def model_states(spec: ModelSpec, s: MemorySettings, stage: Stage) -> dict[str, 
     parameter, all divided by N (the compute-dtype copy of a layer exists only while gathered).
     Megatron with the distributed optimizer: compute-dtype weights and fp32 gradients on every
     data-parallel rank of a (tp, pp, ep) shard, fp32 master + m + v divided by the DP size.
-    LoRA: the frozen base in the compute dtype, and the adapters' full states.
+    LoRA: the frozen base in the compute dtype, and the adapters' full states. A VL model's vision
+    tower is frozen unless ``train_vision`` (LoRA: then it gets adapters too, rlctl.engines.vision).
     """
     cb = s.compute_bytes
     master = 0 if cb == 4 else 4  # fp32 training keeps no separate master copy
@@ -114,17 +117,15 @@ def model_states(spec: ModelSpec, s: MemorySettings, stage: Stage) -> dict[str, 
         # trained tensors: fp32 (mixed precision) or bf16 (pure bf16: weights, gradients, AdamW m and v)
         tb = 2 if s.pure_bf16 else 4
         adam = ADAM_STATE_BYTES * tb // 4
-        if s.lora_rank:
-            return {
-                "weights": math.ceil((cb * (stage.dense_params + stage.expert_params) + tb * stage.adapter_params) / n),
-                "gradients": math.ceil(tb * stage.adapter_params / n),
-                "optimizer_states": math.ceil(adam * stage.adapter_params / n),
-            }
         params = stage.dense_params + stage.expert_params
+        if s.lora_rank:  # the frozen base (a VL model's tower too) in the compute dtype, the adapters trained
+            trained, weights = stage.adapter_params, cb * params + tb * stage.adapter_params
+        else:  # FSDP keeps every parameter in the trained dtype, a frozen vision tower's too (no grads, no AdamW)
+            trained, weights = params - (0 if s.train_vision else stage.vision_params), tb * params
         return {
-            "weights": math.ceil(tb * params / n),
-            "gradients": math.ceil(tb * params / n),
-            "optimizer_states": math.ceil(adam * params / n),
+            "weights": math.ceil(weights / n),
+            "gradients": math.ceil(tb * trained / n),
+            "optimizer_states": math.ceil(adam * trained / n),
         }
     dense = math.ceil(stage.dense_params / s.tp)
     experts = math.ceil(stage.expert_params / s.ep)
@@ -148,13 +149,15 @@ def fsdp_buffers(spec: ModelSpec, s: MemorySettings) -> int:
     """Unsharded FSDP2 buffers: the layer being computed and the prefetched next one, gathered
     in the compute dtype, plus the output head (the root unit stays gathered from the forward to
     the end of the backward); full fine-tuning adds their unsharded gradients before the
-    reduce-scatter (one layer and the head)."""
+    reduce-scatter (one layer and the head). A VL model's vision tower is one unit of its own."""
     if not s.sharded:
         return 0  # a plain module on one GPU: nothing is gathered, gradients land in place
     cb = s.compute_bytes
     layer, head = largest_layer_params(spec), spec.vocab_size * spec.hidden_size
-    gathered = cb * (2 * layer + head)
-    grads = 0 if s.lora_rank else cb * (layer + head)
+    # a VL model's vision tower is one FSDP unit (rlctl.engines.vision): gathered whole, the first layer prefetched
+    tower = vision_params(spec)
+    gathered = cb * (max(2 * layer, tower + layer) + head)
+    grads = 0 if s.lora_rank else cb * (max(layer, tower if s.train_vision else 0) + head)
     return gathered + grads
 
 
@@ -255,6 +258,35 @@ def ulysses_bytes(spec: ModelSpec, s: MemorySettings, stage: Stage) -> int:
     in_flight = q + 2 * kv + repeated + 2 * q
     saved = q + 2 * (kv_sent - kv)
     return cb * tokens * (in_flight + attention_saved_layers(s, stage) * saved)
+
+
+def vision_block_values(v: VisionSpec) -> int:
+    """Values one vision block stores per patch for its backward: two norm inputs, the attention and MLP
+    inputs, q/k/v and the attention output, and the MLP's (Qwen2.5-VL: gate, up, activation and product;
+    Qwen2-VL: fc1's output and its activation)."""
+    w, f = v.hidden_size, v.intermediate_size
+    return 4 * w + 4 * w + (4 if v.arch == "qwen2_5_vl" else 2) * f
+
+
+def vision_activation_bytes(spec: ModelSpec, s: MemorySettings) -> int:
+    """The vision tower's activations for the images of one micro batch.
+
+    Frozen (the default), no gradient reaches it: nothing is kept, and its forward's transient is one
+    block's values over the patches (counted, although the decoder's peak comes later). Trained, it keeps
+    what the decoder keeps: each block's input under activation checkpointing (one block recomputed at a
+    time), else every block's values.
+    """
+    v = spec.vision
+    if v is None or not s.image_patches:
+        return 0
+    samples = max(1, s.tokens_per_micro_batch // s.seq_len)
+    patches, cb = samples * s.image_patches, s.compute_bytes
+    block = cb * patches * vision_block_values(v)
+    if not s.train_vision:
+        return block
+    if s.activation_checkpointing:
+        return v.depth * cb * patches * v.hidden_size + block
+    return v.depth * block
 
 
 def logit_tokens(s: MemorySettings) -> int:

@@ -349,5 +349,6 @@ def settings_for(job: Job, **kw) -> MemorySettings:
         selective_checkpointing=c.parallel.selective_checkpointing is True,
         offload_activations=c.parallel.offload_activations is True,
         shard=c.parallel.shard is not False,
+        train_vision=bool(getattr(c.model, "train_vision", False)),
     )
     return replace(base, **kw)

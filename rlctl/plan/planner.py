@@ -124,7 +124,15 @@ def backend_the_engine_runs(job: Job, tier: str, decisions: list[Decision]) -> s
     (with offload when needed, as the search decides); a Megatron backend or Megatron-only sizes set
     in the config are a UserError there."""
     c = job.cfg
-    missing = "a PPO critic" if c.method == "ppo" else "LoRA" if c.lora.rank else None
+    missing = (
+        "a vision-language model"
+        if job.spec.is_vl
+        else "a PPO critic"
+        if c.method == "ppo"
+        else "LoRA"
+        if c.lora.rank
+        else None
+    )
     if tier != "megatron" or missing is None:
         return tier
     p = c.parallel

@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from rlctl.catalog import parallel, pipeline_split
+from rlctl.catalog.count import vision_params
 from rlctl.catalog.spec import ModelSpec
 from rlctl.config import RunConfig
 from rlctl.errors import UserError
@@ -32,6 +33,8 @@ def billions(n: int) -> str:
 
 def describe_model(spec: ModelSpec, params: int, active: int) -> str:
     kind = f"MoE, {billions(active)} active" if spec.is_moe else "dense"
+    if spec.is_vl:
+        kind += f", {billions(vision_params(spec))} of them the vision tower"
     return f"{spec.name} ({billions(params)} {kind})"
 
 
@@ -104,8 +107,8 @@ def check_sp(spec: ModelSpec, cfg: RunConfig, *, backend: str, sp: int | None, w
 def sp_sizes(spec: ModelSpec, *, world: int, per_node: int, refused: str | None = None) -> list[int]:
     """Ulysses SP sizes the planner tries, smallest first: 1, then the powers of two up to a node's GPUs
     (the all-to-all of every layer stays on the node's links) that split the ranks and the heads;
-    only 1 when the job's settings cannot run with SP (``refused``)."""
-    if refused is not None:
+    only 1 when the job's settings cannot run with SP (``refused``) or the model takes images."""
+    if refused is not None or spec.is_vl:
         return [1]
     kv = None if spec.uses_mla else spec.num_kv_heads
     return [

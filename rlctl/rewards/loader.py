@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +10,7 @@ from typing import Any
 
 from rlctl.errors import UserError, did_you_mean
 from rlctl.rewards.builtin import BUILTINS
+from rlctl.usercode import import_user_file, import_user_module, is_file_spec
 
 __all__ = ["DEFAULT_FUNCTION", "RewardFn", "default_for_data_source", "get_reward"]
 
@@ -21,6 +19,7 @@ RewardFn = Callable[..., Any]
 
 DEFAULT_FUNCTION = "compute_score"  # verl's default name for a custom reward function
 
+_MODULE_FIX = "install it or add its folder to PYTHONPATH"
 _FORMS = "a built-in name, path/to/file.py[:function] or package.module:function"
 
 _BY_DATA_SOURCE = {
@@ -49,44 +48,19 @@ def get_reward(spec: str) -> RewardFn:
     if spec in BUILTINS:
         return BUILTINS[spec]
     target, _, name = spec.rpartition(":") if ":" in spec else (spec, "", "")
-    if _looks_like_file(target):
+    if is_file_spec(target):
         return _function(_load_file(Path(target).expanduser()), name or DEFAULT_FUNCTION, target)
     if name and target:
-        return _function(_import_module(target), name, target)
+        return _function(import_user_module(target, "reward", _MODULE_FIX), name, target)
     raise UserError(
         f"unknown reward {spec!r}{did_you_mean(spec, BUILTINS)}; give {_FORMS} (built-ins: {', '.join(BUILTINS)})"
     )
 
 
-def _looks_like_file(target: str) -> bool:
-    return target.endswith(".py") or "/" in target or "\\" in target
-
-
 def _load_file(path: Path) -> ModuleType:
     if not path.is_file():
         raise UserError(f"reward file {path} not found; check the path in the reward spec")
-    resolved = path.resolve()
-    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
-    module_spec = importlib.util.spec_from_file_location(f"rlctl_user_reward_{digest}", resolved)
-    if module_spec is None or module_spec.loader is None:
-        raise UserError(f"cannot load {path} as Python; a reward file must be a .py file")
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        raise UserError(f"reward file {path} failed to load: {type(exc).__name__}: {exc}") from exc
-    return module
-
-
-def _import_module(name: str) -> ModuleType:
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
-            raise UserError(f"reward module {name!r} not found; install it or add its folder to PYTHONPATH") from exc
-        raise UserError(f"reward module {name!r} failed to import: {exc}") from exc
-    except Exception as exc:
-        raise UserError(f"reward module {name!r} failed to import: {type(exc).__name__}: {exc}") from exc
+    return import_user_file(path, "reward")
 
 
 def _function(module: ModuleType, name: str, where: str) -> RewardFn:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.agents.conftest import ADD_SCHEMA, trace_messages
 
@@ -232,18 +231,6 @@ def test_hand_built_three_turn_trajectory_masks_exactly_the_sampled_tokens():
         assert torch.allclose(returns[b, sampled_cols], raw[b, sampled_cols] + batch.values[b, sampled_cols])
     assert torch.allclose(adv, masked_whiten(raw, batch.mask.bool()) * batch.mask, atol=1e-6)
     assert returns[:, [4, 5, 6, 9, 10, 14, 15]].abs().sum() == 0
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    from rlctl.runtime.net import free_port
-
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def test_trainer_log_probs_equal_the_rollout_engines_on_multi_turn_trajectories(

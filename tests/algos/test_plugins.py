@@ -121,13 +121,14 @@ def test_a_plugin_module_registers_an_estimator_with_its_facts(tmp_path, monkeyp
         (
             "x = 1\ny = undefined_name\n",
             "bad.py",
-            r"bad.py: NameError: name 'undefined_name' is not defined \(bad.py line 2\)",
+            r"bad.py failed to import: NameError: name 'undefined_name' is not defined \(bad.py line 2\)",
         ),
-        ("def f(:\n", "bad.py", r"bad.py: SyntaxError: .* \(bad.py line 1\)"),
+        ("def f(:\n", "bad.py", r"bad.py failed to import: SyntaxError: .* \(bad.py line 1\)"),
         (
             "from rlctl.algos.registry import register_adv_est\nregister_adv_est('grpo')(print)\n",
             "bad.py",
-            r"bad.py: algo.adv 'grpo' is already registered \(rlctl.algos.estimators:grpo_advantages\)",
+            r"bad.py failed to import: algo.adv 'grpo' is already registered "
+            r"\(rlctl.algos.estimators:grpo_advantages\)",
         ),
     ],
 )

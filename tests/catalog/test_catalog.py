@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    DeepseekV3Config,
+    LlamaConfig,
+    Qwen3MoeConfig,
+)
 
 from rlctl.catalog import (
     active_params,
@@ -30,6 +37,7 @@ from rlctl.catalog import (
     resolve_gpu,
     resolve_model,
 )
+from rlctl.catalog.count import vision_params
 from rlctl.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,8 +45,14 @@ MODELS = list_models()
 
 
 def meta_model(config):
+    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return auto.from_config(config)
+
+
+def decoder_layers(model):
+    inner = model.model
+    return getattr(inner, "language_model", inner).layers  # a VL model's text model is model.language_model
 
 
 def numel(module) -> int:
@@ -59,8 +73,34 @@ def test_counts_match_transformers(spec):
     model = meta_model(AutoConfig.for_model(**hf_config_dict(spec)))
     assert count_params(spec) == numel(model)
     assert embedding_params(spec) == model.get_input_embeddings().weight.numel()
-    assert layer_params(spec) == max(numel(layer) for layer in model.model.layers)
+    assert layer_params(spec) == max(numel(layer) for layer in decoder_layers(model))
     assert (model.lm_head.weight is model.get_input_embeddings().weight) == spec.tie_embeddings
+    assert vision_params(spec) == (numel(model.model.visual) if spec.is_vl else 0)
+
+
+def test_vision_tower_counts_by_hand():
+    """The vision towers of Qwen2.5-VL-7B and Qwen2-VL-7B, computed by hand from their published config.json."""
+    patch_embed = 3 * 2 * 14 * 14 * 1280  # Conv3d(3, 1280, (2, 14, 14)), no bias
+    attention = (1280 * 3 * 1280 + 3 * 1280) + (1280 * 1280 + 1280)  # qkv and proj, with biases
+    # Qwen2.5-VL-7B: RMSNorms, gated MLP of width 3420 with biases; merger to 3584
+    block = 2 * 1280 + attention + 2 * (1280 * 3420 + 3420) + (3420 * 1280 + 1280)
+    merger = 1280 + (5120 * 5120 + 5120) + (5120 * 3584 + 3584)
+    assert vision_params(resolve_model("Qwen2.5-VL-7B")) == patch_embed + 32 * block + merger == 676_550_144
+    # Qwen2-VL-7B: LayerNorms (weight and bias), fc1/fc2 of width 4 x 1280 with biases
+    block = 2 * 2 * 1280 + attention + (1280 * 5120 + 5120) + (5120 * 1280 + 1280)
+    merger = 2 * 1280 + (5120 * 5120 + 5120) + (5120 * 3584 + 3584)
+    assert vision_params(resolve_model("Qwen2-VL-7B")) == patch_embed + 32 * block + merger == 675_759_104
+    # Hugging Face's parameter counts of the safetensors: 8.29B for both 7B models
+    assert round(count_params(resolve_model("Qwen2.5-VL-7B")) / 1e9, 2) == 8.29
+    assert round(count_params(resolve_model("Qwen2-VL-7B")) / 1e9, 2) == 8.29
+
+
+def test_vision_patches_and_tokens_at_the_processor_bounds():
+    v = resolve_model("Qwen2.5-VL-7B").vision
+    # max_pixels 28 x 28 x 1280: 1280 groups of 2 x 2 patches of 14 x 14
+    assert (v.patches(10**8), v.image_tokens(10**8)) == (5120, 1280)
+    assert (v.patches(448 * 448), v.image_tokens(448 * 448)) == (1024, 256)  # 16 x 16 groups
+    assert v.image_tokens(1) == 4  # min_pixels 56 x 56: 2 x 2 groups
 
 
 def test_published_figures():

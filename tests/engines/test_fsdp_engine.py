@@ -14,24 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from rlctl.runtime.net import free_port
 from tests.support.sft import chat_rows, cpu_plan, cpu_spec, sft_config, write_jsonl
 
 PLAN = SimpleNamespace(**cpu_plan(1))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    """A one-process gloo group, as torchrun would give a single rank."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("process_group")  # one gloo rank for the whole module
 
 
 @pytest.fixture(scope="module")

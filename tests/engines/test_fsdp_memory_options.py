@@ -14,20 +14,10 @@ import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from rlctl.runtime.net import free_port
 from tests.support.sft import chat_rows, cpu_spec, sft_config, write_jsonl
 
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("process_group")  # one gloo rank for the whole module
 
 
 @pytest.fixture

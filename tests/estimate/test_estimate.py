@@ -16,10 +16,11 @@ import sys
 import pytest
 
 from rlctl.catalog import count_params, list_models, resolve_model
+from rlctl.catalog.count import vision_params
 from rlctl.catalog.spec import GpuSpec
 from rlctl.errors import UserError
 from rlctl.estimate import MemorySettings, estimate_memory
-from rlctl.estimate.inventory import expert_params, layer_kinds, lora_params
+from rlctl.estimate.inventory import expert_params, layer_kinds, lora_params, tensors
 from rlctl.estimate.memory import (
     CUDA_CONTEXT_BYTES,
     ENGINE_GRAPH_BYTES,
@@ -66,7 +67,9 @@ def test_layer_params_by_hand():
 def test_inventory_adds_up_to_catalog_count(spec):
     layers = sum(layer.total * n for layer, n in layer_kinds(spec))
     head = 0 if spec.tie_embeddings else spec.vocab_size * spec.hidden_size
-    assert spec.vocab_size * spec.hidden_size + layers + spec.hidden_size + head == count_params(spec)
+    vision = vision_params(spec)  # a VL model's vision tower, beside the decoder
+    assert spec.vocab_size * spec.hidden_size + layers + spec.hidden_size + head + vision == count_params(spec)
+    assert sum(t.rows * t.cols * t.count for t in tensors(spec)) == count_params(spec)
 
 
 TINY = {

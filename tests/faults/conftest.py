@@ -1,3 +1,3 @@
 """The real torch.distributed.checkpoint fixtures of test_damage.py, for the other fault tests too."""
 
-from tests.faults.test_damage import dist_group, pristine, run  # noqa: F401
+from tests.faults.test_damage import pristine, run  # noqa: F401

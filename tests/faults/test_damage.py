@@ -41,20 +41,6 @@ class _DcpEngine:
         return None
 
 
-@pytest.fixture(scope="module")
-def dist_group():
-    import torch.distributed as dist
-
-    from rlctl.runtime.net import free_port
-
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
-
-
 def _save(root: Path, step: int, meta: Path, keep_last: int = 10) -> Path:
     from rlctl.runtime.checkpoint import save_checkpoint
     from rlctl.runtime.rng import rng_state
@@ -71,7 +57,7 @@ def _save(root: Path, step: int, meta: Path, keep_last: int = 10) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pristine(dist_group, tmp_path_factory) -> Path:
+def pristine(process_group, tmp_path_factory) -> Path:
     """A run directory with checkpoints after steps 2, 4 and 6 (each a complete save_checkpoint)."""
     run = tmp_path_factory.mktemp("pristine") / "run"
     meta = run / "model_meta"

@@ -57,7 +57,7 @@ def _assert_kept_no_debris(run) -> None:
     assert checkpoint_problem(root / NEWEST) is None and checksum_problem(root / NEWEST) is None
 
 
-def test_disk_full_while_writing_is_one_line_and_keeps_the_previous_checkpoint(monkeypatch, run, dist_group):
+def test_disk_full_while_writing_is_one_line_and_keeps_the_previous_checkpoint(monkeypatch, run, process_group):
     monkeypatch.setenv("RLCTL_FAULT", "enospc:8")
     with pytest.raises(UserError) as e:
         _save(run / "checkpoints", 8, run / "model_meta")
@@ -81,7 +81,7 @@ class _FullDiskEngine(_DcpEngine):
             raise CheckpointException("save failed", {0: (exc, traceback.extract_tb(exc.__traceback__))}) from None
 
 
-def test_disk_full_inside_torch_distributed_checkpoint_is_one_line(run, dist_group):
+def test_disk_full_inside_torch_distributed_checkpoint_is_one_line(run, process_group):
     from rlctl.runtime.checkpoint import save_checkpoint
     from rlctl.runtime.rng import rng_state
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.support.cli import REPO, run_cli
 from tests.support.rl import (
@@ -28,19 +27,6 @@ from tests.support.rl import (
 from tests.support.sft import cpu_spec, write_jsonl
 
 LOGPROB_TOL = 1e-3  # fp32 on CPU: the engines agree with the trainer to ~1e-6
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    """A one-process gloo group, as torchrun would give a single rank."""
-    from rlctl.runtime.net import free_port
-
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def rl_config(model_dir, data="", **sets):

@@ -8,26 +8,12 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tests.support.sft import cpu_spec
 
 TOL = 1e-5
 TEMPERATURE = 0.7
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    """A one-process gloo group, as torchrun would give a single rank."""
-    from rlctl.runtime.net import free_port
-
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def rl_config(model_dir, **sets):

@@ -230,7 +230,7 @@ def test_custom_reward_from_file(tmp_path):
         get_reward(f"{tmp_path}/nope.py:compute_score")
     broken = tmp_path / "broken.py"
     broken.write_text("def compute_score(:\n")
-    with pytest.raises(UserError, match="broken.py failed to load: SyntaxError"):
+    with pytest.raises(UserError, match="broken.py failed to import: SyntaxError"):
         get_reward(str(broken))
 
 
