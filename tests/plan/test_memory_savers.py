@@ -86,7 +86,8 @@ def test_a_resolved_config_decides_every_on_off_setting():
         cfg = build_config(method, method_layers(method, None) + [dotted_to_nested(sets)])
         resolved = apply_plan(cfg, plan_config(cfg, LocalEnv(memory_bytes=64 * 2**30)))
         flags = {f.name: getattr(resolved.parallel, f.name) for f in dataclasses.fields(resolved.parallel)}
-        on_off = {k: v for k, v in flags.items() if k not in ("backend", "tp", "pp", "cp", "ep")}
+        on_off = {k: v for k, v in flags.items() if k not in ("backend", "tp", "pp", "cp", "ep", "sp")}
+        assert isinstance(flags["sp"], int) and flags["sp"] >= 1  # the sizes are numbers, decided too
         assert len(on_off) == 7 and all(isinstance(v, bool) for v in on_off.values()), (method, sets, on_off)
         for key in (k for k in sets if k.startswith("parallel.")):
             assert on_off[key.split(".")[1]] is False  # the user's false ("false" read as False) is kept
