@@ -172,7 +172,7 @@ def build_model(out: Path, args) -> None:
 def run_sp(model: Path, sp: int, args, tmp: Path) -> list[dict]:
     result = tmp / f"sp{sp}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [__file__, "--worker", "--model", str(model), "--sp", str(sp), "--result", str(result)]
     cmd += ["--seq-len", str(args.seq_len), "--seqs", str(args.seqs), "--steps", str(args.steps)]
     cmd += ["--vocab", str(args.vocab)]
@@ -216,11 +216,13 @@ def table(rows: dict) -> str:
     one, two = rows[1], rows[2]
     saved = one["measured"]["step_peak_bytes"] - two["measured"]["step_peak_bytes"]
     predicted = one["estimate"]["allocated"] - two["estimate"]["allocated"]
+    parts = one["estimate"]["components"], two["estimate"]["components"]
+    fewer = (parts[0]["activations"] - parts[1]["activations"]) / MIB
+    more = parts[1].get("sp_all_to_all", 0) / MIB
     lines.append("")
     lines.append(
         f"memory saved per rank by sp 2: measured {saved / MIB:.0f} MiB (step peak), estimated {predicted / MIB:.0f} "
-        f"MiB (activations {(one['estimate']['components']['activations'] - two['estimate']['components']['activations']) / MIB:.0f}"
-        f" MiB less, all-to-all {two['estimate']['components'].get('sp_all_to_all', 0) / MIB:.0f} MiB more)"
+        f"MiB (activations {fewer:.0f} MiB less, all-to-all {more:.0f} MiB more)"
     )
     return "\n".join(lines)
 
