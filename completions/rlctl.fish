@@ -15,7 +15,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from bench; and not __fish_seen_sub
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from compare convert rollout train' -a convert -d 'fsdp-to-hf GB/s and peak RSS beside a plain copy of the same files.'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from compare convert rollout train' -a rollout -d 'Generated tokens/s, time to first token, shared-prefix effect and peak memory...'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from compare convert rollout train' -a train -d 'Tokens/s, step-time split, MFU and peak memory beside the estimate, from a...'
-complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2-VL-2B-Instruct Qwen/Qwen2-VL-72B-Instruct Qwen/Qwen2-VL-7B-Instruct Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen2.5-VL-32B-Instruct Qwen/Qwen2.5-VL-3B-Instruct Qwen/Qwen2.5-VL-72B-Instruct Qwen/Qwen2.5-VL-7B-Instruct Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2-VL-2B Qwen2-VL-72B Qwen2-VL-7B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen2.5-VL-32B Qwen2.5-VL-3B Qwen2.5-VL-72B Qwen2.5-VL-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l peer -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l random-init
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l work -x
@@ -39,7 +39,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcomm
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from convert' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from convert' -l plot -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from convert' -l help -s h
-complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2-VL-2B-Instruct Qwen/Qwen2-VL-72B-Instruct Qwen/Qwen2-VL-7B-Instruct Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen2.5-VL-32B-Instruct Qwen/Qwen2.5-VL-3B-Instruct Qwen/Qwen2.5-VL-72B-Instruct Qwen/Qwen2.5-VL-7B-Instruct Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2-VL-2B Qwen2-VL-72B Qwen2-VL-7B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen2.5-VL-32B Qwen2.5-VL-3B Qwen2.5-VL-72B Qwen2.5-VL-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l random-init
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l engine -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l prompts -x
@@ -54,7 +54,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcomm
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l plot -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l help -s h
-complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2-VL-2B-Instruct Qwen/Qwen2-VL-72B-Instruct Qwen/Qwen2-VL-7B-Instruct Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen2.5-VL-32B-Instruct Qwen/Qwen2.5-VL-3B-Instruct Qwen/Qwen2.5-VL-72B-Instruct Qwen/Qwen2.5-VL-7B-Instruct Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2-VL-2B Qwen2-VL-72B Qwen2-VL-7B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen2.5-VL-32B Qwen2.5-VL-3B Qwen2.5-VL-72B Qwen2.5-VL-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l method -x -a 'sft grpo ppo'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l random-init
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l device -x -a 'auto cuda cpu'
@@ -110,14 +110,14 @@ complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subco
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from megatron-to-hf' -l trust-checkpoint
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from megatron-to-hf' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and not __fish_seen_subcommand_from memory' -a memory -d 'Per-GPU memory of the training and rollout phases, the KV cache, and whether...'
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2-VL-2B-Instruct Qwen/Qwen2-VL-72B-Instruct Qwen/Qwen2-VL-7B-Instruct Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen2.5-VL-32B-Instruct Qwen/Qwen2.5-VL-3B-Instruct Qwen/Qwen2.5-VL-72B-Instruct Qwen/Qwen2.5-VL-7B-Instruct Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2-VL-2B Qwen2-VL-72B Qwen2-VL-7B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen2.5-VL-32B Qwen2.5-VL-3B Qwen2.5-VL-72B Qwen2.5-VL-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l method -x -a 'sft grpo ppo'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l device -x -a 'auto cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l host-memory -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l preset -x -a 'dr-grpo grpo ppo sft tiers'
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l preset -x -a 'dapo dr-grpo grpo ppo sft tiers'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l set -s s -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l plugin -r -F
@@ -137,6 +137,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l kl-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout -x -a 'auto hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout-tp -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout-procs -l rollout-gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l reward-model -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l backend -x -a 'fsdp megatron'
@@ -158,7 +159,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l what-to-rent
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l help -s h
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2-VL-2B-Instruct Qwen/Qwen2-VL-72B-Instruct Qwen/Qwen2-VL-7B-Instruct Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen2.5-VL-32B-Instruct Qwen/Qwen2.5-VL-3B-Instruct Qwen/Qwen2.5-VL-72B-Instruct Qwen/Qwen2.5-VL-7B-Instruct Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2-VL-2B Qwen2-VL-72B Qwen2-VL-7B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen2.5-VL-32B Qwen2.5-VL-3B Qwen2.5-VL-72B Qwen2.5-VL-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l data -s d -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l val-data -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l val-fraction -x
@@ -182,7 +183,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l partition -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l account -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l time -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l sbatch -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l preset -x -a 'dr-grpo grpo ppo sft tiers'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l preset -x -a 'dapo dr-grpo grpo ppo sft tiers'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l set -s s -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l plugin -r -F
@@ -211,12 +212,14 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-kind -x -a 'k1 abs k2 k3 kl mse low_var_kl'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l entropy-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l critic-lr -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l adv -x -a 'grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l adv -x -a 'grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg remax'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l loss-agg -x -a 'token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-high -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout -x -a 'auto hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout-tp -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout-procs -l rollout-gpus -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-staleness -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward -x -a 'gsm8k gsm8k_flexible math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward-model -x
@@ -252,7 +255,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ignore-memory-check
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ignore-logprob-check
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l help -s h
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2-VL-2B-Instruct Qwen/Qwen2-VL-72B-Instruct Qwen/Qwen2-VL-7B-Instruct Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen2.5-VL-32B-Instruct Qwen/Qwen2.5-VL-3B-Instruct Qwen/Qwen2.5-VL-72B-Instruct Qwen/Qwen2.5-VL-7B-Instruct Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2-VL-2B Qwen2-VL-72B Qwen2-VL-7B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen2.5-VL-32B Qwen2.5-VL-3B Qwen2.5-VL-72B Qwen2.5-VL-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l data -s d -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l val-data -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l val-fraction -x
@@ -276,7 +279,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l partition -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l account -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l time -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l sbatch -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l preset -x -a 'dr-grpo grpo ppo sft tiers'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l preset -x -a 'dapo dr-grpo grpo ppo sft tiers'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l set -s s -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l plugin -r -F
@@ -305,12 +308,14 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-kind -x -a 'k1 abs k2 k3 kl mse low_var_kl'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l entropy-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l critic-lr -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l adv -x -a 'grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l adv -x -a 'grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg remax'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l loss-agg -x -a 'token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-high -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout -x -a 'auto hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout-tp -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout-procs -l rollout-gpus -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-staleness -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward -x -a 'gsm8k gsm8k_flexible math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward-model -x
@@ -359,7 +364,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from report' -l follow -s f
 complete -c rlctl -n '__fish_seen_subcommand_from report' -l interval -x
 complete -c rlctl -n '__fish_seen_subcommand_from report' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from report' -l help -s h
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2-VL-2B-Instruct Qwen/Qwen2-VL-72B-Instruct Qwen/Qwen2-VL-7B-Instruct Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen2.5-VL-32B-Instruct Qwen/Qwen2.5-VL-3B-Instruct Qwen/Qwen2.5-VL-72B-Instruct Qwen/Qwen2.5-VL-7B-Instruct Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2-VL-2B Qwen2-VL-72B Qwen2-VL-7B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen2.5-VL-32B Qwen2.5-VL-3B Qwen2.5-VL-72B Qwen2.5-VL-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l data -s d -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l val-data -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l val-fraction -x
@@ -382,7 +387,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l partition -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l account -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l time -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l sbatch -x
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l preset -x -a 'dr-grpo grpo ppo sft tiers'
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l preset -x -a 'dapo dr-grpo grpo ppo sft tiers'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l set -s s -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l output-dir -s o -r -F

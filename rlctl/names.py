@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any, Literal, get_args
 
 Method = Literal["sft", "grpo", "ppo"]
-Dtype = Literal["auto", "bf16", "fp16", "fp32"]
-Attn = Literal["auto", "sdpa", "eager", "flash_attention_2"]
+Dtype = Literal["bf16", "fp16", "fp32"]  # model.dtype None: the plan decides (bf16 on GPU, fp32 on CPU)
+Attn = Literal["sdpa", "eager", "flash_attention_2"]  # model.attn None: the engine picks at run time
 DataFormat = Literal["auto", "chat", "pairs", "rl"]
 Truncation = Literal["skip", "right", "left"]
 LrScheduler = Literal["cosine", "constant"]
@@ -35,8 +35,6 @@ PolicyLossName = str
 
 # value -> what it means, per Literal (only where a word helps)
 MEANINGS: dict[Any, dict[str, str]] = {
-    Dtype: {"auto": "bf16 on GPU, fp32 on CPU"},
-    Attn: {"auto": "flash_attention_2 when installed on GPU, else sdpa"},
     Truncation: {"skip": "drop rows longer than max_len, counted as bad"},
     LrScheduler: {
         "cosine": "warmup, then down to train.min_lr_ratio of the peak",

@@ -110,7 +110,9 @@ def rollout(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens generated per sample.")] = 32,
     reps: Annotated[int, typer.Option("--reps", help="Timed repetitions (interleaved across engines).")] = 3,
     device: Device = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", help=f"{describe(names.Dtype)}.")] = "auto",
+    dtype: Annotated[
+        str | None, typer.Option("--dtype", help=f"{describe(names.Dtype)} (default: bf16 on GPU, fp32 on CPU).")
+    ] = None,
     mem_fraction: Annotated[
         float,
         typer.Option("--mem-fraction", help="GPU memory share of each vLLM/SGLang engine (they run side by side)."),
@@ -132,7 +134,7 @@ def rollout(
         max_tokens=max_tokens,
         reps=reps,
         device=dev,
-        dtype=dtype if dtype != "auto" else ("fp32" if dev == "cpu" else "bf16"),
+        dtype=dtype if dtype not in (None, "auto") else ("fp32" if dev == "cpu" else "bf16"),  # "auto": older usage
         mem_fraction=mem_fraction,
         seed=seed,
     )

@@ -62,7 +62,7 @@ def value_choices() -> dict[str, list[str]]:
         "--backend": list(choices(Backend, without=("auto",))),
         "--precision": list(choices(Precision)),
         "--method": list(choices(Method)),
-        "--dtype": list(choices(Dtype, without=("auto",))),
+        "--dtype": list(choices(Dtype)),
         "--reward": list(BUILTINS),  # the built-in rewards (rlctl.rewards.builtin)
         "--log": list(choices(LogBackend)),
     }

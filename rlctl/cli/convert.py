@@ -48,7 +48,7 @@ Trust = Annotated[
 ]
 Out = Annotated[Path, typer.Argument(help="Output directory (written under a temporary name, renamed when complete).")]
 
-_DTYPES = choices(Dtype, without=("auto",))
+_DTYPES = choices(Dtype)
 
 
 def parse_size(text: str) -> int:

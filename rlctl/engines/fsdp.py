@@ -53,8 +53,9 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from rlctl.engines import varlen
-from rlctl.engines.base import ModelSource, TrainEngine
+from rlctl.data.packing import MicroBatch
+from rlctl.engines import ulysses, varlen
+from rlctl.engines.base import ModelSource, TrainEngine, full_logits
 from rlctl.engines.modules import CriticModel, _full, _non_persistent_buffers
 from rlctl.engines.savers import HostActivations, checkpoint_mlp
 from rlctl.engines.spec import EngineSpec
@@ -89,8 +90,7 @@ class FSDPEngine(TrainEngine):
     ):
         self._setup(spec, role=role, trainable=trainable, total_steps=total_steps, source=source)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        if spec.sp > 1:  # the engine side of --sp is being built (issue 28)
-            raise UserError(f"parallel.sp={spec.sp}: the FSDP engine does not split sequences yet; use parallel.sp=1")
+        self.sp = self._sp_groups(spec)
         self.compute_dtype = self._compute_dtype(spec)
         self.attn = self._attn(spec)
         self.offload = self.device.type == "cuda" and (spec.offload_params or spec.offload_optimizer)
@@ -105,7 +105,9 @@ class FSDPEngine(TrainEngine):
         with torch.device("meta"):
             self.model, self._state_module = self._build(self.hf_config)
         self.varlen = self.attn == "sdpa"  # packed rows split per document (rlctl.engines.varlen)
-        if self.varlen:
+        if self.sp is not None:  # Ulysses around the per-document attention (rlctl.engines.ulysses)
+            ulysses.install(self._hf_model().config)
+        elif self.varlen:
             varlen.install(self._hf_model().config)
         self._apply_fsdp(spec.activation_checkpointing, spec.selective_checkpointing)
         self._materialize()
@@ -142,10 +144,22 @@ class FSDPEngine(TrainEngine):
             raise UserError("parameter/optimizer offload is FSDP2's CPUOffloadPolicy: keep parallel.shard on for it")
         return spec.shard
 
+    def _sp_groups(self, spec: EngineSpec) -> ulysses.SPGroups | None:
+        """The (dp, sp) groups of Ulysses sequence parallelism (None: sp 1)."""
+        if spec.sp == 1:
+            return None
+        c = self.hf_config
+        ulysses.check(spec.sp, self.world, c.num_attention_heads, getattr(c, "num_key_value_heads", None) or 1)
+        return ulysses.sp_groups(spec.sp, self.device.type)
+
     def _attn(self, spec: EngineSpec) -> str:
-        attn = spec.attn  # "auto" unless the user chose (the plan's attn is a forecast, not an order)
+        attn = spec.attn  # None unless the user chose (the plan's attn is a forecast, not an order)
+        if spec.sp > 1:
+            if attn not in (None, "sdpa"):
+                raise UserError(f"parallel.sp={spec.sp} runs attention with sdpa per document; set model.attn=sdpa")
+            return "sdpa"
         has_flash = importlib.util.find_spec("flash_attn") is not None
-        if attn == "auto":
+        if attn is None:
             return "flash_attention_2" if self.device.type == "cuda" and has_flash else "sdpa"
         if attn == "flash_attention_2" and (self.device.type != "cuda" or not has_flash):
             raise UserError("model.attn=flash_attention_2 needs a GPU and the flash-attn package; use model.attn=sdpa")
@@ -333,6 +347,8 @@ class FSDPEngine(TrainEngine):
         return stack
 
     def forward(self, input_ids, position_ids, attention_mask=None) -> torch.Tensor:
+        if self.sp is not None:
+            return full_logits(self.forward_micro(MicroBatch(input_ids, position_ids, input_ids, attention_mask)))
         with self._memory_context():
             if self.role == "critic":
                 return self.model(input_ids, position_ids=position_ids, attention_mask=attention_mask)
@@ -344,6 +360,9 @@ class FSDPEngine(TrainEngine):
         """One micro-batch's output, with as little wasted work as the layout allows: packed rows (and
         shared-prefix rows) attend per document (:mod:`rlctl.engines.varlen`, with sdpa), and an RL
         micro-batch's logits are computed only where the loss reads them (``logits_to_keep``)."""
+        if self.sp is not None:  # each rank its shard of the sequence (rlctl.engines.ulysses)
+            with self._memory_context():
+                return ulysses.forward(self.model, mb, self.sp, critic=self.role == "critic")
         blocks, mask = mb.blocks, mb.attention_mask
         kwargs = {"attention_mask": mask}
         if blocks is not None:  # shared-prefix rows: a call per block, or one masked call (short rows, eager)
@@ -366,6 +385,29 @@ class FSDPEngine(TrainEngine):
         :mod:`rlctl.engines.varlen`); eager attention would add their boolean mask instead of applying
         it, and flash-attention's varlen kernels cannot take it: those keep the packed rows."""
         return self.role != "critic" and self.varlen
+
+    # ------------------------------------------------------------------ data-parallel coordinates (sp > 1)
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank() if self.sp is None else self.sp.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return dist.get_world_size() if self.sp is None else self.sp.dp_size
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return None if self.sp is None else self.sp.dp_group
+
+    @property
+    def mp_size(self) -> int:
+        """The SP ranks split each sequence of the micro-batches they share."""
+        return 1 if self.sp is None else self.sp.size
+
+    @property
+    def mp_group(self) -> dist.ProcessGroup | None:
+        return None if self.sp is None else self.sp.group
 
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
         if not self.trainable:

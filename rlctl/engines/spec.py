@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 BACKENDS = names.BACKENDS
 DEVICES = names.choices(names.Device, without=("auto",))
+DTYPES = names.choices(names.Dtype)
 
 
 class UnresolvedConfig(RuntimeError):
@@ -87,7 +88,7 @@ class EngineSpec:
     """How to build a training engine: the model, placement, precision, parallel layout, memory savings,
     the optimizer and LoRA.
 
-    ``attn`` may stay "auto": the engine picks flash_attention_2 where flash-attn is installed on a GPU
+    ``attn`` may stay None: the engine picks flash_attention_2 where flash-attn is installed on a GPU
     and sdpa otherwise, at run time (the planner leaves ``model.attn`` as it is).
     """
 
@@ -103,7 +104,7 @@ class EngineSpec:
     activation_checkpointing: bool = False
     offload_params: bool = False
     offload_optimizer: bool = False
-    attn: str = "auto"  # auto | sdpa | eager | flash_attention_2
+    attn: str | None = None  # sdpa | eager | flash_attention_2; None: the engine picks at run time
     micro_batch_size: int = 1
     precision: str = "mixed"  # mixed | bf16 (pure bf16 weights, gradients and AdamW states; FSDP engine)
     selective_checkpointing: bool = False  # recompute each decoder layer's MLP in the backward (FSDP engine)
@@ -122,8 +123,8 @@ class EngineSpec:
             raise UnresolvedConfig(f"EngineSpec.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.device not in DEVICES:
             raise UnresolvedConfig(f"EngineSpec.device must be one of {DEVICES}, got {self.device!r}")
-        if self.dtype == "auto":
-            raise UnresolvedConfig("EngineSpec.dtype is 'auto': resolve the config with the plan first")
+        if self.dtype not in DTYPES:
+            raise UnresolvedConfig(f"EngineSpec.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.precision not in names.choices(names.Precision):
             raise UnresolvedConfig(f"EngineSpec.precision must be mixed or bf16, got {self.precision!r}")
         for name in ("tp", "pp", "cp", "ep", "sp", "micro_batch_size"):
@@ -147,8 +148,8 @@ class EngineSpec:
             ("hardware.device", cfg.hardware.device),
             ("model.dtype", cfg.model.dtype),
         ):
-            if value == "auto":
-                raise UnresolvedConfig(f"{key} is 'auto': the plan was not applied to the config")
+            if value is None or value == "auto":
+                raise UnresolvedConfig(f"{key} is {value!r}: the plan was not applied to the config")
         for key, value in (
             ("parallel.tp", par.tp),
             ("parallel.pp", par.pp),

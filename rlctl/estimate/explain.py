@@ -20,7 +20,6 @@ from rlctl.estimate.settings import (
     HOST_MARGIN_FRACTION,
     HOST_PROCESS_BYTES,
     LOGIT_EXTRA_BYTES,
-    SP_GATHERS_LOGITS,
     MemorySettings,
 )
 
@@ -67,15 +66,10 @@ def _ulysses(model: ModelSpec, s: MemorySettings) -> str:
     """What Ulysses sequence parallelism divides, and what it adds."""
     kv = sp_kv_heads(s.sp, model.num_kv_heads)
     repeated = f" ({model.num_kv_heads} KV heads repeated to {kv})" if kv > model.num_kv_heads else ""
-    logits = (
-        "computes the logits of its share, then the SP group gathers those of the whole micro batch on every GPU "
-        "for the loss (the logits line is not divided)"
-        if SP_GATHERS_LOGITS
-        else "computes the logits and the loss of its share"
-    )
     return (
         f"Ulysses sequence parallelism sp {s.sp} (dp {s.dp} x sp {s.sp}): each GPU keeps the activations of 1/{s.sp} "
-        f"of the sequence and {logits}; attention trades sequence shards for head shards by all-to-all "
+        "of the sequence and computes the logits and per-token losses of its share (only those floats are "
+        "gathered); attention trades sequence shards for head shards by all-to-all "
         f"({model.num_heads // s.sp} query heads per GPU over the whole sequence{repeated}); the all-to-all line "
         "counts a layer's Q, K, V in both layouts, one trade's send and receive buffers, and the attention output "
         "kept in both layouts"
@@ -232,17 +226,14 @@ def _rl_models_and_engine(gpu: GpuSpec, s: MemorySettings) -> list[str]:
             "critic: the policy's body with a value head, trained after the actor (its own activations are "
             "smaller: no vocabulary logits); idle, it keeps its weights and optimizer states unless offloaded"
         )
-    out.append(
-        "the rollout engine sleeps while the trainer updates (weights and KV cache freed: vLLM's sleep "
-        "level 2, SGLang's released memory; the next sync reloads the weights)"
-    )
-    kept = [
-        name
-        for name, off in (("weights", s.idle_weights_offloaded), ("optimizer states", s.idle_optimizer_offloaded))
-        if not off
-    ]
-    freed = "gradients freed" if s.backend == "fsdp" else "gradient buffer kept unless params are offloaded"
-    out.append(f"during rollout the trainer keeps its {' and '.join(kept) or 'nothing'} on the GPU ({freed})")
+    if s.rollout_procs:
+        out.append(
+            f"rollout split: {s.rollout_procs} rollout-only devices hold the engine (inference weights, KV cache, "
+            f"activations) and nothing of the trainer; the {s.gpus} trainer-only devices hold the training states "
+            "and no engine (docs/offpolicy.md)"
+        )
+    else:
+        _colocated(s, out)
     if s.rollout == "hf" or s.device == "cpu":
         out.append(
             f"{s.rollout} engine: KV cache sized for its share of the batch ({s.rollout_batch} prompts x {s.rollout_n})"
@@ -288,3 +279,18 @@ def _device_and_host(gpu: GpuSpec, s: MemorySettings, est: MemoryEstimate) -> li
             "parameter) and scatters it to the other ranks"
         )
     return out
+
+
+def _colocated(s: MemorySettings, out: list[str]) -> None:
+    """The rollout engine and the trainer take turns on the same GPUs."""
+    out.append(
+        "the rollout engine sleeps while the trainer updates (weights and KV cache freed: vLLM's sleep "
+        "level 2, SGLang's released memory; the next sync reloads the weights)"
+    )
+    kept = [
+        name
+        for name, off in (("weights", s.idle_weights_offloaded), ("optimizer states", s.idle_optimizer_offloaded))
+        if not off
+    ]
+    freed = "gradients freed" if s.backend == "fsdp" else "gradient buffer kept unless params are offloaded"
+    out.append(f"during rollout the trainer keeps its {' and '.join(kept) or 'nothing'} on the GPU ({freed})")

@@ -191,7 +191,11 @@ def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> Memory
         settings=s,
         phases=phases,
     )
-    if s.is_rl:
+    if s.is_rl and s.rollout_procs:  # split: the trainer devices hold no engine, the rollout ones only it
+        engine = engine_phase(model, gpu, s, est)
+        phases["rollout"] = Phase({**engine, "cuda_context": context}, f"rollout devices ({s.rollout_procs})")
+        phases["training"].note = f"trainer devices ({s.gpus}); {phases['training'].note}".rstrip("; ")
+    elif s.is_rl:
         engine = engine_phase(model, gpu, s, est)
         awake = _awake_while_training(s, engine)
         if awake:  # an engine that cannot sleep keeps these through the update

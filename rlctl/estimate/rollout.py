@@ -60,7 +60,7 @@ def engine_phase(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryE
     eb = s.compute_bytes  # engines run in the compute dtype (bf16 on GPUs)
     weights = math.ceil(eb * count_params(model) / rtp)
     per_token = kv_bytes_per_token(model, rtp, eb)
-    replicas = s.gpus // rtp
+    replicas = (s.rollout_procs or s.gpus) // rtp  # a split run's engines are on its rollout devices
     batch_sequences = math.ceil(s.rollout_batch * s.rollout_n / replicas)
     seq = s.prompt_tokens + s.response_len
     if s.rollout == "hf" or s.device == "cpu":

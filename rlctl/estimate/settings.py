@@ -24,10 +24,6 @@ ADAM_STATE_BYTES = 8  # AdamW m and v in fp32
 LOGIT_EXTRA_BYTES = 8  # unfused loss peak per logit: fp32 log-softmax (saved) + its fp32 gradient, beside
 # the logits and their gradient in the compute dtype (2 x compute bytes): 12 bytes per value in bf16
 CHUNK_LOGIT_BYTES = 12  # per logit of one loss chunk beyond the compute dtype: fp32 upcast, log-softmax, gradient
-# Ulysses SP in the FSDP engine (rlctl.engines.ulysses.forward): each rank computes the logits of its shard
-# of the sequence, then the SP group all-gathers them and every rank computes the loss over the whole micro
-# batch, so the logits at the loss are not divided by sp (the activations are)
-SP_GATHERS_LOGITS = True
 PRECISIONS = names.choices(names.Precision)  # mixed: fp32 master, grads and AdamW; bf16: pure bf16 state
 HOST_PROCESS_BYTES = 4 * GIB  # host memory of one GPU process: Python, torch/CUDA/NCCL host allocations, data
 HOST_MARGIN_FRACTION = 0.10  # host memory kept free: the OS, page cache, allocator slack
@@ -83,6 +79,7 @@ class MemorySettings:
     sp: int = 1  # FSDP: Ulysses sequence parallelism, each sequence split over sp GPUs
     rollout: str | None = "vllm"  # hf | vllm | sglang (ignored for sft)
     rollout_tp: int = 1
+    rollout_procs: int = 0  # split runs (rollout.procs): devices that only generate; ``gpus`` only train
     mem_fraction: float = 0.5  # vLLM gpu_memory_utilization / SGLang mem_fraction_static
     kl: bool = True  # a reference model is kept (RL with a KL term)
     critic: bool | None = None  # None = PPO has one

@@ -25,7 +25,6 @@ from rlctl.estimate.settings import (
     ADAM_STATE_BYTES,
     CHUNK_LOGIT_BYTES,
     LOGIT_EXTRA_BYTES,
-    SP_GATHERS_LOGITS,
     MemorySettings,
 )
 
@@ -290,12 +289,11 @@ def vision_activation_bytes(spec: ModelSpec, s: MemorySettings) -> int:
 
 
 def logit_tokens(s: MemorySettings) -> int:
-    """Positions whose logits the loss needs on one GPU: every token (SFT); in RL with a chunked loss
-    the engine computes logits at the response positions only. Under Ulysses SP each GPU computes the
-    logits of its ``1 / sp`` of the sequence; the loss then holds those of the whole micro batch on
-    every GPU while the engine gathers them (:data:`SP_GATHERS_LOGITS`), else its share only."""
-    share = 1 if SP_GATHERS_LOGITS else s.sp
-    tokens = (s.micro_batch_tokens or s.micro_batch * s.seq_len) // (s.cp * share)
+    """Positions whose logits the loss needs on one GPU: every token of its share (SFT); in RL with a
+    chunked loss the engine computes logits at the response positions only. Under Ulysses SP the logits
+    stay on their shard (rlctl.engines.ulysses.ShardedLogits): each GPU computes the logits and the
+    per-token losses of its ``1 / sp`` of the sequence, and only ``[N]`` floats are gathered."""
+    tokens = s.tokens_per_micro_batch
     if s.is_rl and s.loss_chunk:
         return math.ceil(tokens * s.response_len / s.seq_len)
     return tokens
@@ -304,17 +302,13 @@ def logit_tokens(s: MemorySettings) -> int:
 def logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
     """Logits alive at the loss's peak. Unfused (the peak is in the loss's backward): ``b s V`` logits
     in the compute dtype, the fp32 log-softmax saved for the backward, its fp32 gradient and the
-    logits' gradient in the compute dtype (12 bytes per value in bf16). Chunked (``loss_chunk`` tokens
-    at a time, the chunk's backward before the next chunk): one chunk's logits, fp32 upcast, log-softmax
-    and gradient; under Ulysses SP with gathered logits the whole micro batch's logits and their
-    gradient exist anyway, beside the chunk. Vocabulary-parallel under TP."""
-    vocab, cb, tokens = math.ceil(spec.vocab_size / s.tp), s.compute_bytes, logit_tokens(s)
-    if not s.loss_chunk:
-        return tokens * vocab * (2 * cb + LOGIT_EXTRA_BYTES)
-    chunk = min(s.loss_chunk, tokens) * vocab * (cb + CHUNK_LOGIT_BYTES)
-    if s.sp > 1 and SP_GATHERS_LOGITS:
-        return tokens * vocab * 2 * cb + min(s.loss_chunk, tokens) * vocab * CHUNK_LOGIT_BYTES
-    return chunk
+    logits' gradient in the compute dtype (12 bytes per value in bf16). Chunked (``loss_chunk`` tokens at a time, the
+    chunk's backward before the next chunk): one chunk's logits, fp32 upcast, log-softmax and
+    gradient. Vocabulary-parallel under TP."""
+    vocab = math.ceil(spec.vocab_size / s.tp)
+    if s.loss_chunk:
+        return min(s.loss_chunk, logit_tokens(s)) * vocab * (s.compute_bytes + CHUNK_LOGIT_BYTES)
+    return logit_tokens(s) * vocab * (2 * s.compute_bytes + LOGIT_EXTRA_BYTES)
 
 
 def critic_params(spec: ModelSpec) -> int:

@@ -261,12 +261,12 @@ def _dtype_and_attn(
 ) -> tuple[str, str]:
     """bf16 and flash-attention on GPUs, fp32 and SDPA on CPU, unless the config sets them."""
     m, cuda = cfg.model, device == "cuda"
-    dtype = m.dtype if m.dtype != "auto" else "bf16" if cuda else "fp32"
-    attn = m.attn if m.attn != "auto" else "flash_attention_2" if cuda else "sdpa"
-    if m.dtype == "auto":
+    dtype = m.dtype if m.dtype is not None else "bf16" if cuda else "fp32"
+    attn = m.attn if m.attn is not None else "flash_attention_2" if cuda else "sdpa"
+    if m.dtype is None:
         how = "bf16 mixed precision on GPUs" if cfg.train.precision == "mixed" else "pure bf16 (train.precision=bf16)"
         later.append(Decision("model.dtype", dtype, f"dtype {dtype}: {how if cuda else 'fp32 on CPU'}"))
-    if m.attn == "auto":
+    if m.attn is None:
         how = (
             "flash_attention_2 where flash-attn is installed on the GPU hosts; rlctl falls back to sdpa at run time "
             "otherwise"
@@ -323,9 +323,11 @@ def _resolve_engine(
 def settings_for(job: Job, **kw) -> MemorySettings:
     """The memory settings of the job, with ``kw`` (the search's choices) on top."""
     c = job.cfg
+    split = c.rollout.procs if 0 < c.rollout.procs < job.world else 0  # more is refused before launch
     base = MemorySettings(
         method=c.method,
-        gpus=job.world,
+        gpus=job.world - split,  # the trainers
+        rollout_procs=split,
         nodes=job.nodes,
         device=job.device,
         dtype=job.dtype,

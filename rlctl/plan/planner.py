@@ -27,7 +27,6 @@ from rlctl.catalog import active_params
 from rlctl.config import RunConfig
 from rlctl.errors import UserError
 from rlctl.estimate.memory import GIB, MemoryEstimate, MemorySettings, estimate_memory
-from rlctl.estimate.settings import SP_GATHERS_LOGITS
 from rlctl.plan import rules
 from rlctl.plan.inputs import OPTIONAL_PACKAGES, Job, LocalEnv, resolve_job, settings_for
 from rlctl.plan.types import Decision, Plan, Verdict
@@ -64,6 +63,8 @@ def plan_with_search(cfg: RunConfig, local: LocalEnv, *, host_memory_bytes: int 
         rollout_decisions(job, est, result.kv_short, decisions, warnings)
     if est.settings.sp > 1:
         sp_attention(job, est.settings.sp)
+    if est.settings.rollout_procs:
+        decisions.append(split_decision(job, est.settings))
     decisions += job.later
     if est.fits and not margin_ok(est):
         warnings.append(
@@ -113,7 +114,7 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         rollout_tp=cfg.rollout.tp,
         is_rl=job.is_rl,
     )
-    rules.check_sp(job.spec, cfg, backend=tier, sp=p.sp, world=job.world)
+    rules.check_sp(job.spec, backend=tier, sp=p.sp, world=job.world, attn=cfg.model.attn)
     if job.is_rl:
         rules.check_rollout_engine_tp(job.engine, cfg.rollout.tp)
     return tier
@@ -664,16 +665,11 @@ def _sp_not_enough(job: Job, one: MemoryEstimate) -> Decision | None:
     top = estimate_memory(job.spec, job.gpu, replace(one.settings, sp=sizes[-1]))
     if _update_ok(top):
         return None
-    logits = (
-        f"the logits of the whole micro batch ({_gib(top, 'logits')} GiB) stay on every GPU for the loss"
-        if SP_GATHERS_LOGITS
-        else f"logits {_gib(one, 'logits')} -> {_gib(top, 'logits')} GiB"
-    )
     why = (
         f"sp 1: splitting each sequence over sp {sizes[-1]} GPUs (the most the heads and a node allow) would "
         f"still need {top.phases['training'].total_bytes / GIB:.1f} GiB for the update (the limit: "
         f"{_limit(job) / GIB:.1f} GiB): activations {_gib(one, 'activations')} -> {_gib(top, 'activations')} GiB, "
-        f"{logits}"
+        f"logits {_gib(one, 'logits')} -> {_gib(top, 'logits')} GiB"
     )
     return Decision("parallel.sp", 1, why)
 
@@ -753,6 +749,22 @@ def rollout_decisions(
         )
 
 
+def split_decision(job: Job, s) -> Decision:
+    """One-step-off-policy (rollout.procs): the split, and when it pays (docs/offpolicy.md)."""
+    r, unit = job.cfg.rollout, "GPUs" if job.device == "cuda" else "processes"
+    value = {"rollout": s.rollout_procs, "train": s.gpus, "max_staleness": r.max_staleness}
+    why = (
+        f"rollout split: {s.rollout_procs} of {s.rollout_procs + s.gpus} {unit} only generate (inference weights "
+        f"and KV cache), {s.gpus} only train (the training states), the rollout {r.max_staleness} update(s) "
+        "behind, stale batches importance-corrected. It pays when a rollout and an update take comparable "
+        "times and response lengths are long-tailed: the longest response sets a rollout's time, which "
+        "more data-parallel ranks do not shorten, and the rollout hides behind the update. It does not when "
+        "one phase dominates or lengths are even: the trainers lose the rollout devices' share of the "
+        "update (docs/offpolicy.md)"
+    )
+    return Decision("rollout.procs", value, why)
+
+
 def _plan(job: Job, est: MemoryEstimate, decisions: list[Decision], warnings: list[str]) -> Plan:
     cfg, s, rl = job.cfg, est.settings, job.is_rl
     return Plan(
@@ -803,9 +815,9 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
     config has no None left in parallel.*."""
     out = copy.deepcopy(cfg)
     m, hw, par, tr, ro = out.model, out.hardware, out.parallel, out.train, out.rollout
-    if m.dtype == "auto":
+    if m.dtype is None:
         m.dtype = plan.dtype
-    # model.attn stays "auto": the engine picks flash_attention_2 where flash-attn is installed on
+    # model.attn stays None: the engine picks flash_attention_2 where flash-attn is installed on
     # the GPU host and sdpa otherwise, at run time (plan.attn says what a GPU cluster will get).
     if hw.device == "auto":
         hw.device = plan.device

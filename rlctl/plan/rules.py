@@ -87,14 +87,19 @@ def valid_tps(spec: ModelSpec, limit: int) -> list[int]:
     return [t for t in range(1, limit + 1) if tp_problem(spec, t) is None]
 
 
-def check_sp(spec: ModelSpec, cfg: RunConfig, *, backend: str, sp: int | None, world: int) -> None:
+def check_sp(spec: ModelSpec, *, backend: str, sp: int | None, world: int, attn: str | None = None) -> None:
     """Validate the Ulysses sequence-parallel size a user set (None: not set); UserError names the valid sizes."""
     if sp is None or sp == 1:
         return
-    if refused := sp_refusal(cfg):
-        raise UserError(f"parallel.sp={sp}: {refused}; set model.attn=sdpa (or auto), or parallel.sp=1")
     if backend != "fsdp":
         raise UserError(f"parallel.sp={sp} is the FSDP engine's; Megatron splits sequences with --cp")
+    if attn not in (None, "sdpa"):
+        raise UserError(f"parallel.sp={sp} runs attention per document with sdpa, not {attn}; set model.attn=sdpa")
+    if spec.is_vl:
+        raise UserError(
+            f"parallel.sp={sp}: {spec.name} is a vision-language model, whose image tokens and 3-D positions "
+            "are not split by sequence; use parallel.sp=1"
+        )
     kv = None if spec.uses_mla else spec.num_kv_heads
     problem = parallel.sp_problem(sp, world, spec.num_heads, kv)
     if problem:
@@ -121,7 +126,7 @@ def sp_sizes(spec: ModelSpec, *, world: int, per_node: int, refused: str | None 
 def sp_refusal(cfg: RunConfig) -> str | None:
     """Why this job cannot run with Ulysses SP on the FSDP engine (what rlctl.engines.ulysses refuses);
     None when it can. The planner then keeps sp 1."""
-    if cfg.model.attn not in ("auto", "sdpa"):
+    if cfg.model.attn not in (None, "sdpa"):
         return f"model.attn={cfg.model.attn}: Ulysses sequence parallelism runs attention with sdpa per document"
     return None
 

@@ -12,6 +12,7 @@ the loop around the steps (resume, eval, checkpoints, export) is :func:`rlctl.ru
 from __future__ import annotations
 
 from rlctl.recipes.rl.batch import RolloutBatch
+from rlctl.recipes.rl.offpolicy import rollout_main
 from rlctl.recipes.rl.trainer import Metrics, RLTrainer, merged
 from rlctl.runtime.entry import RunContext, recipe_main
 from rlctl.runtime.fit import fit
@@ -19,8 +20,9 @@ from rlctl.runtime.fit import fit
 
 def train_step(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
     """One PPO step: its batch and its metrics."""
-    batch, generated = rl.generate(step)  # this rank's prompts, n samples each (weights synced after the last update)
-    scored = rl.score(batch, step)  # reward function -> one score per sample
+    # this rank's prompts, n samples each, scored (weights synced after the last update; dynamic sampling:
+    # more rounds until the groups whose scores differ fill the batch)
+    batch, sampled = rl.sample(step)
     batch = rl.pool(batch)  # the ranks of one model replica (Megatron TP x PP) train on their samples together
     ref = rl.ref_logprobs(batch) if rl.ref is not None else {}  # frozen reference policy, for the KL penalty
     old = rl.old_logprobs(batch)  # the actor before the update (+ rollout/logprob_diff)
@@ -30,10 +32,12 @@ def train_step(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
     actor = {}
     if step >= rl.algo.critic_warmup:
         actor = rl.update_actor(batch)  # ppo_epochs x mini-batches of clipped policy-gradient steps
-    return batch, merged(generated, scored, ref, old, values, advantages, critic, actor)
+    return batch, merged(sampled, ref, old, values, advantages, critic, actor)
 
 
 def run(ctx: RunContext) -> None:
+    if ctx.dist.split is not None and ctx.dist.split.role == "rollout":
+        return rollout_main(ctx)  # a rollout process of a split run (rollout.procs)
     fit(ctx, RLTrainer(ctx, train_step, with_critic=True))
 
 

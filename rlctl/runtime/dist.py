@@ -20,21 +20,39 @@ from rlctl.runtime.net import free_port
 
 
 @dataclass(frozen=True)
+class Split:
+    """A run whose processes are split in two groups (``rollout.procs``, rlctl.recipes.rl.offpolicy): the
+    first ``trainers`` processes train, the others only generate. Each group has its own default process
+    group (its ranks count from 0); ``bridge`` (gloo, every process, global ranks) carries the generated
+    samples, ``sync`` (trainer 0 and the rollout processes, trainer 0 is its rank 0; nccl on CUDA, gloo on
+    CPU) the weights. ``sync`` is None on the trainers other than 0."""
+
+    role: str  # "train" | "rollout"
+    trainers: int
+    rollouts: int
+    global_rank: int
+    bridge: dist.ProcessGroup
+    sync: dist.ProcessGroup | None
+
+
+@dataclass(frozen=True)
 class Dist:
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     local_world_size: int = 1  # the processes of this node (torchrun's LOCAL_WORLD_SIZE)
+    split: Split | None = None  # rollout.procs > 0: this process's group (rank and world_size are the group's)
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        """Rank 0 of the trainers: it logs, writes metrics and summary.json."""
+        return self.rank == 0 and (self.split is None or self.split.role == "train")
 
 
-def init_distributed(device_type: str) -> Dist:
+def init_distributed(device_type: str, rollout_procs: int = 0) -> Dist:
     """Start the default process group from torchrun's environment (gloo on CPU; nccl and gloo on CUDA,
-    see :func:`process_group_backend`)."""
+    see :func:`process_group_backend`); with ``rollout_procs`` > 0 one per group (:func:`init_split`)."""
     if device_type not in ("cpu", "cuda"):
         raise UserError(f"unknown device '{device_type}'; use cpu or cuda (hardware.device)")
     if device_type == "cuda" and not torch.cuda.is_available():
@@ -49,6 +67,8 @@ def init_distributed(device_type: str) -> Dist:
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
+    if rollout_procs > 0 and not dist.is_initialized():
+        return init_split(device, rollout_procs, local)
     if not dist.is_initialized():
         dist.init_process_group(
             process_group_backend(device_type),
@@ -56,6 +76,39 @@ def init_distributed(device_type: str) -> Dist:
             device_id=device if device_type == "cuda" else None,
         )
     return Dist(rank, world, local, device, int(os.environ.get("LOCAL_WORLD_SIZE") or world))
+
+
+def init_split(device: torch.device, rollout_procs: int, local_rank: int) -> Dist:
+    """The default process group of this process's group (trainers: the first ``world - rollout_procs``
+    processes; rollout: the rest), and the two process groups between them (:class:`Split`), all over
+    torchrun's one store."""
+    store, rank, world = next(dist.rendezvous("env://"))
+    trainers = world - rollout_procs
+    if trainers < 1:
+        raise UserError(f"rollout.procs={rollout_procs} leaves no trainer among {world} processes; use fewer")
+    role = "train" if rank < trainers else "rollout"
+    group_rank, group_size = (rank, trainers) if role == "train" else (rank - trainers, rollout_procs)
+    timeout = timedelta(minutes=30)
+    dist.init_process_group(
+        process_group_backend(device.type),
+        store=dist.PrefixStore(f"rlctl/{role}", store),
+        rank=group_rank,
+        world_size=group_size,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    bridge = dist.ProcessGroupGloo(dist.PrefixStore("rlctl/bridge", store), rank, world, timeout)
+    sync = None
+    if rank == 0 or role == "rollout":  # trainer 0 and the rollout processes
+        sync_rank, sync_store = (0 if rank == 0 else rank - trainers + 1), dist.PrefixStore("rlctl/sync", store)
+        if device.type == "cuda":  # not run on this project's CPU machines (untested here)
+            sync = dist.ProcessGroupNCCL(sync_store, sync_rank, rollout_procs + 1)
+        else:
+            sync = dist.ProcessGroupGloo(sync_store, sync_rank, rollout_procs + 1, timeout)
+    split = Split(role, trainers, rollout_procs, rank, bridge, sync)
+    os.environ.update(RANK=str(group_rank), WORLD_SIZE=str(group_size))  # libraries that read them see the group
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
+    return Dist(group_rank, group_size, local_rank, device, min(local_world, group_size), split)
 
 
 def process_group_backend(device_type: str) -> str:

@@ -125,7 +125,7 @@ def recipe_main(body: Callable[[RunContext], None], argv: list[str] | None = Non
     code = 0
     try:
         cfg = load_config(paths.config)
-        d = init_distributed(cfg.hardware.device)
+        d = init_distributed(cfg.hardware.device, cfg.rollout.procs)
         check_shared_run_dir(paths, d.device)  # before anything loads: one run directory for every node
         _quiet_libraries()
         seed_everything(cfg.train.seed)

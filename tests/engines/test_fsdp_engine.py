@@ -471,7 +471,9 @@ def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, t
     from rlctl.errors import UserError
     from rlctl.plan import apply_plan
 
-    raw = make_cfg(tiny_model_dir, data_file, tmp_path, parallel__offload_optimizer=True, model__attn="auto")
+    raw = make_cfg(
+        tiny_model_dir, data_file, tmp_path, parallel__offload_optimizer=True, model__attn="auto"
+    )  # reads as None
     plan = SimpleNamespace(**cpu_plan(1, backend="megatron", tp=2, pp=1, ep=1, sp=2, activation_checkpointing=True))
     assert EngineSpec.from_config(apply_plan(raw, plan)) == EngineSpec(
         backend="megatron",
@@ -486,7 +488,7 @@ def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, t
         activation_checkpointing=True,  # from the plan ("auto" in the config)
         offload_params=False,
         offload_optimizer=True,  # the user's choice wins over the plan's False
-        attn="auto",  # the engine picks at run time
+        attn=None,  # the engine picks at run time
         micro_batch_size=2,
         model=str(tiny_model_dir),
         seed=raw.train.seed,
@@ -512,6 +514,9 @@ def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, t
         EngineSpec.from_config(resolved)
     resolved.parallel.sequence_parallel, resolved.parallel.tp = False, 0
     with pytest.raises(UnresolvedConfig, match="parallel.tp is 0"):
+        EngineSpec.from_config(resolved)
+    resolved.parallel.tp, resolved.model.dtype = 1, None
+    with pytest.raises(UnresolvedConfig, match="model.dtype is None"):
         EngineSpec.from_config(resolved)
     assert not issubclass(UnresolvedConfig, UserError)  # a bug of the caller, never the user's input
     with pytest.raises(UserError, match="fdsp"):  # a misspelt backend is the user's: the config rejects it

@@ -825,3 +825,20 @@ def test_kv_bytes_per_token_agree_with_the_catalog():
 
     for spec in list_models():
         assert kv_bytes_per_token(spec, 1) == kv_cache_bytes_per_token(spec)
+
+
+def test_a_rollout_split_counts_trainer_and_rollout_devices_apart():
+    """rollout_procs (docs/offpolicy.md): the trainer devices hold what 6 colocated GPUs hold while
+    training (vLLM sleeps then), the rollout devices the engine alone, its KV cache for its half of the batch."""
+    from rlctl.estimate.rollout import kv_bytes_per_token
+
+    kw = dict(method="grpo", rollout="hf", rollout_batch=16, rollout_n=4, prompt_len=256, response_len=512)
+    split = est(gpus=6, rollout_procs=2, **kw)
+    colocated = est(gpus=6, **{**kw, "rollout": "vllm"})  # vLLM sleeps through the update: nothing awake
+    assert split.phases["training"].components == colocated.phases["training"].components
+    rollout = split.phases["rollout"].components
+    assert set(rollout) == {"engine_weights", "kv_cache", "engine_activations", "cuda_context"}
+    assert rollout["engine_weights"] == 2 * P7
+    assert rollout["kv_cache"] == (16 * 4 // 2) * (256 + 512) * kv_bytes_per_token(qwen7(), 1, 2)
+    assert "rollout devices (2)" in split.phases["rollout"].note
+    assert any("rollout-only devices" in line for line in split.assumptions)

@@ -2,8 +2,8 @@
 
 Qwen2.5-7B: hidden 3584, MLP 18944, 28 layers, 28 heads and 4 KV heads of 128 (q = 3584, kv = 512),
 vocabulary 152064. GRPO with a 512-token prompt and a 32768-token response: T = 33280 tokens per
-sequence, so each GPU of an SP group of size N computes T / N tokens. The engine
-(rlctl.engines.ulysses) gathers the logits of the whole micro batch on every GPU of the group.
+sequence, so each GPU of an SP group of size N computes T / N tokens, their logits and their losses
+(rlctl.engines.ulysses keeps the logits on their shard).
 """
 
 from __future__ import annotations
@@ -35,19 +35,18 @@ def test_activations_and_logits_are_those_of_t_over_sp_tokens(sp):
     t = T // sp
     full_layer = 2 * t * (4 * H + 2 * Q + 2 * KV + 4 * F)  # bf16: norms and inputs, Q K V out, gated MLP
     assert c["activations"] == L * 2 * t * H + full_layer  # checkpointing: each layer's input + one recomputed
-    assert c["logits"] == T * V * (2 + 2 + 4 + 4)  # gathered: the whole micro batch's logits at the loss
+    assert c["logits"] == t * V * (2 + 2 + 4 + 4)
     one = train(**LONG, sp=1)
-    assert c["activations"] * sp == one["activations"] and c["logits"] == one["logits"]
+    assert c["activations"] * sp == one["activations"] and c["logits"] * sp == one["logits"]
     for key in ("weights", "gradients", "optimizer_states", "unsharded_buffers", "reference_model"):
         assert c[key] == one[key]  # FSDP2 shards the states over all 8 GPUs (dp x sp), whatever sp is
 
 
-def test_a_chunked_loss_under_sp_still_holds_the_gathered_logits():
+def test_a_chunked_loss_under_sp_holds_one_chunk_of_the_shard():
     chunk = 1024
-    sp1 = train(**LONG, loss_chunk=chunk)["logits"]
-    assert sp1 == chunk * V * (2 + 12)  # one chunk's logits and its fp32 upcast, log-softmax, gradient
-    response = 32768  # RL with a chunked loss: logits at the response positions only
-    assert train(**LONG, loss_chunk=chunk, sp=2)["logits"] == response * V * 2 * 2 + chunk * V * 12
+    assert train(**LONG, loss_chunk=chunk, sp=2)["logits"] == chunk * V * (2 + 12)  # one chunk, as at sp 1
+    # RL with a chunked loss: logits at the response positions of the shard only; a short shard is one chunk
+    assert train(**LONG, loss_chunk=65536, sp=4)["logits"] == (T // 4) * 32768 // T * V * (2 + 12)
 
 
 def test_all_to_all_buffers_by_hand():
@@ -96,5 +95,5 @@ def test_cli_activation_line_scales_as_one_over_sp():
         lines[sp] = d["phases"]["training"]["components"]
     for sp in (2, 4):
         assert lines[1]["activations"] == sp * lines[sp]["activations"]
-        assert lines[1]["logits"] == lines[sp]["logits"]  # gathered over the SP group for the loss
+        assert lines[1]["logits"] == sp * lines[sp]["logits"]
     assert 0 < lines[4]["sp_all_to_all"] < lines[2]["sp_all_to_all"]

@@ -110,6 +110,33 @@ def test_tri_states_are_bool_or_none_and_read_the_old_strings(tmp_path):
         build_config("sft", [parse_set_options(["parallel.shard=maybe"])])
 
 
+# enumerated settings the plan decides: ``Literal | None``, no "auto" among their values
+PLAN_DECIDES = {"model.dtype": ("bf16", "fp16", "fp32"), "model.attn": ("sdpa", "eager", "flash_attention_2")}
+RUN_TIME = {"model.attn"}  # the plan forecasts it; the engine picks on the ranks (the resolved config keeps None)
+
+
+@pytest.mark.parametrize("key", sorted(PLAN_DECIDES))
+def test_an_enumerated_setting_the_plan_decides_is_none_and_reads_the_old_auto(key, tmp_path):
+    """None by default (the plan decides); "auto" from a YAML file, --set or a flag still reads as None;
+    "auto" is no value of its Literal; the plan decides one of its values, which the resolved config holds."""
+    from rlctl.config import CHOICES, get_key, load_yaml_file
+    from rlctl.job import resolve_job
+
+    section, name = key.split(".")
+    assert get_key(RunConfig(), key) is None and CHOICES[key] == PLAN_DECIDES[key]
+    old = tmp_path / "old.yaml"
+    old.write_text(f"{section}:\n  {name}: auto\n")
+    for layer in (load_yaml_file(old), parse_set_options([f"{key}=auto"]), parse_set_options([f"{key}=AUTO"])):
+        assert get_key(build_config("sft", [layer]), key) is None
+    given = PLAN_DECIDES[key][-1]
+    assert get_key(build_config("sft", [parse_set_options([f"{key}={given}"])]), key) == given
+    with pytest.raises(UserError, match=rf"{key}='nope' is not valid; choose one of {', '.join(PLAN_DECIDES[key])}"):
+        build_config("sft", [parse_set_options([f"{key}=nope"])])
+    job = resolve_job("sft", options={"model.name": "Qwen/Qwen2.5-0.5B", "hardware.device": "cpu", key: "auto"})
+    assert job.plan.decided(key) in PLAN_DECIDES[key]  # the plan's choice, in its words too
+    assert get_key(job.cfg, key) == (None if key in RUN_TIME else job.plan.decided(key))
+
+
 def test_choices_come_from_the_names_module():
     """CHOICES is read off the schema's Literal types: every enumerated key, each value once, and a
     value outside its Literal is refused with a did-you-mean, whichever layer sets it."""
@@ -127,7 +154,10 @@ def test_choices_come_from_the_names_module():
         build_config("grpo", [{"rollout": {"engine": "vlm"}}])
     with pytest.raises(UserError, match="train.precision='fp8' is not valid.*choose one of mixed, bf16"):
         build_config("sft", [parse_set_options(["train.precision=fp8"])])
-    assert names.describe(names.Dtype) == "auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32"
+    assert (
+        names.describe(names.Precision)
+        == "mixed (fp32 master weights, grads, AdamW: 16 bytes/param) | bf16 (pure bf16: 8 bytes/param)"
+    )
     assert names.describe(names.Backend, without=("auto",)) == "fsdp | megatron"
 
 

@@ -87,7 +87,16 @@ def test_a_resolved_config_decides_every_on_off_setting():
         resolved = apply_plan(cfg, plan_config(cfg, LocalEnv(memory_bytes=64 * 2**30)))
         flags = {f.name: getattr(resolved.parallel, f.name) for f in dataclasses.fields(resolved.parallel)}
         on_off = {k: v for k, v in flags.items() if k not in ("backend", "tp", "pp", "cp", "ep", "sp")}
-        assert isinstance(flags["sp"], int) and flags["sp"] >= 1  # the sizes are numbers, decided too
+        assert flags["sp"] == 1  # None (the plan decides) resolved to a size
         assert len(on_off) == 7 and all(isinstance(v, bool) for v in on_off.values()), (method, sets, on_off)
         for key in (k for k in sets if k.startswith("parallel.")):
             assert on_off[key.split(".")[1]] is False  # the user's false ("false" read as False) is kept
+
+
+def test_a_rollout_split_is_a_decision_with_its_reasons():
+    cfg, p = plan("grpo", model__name="Qwen2.5-0.5B", hardware__gpus=8, hardware__gpu="H100", rollout__procs=2)
+    (d,) = [d for d in p.decisions if d.key == "rollout.procs"]
+    assert d.value == {"rollout": 2, "train": 6, "max_staleness": 1}
+    assert "comparable" in d.why and "long-tailed" in d.why and "does not" in d.why
+    _, plain = plan("grpo", model__name="Qwen2.5-0.5B", hardware__gpus=8, hardware__gpu="H100")
+    assert not [d for d in plain.decisions if d.key == "rollout.procs"]

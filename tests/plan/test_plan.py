@@ -262,13 +262,18 @@ def test_overrides_are_honoured():
         ),
         ({"parallel": {"sp": 8}}, r"parallel.sp=8: 8 does not divide the 28 attention heads"),
         ({"parallel": {"backend": "megatron", "sp": 2}}, r"parallel.sp=2 is the FSDP engine's; Megatron .* --cp$"),
+        (
+            {"model": {"name": "Qwen2.5-7B", "attn": "eager"}, "parallel": {"sp": 2}},
+            r"with sdpa, not eager; set model.attn=sdpa$",
+        ),
+        ({"model": {"name": "Qwen2-VL-7B"}, "parallel": {"sp": 2}}, r"parallel.sp=2: Qwen2-VL-7B is a vision-language"),
         ({"lora": {"rank": 8, "targets": "q_proj,vproj"}}, r"no linear module 'vproj' \(did you mean v_proj"),
     ],
 )
 def test_invalid_overrides_name_the_problem(sections, words):
     sections.setdefault("hardware", {}).setdefault("gpus", 8)
     with pytest.raises(UserError, match=words):
-        plan_for("grpo", model={"name": "Qwen2.5-7B"}, **sections)
+        plan_for("grpo", **{"model": {"name": "Qwen2.5-7B"}, **sections})
 
 
 def test_cpu_only_errors(tiny_dir):
@@ -298,7 +303,7 @@ def test_apply_plan_fills_every_auto_field_and_is_stable():
     assert applied.train.micro_batch_size == plan.micro_batch_size
     assert (applied.model.dtype, applied.model.attn, applied.hardware.device, applied.hardware.gpu) == (
         "bf16",
-        "auto",
+        None,  # the engine picks at run time
         "cuda",
         "H100-80GB",
     )
@@ -353,7 +358,7 @@ def test_decisions_are_data_that_the_plan_and_the_resolved_config_agree_with(met
     keys = [d.key for d in p.decisions]
     assert keys[0] == "model" and p.decided("model") == layer["model"]["name"]
     assert "parallel.backend" in keys and p.decided("parallel.backend") == p.backend
-    # every decision on a config key is the value the resolved config carries (model.attn stays auto
+    # every decision on a config key is the value the resolved config carries (model.attn stays None
     # for the engine to pick at run time; host memory is an assumption, not a setting)
     for d in p.decisions:
         section, _, name = d.key.partition(".")

@@ -25,6 +25,21 @@ def rank_positions(batch_size: int, mini_batch_size: int, rank: int, world: int)
     return [p for r in mini_batch_ranges(batch_size, mini_batch_size) for p in r if (p - r.start) % world == rank]
 
 
+def sampling_params(cfg, step: int, group: int, groups: int, *, temperature: float, seed_offset: int = 0):
+    """Sampling parameters with a seed of their own for each (step, rollout group ``group`` of ``groups``)."""
+    from rlctl.rollout import SamplingParams
+
+    r = cfg.rollout
+    call = (step * groups + group) * 2 + seed_offset
+    return SamplingParams(
+        temperature=temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_tokens=r.max_response_len,
+        seed=cfg.train.seed + call * 1_000_003,
+    )
+
+
 @dataclass
 class RolloutBatch:
     """This rank's samples of one step. Per-token tensors are ``[b, width]`` (width = max response
@@ -43,6 +58,8 @@ class RolloutBatch:
     truncated: torch.Tensor  # [b] bool: stopped by the length budget
     meta: list[Prompt] = field(default_factory=list)  # the prompt of each sample (reward arguments)
     trajectories: list = field(default_factory=list)  # agent runs: each sample's rlctl.agents Trajectory
+    greedy: list = field(default_factory=list)  # needs_greedy estimators: the greedy sample of each row's prompt
+    baselines: torch.Tensor | None = None  # [b] the score of greedy[i] (remax's baseline)
     scores: torch.Tensor | None = None  # [b]
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
@@ -115,6 +132,18 @@ class RolloutBatch:
         moved = {f.name: v.to(device) for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)
 
+    def take(self, rows: list[int]) -> RolloutBatch:
+        """The samples ``rows`` of this batch, in that order (the step's fields unchanged)."""
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.mask.device)
+        picked: dict = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                picked[f.name] = v[idx]
+            elif isinstance(v, list) and len(v) == len(self):
+                picked[f.name] = [v[i] for i in rows]
+        return replace(self, **picked)
+
     @classmethod
     def join(cls, parts: list[RolloutBatch]) -> RolloutBatch:
         """One batch holding the samples of ``parts`` (batches of the same step), in order."""
@@ -128,6 +157,14 @@ class RolloutBatch:
             else:  # the step's n, num_minis, total; None for what is not computed yet
                 out[f.name] = values[0]
         return cls(**out)
+
+
+def mask_truncated(batch: RolloutBatch) -> int:
+    """DAPO's overlong filtering: zero the loss mask of the truncated samples (stopped by the length
+    budget, no stop token); the update leaves such rows out. Returns how many there are."""
+    cut = batch.truncated.to(batch.mask.dtype)
+    batch.mask = batch.mask * (1 - cut)[:, None]
+    return int(batch.truncated.sum())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ class AlgoSpec:
                 upper=a.correction_threshold,
                 lower=a.correction_lower,
                 reject=a.correction_reject,
+                off_policy=cfg.rollout.procs > 0 and cfg.rollout.max_staleness > 0,  # rlctl.recipes.rl.offpolicy
             ),
         )
 

@@ -22,11 +22,14 @@ from rlctl.engines.base import TrainEngine, load_tokenizer, model_source, write_
 from rlctl.errors import UserError
 from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
 from rlctl.recipes.rl.agent import load_agent, make_agent_loop, run_agent
-from rlctl.recipes.rl.batch import RolloutBatch, rank_positions, token_budget
+from rlctl.recipes.rl.batch import RolloutBatch, mask_truncated, rank_positions, sampling_params, token_budget
+from rlctl.recipes.rl.dynamic import dynamic_sample
+from rlctl.recipes.rl.offpolicy import TrainerFeed
 from rlctl.recipes.rl.passes import compute_logprobs, compute_values
-from rlctl.recipes.rl.scoring import RewardScorer
+from rlctl.recipes.rl.scoring import RewardScorer, score_greedy
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.recipes.rl.update import single_step, update_actor, update_critic
+from rlctl.rollout import RolloutSpec
 from rlctl.runtime.dist import all_gather_objects, barrier, check_rollout_in_node, global_sums
 from rlctl.runtime.entry import RunContext
 
@@ -49,6 +52,8 @@ def logprob_check_problem(diff: float, dtype: str) -> str | None:
 
 
 Metrics = dict[str, float]
+
+
 #: A recipe's step: ``(trainer, step) -> (the step's batch, its metrics)`` (rlctl.recipes.grpo / ppo).
 RecipeStep = Callable[["RLTrainer", int], tuple[RolloutBatch, Metrics]]
 
@@ -85,7 +90,8 @@ class RLTrainer:
         cfg, d = ctx.cfg, ctx.dist
         self.ctx, self.cfg, self.dist = ctx, cfg, d
         self.recipe_step = recipe_step  # the recipe's steps in order (rlctl.recipes.grpo / ppo)
-        get_adv_estimator(cfg.algo.adv)  # an unknown name: a one-line error naming the registered ones
+        # an unknown name: a one-line error naming the registered ones; needs_greedy: remax's greedy baseline
+        self.needs_greedy = get_adv_estimator(cfg.algo.adv).needs_greedy
         # the same check as before launch (rlctl.job), for a run directory written by other means
         check_algorithm(cfg)
         self.algo = a = AlgoSpec.from_config(cfg)  # the typed algorithm every step reads
@@ -106,6 +112,7 @@ class RLTrainer:
         self.sampler = StepSampler(
             len(self.data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle
         )
+        self.cursor = 0  # the sampler's batches drawn so far: the step, unless dynamic sampling drew more
         self.total_steps = cfg.train.max_steps or cfg.train.epochs * self.sampler.steps_per_epoch
         self.mini_batch_size = min(a.mini_batch_size or self.sampler.batch_size, self.sampler.batch_size)
         optimizer_steps = self.total_steps * a.ppo_epochs * math.ceil(self.sampler.batch_size / self.mini_batch_size)
@@ -128,21 +135,29 @@ class RLTrainer:
         barrier()
         self.kl_ctl = AdaptiveKLController(a.kl_coef, a.kl_target) if a.kl_target else FixedKLController(a.kl_coef)
         self.rollout_dtype = "fp32" if self.actor.compute_dtype == torch.float32 else "bf16"
-        self.rollout = self._make_rollout()
+        # split runs (rollout.procs, rlctl.recipes.rl.offpolicy): other processes generate; this one's own
+        # rollout engine is made for the first evaluation only
+        self.feed = TrainerFeed(self) if d.split is not None else None
+        self.rollout_tp = RolloutSpec.from_config(cfg).tp
+        self.rollout_path = self._rollout_path()
+        self.rollout = self._make_rollout() if self.feed is None else None
         self.agent_loop = make_agent_loop(cfg, self.agent_spec, self.tokenizer, self.rollout, self.rollout_tp)
         self.weights_stale = False  # the rollout engine's weights lag the actor's
         self.logprobs_checked = cfg.rollout.ignore_logprob_check  # the step-0 check (logprob_check_problem)
 
+    def _rollout_path(self) -> str:
+        """The model the rollout engines load first (collective when the model is randomly initialised)."""
+        if self.source.random_init:  # no weights on disk: the rollout engine starts from the actor's
+            return str(self.actor.export_hf(self.ctx.paths.root / "rollout_init", self.ctx.paths.model_meta))
+        return self.source.path
+
     def _make_rollout(self):
         """This rank's rollout engine: the run's RolloutSpec with this rank's weights, device, dtype and seed."""
-        from rlctl.rollout import RolloutSpec, make_rollout_engine
+        from rlctl.rollout import make_rollout_engine
 
         d = self.dist
         spec = RolloutSpec.from_config(self.cfg)
-        path = self.source.path
-        if self.source.random_init:  # no weights on disk: the rollout engine starts from the actor's
-            path = str(self.actor.export_hf(self.ctx.paths.root / "rollout_init", self.ctx.paths.model_meta))
-        self.rollout_tp = spec.tp
+        path = self.rollout_path
         if d.world_size % self.rollout_tp:
             raise UserError(f"rollout.tp={self.rollout_tp} does not divide the {d.world_size} processes")
         check_rollout_in_node(self.rollout_tp, d.local_world_size)
@@ -161,16 +176,9 @@ class RLTrainer:
 
     def _sampling(self, step: int, *, temperature: float, seed_offset: int = 0):
         """Sampling parameters with a seed of its own for each (step, rollout group)."""
-        from rlctl.rollout import SamplingParams
-
-        r, d = self.cfg.rollout, self.dist
-        call = (step * (d.world_size // self.rollout_tp) + d.rank // self.rollout_tp) * 2 + seed_offset
-        return SamplingParams(
-            temperature=temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_tokens=r.max_response_len,
-            seed=self.cfg.train.seed + call * 1_000_003,
+        d, tp = self.dist, self.rollout_tp
+        return sampling_params(
+            self.cfg, step, d.rank // tp, d.world_size // tp, temperature=temperature, seed_offset=seed_offset
         )
 
     def _rollout(self, shares: list[list[Prompt]], n: int, sampling) -> list:
@@ -202,6 +210,8 @@ class RLTrainer:
         wake its KV cache."""
         from rlctl.rollout.base import torch_dtype
 
+        if self.rollout is None:  # a split run's first evaluation
+            self.rollout = self._make_rollout()
         if self.weights_stale:
             self.rollout.trainer_stepped()
             self.weights_stale = False
@@ -215,10 +225,21 @@ class RLTrainer:
     def _sleep(self) -> None:
         self.rollout.sleep()
 
-    def generate(self, step: int) -> tuple[RolloutBatch, Metrics]:
-        """This rank's prompts of step ``step``, ``rollout.n`` samples each."""
+    def sample(self, step: int) -> tuple[RolloutBatch, Metrics]:
+        """This rank's scored samples of step ``step``: the sampler's next batch generated and scored, or
+        with ``algo.dynamic_sampling`` as many batches as fill it with groups whose scores differ
+        (:mod:`rlctl.recipes.rl.dynamic`)."""
+        if self.cfg.algo.dynamic_sampling:
+            return dynamic_sample(self, step)
+        batch, generated = self.generate(self.cursor)
+        self.cursor += 1
+        return batch, merged(generated, self.score(batch, step))
+
+    def generate(self, draw: int) -> tuple[RolloutBatch, Metrics]:
+        """This rank's prompts of the sampler's batch ``draw`` (the step, unless dynamic sampling drew
+        more batches), ``rollout.n`` samples each."""
         d, n = self.dist, self.cfg.rollout.n
-        indices = self.sampler.indices(step)
+        indices = self.sampler.indices(draw)
 
         def positions_of(rank: int) -> list[int]:
             return rank_positions(len(indices), self.mini_batch_size, rank, d.world_size)
@@ -227,10 +248,16 @@ class RLTrainer:
         shares = [[self.data.train[indices[p]] for p in positions_of(r)] for r in range(first, first + self.rollout_tp)]
         positions, prompts = positions_of(d.rank), shares[d.rank - first]
         m = {"time/weight_sync": 0.0}  # stays 0 when the weights are current (first step, after an eval)
-        self._wake_and_sync(m)
-        with timed(m, "time/rollout"):
-            samples = self._rollout(shares, n, self._sampling(step, temperature=self.cfg.rollout.temperature))
-            self._sleep()
+        greedy = []
+        if self.feed is not None:  # generated by a rollout process (rlctl.recipes.rl.offpolicy)
+            samples = self.feed.receive(draw, m)
+        else:
+            self._wake_and_sync(m)
+            with timed(m, "time/rollout"):
+                samples = self._rollout(shares, n, self._sampling(draw, temperature=self.cfg.rollout.temperature))
+                if self.needs_greedy:  # remax: one greedy response per prompt, its score the baseline
+                    greedy = self._rollout(shares, 1, self._sampling(draw, temperature=0.0, seed_offset=1))
+                self._sleep()
         seen: dict[int, int] = {}
         uid = []
         for s in samples:
@@ -253,20 +280,30 @@ class RLTrainer:
             loss_masks=[s.mask for s in samples] if agent else None,
             trajectories=samples if agent else None,
         )
+        by_prompt = {g.prompt_index: g for g in greedy}
+        batch.greedy = [by_prompt[s.prompt_index] for s in samples] if greedy else []
         return batch, m
 
     def score(self, batch: RolloutBatch, step: int) -> Metrics:
         """Score this rank's samples (before :meth:`pool`, so sums run over every rank): reward and
         response-length metrics."""
         batch.scores, metrics = self.scorer.score_batch(batch, step)
-        a = self.cfg.algo
-        if a.overlong_buffer:  # DAPO's soft overlong punishment, on the score (rlctl.algos.shaping)
-            lengths = batch.mask.sum(-1)
-            penalty = overlong_penalty(lengths, self.cfg.rollout.max_response_len, a.overlong_buffer, a.overlong_factor)
+        penalty = self.overlong(batch.mask.sum(-1))
+        if penalty is not None:
             batch.scores = batch.scores + penalty.to(batch.scores.dtype)
             s = global_sums({"p": penalty.sum(), "n": float(len(penalty))}, self.device)  # before pool: every rank
             metrics["reward/overlong_penalty"] = s["p"] / max(1.0, s["n"])
+        if self.needs_greedy:
+            metrics.update(score_greedy(self.scorer, batch, step, self.overlong))
         return metrics
+
+    def overlong(self, lengths: torch.Tensor) -> torch.Tensor | None:
+        """DAPO's soft overlong punishment of responses of ``lengths`` sampled tokens (rlctl.algos.shaping);
+        None when off (``algo.overlong_buffer`` 0)."""
+        a = self.cfg.algo
+        if not a.overlong_buffer:
+            return None
+        return overlong_penalty(lengths, self.cfg.rollout.max_response_len, a.overlong_buffer, a.overlong_factor)
 
     def pool(self, batch: RolloutBatch) -> RolloutBatch:
         """The samples of every rank that splits this rank's model replica (Megatron: its TP x PP group),
@@ -335,6 +372,8 @@ class RLTrainer:
 
     def warn_logprob_diff(self, metrics: Metrics) -> None:
         r = self.cfg.rollout
+        if self.feed is not None and r.max_staleness > 0:
+            return  # stale batches: the difference is the staleness (the rollout correction's metrics show it)
         if getattr(self.rollout, "logprobs_filtered", False) and (r.top_k != -1 or r.top_p < 1):
             return  # the engine's log-probs are of the top-k/top-p filtered distribution: they differ by design
         if metrics.get("rollout/logprob_diff", 0.0) > LOGPROB_DIFF_WARN:
@@ -363,10 +402,20 @@ class RLTrainer:
         coef = self.kl_ctl.value if a.kl_in_reward and kl is not None else 0.0
         rewards = token_rewards(batch, coef, kl)
         batch.advantages, batch.returns = compute_advantages(batch, a, rewards, self.dp_group)
+        if self.cfg.algo.overlong_filter:
+            m.update(self.filter_overlong(batch))
         if coef:
             m["kl_coef"] = coef
             self.kl_ctl.update(m["kl"], batch.total)
         return m
+
+    def filter_overlong(self, batch: RolloutBatch) -> Metrics:
+        """DAPO's overlong filtering: the truncated samples (no stop token within rollout.max_response_len)
+        get no loss. Their scores still counted in their groups' advantages; their loss mask is zeroed, so
+        the updates skip them (and their tokens leave the denominators). ``response/overlong_filtered``:
+        how many, over every rank."""
+        s = global_sums({"cut": mask_truncated(batch)}, self.device, self.dp_group)
+        return {"response/overlong_filtered": s["cut"]}
 
     # ------------------------------------------------------------------ updates
 
@@ -490,6 +539,8 @@ class RLTrainer:
         lr = self.actor.lr
         began = time.perf_counter()
         batch, m = self.recipe_step(self, step)
+        if self.feed is not None:  # the new weights to the rollout processes
+            m = merged(m, self.feed.after_update(step))
         elapsed = time.perf_counter() - began
         every = self.cfg.log.samples_every
         if every and (step == 0 or (step + 1) % every == 0 or step + 1 == self.total_steps):
@@ -506,10 +557,11 @@ class RLTrainer:
         }
 
     def state(self) -> dict:
-        return {"kl_coef": self.kl_ctl.value}
+        return {"kl_coef": self.kl_ctl.value, "data_cursor": self.cursor}
 
     def load_state(self, state: dict) -> None:
         self.kl_ctl.value = float(state.get("kl_coef", self.kl_ctl.value))
+        self.cursor = int(state.get("data_cursor", state.get("step", 0)))  # older checkpoints: one batch a step
         self.weights_stale = True  # the rollout engine still holds the initial weights
 
     def summary(self) -> dict:
@@ -521,5 +573,8 @@ class RLTrainer:
         }
 
     def close(self) -> None:
-        self.rollout.close()
+        if self.feed is not None:
+            self.feed.close()
+        if self.rollout is not None:
+            self.rollout.close()
         self.scorer.close()
