@@ -27,6 +27,7 @@ from rlctl.catalog import active_params
 from rlctl.config import RunConfig
 from rlctl.errors import UserError
 from rlctl.estimate.memory import GIB, MemoryEstimate, MemorySettings, estimate_memory
+from rlctl.estimate.settings import ALLOCATOR_SLACK
 from rlctl.plan import rules
 from rlctl.plan.inputs import OPTIONAL_PACKAGES, Job, LocalEnv, resolve_job, settings_for
 from rlctl.plan.types import Decision, Plan, Verdict
@@ -656,11 +657,19 @@ def _limit(job: Job) -> float:
     return job.memory * (1 - rules.tiers()["memory"]["margin_fraction"])
 
 
+def _sequence_overflows(job: Job, one: MemoryEstimate) -> bool:
+    """The activations and logits (with the allocator's slack on them) are more than the update's overflow:
+    splitting the sequence finely enough would make it fit, so the sequence is the problem."""
+    parts = one.phases["training"].components
+    divisible = (parts["activations"] + parts["logits"]) * (1 + ALLOCATOR_SLACK)
+    return divisible > one.phases["training"].total_bytes - _limit(job)
+
+
 def _sp_not_enough(job: Job, one: MemoryEstimate) -> Decision | None:
-    """sp 1 although the update does not fit: what the largest SP size would leave (None when the update fits
-    or no SP size can run)."""
+    """sp 1 although the update does not fit and its sequence is the problem: what the largest SP size would
+    leave (None when the update fits, no SP size can run, or the sequence is not what overflows)."""
     sizes = _sp_sizes(job)
-    if _update_ok(one) or len(sizes) == 1:
+    if _update_ok(one) or len(sizes) == 1 or not _sequence_overflows(job, one):
         return None
     top = estimate_memory(job.spec, job.gpu, replace(one.settings, sp=sizes[-1]))
     if _update_ok(top):

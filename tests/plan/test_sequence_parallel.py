@@ -56,6 +56,9 @@ def test_short_sequences_keep_sp_1_and_say_nothing_about_it():
     assert p.sp == 1 and "sp_all_to_all" not in p.estimate.phases["training"].components
     assert not any(d.key == "parallel.sp" for d in p.decisions)
     assert apply_plan(cfg_for("grpo", **{**QWEN_32K, "rollout": {}}), p).parallel.sp == 1
+    # a job that does not fit for its model states, not its sequence: nothing said about SP either
+    big = plan({"model": {"name": "Qwen2.5-72B"}, "hardware": {"gpus": 2, "gpu": "L40S-48GB"}})
+    assert not big.fits and big.sp == 1 and not any(d.key == "parallel.sp" for d in big.decisions)
 
 
 def test_when_sp_cannot_make_it_fit_the_plan_says_what_it_would_leave():
