@@ -171,9 +171,9 @@ def build_rl_data(
     Deterministic, so every rank computes the same list. Prompts too long are skipped (not counted
     against ``data.max_bad_fraction``); other bad rows are. UserError when nothing is left.
     """
-    if cfg.data.format not in ("auto", "rl"):
+    if cfg.data.format not in (None, "rl"):
         raise UserError(
-            f"data.format={cfg.data.format} is for sft; grpo/ppo read RL prompt rows (data.format=rl or auto)"
+            f"data.format={cfg.data.format} is for sft; grpo/ppo read RL prompt rows (data.format=rl or unset)"
         )
     if not cfg.data.path:
         raise UserError("no data given: pass --data FILE (JSONL, Parquet or a datasets directory of prompts)")

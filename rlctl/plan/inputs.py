@@ -159,7 +159,7 @@ def resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) -> 
 
 def _device(cfg: RunConfig, local: LocalEnv, decisions: list[Decision]) -> str:
     hw = cfg.hardware
-    if hw.device != "auto":
+    if hw.device is not None:
         return hw.device
     device = "cuda" if hw.gpus > 0 or local.gpu_count > 0 else "cpu"
     why = (
@@ -300,7 +300,7 @@ def _resolve_engine(
     """The rollout engine: configured (checked against the device), or chosen (``weight_share``: the
     model's bf16 weights over one GPU's memory)."""
     chosen = cfg.rollout.engine
-    if chosen == "auto":
+    if chosen is None:
         decision = rules.choose_engine(
             device=device, n=cfg.rollout.n, lora=cfg.lora.rank > 0, installed=local.installed, weight_share=weight_share
         )

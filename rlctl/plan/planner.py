@@ -1,5 +1,5 @@
 """The planner: a configuration and a :class:`~rlctl.plan.inputs.LocalEnv` in, one :class:`Plan` out,
-every "auto" choice made and recorded as a :class:`~rlctl.plan.types.Decision`. It reads top to bottom:
+every open (None) choice made and recorded as a :class:`~rlctl.plan.types.Decision`. It reads top to bottom:
 resolve the inputs, choose the backend, search the options, relax, explain.
 
 The planner is a pure function of the configuration (model, GPU type and count, nodes, method,
@@ -83,7 +83,7 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
     """The backend tier (configured, or by the model's size), after what the Megatron engine runs; the
     parallel sizes the config sets are checked against it."""
     cfg, p = job.cfg, job.cfg.parallel
-    if p.backend == "auto":
+    if p.backend is None:
         decision = rules.choose_backend(
             job.spec,
             job.params,
@@ -263,7 +263,7 @@ def options_for(job: Job, tier: str) -> list[Option]:
     backend set in the config, or Megatron-only sizes (tp, pp, ep > 1), keep to that backend.
     """
     p = job.cfg.parallel
-    if p.backend != "auto":
+    if p.backend is not None:
         backends = [p.backend]
     elif tier == "megatron" and job.device == "cuda" and max(p.tp, p.pp, p.ep) <= 1:
         backends = ["megatron", "fsdp"]
@@ -820,7 +820,7 @@ def _plan(job: Job, est: MemoryEstimate, decisions: list[Decision], warnings: li
 
 
 def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
-    """A copy of ``cfg`` with every field the plan decides ("auto", None or 0) filled in: the resolved
+    """A copy of ``cfg`` with every field the plan decides (None or 0) filled in: the resolved
     config has no None left in parallel.*."""
     out = copy.deepcopy(cfg)
     m, hw, par, tr, ro = out.model, out.hardware, out.parallel, out.train, out.rollout
@@ -828,14 +828,14 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
         m.dtype = plan.dtype
     # model.attn stays None: the engine picks flash_attention_2 where flash-attn is installed on
     # the GPU host and sdpa otherwise, at run time (plan.attn says what a GPU cluster will get).
-    if hw.device == "auto":
+    if hw.device is None:
         hw.device = plan.device
     if plan.device == "cuda":
         hw.gpus = hw.gpus or plan.gpus
         hw.gpu = hw.gpu or plan.gpu
     hw.nproc = hw.nproc or plan.nproc_per_node
     hw.nodes = plan.nodes or hw.nodes  # derived from the GPU type's node size when --nodes was not given
-    if par.backend == "auto":
+    if par.backend is None:
         par.backend = plan.backend
     par.tp, par.pp, par.ep = par.tp or plan.tp, par.pp or plan.pp, par.ep or plan.ep
     par.sp = par.sp or plan.sp
@@ -852,7 +852,7 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
             setattr(par, key, value)
     tr.micro_batch_size = tr.micro_batch_size or plan.micro_batch_size
     if plan.rollout is not None:
-        if ro.engine == "auto":
+        if ro.engine is None:
             ro.engine = plan.rollout
         ro.tp = ro.tp or plan.rollout_tp
         ro.mem_fraction = ro.mem_fraction or plan.rollout_mem_fraction

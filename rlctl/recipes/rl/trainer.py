@@ -112,7 +112,7 @@ class RLTrainer:
         self.sampler = StepSampler(
             len(self.data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle
         )
-        self.cursor = 0  # the sampler's batches drawn so far: the step, unless dynamic sampling drew more
+        self.cursor = 0  # examples drawn so far (sampler.stream's position): dynamic sampling draws more
         self.total_steps = cfg.train.max_steps or cfg.train.epochs * self.sampler.steps_per_epoch
         self.mini_batch_size = min(a.mini_batch_size or self.sampler.batch_size, self.sampler.batch_size)
         optimizer_steps = self.total_steps * a.ppo_epochs * math.ceil(self.sampler.batch_size / self.mini_batch_size)
@@ -231,15 +231,14 @@ class RLTrainer:
         (:mod:`rlctl.recipes.rl.dynamic`)."""
         if self.cfg.algo.dynamic_sampling:
             return dynamic_sample(self, step)
-        batch, generated = self.generate(self.cursor)
-        self.cursor += 1
+        batch, generated = self.generate(self.sampler.indices(step), step)
+        self.cursor = self.sampler.first(step + 1)
         return batch, merged(generated, self.score(batch, step))
 
-    def generate(self, draw: int) -> tuple[RolloutBatch, Metrics]:
-        """This rank's prompts of the sampler's batch ``draw`` (the step, unless dynamic sampling drew
-        more batches), ``rollout.n`` samples each."""
+    def generate(self, indices: list[int], draw: int) -> tuple[RolloutBatch, Metrics]:
+        """This rank's share of the prompts ``indices`` (a step's batch, or a round of dynamic sampling),
+        ``rollout.n`` samples each; ``draw`` (the step, or the round's stream position) seeds the sampling."""
         d, n = self.dist, self.cfg.rollout.n
-        indices = self.sampler.indices(draw)
 
         def positions_of(rank: int) -> list[int]:
             return rank_positions(len(indices), self.mini_batch_size, rank, d.world_size)
@@ -557,11 +556,12 @@ class RLTrainer:
         }
 
     def state(self) -> dict:
-        return {"kl_coef": self.kl_ctl.value, "data_cursor": self.cursor}
+        return {"kl_coef": self.kl_ctl.value, "data_position": self.cursor}
 
     def load_state(self, state: dict) -> None:
         self.kl_ctl.value = float(state.get("kl_coef", self.kl_ctl.value))
-        self.cursor = int(state.get("data_cursor", state.get("step", 0)))  # older checkpoints: one batch a step
+        # older checkpoints: one batch a step
+        self.cursor = int(state.get("data_position", self.sampler.first(int(state.get("step", 0)))))
         self.weights_stale = True  # the rollout engine still holds the initial weights
 
     def summary(self) -> dict:
