@@ -1,7 +1,7 @@
 """Step time of one-step-off-policy GRPO (1 rollout + 1 trainer process) against synchronous 2-process
 GRPO, with long-tailed response lengths, on this CPU; and the cost model that predicts their ratio.
 
-    python benchmarks/offpolicy_vs_sync.py [--rounds 3] [--steps 8] [--epochs 1,4] [--out FILE.json]
+    python benchmarks/offpolicy_vs_sync.py [--rounds 3] [--steps 10] [--configs 8x1,4x1,8x4] [--out FILE.json]
 
 The model is the tests' tiny Qwen2 (rlctl.testing.build_tiny_model, random init, vocabulary 512) whose
 generation_config.json names STOP_IDS as end-of-sequence tokens: the random policy samples almost
@@ -11,12 +11,15 @@ cap, the median is ~60). The learning rate is tiny so that the lengths stay put 
 
 Columns, run interleaved (every column once per round, in a rotating order) on 2 cores:
 
-* ``sync1``: 1 process, generates then trains the whole batch (the cost model's inputs).
+* ``sync1``: 1 process, generates then trains the whole batch (for reference; not an input of the model).
 * ``sync2``: 2 processes, data parallel: each generates and trains half the batch.
 * ``split``: ``--rollout-procs 1``: 1 process generates batch t+1 while the other trains batch t.
 
-``--epochs 1,4`` repeats the comparison with ``algo.ppo_epochs`` 1 and 4 (4: the update costs about as
-much as the rollout). Seconds per step: the median of ``time/step`` over the steps after WARMUP.
+``--configs BATCHxEPOCHS,...``: prompts per step (4 samples each) and ``algo.ppo_epochs`` of each
+comparison: 8x1 (the update a bit slower than the rollout), 4x1 (fewer tokens: both shrink but the
+longest response does not, so the rollout and the update cost about the same), 8x4 (the update four
+times as long: it dominates). Seconds per step: the median of ``time/step`` over the steps after
+WARMUP, then the median over rounds. A run directory with its ``load.txt`` is reused by a later call.
 
 The cost model, for a batch of ``T`` response tokens whose longest response has ``L`` tokens, with
 its parts measured in the split run (two busy processes, as in sync2: on a shared machine a process's
