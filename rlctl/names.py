@@ -15,14 +15,14 @@ from typing import Any, Literal, get_args
 
 Method = Literal["sft", "grpo", "ppo"]
 Dtype = Literal["bf16", "fp16", "fp32"]  # model.dtype None: the plan decides (bf16 on GPU, fp32 on CPU)
-Attn = Literal["auto", "sdpa", "eager", "flash_attention_2"]
+Attn = Literal["sdpa", "eager", "flash_attention_2"]  # model.attn None: the engine picks at run time
 DataFormat = Literal["auto", "chat", "pairs", "rl"]
 Truncation = Literal["skip", "right", "left"]
 LrScheduler = Literal["cosine", "constant"]
 Precision = Literal["mixed", "bf16"]
-Device = Literal["auto", "cuda", "cpu"]
+Device = Literal["cuda", "cpu"]  # hardware.device None: the plan decides (cuda when there are GPUs)
 Launcher = Literal["torchrun", "slurm"]
-Backend = Literal["auto", "fsdp", "megatron"]
+Backend = Literal["fsdp", "megatron"]  # parallel.backend None: the plan decides (by the model's size)
 RolloutEngine = Literal["auto", "hf", "vllm", "sglang"]
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LogBackend = Literal["console", "tensorboard", "wandb"]  # log.backends is a comma list of these
@@ -35,7 +35,6 @@ PolicyLossName = str
 
 # value -> what it means, per Literal (only where a word helps)
 MEANINGS: dict[Any, dict[str, str]] = {
-    Attn: {"auto": "flash_attention_2 when installed on GPU, else sdpa"},
     Truncation: {"skip": "drop rows longer than max_len, counted as bad"},
     LrScheduler: {
         "cosine": "warmup, then down to train.min_lr_ratio of the peak",
@@ -66,4 +65,4 @@ def describe(tp: Any, *, without: tuple[str, ...] = ()) -> str:
 
 
 ROLLOUT_ENGINES = choices(RolloutEngine, without=("auto",))
-BACKENDS = choices(Backend, without=("auto",))
+BACKENDS = choices(Backend)

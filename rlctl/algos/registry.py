@@ -18,6 +18,9 @@ consecutive rows per prompt)::
     estimator(rewards [B, T], mask [B, T], *, n, values [B, T] | None, gamma, lam, norm_by_std)
         -> (advantages [B, T], returns [B, T])
 
+(plus ``reward_baselines [B]``, the score of each row's prompt's greedy response, for an estimator
+registered with ``needs_greedy``: remax.)
+
 Every policy loss: ``fn(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip, agg,
 norm_len, global_tokens, global_seqs) -> (loss, metrics)``.
 """
@@ -52,6 +55,9 @@ class AdvEstimator:
     target: Target
     needs_critic: bool  # GAE: values from a critic (rlctl ppo)
     needs_groups: bool  # compares the samples of one prompt: rollout.n >= 2
+    # the score of one greedy (temperature 0) response per prompt, ``reward_baselines=`` [B] (remax): the
+    # recipe generates and scores it
+    needs_greedy: bool = False
 
     @property
     def fn(self) -> Callable[..., Any]:
@@ -108,11 +114,15 @@ def _add(table: dict, key: str, entry: AdvEstimator | PolicyLoss) -> None:
     table[entry.name] = entry
 
 
-def register_adv_est(name: str, *, needs_critic: bool = False, needs_groups: bool = False) -> Callable:
-    """Decorator: register an advantage estimator under ``name`` (the value of ``algo.adv``)."""
+def register_adv_est(
+    name: str, *, needs_critic: bool = False, needs_groups: bool = False, needs_greedy: bool = False
+) -> Callable:
+    """Decorator: register an advantage estimator under ``name`` (the value of ``algo.adv``). With
+    ``needs_greedy`` the recipe also generates one greedy response per prompt and passes its score,
+    per row, as ``reward_baselines=``."""
 
     def wrap(fn: Target) -> Target:
-        _add(ADV_ESTIMATORS, "algo.adv", AdvEstimator(name, fn, needs_critic, needs_groups))
+        _add(ADV_ESTIMATORS, "algo.adv", AdvEstimator(name, fn, needs_critic, needs_groups, needs_greedy))
         return fn
 
     return wrap
@@ -215,3 +225,4 @@ register_adv_est("reinforce_plus_plus_baseline", needs_groups=True)(
 )
 register_adv_est("opo", needs_groups=True)("rlctl.algos.estimators:opo_advantages")
 register_adv_est("gpg", needs_groups=True)("rlctl.algos.estimators:gpg_advantages")
+register_adv_est("remax", needs_greedy=True)("rlctl.algos.estimators:remax_advantages")

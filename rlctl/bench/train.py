@@ -47,7 +47,7 @@ RECIPE_BASE_KEY = "mem/base_bytes"  # the same process before the model was buil
 class TrainSettings:
     method: str = "sft"
     steps: int = 3
-    device: str = "auto"  # auto | cpu | cuda
+    device: str | None = None  # cpu | cuda; None: the plan decides
     nproc: int = 0  # processes per node (0 = the plan's choice)
     gpus: int = 0
     gpu: str = ""

@@ -38,6 +38,7 @@ def check_algorithm(cfg: RunConfig) -> None:
         raise UserError("algo.kl_target (adaptive KL) needs an initial algo.kl_coef > 0, e.g. --kl-coef 0.001")
     check_registered_names(cfg)
     check_correction(cfg)
+    check_dapo(cfg)
     facts = ADV_ESTIMATORS[a.adv]
     if method == "grpo" and facts.needs_critic:
         others = " | ".join(name for name, e in ADV_ESTIMATORS.items() if not e.needs_critic)
@@ -50,6 +51,12 @@ def check_algorithm(cfg: RunConfig) -> None:
         )
     if facts.needs_groups and n < 2:
         raise UserError(f"--adv {a.adv} compares the samples of a prompt; set rollout.n >= 2 (e.g. --n 8)")
+    if cfg.rollout.procs and (facts.needs_greedy or a.dynamic_sampling):
+        what = "algo.dynamic_sampling" if a.dynamic_sampling else f"--adv {a.adv}"
+        raise UserError(
+            f"{what} does not run with rollout.procs={cfg.rollout.procs} (one-step-off-policy: the rollout "
+            f"processes generate one batch per step, sampled only); set rollout.procs=0"
+        )
 
 
 def check_correction(cfg: RunConfig) -> None:
@@ -63,3 +70,21 @@ def check_correction(cfg: RunConfig) -> None:
         raise UserError(f"algo.correction_lower={a.correction_lower} must be in (0, 1] (e.g. 0.5; unset: 1/U)")
     if a.correction_reject is not None and not a.correction_reject >= 1:
         raise UserError(f"algo.correction_reject={a.correction_reject} must be >= 1 (sequences outside [1/R, R] drop)")
+
+
+def check_dapo(cfg: RunConfig) -> None:
+    """DAPO's settings: the soft overlong buffer fits under the generation cap; dynamic sampling compares
+    the samples of a prompt (rollout.n >= 2) in a bounded number of rounds."""
+    a, cap = cfg.algo, cfg.rollout.max_response_len
+    if not 0 <= a.overlong_buffer <= cap:
+        raise UserError(
+            f"algo.overlong_buffer={a.overlong_buffer} must be in 0..rollout.max_response_len ({cap}): "
+            f"the penalty ramps over the last overlong_buffer tokens before the cap; set e.g. "
+            f"--set algo.overlong_buffer={cap // 5} (DAPO: 4096 of 20480) or 0 (off)"
+        )
+    if a.dynamic_sampling and cfg.rollout.n < 2:
+        raise UserError("algo.dynamic_sampling drops prompts whose samples all score the same; set rollout.n >= 2")
+    if a.dynamic_max_rounds < 1:
+        raise UserError(
+            f"algo.dynamic_max_rounds={a.dynamic_max_rounds} must be >= 1 (rounds of rollout per step, e.g. 10)"
+        )

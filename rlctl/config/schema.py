@@ -36,9 +36,10 @@ from rlctl.names import (
 class ModelConfig:
     name: str = ""  # catalog name, HF id, local HF directory or config.json path
     dtype: Dtype | None = None  # None: the plan decides (bf16 on GPU, fp32 on CPU)
-    attn: Attn = "auto"
+    attn: Attn | None = None  # None: flash_attention_2 where flash-attn is installed on a GPU, else sdpa (at run time)
     random_init: bool = False  # build from the config with random weights (nothing is downloaded)
     trust_remote_code: bool = False  # run the model's own Python code (config.json auto_map); never implied
+    train_vision: bool = False  # vision-language models: train the vision tower too (frozen by default)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class DataConfig:
     shuffle: bool = True
     system_prompt: str = ""  # a system message put before every conversation / prompt that has none
     chat_template: str = ""  # a Jinja chat template file used instead of the tokenizer's (also exported)
+    max_image_pixels: int = 4096 * 4096  # VL models: a row with a larger image is a bad row (0 = no limit)
 
 
 @dataclass
@@ -66,7 +68,7 @@ class HardwareConfig:
     gpus: int = 0  # GPUs in total (0 = every visible GPU, or none on CPU)
     nodes: int = 1
     gpu: str = ""  # GPU type from the catalog, e.g. H100-80GB ("" = detect locally, else H100-80GB)
-    device: Device = "auto"
+    device: Device | None = None  # None: the plan decides (cuda with hardware.gpus > 0 or local GPUs, else cpu)
     nproc: int = 0  # processes per node (0 = GPUs per node, or 1 on CPU)
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -77,7 +79,7 @@ class HardwareConfig:
 
 @dataclass
 class ParallelConfig:
-    backend: Backend = "auto"
+    backend: Backend | None = None  # None: the plan decides (by the model's size and the hardware)
     tp: int = 0  # 0 = chosen by the plan
     pp: int = 0
     cp: int = 1
@@ -182,6 +184,11 @@ class AlgoConfig:
     correction_lower: float | None = None  # mis's lower bound L in (0, 1] (None: 1/U)
     overlong_buffer: int = 0  # DAPO soft overlong punishment: the last N tokens before the cap (0: off)
     overlong_factor: float = 1.0  # its size: the penalty reaches -factor at the cap
+    overlong_filter: bool = False  # DAPO overlong filtering: truncated responses (no stop token) get no loss
+    # DAPO dynamic sampling (verl's filter_groups): drop the groups whose scores are all equal and sample
+    # further prompts until the batch has train.batch_size groups, in at most dynamic_max_rounds rounds
+    dynamic_sampling: bool = False
+    dynamic_max_rounds: int = 10  # rounds of rollout per step, the first included (verl's max_num_gen_batches)
     correction_reject: float | None = None  # R >= 1: drop sequences whose geometric-mean ratio is outside [1/R, R]
 
 

@@ -63,10 +63,14 @@ def map_rows(
 ) -> list[dict]:
     """``[fn(row) for row in rows]`` through ``datasets.map`` (batched), cached as
     ``cache_dir/<desc>-<key>.arrow``. ``fn`` returns a dict of plain columns; ``features`` names their
-    types: "int32 list" or "string"."""
+    types: "int32 list", "float32 list" or "string"."""
     import datasets
 
-    types = {"int32 list": datasets.Sequence(datasets.Value("int32")), "string": datasets.Value("string")}
+    types = {
+        "int32 list": datasets.Sequence(datasets.Value("int32")),
+        "float32 list": datasets.Sequence(datasets.Value("float32")),
+        "string": datasets.Value("string"),
+    }
     schema = datasets.Features({k: types[v] for k, v in features.items()})
 
     def batch_fn(batch: dict) -> dict:

@@ -57,6 +57,10 @@ class MicroBatch:
     keep_cols: torch.Tensor | None = None  # [K] int64
     # Which positions attend to which, for engines that split rows (rlctl.engines.varlen.Block tuples)
     blocks: list[tuple[int, int, int, int, int]] | None = None
+    # Vision-language models: the images of its documents, in the order of their image tokens (None: no
+    # image); the engine computes the multimodal rope positions from them (rlctl.engines.vision)
+    pixel_values: torch.Tensor | None = None  # [P, D] float32, the image processor's patches
+    image_grid_thw: torch.Tensor | None = None  # [I, 3] int64
 
     @property
     def dummy(self) -> bool:
@@ -170,7 +174,7 @@ def collate_packed(examples: Sequence[Example]) -> MicroBatch:
     def row(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a.astype(np.int64))[None]
 
-    return MicroBatch(row(ids), row(pos), row(labels), None, len(examples))
+    return MicroBatch(row(ids), row(pos), row(labels), None, len(examples), **image_inputs(examples))
 
 
 def collate_padded(examples: Sequence[Example], pad_id: int) -> MicroBatch:
@@ -185,7 +189,20 @@ def collate_padded(examples: Sequence[Example], pad_id: int) -> MicroBatch:
         labels[r, :n] = torch.from_numpy(ex.labels.astype(np.int64))
         mask[r, :n] = 1
     pos = torch.arange(width).expand(len(examples), width).clone()
-    return MicroBatch(ids, pos, labels, mask, len(examples))
+    return MicroBatch(ids, pos, labels, mask, len(examples), **image_inputs(examples))
+
+
+def image_inputs(examples: Sequence) -> dict:
+    """``pixel_values`` and ``image_grid_thw`` of the examples' images, concatenated in order ({} without any).
+    An example is anything with those two attributes (arrays or None)."""
+    pixels = [ex.pixel_values for ex in examples if getattr(ex, "pixel_values", None) is not None]
+    if not pixels:
+        return {}
+    grids = [ex.image_grid_thw for ex in examples if getattr(ex, "pixel_values", None) is not None]
+    return {
+        "pixel_values": torch.from_numpy(np.concatenate(pixels).astype(np.float32)),
+        "image_grid_thw": torch.from_numpy(np.concatenate(grids).astype(np.int64)),
+    }
 
 
 def dummy_micro_batch(pad_id: int) -> MicroBatch:

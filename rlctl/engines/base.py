@@ -13,7 +13,9 @@ Contract of a training step, for every engine::
     grad_norm = engine.step()                                    # clip, optimizer step, lr schedule, zero grads
 
 ``loss_fn(output, mb) -> (loss, result)`` gets the model's output for one micro-batch (logits
-``[B, T, V]``, or values ``[B, T]`` for a critic) and returns this rank's share of the global loss
+``[B, T, V]``, or values ``[B, T]`` for a critic; under sequence parallelism an actor's output is
+:class:`~rlctl.engines.ulysses.ShardedLogits`: read it through :func:`response_tokens`,
+:func:`position_tokens` or :func:`full_logits`) and returns this rank's share of the global loss
 (the ranks' shares SUM to the global loss) and anything the caller wants back (a tensor or a dict of
 tensors), which ``forward_backward`` returns detached, one per micro-batch, on every rank.
 ``forward_only=True`` runs the same without gradients (``loss`` may be None).
@@ -218,6 +220,34 @@ class TrainEngine(abc.ABC):
         return None
 
 
+def response_tokens(output, mb, fn: Callable) -> tuple[torch.Tensor | None, ...]:
+    """``fn(logits [N, V], labels [N])`` (a tensor ``[N]`` or a tuple of them, None where not needed) at
+    the positions that predict RL micro-batch ``mb``'s response tokens. An engine under sequence parallelism returns
+    :class:`~rlctl.engines.ulysses.ShardedLogits`: each rank computes its positions' and the ``[N]``
+    values are gathered (no ``[N, V]`` logits are)."""
+    from rlctl.engines.ulysses import ShardedLogits
+
+    if isinstance(output, ShardedLogits):
+        whole = mb.logit_index if mb.keep_cols is not None else torch.arange(mb.labels.numel(), device=mb.labels.device)
+        return output.per_token(whole, mb.labels, fn)
+    out = fn(mb.at_response(output), mb.labels)
+    return out if isinstance(out, tuple) else (out,)
+
+
+def position_tokens(output, labels: torch.Tensor, fn: Callable) -> torch.Tensor:
+    """``fn(logits [M, V], labels [M]) -> [M]`` at every position of ``labels`` ``[B, T]`` (SFT), flat."""
+    from rlctl.engines.ulysses import ShardedLogits
+
+    if isinstance(output, ShardedLogits):
+        return output.per_token(torch.arange(labels.numel(), device=labels.device), labels.reshape(-1), fn)[0]
+    return fn(output.reshape(-1, output.shape[-1]), labels.reshape(-1))
+
+
+def full_logits(output) -> torch.Tensor:
+    """The logits ``[B, K, V]`` of an engine's output, gathered where sequence parallelism split them."""
+    return output.full() if hasattr(output, "full") else output
+
+
 #: ``loss_fn(output, micro_batch) -> (loss or None, result)``, see :meth:`TrainEngine.forward_backward`.
 LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor | None, Any]]
 
@@ -287,14 +317,25 @@ def load_tokenizer(source: ModelSource):
     return tok
 
 
-def write_model_meta(out_dir: str | Path, hf_config, tokenizer, source: ModelSource) -> Path:
-    """Write config.json, generation_config.json and the tokenizer files: what makes a checkpoint self-describing."""
+def load_vision_processor(source: ModelSource, tokenizer):
+    """A vision-language model's :class:`rlctl.data.vision.VisionProcessor` (its image processor and
+    ``tokenizer``), or None for a text model."""
+    from rlctl.data.vision import is_vision_config, load_processor
+
+    return load_processor(source.path, tokenizer) if is_vision_config(source.load_config()) else None
+
+
+def write_model_meta(out_dir: str | Path, hf_config, tokenizer, source: ModelSource, *, vision=None) -> Path:
+    """Write config.json, generation_config.json and the tokenizer files (and a VL model's image processor,
+    ``vision``): what makes a checkpoint self-describing; exports copy them."""
     from transformers import GenerationConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+    if vision is not None:
+        vision.image_processor.save_pretrained(str(out))
     try:
         gen = GenerationConfig.from_pretrained(source.path)
     except (OSError, ValueError):

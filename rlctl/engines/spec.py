@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from rlctl.config import RunConfig
 
 BACKENDS = names.BACKENDS
-DEVICES = names.choices(names.Device, without=("auto",))
+DEVICES = names.choices(names.Device)
 DTYPES = names.choices(names.Dtype)
 
 
@@ -88,7 +88,7 @@ class EngineSpec:
     """How to build a training engine: the model, placement, precision, parallel layout, memory savings,
     the optimizer and LoRA.
 
-    ``attn`` may stay "auto": the engine picks flash_attention_2 where flash-attn is installed on a GPU
+    ``attn`` may stay None: the engine picks flash_attention_2 where flash-attn is installed on a GPU
     and sdpa otherwise, at run time (the planner leaves ``model.attn`` as it is).
     """
 
@@ -104,7 +104,7 @@ class EngineSpec:
     activation_checkpointing: bool = False
     offload_params: bool = False
     offload_optimizer: bool = False
-    attn: str = "auto"  # auto | sdpa | eager | flash_attention_2
+    attn: str | None = None  # sdpa | eager | flash_attention_2; None: the engine picks at run time
     micro_batch_size: int = 1
     precision: str = "mixed"  # mixed | bf16 (pure bf16 weights, gradients and AdamW states; FSDP engine)
     selective_checkpointing: bool = False  # recompute each decoder layer's MLP in the backward (FSDP engine)
@@ -115,6 +115,7 @@ class EngineSpec:
     seed: int = 42  # train.seed: random weights, LoRA's A and a critic's value head are drawn from it
     compile: bool = False  # train.compile (no engine supports it yet)
     max_seq_len: int = 0  # the longest sequence the run feeds (0: unknown); the megatron engine checks windows
+    train_vision: bool = False  # model.train_vision: a VL model's vision tower is trained (else frozen)
     optimizer: OptimizerSpec = OptimizerSpec()
     lora: LoraSpec = LoraSpec()
 
@@ -148,7 +149,7 @@ class EngineSpec:
             ("hardware.device", cfg.hardware.device),
             ("model.dtype", cfg.model.dtype),
         ):
-            if value is None or value == "auto":
+            if value is None:
                 raise UnresolvedConfig(f"{key} is {value!r}: the plan was not applied to the config")
         for key, value in (
             ("parallel.tp", par.tp),
@@ -191,6 +192,7 @@ class EngineSpec:
             "seed": cfg.train.seed,
             "compile": cfg.train.compile,
             "max_seq_len": max(cfg.train.max_len, r.max_prompt_len + r.max_response_len),
+            "train_vision": cfg.model.train_vision,
             "optimizer": OptimizerSpec.from_config(cfg),
             "lora": LoraSpec.from_config(cfg),
         }

@@ -14,10 +14,12 @@ One forward of a micro-batch ``[B, T]`` (:func:`forward`):
   ``[B, H/sp, T, d]``; KV heads repeated first where there are fewer than ``sp``), attention runs over
   the whole sequence for ``H/sp`` heads, per document or shared-prefix block
   (:mod:`rlctl.engines.varlen`), and a second all-to-all trades back;
-* the logits (or a critic's values) are computed on the shard, at the positions the loss reads only,
-  and gathered over the SP group (:class:`_GatherSeq`): the loss functions see the whole micro-batch
-  as without ``sp``. The gather's backward hands each rank the gradient of its own positions, so the
-  SP ranks' gradients sum to the whole micro-batch's; the engine sums gradients over all ranks.
+* the logits are computed on the shard, at the positions the loss reads only, and stay there
+  (:class:`ShardedLogits`): the per-token values the losses need (log-probs, entropy, cross-entropy)
+  are computed on each rank's positions and only those ``[N]`` floats are gathered over the SP group
+  (:class:`_GatherSeq`, :func:`rlctl.engines.base.response_tokens`); a critic's values ``[B, T]`` are
+  gathered. The gather's backward hands each rank the gradient of its own positions, so the SP ranks'
+  gradients sum to the whole micro-batch's; the engine sums gradients over all ranks.
 
 Loss normalisation is unchanged: the recipes divide by global token counts, summed over the
 data-parallel replicas (the engine's ``dp_group``), so ``sp`` 2 gives the update of ``sp`` 1.
@@ -190,10 +192,57 @@ def blocks_of(mb) -> list[varlen.Block]:
     return varlen.blocks_from_positions(mb.position_ids)
 
 
-def forward(model, mb, groups: SPGroups, *, critic: bool) -> torch.Tensor:
-    """The model's output for micro-batch ``mb`` as without sequence parallelism: logits at
-    ``mb.keep_cols`` / ``mb.logit_index`` (all positions when neither), or a critic's values ``[B, T]``;
-    this rank computes its shard's and the SP group gathers them."""
+@dataclass(frozen=True)
+class ShardedLogits:
+    """An actor's output under sp: this rank's logits at the columns it owns, of the ``K`` columns
+    the loss reads (``mb.keep_cols``, ``mb.logit_index``, or every column). :meth:`per_token` computes
+    per-token values (log-probs, entropy, cross-entropy) on them and gathers ``[M]`` floats over the
+    SP group instead of ``[M, V]`` logits."""
+
+    local: torch.Tensor  # [B, n, V]: the logits at the columns this rank owns, in their order
+    owner: torch.Tensor  # [K] the SP rank that owns each column
+    local_col: torch.Tensor  # [K] the column's place among its owner's
+    groups: SPGroups
+
+    def sum(self) -> torch.Tensor:
+        """A dummy micro-batch's zero loss (``output.sum() * 0``) reaches the whole model."""
+        return self.local.sum()
+
+    def per_token(self, flat: torch.Tensor, labels: torch.Tensor, fn) -> tuple[torch.Tensor, ...]:
+        """``fn(logits [M', V], labels [M']) -> [M']`` tensor(s) (or None) at the entries ``flat`` of the ``[B, K]``
+        grid (``labels`` [M] their labels): computed by each entry's owner, gathered in ``flat``'s order.
+        The gather's backward hands each rank the gradient of its own entries."""
+        g, k_all = self.groups, self.owner.numel()
+        b, k = torch.div(flat, k_all, rounding_mode="floor"), flat % k_all
+        own = self.owner[k]
+        mine = own == g.rank
+        rows = self.local.flatten(0, 1)[b[mine] * self.local.shape[1] + self.local_col[k[mine]]]
+        outs = fn(rows, labels[mine])
+        sizes = torch.bincount(own, minlength=g.size).tolist()
+        back = torch.argsort(torch.argsort(own, stable=True))
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        return tuple(None if o is None else _GatherSeq.apply(o[None], g.group, g.rank, sizes)[0][back] for o in outs)
+
+    def full(self) -> torch.Tensor:
+        """The logits ``[B, K, V]`` of every kept column, gathered (as without sp)."""
+        g = self.groups
+        sizes = torch.bincount(self.owner, minlength=g.size).tolist()
+        gathered = _GatherSeq.apply(self.local, g.group, g.rank, sizes)  # by owner
+        return gathered[:, torch.argsort(torch.argsort(self.owner, stable=True))]
+
+
+def _owners(keep: torch.Tensor, local: int, sp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each kept column's owning rank, and its place among that rank's kept columns."""
+    owner = torch.div(keep, local, rounding_mode="floor")
+    counts = torch.bincount(owner, minlength=sp)
+    starts = torch.cumsum(counts, 0) - counts
+    place = torch.argsort(torch.argsort(owner, stable=True))  # its place when sorted by owner
+    return owner, place - starts[owner]
+
+
+def forward(model, mb, groups: SPGroups, *, critic: bool) -> torch.Tensor | ShardedLogits:
+    """The model's output for micro-batch ``mb``: an actor's :class:`ShardedLogits` at ``mb.keep_cols`` /
+    ``mb.logit_index`` (every column when neither), or a critic's values ``[B, T]``, gathered."""
     sp, r = groups.size, groups.rank
     length = mb.input_ids.shape[1]
     local = math.ceil(length / sp)
@@ -211,14 +260,10 @@ def forward(model, mb, groups: SPGroups, *, critic: bool) -> torch.Tensor:
         return _GatherSeq.apply(values, groups.group, r, [local] * sp)[:, :length]
     keep = mb.keep_cols if mb.keep_cols is not None else mb.logit_index
     if keep is None:
-        logits = model(input_ids=ids[:, cols], position_ids=pos[:, cols], use_cache=False, **kwargs).logits
-        return _GatherSeq.apply(logits, groups.group, r, [local] * sp)[:, :length]
-    owner = torch.div(keep, local, rounding_mode="floor")
+        keep = torch.arange(length, device=ids.device)
+    owner, local_col = _owners(keep, local, sp)
     mine = keep[owner == r] - r * local
     logits = model(
         input_ids=ids[:, cols], position_ids=pos[:, cols], use_cache=False, logits_to_keep=mine, **kwargs
     ).logits
-    sizes = torch.bincount(owner, minlength=sp).tolist()
-    gathered = _GatherSeq.apply(logits, groups.group, r, sizes)  # the kept columns, by owner
-    order = torch.argsort(owner, stable=True)
-    return gathered[:, torch.argsort(order)]  # back in the order of ``keep``
+    return ShardedLogits(logits, owner, local_col, groups)

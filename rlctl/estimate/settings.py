@@ -31,7 +31,7 @@ CHECKPOINT_BYTES = 2  # bytes per parameter of the HF checkpoint (bf16) that FSD
 METHODS = names.choices(names.Method)
 BACKENDS = names.BACKENDS
 ENGINES = names.ROLLOUT_ENGINES
-DEVICES = names.choices(names.Device, without=("auto",))
+DEVICES = names.choices(names.Device)
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 

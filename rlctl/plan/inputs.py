@@ -159,7 +159,7 @@ def resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) -> 
 
 def _device(cfg: RunConfig, local: LocalEnv, decisions: list[Decision]) -> str:
     hw = cfg.hardware
-    if hw.device != "auto":
+    if hw.device is not None:
         return hw.device
     device = "cuda" if hw.gpus > 0 or local.gpu_count > 0 else "cpu"
     why = (
@@ -262,11 +262,11 @@ def _dtype_and_attn(
     """bf16 and flash-attention on GPUs, fp32 and SDPA on CPU, unless the config sets them."""
     m, cuda = cfg.model, device == "cuda"
     dtype = m.dtype if m.dtype is not None else "bf16" if cuda else "fp32"
-    attn = m.attn if m.attn != "auto" else "flash_attention_2" if cuda else "sdpa"
+    attn = m.attn if m.attn is not None else "flash_attention_2" if cuda else "sdpa"
     if m.dtype is None:
         how = "bf16 mixed precision on GPUs" if cfg.train.precision == "mixed" else "pure bf16 (train.precision=bf16)"
         later.append(Decision("model.dtype", dtype, f"dtype {dtype}: {how if cuda else 'fp32 on CPU'}"))
-    if m.attn == "auto":
+    if m.attn is None:
         how = (
             "flash_attention_2 where flash-attn is installed on the GPU hosts; rlctl falls back to sdpa at run time "
             "otherwise"

@@ -77,7 +77,7 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
     """The backend tier (configured, or by the model's size), after what the Megatron engine runs; the
     parallel sizes the config sets are checked against it."""
     cfg, p = job.cfg, job.cfg.parallel
-    if p.backend == "auto":
+    if p.backend is None:
         decision = rules.choose_backend(
             job.spec,
             job.params,
@@ -253,7 +253,7 @@ def options_for(job: Job, tier: str) -> list[Option]:
     backend set in the config, or Megatron-only sizes (tp, pp, ep > 1), keep to that backend.
     """
     p = job.cfg.parallel
-    if p.backend != "auto":
+    if p.backend is not None:
         backends = [p.backend]
     elif tier == "megatron" and job.device == "cuda" and max(p.tp, p.pp, p.ep) <= 1:
         backends = ["megatron", "fsdp"]
@@ -709,16 +709,16 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
     m, hw, par, tr, ro = out.model, out.hardware, out.parallel, out.train, out.rollout
     if m.dtype is None:
         m.dtype = plan.dtype
-    # model.attn stays "auto": the engine picks flash_attention_2 where flash-attn is installed on
+    # model.attn stays None: the engine picks flash_attention_2 where flash-attn is installed on
     # the GPU host and sdpa otherwise, at run time (plan.attn says what a GPU cluster will get).
-    if hw.device == "auto":
+    if hw.device is None:
         hw.device = plan.device
     if plan.device == "cuda":
         hw.gpus = hw.gpus or plan.gpus
         hw.gpu = hw.gpu or plan.gpu
     hw.nproc = hw.nproc or plan.nproc_per_node
     hw.nodes = plan.nodes or hw.nodes  # derived from the GPU type's node size when --nodes was not given
-    if par.backend == "auto":
+    if par.backend is None:
         par.backend = plan.backend
     par.tp, par.pp, par.ep = par.tp or plan.tp, par.pp or plan.pp, par.ep or plan.ep
     par.sp = par.sp or plan.sp

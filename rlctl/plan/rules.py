@@ -86,13 +86,13 @@ def valid_tps(spec: ModelSpec, limit: int) -> list[int]:
     return [t for t in range(1, limit + 1) if tp_problem(spec, t) is None]
 
 
-def check_sp(spec: ModelSpec, *, backend: str, sp: int | None, world: int, attn: str = "auto") -> None:
+def check_sp(spec: ModelSpec, *, backend: str, sp: int | None, world: int, attn: str | None = None) -> None:
     """Validate the Ulysses sequence-parallel size a user set (None: not set); UserError names the valid sizes."""
     if sp is None or sp == 1:
         return
     if backend != "fsdp":
         raise UserError(f"parallel.sp={sp} is the FSDP engine's; Megatron splits sequences with --cp")
-    if attn not in ("auto", "sdpa"):
+    if attn not in (None, "sdpa"):
         raise UserError(f"parallel.sp={sp} runs attention per document with sdpa, not {attn}; set model.attn=sdpa")
     if spec.is_vl:
         raise UserError(

@@ -19,14 +19,15 @@ from rlctl.runtime.fit import fit
 
 def train_step(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
     """One GRPO step: its batch and its metrics."""
-    batch, generated = rl.generate(step)  # this rank's prompts, n samples each (weights synced after the last update)
-    scored = rl.score(batch, step)  # reward function -> one score per sample
+    # this rank's prompts, n samples each, scored (weights synced after the last update; dynamic sampling:
+    # more rounds until the groups whose scores differ fill the batch)
+    batch, sampled = rl.sample(step)
     batch = rl.pool(batch)  # the ranks of one model replica (Megatron TP x PP) train on their samples together
     ref = rl.ref_logprobs(batch) if rl.ref is not None else {}  # frozen reference policy, for the KL term
     old = rl.old_logprobs(batch)  # the actor before the update (+ rollout/logprob_diff)
     advantages = rl.advantages(batch)  # group-relative advantages on the global batch
     update = rl.update_actor(batch)  # ppo_epochs x mini-batches of clipped policy-gradient steps
-    return batch, merged(generated, scored, ref, old, advantages, update)
+    return batch, merged(sampled, ref, old, advantages, update)
 
 
 def run(ctx: RunContext) -> None:

@@ -20,8 +20,9 @@ from rlctl.runtime.fit import fit
 
 def train_step(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
     """One PPO step: its batch and its metrics."""
-    batch, generated = rl.generate(step)  # this rank's prompts, n samples each (weights synced after the last update)
-    scored = rl.score(batch, step)  # reward function -> one score per sample
+    # this rank's prompts, n samples each, scored (weights synced after the last update; dynamic sampling:
+    # more rounds until the groups whose scores differ fill the batch)
+    batch, sampled = rl.sample(step)
     batch = rl.pool(batch)  # the ranks of one model replica (Megatron TP x PP) train on their samples together
     ref = rl.ref_logprobs(batch) if rl.ref is not None else {}  # frozen reference policy, for the KL penalty
     old = rl.old_logprobs(batch)  # the actor before the update (+ rollout/logprob_diff)
@@ -31,7 +32,7 @@ def train_step(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
     actor = {}
     if step >= rl.algo.critic_warmup:
         actor = rl.update_actor(batch)  # ppo_epochs x mini-batches of clipped policy-gradient steps
-    return batch, merged(generated, scored, ref, old, values, advantages, critic, actor)
+    return batch, merged(sampled, ref, old, values, advantages, critic, actor)
 
 
 def run(ctx: RunContext) -> None:

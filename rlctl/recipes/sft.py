@@ -23,7 +23,15 @@ import torch.nn.functional as F
 from rlctl.data.packing import MicroBatch, StepSampler, rank_micro_batches
 from rlctl.data.sft import IGNORE, SFTData, build_sft_data, use_chat_template
 from rlctl.engines import EngineSpec, build_engine
-from rlctl.engines.base import TrainEngine, load_tokenizer, model_source, write_model_meta
+from rlctl.engines.base import (
+    TrainEngine,
+    full_logits,
+    load_tokenizer,
+    load_vision_processor,
+    model_source,
+    position_tokens,
+    write_model_meta,
+)
 from rlctl.errors import UserError
 from rlctl.runtime.dist import all_reduce_sum, barrier
 from rlctl.runtime.entry import RunContext, recipe_main
@@ -32,12 +40,18 @@ from rlctl.runtime.fit import fit
 DUMP_LOGITS_ENV = "RLCTL_DUMP_LOGITS"  # test hook: save the final model's logits on a fixed input
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy over positions whose label is not -100 (computed in fp32)."""
+def token_loss_sum(logits, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over positions whose label is not -100 (computed in fp32). ``logits``: an
+    engine's output (under sequence parallelism each rank computes its positions', see position_tokens)."""
     keep = labels != IGNORE
     if not keep.any():
         return logits.sum() * 0.0  # still runs backward through the model (FSDP needs it on every rank)
-    return F.cross_entropy(logits[keep].float(), labels[keep], reduction="sum")
+    if isinstance(logits, torch.Tensor):
+        return F.cross_entropy(logits[keep].float(), labels[keep], reduction="sum")
+    per_position = position_tokens(
+        logits, labels, lambda rows, lab: F.cross_entropy(rows.float(), lab, reduction="none", ignore_index=IGNORE)
+    )
+    return per_position.sum()
 
 
 class SFTTrainer:
@@ -157,14 +171,15 @@ def run(ctx: RunContext) -> None:
     cfg, paths, d = ctx.cfg, ctx.paths, ctx.dist
     source = model_source(cfg.model.name, random_init=cfg.model.random_init)
     tokenizer = use_chat_template(load_tokenizer(source), cfg)
-    data = build_sft_data(cfg, tokenizer, cache_dir=paths.data_cache, log=ctx.log)
+    vision = load_vision_processor(source, tokenizer)  # None for a text model
+    data = build_sft_data(cfg, tokenizer, cache_dir=paths.data_cache, log=ctx.log, vision=vision)
     ctx.log(f"data: {data.report.summary()}; {len(data.train)} train / {len(data.val)} val sequences")
     sampler = StepSampler(len(data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
     engine = build_engine(EngineSpec.from_config(cfg), role="actor", total_steps=total_steps, source=source)
     trainer = SFTTrainer(ctx, engine, data, sampler, pad_id=tokenizer.pad_token_id)
     if d.is_main:
-        write_model_meta(paths.model_meta, engine.hf_config, tokenizer, source)
+        write_model_meta(paths.model_meta, engine.hf_config, tokenizer, source, vision=vision)
     barrier()
     fit(ctx, trainer)
 
@@ -175,7 +190,7 @@ def _dump_logits(engine: TrainEngine, data: SFTData, path) -> None:
     positions = torch.arange(ids.shape[1], device=engine.device)[None]
     mb = MicroBatch(input_ids=ids, position_ids=positions, labels=ids)
     engine.train(False)
-    (logits,) = engine.forward_backward([mb], lambda logits, mb: (None, logits), forward_only=True)
+    (logits,) = engine.forward_backward([mb], lambda logits, mb: (None, full_logits(logits)), forward_only=True)
     if dist.get_rank() == 0:
         torch.save({"input_ids": ids.cpu(), "logits": logits.float().cpu()}, path)
 

@@ -471,7 +471,9 @@ def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, t
     from rlctl.errors import UserError
     from rlctl.plan import apply_plan
 
-    raw = make_cfg(tiny_model_dir, data_file, tmp_path, parallel__offload_optimizer=True, model__attn="auto")
+    raw = make_cfg(
+        tiny_model_dir, data_file, tmp_path, parallel__offload_optimizer=True, model__attn="auto"
+    )  # reads as None
     plan = SimpleNamespace(**cpu_plan(1, backend="megatron", tp=2, pp=1, ep=1, sp=2, activation_checkpointing=True))
     assert EngineSpec.from_config(apply_plan(raw, plan)) == EngineSpec(
         backend="megatron",
@@ -486,7 +488,7 @@ def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, t
         activation_checkpointing=True,  # from the plan ("auto" in the config)
         offload_params=False,
         offload_optimizer=True,  # the user's choice wins over the plan's False
-        attn="auto",  # the engine picks at run time
+        attn=None,  # the engine picks at run time
         micro_batch_size=2,
         model=str(tiny_model_dir),
         seed=raw.train.seed,
@@ -504,7 +506,7 @@ def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, t
     assert LoraSpec(rank=4).scaled_alpha == 8 and LoraSpec(rank=4, alpha=3.0).scaled_alpha == 3.0
     assert LoraSpec(targets="q_proj, v_proj").target_modules == ["q_proj", "v_proj"]
     assert LoraSpec().target_modules == "all-linear"
-    with pytest.raises(UnresolvedConfig, match="parallel.backend is 'auto'"):
+    with pytest.raises(UnresolvedConfig, match="parallel.backend is None"):
         EngineSpec.from_config(raw)
     resolved = apply_plan(raw, SimpleNamespace(**cpu_plan(1)))
     resolved.parallel.sequence_parallel = None

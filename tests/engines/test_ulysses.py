@@ -49,6 +49,8 @@ def test_sp2_gives_the_losses_gradients_and_logprobs_of_sp1(tiny_model_dir, tmp_
         two = r["sft"][2][variant]
         assert two["loss"] == pytest.approx(one["loss"], rel=TOL), variant
         assert _max_diff(one["grads"], two["grads"]) < TOL, variant
+        assert one["logits"].shape == two["logits"].shape == (1, 37, 512)
+        assert float((one["logits"] - two["logits"]).abs().max()) < TOL, variant  # after the step
         assert max(float(g.abs().max()) for g in one["grads"].values()) > 1e-3, variant  # gradients, not zeros
     for prefix, one in r["grpo"][1].items():
         two = r["grpo"][2][prefix]

@@ -229,7 +229,7 @@ def test_the_algorithm_check_reads_the_registry_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == (
         "grpo cannot use --adv gae: it needs a critic, use `rlctl ppo` (or --adv grpo | rloo | reinforce_pp | "
-        "grpo_passk | reinforce_plus_plus_baseline | opo | gpg)"
+        "grpo_passk | reinforce_plus_plus_baseline | opo | gpg | remax)"
     )
 
 

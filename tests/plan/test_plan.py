@@ -296,14 +296,14 @@ def test_apply_plan_fills_every_auto_field_and_is_stable():
     cfg = cfg_for("grpo", model={"name": "Qwen2.5-7B"}, hardware={"gpus": 8})
     plan = resolve_plan(cfg, local=LAPTOP)
     applied = apply_plan(cfg, plan)
-    assert cfg.parallel.backend == "auto"  # the input is not modified
+    assert cfg.parallel.backend is None  # the input is not modified
     assert (applied.parallel.backend, applied.parallel.tp, applied.parallel.pp) == (plan.backend, plan.tp, plan.pp)
     assert applied.rollout.engine == plan.rollout and applied.rollout.tp == plan.rollout_tp
     assert applied.rollout.mem_fraction == plan.rollout_mem_fraction
     assert applied.train.micro_batch_size == plan.micro_batch_size
     assert (applied.model.dtype, applied.model.attn, applied.hardware.device, applied.hardware.gpu) == (
         "bf16",
-        "auto",
+        None,  # the engine picks at run time
         "cuda",
         "H100-80GB",
     )
@@ -358,7 +358,7 @@ def test_decisions_are_data_that_the_plan_and_the_resolved_config_agree_with(met
     keys = [d.key for d in p.decisions]
     assert keys[0] == "model" and p.decided("model") == layer["model"]["name"]
     assert "parallel.backend" in keys and p.decided("parallel.backend") == p.backend
-    # every decision on a config key is the value the resolved config carries (model.attn stays auto
+    # every decision on a config key is the value the resolved config carries (model.attn stays None
     # for the engine to pick at run time; host memory is an assumption, not a setting)
     for d in p.decisions:
         section, _, name = d.key.partition(".")

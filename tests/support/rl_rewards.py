@@ -13,6 +13,12 @@ def digits(data_source, solution_str, ground_truth, extra_info=None):
     return sum(c.isdigit() for c in solution_str) / max(1, len(solution_str))
 
 
+def digits_when_odd(data_source, solution_str, ground_truth, extra_info=None):
+    """:func:`digits` where the answer is odd, 0 where it is even: the samples of an even-answer prompt
+    always score the same (DAPO's dynamic sampling drops them)."""
+    return digits(data_source, solution_str, ground_truth) if int(ground_truth) % 2 else 0.0
+
+
 def always_fails(data_source, solution_str, ground_truth, extra_info=None):
     raise RuntimeError("the grading service is down\n(second line of the message)")
 

@@ -6,14 +6,15 @@
 - :mod:`.advantages`: token rewards and the advantage estimator ``algo.adv`` names
 - :mod:`.update`: the one PPO-style update loop, for the actor (policy loss) and the critic (value loss)
 - :mod:`.scoring`: :class:`~.scoring.RewardScorer`, the reward component the trainer owns
+- :mod:`.dynamic`: DAPO's dynamic sampling, rounds of rollout until the groups that vary fill the batch
 - :mod:`.trainer`: :class:`~.trainer.RLTrainer`, the run's state and its steps; the outer loop is
   :func:`rlctl.runtime.fit.fit`
 
 One RL step (the recipes spell it out in order; every step returns its metrics, which
 :func:`~.trainer.merged` joins into the step's record)::
 
-    batch, m = rl.generate(step)  # prompts -> n samples each, on every rank's colocated rollout engine
-    rl.score(batch, step)         # the reward scorer -> one score per sample
+    batch, m = rl.sample(step)    # prompts -> n samples each (every rank's colocated rollout engine),
+                                  # scored; dynamic sampling (DAPO): more rounds until the groups vary
     batch = rl.pool(batch)        # the ranks of one model replica (Megatron TP x PP) pool their samples
     rl.ref_logprobs(batch)        # frozen reference policy (when algo.kl_coef > 0)
     rl.old_logprobs(batch)        # the trainer's log-probs of the samples (+ rollout/logprob_diff)
@@ -23,7 +24,8 @@ One RL step (the recipes spell it out in order; every step returns its metrics, 
     rl.update_actor(batch)        # ppo_epochs x mini-batches, one optimizer step per mini-batch
 
 Where the samples live. The step's global batch is ``train.batch_size`` prompts, fixed by the step
-number alone (:class:`~rlctl.data.packing.StepSampler`). It is cut into mini-batches of
+number alone (:class:`~rlctl.data.packing.StepSampler`; with dynamic sampling by the data cursor, the
+sampler batches drawn so far). It is cut into mini-batches of
 ``algo.mini_batch_size`` prompts (one optimizer step each) and the prompts of each mini-batch are
 dealt round-robin to the ranks (:func:`rank_positions`). A rank generates all ``n`` samples of its
 prompts, so a prompt's group never crosses ranks, and every rank holds its share of every

@@ -74,6 +74,9 @@ def compute_advantages(
     # of the policy), and its results go back to their columns.
     order = torch.sort((g[1] <= 0).to(torch.int8), dim=-1, stable=True).indices
     g = [t.gather(1, order) for t in g]
+    extra = {}
+    if estimator.needs_greedy:  # remax: the score of each row's greedy response, in uid order
+        (extra["reward_baselines"],) = gather_global(batch, [batch.baselines], group)
     adv, returns = estimator.fn(
         g[0],
         g[1],
@@ -82,6 +85,7 @@ def compute_advantages(
         gamma=a.gamma,
         lam=a.lam,
         norm_by_std=a.norm_by_std,
+        **extra,
     )
     mask = batch.mask.new_zeros(g[1].shape).scatter_(1, order, g[1])  # the gathered mask, in place again
     adv = torch.zeros_like(adv).scatter_(1, order, adv) * mask

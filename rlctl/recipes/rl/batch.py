@@ -58,6 +58,8 @@ class RolloutBatch:
     truncated: torch.Tensor  # [b] bool: stopped by the length budget
     meta: list[Prompt] = field(default_factory=list)  # the prompt of each sample (reward arguments)
     trajectories: list = field(default_factory=list)  # agent runs: each sample's rlctl.agents Trajectory
+    greedy: list = field(default_factory=list)  # needs_greedy estimators: the greedy sample of each row's prompt
+    baselines: torch.Tensor | None = None  # [b] the score of greedy[i] (remax's baseline)
     scores: torch.Tensor | None = None  # [b]
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
@@ -130,6 +132,18 @@ class RolloutBatch:
         moved = {f.name: v.to(device) for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)
 
+    def take(self, rows: list[int]) -> RolloutBatch:
+        """The samples ``rows`` of this batch, in that order (the step's fields unchanged)."""
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.mask.device)
+        picked: dict = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                picked[f.name] = v[idx]
+            elif isinstance(v, list) and len(v) == len(self):
+                picked[f.name] = [v[i] for i in rows]
+        return replace(self, **picked)
+
     @classmethod
     def join(cls, parts: list[RolloutBatch]) -> RolloutBatch:
         """One batch holding the samples of ``parts`` (batches of the same step), in order."""
@@ -143,6 +157,14 @@ class RolloutBatch:
             else:  # the step's n, num_minis, total; None for what is not computed yet
                 out[f.name] = values[0]
         return cls(**out)
+
+
+def mask_truncated(batch: RolloutBatch) -> int:
+    """DAPO's overlong filtering: zero the loss mask of the truncated samples (stopped by the length
+    budget, no stop token); the update leaves such rows out. Returns how many there are."""
+    cut = batch.truncated.to(batch.mask.dtype)
+    batch.mask = batch.mask * (1 - cut)[:, None]
+    return int(batch.truncated.sum())
 
 
 # ---------------------------------------------------------------------------------------------

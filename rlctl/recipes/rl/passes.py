@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from rlctl.algos import logprobs_from_logits
-from rlctl.engines.base import TrainEngine
+from rlctl.engines.base import TrainEngine, response_tokens
 from rlctl.recipes.rl.batch import RolloutBatch, can_share_prefix, micro_batches
 
 
@@ -24,11 +24,11 @@ def compute_logprobs(
     ``share_prefix`` (default: where the engine and the batch allow it) forwards each prompt once per group."""
 
     def per_token(logits, mb):
-        sel = mb.at_response(logits)  # the positions that predict response tokens
-        if with_entropy:  # one log-softmax for both (rlctl.algos.logprobs)
-            logp, entropy = logprobs_from_logits(sel, mb.labels, temperature, with_entropy=True)
-            return None, {"logp": logp.float(), "entropy": entropy.float()}
-        return None, {"logp": logprobs_from_logits(sel, mb.labels, temperature).float()}
+        # at the positions that predict response tokens; with the entropy: one log-softmax for both
+        out = response_tokens(
+            logits, mb, lambda sel, labels: logprobs_from_logits(sel, labels, temperature, with_entropy=with_entropy)
+        )
+        return None, dict(zip(("logp", "entropy"), (x.float() for x in out)))
 
     if share_prefix is None:
         share_prefix = engine.shares_prefix and can_share_prefix(batch)

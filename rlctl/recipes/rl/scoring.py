@@ -70,6 +70,36 @@ class RewardScorer:
         self.manager.close()
 
 
+def score_greedy(
+    scorer: RewardScorer, batch: RolloutBatch, step: int, shaping: Callable[[torch.Tensor], torch.Tensor | None]
+) -> dict[str, float]:
+    """``batch.baselines``: the score of each row's prompt's greedy response (``batch.greedy``; scored once
+    per prompt, then ``shaping``'s length penalty as the samples get it), for remax (collective).
+    ``reward/greedy_baseline``: their mean over every rank (the overlong penalty included, when on)."""
+    agent = bool(batch.trajectories)
+    keys = (batch.uid // batch.n).tolist()
+    first: dict[int, int] = {}
+    for i, k in enumerate(keys):
+        first.setdefault(k, i)
+    rows = list(first.values())
+    greedy = [batch.greedy[i] for i in rows]
+    scores, _ = scorer.score(
+        [g.prompt_ids if agent else batch.prompts[i] for g, i in zip(greedy, rows)],
+        [g.token_ids for g in greedy],
+        [batch.meta[i] for i in rows],
+        step,
+        greedy if agent else None,
+    )
+    lengths = [float(sum(g.mask)) if agent else float(len(g.token_ids)) for g in greedy]
+    penalty = shaping(torch.tensor(lengths, device=scores.device))
+    if penalty is not None:
+        scores = scores + penalty.to(scores.dtype)
+    by_key = dict(zip(first, scores.tolist()))
+    batch.baselines = torch.tensor([by_key[k] for k in keys], dtype=torch.float32, device=batch.mask.device)
+    s = global_sums({"sum": scores.sum(), "n": float(len(rows))}, scorer.device)
+    return {"reward/greedy_baseline": s["sum"] / max(1.0, s["n"])}
+
+
 def response_metrics(batch: RolloutBatch, device: torch.device) -> dict[str, float]:
     """Response lengths (mean, max), the share truncated, and the step's tokens, over every rank (collective)."""
     lengths = torch.tensor([float(len(r)) for r in batch.responses], device=device)  # tool turns included

@@ -22,7 +22,7 @@ from rlctl.algos import (
 )
 from rlctl.config import RunConfig
 from rlctl.data.packing import MicroBatch
-from rlctl.engines.base import LossFn, TrainEngine
+from rlctl.engines.base import LossFn, TrainEngine, response_tokens
 from rlctl.recipes.rl.batch import RolloutBatch, can_share_prefix, micro_batches
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.runtime.dist import all_reduce_sum, global_sums
@@ -58,9 +58,11 @@ def _denominators(batch: RolloutBatch, rows: list[int], group: dist.ProcessGroup
 
 
 def _minis(batch: RolloutBatch) -> list[list[int]]:
-    """This replica's rows of each mini-batch (some may be empty); the same count on every rank."""
+    """This replica's rows of each mini-batch (some may be empty); the same count on every rank. A row
+    without loss tokens (DAPO's overlong filtering zeroed its mask) is left out: it counts nowhere."""
     mini = batch.mini.tolist()
-    return [[i for i in range(len(batch)) if mini[i] == k] for k in range(batch.num_minis)]
+    live = (batch.mask.sum(-1) > 0).tolist()
+    return [[i for i in range(len(batch)) if mini[i] == k and live[i]] for k in range(batch.num_minis)]
 
 
 def ppo_update(
@@ -122,16 +124,22 @@ def policy_loss_fn(batch: RolloutBatch, algo: AlgoSpec, denoms: dict, kl_loss_co
     the mini-batch's global token / sequence counts (``denoms``); returns the loss and its metrics."""
     a, temperature, pl = algo, algo.temperature, algo.policy
 
+    def per_token(sel: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """log-probs; the entropy the skipped log-prob pass would report (from the same log-softmax, no
+        gradient); the entropy bonus's (with gradient). None where not needed."""
+        entropy = None
+        if batch.old_logp is None:
+            flat, entropy = logprobs_from_logits(sel, labels, temperature, with_entropy=True)
+        else:
+            flat = logprobs_from_logits(sel, labels, temperature)
+        bonus = entropy_from_logits(sel.float() / temperature) if a.entropy_coef else None
+        return flat, entropy, bonus
+
     def loss_fn(logits: torch.Tensor, mb: MicroBatch):
         if mb.dummy:
             return logits.sum() * 0.0, {}  # a backward pass keeps this replica in the collectives
-        sel = mb.at_response(logits)  # the positions that predict response tokens
         mask = mb.take(batch.mask)
-        entropy = None
-        if batch.old_logp is None:  # the skipped log-prob pass's entropy, from the same log-softmax
-            flat, entropy = logprobs_from_logits(sel, mb.labels, temperature, with_entropy=True)
-        else:
-            flat = logprobs_from_logits(sel, mb.labels, temperature)
+        flat, entropy, bonus = response_tokens(logits, mb, per_token)  # at the positions that predict responses
         logp = mb.to_matrix(flat)
         # one optimizer step per batch: the policy before the update is this forward's own (no extra pass)
         old_logp = logp.detach() if batch.old_logp is None else mb.take(batch.old_logp)
@@ -163,8 +171,7 @@ def policy_loss_fn(batch: RolloutBatch, algo: AlgoSpec, denoms: dict, kl_loss_co
             loss = loss + kl_loss_coef * kl_loss
             stats["kl_loss"] = kl_loss.detach()
         if a.entropy_coef:
-            ent = mb.to_matrix(entropy_from_logits(sel.float() / temperature))
-            loss = loss - a.entropy_coef * aggregate(ent, mask, pl.agg, **denoms)
+            loss = loss - a.entropy_coef * aggregate(mb.to_matrix(bonus), mask, pl.agg, **denoms)
         return loss, stats
 
     return loss_fn

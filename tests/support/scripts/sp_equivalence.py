@@ -79,7 +79,10 @@ def sft_step(model_dir: str, sp: int, variant: str) -> tuple[FSDPEngine, dict]:
     (total,) = all_reduce_sum([sum(float(x) for x in sums)], engine.device, engine.dp_group)
     grads = full_grads(engine)
     engine.step()
-    return engine, {"loss": total / loss_tokens, "grads": grads}
+    with torch.no_grad():  # the plain forward: the logits of every position, gathered under sp
+        ids = torch.as_tensor(docs[0].input_ids, dtype=torch.int64)[None]
+        logits = engine.forward(ids, torch.arange(ids.shape[1])[None])
+    return engine, {"loss": total / loss_tokens, "grads": grads, "logits": logits}
 
 
 def rl_batch(d, sp_group, n: int) -> RolloutBatch:
