@@ -93,7 +93,7 @@ _rlctl() {
         --resume) return ;;
         --reward) COMPREPLY=($(compgen -W "gsm8k gsm8k_flexible math exact format length" -- "$cur")); return ;;
         --reward-model) return ;;
-        --rollout) COMPREPLY=($(compgen -W "auto hf vllm sglang" -- "$cur")); return ;;
+        --rollout) COMPREPLY=($(compgen -W "hf vllm sglang" -- "$cur")); return ;;
         --rollout-gpus|--rollout-procs) return ;;
         --rollout-tp) return ;;
         --run-name) return ;;

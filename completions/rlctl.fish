@@ -68,7 +68,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcomm
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l n -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l prompt-len -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l max-tokens -x
-complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l rollout -x -a 'auto hf vllm sglang'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l rollout -x -a 'hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l micro-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l set -s s -x
@@ -135,7 +135,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gradient-checkpointing -l no-gradient-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l activation-checkpointing -l no-activation-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l kl-coef -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout -x -a 'auto hf vllm sglang'
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout -x -a 'hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout-tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout-procs -l rollout-gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l mem-fraction -x
@@ -217,7 +217,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l adv -x -a 'grpo rloo 
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l loss-agg -x -a 'token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-high -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout -x -a 'auto hf vllm sglang'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout -x -a 'hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout-tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout-procs -l rollout-gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-staleness -x
@@ -314,7 +314,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l adv -x -a 'grpo rloo r
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l loss-agg -x -a 'token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-high -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout -x -a 'auto hf vllm sglang'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout -x -a 'hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout-tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout-procs -l rollout-gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-staleness -x

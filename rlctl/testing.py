@@ -184,10 +184,11 @@ VL_CORPUS = [  # picture words, so the tiny tokenizer spends few tokens on quest
 TINY_VL_PIXELS = (28 * 28 * 4, 28 * 28 * 16)  # the image processor's min and max pixels: 4 to 16 image tokens
 
 
-def tiny_qwen2_vl_config(tokenizer, **overrides):
-    """A Qwen2-VL config small enough for CPU tests: the text model of :func:`tiny_qwen2_config` (head_dim 64,
-    multimodal rope sections 8+12+12 = head_dim / 2) and a 2-block vision tower (patch 14, merge 2)."""
-    from transformers import Qwen2VLConfig
+def tiny_qwen2_vl_config(tokenizer, arch: str = "qwen2_vl", **overrides):
+    """A Qwen2-VL (or, ``arch="qwen2_5_vl"``, Qwen2.5-VL) config small enough for CPU tests: the text model of
+    :func:`tiny_qwen2_config` (head_dim 64, multimodal rope sections 8+12+12 = head_dim / 2) and a 2-block
+    vision tower (patch 14, merge 2; Qwen2.5-VL's: window attention in block 0, full in block 1)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     text = dict(
@@ -206,8 +207,11 @@ def tiny_qwen2_vl_config(tokenizer, **overrides):
     )
     text.update(overrides.pop("text", {}))
     vision = dict(depth=2, embed_dim=64, hidden_size=128, num_heads=2, mlp_ratio=2, patch_size=14)
+    if arch == "qwen2_5_vl":
+        vision = dict(depth=2, hidden_size=64, intermediate_size=128, out_hidden_size=128, num_heads=2)
+        vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[1])
     vision.update(overrides.pop("vision", {}))
-    return Qwen2VLConfig(
+    return {"qwen2_vl": Qwen2VLConfig, "qwen2_5_vl": Qwen2_5_VLConfig}[arch](
         text_config=text,
         vision_config=vision,
         image_token_id=ids["<|image_pad|>"],
@@ -219,12 +223,15 @@ def tiny_qwen2_vl_config(tokenizer, **overrides):
     )
 
 
-def build_tiny_vl_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int = 512, **config_overrides) -> Path:
-    """Write a tiny random Qwen2-VL (weights, config, generation config) with its tokenizer (the vision tokens
+def build_tiny_vl_model(
+    out_dir: str | Path, *, seed: int = 0, vocab_size: int = 512, arch: str = "qwen2_vl", **config_overrides
+) -> Path:
+    """Write a tiny random Qwen2-VL (``arch="qwen2_5_vl"``: Qwen2.5-VL) (weights, config, generation config) with
+    its tokenizer (the vision tokens
     added, :data:`VL_CHAT_TEMPLATE`) and its image processor (``preprocessor_config.json``, as Qwen's hub
     repos have it) to ``out_dir``; :func:`rlctl.data.vision.load_processor` loads it back."""
     import torch
-    from transformers import GenerationConfig, Qwen2VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, GenerationConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     out = Path(out_dir)
@@ -236,9 +243,9 @@ def build_tiny_vl_model(out_dir: str | Path, *, seed: int = 0, vocab_size: int =
     # the PIL backend needs no torchvision; it saves as "Qwen2VLImageProcessor" (either backend loads it)
     size = {"shortest_edge": TINY_VL_PIXELS[0], "longest_edge": TINY_VL_PIXELS[1]}
     Qwen2VLImageProcessorPil(size=size).save_pretrained(str(out))
-    config = tiny_qwen2_vl_config(tok, **config_overrides)
+    config = tiny_qwen2_vl_config(tok, arch, **config_overrides)
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model.save_pretrained(str(out), safe_serialization=True)
     return out

@@ -76,7 +76,9 @@ def _log():
 
 def _given(value: str | None) -> str | None:
     """A value the plan or the benchmark decides when None; the word "auto" (older usage) reads as None."""
-    return None if value is None or value.strip().lower() == "auto" else value
+    from rlctl.config import is_auto
+
+    return None if value is None or is_auto(value) else value
 
 
 def _device(device: str | None) -> str:
@@ -177,7 +179,9 @@ def train(
     n: Annotated[int, typer.Option("--n", help="RL: samples per prompt.")] = 4,
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="RL: tokens per prompt (about).")] = 32,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="RL: most tokens per response.")] = 32,
-    rollout: Annotated[str, typer.Option("--rollout", help=f"RL: {describe(names.RolloutEngine)}.")] = "auto",
+    rollout: Annotated[
+        str | None, typer.Option("--rollout", help=f"RL: {describe(names.RolloutEngine)} (default: the plan's).")
+    ] = None,
     micro_batch_size: Annotated[
         int, typer.Option("--micro-batch-size", help="Sequences per forward (default: the plan's).")
     ] = 0,
@@ -213,7 +217,7 @@ def train(
         n=n,
         prompt_len=prompt_len,
         max_tokens=max_tokens,
-        rollout=rollout,
+        rollout=_given(rollout),
         micro_batch_size=micro_batch_size,
         lora_rank=lora_rank,
         sets=list(set_ or []),

@@ -230,7 +230,7 @@ FLAGS: tuple[Flag, ...] = (
     F("clip_high", "--clip-high", "algo.clip_high", RL_PANEL, RL,
       "PPO clip above 1 (0.28 = DAPO's clip-higher)."),
     F("rollout", "--rollout", "rollout.engine", RL_PANEL, RL_EST,
-      f"{describe(names.RolloutEngine)}."),
+      f"{describe(names.RolloutEngine)} (default: the plan's: hf on CPU, vllm or sglang on GPUs)."),
     F("rollout_tp", "--rollout-tp", "rollout.tp", RL_PANEL, RL_EST,
       "Tensor parallelism of the rollout engine (default: the plan's).", shown=False),
     F("rollout_procs", ("--rollout-procs", "--rollout-gpus"), "rollout.procs", RL_PANEL, RL_EST,

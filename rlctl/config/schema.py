@@ -46,7 +46,7 @@ class ModelConfig:
 class DataConfig:
     path: str = ""  # JSONL, Parquet, a directory of Parquet shards, a save_to_disk directory or a hub name (cached)
     split: str = "train"  # the split of a DatasetDict directory or a hub dataset
-    format: DataFormat = "auto"
+    format: DataFormat | None = None  # None: sft chooses chat or pairs per row; grpo/ppo read rl rows
     messages_field: str = "messages"
     prompt_field: str = "prompt"
     response_field: str = "response"
@@ -135,7 +135,7 @@ class CheckpointConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: RolloutEngine = "auto"
+    engine: RolloutEngine | None = None  # None: the plan decides (hf on CPU; vllm or sglang on GPUs)
     tp: int = 0  # 0 = chosen by the plan
     mem_fraction: float = 0.0  # 0 = chosen by the plan
     n: int = 8  # samples per prompt

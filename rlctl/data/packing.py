@@ -131,6 +131,22 @@ class StepSampler:
         epoch, k = divmod(step, self.steps_per_epoch)
         return self._permutation(epoch)[k * self.batch_size : (k + 1) * self.batch_size].tolist()
 
+    def first(self, step: int) -> int:
+        """Where step ``step``'s batch starts in the stream of examples (every epoch's order in turn)."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        return epoch * self.n + k * self.batch_size
+
+    def stream(self, start: int, count: int) -> list[int]:
+        """``count`` examples from position ``start`` of the stream (across epochs when it gets there):
+        ``indices(step) == stream(first(step), len(indices(step)))``."""
+        out: list[int] = []
+        while count > 0:
+            epoch, k = divmod(start, self.n)
+            part = self._permutation(epoch)[k : k + count].tolist()
+            out += part
+            start, count = start + len(part), count - len(part)
+        return out
+
 
 def pack_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
     """First-fit-decreasing: group item indices into bins of at most ``budget`` tokens.

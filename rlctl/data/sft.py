@@ -289,7 +289,7 @@ def _row_text(row: dict, tokenizer, cfg: RunConfig):
     without a chat template (tokenized in two pieces)."""
     d = cfg.data
     fmt = d.format
-    if fmt == "auto":
+    if fmt is None:
         fmt = "chat" if d.messages_field in row else "pairs" if d.prompt_field in row else ""
     if fmt == "chat":
         if d.messages_field not in row:
@@ -415,14 +415,14 @@ PIXEL_FEATURES = {"pixel_values": "float32 list", "image_grid_thw": "int32 list"
 
 def pixel_columns(ex: Example | None) -> dict:
     """An example's images as two flat columns of the data cache (empty for a text row)."""
-    if ex is None or ex.pixel_values is None:
-        return {"pixel_values": [], "image_grid_thw": []}
+    if ex is None or ex.pixel_values is None:  # typed like a row with images: datasets concatenates the batches
+        return {"pixel_values": np.zeros(0, np.float32), "image_grid_thw": []}
     return {"pixel_values": ex.pixel_values.reshape(-1), "image_grid_thw": ex.image_grid_thw.reshape(-1).tolist()}
 
 
 def pixels_from_columns(out: dict) -> tuple[np.ndarray | None, np.ndarray | None]:
     """(pixel_values [P, D], image_grid_thw [I, 3]) back from :func:`pixel_columns`' columns."""
-    grid = np.asarray(out.get("image_grid_thw") or [], np.int64).reshape(-1, 3)
+    grid = np.asarray(out.get("image_grid_thw", []), np.int64).reshape(-1, 3)
     if not len(grid):
         return None, None
     flat = np.asarray(out["pixel_values"], np.float32)

@@ -61,6 +61,7 @@ from rlctl.engines.modules import CriticModel, _full, _non_persistent_buffers
 from rlctl.engines.savers import HostActivations, checkpoint_mlp
 from rlctl.engines.spec import EngineSpec
 from rlctl.engines.vision import dummy_tower, language_linear_names, vision_kwargs, vision_tower
+from rlctl.engines.vision_prefix import shared_rope_position_ids
 from rlctl.errors import UserError, did_you_mean
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -400,26 +401,31 @@ class FSDPEngine(TrainEngine):
 
     def _forward_vision(self, mb) -> torch.Tensor:
         """A VL model's logits for one micro-batch: its pixels and multimodal rope positions
-        (:mod:`rlctl.engines.vision`); packed rows give their text positions too, for per-document masks."""
-        if mb.blocks is not None:
-            raise UserError("shared-prefix micro-batches are not supported for vision-language models")
+        (:mod:`rlctl.engines.vision`); packed rows give their text positions too, for per-document masks;
+        shared-prefix rows (GRPO) their blocks' dense mask and positions (:mod:`rlctl.engines.vision_prefix`)."""
         hf = self._hf_model()
-        kwargs = vision_kwargs(hf, mb, packed_text=mb.attention_mask is None)
+        if mb.blocks is not None:  # each group's prompt (its images too) once, then its responses
+            kwargs = varlen.attention_kwargs(mb.blocks, mb.input_ids, split=False)
+            kwargs["position_ids"] = shared_rope_position_ids(hf, mb)
+            if mb.pixel_values is not None:
+                kwargs.update(pixel_values=mb.pixel_values, image_grid_thw=mb.image_grid_thw)
+        else:
+            kwargs = vision_kwargs(hf, mb, packed_text=mb.attention_mask is None)
+            kwargs["attention_mask"] = mb.attention_mask
         keep = mb.keep_cols if mb.keep_cols is not None else mb.logit_index
         if keep is not None:
             kwargs["logits_to_keep"] = keep
         dummy = mb.pixel_values is None and self.sharded and self.world > 1  # every rank gathers the tower
         with self._memory_context(), dummy_tower(hf) if dummy else contextlib.nullcontext():
-            return self.model(
-                input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, **kwargs
-            ).logits
+            return self.model(input_ids=mb.input_ids, use_cache=False, **kwargs).logits
 
     @property
     def shares_prefix(self) -> bool:
         """Shared-prefix micro-batches run where packed rows attend per block (sdpa through
         :mod:`rlctl.engines.varlen`); eager attention would add their boolean mask instead of applying
-        it, and flash-attention's varlen kernels cannot take it: those keep the packed rows."""
-        return self.role != "critic" and self.varlen  # never for VL models (varlen is off for them)
+        it, and flash-attention's varlen kernels cannot take it: those keep the packed rows. VL models (varlen
+        off) run them with sdpa and the blocks' dense mask."""
+        return self.role != "critic" and (self.varlen or (self.vision and self.attn == "sdpa"))
 
     # ------------------------------------------------------------------ data-parallel coordinates (sp > 1)
 

@@ -1,8 +1,8 @@
 """What an engine is asked to build: :class:`EngineSpec` (with its :class:`OptimizerSpec` and
 :class:`LoraSpec`), read once from the resolved run config.
 
-The planner fills every "auto" of the config (:func:`rlctl.plan.apply_plan`) before a job starts and
-the run directory keeps that resolved config; :meth:`EngineSpec.from_config` reads it here, in one
+The planner fills every None and 0 size of the config (:func:`rlctl.plan.apply_plan`) before a job
+starts and the run directory keeps that resolved config; :meth:`EngineSpec.from_config` reads it here, in one
 place, and the engines read typed fields only: they never see the run config.
 """
 
@@ -23,7 +23,7 @@ DTYPES = names.choices(names.Dtype)
 
 
 class UnresolvedConfig(RuntimeError):
-    """An internal error: an engine was given a config the plan has not resolved (an "auto" is left)."""
+    """An internal error: an engine was given a config the plan has not resolved (a None is left)."""
 
 
 @dataclass(frozen=True)
@@ -134,8 +134,8 @@ class EngineSpec:
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> EngineSpec:
-        """The spec of a RESOLVED run config (after ``rlctl.plan.apply_plan``); UnresolvedConfig where an
-        "auto" (or a 0 size) is left, which is a bug of the caller, not the user's input."""
+        """The spec of a RESOLVED run config (after ``rlctl.plan.apply_plan``); UnresolvedConfig where a
+        None (or a 0 size) is left, which is a bug of the caller, not the user's input."""
         par = cfg.parallel
 
         def flag(name: str) -> bool:

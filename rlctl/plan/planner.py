@@ -1,5 +1,5 @@
 """The planner: a configuration and a :class:`~rlctl.plan.inputs.LocalEnv` in, one :class:`Plan` out,
-every "auto" choice made and recorded as a :class:`~rlctl.plan.types.Decision`. It reads top to bottom:
+every open (None) choice made and recorded as a :class:`~rlctl.plan.types.Decision`. It reads top to bottom:
 resolve the inputs, choose the backend, search the options, relax, explain.
 
 The planner is a pure function of the configuration (model, GPU type and count, nodes, method,
@@ -703,7 +703,7 @@ def _plan(job: Job, est: MemoryEstimate, decisions: list[Decision], warnings: li
 
 
 def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
-    """A copy of ``cfg`` with every field the plan decides ("auto", None or 0) filled in: the resolved
+    """A copy of ``cfg`` with every field the plan decides (None or 0) filled in: the resolved
     config has no None left in parallel.*."""
     out = copy.deepcopy(cfg)
     m, hw, par, tr, ro = out.model, out.hardware, out.parallel, out.train, out.rollout
@@ -735,7 +735,7 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
             setattr(par, key, value)
     tr.micro_batch_size = tr.micro_batch_size or plan.micro_batch_size
     if plan.rollout is not None:
-        if ro.engine == "auto":
+        if ro.engine is None:
             ro.engine = plan.rollout
         ro.tp = ro.tp or plan.rollout_tp
         ro.mem_fraction = ro.mem_fraction or plan.rollout_mem_fraction

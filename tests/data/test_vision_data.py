@@ -122,8 +122,14 @@ def test_image_paths_relative_to_the_data_file_and_text_models_refuse_images(
 def test_processed_images_are_cached_with_the_tokens(vp, tiny_vl_model_dir, tmp_path):
     from rlctl.data.sft import build_sft_data
 
-    cfg = sft_config(tiny_vl_model_dir, write_parquet(tmp_path / "d.parquet", chat_rows(4)), tmp_path / "r")
+    text_only = {**chat_row("red"), "images": []}
+    text_only["messages"][0]["content"] = [{"type": "text", "text": "Say red.", "image": None}]
+    bad = {**chat_row("red"), "images": [{"bytes": b"not an image", "path": None}]}
+    rows = [text_only, *chat_rows(4), bad]  # a batch of the cache mixes rows with and without pixels
+    path = write_parquet(tmp_path / "d.parquet", rows)
+    cfg = sft_config(tiny_vl_model_dir, path, tmp_path / "r", data__max_bad_fraction=0.5)
     plain = build_sft_data(cfg, vp.tokenizer, vision=vp)
+    assert len(plain.train) == 5 and plain.train[0].pixel_values is None
     for _ in range(2):  # the second call reads the cache file
         cached = build_sft_data(cfg, vp.tokenizer, vision=vp, cache_dir=tmp_path / "cache")
         for a, b in zip(plain.train, cached.train):
@@ -131,3 +137,21 @@ def test_processed_images_are_cached_with_the_tokens(vp, tiny_vl_model_dir, tmp_
             np.testing.assert_array_equal(a.pixel_values, b.pixel_values)
             np.testing.assert_array_equal(a.image_grid_thw, b.image_grid_thw)
     assert len(list((tmp_path / "cache").glob("sft-*.arrow"))) == 1
+
+
+def test_a_vl_model_without_its_image_processor_fails_before_launch(tiny_vl_model_dir, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from tests.support.cli import one_line_error, rlctl_in_process
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_vl_model_dir, model)
+    (model / "preprocessor_config.json").unlink()
+    data = write_parquet(tmp_path / "d.parquet", chat_rows(2))
+    args = ("sft", "--model", str(model), "--data", str(data), "--output-dir", str(tmp_path / "run"), "--dry-run")
+    line = one_line_error(*rlctl_in_process(monkeypatch, capsys, *args))
+    assert "vision-language model without preprocessor_config.json" in line
+    shutil.copy(tiny_vl_model_dir / "preprocessor_config.json", model)
+    code, text = rlctl_in_process(monkeypatch, capsys, *args)
+    assert code == 0, text[-2000:]
+    assert "vision tower" in text  # the plan counts it (rlctl.estimate)

@@ -1,5 +1,6 @@
-"""A vision-language model (tiny Qwen2-VL) on the FSDP2 engine, one process: its log-probs against a plain
-transformers forward on the same images and tokens, the frozen vision tower, LoRA on the language model."""
+"""Vision-language models (tiny Qwen2-VL and Qwen2.5-VL) on the FSDP2 engine, one process: their log-probs
+against a plain transformers forward on the same images and tokens, the frozen vision tower, LoRA on the
+language model."""
 
 from __future__ import annotations
 
@@ -13,21 +14,31 @@ from tests.support.vision import chat_row, write_parquet
 pytestmark = pytest.mark.usefixtures("process_group")  # one gloo process (tests/conftest.py)
 
 
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def vl_dir(request, tiny_vl_model_dir, tmp_path_factory):
+    """The tiny Qwen2-VL of the session, and a tiny Qwen2.5-VL (window attention in its vision tower)."""
+    from rlctl.testing import build_tiny_vl_model
+
+    if request.param == "qwen2_vl":
+        return tiny_vl_model_dir
+    return build_tiny_vl_model(tmp_path_factory.mktemp("tiny_vl25") / "model", arch=request.param)
+
+
 @pytest.fixture(scope="module")
-def vl(tiny_vl_model_dir, tmp_path_factory):
+def vl(vl_dir, tmp_path_factory):
     """The processor, a config and three examples: two images of different sizes and a text-only row."""
     from transformers import AutoTokenizer
 
     from rlctl.data.sft import build_sft_data
     from rlctl.data.vision import load_processor
 
-    vp = load_processor(str(tiny_vl_model_dir), AutoTokenizer.from_pretrained(str(tiny_vl_model_dir)))
+    vp = load_processor(str(vl_dir), AutoTokenizer.from_pretrained(str(vl_dir)))
     text_row = chat_row("red")
     text_row["messages"][0]["content"] = [{"type": "text", "text": "Say red."}]
     del text_row["images"]
     rows = [chat_row("red", size=(84, 56)), text_row, chat_row("blue", size=(56, 112))]
     tmp = tmp_path_factory.mktemp("vl")
-    cfg = sft_config(tiny_vl_model_dir, write_parquet(tmp / "d.parquet", rows), tmp / "run", data__shuffle=False)
+    cfg = sft_config(vl_dir, write_parquet(tmp / "d.parquet", rows), tmp / "run", data__shuffle=False)
     data = build_sft_data(cfg, vp.tokenizer, vision=vp)
     assert [ex.pixel_values is not None for ex in data.train] == [True, False, True]
     return vp, cfg, data.train
@@ -60,7 +71,7 @@ def _plain_logprobs(model, ex) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("packed", [True, False])
-def test_logprobs_equal_a_plain_transformers_forward(vl, tiny_vl_model_dir, packed):
+def test_logprobs_equal_a_plain_transformers_forward(vl, vl_dir, packed):
     from transformers import AutoModelForImageTextToText
 
     from rlctl.data.packing import collate_packed, collate_padded
@@ -77,7 +88,7 @@ def test_logprobs_equal_a_plain_transformers_forward(vl, tiny_vl_model_dir, pack
     else:
         ours = torch.cat([_token_logprobs(logits[r], mb.labels[r]) for r in range(len(examples))])
     ref = AutoModelForImageTextToText.from_pretrained(
-        str(tiny_vl_model_dir), dtype=torch.float32, attn_implementation="sdpa"
+        str(vl_dir), dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
     theirs = torch.cat([_plain_logprobs(ref, ex) for ex in examples])
     assert ours.shape == theirs.shape and ours.numel() > 10

@@ -552,7 +552,7 @@ def test_rollout_tensor_parallel_stays_inside_a_node():
         assert row.plan.rollout_tp <= per_node, (row.gpu, row.gpus, row.nodes, row.plan.rollout_tp)
 
 
-@pytest.mark.parametrize("engine", ["auto", "sglang", "vllm"])
+@pytest.mark.parametrize("engine", [None, "sglang", "vllm"])
 def test_the_plan_never_gives_a_rollout_engine_a_tp_it_refuses(engine):
     """Over models and GPU counts the planner's rollout tp is one the engine accepts on the ranks (SGLang runs
     one engine per rank: tp 1; rlctl.rollout.sglang refuses the rest with the same rule), and a rollout.tp

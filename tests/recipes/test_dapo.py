@@ -189,11 +189,13 @@ def test_dynamic_sampling_on_two_processes_fills_batches_and_resumes_exactly(tin
     assert res.returncode == 0, failure(res, ref)
     want = train_records(ref)
     assert [r["step"] for r in want] == [1, 2, 3]
-    for r in want:  # 4 prompts x 8 samples a round
+    for r in want:  # 4 prompts x 8 samples in the first round, at most as many in the others
         assert r["dynamic/kept_groups"] + r["dynamic/padded_groups"] == 4
-        assert r["dynamic/generated_samples"] == 32 * r["dynamic/rounds"]
-        assert r["dynamic/extra_samples"] == 32 * (r["dynamic/rounds"] - 1)
-        assert r["dynamic/dropped_groups"] >= 1 or r["dynamic/rounds"] == 1
+        rounds, extra = r["dynamic/rounds"], r["dynamic/extra_samples"]
+        assert r["dynamic/generated_samples"] == 32 + extra and 8 * (rounds - 1) <= extra <= 32 * (rounds - 1)
+        groups = r["dynamic/generated_samples"] / 8
+        assert groups == r["dynamic/kept_groups"] + r["dynamic/dropped_groups"] + r["dynamic/surplus_groups"]
+        assert r["dynamic/dropped_groups"] >= 1 or rounds == 1
     assert sum(r["dynamic/dropped_groups"] for r in want) > 0 and max(r["dynamic/rounds"] for r in want) > 1
     run = tmp_path / "run"
     first = grpo(run, env={"RLCTL_STOP_AFTER_STEP": "1"})
