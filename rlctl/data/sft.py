@@ -422,7 +422,7 @@ def pixel_columns(ex: Example | None) -> dict:
 
 def pixels_from_columns(out: dict) -> tuple[np.ndarray | None, np.ndarray | None]:
     """(pixel_values [P, D], image_grid_thw [I, 3]) back from :func:`pixel_columns`' columns."""
-    grid = np.asarray(out.get("image_grid_thw") or [], np.int64).reshape(-1, 3)
+    grid = np.asarray(out.get("image_grid_thw", []), np.int64).reshape(-1, 3)
     if not len(grid):
         return None, None
     flat = np.asarray(out["pixel_values"], np.float32)
