@@ -116,6 +116,8 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         is_rl=job.is_rl,
     )
     rules.check_sp(job.spec, backend=tier, sp=p.sp, world=job.world, attn=cfg.model.attn)
+    if job.spec.is_vl and cfg.method == "ppo":
+        raise UserError("ppo trains a critic, which a vision-language model cannot be yet; use grpo (no critic)")
     if job.is_rl:
         rules.check_rollout_engine_tp(job.engine, cfg.rollout.tp)
     return tier
