@@ -84,6 +84,10 @@ def test_a_configured_sp_is_kept_and_checked():
     assert (one.sp, one.fits, one.offload_params) == (1, False, True)
     with pytest.raises(UserError, match=re.escape("parallel.sp=8: 8 does not divide the 28 attention heads")):
         plan(QWEN_32K, parallel={"sp": 8})
+    big = plan({"model": {"name": "Qwen2.5-32B"}, "hardware": H100}, parallel={"sp": 2})  # a Megatron-tier model
+    assert (big.backend, big.sp) == ("fsdp", 2)
+    assert big.decided("parallel.backend") == "fsdp"
+    assert any(r.startswith("backend fsdp: parallel.sp=2 is the FSDP engine's Ulysses") for r in big.reasons)
     flash = plan(QWEN_32K, model={"name": "Qwen2.5-7B", "attn": "flash_attention_2"})
     assert flash.sp == 1  # the planner does not pick SP where the engine cannot run it
     vl = resolve_plan(
