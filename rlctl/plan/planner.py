@@ -100,7 +100,7 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         if tier == "megatron" and job.device == "cpu":
             raise UserError("parallel.backend=megatron needs CUDA GPUs; on CPU use fsdp")
     tier = backend_the_engine_runs(job, tier, decisions)
-    if p.backend == "auto" and tier == "megatron" and (p.sp or 1) > 1:
+    if p.backend is None and tier == "megatron" and (p.sp or 1) > 1:
         why = f"backend fsdp: parallel.sp={p.sp} is the FSDP engine's Ulysses sequence parallelism"
         decisions.append(Decision("parallel.backend", "fsdp", why))
         tier = "fsdp"
@@ -285,7 +285,7 @@ Layout = tuple[int, int, int, int]  # (tp, pp, ep, sp)
 
 
 def _search_order(job: Job, options: list[Option]) -> list[tuple[Option, Layout, int]]:
-    """(option, (tp, pp, ep), rollout TP) in the order tried: rollout TP inside a node before any offload
+    """(option, (tp, pp, ep, sp), rollout TP) in the order tried: rollout TP inside a node before any offload
     (option, then layout, then TP); a rollout TP across nodes after every option (TP first)."""
     tps = _rollout_tps(job)
     inside, across = [t for t in tps if t <= job.nproc], [t for t in tps if t > job.nproc]

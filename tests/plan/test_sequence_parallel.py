@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import re
 from dataclasses import replace
 
 import pytest
+from rich.console import Console
 
 from rlctl.catalog import resolve_gpu, resolve_model
 from rlctl.errors import UserError
@@ -13,6 +15,7 @@ from rlctl.estimate import estimate_memory
 from rlctl.estimate.settings import GIB
 from rlctl.plan import apply_plan, resolve_plan, what_to_rent
 from rlctl.plan.planner import good_fit
+from rlctl.plan.render import render_what_to_rent
 from tests.plan.test_plan import LAPTOP, cfg_for
 
 H100 = {"gpus": 8, "gpu": "H100-80GB"}
@@ -81,6 +84,10 @@ def test_a_configured_sp_is_kept_and_checked():
     assert (one.sp, one.fits, one.offload_params) == (1, False, True)
     with pytest.raises(UserError, match=re.escape("parallel.sp=8: 8 does not divide the 28 attention heads")):
         plan(QWEN_32K, parallel={"sp": 8})
+    big = plan({"model": {"name": "Qwen2.5-32B"}, "hardware": H100}, parallel={"sp": 2})  # a Megatron-tier model
+    assert (big.backend, big.sp) == ("fsdp", 2)
+    assert big.decided("parallel.backend") == "fsdp"
+    assert any(r.startswith("backend fsdp: parallel.sp=2 is the FSDP engine's Ulysses") for r in big.reasons)
     flash = plan(QWEN_32K, model={"name": "Qwen2.5-7B", "attn": "flash_attention_2"})
     assert flash.sp == 1  # the planner does not pick SP where the engine cannot run it
     vl = resolve_plan(
@@ -101,7 +108,11 @@ def test_sp_stays_inside_a_node():
 def test_what_to_rent_considers_sp():
     # SFT of 64k-token sequences: the fewest H100s without offload use SP
     cfg = cfg_for("sft", model={"name": "Mistral-7B"}, train={"max_len": 65536})
-    row = next(r for r in what_to_rent(cfg, local=LAPTOP) if r.gpu == "H100-80GB" and not r.offload)
+    rows = what_to_rent(cfg, local=LAPTOP)
+    row = next(r for r in rows if r.gpu == "H100-80GB" and not r.offload)
     assert row.plan.sp > 1 and row.to_dict()["plan"]["sp"] == row.plan.sp and good_fit(row.plan)
+    out = io.StringIO()
+    render_what_to_rent(Console(file=out, width=200), [row])
+    assert f"fsdp dp{row.plan.dp} sp{row.plan.sp}" in out.getvalue()
     at_sp_1 = training("Mistral-7B", replace(row.plan.estimate.settings, sp=1))
     assert at_sp_1.total_bytes > 0.95 * resolve_gpu("H100-80GB").memory_bytes  # SP is what makes it fit there
