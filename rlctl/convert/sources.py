@@ -347,7 +347,7 @@ def in_model_names(source: TensorSource, meta_dir: Path) -> TensorSource:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    from rlctl.convert.verify import auto_model_class
+    from rlctl.data.vision import auto_model_class
 
     config = AutoConfig.from_pretrained(str(meta_dir))
     with torch.device("meta"):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from rlctl.data.vision import auto_model_class
 from rlctl.errors import UserError
 from rlctl.formats.hf_writer import config_dtype, dtype_name, save_hf_model
 
@@ -110,16 +111,6 @@ class Architecture:
 
 
 # ----------------------------------------------------------------------------- verification
-
-
-def auto_model_class(config):
-    """The transformers auto class of a config: image-text-to-text for a vision-language model (a
-    ``vision_config``), else causal LM."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from rlctl.data.vision import is_vision_config
-
-    return AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
 
 
 def model_from_state(config, state: dict[str, torch.Tensor]):
