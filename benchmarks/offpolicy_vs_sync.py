@@ -1,7 +1,7 @@
 """Step time of one-step-off-policy GRPO (1 rollout + 1 trainer process) against synchronous 2-process
 GRPO, with long-tailed response lengths, on this CPU; and the cost model that predicts their ratio.
 
-    python benchmarks/offpolicy_vs_sync.py [--rounds 3] [--steps 8] [--epochs 1,4] [--out FILE.json]
+    python benchmarks/offpolicy_vs_sync.py [--rounds 3] [--steps 10] [--configs 8x1,4x1,8x4] [--out FILE.json]
 
 The model is the tests' tiny Qwen2 (rlctl.testing.build_tiny_model, random init, vocabulary 512) whose
 generation_config.json names STOP_IDS as end-of-sequence tokens: the random policy samples almost
@@ -11,12 +11,15 @@ cap, the median is ~60). The learning rate is tiny so that the lengths stay put 
 
 Columns, run interleaved (every column once per round, in a rotating order) on 2 cores:
 
-* ``sync1``: 1 process, generates then trains the whole batch (the cost model's inputs).
+* ``sync1``: 1 process, generates then trains the whole batch (for reference; not an input of the model).
 * ``sync2``: 2 processes, data parallel: each generates and trains half the batch.
 * ``split``: ``--rollout-procs 1``: 1 process generates batch t+1 while the other trains batch t.
 
-``--epochs 1,4`` repeats the comparison with ``algo.ppo_epochs`` 1 and 4 (4: the update costs about as
-much as the rollout). Seconds per step: the median of ``time/step`` over the steps after WARMUP.
+``--configs BATCHxEPOCHS,...``: prompts per step (4 samples each) and ``algo.ppo_epochs`` of each
+comparison: 8x1 (the update a bit slower than the rollout), 4x1 (fewer tokens: both shrink but the
+longest response does not, so the rollout and the update cost about the same), 8x4 (the update four
+times as long: it dominates). Seconds per step: the median of ``time/step`` over the steps after
+WARMUP, then the median over rounds. A run directory with its ``load.txt`` is reused by a later call.
 
 The cost model, for a batch of ``T`` response tokens whose longest response has ``L`` tokens, with
 its parts measured in the split run (two busy processes, as in sync2: on a shared machine a process's
@@ -53,7 +56,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 STOP_IDS = [3, 100, 101, 102, 103, 104]  # 3: the tokenizer's EOS; the others make lengths geometric
 WARMUP = 2
-BATCH, N, RESPONSE = 8, 4, 512
+N, RESPONSE = 4, 512
 
 
 def env() -> dict:
@@ -80,9 +83,9 @@ def setup(work: Path) -> tuple[Path, Path]:
     return model, data
 
 
-def argv(model: Path, data: Path, out: Path, mode: str, steps: int, epochs: int) -> list[str]:
+def argv(model: Path, data: Path, out: Path, mode: str, steps: int, batch: int, epochs: int) -> list[str]:
     a = [sys.executable, "-m", "rlctl", "grpo", "--model", str(model), "--data", str(data), "-o", str(out)]
-    a += ["--device", "cpu", "--rollout", "hf", "--max-steps", str(steps), "--batch-size", str(BATCH)]
+    a += ["--device", "cpu", "--rollout", "hf", "--max-steps", str(steps), "--batch-size", str(batch)]
     a += ["--n", str(N), "--max-prompt-len", "48", "--max-response-len", str(RESPONSE), "--lr", "1e-7"]
     a += ["--reward", "exact", "--kl-coef", "0", "--seed", "0", "--set", "checkpoint.export_hf=false"]
     a += ["--set", f"algo.ppo_epochs={epochs}", "--set", "checkpoint.save_every=0"]
@@ -91,11 +94,15 @@ def argv(model: Path, data: Path, out: Path, mode: str, steps: int, epochs: int)
 
 
 def run(cmd: list[str], out: Path) -> list[dict]:
-    """The training records of one run (after WARMUP)."""
-    load = os.getloadavg()[0]
-    result = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True)
-    if result.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
+    """The training records of one run (after WARMUP); a completed run of an earlier call is reused."""
+    if not (out / "load.txt").is_file():
+        subprocess.run(["rm", "-rf", str(out)])
+        load = os.getloadavg()[0]
+        result = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True)
+        if result.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
+        (out / "load.txt").write_text(f"{load}\n")
+    load = float((out / "load.txt").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if r.get("kind") != "eval" and r["step"] > WARMUP]
     for r in records:
@@ -118,7 +125,7 @@ def fit_rollout(records: list[dict]) -> tuple[float, float]:
 
 def response_tokens(r: dict) -> float:
     """Response tokens of the step (``response_len/mean`` x samples)."""
-    return r["response_len/mean"] * BATCH * N
+    return r["response_len/mean"] * r["batch"] * N
 
 
 def model_ratio(split: list[dict]) -> dict:
@@ -135,11 +142,30 @@ def model_ratio(split: list[dict]) -> dict:
             "sync2_pred": sync2, "split_pred": split_s, "ratio_pred": split_s / sync2}  # fmt: skip
 
 
+def summarize(recs: dict[str, list[list[dict]]]) -> dict:
+    """Medians over rounds, the measured ratio split / sync2 and the cost model's."""
+    modes = list(recs)
+    flat = {m: [r for rr in recs[m] for r in rr] for m in modes}
+    per_round = {m: [statistics.median(r["time/step"] for r in rr) for rr in recs[m]] for m in modes}
+    ratios = [s / y for s, y in zip(per_round["split"], per_round["sync2"])]
+    cost = model_ratio(flat["split"])
+    return {
+        "s_per_step": {m: statistics.median(v) for m, v in per_round.items()},
+        "s_per_step_rounds": per_round,
+        "ratio_split_over_sync2": statistics.median(ratios),
+        "ratio_rounds": ratios,
+        "model": cost,
+        "model_error": cost["ratio_pred"] / statistics.median(ratios) - 1,
+        "split_wait_s": statistics.median(r["time/rollout_wait"] for r in flat["split"]),
+        "load": statistics.median(r["load"] for m in modes for r in flat[m]),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--epochs", default="1,4")
+    p.add_argument("--configs", default="8x1,4x1,8x4", help="BATCHxPPO_EPOCHS, comma-separated")
     p.add_argument("--work", default="/tmp/offpolicy_bench")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "offpolicy_vs_sync.json"))
     args = p.parse_args()
@@ -147,36 +173,23 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     model, data = setup(work)
     modes = ["sync1", "sync2", "split"]
-    results = {}
-    for epochs in [int(e) for e in args.epochs.split(",")]:
+    results = json.loads(Path(args.out).read_text())["results"] if Path(args.out).is_file() else {}
+    for config in args.configs.split(","):
+        batch, epochs = (int(v) for v in config.split("x"))
         recs: dict[str, list[list[dict]]] = {m: [] for m in modes}
         for rnd in range(args.rounds):
             for m in modes[rnd % 3 :] + modes[: rnd % 3]:
-                out = work / f"e{epochs}-{m}-{rnd}"
-                subprocess.run(["rm", "-rf", str(out)])
+                out = work / f"b{batch}-e{epochs}-{m}-{rnd}"
                 began = time.time()
-                recs[m].append(run(argv(model, data, out, m, args.steps, epochs), out))
+                recs[m].append(run(argv(model, data, out, m, args.steps, batch, epochs), out))
+                for r in recs[m][-1]:
+                    r["batch"] = batch
                 step = statistics.median(r["time/step"] for r in recs[m][-1])
-                print(f"epochs {epochs} round {rnd} {m}: {step:.2f} s/step ({time.time() - began:.0f} s, "
+                print(f"{config} round {rnd} {m}: {step:.2f} s/step ({time.time() - began:.0f} s, "
                       f"load {recs[m][-1][0]['load']:.1f})", flush=True)  # fmt: skip
-        flat = {m: [r for rr in recs[m] for r in rr] for m in modes}
-        per_round = {m: [statistics.median(r["time/step"] for r in rr) for rr in recs[m]] for m in modes}
-        measured = {m: statistics.median(v) for m, v in per_round.items()}
-        ratios = [s / y for s, y in zip(per_round["split"], per_round["sync2"])]
-        model = model_ratio(flat["split"])
-        results[f"ppo_epochs={epochs}"] = {
-            "s_per_step": measured,
-            "s_per_step_rounds": per_round,
-            "ratio_split_over_sync2": statistics.median(ratios),
-            "ratio_rounds": ratios,
-            "model": model,
-            "model_error": model["ratio_pred"] / statistics.median(ratios) - 1,
-            "split_wait_s": statistics.median(r["time/rollout_wait"] for r in flat["split"]),
-            "split_rollout_s": statistics.median(r["time/rollout"] for r in flat["split"]),
-            "load": statistics.median(r["load"] for m in modes for r in flat[m]),
-        }
-        print(json.dumps(results[f"ppo_epochs={epochs}"], indent=1), flush=True)
-    out = {"setup": {"batch": BATCH, "n": N, "max_response_len": RESPONSE, "stop_ids": STOP_IDS,
+        results[f"batch={batch},ppo_epochs={epochs}"] = summarize(recs)
+        print(json.dumps(results[f"batch={batch},ppo_epochs={epochs}"], indent=1), flush=True)
+    out = {"setup": {"n": N, "max_response_len": RESPONSE, "stop_ids": STOP_IDS,
                      "rounds": args.rounds, "steps": args.steps, "warmup": WARMUP, "cpus": os.cpu_count()},
            "results": results}  # fmt: skip
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -21,7 +21,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcomm
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l work -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l reps -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l steps -x
-complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l device -x -a 'auto cuda cpu'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l device -x -a 'cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l engine -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l prompts -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from compare' -l n -x
@@ -47,7 +47,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcomm
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l prompt-len -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l max-tokens -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l reps -x
-complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l device -x -a 'auto cuda cpu'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l device -x -a 'cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l dtype -x -a 'bf16 fp16 fp32'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from rollout' -l seed -x
@@ -57,7 +57,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcomm
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2-VL-2B-Instruct Qwen/Qwen2-VL-72B-Instruct Qwen/Qwen2-VL-7B-Instruct Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen2.5-VL-32B-Instruct Qwen/Qwen2.5-VL-3B-Instruct Qwen/Qwen2.5-VL-72B-Instruct Qwen/Qwen2.5-VL-7B-Instruct Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2-VL-2B Qwen2-VL-72B Qwen2-VL-7B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen2.5-VL-32B Qwen2.5-VL-3B Qwen2.5-VL-72B Qwen2.5-VL-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l method -x -a 'sft grpo ppo'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l random-init
-complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l device -x -a 'auto cuda cpu'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l device -x -a 'cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l nproc -x
@@ -68,7 +68,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcomm
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l n -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l prompt-len -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l max-tokens -x
-complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l rollout -x -a 'auto hf vllm sglang'
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l rollout -x -a 'hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l micro-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l set -s s -x
@@ -115,7 +115,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l device -x -a 'auto cuda cpu'
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l device -x -a 'cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l host-memory -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l preset -x -a 'dapo dr-grpo grpo ppo sft tiers'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l config -s c -r -F
@@ -135,7 +135,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gradient-checkpointing -l no-gradient-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l activation-checkpointing -l no-activation-checkpointing
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l kl-coef -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout -x -a 'auto hf vllm sglang'
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout -x -a 'hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout-tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout-procs -l rollout-gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l mem-fraction -x
@@ -156,6 +156,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l loss-chunk -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l lora-targets -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l train-vision -l no-train-vision
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l what-to-rent
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l help -s h
@@ -171,7 +172,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l chat-template -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l device -x -a 'auto cuda cpu'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l device -x -a 'cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l host-memory -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l nproc -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l node-rank -x
@@ -216,7 +217,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l adv -x -a 'grpo rloo 
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l loss-agg -x -a 'token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-high -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout -x -a 'auto hf vllm sglang'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout -x -a 'hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout-tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout-procs -l rollout-gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-staleness -x
@@ -249,6 +250,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-alpha -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-targets -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l lora-dropout -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l train-vision -l no-train-vision
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l log -x -a 'console tensorboard wandb'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l trust-remote-code
@@ -267,7 +269,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l chat-template -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l device -x -a 'auto cuda cpu'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l device -x -a 'cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l host-memory -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l nproc -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l node-rank -x
@@ -312,7 +314,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l adv -x -a 'grpo rloo r
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l loss-agg -x -a 'token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-high -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout -x -a 'auto hf vllm sglang'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout -x -a 'hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout-tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout-procs -l rollout-gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-staleness -x
@@ -345,6 +347,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-alpha -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-targets -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l lora-dropout -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l train-vision -l no-train-vision
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l log -x -a 'console tensorboard wandb'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l trust-remote-code
@@ -375,7 +378,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l chat-template -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l device -x -a 'auto cuda cpu'
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l device -x -a 'cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l host-memory -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l nproc -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l node-rank -x
@@ -426,6 +429,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-rank -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-alpha -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-targets -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l lora-dropout -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l train-vision -l no-train-vision
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l log -x -a 'console tensorboard wandb'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l trust-remote-code

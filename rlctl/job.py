@@ -36,7 +36,7 @@ IGNORE_MEMORY_FLAG = "--ignore-memory-check"
 class Job:
     """A job resolved once: what the user asked for, and the same with the plan's choices filled in."""
 
-    requested: RunConfig  # preset < --config < options < --set; "auto" settings still open (what-to-rent reads it)
+    requested: RunConfig  # preset < --config < options < --set; None settings still open (what-to-rent reads it)
     cfg: RunConfig  # with the plan applied: what the launcher writes and the ranks read
     plan: Plan
 
@@ -127,7 +127,7 @@ def with_run_dir(cfg: RunConfig) -> RunConfig:
 def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_this_machine: bool = True) -> None:
     """Every check before launch, cheapest first; the first problem is a one-line UserError.
     ``on_this_machine=False`` (a job submitted to other machines, e.g. by SLURM): no local device check."""
-    from rlctl.preflight import check_footguns, check_model_available, check_tokenizer
+    from rlctl.preflight import check_footguns, check_image_processor, check_model_available, check_tokenizer
 
     check_algorithm(cfg)
     check_split(cfg, nproc=int(plan.nproc_per_node or 1), nodes=int(plan.nodes or 1))
@@ -147,6 +147,7 @@ def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_thi
     model = model_files(cfg.model.name)
     if model is not None:
         check_tokenizer(model.root)
+        check_image_processor(model.root)
         check_remote_code(cfg, model)
         check_context(cfg, model)
     elif on_this_machine:
@@ -161,7 +162,7 @@ def check_dry_run(cfg: RunConfig) -> None:
     """What ``--dry-run`` checks too: it plans without data or a downloaded model, but what the user
     names must exist and read (a data file, a log backend's package, a local model's tokenizer)."""
     from rlctl.metrics import check_backends_installed
-    from rlctl.preflight import check_footguns, check_tokenizer
+    from rlctl.preflight import check_footguns, check_image_processor, check_tokenizer
 
     check_algorithm(cfg)
     check_backends_installed(cfg.log.backends)
@@ -170,6 +171,7 @@ def check_dry_run(cfg: RunConfig) -> None:
     model = model_files(cfg.model.name)
     if model is not None:
         check_tokenizer(model.root)
+        check_image_processor(model.root)
     if cfg.data.path:  # the files exist and read (their columns are checked by the real run)
         from rlctl.data.io import first_rows
 
@@ -457,7 +459,7 @@ def _columns(columns: list[str]) -> str:
 
 def _check_sft_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[str], model: ModelFiles | None):
     d = cfg.data
-    chat = d.format == "chat" or (d.format == "auto" and any(d.messages_field in r for r in rows))
+    chat = d.format == "chat" or (d.format is None and any(d.messages_field in r for r in rows))
     if chat:
         if not any(d.messages_field in r for r in rows):
             raise UserError(
@@ -482,8 +484,8 @@ def _check_sft_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[s
 
 def _check_rl_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[str]) -> None:
     d = cfg.data
-    if d.format not in ("auto", "rl"):
-        raise UserError(f"data.format={d.format} is for sft; grpo/ppo read RL prompt rows (data.format=rl or auto)")
+    if d.format not in (None, "rl"):
+        raise UserError(f"data.format={d.format} is for sft; grpo/ppo read RL prompt rows (data.format=rl or unset)")
     if not any(d.prompt_field in r for r in rows):
         raise UserError(
             f"{path}: no '{d.prompt_field}' column (the rows have {_columns(columns)}); "

@@ -16,14 +16,14 @@ from typing import Any, Literal, get_args
 Method = Literal["sft", "grpo", "ppo"]
 Dtype = Literal["bf16", "fp16", "fp32"]  # model.dtype None: the plan decides (bf16 on GPU, fp32 on CPU)
 Attn = Literal["sdpa", "eager", "flash_attention_2"]  # model.attn None: the engine picks at run time
-DataFormat = Literal["auto", "chat", "pairs", "rl"]
+DataFormat = Literal["chat", "pairs", "rl"]  # data.format None: chosen per row (sft), rl (grpo/ppo)
 Truncation = Literal["skip", "right", "left"]
 LrScheduler = Literal["cosine", "constant"]
 Precision = Literal["mixed", "bf16"]
-Device = Literal["auto", "cuda", "cpu"]
+Device = Literal["cuda", "cpu"]  # hardware.device None: the plan decides (cuda when there are GPUs)
 Launcher = Literal["torchrun", "slurm"]
-Backend = Literal["auto", "fsdp", "megatron"]
-RolloutEngine = Literal["auto", "hf", "vllm", "sglang"]
+Backend = Literal["fsdp", "megatron"]  # parallel.backend None: the plan decides (by the model's size)
+RolloutEngine = Literal["hf", "vllm", "sglang"]  # rollout.engine None: the plan decides
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LogBackend = Literal["console", "tensorboard", "wandb"]  # log.backends is a comma list of these
 KlKind = Literal["k1", "abs", "k2", "k3", "kl", "mse", "low_var_kl"]
@@ -54,15 +54,15 @@ MEANINGS: dict[Any, dict[str, str]] = {
 
 
 def choices(tp: Any, *, without: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The values of the Literal ``tp`` (e.g. ``choices(RolloutEngine, without=("auto",))``)."""
+    """The values of the Literal ``tp`` (e.g. ``choices(LogBackend, without=("console",))``)."""
     return tuple(v for v in get_args(tp) if v not in without)
 
 
 def describe(tp: Any, *, without: tuple[str, ...] = ()) -> str:
-    """``'auto (bf16 on GPU, fp32 on CPU) | bf16 | fp16 | fp32'``: the values and their meanings, for help."""
+    """``'mixed (fp32 master weights, grads, AdamW: 16 bytes/param) | bf16 (...)'``: the values and their meanings."""
     meaning = MEANINGS.get(tp, {})
     return " | ".join(f"{v} ({meaning[v]})" if v in meaning else v for v in choices(tp, without=without))
 
 
-ROLLOUT_ENGINES = choices(RolloutEngine, without=("auto",))
-BACKENDS = choices(Backend, without=("auto",))
+ROLLOUT_ENGINES = choices(RolloutEngine)
+BACKENDS = choices(Backend)

@@ -132,6 +132,23 @@ def check_tokenizer(root: Path, what: str = "--model") -> None:
     )
 
 
+def check_image_processor(root: Path, what: str = "--model") -> None:
+    """A local vision-language model directory (config.json has a vision_config) has its image processor."""
+    import json
+
+    from rlctl.data.vision import is_vision_config
+
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the model's own checks name an unreadable config
+    if is_vision_config(config) and not (root / "preprocessor_config.json").is_file():
+        raise UserError(
+            f"{what} {root} is a vision-language model without preprocessor_config.json (its image processor); "
+            f"copy it from the model it came from (image_processor.save_pretrained)"
+        )
+
+
 def check_model_available(name: str, *, random_init: bool) -> None:
     """A catalog name or hub id (not a local directory) is in the local Hugging Face cache, or the hub
     can be reached to download it (else the ranks fail after their start-up, a minute later)."""

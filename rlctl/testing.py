@@ -154,3 +154,98 @@ def save_tiny_model(out_dir: str | Path, tok, *, seed: int = 0, **config_overrid
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model.save_pretrained(str(out), safe_serialization=True)
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny vision-language model (Qwen2-VL architecture)
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+# Qwen2-VL's ChatML template, reduced: content is a string or a list of parts ({"type": "image"} / {"type":
+# "text", "text": ...}); an image part renders as <|vision_start|><|image_pad|><|vision_end|>, as in Qwen's.
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+VL_CORPUS = [  # picture words, so the tiny tokenizer spends few tokens on questions and answers about colours
+    "Which colour is it? It is red. It is blue. It is green.",
+    "Which colour fills more of the image? Answer with one word: red, blue or green.",
+]
+
+TINY_VL_PIXELS = (28 * 28 * 4, 28 * 28 * 16)  # the image processor's min and max pixels: 4 to 16 image tokens
+
+
+def tiny_qwen2_vl_config(tokenizer, arch: str = "qwen2_vl", **overrides):
+    """A Qwen2-VL (or, ``arch="qwen2_5_vl"``, Qwen2.5-VL) config small enough for CPU tests: the text model of
+    :func:`tiny_qwen2_config` (head_dim 64, multimodal rope sections 8+12+12 = head_dim / 2) and a 2-block
+    vision tower (patch 14, merge 2; Qwen2.5-VL's: window attention in block 0, full in block 1)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    text.update(overrides.pop("text", {}))
+    vision = dict(depth=2, embed_dim=64, hidden_size=128, num_heads=2, mlp_ratio=2, patch_size=14)
+    if arch == "qwen2_5_vl":
+        vision = dict(depth=2, hidden_size=64, intermediate_size=128, out_hidden_size=128, num_heads=2)
+        vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[1])
+    vision.update(overrides.pop("vision", {}))
+    return {"qwen2_vl": Qwen2VLConfig, "qwen2_5_vl": Qwen2_5_VLConfig}[arch](
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        **overrides,
+    )
+
+
+def build_tiny_vl_model(
+    out_dir: str | Path, *, seed: int = 0, vocab_size: int = 512, arch: str = "qwen2_vl", **config_overrides
+) -> Path:
+    """Write a tiny random Qwen2-VL (``arch="qwen2_5_vl"``: Qwen2.5-VL) (weights, config, generation config) with
+    its tokenizer (the vision tokens
+    added, :data:`VL_CHAT_TEMPLATE`) and its image processor (``preprocessor_config.json``, as Qwen's hub
+    repos have it) to ``out_dir``; :func:`rlctl.data.vision.load_processor` loads it back."""
+    import torch
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(vocab_size=vocab_size, corpus=default_corpus() + VL_CORPUS * 20)
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tok.chat_template = VL_CHAT_TEMPLATE
+    tok.save_pretrained(str(out))
+    # the PIL backend needs no torchvision; it saves as "Qwen2VLImageProcessor" (either backend loads it)
+    size = {"shortest_edge": TINY_VL_PIXELS[0], "longest_edge": TINY_VL_PIXELS[1]}
+    Qwen2VLImageProcessorPil(size=size).save_pretrained(str(out))
+    config = tiny_qwen2_vl_config(tok, arch, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out

@@ -46,3 +46,12 @@ def process_group():
     yield
     if created:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen2-VL (the text model above, a 2-block vision tower) with its tokenizer and image
+    processor, saved the HF way (rlctl.testing.build_tiny_vl_model)."""
+    from rlctl.testing import build_tiny_vl_model
+
+    return build_tiny_vl_model(tmp_path_factory.mktemp("tiny_vl") / "model", seed=0)

@@ -9,13 +9,14 @@ the rollout round it came from and its prompt's position in that round's batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["GroupPick", "pick_groups", "varied_groups"]
+__all__ = ["GroupPick", "next_round_size", "pick_groups", "varied_groups"]
 
 Key = tuple[int, int]  # (round, position)
 
@@ -27,6 +28,15 @@ def varied_groups(scores: Tensor, n: int) -> Tensor:
         raise ValueError(f"{scores.numel()} scores do not split into groups of {n}")
     s = scores.reshape(-1, n)
     return s.amax(-1) > s.amin(-1) if s.numel() else torch.zeros(0, dtype=torch.bool)
+
+
+def next_round_size(missing: int, varied: int, seen: int, full: int, *, margin: float = 1.25) -> int:
+    """Prompts to draw in the next round when ``missing`` varied groups are still needed and ``varied`` of
+    the ``seen`` groups so far varied: the shortfall over that share, with a ``margin`` (at least 1, at most a
+    ``full`` batch; a full batch when nothing varied yet)."""
+    if varied <= 0:
+        return full
+    return max(1, min(full, math.ceil(margin * missing * seen / varied)))
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ RECIPE_BASE_KEY = "mem/base_bytes"  # the same process before the model was buil
 class TrainSettings:
     method: str = "sft"
     steps: int = 3
-    device: str = "auto"  # auto | cpu | cuda
+    device: str | None = None  # cpu | cuda; None: the plan decides
     nproc: int = 0  # processes per node (0 = the plan's choice)
     gpus: int = 0
     gpu: str = ""
@@ -57,7 +57,7 @@ class TrainSettings:
     n: int = 4  # rl: samples per prompt
     prompt_len: int = 32  # rl: prompt tokens (about)
     max_tokens: int = 32  # rl: response tokens at most
-    rollout: str = "auto"
+    rollout: str | None = None  # hf | vllm | sglang; None: the plan decides
     micro_batch_size: int = 0
     lora_rank: int = 0
     sets: list[str] = field(default_factory=list)

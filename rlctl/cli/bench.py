@@ -47,7 +47,10 @@ Model = Annotated[
 RandomInit = Annotated[
     bool, typer.Option("--random-init", help="Random weights from the catalog config (nothing is downloaded).")
 ]
-Device = Annotated[str, typer.Option("--device", help=f"{describe(names.Device)}.")]
+Device = Annotated[
+    str | None,
+    typer.Option("--device", help=f"{describe(names.Device)} (default: cuda when a GPU is visible, else cpu)."),
+]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object (progress goes to stderr).")]
 Plot = Annotated[
     Path | None,
@@ -71,13 +74,21 @@ def _log():
     return lambda msg: console.print(f"[dim]{msg}[/dim]")
 
 
-def _device(device: str) -> str:
+def _given(value: str | None) -> str | None:
+    """A value the plan or the benchmark decides when None; the word "auto" (older usage) reads as None."""
+    from rlctl.config import is_auto
+
+    return None if value is None or is_auto(value) else value
+
+
+def _device(device: str | None) -> str:
     from rlctl.errors import UserError, did_you_mean
 
+    device = _given(device)
     allowed = names.choices(names.Device)
-    if device not in allowed:
+    if device is not None and device not in allowed:
         raise UserError(f"unknown --device {device!r}{did_you_mean(device, allowed)}; use {describe(names.Device)}")
-    if device != "auto":
+    if device is not None:
         return device
     import torch
 
@@ -109,7 +120,7 @@ def rollout(
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="Tokens per (random) prompt.")] = 64,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens generated per sample.")] = 32,
     reps: Annotated[int, typer.Option("--reps", help="Timed repetitions (interleaved across engines).")] = 3,
-    device: Device = "auto",
+    device: Device = None,
     dtype: Annotated[
         str | None, typer.Option("--dtype", help=f"{describe(names.Dtype)} (default: bf16 on GPU, fp32 on CPU).")
     ] = None,
@@ -134,7 +145,7 @@ def rollout(
         max_tokens=max_tokens,
         reps=reps,
         device=dev,
-        dtype=dtype if dtype not in (None, "auto") else ("fp32" if dev == "cpu" else "bf16"),  # "auto": older usage
+        dtype=_given(dtype) or ("fp32" if dev == "cpu" else "bf16"),
         mem_fraction=mem_fraction,
         seed=seed,
     )
@@ -153,7 +164,7 @@ def train(
     model: Model,
     method: Annotated[str, typer.Option("--method", help=f"{describe(names.Method)}.")] = "sft",
     random_init: RandomInit = False,
-    device: Device = "auto",
+    device: Device = None,
     gpus: Annotated[int, typer.Option("--gpus", help="GPUs in total (0 = every visible GPU).")] = 0,
     gpu: Annotated[str, typer.Option("--gpu", help="GPU type for the plan and the MFU peak (default: detected).")] = "",
     nproc: Annotated[int, typer.Option("--nproc", help="Processes (default: GPUs, or 1 on CPU).")] = 0,
@@ -168,7 +179,9 @@ def train(
     n: Annotated[int, typer.Option("--n", help="RL: samples per prompt.")] = 4,
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="RL: tokens per prompt (about).")] = 32,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="RL: most tokens per response.")] = 32,
-    rollout: Annotated[str, typer.Option("--rollout", help=f"RL: {describe(names.RolloutEngine)}.")] = "auto",
+    rollout: Annotated[
+        str | None, typer.Option("--rollout", help=f"RL: {describe(names.RolloutEngine)} (default: the plan's).")
+    ] = None,
     micro_batch_size: Annotated[
         int, typer.Option("--micro-batch-size", help="Sequences per forward (default: the plan's).")
     ] = 0,
@@ -194,7 +207,7 @@ def train(
     s = TrainSettings(
         method=method,
         steps=steps,
-        device=device,
+        device=_given(device),
         nproc=nproc,
         gpus=gpus,
         gpu=gpu,
@@ -204,7 +217,7 @@ def train(
         n=n,
         prompt_len=prompt_len,
         max_tokens=max_tokens,
-        rollout=rollout,
+        rollout=_given(rollout),
         micro_batch_size=micro_batch_size,
         lora_rank=lora_rank,
         sets=list(set_ or []),
@@ -245,7 +258,7 @@ def compare(
     work: Annotated[str, typer.Option("--work", help="Comma list: rollout, sft, grpo.")] = "rollout,sft,grpo",
     reps: Annotated[int, typer.Option("--reps", help="Runs of each side, alternating.")] = 2,
     steps: Annotated[int, typer.Option("--steps", help="Steps per training run (the first is a warm-up).")] = 3,
-    device: Device = "auto",
+    device: Device = None,
     engine: Annotated[
         str, typer.Option("--engine", help="rlctl's rollout engine for the rollout and grpo work.")
     ] = "hf",

@@ -59,7 +59,7 @@ def value_choices() -> dict[str, list[str]]:
         "--loss-agg": list(choices(LossAgg)),
         "--lr-scheduler": list(choices(LrScheduler)),
         "--launcher": list(choices(Launcher)),
-        "--backend": list(choices(Backend, without=("auto",))),
+        "--backend": list(choices(Backend)),
         "--precision": list(choices(Precision)),
         "--method": list(choices(Method)),
         "--dtype": list(choices(Dtype)),

@@ -20,7 +20,6 @@ SFT, GRPO, PPO, ESTIMATE = "sft", "grpo", "ppo", "estimate"
 RL = frozenset({GRPO, PPO})
 TRAIN = frozenset({SFT, GRPO, PPO})
 ALL = TRAIN | {ESTIMATE}
-AUTO = ("auto",)  # left out of the values a flag shows where "the plan decides" says it
 ONLY_SFT, ONLY_ESTIMATE, RL_EST, SFT_EST = frozenset({SFT}), frozenset({ESTIMATE}), RL | {ESTIMATE}, {SFT, ESTIMATE}
 JOB, EVAL, HW, CLUSTER, CONF = "Job", "Evaluation", "Hardware", "Cluster", "Configuration"
 TRAINING, CKPT, LORA, RL_PANEL, PAR = "Training", "Checkpoints", "LoRA", "RL", "Parallelism"
@@ -117,8 +116,8 @@ FLAGS: tuple[Flag, ...] = (
     F("gpu", "--gpu", "hardware.gpu", HW, ALL,
       "GPU type, e.g. H100-80GB, A100-40GB (default: detected, else H100-80GB)."),
     F("device", "--device", "hardware.device", HW, ALL,
-      _per(f"{describe(names.Device)}.",
-           f"{describe(names.Device, without=AUTO)} (default cuda: estimates are for GPUs).")),
+      _per(f"{describe(names.Device)} (default: cuda when there are GPUs, else cpu).",
+           f"{describe(names.Device)} (default cuda: estimates are for GPUs).")),
     F("host_memory", "--host-memory", "hardware.host_memory_gib", HW, ALL,
       "Host (CPU) memory of one node in GiB, which bounds offload (default: the GPU type's typical node, "
       "shared by the GPUs used on it)."),
@@ -231,7 +230,7 @@ FLAGS: tuple[Flag, ...] = (
     F("clip_high", "--clip-high", "algo.clip_high", RL_PANEL, RL,
       "PPO clip above 1 (0.28 = DAPO's clip-higher)."),
     F("rollout", "--rollout", "rollout.engine", RL_PANEL, RL_EST,
-      f"{describe(names.RolloutEngine)}."),
+      f"{describe(names.RolloutEngine)} (default: the plan's: hf on CPU, vllm or sglang on GPUs)."),
     F("rollout_tp", "--rollout-tp", "rollout.tp", RL_PANEL, RL_EST,
       "Tensor parallelism of the rollout engine (default: the plan's).", shown=False),
     F("rollout_procs", ("--rollout-procs", "--rollout-gpus"), "rollout.procs", RL_PANEL, RL_EST,
@@ -261,7 +260,7 @@ FLAGS: tuple[Flag, ...] = (
       "Assistant turns per trajectory (default 8 with tools).", shown=False),
     # --- parallelism and memory: what is left out, the plan decides
     F("backend", "--backend", "parallel.backend", PAR, ALL,
-      f"{describe(names.Backend, without=AUTO)} (default: the plan's).", shown=False),
+      f"{describe(names.Backend)} (default: the plan's).", shown=False),
     F("tp", "--tp", "parallel.tp", PAR, ALL,
       "Megatron tensor-parallel size (default: the plan's).", shown=False),
     F("pp", "--pp", "parallel.pp", PAR, ALL,
@@ -308,6 +307,9 @@ FLAGS: tuple[Flag, ...] = (
       "all-linear or a comma list of module names such as q_proj,v_proj."),
     F("lora_dropout", "--lora-dropout", "lora.dropout", LORA, TRAIN,
       "LoRA dropout."),
+    F("train_vision", "--train-vision/--no-train-vision", "model.train_vision", TRAINING, ALL,
+      "Vision-language models: train the vision tower too (frozen by default); with LoRA, adapters on its"
+      " linear layers as well."),
     F("log", "--log", "log.backends", TRAINING, TRAIN,
       f"Comma list of metric sinks: {describe(names.LogBackend)}."),
     F("run_name", "--run-name", "log.run_name", TRAINING, TRAIN,

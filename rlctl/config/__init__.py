@@ -8,8 +8,8 @@ each overriding the one before::
 Every layer is a nested dict with dotted paths such as ``train.lr`` or ``rollout.n``. An unknown key
 anywhere fails with a did-you-mean suggestion; a value of the wrong type fails naming the key and
 the expected type. Enumerated keys take the values of their Literal (:mod:`rlctl.names`). Fields left at
-None (``X | None``: the plan decides; the word "auto" reads as None), ``"auto"`` (the settings not yet
-typed so) or 0 for sizes are filled in by the plan. The
+None (``X | None``: the plan decides; the word "auto" reads as None) or 0 for sizes are filled in by
+the plan. The
 ``plugins`` a config names are imported before it is checked (:mod:`rlctl.config.plugins`), so the names
 they register are valid ``algo.adv`` / ``algo.policy_loss`` values (:mod:`rlctl.config.algorithm`).
 
@@ -64,7 +64,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if set(typing.get_args(tp)) == {bool, type(None)}:
             return _bool_or_none(value, key)
-        if type(None) in typing.get_args(tp) and _is_auto(value):
+        if type(None) in typing.get_args(tp) and is_auto(value):
             return None
         errors = []
         for arg in typing.get_args(tp):
@@ -125,14 +125,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise UserError(f"{key}: unsupported type {_type_name(tp)}")
 
 
-def _is_auto(value: Any) -> bool:
+def is_auto(value: Any) -> bool:
     """The word "auto" (YAML, --set, the CLI, older configs) for a setting the plan decides: read as None."""
     return isinstance(value, str) and value.strip().lower() == "auto"
 
 
 def _bool_or_none(value: Any, key: str) -> bool | None:
     """A setting the plan decides when None; "auto" (YAML, --set, older configs) reads as None."""
-    if value is None or _is_auto(value):
+    if value is None or is_auto(value):
         return None
     try:
         return _coerce(value, bool, key)
@@ -301,7 +301,7 @@ def _literal_choices() -> dict[str, tuple[str, ...]]:
     return out
 
 
-CHOICES = _literal_choices()  # e.g. {"rollout.engine": ("auto", "hf", "vllm", "sglang"), ...}
+CHOICES = _literal_choices()  # e.g. {"rollout.engine": ("hf", "vllm", "sglang"), ...}
 
 
 def get_key(cfg: RunConfig, key: str) -> Any:

@@ -39,13 +39,14 @@ class ModelConfig:
     attn: Attn | None = None  # None: flash_attention_2 where flash-attn is installed on a GPU, else sdpa (at run time)
     random_init: bool = False  # build from the config with random weights (nothing is downloaded)
     trust_remote_code: bool = False  # run the model's own Python code (config.json auto_map); never implied
+    train_vision: bool = False  # vision-language models: train the vision tower too (frozen by default)
 
 
 @dataclass
 class DataConfig:
     path: str = ""  # JSONL, Parquet, a directory of Parquet shards, a save_to_disk directory or a hub name (cached)
     split: str = "train"  # the split of a DatasetDict directory or a hub dataset
-    format: DataFormat = "auto"
+    format: DataFormat | None = None  # None: sft chooses chat or pairs per row; grpo/ppo read rl rows
     messages_field: str = "messages"
     prompt_field: str = "prompt"
     response_field: str = "response"
@@ -59,6 +60,7 @@ class DataConfig:
     shuffle: bool = True
     system_prompt: str = ""  # a system message put before every conversation / prompt that has none
     chat_template: str = ""  # a Jinja chat template file used instead of the tokenizer's (also exported)
+    max_image_pixels: int = 4096 * 4096  # VL models: a row with a larger image is a bad row (0 = no limit)
 
 
 @dataclass
@@ -66,7 +68,7 @@ class HardwareConfig:
     gpus: int = 0  # GPUs in total (0 = every visible GPU, or none on CPU)
     nodes: int = 1
     gpu: str = ""  # GPU type from the catalog, e.g. H100-80GB ("" = detect locally, else H100-80GB)
-    device: Device = "auto"
+    device: Device | None = None  # None: the plan decides (cuda with hardware.gpus > 0 or local GPUs, else cpu)
     nproc: int = 0  # processes per node (0 = GPUs per node, or 1 on CPU)
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -77,7 +79,7 @@ class HardwareConfig:
 
 @dataclass
 class ParallelConfig:
-    backend: Backend = "auto"
+    backend: Backend | None = None  # None: the plan decides (by the model's size and the hardware)
     tp: int = 0  # 0 = chosen by the plan
     pp: int = 0
     cp: int = 1
@@ -133,7 +135,7 @@ class CheckpointConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: RolloutEngine = "auto"
+    engine: RolloutEngine | None = None  # None: the plan decides (hf on CPU; vllm or sglang on GPUs)
     tp: int = 0  # 0 = chosen by the plan
     mem_fraction: float = 0.0  # 0 = chosen by the plan
     n: int = 8  # samples per prompt

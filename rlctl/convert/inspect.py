@@ -199,12 +199,14 @@ def _inspect_megatron(path: Path, fmt: str) -> dict:
 
 def _config_params(config: dict) -> int | None:
     """Exact parameter count of the architecture a config.json dict describes (tied weights once)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from rlctl.data.vision import auto_model_class
 
     try:
         cfg = AutoConfig.for_model(**config)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg)
+            model = auto_model_class(cfg).from_config(cfg)
     except Exception:  # noqa: BLE001 - unknown architecture: no count
         return None
     return sum(p.numel() for p in model.parameters())

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from rlctl.data.vision import auto_model_class
 from rlctl.errors import UserError
 from rlctl.formats.hf_writer import config_dtype, dtype_name, save_hf_model
 
@@ -80,12 +81,12 @@ class Architecture:
 
     @classmethod
     def from_dir(cls, meta_dir: Path) -> Architecture:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         try:
             config = AutoConfig.from_pretrained(str(meta_dir))
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config)
+                model = auto_model_class(config).from_config(config)
         except Exception as e:  # noqa: BLE001 - any config transformers cannot build
             raise UserError(f"{meta_dir / 'config.json'}: transformers cannot build this model ({e})") from None
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -113,11 +114,9 @@ class Architecture:
 
 
 def model_from_state(config, state: dict[str, torch.Tensor]):
-    """An fp32 causal LM of ``config`` whose weights are the tensors of ``state`` (shared, not
-    copied; no random initialisation of what ``state`` provides)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    """An fp32 model of ``config`` (:func:`auto_model_class`) whose weights are the tensors of ``state``
+    (shared, not copied; no random initialisation of what ``state`` provides)."""
+    cls = auto_model_class(config)._model_mapping[type(config)]
     return cls.from_pretrained(None, config=config, state_dict=state, dtype=torch.float32)
 
 
@@ -204,7 +203,7 @@ def _check_logits(
     seq_len: int,
     loose: bool,
 ) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(out_dir))
     vocab = config.get_text_config().vocab_size
@@ -218,7 +217,9 @@ def _check_logits(
     del ref_model
     state.clear()
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32, output_loading_info=True)
+        model, info = auto_model_class(config).from_pretrained(
+            str(out_dir), dtype=torch.float32, output_loading_info=True
+        )
     except Exception as e:  # noqa: BLE001 - report, do not crash
         verdict.add("load", False, f"transformers cannot load the output: {type(e).__name__}: {e}")
         return

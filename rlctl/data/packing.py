@@ -57,6 +57,10 @@ class MicroBatch:
     keep_cols: torch.Tensor | None = None  # [K] int64
     # Which positions attend to which, for engines that split rows (rlctl.engines.varlen.Block tuples)
     blocks: list[tuple[int, int, int, int, int]] | None = None
+    # Vision-language models: the images of its documents, in the order of their image tokens (None: no
+    # image); the engine computes the multimodal rope positions from them (rlctl.engines.vision)
+    pixel_values: torch.Tensor | None = None  # [P, D] float32, the image processor's patches
+    image_grid_thw: torch.Tensor | None = None  # [I, 3] int64
 
     @property
     def dummy(self) -> bool:
@@ -127,6 +131,22 @@ class StepSampler:
         epoch, k = divmod(step, self.steps_per_epoch)
         return self._permutation(epoch)[k * self.batch_size : (k + 1) * self.batch_size].tolist()
 
+    def first(self, step: int) -> int:
+        """Where step ``step``'s batch starts in the stream of examples (every epoch's order in turn)."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        return epoch * self.n + k * self.batch_size
+
+    def stream(self, start: int, count: int) -> list[int]:
+        """``count`` examples from position ``start`` of the stream (across epochs when it gets there):
+        ``indices(step) == stream(first(step), len(indices(step)))``."""
+        out: list[int] = []
+        while count > 0:
+            epoch, k = divmod(start, self.n)
+            part = self._permutation(epoch)[k : k + count].tolist()
+            out += part
+            start, count = start + len(part), count - len(part)
+        return out
+
 
 def pack_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
     """First-fit-decreasing: group item indices into bins of at most ``budget`` tokens.
@@ -170,7 +190,7 @@ def collate_packed(examples: Sequence[Example]) -> MicroBatch:
     def row(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a.astype(np.int64))[None]
 
-    return MicroBatch(row(ids), row(pos), row(labels), None, len(examples))
+    return MicroBatch(row(ids), row(pos), row(labels), None, len(examples), **image_inputs(examples))
 
 
 def collate_padded(examples: Sequence[Example], pad_id: int) -> MicroBatch:
@@ -185,7 +205,20 @@ def collate_padded(examples: Sequence[Example], pad_id: int) -> MicroBatch:
         labels[r, :n] = torch.from_numpy(ex.labels.astype(np.int64))
         mask[r, :n] = 1
     pos = torch.arange(width).expand(len(examples), width).clone()
-    return MicroBatch(ids, pos, labels, mask, len(examples))
+    return MicroBatch(ids, pos, labels, mask, len(examples), **image_inputs(examples))
+
+
+def image_inputs(examples: Sequence) -> dict:
+    """``pixel_values`` and ``image_grid_thw`` of the examples' images, concatenated in order ({} without any).
+    An example is anything with those two attributes (arrays or None)."""
+    pixels = [ex.pixel_values for ex in examples if getattr(ex, "pixel_values", None) is not None]
+    if not pixels:
+        return {}
+    grids = [ex.image_grid_thw for ex in examples if getattr(ex, "pixel_values", None) is not None]
+    return {
+        "pixel_values": torch.from_numpy(np.concatenate(pixels).astype(np.float32)),
+        "image_grid_thw": torch.from_numpy(np.concatenate(grids).astype(np.int64)),
+    }
 
 
 def dummy_micro_batch(pad_id: int) -> MicroBatch:

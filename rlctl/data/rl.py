@@ -15,6 +15,12 @@ prompt is used as is when the tokenizer has none). Prompts longer than ``rollout
 tokens are skipped and counted; malformed rows are *bad rows*, skipped and counted, and the run fails
 when more than ``data.max_bad_fraction`` of the rows are bad. A dataset in which no row carries an
 answer is a :class:`UserError` naming the field to set.
+
+Vision-language models (``vision``: the model's :class:`rlctl.data.vision.VisionProcessor`): a prompt's
+``<image>`` placeholders (verl's geo3k layout) or image content parts (HF chat) are the row's images, in
+order; each becomes the model's vision span expanded to one image token per merged patch, and the images
+are processed once and cached with the token ids (``Prompt.pixel_values``, ``Prompt.image_grid_thw``). The
+prompt length counts the image tokens. A row whose images cannot be used is a bad row.
 """
 
 from __future__ import annotations
@@ -22,9 +28,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from rlctl.config import RunConfig, val_split
 from rlctl.data.io import read_rows
-from rlctl.data.sft import BadRow, DataReport, checked_messages, with_system
+from rlctl.data.sft import (
+    PIXEL_FEATURES,
+    BadRow,
+    DataReport,
+    checked_messages,
+    pixel_columns,
+    pixels_from_columns,
+    with_system,
+)
+from rlctl.data.vision import IMAGE_MARK, BadImage, data_dir, has_images, replace_marks, row_pixels
 from rlctl.errors import UserError
 
 TOO_LONG = "prompt longer than rollout.max_prompt_len"
@@ -39,6 +56,8 @@ class Prompt:
     ground_truth: Any
     extra_info: dict | None
     row: dict | None = None  # the dataset row, kept for agent runs (an environment's reset(**row))
+    pixel_values: np.ndarray | None = None  # float32 [patches, D]: a VL prompt's images, processed
+    image_grid_thw: np.ndarray | None = None  # int64 [images, 3], in the order of its image tokens
 
 
 @dataclass
@@ -83,8 +102,11 @@ def render_prompt(prompt: Any, tokenizer, field: str, system: str = "", tools: l
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def row_prompt(row: dict, tokenizer, cfg: RunConfig, tools: list[dict] | None = None) -> Prompt:
-    """One row as a :class:`Prompt`; raises :class:`BadRow` with the reason when it cannot be used."""
+def row_prompt(
+    row: dict, tokenizer, cfg: RunConfig, tools: list[dict] | None = None, *, vision=None, base_dir=None
+) -> Prompt:
+    """One row as a :class:`Prompt`; raises :class:`BadRow` with the reason when it cannot be used.
+    ``vision``: a VL model's VisionProcessor (its images processed, their tokens expanded)."""
     field = cfg.data.prompt_field
     prompt = row.get(field)
     if not isinstance(prompt, (str, list)):
@@ -92,10 +114,47 @@ def row_prompt(row: dict, tokenizer, cfg: RunConfig, tools: list[dict] | None = 
     found, truth = _ground_truth(row, cfg.data.answer_field)
     if not found:
         raise BadRow(f"missing field '{cfg.data.answer_field}'")
-    ids = render_prompt(prompt, tokenizer, field, cfg.data.system_prompt, tools)
+    pixels = None
+    if vision is not None:
+        ids, pixels = _vision_prompt(row, prompt, vision, cfg, tools, base_dir)
+    elif has_images(row, prompt):
+        raise BadRow("images, but the model has no vision tower")
+    else:
+        ids = render_prompt(prompt, tokenizer, field, cfg.data.system_prompt, tools)
     if len(ids) > cfg.rollout.max_prompt_len:
         raise BadRow(TOO_LONG)
-    return _with_meta(ids, row, cfg)
+    out = _with_meta(ids, row, cfg)
+    if pixels is not None:
+        out.pixel_values, out.image_grid_thw = pixels
+    return out
+
+
+def _vision_prompt(row: dict, prompt, vision, cfg: RunConfig, tools, base_dir):
+    """A VL prompt's token ids (its image spans expanded) and its processed images (None without images)."""
+    field = cfg.data.prompt_field
+    if not vision.tokenizer.chat_template:
+        raise BadRow("a vision-language model's prompts need a chat template")
+    messages = prompt_messages(prompt, field, cfg.data.system_prompt)
+    try:
+        text = vision.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 (jinja raises many types)
+        raise BadRow(f"chat template failed ({str(e).splitlines()[0][:80]})") from None
+    try:
+        pixels = row_pixels(
+            row,
+            prompt,
+            vision,
+            count=text.count(IMAGE_MARK),
+            max_pixels=cfg.data.max_image_pixels,
+            base_dir=base_dir,
+        )
+        text, _ = replace_marks(text, [], vision.placeholder)
+        ids = list(vision.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if pixels is not None:
+            ids, _ = vision.expand(ids, pixels[1])
+    except BadImage as e:
+        raise BadRow(str(e)) from None
+    return ids, pixels
 
 
 def _with_meta(ids: list[int], row: dict, cfg: RunConfig) -> Prompt:
@@ -119,9 +178,11 @@ def read_prompts(
     cache_dir=None,
     log=lambda msg: None,
     tools: list[dict] | None = None,
+    vision=None,
 ) -> tuple[list[Prompt], DataReport]:
     """Every usable prompt of a data source (rendered through ``datasets.map``, cached in ``cache_dir``
-    and done once: :func:`rlctl.data.mapped.map_rows`), and the report of what was skipped."""
+    and done once: :func:`rlctl.data.mapped.map_rows`), and the report of what was skipped. ``vision``: a
+    VL model's VisionProcessor; the prompts' images are processed once and cached with the token ids."""
     from dataclasses import asdict
 
     from rlctl.data.mapped import cache_key, map_rows, source_stamp, tokenizer_stamp
@@ -137,11 +198,20 @@ def read_prompts(
             f"the rows have {', '.join(fields)}: name the answer with --set data.answer_field=FIELD"
         )
 
+    base_dir = data_dir(path)
+
     def render(row: dict) -> dict:
         try:
-            return {"token_ids": row_prompt(row, tokenizer, cfg, tools).token_ids, "bad": ""}
+            p = row_prompt(row, tokenizer, cfg, tools, vision=vision, base_dir=base_dir)
+            out = {"token_ids": p.token_ids, "bad": ""}
         except BadRow as e:
-            return {"token_ids": [], "bad": str(e)}
+            p, out = None, {"token_ids": [], "bad": str(e)}
+        if vision is None:
+            return out
+        columns = pixel_columns(p)
+        if p is None or p.pixel_values is None:  # typed like the rows with images (datasets concatenates them)
+            columns["pixel_values"] = np.zeros(0, np.float32)
+        return {**out, **columns}
 
     key = cache_key(
         kind="rl",
@@ -151,34 +221,43 @@ def read_prompts(
         max_prompt_len=cfg.rollout.max_prompt_len,
         tokenizer=tokenizer_stamp(tokenizer),
         **({"tools": tools} if tools else {}),
+        **({"vision": vision.stamp()} if vision is not None else {}),
     )
-    features = {"token_ids": "int32 list", "bad": "string"}
+    features = {"token_ids": "int32 list", "bad": "string"} | (PIXEL_FEATURES if vision is not None else {})
     prompts = []
     outs = map_rows(rows.rows, render, cache_dir=cache_dir, key=key, desc="prompts", features=features, log=log)
     for row, out in zip(rows.rows, outs):
         if out["bad"]:
             report.bad[out["bad"]] += 1
         else:
-            prompts.append(_with_meta(list(out["token_ids"]), row, cfg))
+            p = _with_meta(list(out["token_ids"]), row, cfg)
+            p.pixel_values, p.image_grid_thw = pixels_from_columns(out)
+            prompts.append(p)
     return prompts, report
 
 
 def build_rl_data(
-    cfg: RunConfig, tokenizer, *, cache_dir=None, log=lambda msg: None, tools: list[dict] | None = None
+    cfg: RunConfig,
+    tokenizer,
+    *,
+    cache_dir=None,
+    log=lambda msg: None,
+    tools: list[dict] | None = None,
+    vision=None,
 ) -> RLData:
     """The training prompts (and validation prompts from ``data.val_path`` or ``data.val_fraction``).
 
     Deterministic, so every rank computes the same list. Prompts too long are skipped (not counted
     against ``data.max_bad_fraction``); other bad rows are. UserError when nothing is left.
     """
-    if cfg.data.format not in ("auto", "rl"):
+    if cfg.data.format not in (None, "rl"):
         raise UserError(
-            f"data.format={cfg.data.format} is for sft; grpo/ppo read RL prompt rows (data.format=rl or auto)"
+            f"data.format={cfg.data.format} is for sft; grpo/ppo read RL prompt rows (data.format=rl or unset)"
         )
     if not cfg.data.path:
         raise UserError("no data given: pass --data FILE (JSONL, Parquet or a datasets directory of prompts)")
     prompts, report = read_prompts(
-        cfg.data.path, tokenizer, cfg, cfg.data.split, cache_dir=cache_dir, log=log, tools=tools
+        cfg.data.path, tokenizer, cfg, cfg.data.split, cache_dir=cache_dir, log=log, tools=tools, vision=vision
     )
     too_long = report.bad.get(TOO_LONG, 0)
     malformed = report.num_bad - too_long
@@ -193,7 +272,7 @@ def build_rl_data(
     val: list[Prompt] = []
     if cfg.data.val_path:
         val, _ = read_prompts(
-            cfg.data.val_path, tokenizer, cfg, val_split(cfg), cache_dir=cache_dir, log=log, tools=tools
+            cfg.data.val_path, tokenizer, cfg, val_split(cfg), cache_dir=cache_dir, log=log, tools=tools, vision=vision
         )
     elif cfg.data.val_fraction > 0:
         import numpy as np

@@ -29,6 +29,16 @@ import numpy as np
 
 from rlctl.config import RunConfig, val_split
 from rlctl.data.io import read_rows
+from rlctl.data.vision import (
+    IMAGE_MARK,
+    BadImage,
+    data_dir,
+    has_images,
+    is_image_part,
+    replace_marks,
+    row_image_values,
+    row_pixels,
+)
 from rlctl.errors import UserError
 
 IGNORE = -100  # label of a position without loss
@@ -40,10 +50,15 @@ class BadRow(Exception):
 
 @dataclass
 class Example:
-    """One tokenized sequence. ``labels[j]`` is the target for position j (already shifted), or -100."""
+    """One tokenized sequence. ``labels[j]`` is the target for position j (already shifted), or -100.
+
+    A vision-language row also carries its processed images (:mod:`rlctl.data.vision`): ``pixel_values``
+    ``[patches, D]`` and ``image_grid_thw`` ``[images, 3]``, in the order of its image tokens."""
 
     input_ids: np.ndarray  # int32 [L]
     labels: np.ndarray  # int32 [L]
+    pixel_values: np.ndarray | None = None  # float32 [P, D]
+    image_grid_thw: np.ndarray | None = None  # int64 [I, 3]
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -154,8 +169,8 @@ def checked_messages(value, where: str) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRow(f"a message in '{where}' has no role")
         content = m.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            texts = [p.get("text") for p in content if isinstance(p, dict)]
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, {"type": "image"}, ...]
+            texts = [IMAGE_MARK if is_image_part(p) else p.get("text") for p in content if isinstance(p, dict)]
             content = "".join(t for t in texts if isinstance(t, str)) if texts else None
         calls = m.get("tool_calls")
         if calls is not None and m["role"] == "assistant":
@@ -236,9 +251,45 @@ def with_system(messages: list[dict], system: str) -> list[dict]:
 
 def row_tokens(row: dict, tokenizer, cfg: RunConfig) -> tuple[list[int], list[int]]:
     """Token ids and the 0/1 assistant mask of one row (before truncation)."""
+    text, spans, plain = _row_text(row, tokenizer, cfg)
+    return plain if plain is not None else _tokenize_with_spans(tokenizer, text, spans)
+
+
+def row_vision_tokens(row: dict, vision, cfg: RunConfig, base_dir=None):
+    """A vision-language model's row: (token ids, assistant mask, (pixel_values, image_grid_thw) or None).
+
+    ``vision`` is the model's :class:`rlctl.data.vision.VisionProcessor`; each ``<image>`` of the text (an
+    image content part or verl's placeholder) becomes the model's vision span, expanded to one image token
+    per merged patch of that image."""
+    text, spans, plain = _row_text(row, vision.tokenizer, cfg)
+    if plain is not None:
+        if row_image_values(row):
+            raise BadRow("a row with images needs a chat template")
+        return *plain, None
+    messages = row.get(cfg.data.messages_field) or row.get(cfg.data.prompt_field)
+    try:
+        pixels = row_pixels(
+            row, messages, vision, count=text.count(IMAGE_MARK), max_pixels=cfg.data.max_image_pixels, base_dir=base_dir
+        )
+    except BadImage as e:
+        raise BadRow(str(e)) from None
+    text, spans = replace_marks(text, spans, vision.placeholder)
+    ids, mask = _tokenize_with_spans(vision.tokenizer, text, spans)
+    if pixels is None:
+        return ids, mask, None
+    try:
+        ids, mask = vision.expand(ids, pixels[1], mask)
+    except BadImage as e:
+        raise BadRow(str(e)) from None
+    return ids, mask, pixels
+
+
+def _row_text(row: dict, tokenizer, cfg: RunConfig):
+    """(rendered text, assistant character spans, None), or (None, None, (ids, mask)) for a pairs row
+    without a chat template (tokenized in two pieces)."""
     d = cfg.data
     fmt = d.format
-    if fmt == "auto":
+    if fmt is None:
         fmt = "chat" if d.messages_field in row else "pairs" if d.prompt_field in row else ""
     if fmt == "chat":
         if d.messages_field not in row:
@@ -274,17 +325,20 @@ def row_tokens(row: dict, tokenizer, cfg: RunConfig) -> tuple[list[int], list[in
                 raise BadRow(f"'{d.prompt_field}' is a message list but the tokenizer has no chat template")
             p_ids = tokenizer(f"{d.system_prompt}\n\n{prompt}" if d.system_prompt else prompt)["input_ids"]
             r_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            return p_ids + r_ids, [0] * len(p_ids) + [1] * len(r_ids)
+            return None, None, (p_ids + r_ids, [0] * len(p_ids) + [1] * len(r_ids))
     else:
         raise BadRow(f"no '{d.messages_field}' or '{d.prompt_field}'/'{d.response_field}' field")
     if not spans:
         raise BadRow("no assistant tokens")
-    return _tokenize_with_spans(tokenizer, text, spans)
+    return text, spans, None
 
 
-def make_example(ids: list[int], mask: list[int], *, max_len: int, truncation: str) -> Example:
-    """Truncate (or reject) and shift the mask into labels: labels[j] = ids[j+1] where mask[j+1]."""
+def make_example(ids: list[int], mask: list[int], *, max_len: int, truncation: str, pixels=None) -> Example:
+    """Truncate (or reject) and shift the mask into labels: labels[j] = ids[j+1] where mask[j+1].
+    ``pixels``: a vision row's (pixel_values, image_grid_thw); such a row is never truncated."""
     if len(ids) > max_len:
+        if pixels is not None:
+            raise BadRow(f"longer than max_len {max_len} with its image tokens (raise --max-len)")
         if truncation == "skip":
             raise BadRow(f"longer than max_len {max_len} (raise --max-len or set data.truncation=right)")
         sl = slice(None, max_len) if truncation == "right" else slice(len(ids) - max_len, None)
@@ -295,7 +349,7 @@ def make_example(ids: list[int], mask: list[int], *, max_len: int, truncation: s
     labels[:-1][m] = ids_a[1:][m]
     if not m.any():
         raise BadRow("no assistant tokens left after truncation")
-    return Example(ids_a, labels)
+    return Example(ids_a, labels, *(pixels if pixels is not None else (None, None)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,10 +357,11 @@ def make_example(ids: list[int], mask: list[int], *, max_len: int, truncation: s
 
 
 def tokenize_rows(
-    path: str, tokenizer, cfg: RunConfig, split: str = "train", *, cache_dir=None, log=lambda msg: None
+    path: str, tokenizer, cfg: RunConfig, split: str = "train", *, cache_dir=None, log=lambda msg: None, vision=None
 ) -> tuple[list[Example], DataReport]:
     """Every row of a data source tokenized (through ``datasets.map``, cached in ``cache_dir`` and done
-    once: :func:`rlctl.data.mapped.map_rows`), and the report of the rows skipped."""
+    once: :func:`rlctl.data.mapped.map_rows`), and the report of the rows skipped. ``vision``: a VL model's
+    :class:`rlctl.data.vision.VisionProcessor`; its rows' images are processed once and cached with the tokens."""
     from dataclasses import asdict
 
     from rlctl.data.mapped import cache_key, map_rows, source_stamp, tokenizer_stamp
@@ -316,13 +371,22 @@ def tokenize_rows(
     for reason in rows.unreadable:
         report.bad[reason] += 1
 
+    base_dir = data_dir(path)
+
     def tokenize(row: dict) -> dict:
         try:
-            ids, mask = row_tokens(row, tokenizer, cfg)
-            ex = make_example(ids, mask, max_len=cfg.train.max_len, truncation=cfg.data.truncation)
-            return {"input_ids": ex.input_ids.tolist(), "labels": ex.labels.tolist(), "bad": ""}
+            pixels = None
+            if vision is not None:
+                ids, mask, pixels = row_vision_tokens(row, vision, cfg, base_dir)
+            elif has_images(row, row.get(cfg.data.messages_field) or row.get(cfg.data.prompt_field)):
+                raise BadRow("images, but the model has no vision tower")
+            else:
+                ids, mask = row_tokens(row, tokenizer, cfg)
+            ex = make_example(ids, mask, max_len=cfg.train.max_len, truncation=cfg.data.truncation, pixels=pixels)
+            out = {"input_ids": ex.input_ids.tolist(), "labels": ex.labels.tolist(), "bad": ""}
         except BadRow as e:
-            return {"input_ids": [], "labels": [], "bad": str(e)}
+            out, ex = {"input_ids": [], "labels": [], "bad": str(e)}, None
+        return {**out, **pixel_columns(ex)} if vision is not None else out
 
     key = cache_key(
         kind="sft",
@@ -331,18 +395,41 @@ def tokenize_rows(
         data=asdict(cfg.data),
         max_len=cfg.train.max_len,
         tokenizer=tokenizer_stamp(tokenizer),
+        **({"vision": vision.stamp()} if vision is not None else {}),
     )
     features = {"input_ids": "int32 list", "labels": "int32 list", "bad": "string"}
+    if vision is not None:
+        features.update(PIXEL_FEATURES)
     examples = []
     for out in map_rows(rows.rows, tokenize, cache_dir=cache_dir, key=key, desc="sft", features=features, log=log):
         if out["bad"]:
             report.bad[out["bad"]] += 1
         else:
-            examples.append(Example(np.asarray(out["input_ids"], np.int32), np.asarray(out["labels"], np.int32)))
+            ids, labels = np.asarray(out["input_ids"], np.int32), np.asarray(out["labels"], np.int32)
+            examples.append(Example(ids, labels, *pixels_from_columns(out)))
     return examples, report
 
 
-def build_sft_data(cfg: RunConfig, tokenizer, *, cache_dir=None, log=lambda msg: None) -> SFTData:
+PIXEL_FEATURES = {"pixel_values": "float32 list", "image_grid_thw": "int32 list"}
+
+
+def pixel_columns(ex: Example | None) -> dict:
+    """An example's images as two flat columns of the data cache (empty for a text row)."""
+    if ex is None or ex.pixel_values is None:  # typed like a row with images: datasets concatenates the batches
+        return {"pixel_values": np.zeros(0, np.float32), "image_grid_thw": []}
+    return {"pixel_values": ex.pixel_values.reshape(-1), "image_grid_thw": ex.image_grid_thw.reshape(-1).tolist()}
+
+
+def pixels_from_columns(out: dict) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(pixel_values [P, D], image_grid_thw [I, 3]) back from :func:`pixel_columns`' columns."""
+    grid = np.asarray(out.get("image_grid_thw", []), np.int64).reshape(-1, 3)
+    if not len(grid):
+        return None, None
+    flat = np.asarray(out["pixel_values"], np.float32)
+    return flat.reshape(int(np.prod(grid, axis=1).sum()), -1), grid
+
+
+def build_sft_data(cfg: RunConfig, tokenizer, *, cache_dir=None, log=lambda msg: None, vision=None) -> SFTData:
     """Tokenize the training data (and the validation data or a held-out share of it).
 
     Deterministic: every rank computes the same result. Raises UserError when more than
@@ -352,7 +439,9 @@ def build_sft_data(cfg: RunConfig, tokenizer, *, cache_dir=None, log=lambda msg:
         raise UserError("data.format=rl is for grpo/ppo; sft reads chat (messages) or pairs (prompt/response) rows")
     if not cfg.data.path:
         raise UserError("no data given: pass --data FILE (JSONL, Parquet or a datasets directory)")
-    examples, report = tokenize_rows(cfg.data.path, tokenizer, cfg, cfg.data.split, cache_dir=cache_dir, log=log)
+    examples, report = tokenize_rows(
+        cfg.data.path, tokenizer, cfg, cfg.data.split, cache_dir=cache_dir, log=log, vision=vision
+    )
     if report.bad_fraction > cfg.data.max_bad_fraction:
         raise UserError(
             f"{cfg.data.path}: too many bad rows, more than data.max_bad_fraction="
@@ -363,7 +452,9 @@ def build_sft_data(cfg: RunConfig, tokenizer, *, cache_dir=None, log=lambda msg:
     val: list[Example] = []
     val_report = None
     if cfg.data.val_path:
-        val, val_report = tokenize_rows(cfg.data.val_path, tokenizer, cfg, val_split(cfg), cache_dir=cache_dir, log=log)
+        val, val_report = tokenize_rows(
+            cfg.data.val_path, tokenizer, cfg, val_split(cfg), cache_dir=cache_dir, log=log, vision=vision
+        )
     elif cfg.data.val_fraction > 0:
         n_val = max(1, round(cfg.data.val_fraction * len(examples)))
         if n_val >= len(examples):

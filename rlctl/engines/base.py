@@ -317,14 +317,25 @@ def load_tokenizer(source: ModelSource):
     return tok
 
 
-def write_model_meta(out_dir: str | Path, hf_config, tokenizer, source: ModelSource) -> Path:
-    """Write config.json, generation_config.json and the tokenizer files: what makes a checkpoint self-describing."""
+def load_vision_processor(source: ModelSource, tokenizer):
+    """A vision-language model's :class:`rlctl.data.vision.VisionProcessor` (its image processor and
+    ``tokenizer``), or None for a text model."""
+    from rlctl.data.vision import is_vision_config, load_processor
+
+    return load_processor(source.path, tokenizer) if is_vision_config(source.load_config()) else None
+
+
+def write_model_meta(out_dir: str | Path, hf_config, tokenizer, source: ModelSource, *, vision=None) -> Path:
+    """Write config.json, generation_config.json and the tokenizer files (and a VL model's image processor,
+    ``vision``): what makes a checkpoint self-describing; exports copy them."""
     from transformers import GenerationConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+    if vision is not None:
+        vision.image_processor.save_pretrained(str(out))
     try:
         gen = GenerationConfig.from_pretrained(source.path)
     except (OSError, ValueError):

@@ -55,11 +55,14 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlctl.data.packing import MicroBatch
+from rlctl.data.vision import is_vision_config
 from rlctl.engines import ulysses, varlen
 from rlctl.engines.base import ModelSource, TrainEngine, full_logits
 from rlctl.engines.modules import CriticModel, _full, _non_persistent_buffers
 from rlctl.engines.savers import HostActivations, checkpoint_mlp
 from rlctl.engines.spec import EngineSpec
+from rlctl.engines.vision import dummy_tower, language_linear_names, vision_kwargs, vision_tower
+from rlctl.engines.vision_prefix import shared_rope_position_ids
 from rlctl.errors import UserError, did_you_mean
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -102,10 +105,14 @@ class FSDPEngine(TrainEngine):
         frozen = self.lora_rank or not trainable or self.pure_bf16
         self.frozen_dtype = self.compute_dtype if frozen else torch.float32  # the base
         self.sharded = self._sharded(spec)
+        self.vision = is_vision_config(self.hf_config)  # a VL model (rlctl.engines.vision)
+        if self.vision and role == "critic":
+            raise UserError("a vision-language model cannot be a PPO critic yet; train it with grpo (no critic)")
 
         with torch.device("meta"):
             self.model, self._state_module = self._build(self.hf_config)
-        self.varlen = self.attn == "sdpa"  # packed rows split per document (rlctl.engines.varlen)
+        # packed rows split per document (rlctl.engines.varlen); VL models: transformers' packed masks instead
+        self.varlen = self.attn == "sdpa" and not self.vision
         if self.sp is not None:  # Ulysses around the per-document attention (rlctl.engines.ulysses)
             ulysses.install(self._hf_model().config)
         elif self.varlen:
@@ -168,9 +175,11 @@ class FSDPEngine(TrainEngine):
 
     def _new_model(self, config, *, pretrained: bool) -> nn.Module:
         """The bare architecture (meta) or the real weights (rank 0), before LoRA."""
-        from transformers import AutoModel, AutoModelForCausalLM
+        from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
-        cls = AutoModel if self.role == "critic" else AutoModelForCausalLM
+        cls = (
+            AutoModel if self.role == "critic" else AutoModelForImageTextToText if self.vision else AutoModelForCausalLM
+        )
         kwargs = {"attn_implementation": self.attn, "dtype": self.frozen_dtype}
         if pretrained and not self.source.random_init:
             try:  # the checkpoint's own dtype: half the host memory for bf16 weights; copies upcast exactly
@@ -179,6 +188,8 @@ class FSDPEngine(TrainEngine):
                 raise UserError(f"cannot load the weights of '{self.source.path}': {str(e).splitlines()[0]}") from None
         else:
             model = cls.from_config(config, **kwargs)
+        if self.vision and not self.spec.train_vision:
+            vision_tower(model).requires_grad_(False)  # frozen unless --train-vision
         if self.role == "critic":
             model = CriticModel(model, config.hidden_size)
             model.value_head.to(self.param_dtype)
@@ -196,6 +207,8 @@ class FSDPEngine(TrainEngine):
 
         lc = self.spec.lora
         targets = lc.target_modules
+        if self.vision and targets == "all-linear":  # the language model's layers (the tower's when trained)
+            targets = language_linear_names(model, with_vision=self.spec.train_vision)
         lora_cfg = LoraConfig(
             r=self.lora_rank,
             lora_alpha=lc.scaled_alpha,
@@ -244,7 +257,11 @@ class FSDPEngine(TrainEngine):
         """The decoder layers: modules named in the HF model's ``_no_split_modules``."""
         hf = self._hf_model()
         names = set(getattr(hf, "_no_split_modules", None) or [])
-        units = [m for m in hf.modules() if type(m).__name__ in names]
+        tower = vision_tower(hf) if self.vision else None
+        inside = {id(m) for m in tower.modules()} if tower is not None else set()
+        units = [m for m in hf.modules() if type(m).__name__ in names and id(m) not in inside]
+        if tower is not None and units:
+            units = [tower, *units]  # the vision tower is one unit of its own
         if not units:
             raise UserError(
                 f"{type(hf).__name__} declares no decoder layer class (_no_split_modules); "
@@ -257,7 +274,8 @@ class FSDPEngine(TrainEngine):
             self._hf_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         elif selective:
             for unit in self._wrap_units():
-                checkpoint_mlp(unit)
+                if not self.vision or unit is not vision_tower(self._hf_model()):
+                    checkpoint_mlp(unit)
         if not self.sharded:
             self._wrap_units()  # the same check: a model without decoder layers is refused either way
             return
@@ -363,6 +381,8 @@ class FSDPEngine(TrainEngine):
         """One micro-batch's output, with as little wasted work as the layout allows: packed rows (and
         shared-prefix rows) attend per document (:mod:`rlctl.engines.varlen`, with sdpa), and an RL
         micro-batch's logits are computed only where the loss reads them (``logits_to_keep``)."""
+        if self.vision:
+            return self._forward_vision(mb)
         if self.sp is not None:  # each rank its shard of the sequence (rlctl.engines.ulysses)
             with self._memory_context():
                 return ulysses.forward(self.model, mb, self.sp, critic=self.role == "critic")
@@ -382,12 +402,33 @@ class FSDPEngine(TrainEngine):
                 kwargs["logits_to_keep"] = keep
             return self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **kwargs).logits
 
+    def _forward_vision(self, mb) -> torch.Tensor:
+        """A VL model's logits for one micro-batch: its pixels and multimodal rope positions
+        (:mod:`rlctl.engines.vision`); packed rows give their text positions too, for per-document masks;
+        shared-prefix rows (GRPO) their blocks' dense mask and positions (:mod:`rlctl.engines.vision_prefix`)."""
+        hf = self._hf_model()
+        if mb.blocks is not None:  # each group's prompt (its images too) once, then its responses
+            kwargs = varlen.attention_kwargs(mb.blocks, mb.input_ids, split=False)
+            kwargs["position_ids"] = shared_rope_position_ids(hf, mb)
+            if mb.pixel_values is not None:
+                kwargs.update(pixel_values=mb.pixel_values, image_grid_thw=mb.image_grid_thw)
+        else:
+            kwargs = vision_kwargs(hf, mb, packed_text=mb.attention_mask is None)
+            kwargs["attention_mask"] = mb.attention_mask
+        keep = mb.keep_cols if mb.keep_cols is not None else mb.logit_index
+        if keep is not None:
+            kwargs["logits_to_keep"] = keep
+        dummy = mb.pixel_values is None and self.sharded and self.world > 1  # every rank gathers the tower
+        with self._memory_context(), dummy_tower(hf) if dummy else contextlib.nullcontext():
+            return self.model(input_ids=mb.input_ids, use_cache=False, **kwargs).logits
+
     @property
     def shares_prefix(self) -> bool:
         """Shared-prefix micro-batches run where packed rows attend per block (sdpa through
         :mod:`rlctl.engines.varlen`); eager attention would add their boolean mask instead of applying
-        it, and flash-attention's varlen kernels cannot take it: those keep the packed rows."""
-        return self.role != "critic" and self.varlen
+        it, and flash-attention's varlen kernels cannot take it: those keep the packed rows. VL models (varlen
+        off) run them with sdpa and the blocks' dense mask."""
+        return self.role != "critic" and (self.varlen or (self.vision and self.attn == "sdpa"))
 
     # ------------------------------------------------------------------ data-parallel coordinates (sp > 1)
 

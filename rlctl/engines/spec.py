@@ -1,8 +1,8 @@
 """What an engine is asked to build: :class:`EngineSpec` (with its :class:`OptimizerSpec` and
 :class:`LoraSpec`), read once from the resolved run config.
 
-The planner fills every "auto" of the config (:func:`rlctl.plan.apply_plan`) before a job starts and
-the run directory keeps that resolved config; :meth:`EngineSpec.from_config` reads it here, in one
+The planner fills every None and 0 size of the config (:func:`rlctl.plan.apply_plan`) before a job
+starts and the run directory keeps that resolved config; :meth:`EngineSpec.from_config` reads it here, in one
 place, and the engines read typed fields only: they never see the run config.
 """
 
@@ -18,12 +18,12 @@ if TYPE_CHECKING:
     from rlctl.config import RunConfig
 
 BACKENDS = names.BACKENDS
-DEVICES = names.choices(names.Device, without=("auto",))
+DEVICES = names.choices(names.Device)
 DTYPES = names.choices(names.Dtype)
 
 
 class UnresolvedConfig(RuntimeError):
-    """An internal error: an engine was given a config the plan has not resolved (an "auto" is left)."""
+    """An internal error: an engine was given a config the plan has not resolved (a None is left)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,7 @@ class EngineSpec:
     seed: int = 42  # train.seed: random weights, LoRA's A and a critic's value head are drawn from it
     compile: bool = False  # train.compile (no engine supports it yet)
     max_seq_len: int = 0  # the longest sequence the run feeds (0: unknown); the megatron engine checks windows
+    train_vision: bool = False  # model.train_vision: a VL model's vision tower is trained (else frozen)
     optimizer: OptimizerSpec = OptimizerSpec()
     lora: LoraSpec = LoraSpec()
 
@@ -133,8 +134,8 @@ class EngineSpec:
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> EngineSpec:
-        """The spec of a RESOLVED run config (after ``rlctl.plan.apply_plan``); UnresolvedConfig where an
-        "auto" (or a 0 size) is left, which is a bug of the caller, not the user's input."""
+        """The spec of a RESOLVED run config (after ``rlctl.plan.apply_plan``); UnresolvedConfig where a
+        None (or a 0 size) is left, which is a bug of the caller, not the user's input."""
         par = cfg.parallel
 
         def flag(name: str) -> bool:
@@ -148,7 +149,7 @@ class EngineSpec:
             ("hardware.device", cfg.hardware.device),
             ("model.dtype", cfg.model.dtype),
         ):
-            if value is None or value == "auto":
+            if value is None:
                 raise UnresolvedConfig(f"{key} is {value!r}: the plan was not applied to the config")
         for key, value in (
             ("parallel.tp", par.tp),
@@ -191,6 +192,7 @@ class EngineSpec:
             "seed": cfg.train.seed,
             "compile": cfg.train.compile,
             "max_seq_len": max(cfg.train.max_len, r.max_prompt_len + r.max_response_len),
+            "train_vision": cfg.model.train_vision,
             "optimizer": OptimizerSpec.from_config(cfg),
             "lora": LoraSpec.from_config(cfg),
         }

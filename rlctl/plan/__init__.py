@@ -3,7 +3,7 @@ batch, checkpointing, offload, dtype), each choice a :class:`Decision` with its 
 estimate and verdict.
 
 :func:`resolve_plan` is a pure function of the configuration and a :class:`LocalEnv` (what the
-machine printing the plan has); :func:`apply_plan` fills a config's "auto" fields from a plan.
+machine printing the plan has); :func:`apply_plan` fills a config's open fields (None) from a plan.
 
 The modules, each importing only those before it: types (the Plan and its JSON), rules (thresholds
 and legal sizes), inputs (the local machine and the job), planner (choose the backend, search,
@@ -33,7 +33,7 @@ __all__ = [
 
 
 def resolve_plan(cfg: RunConfig, *, local: LocalEnv | None = None, host_memory_bytes: int = 0) -> Plan:
-    """Choose every "auto" setting of ``cfg`` for its model and hardware, with reasons; a plan that
+    """Choose every open (None) setting of ``cfg`` for its model and hardware, with reasons; a plan that
     does not fit carries what would (``plan.advice``).
 
     ``host_memory_bytes``: the host memory of one node of the cluster (0 = the GPU type's typical

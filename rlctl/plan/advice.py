@@ -56,6 +56,7 @@ class RentRow:
                 "pp": p.pp,
                 "dp": p.dp,
                 "ep": p.ep,
+                "sp": p.sp,
                 "rollout": p.rollout,
                 "rollout_tp": p.rollout_tp,
                 "rollout_mem_fraction": p.rollout_mem_fraction,
@@ -149,7 +150,7 @@ def what_would_fit(cfg: RunConfig, local: LocalEnv, job: Job, result: SearchResu
         lora_cfg = copy.deepcopy(cfg)
         lora_cfg.lora.rank = rank
         if lora_cfg.rollout.engine == "sglang":
-            lora_cfg.rollout.engine = "auto"
+            lora_cfg.rollout.engine = None  # the plan chooses one that runs LoRA
         try:
             if good_fit(plan_config(lora_cfg, local, host_memory_bytes=job.host_memory_bytes)):
                 options.append(f"LoRA on these {job.world} GPUs (--lora-rank {rank})")

@@ -138,6 +138,8 @@ def resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) -> 
     _check_lora_targets(cfg, spec)
     weight_share = 2 * params / max(where.gpu.memory_bytes, 1)  # bf16 weights over one GPU
     engine = _resolve_engine(cfg, device, local, later, warnings, weight_share) if cfg.method != "sft" else None
+    if engine is not None and spec.is_vl:
+        engine = _vision_engine(cfg, engine, device, later)
     return Job(
         cfg,
         spec,
@@ -159,7 +161,7 @@ def resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) -> 
 
 def _device(cfg: RunConfig, local: LocalEnv, decisions: list[Decision]) -> str:
     hw = cfg.hardware
-    if hw.device != "auto":
+    if hw.device is not None:
         return hw.device
     device = "cuda" if hw.gpus > 0 or local.gpu_count > 0 else "cpu"
     why = (
@@ -294,13 +296,30 @@ def _check_lora_targets(cfg: RunConfig, spec: ModelSpec) -> None:
             )
 
 
+def _vision_engine(cfg: RunConfig, engine: str, device: str, later: list[Decision]) -> str:
+    """A vision-language model's rollout engine: rlctl's vllm engine takes no images yet (vLLM's Qwen2-VL needs
+    torchvision, which does not load with the CPU torch here): chosen, it becomes hf (CPU) or sglang (GPU);
+    configured, a one-line error."""
+    if engine != "vllm":
+        return engine
+    if cfg.rollout.engine == "vllm":
+        raise UserError(
+            "rollout.engine=vllm takes no images in rlctl yet; for a vision-language model use --rollout hf "
+            "(or sglang on GPUs)"
+        )
+    engine = "hf" if device == "cpu" else "sglang"
+    later[:] = [d for d in later if d.key != "rollout.engine"]
+    later.append(Decision("rollout.engine", engine, f"rollout {engine}: rlctl's vllm engine takes no images yet"))
+    return engine
+
+
 def _resolve_engine(
     cfg: RunConfig, device: str, local: LocalEnv, later: list[Decision], warnings: list[str], weight_share: float
 ) -> str:
     """The rollout engine: configured (checked against the device), or chosen (``weight_share``: the
     model's bf16 weights over one GPU's memory)."""
     chosen = cfg.rollout.engine
-    if chosen == "auto":
+    if chosen is None:
         decision = rules.choose_engine(
             device=device, n=cfg.rollout.n, lora=cfg.lora.rank > 0, installed=local.installed, weight_share=weight_share
         )
@@ -351,6 +370,6 @@ def settings_for(job: Job, **kw) -> MemorySettings:
         selective_checkpointing=c.parallel.selective_checkpointing is True,
         offload_activations=c.parallel.offload_activations is True,
         shard=c.parallel.shard is not False,
-        train_vision=bool(getattr(c.model, "train_vision", False)),
+        train_vision=c.model.train_vision,
     )
     return replace(base, **kw)

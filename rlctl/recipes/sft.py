@@ -27,6 +27,7 @@ from rlctl.engines.base import (
     TrainEngine,
     full_logits,
     load_tokenizer,
+    load_vision_processor,
     model_source,
     position_tokens,
     write_model_meta,
@@ -170,14 +171,15 @@ def run(ctx: RunContext) -> None:
     cfg, paths, d = ctx.cfg, ctx.paths, ctx.dist
     source = model_source(cfg.model.name, random_init=cfg.model.random_init)
     tokenizer = use_chat_template(load_tokenizer(source), cfg)
-    data = build_sft_data(cfg, tokenizer, cache_dir=paths.data_cache, log=ctx.log)
+    vision = load_vision_processor(source, tokenizer)  # None for a text model
+    data = build_sft_data(cfg, tokenizer, cache_dir=paths.data_cache, log=ctx.log, vision=vision)
     ctx.log(f"data: {data.report.summary()}; {len(data.train)} train / {len(data.val)} val sequences")
     sampler = StepSampler(len(data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
     total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
     engine = build_engine(EngineSpec.from_config(cfg), role="actor", total_steps=total_steps, source=source)
     trainer = SFTTrainer(ctx, engine, data, sampler, pad_id=tokenizer.pad_token_id)
     if d.is_main:
-        write_model_meta(paths.model_meta, engine.hf_config, tokenizer, source)
+        write_model_meta(paths.model_meta, engine.hf_config, tokenizer, source, vision=vision)
     barrier()
     fit(ctx, trainer)
 

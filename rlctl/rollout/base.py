@@ -67,6 +67,11 @@ _ENGINE_CLASSES = {
 
 FinishReason = Literal["stop", "length"]
 
+#: A vision-language prompt's images as its image processor gave them: ``pixel_values`` [patches, D] and
+#: ``image_grid_thw`` [images, 3] (numpy arrays or tensors), in the order of the prompt's image tokens (which
+#: are already expanded, one per merged patch: rlctl.data.vision). The trainer's forward gets the same.
+PromptImages = tuple  # (pixel_values, image_grid_thw)
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -144,18 +149,35 @@ class RolloutEngine(ABC):
     kv_state: KVState = KVState.RESIDENT
     _trainer_stepped: bool = False  # since the last sync
 
-    def generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        images: list[PromptImages | None] | None = None,
+    ) -> list[Sample]:
         """Sample ``n`` responses per prompt.
 
         Returns ``len(prompt_token_ids) * n`` samples in prompt-major order: the ``n`` samples of
-        prompt 0, then those of prompt 1, and so on. Needs resident weights and KV cache.
+        prompt 0, then those of prompt 1, and so on. Needs resident weights and KV cache. ``images``: a
+        vision-language model's images of each prompt (:data:`PromptImages`, None for a prompt without).
         """
         if self.weights_state != WeightsState.RESIDENT or self.kv_state != KVState.RESIDENT:
             raise RolloutStateError(
                 f"{self.name} rollout engine: generate with {self.weights_state} weights and a "
                 f"{self.kv_state} KV cache; call ready(sync) (wake, sync, wake the KV cache) first"
             )
+        if images is not None and any(im is not None for im in images):
+            if len(images) != len(prompt_token_ids):
+                raise ValueError("generate needs one images entry (or None) per prompt")
+            return self._generate_images(prompt_token_ids, n, sampling, images)
         return self._generate(prompt_token_ids, n, sampling)
+
+    def _generate_images(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams, images: list
+    ) -> list[Sample]:
+        """:meth:`generate` with images; engines that take them override it."""
+        raise UserError(f"the {self.name} rollout engine does not take images; use --rollout hf")
 
     def continue_generation(
         self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]

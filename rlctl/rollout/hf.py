@@ -18,6 +18,15 @@ Steps 1-3 have two implementations with the same bookkeeping and sampler: the HF
 a ``DynamicCache`` (any architecture), and, for Llama-family models, the prefill and decode step of
 :mod:`rlctl.rollout.hf_decode` (preallocated cache, fused projections); the engine takes the fast one
 when :func:`~rlctl.rollout.hf_decode.unsupported_reason` has nothing against the model.
+
+Vision-language models (Qwen2-VL, Qwen2.5-VL): the prefill runs through the whole model with the prompts'
+images (``pixel_values``, ``image_grid_thw``: what the trainer's forward gets) and the multimodal rope
+positions of the model's own ``get_rope_index`` (left padding masked out, so a padded prompt is positioned
+as it would be alone); the response's tokens are text, positioned after the prompt's largest position on all
+three rope axes, which the text model does from one position per token. A group of ``n`` samples shares its
+prompt's prefill, images included. The decode steps are the fast decode step's where it covers the text model
+(Qwen2-VL's and Qwen2.5-VL's are Qwen2's: the prefill's keys and values are copied into its cache, each row
+starting at its prompt's next rope position), else the generic loop's.
 """
 
 from __future__ import annotations
@@ -26,8 +35,9 @@ import logging
 from collections.abc import Iterable
 from typing import Protocol
 
+import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, DynamicCache
 
 from rlctl.errors import UserError, did_you_mean
 from rlctl.rollout.base import (
@@ -38,7 +48,7 @@ from rlctl.rollout.base import (
     default_stop_token_ids,
     torch_dtype,
 )
-from rlctl.rollout.hf_decode import FastDecoder, unsupported_reason
+from rlctl.rollout.hf_decode import FastDecoder, TextModel, unsupported_reason
 from rlctl.rollout.spec import RolloutSpec
 
 logger = logging.getLogger(__name__)
@@ -56,19 +66,24 @@ class HFRolloutEngine(RolloutEngine):
             raise UserError(f"the hf rollout engine runs on one device; use tp=1 (got tp={spec.tp}) or the vllm engine")
         self.device = torch.device(spec.device)
         self.max_model_len = spec.max_model_len
-        self.model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=torch_dtype(spec.dtype))
+        self.vision = getattr(AutoConfig.from_pretrained(spec.model_path), "vision_config", None) is not None
+        auto = AutoModelForImageTextToText if self.vision else AutoModelForCausalLM
+        self.model = auto.from_pretrained(spec.model_path, dtype=torch_dtype(spec.dtype))
         self.model.to(self.device).eval().requires_grad_(False)
         self.stop_token_ids = default_stop_token_ids(spec.model_path)
         self.pad_token_id = 0  # any id works: padded positions are masked out
+        # a VL model never samples its vision tokens: an image token in a response has no image behind it
+        self.banned = vision_token_ids(self.model.config, self.device) if self.vision else None
         self._generator = torch.Generator(self.device).manual_seed(spec.seed)
         # The fast decode step (rlctl.rollout.hf_decode) when the architecture allows; it fuses the
         # projections in place, so it is built before the state dict below is taken.
         self.fast_decode = True  # False: always the generic loop (tests and benchmarks compare both)
         self._fast: FastDecoder | None = None
         self._logged: set[str] = set()
-        reason = unsupported_reason(self.model)
+        text = TextModel(self.model) if self.vision else self.model  # a VL model: its text model decodes
+        reason = unsupported_reason(text)
         if reason is None:
-            self._fast = FastDecoder(self.model)
+            self._fast = FastDecoder(text)
         else:
             self._log_fallback(reason)
         # multi-turn sessions (start_session): each sample's keys and values, by the tokens they cover
@@ -86,6 +101,25 @@ class HFRolloutEngine(RolloutEngine):
 
     def _generate(self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[Sample]:
         return self._decode(prompt_token_ids, n, sampling, [sampling.max_tokens] * (len(prompt_token_ids) * n))
+
+    def _generate_images(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams, images: list
+    ) -> list[Sample]:
+        if not self.vision:
+            raise UserError("prompts with images, but the rollout model has no vision tower")
+        budgets = [sampling.max_tokens] * (len(prompt_token_ids) * n)
+        return self._decode(prompt_token_ids, n, sampling, budgets, images=images)
+
+    def _vision_inputs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: list) -> dict:
+        """The prefill's images and multimodal rope positions [3, B, T] (pads masked out)."""
+        given = [im for im in images if im is not None]
+        pixels = torch.cat([torch.as_tensor(np.asarray(im[0])) for im in given]).to(self.device, self.model.dtype)
+        grid = torch.cat([torch.as_tensor(np.asarray(im[1]), dtype=torch.long) for im in given]).to(self.device)
+        types = (input_ids == self.model.config.image_token_id).int()
+        rope, _ = self.model.model.get_rope_index(
+            input_ids, mm_token_type_ids=types, image_grid_thw=grid, attention_mask=attention_mask
+        )
+        return {"pixel_values": pixels, "image_grid_thw": grid, "position_ids": rope}
 
     def _continue(self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]) -> list[Sample]:
         return self._decode(histories, 1, sampling, max_tokens)
@@ -127,11 +161,49 @@ class HFRolloutEngine(RolloutEngine):
             start = width - len(prompt)
             self._kept[tuple(covered)] = state.row_kv(s, start, start + len(covered))
 
+    def _vision_fast_prefill(self, fast: FastDecoder, prompts: list[list[int]], n: int, max_new: int, padded, images):
+        """VL prompts: the HF model's prefill (images, multimodal rope) once per prompt, its keys and values copied
+        into the fast decode state's cache (each prompt's for its ``n`` rows), each row's next position the
+        prompt's next rope position. ``padded``: (input_ids, attention_mask) of the left-padded prompts."""
+        input_ids, attention_mask = padded
+        width = input_ids.shape[1]
+        generic, logits = self._generic_prefill(input_ids, attention_mask, 1, images)
+        state = fast.start([len(p) for p in prompts], n, max_new)
+        for i, layer in enumerate(generic.cache.layers):
+            state.prompt_kv[i, 0].copy_(layer.keys[:, None])
+            state.prompt_kv[i, 1].copy_(layer.values[:, None])
+        state.position = generic.next_position.repeat_interleave(n)
+        self.prefilled_tokens += len(prompts) * width
+        return state, logits
+
+    def _generic_prefill(self, input_ids, attention_mask, n: int, images: list | None):
+        """The HF model's prefill of the padded prompts (with their images): (the decode steps, last logits)."""
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        kwargs = {"position_ids": position_ids}
+        if images is not None:
+            kwargs = self._vision_inputs(input_ids, attention_mask, images)
+            position_ids = kwargs["position_ids"][0]  # the prompts end in text: equal on the three axes there
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **kwargs,
+        )
+        return _HFSteps(self.model, cache, attention_mask, position_ids, n), out.logits[:, -1]
+
     @torch.inference_mode()
     def _decode(
-        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams, max_tokens: list[int]
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int,
+        sampling: SamplingParams,
+        max_tokens: list[int],
+        images: list | None = None,
     ) -> list[Sample]:
-        """``n`` samples per prompt, sample ``s`` at most ``max_tokens[s]`` tokens."""
+        """``n`` samples per prompt, sample ``s`` at most ``max_tokens[s]`` tokens (``images``: each prompt's)."""
         check_generate_args(prompt_token_ids, n, self.max_model_len)
         stop_ids = self.stop_token_ids | set(sampling.stop_token_ids or ())
         generator = self._generator
@@ -146,23 +218,15 @@ class HFRolloutEngine(RolloutEngine):
             self._log_fallback(reason)
             fast = None
         # One prefill per prompt; its cache is shared by the prompt's n samples.
-        if fast is not None:
+        if fast is not None and images is not None:  # the whole model's prefill, then the fast decode steps
+            padded = (input_ids, attention_mask)
+            steps, logits = self._vision_fast_prefill(fast, prompt_token_ids, n, max(budget), padded, images)
+        elif fast is not None:
             # the fast path's own prefill, into its preallocated cache (after kept columns, in a session)
             state, logits = self._fast_prefill(fast, prompt_token_ids, n, max(budget), input_ids)
             steps: _Steps = state
         else:
-            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-            cache = DynamicCache(config=self.model.config)
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            logits = out.logits[:, -1]
-            steps = _HFSteps(self.model, cache, attention_mask, position_ids, n)
+            steps, logits = self._generic_prefill(input_ids, attention_mask, n, images)
         logits = logits.repeat_interleave(n, dim=0)
         tokens: list[list[int]] = [[] for _ in range(num_samples)]
         logprobs: list[list[float]] = [[] for _ in range(num_samples)]
@@ -170,7 +234,7 @@ class HFRolloutEngine(RolloutEngine):
         rows = list(range(num_samples))  # sample index of each row still decoding
 
         while True:
-            next_tokens, next_logprobs = sample_next_token(logits, sampling, generator)
+            next_tokens, next_logprobs = sample_next_token(logits, sampling, generator, self.banned)
             for s, token, logprob in zip(rows, next_tokens.tolist(), next_logprobs.tolist()):
                 tokens[s].append(token)
                 logprobs[s].append(logprob)
@@ -213,6 +277,16 @@ class HFRolloutEngine(RolloutEngine):
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]
         self._tensors = {}
+
+
+VISION_REASON = "a vision-language model: the prefill runs through the whole model with the images"
+VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def vision_token_ids(config, device: torch.device) -> torch.Tensor | None:
+    """The vision tokens of a VL model's config (never sampled), or None when it names none."""
+    ids = sorted({int(i) for k in VISION_TOKEN_KEYS if (i := getattr(config, k, None)) is not None})
+    return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
 
 
 class _Steps(Protocol):
@@ -263,23 +337,28 @@ def left_pad(prompts: list[list[int]], pad_token_id: int, device: torch.device) 
 
 
 def sample_next_token(
-    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    generator: torch.Generator,
+    banned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of ``logits`` (rows, vocab); return (tokens, their log-probs).
 
     The log-prob is ``log_softmax(logits / temperature)`` at the drawn token, before top-k/top-p
-    (``log_softmax(logits)`` when greedy).
+    (``log_softmax(logits)`` when greedy). ``banned`` token ids are never drawn (a filter like top-k: the
+    log-probs are still the unfiltered distribution's).
     """
     if logits.dtype != torch.float32:
         logits = logits.float()
     if sampling.greedy:
-        tokens = logits.argmax(dim=-1)
         logprobs = logits.log_softmax(dim=-1)
+        tokens = (logits if banned is None else logits.index_fill(-1, banned, float("-inf"))).argmax(dim=-1)
     else:
         scaled = logits if sampling.temperature == 1 else logits / sampling.temperature
         logprobs = scaled.log_softmax(dim=-1)
-        if 0 < sampling.top_k < logits.shape[-1] or sampling.top_p < 1:
-            probs = filter_top_k_top_p(scaled, sampling.top_k, sampling.top_p).softmax(dim=-1)
+        if 0 < sampling.top_k < logits.shape[-1] or sampling.top_p < 1 or banned is not None:
+            kept = scaled if banned is None else scaled.index_fill(-1, banned, float("-inf"))
+            probs = filter_top_k_top_p(kept, sampling.top_k, sampling.top_p).softmax(dim=-1)
         else:
             probs = logprobs.exp()  # softmax(scaled) up to float rounding
         tokens = draw(probs, generator)

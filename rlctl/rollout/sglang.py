@@ -29,6 +29,13 @@ Seeds: SGLang reads a request's ``sampling_seed`` only under ``--enable-determin
 (``sampling/sampling_batch_info.py``), which rlctl does not turn on (it restricts the attention
 backends and costs throughput): SGLang rollouts are not reproducible from the seed, and no seed is sent.
 
+Images (vision-language models; UNTESTED, written from SGLang's "Query VLM with Offline Engine" guide,
+``docs/advanced_features/vlm_query``): a prompt's images go as the processor's output,
+``image_data=[[{"format": "processor_output", "input_ids", "pixel_values", "image_grid_thw"}]]`` (one list per
+request), with ``input_ids`` already expanded (one image token per merged patch, as rlctl.data.rl builds them):
+SGLang then uses the same pixels as the trainer instead of processing the pictures again. The engine needs the
+model's processor for that, so it is started with its tokenizer (``skip_tokenizer_init`` off) for a VL model.
+
 Log-probabilities: SGLang's default returned log-probs are taken after temperature and before
 top-k/top-p, and greedy requests run at temperature 1 with top-k 1, which is our convention, as
 far as we read its sampler (unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set: leave it unset).
@@ -40,6 +47,7 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlctl.errors import UserError
@@ -90,7 +98,7 @@ class SGLangRolloutEngine(RolloutEngine):
             mem_fraction = static_fraction(mem_fraction, *torch.cuda.mem_get_info(torch.device(spec.device)))
         self._engine = engine_class(
             model_path=spec.model_path,
-            skip_tokenizer_init=True,
+            skip_tokenizer_init=not is_vision_model(spec.model_path),  # a VL model's processor needs it
             device=device_type,
             # under torchrun, each rank's engine sits on that rank's GPU
             base_gpu_id=int(os.environ.get("LOCAL_RANK", "0")) if colocated else 0,
@@ -113,6 +121,17 @@ class SGLangRolloutEngine(RolloutEngine):
             input_ids=input_ids,
             sampling_params=sglang_sampling_params(sampling, stop_ids),
             return_logprob=True,
+        )
+        return samples_from_outputs(outputs, n)
+
+    def _generate_images(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: SamplingParams, images: list
+    ) -> list[Sample]:
+        check_generate_args(prompt_token_ids, n, self.max_model_len)
+        stop_ids = sorted(self.stop_token_ids | set(sampling.stop_token_ids or ()))
+        request = image_request(prompt_token_ids, images, n)
+        outputs = self._engine.generate(
+            **request, sampling_params=sglang_sampling_params(sampling, stop_ids), return_logprob=True
         )
         return samples_from_outputs(outputs, n)
 
@@ -150,6 +169,38 @@ class SGLangRolloutEngine(RolloutEngine):
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+
+
+def is_vision_model(model_path: str) -> bool:
+    """Whether the model directory's config.json has a vision tower (a missing file: no)."""
+    import json
+    from pathlib import Path
+
+    config = Path(model_path) / "config.json"
+    try:
+        return isinstance(json.loads(config.read_text()).get("vision_config"), dict)
+    except (OSError, ValueError):
+        return False
+
+
+def image_request(prompt_token_ids: list[list[int]], images: list, n: int) -> dict[str, Any]:
+    """``generate``'s ``input_ids`` and ``image_data`` for prompts with images: each prompt ``n`` times
+    (prompt-major), its images as one processor output (None for a prompt without images)."""
+    input_ids, image_data = [], []
+    for prompt, im in zip(prompt_token_ids, images, strict=True):
+        item = None
+        if im is not None:
+            item = [
+                {
+                    "format": "processor_output",
+                    "input_ids": torch.tensor([prompt]),
+                    "pixel_values": torch.as_tensor(np.asarray(im[0])),
+                    "image_grid_thw": torch.as_tensor(np.asarray(im[1]), dtype=torch.long),
+                }
+            ]
+        input_ids += [prompt] * n
+        image_data += [item] * n
+    return {"input_ids": input_ids, "image_data": image_data}
 
 
 def static_fraction(mem_fraction: float, free_bytes: int, total_bytes: int) -> float:

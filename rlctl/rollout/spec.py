@@ -38,11 +38,11 @@ class RolloutSpec:
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> RolloutSpec:
-        """The settings of ``rollout.*`` in a resolved config (0 / "auto" the plan left: the defaults);
+        """The settings of ``rollout.*`` in a resolved config (0 / None the plan left: the defaults);
         ``seed`` is ``train.seed`` (each rank adds its rank)."""
         r = cfg.rollout
         return cls(
-            engine=r.engine if r.engine != "auto" else "hf",  # auto: the plan chose none
+            engine=r.engine or "hf",  # None: the plan chose none
             tp=r.tp or 1,
             mem_fraction=r.mem_fraction or 0.5,
             max_model_len=r.max_prompt_len + r.max_response_len,

@@ -171,6 +171,12 @@ class VLLMRolloutEngine(RolloutEngine):
         ]
         return self._run(prompt_token_ids, params, copies)
 
+    def _generate_images(self, prompt_token_ids, n, sampling, images) -> list[Sample]:
+        raise UserError(
+            "the vllm rollout engine does not take images in rlctl yet (vLLM's Qwen2-VL needs torchvision, which "
+            "does not load with this CPU torch: docs/multimodal.md); use --rollout hf for vision-language models"
+        )
+
     def _continue(self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]) -> list[Sample]:
         # token ids in (no re-tokenization); one request each, its own budget and seed, in one call
         check_generate_args(histories, 1, self.max_model_len)

@@ -1,36 +1,10 @@
-"""Agent tests: one tiny tool-calling model for all of them, and (until rlctl.agents.tools exists) a private
-stand-in for its ToolCall / ToolOutcome types, so the parser and the loop can be tested on their own."""
+"""Agent tests: one tiny tool-calling model for all of them."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import types
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import pytest
-
-HAS_TOOLS = importlib.util.find_spec("rlctl.agents.tools") is not None
-
-if not HAS_TOOLS:  # test-only stand-in: the two value types of the interface (rlctl.agents.tools owns them)
-
-    @dataclass(frozen=True)
-    class ToolCall:
-        name: str
-        arguments: dict
-        id: str = ""
-
-    @dataclass(frozen=True)
-    class ToolOutcome:
-        content: str
-        status: Literal["ok", "error", "timeout", "unknown_tool"]
-        reward: float = 0.0
-
-    _standin = types.ModuleType("rlctl.agents.tools")
-    _standin.ToolCall, _standin.ToolOutcome = ToolCall, ToolOutcome
-    sys.modules["rlctl.agents.tools"] = _standin
 
 ADD_SCHEMA = {  # what rlctl.agents.tools makes of TOOLS_FILE (test_loop checks it)
     "type": "function",

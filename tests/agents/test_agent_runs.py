@@ -8,15 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.agents.conftest import HAS_TOOLS, TOOLS_FILE
+from tests.agents.conftest import TOOLS_FILE
 from tests.support.cli import run_cli
 from tests.support.rl import failure, train_records
 from tests.support.sft import write_jsonl
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not HAS_TOOLS, reason="needs rlctl.agents.tools (issue 23's other half)"),
-]
+pytestmark = pytest.mark.slow
 REWARD = Path(__file__).resolve().parents[1] / "support" / "agent_rewards.py"
 COMPARED = ("reward/mean", "pg/loss", "grad_norm", "tool/calls", "turns/mean", "response_len/mean")
 

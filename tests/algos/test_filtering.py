@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlctl.algos.filtering import pick_groups, varied_groups
+from rlctl.algos.filtering import next_round_size, pick_groups, varied_groups
 
 
 def test_varied_groups_by_hand():
@@ -97,3 +97,23 @@ def test_dynamic_sampling_and_remax_are_refused_with_a_split_rollout():
     for algo, words in (({"dynamic_sampling": True}, "algo.dynamic_sampling"), ({"adv": "remax"}, "--adv remax")):
         with pytest.raises(UserError, match=f"{words} does not run with rollout.procs=1 .*set rollout.procs=0"):
             check_algorithm(build_config("grpo", [{"algo": algo, "rollout": {"procs": 1}}]))
+
+
+def test_a_later_round_draws_about_the_prompts_still_missing():
+    # 9 varied groups missing, 23 of 32 seen varied: 1.25 * 9 * 32 / 23 = 15.65 -> 16 prompts
+    assert next_round_size(9, 23, 32, 32) == 16
+    assert next_round_size(1, 32, 32, 32) == 2  # ceil(1.25)
+    assert next_round_size(30, 2, 32, 32) == 32  # never more than a whole batch
+    assert next_round_size(5, 0, 32, 32) == 32  # nothing varied yet: a whole batch
+
+
+def test_the_sampler_stream_continues_the_steps_batches_across_epochs():
+    from rlctl.data.packing import StepSampler
+
+    s = StepSampler(10, 4, seed=3)  # batches of 4, 4, 2 per epoch
+    for step in range(7):
+        assert s.stream(s.first(step), len(s.indices(step))) == s.indices(step)
+    assert [s.first(k) for k in range(4)] == [0, 4, 8, 10]
+    across = s.stream(8, 5)  # the last 2 of epoch 0, then the first 3 of epoch 1
+    assert across == s.indices(2) + s.indices(3)[:3]
+    assert sorted(s.stream(0, 10)) == list(range(10)) and s.stream(0, 10) != s.stream(10, 10)

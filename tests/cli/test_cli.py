@@ -44,7 +44,7 @@ def test_grpo_dry_run_json_for_a_cluster(tmp_path):
     assert plan["rollout"] in ("sglang", "vllm") and plan["rollout_tp"] >= 1
     assert isinstance(plan["reasons"], list) and all(isinstance(x, str) for x in plan["reasons"])
     assert doc["config"]["method"] == "grpo" and doc["config"]["model"]["name"] == "Qwen2.5-7B"
-    assert doc["config"]["parallel"]["backend"] == "fsdp"  # the plan filled the "auto" fields
+    assert doc["config"]["parallel"]["backend"] == "fsdp"  # the plan filled the open (None) fields
     launch = doc["launch"]
     assert "torch.distributed.run" in launch and "rlctl.recipes.grpo" in launch
     assert launch[launch.index("--nproc-per-node") + 1] == "8"

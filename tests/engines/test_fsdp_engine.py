@@ -506,7 +506,7 @@ def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, t
     assert LoraSpec(rank=4).scaled_alpha == 8 and LoraSpec(rank=4, alpha=3.0).scaled_alpha == 3.0
     assert LoraSpec(targets="q_proj, v_proj").target_modules == ["q_proj", "v_proj"]
     assert LoraSpec().target_modules == "all-linear"
-    with pytest.raises(UnresolvedConfig, match="parallel.backend is 'auto'"):
+    with pytest.raises(UnresolvedConfig, match="parallel.backend is None"):
         EngineSpec.from_config(raw)
     resolved = apply_plan(raw, SimpleNamespace(**cpu_plan(1)))
     resolved.parallel.sequence_parallel = None

@@ -151,6 +151,7 @@ def test_no_sharding_is_one_process_only(cfg, tmp_path):
                 "parallel__tp": 1,
                 "parallel__pp": 1,
                 "parallel__ep": 1,
+                "parallel__sp": 1,
                 "parallel__sequence_parallel": False,
                 "parallel__activation_checkpointing": False,
                 "parallel__offload_params": False,

@@ -86,3 +86,17 @@ def test_estimate_memory_names_the_vision_tower(monkeypatch, capsys):
     assert "5120 patches of 14x14 each through the vision tower, merged into 1280 tokens" in out
     assert "vision tower activations" in out
     assert "fits: " in out
+
+
+def test_vl_models_roll_out_with_an_engine_that_takes_images():
+    lora = plan_for("grpo", model={"name": "Qwen2.5-VL-7B"}, hardware={"gpus": 8}, lora={"rank": 16})
+    assert lora.rollout == "sglang"  # LoRA would pick vllm for a text model
+    assert any("vllm engine takes no images" in r for r in lora.reasons)
+    with pytest.raises(UserError, match="rollout.engine=vllm takes no images"):
+        plan_for("grpo", model={"name": "Qwen2.5-VL-7B"}, hardware={"gpus": 8}, rollout={"engine": "vllm"})
+
+
+def test_train_vision_flag_reaches_the_estimate(monkeypatch, capsys):
+    args = ("estimate", "memory", "--model", "Qwen2.5-VL-7B", "--method", "grpo", "--gpus", "8", "--train-vision")
+    code, out = rlctl_in_process(monkeypatch, capsys, *args)
+    assert code == 0 and "trained (--train-vision): full states like the text model" in " ".join(out.split())

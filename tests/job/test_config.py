@@ -111,14 +111,23 @@ def test_tri_states_are_bool_or_none_and_read_the_old_strings(tmp_path):
 
 
 # enumerated settings the plan decides: ``Literal | None``, no "auto" among their values
-PLAN_DECIDES = {"model.dtype": ("bf16", "fp16", "fp32"), "model.attn": ("sdpa", "eager", "flash_attention_2")}
+PLAN_DECIDES = {
+    "model.dtype": ("bf16", "fp16", "fp32"),
+    "model.attn": ("sdpa", "eager", "flash_attention_2"),
+    "hardware.device": ("cuda", "cpu"),
+    "parallel.backend": ("fsdp", "megatron"),
+    "rollout.engine": ("hf", "vllm", "sglang"),
+    "data.format": ("chat", "pairs", "rl"),
+}
 RUN_TIME = {"model.attn"}  # the plan forecasts it; the engine picks on the ranks (the resolved config keeps None)
+LOADER = {"data.format"}  # the data loader decides, row by row: no plan decision, None in the resolved config
 
 
 @pytest.mark.parametrize("key", sorted(PLAN_DECIDES))
 def test_an_enumerated_setting_the_plan_decides_is_none_and_reads_the_old_auto(key, tmp_path):
     """None by default (the plan decides); "auto" from a YAML file, --set or a flag still reads as None;
-    "auto" is no value of its Literal; the plan decides one of its values, which the resolved config holds."""
+    "auto" is no value of its Literal; the plan decides one of its values, which the resolved config holds
+    (data.format: the loader decides, row by row)."""
     from rlctl.config import CHOICES, get_key, load_yaml_file
     from rlctl.job import resolve_job
 
@@ -132,7 +141,11 @@ def test_an_enumerated_setting_the_plan_decides_is_none_and_reads_the_old_auto(k
     assert get_key(build_config("sft", [parse_set_options([f"{key}={given}"])]), key) == given
     with pytest.raises(UserError, match=rf"{key}='nope' is not valid; choose one of {', '.join(PLAN_DECIDES[key])}"):
         build_config("sft", [parse_set_options([f"{key}=nope"])])
-    job = resolve_job("sft", options={"model.name": "Qwen/Qwen2.5-0.5B", "hardware.device": "cpu", key: "auto"})
+    method = "grpo" if key.startswith("rollout.") else "sft"
+    job = resolve_job(method, options={"model.name": "Qwen/Qwen2.5-0.5B", "hardware.device": "cpu", key: "auto"})
+    if key in LOADER:
+        assert get_key(job.cfg, key) is None and key not in [d.key for d in job.plan.decisions]
+        return
     assert job.plan.decided(key) in PLAN_DECIDES[key]  # the plan's choice, in its words too
     assert get_key(job.cfg, key) == (None if key in RUN_TIME else job.plan.decided(key))
 
@@ -147,7 +160,7 @@ def test_choices_come_from_the_names_module():
 
     literals = {v for v in vars(names).values() if typing.get_origin(v) is typing.Literal}
     assert {typing.get_args(v) for v in literals} >= set(CHOICES.values())
-    assert CHOICES["rollout.engine"] == ("auto", "hf", "vllm", "sglang")
+    assert CHOICES["rollout.engine"] == ("hf", "vllm", "sglang")
     assert CHOICES["algo.loss_agg"] == names.choices(names.LossAgg)  # LossAgg | None
     assert "parallel.shard" not in CHOICES and "model.name" not in CHOICES
     with pytest.raises(UserError, match=r"rollout.engine='vlm' is not valid \(did you mean vllm\?\)"):
@@ -158,7 +171,7 @@ def test_choices_come_from_the_names_module():
         names.describe(names.Precision)
         == "mixed (fp32 master weights, grads, AdamW: 16 bytes/param) | bf16 (pure bf16: 8 bytes/param)"
     )
-    assert names.describe(names.Backend, without=("auto",)) == "fsdp | megatron"
+    assert names.describe(names.Backend) == "fsdp | megatron"
 
 
 def test_rollout_engines_and_algorithm_names_match_their_implementations():

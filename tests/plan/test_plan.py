@@ -296,7 +296,7 @@ def test_apply_plan_fills_every_auto_field_and_is_stable():
     cfg = cfg_for("grpo", model={"name": "Qwen2.5-7B"}, hardware={"gpus": 8})
     plan = resolve_plan(cfg, local=LAPTOP)
     applied = apply_plan(cfg, plan)
-    assert cfg.parallel.backend == "auto"  # the input is not modified
+    assert cfg.parallel.backend is None  # the input is not modified
     assert (applied.parallel.backend, applied.parallel.tp, applied.parallel.pp) == (plan.backend, plan.tp, plan.pp)
     assert applied.rollout.engine == plan.rollout and applied.rollout.tp == plan.rollout_tp
     assert applied.rollout.mem_fraction == plan.rollout_mem_fraction
@@ -552,7 +552,7 @@ def test_rollout_tensor_parallel_stays_inside_a_node():
         assert row.plan.rollout_tp <= per_node, (row.gpu, row.gpus, row.nodes, row.plan.rollout_tp)
 
 
-@pytest.mark.parametrize("engine", ["auto", "sglang", "vllm"])
+@pytest.mark.parametrize("engine", [None, "sglang", "vllm"])
 def test_the_plan_never_gives_a_rollout_engine_a_tp_it_refuses(engine):
     """Over models and GPU counts the planner's rollout tp is one the engine accepts on the ranks (SGLang runs
     one engine per rank: tp 1; rlctl.rollout.sglang refuses the rest with the same rule), and a rollout.tp

@@ -24,8 +24,8 @@ One RL step (the recipes spell it out in order; every step returns its metrics, 
     rl.update_actor(batch)        # ppo_epochs x mini-batches, one optimizer step per mini-batch
 
 Where the samples live. The step's global batch is ``train.batch_size`` prompts, fixed by the step
-number alone (:class:`~rlctl.data.packing.StepSampler`; with dynamic sampling by the data cursor, the
-sampler batches drawn so far). It is cut into mini-batches of
+number alone (:class:`~rlctl.data.packing.StepSampler`; with dynamic sampling by the data position, the
+examples drawn so far). It is cut into mini-batches of
 ``algo.mini_batch_size`` prompts (one optimizer step each) and the prompts of each mini-batch are
 dealt round-robin to the ranks (:func:`rank_positions`). A rank generates all ``n`` samples of its
 prompts, so a prompt's group never crosses ranks, and every rank holds its share of every

@@ -202,7 +202,21 @@ def _collate(batch: RolloutBatch, rows: list[int], device: torch.device) -> Micr
         token_row=t(token_row),
         token_col=t(token_col),
         width=max(len(batch.responses[i]) for i in rows),
+        **prompt_images(batch, rows, device),
     )
+
+
+def prompt_images(batch: RolloutBatch, rows: list[int], device: torch.device) -> dict:
+    """``pixel_values`` and ``image_grid_thw`` of the prompts of ``rows`` (vision-language prompts,
+    rlctl.data.rl), concatenated in row order: the same pixels the rollout engine prefilled ({} without any)."""
+    prompts = [batch.meta[i] for i in rows] if batch.meta else []
+    given = [p for p in prompts if getattr(p, "pixel_values", None) is not None]
+    if not given:
+        return {}
+    return {
+        "pixel_values": torch.cat([torch.as_tensor(p.pixel_values, dtype=torch.float32) for p in given]).to(device),
+        "image_grid_thw": torch.cat([torch.as_tensor(p.image_grid_thw, dtype=torch.int64) for p in given]).to(device),
+    }
 
 
 def _dummy(pad_id: int, device: torch.device) -> MicroBatch:
@@ -220,12 +234,14 @@ def _dummy(pad_id: int, device: torch.device) -> MicroBatch:
 
 
 def _prompt_groups(batch: RolloutBatch, rows: list[int], budget: int) -> list[list[int]]:
-    """``rows`` grouped by prompt (in order), a group split where its prefix plus responses exceed ``budget``."""
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    """``rows`` grouped by prompt (in order), a group split where its prefix plus responses exceed ``budget``.
+    A prompt is its position in the step (``uid // n``) as well as its tokens: two prompts of equal tokens
+    differ by their images (vision-language prompts)."""
+    by_prompt: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     for i in rows:
-        by_prompt.setdefault(tuple(batch.prompts[i]), []).append(i)
+        by_prompt.setdefault((int(batch.uid[i]) // batch.n, tuple(batch.prompts[i])), []).append(i)
     groups = []
-    for prompt, members in by_prompt.items():
+    for (_, prompt), members in by_prompt.items():
         current, size = [], len(prompt)
         for i in members:
             if current and size + len(batch.responses[i]) - 1 > budget:
@@ -290,6 +306,7 @@ def _collate_shared(batch: RolloutBatch, groups: list[list[int]], pad_id: int, d
         width=max(len(batch.responses[i]) for i in rows),
         keep_cols=t(keep),
         blocks=blocks,
+        **prompt_images(batch, [g[0] for g in groups], device),  # a group's images once, with its prompt
     )
 
 

@@ -1,13 +1,16 @@
 """DAPO's dynamic sampling in a step (``algo.dynamic_sampling``; the rule: :mod:`rlctl.algos.filtering`).
 
-A round is one ordinary rollout of the sampler's next batch of prompts (``train.batch_size``), scored.
-After each round every rank sends ``(round, position, varied)`` of its groups to all (a group never
-crosses ranks), so all ranks see the same list and take the same decision: stop when the varied groups
-fill the batch, or when ``algo.dynamic_max_rounds`` rounds ran (the batch is then topped up with
-non-varied groups). Each rank keeps the picked groups it generated, renumbered by their place in the
-batch (``uid = place * n + j``): the rest of the step (advantages on the global batch, mini-batches,
-global denominators) is unchanged. Every round draws a new batch from the sampler, so the trainer's data
-cursor (saved in the checkpoint) counts rounds, not steps; a resume continues from the same prompts.
+A round is one ordinary rollout of the next prompts of the sampler's stream, scored: the first round a
+whole batch (``train.batch_size``), a later one about the prompts still missing (the shortfall over the
+share of varied groups so far, x1.25: :func:`rlctl.algos.filtering.next_round_size`), where verl draws a
+whole generation batch each time and discards the varied groups beyond the batch. After each round every
+rank sends ``(round, position, varied)`` of its groups to all (a group never crosses ranks), so all ranks
+see the same list and take the same decision: stop when the varied groups fill the batch, or when
+``algo.dynamic_max_rounds`` rounds ran (the batch is then topped up with non-varied groups). Each rank
+keeps the picked groups it generated, renumbered by their place in the batch (``uid = place * n + j``):
+the rest of the step (advantages on the global batch, mini-batches, global denominators) is unchanged.
+The trainer's data position (examples drawn from the stream, saved in the checkpoint) moves by what the
+rounds drew, so a resume continues from the same prompts.
 
 The step's reward and length metrics are over every sample generated (all rounds): the reward per
 generated sample. ``dynamic/*`` say what the rounds gave.
@@ -20,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlctl.algos.filtering import GroupPick, pick_groups, varied_groups
+from rlctl.algos.filtering import GroupPick, next_round_size, pick_groups, varied_groups
 from rlctl.recipes.rl.batch import RolloutBatch
 from rlctl.runtime.dist import all_gather_objects
 
@@ -98,11 +101,13 @@ def dynamic_sample(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
     pick = None
     while pick is None:
         r = len(rounds)
-        prompts = len(rl.sampler.indices(rl.cursor))
-        batch, generated = rl.generate(rl.cursor)
-        rl.cursor += 1
+        varied = sum(v for _, _, v in seen)
+        size = target if not r else next_round_size(target - varied, varied, len(seen), target)
+        indices = rl.sampler.stream(rl.cursor, size)
+        batch, generated = rl.generate(indices, rl.cursor)
+        rl.cursor += size
         parts.append({**generated, **rl.score(batch, step)})
-        counts.append(float(prompts * n))
+        counts.append(float(size * n))
         rounds.append(batch)
         mine = [(r, p, v) for p, v in local_groups(batch)]
         seen += [g for part in all_gather_objects(mine) for g in part]
@@ -116,7 +121,7 @@ def dynamic_sample(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
             "dynamic/padded_groups": float(pick.padded),
             "dynamic/surplus_groups": float(pick.surplus),
             "dynamic/generated_samples": sum(counts),
-            "dynamic/extra_samples": sum(counts[1:]),
+            "dynamic/extra_samples": float(sum(counts[1:])),
         }
     )
     if pick.padded:

@@ -18,7 +18,7 @@ from rlctl.data.packing import StepSampler
 from rlctl.data.rl import Prompt, build_rl_data
 from rlctl.data.sft import use_chat_template
 from rlctl.engines import EngineSpec, build_engine
-from rlctl.engines.base import TrainEngine, load_tokenizer, model_source, write_model_meta
+from rlctl.engines.base import TrainEngine, load_tokenizer, load_vision_processor, model_source, write_model_meta
 from rlctl.errors import UserError
 from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
 from rlctl.recipes.rl.agent import load_agent, make_agent_loop, run_agent
@@ -36,6 +36,12 @@ from rlctl.runtime.entry import RunContext
 LOGPROB_DIFF_WARN = 0.1  # mean |rollout - trainer| log-prob above this: the engines disagree
 # step 0: mean |rollout - trainer| log-prob beyond what the dtype explains refuses to start
 LOGPROB_DIFF_REFUSE = {"fp32": 0.05, "bf16": 0.5}
+
+
+def prompt_images(prompts: list[Prompt]) -> list | None:
+    """Each prompt's images for the rollout engine (None for a prompt without); None when no prompt has any."""
+    images = [(p.pixel_values, p.image_grid_thw) if p.pixel_values is not None else None for p in prompts]
+    return images if any(im is not None for im in images) else None
 
 
 def logprob_check_problem(diff: float, dtype: str) -> str | None:
@@ -100,19 +106,23 @@ class RLTrainer:
         self.tokenizer = use_chat_template(load_tokenizer(self.source), cfg)
         self.pad_id = self.tokenizer.pad_token_id
         self.agent_spec = load_agent(cfg)  # tools / environment / interaction (None: single-turn)
+        self.vision = load_vision_processor(self.source, self.tokenizer)  # a VL model's image processor, or None
+        if self.vision is not None and self.agent_spec is not None:
+            raise UserError("multi-turn agent runs take text models only; a vision-language model runs single-turn")
         self.data = build_rl_data(
             cfg,
             self.tokenizer,
             cache_dir=ctx.paths.data_cache,
             log=ctx.log,
             tools=self.agent_spec.schemas if self.agent_spec is not None else None,
+            vision=self.vision,
         )
         ctx.log(f"data: {self.data.report.summary()}; {len(self.data.train)} train / {len(self.data.val)} val prompts")
         self.scorer = RewardScorer.for_run(cfg, self.data, self.tokenizer, d.device, ctx.log)
         self.sampler = StepSampler(
             len(self.data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle
         )
-        self.cursor = 0  # the sampler's batches drawn so far: the step, unless dynamic sampling drew more
+        self.cursor = 0  # examples drawn so far (sampler.stream's position): dynamic sampling draws more
         self.total_steps = cfg.train.max_steps or cfg.train.epochs * self.sampler.steps_per_epoch
         self.mini_batch_size = min(a.mini_batch_size or self.sampler.batch_size, self.sampler.batch_size)
         optimizer_steps = self.total_steps * a.ppo_epochs * math.ceil(self.sampler.batch_size / self.mini_batch_size)
@@ -131,7 +141,9 @@ class RLTrainer:
         self.device = self.actor.device
         self.dp_group = self.actor.dp_group  # sums over the (pooled) data: over the data-parallel replicas
         if d.is_main:
-            write_model_meta(ctx.paths.model_meta, self.actor.hf_config, self.tokenizer, self.source)
+            write_model_meta(
+                ctx.paths.model_meta, self.actor.hf_config, self.tokenizer, self.source, vision=self.vision
+            )
         barrier()
         self.kl_ctl = AdaptiveKLController(a.kl_coef, a.kl_target) if a.kl_target else FixedKLController(a.kl_coef)
         self.rollout_dtype = "fp32" if self.actor.compute_dtype == torch.float32 else "bf16"
@@ -195,8 +207,9 @@ class RLTrainer:
         from dataclasses import replace
 
         own = self.dist.rank % self.rollout_tp
-        everything = [p.token_ids for share in shares for p in share]
-        samples = self.rollout.generate(everything, n, sampling) if everything else []
+        prompts = [p for share in shares for p in share]
+        everything = [p.token_ids for p in prompts]
+        samples = self.rollout.generate(everything, n, sampling, images=prompt_images(prompts)) if everything else []
         start = sum(len(share) for share in shares[:own])
         return [
             replace(s, prompt_index=s.prompt_index - start)
@@ -231,15 +244,14 @@ class RLTrainer:
         (:mod:`rlctl.recipes.rl.dynamic`)."""
         if self.cfg.algo.dynamic_sampling:
             return dynamic_sample(self, step)
-        batch, generated = self.generate(self.cursor)
-        self.cursor += 1
+        batch, generated = self.generate(self.sampler.indices(step), step)
+        self.cursor = self.sampler.first(step + 1)
         return batch, merged(generated, self.score(batch, step))
 
-    def generate(self, draw: int) -> tuple[RolloutBatch, Metrics]:
-        """This rank's prompts of the sampler's batch ``draw`` (the step, unless dynamic sampling drew
-        more batches), ``rollout.n`` samples each."""
+    def generate(self, indices: list[int], draw: int) -> tuple[RolloutBatch, Metrics]:
+        """This rank's share of the prompts ``indices`` (a step's batch, or a round of dynamic sampling),
+        ``rollout.n`` samples each; ``draw`` (the step, or the round's stream position) seeds the sampling."""
         d, n = self.dist, self.cfg.rollout.n
-        indices = self.sampler.indices(draw)
 
         def positions_of(rank: int) -> list[int]:
             return rank_positions(len(indices), self.mini_batch_size, rank, d.world_size)
@@ -557,11 +569,12 @@ class RLTrainer:
         }
 
     def state(self) -> dict:
-        return {"kl_coef": self.kl_ctl.value, "data_cursor": self.cursor}
+        return {"kl_coef": self.kl_ctl.value, "data_position": self.cursor}
 
     def load_state(self, state: dict) -> None:
         self.kl_ctl.value = float(state.get("kl_coef", self.kl_ctl.value))
-        self.cursor = int(state.get("data_cursor", state.get("step", 0)))  # older checkpoints: one batch a step
+        # older checkpoints: one batch a step
+        self.cursor = int(state.get("data_position", self.sampler.first(int(state.get("step", 0)))))
         self.weights_stale = True  # the rollout engine still holds the initial weights
 
     def summary(self) -> dict:
