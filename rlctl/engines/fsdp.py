@@ -157,6 +157,10 @@ class FSDPEngine(TrainEngine):
         if spec.sp == 1:
             return None
         c = self.hf_config
+        if is_vision_config(c):
+            raise UserError(
+                f"parallel.sp={spec.sp}: a vision-language model is not split by sequence; use parallel.sp=1"
+            )
         ulysses.check(spec.sp, self.world, c.num_attention_heads, getattr(c, "num_key_value_heads", None) or 1)
         return ulysses.sp_groups(spec.sp, self.device.type)
 
