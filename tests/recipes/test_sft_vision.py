@@ -63,17 +63,19 @@ def test_vl_sft_resumes_exactly_on_two_processes_and_exports(tiny_vl_model_dir, 
     for a, b in zip(got, ref):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
 
-    _check_export(whole / "hf", tiny_vl_model_dir)
+    _check_export(whole, tiny_vl_model_dir, vl_data)
 
 
-def _check_export(hf_dir: Path, initial_dir: Path) -> None:
+def _check_export(run: Path, initial_dir: Path, data: Path) -> None:
     """The export loads with the auto classes, has the image processor, was trained (weights moved, the vision
-    tower frozen) and generates an answer about an image."""
+    tower frozen) and answers about an image (transformers' generate) exactly as the trained model does: the
+    last checkpoint loaded into an engine, its weights synced into the hf rollout engine, greedy."""
     import io
 
     from PIL import Image
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
+    hf_dir = run / "hf"
     assert (hf_dir / "preprocessor_config.json").is_file()
     model = AutoModelForImageTextToText.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
@@ -100,7 +102,35 @@ def _check_export(hf_dir: Path, initial_dir: Path) -> None:
             do_sample=False,
         )
     answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-    assert answer.startswith("It is"), answer
+    engine_answer = _engine_greedy_answer(run, initial_dir, data, ids[0].tolist(), pixels, tok)
+    assert answer == engine_answer and answer.startswith("It is"), (answer, engine_answer)
+
+
+def _engine_greedy_answer(run: Path, initial_dir: Path, data: Path, ids: list[int], pixels, tok) -> str:
+    """The last checkpoint (not the export) loaded into a one-process FSDP engine, its full weights synced into
+    the hf rollout engine (built on the initial model), greedy decode of ``ids`` with the image."""
+    import torch.distributed as dist
+
+    from rlctl.engines.fsdp import FSDPEngine
+    from rlctl.rollout.base import SamplingParams
+    from rlctl.rollout.hf import HFRolloutEngine
+    from rlctl.rollout.spec import RolloutSpec
+    from rlctl.runtime.checkpoint import load_checkpoint
+    from rlctl.runtime.net import free_port
+    from tests.support.sft import cpu_spec
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        engine = FSDPEngine(cpu_spec(sft_config(initial_dir, data, run, **RUN)), total_steps=RUN["train__max_steps"])
+        state, _ = load_checkpoint(run / "checkpoints" / "step_000006", {"": engine})
+        assert state["step"] == 6
+        rollout = HFRolloutEngine(RolloutSpec(model_path=str(initial_dir), max_model_len=len(ids) + 16))
+        rollout.update_weights(engine.iter_full_params(dtype=torch.float32))
+    finally:
+        dist.destroy_process_group()
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    (sample,) = rollout.generate([ids], 1, greedy, images=[(pixels["pixel_values"], pixels["image_grid_thw"])])
+    return tok.decode(sample.token_ids, skip_special_tokens=True)
 
 
 @pytest.mark.slow
