@@ -87,10 +87,17 @@ def valid_tps(spec: ModelSpec, limit: int) -> list[int]:
     return [t for t in range(1, limit + 1) if tp_problem(spec, t) is None]
 
 
-def check_sp(spec: ModelSpec, *, backend: str, sp: int | None, world: int, attn: str | None = None) -> None:
+def check_sp(
+    spec: ModelSpec, *, backend: str, sp: int | None, world: int, attn: str | None = None, rollout_procs: int = 0
+) -> None:
     """Validate the Ulysses sequence-parallel size a user set (None: not set); UserError names the valid sizes."""
     if sp is None or sp == 1:
         return
+    if rollout_procs:
+        raise UserError(
+            f"parallel.sp={sp} with rollout.procs={rollout_procs} (one-step-off-policy) has not been built or "
+            "tested; use one of them"
+        )
     if backend != "fsdp":
         raise UserError(f"parallel.sp={sp} is the FSDP engine's; Megatron splits sequences with --cp")
     if attn not in (None, "sdpa"):
