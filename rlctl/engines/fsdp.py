@@ -460,8 +460,9 @@ class FSDPEngine(TrainEngine):
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
         if not self.trainable:
             raise RuntimeError(f"the {self.role} engine is frozen")
-        if isinstance(self.model, FSDPModule):
-            self.model.set_requires_gradient_sync(sync or self.offload)
+        # ``sync`` is not used: FSDP reduce-scatters every micro-batch's gradients, as verl and torchtitan do.
+        # Deferring it to the last micro-batch would keep every parameter's unsharded fp32 gradient until the
+        # step (4 bytes per parameter per GPU: 28 GiB for a 7B model), which the memory plan does not budget.
         # FSDP averages gradients over ranks; the ranks' losses are shares of one sum, so undo it.
         (loss * self.world if self.world > 1 else loss).backward()
 
