@@ -91,3 +91,8 @@ def rollout_engine_tp_problem(engine: str, tp: int) -> str | None:
     if tp > 1 and engine in SINGLE_DEVICE_ROLLOUT_ENGINES:
         return f"the {engine} rollout engine runs one copy per rank (tp 1)"
     return None
+
+
+def sp_kv_heads(sp: int, kv_heads: int) -> int:
+    """KV heads Ulysses SP exchanges: the model's, or ``sp`` when there are fewer and each is repeated."""
+    return max(kv_heads, sp)

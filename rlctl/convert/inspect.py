@@ -201,7 +201,7 @@ def _config_params(config: dict) -> int | None:
     """Exact parameter count of the architecture a config.json dict describes (tied weights once)."""
     from transformers import AutoConfig
 
-    from rlctl.convert.verify import auto_model_class
+    from rlctl.data.vision import auto_model_class
 
     try:
         cfg = AutoConfig.for_model(**config)

@@ -17,7 +17,7 @@ import torch
 
 from rlctl.convert import lora
 from rlctl.convert.locate import Checkpoint, locate_checkpoint
-from rlctl.convert.sources import SafetensorsSource, TensorSource
+from rlctl.convert.sources import SafetensorsSource, TensorSource, in_model_names
 from rlctl.convert.verify import Architecture, verify_model, write_verified
 from rlctl.errors import UserError
 from rlctl.formats.hf_writer import check_out_dir, config_dtype, resolve_dtype
@@ -172,5 +172,5 @@ def lora_merge(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | Pat
     weights = adapter_dir / "adapter_model.safetensors"
     if not lora.split_peft_keys(SafetensorsSource(weights).keys(), str(weights))[1]:
         raise UserError(f"{weights}: the adapter holds no LoRA weights")
-    source = SafetensorsSource(base_dir)
+    source = in_model_names(SafetensorsSource(base_dir), base_dir)  # a hub VL model's older names, as loaded
     return convert_source(source, out_dir, meta_dir=base_dir, adapter_dir=adapter_dir, where=str(base_dir), **options)

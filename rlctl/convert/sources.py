@@ -309,3 +309,55 @@ def _quiet():
             yield
     finally:
         logger.setLevel(level)
+
+
+class RenamedSource(TensorSource):
+    """Another source's tensors under other names (``names``: new name -> the source's name)."""
+
+    def __init__(self, source: TensorSource, names: dict[str, str]):
+        self.source, self.names = source, names
+
+    def keys(self) -> list[str]:
+        return list(self.names)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.source.shape(self.names[key])
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.source.dtype(self.names[key])
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.source.get(self.names[key])
+
+    def where(self, key: str) -> str:
+        return self.source.where(self.names[key])
+
+
+def in_model_names(source: TensorSource, meta_dir: Path) -> TensorSource:
+    """``source`` under the model's own state-dict names, where its files use an older layout transformers
+    renames on load (a vision-language model from the hub: ``model.layers.*`` and ``visual.*`` are
+    ``model.language_model.layers.*`` and ``model.visual.*`` in the model). Text models are left alone."""
+    import json
+
+    from rlctl.data.vision import is_vision_config
+
+    if not is_vision_config(json.loads((meta_dir / "config.json").read_text())):
+        return source
+    from transformers import AutoConfig
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    from rlctl.data.vision import auto_model_class
+
+    config = AutoConfig.from_pretrained(str(meta_dir))
+    with torch.device("meta"):
+        model = auto_model_class(config).from_config(config)
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    state = model.state_dict()
+    names = {}
+    for key in source.keys():
+        new, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
+        names[new if new in state else key] = key
+    return source if all(k == v for k, v in names.items()) else RenamedSource(source, names)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from rlctl.data.vision import auto_model_class
 from rlctl.errors import UserError
 from rlctl.formats.hf_writer import config_dtype, dtype_name, save_hf_model
 
@@ -110,16 +111,6 @@ class Architecture:
 
 
 # ----------------------------------------------------------------------------- verification
-
-
-def auto_model_class(config):
-    """The transformers auto class of a config: image-text-to-text for a vision-language model (a
-    ``vision_config``), else causal LM."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from rlctl.data.vision import is_vision_config
-
-    return AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
 
 
 def model_from_state(config, state: dict[str, torch.Tensor]):
@@ -217,12 +208,13 @@ def _check_logits(
     config = AutoConfig.from_pretrained(str(out_dir))
     vocab = config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (n_inputs, seq_len), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, **fixed_image_inputs(config, ids)}  # a VL model: an image through its tower
     for k, v in state.items():
         if v.is_floating_point() and v.dtype != torch.float32:
             state[k] = v.float()
     ref_model = model_from_state(config, state).eval()
     with torch.no_grad():
-        ref_logits = ref_model(input_ids=ids).logits.float()
+        ref_logits = ref_model(**inputs).logits.float()
     del ref_model
     state.clear()
     try:
@@ -246,13 +238,34 @@ def _check_logits(
 
         model = PeftModel.from_pretrained(model, str(out_dir / "adapter"), torch_device="cpu")
     with torch.no_grad():
-        logits = model.eval()(input_ids=ids).logits.float()
+        logits = model.eval()(**inputs).logits.float()
     diff = (logits - ref_logits).abs().max().item()
     scale = max(1.0, ref_logits.abs().max().item())
     tol = (1e-3 if loose or adapter is not None else 1e-4) * scale
+    image = " and an image" if "pixel_values" in inputs else ""
     verdict.add(
-        "logits", diff <= tol, f"max |diff| {diff:.3g} (tolerance {tol:.3g}) on {n_inputs}x{seq_len} fixed tokens"
+        "logits",
+        diff <= tol,
+        f"max |diff| {diff:.3g} (tolerance {tol:.3g}) on {n_inputs}x{seq_len} fixed tokens{image}",
     )
+
+
+def fixed_image_inputs(config, ids: torch.Tensor) -> dict:
+    """For a vision-language model: one fixed random image (a 4 x 4 patch grid) per row of ``ids``, its image
+    tokens written over the start of each row (the ids are changed in place); {} for a text model."""
+    from rlctl.data.vision import is_vision_config
+
+    if not is_vision_config(config) or getattr(config, "image_token_id", None) is None:
+        return {}
+    vc = config.vision_config
+    merge = int(getattr(vc, "spatial_merge_size", 2))
+    dim = int(getattr(vc, "in_channels", 3)) * int(getattr(vc, "temporal_patch_size", 2)) * int(vc.patch_size) ** 2
+    grid = torch.tensor([[1, 2 * merge, 2 * merge]] * ids.shape[0])
+    tokens = 4  # (2 merge x 2 merge) patches merged by merge x merge
+    ids[ids == config.image_token_id] = 0
+    ids[:, :tokens] = config.image_token_id
+    pixels = torch.randn(int(grid.prod(-1).sum()), dim, generator=torch.Generator().manual_seed(1))
+    return {"pixel_values": pixels, "image_grid_thw": grid, "mm_token_type_ids": (ids == config.image_token_id).int()}
 
 
 def _check_adapter(adapter_dir: Path, expected: dict[str, torch.Tensor]) -> Verdict:

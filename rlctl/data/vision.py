@@ -43,6 +43,13 @@ def is_vision_config(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def auto_model_class(config):
+    """The transformers auto class of a config: image-text-to-text for a vision-language model, else causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+
+
 @dataclass
 class VisionProcessor:
     """A VL model's image processor and tokenizer; see the module docstring."""

@@ -29,6 +29,7 @@ plus ``value_head.weight``/``value_head.bias``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import math
 from collections.abc import Iterator
@@ -156,6 +157,10 @@ class FSDPEngine(TrainEngine):
         if spec.sp == 1:
             return None
         c = self.hf_config
+        if is_vision_config(c):
+            raise UserError(
+                f"parallel.sp={spec.sp}: a vision-language model is not split by sequence; use parallel.sp=1"
+            )
         ulysses.check(spec.sp, self.world, c.num_attention_heads, getattr(c, "num_key_value_heads", None) or 1)
         return ulysses.sp_groups(spec.sp, self.device.type)
 
@@ -299,7 +304,9 @@ class FSDPEngine(TrainEngine):
         if self.rank == 0:
             with torch.random.fork_rng(devices=[]):  # seeded init (random weights, LoRA's A, value head)
                 torch.manual_seed(self.spec.seed)
-                model, state_module = self._build(self.hf_config, pretrained=True)
+                # a copy: from_config sets the config's attention back to sdpa, and the sharded model shares
+                # this config (rank 0 would run plain sdpa, not rlctl's attention: a wrong mask, a hang with sp)
+                model, state_module = self._build(copy.deepcopy(self.hf_config), pretrained=True)
             full_sd, ref = state_module.state_dict(), model
         self._scatter_from_rank0(full_sd)
         for mod_name, name in buffers:
@@ -453,8 +460,9 @@ class FSDPEngine(TrainEngine):
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
         if not self.trainable:
             raise RuntimeError(f"the {self.role} engine is frozen")
-        if isinstance(self.model, FSDPModule):
-            self.model.set_requires_gradient_sync(sync or self.offload)
+        # ``sync`` is not used: FSDP reduce-scatters every micro-batch's gradients, as verl and torchtitan do.
+        # Deferring it to the last micro-batch would keep every parameter's unsharded fp32 gradient until the
+        # step (4 bytes per parameter per GPU: 28 GiB for a 7B model), which the memory plan does not budget.
         # FSDP averages gradients over ranks; the ranks' losses are shares of one sum, so undo it.
         (loss * self.world if self.world > 1 else loss).backward()
 

@@ -57,18 +57,20 @@ _GROUPS: dict[tuple[str, int], SPGroups] = {}
 
 
 def sp_groups(sp: int, device_type: str) -> SPGroups:
-    """The groups of ``sp`` (built once per process; collective the first time)."""
+    """The groups of ``sp`` (built once per process; collective the first time). They are process groups
+    of their own, never the default one, so attention's all-to-all does not queue behind FSDP2's
+    all-gathers (on the default group)."""
     key = (device_type, sp)
     if key not in _GROUPS:
-        from torch.distributed.device_mesh import init_device_mesh
-
         world, rank = dist.get_world_size(), dist.get_rank()
-        mesh = init_device_mesh(device_type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
+        rows = [list(range(k * sp, (k + 1) * sp)) for k in range(world // sp)]
+        columns = [list(range(j, world, sp)) for j in range(sp)]
+        made = {tuple(ranks): dist.new_group(ranks) for ranks in rows + columns}  # every rank, in one order
         _GROUPS[key] = SPGroups(
             size=sp,
             rank=rank % sp,
-            group=mesh.get_group("sp"),
-            dp_group=mesh.get_group("dp"),
+            group=made[tuple(rows[rank // sp])],
+            dp_group=made[tuple(columns[rank % sp])],
             dp_rank=rank // sp,
             dp_size=world // sp,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rlctl.catalog import layer_params as largest_layer_params
 from rlctl.catalog.count import vision_params
 from rlctl.catalog.gpus import vllm_batch_limits
+from rlctl.catalog.parallel import sp_kv_heads
 from rlctl.catalog.spec import GpuSpec, ModelSpec
 from rlctl.estimate.result import MemoryEstimate
 from rlctl.estimate.settings import (
@@ -29,7 +30,7 @@ def _gib(x: float) -> str:
 
 def assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEstimate) -> list[str]:
     """The choices behind the numbers, in words, so they can be checked and changed."""
-    out = _batch(s) + _layout(model, s, est) + _vision(model, s) + _memory_options(s)
+    out = _batch(model, s) + _layout(model, s, est) + _vision(model, s) + _memory_options(s)
     if s.is_rl:
         out += _rl_models_and_engine(gpu, s)
     if s.device == "cuda":
@@ -37,22 +38,42 @@ def assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEs
     return out
 
 
-def _batch(s: MemorySettings) -> list[str]:
+def _batch(model: ModelSpec, s: MemorySettings) -> list[str]:
     """The tokens of one forward."""
     out = []
     images = f" + {s.image_tokens} image tokens" if s.image_tokens else ""
     if s.is_rl:
         out.append(
             f"sequence length {s.seq_len} tokens (prompt {s.prompt_len}{images} + response {s.response_len}), "
-            f"micro batch {s.micro_batch}: {s.tokens_per_micro_batch} tokens per forward"
+            f"micro batch {s.micro_batch}: {s.tokens_per_micro_batch} tokens per forward{_per_gpu(s)}"
         )
     else:
         text = f" ({s.max_len} text{images})" if images else ""
         out.append(
             f"sequence length {s.seq_len} tokens{text}, micro batch {s.micro_batch}: "
-            f"{s.tokens_per_micro_batch} tokens per forward (packed)"
+            f"{s.tokens_per_micro_batch} tokens per forward (packed){_per_gpu(s)}"
         )
+    if s.sp > 1:
+        out.append(_ulysses(model, s))
     return out
+
+
+def _per_gpu(s: MemorySettings) -> str:
+    return f" per GPU (each sequence split over sp {s.sp} GPUs)" if s.sp > 1 else ""
+
+
+def _ulysses(model: ModelSpec, s: MemorySettings) -> str:
+    """What Ulysses sequence parallelism divides, and what it adds."""
+    kv = sp_kv_heads(s.sp, model.num_kv_heads)
+    repeated = f" ({model.num_kv_heads} KV heads repeated to {kv})" if kv > model.num_kv_heads else ""
+    return (
+        f"Ulysses sequence parallelism sp {s.sp} (dp {s.dp} x sp {s.sp}): each GPU keeps the activations of 1/{s.sp} "
+        "of the sequence and computes the logits and per-token losses of its share (only those floats are "
+        "gathered); attention trades sequence shards for head shards by all-to-all "
+        f"({model.num_heads // s.sp} query heads per GPU over the whole sequence{repeated}); the all-to-all line "
+        "counts a layer's Q, K, V in both layouts, one trade's send and receive buffers, and the attention output "
+        "kept in both layouts"
+    )
 
 
 def _vision(model: ModelSpec, s: MemorySettings) -> list[str]:
@@ -99,7 +120,8 @@ def _layout(model: ModelSpec, s: MemorySettings, est: MemoryEstimate) -> list[st
         kind = "bf16 (pure bf16)" if s.pure_bf16 else "fp32"
         states = f"{kind} master weights, gradients and AdamW m, v" if not s.lora_rank else "the adapters' states"
         if s.sharded:
-            out.append(f"{what}; FSDP2 full shard over {s.gpus} GPUs: {states} divided by {s.gpus}")
+            n = s.fsdp_shards
+            out.append(f"{what}; FSDP2 full shard over {n} GPUs: {states} divided by {n}")
             out.append(
                 f"FSDP gathers two decoder layers ({largest_layer_params(model):,} parameters each) and keeps the "
                 f"output head gathered through the backward, in {s.dtype}"

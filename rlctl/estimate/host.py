@@ -21,7 +21,7 @@ def shard_numel(s: MemorySettings, t: Tensor) -> int:
     """Elements of one GPU's piece of tensor ``t``: FSDP2 shards dim 0 over every GPU (padding it to a
     multiple of N); Megatron splits it by TP (or EP) and its distributed optimizer over the data-parallel group."""
     if s.backend == "fsdp":
-        return math.ceil(t.rows / s.gpus) * t.cols
+        return math.ceil(t.rows / s.fsdp_shards) * t.cols
     if t.split == "ep":
         return math.ceil(math.ceil(t.rows / s.ep) * t.cols / (s.gpus // (s.pp * s.ep)))
     return math.ceil((math.ceil(t.rows / s.tp) if t.split == "tp" else t.rows) * t.cols / s.dp)
@@ -53,7 +53,7 @@ def host_offload(s: MemorySettings, stage: Stage, states: dict[str, int]) -> tup
     if s.cpu_offload:
         if s.lora_rank:
             adapters = stage.adapter_params
-            whole["offloaded_weights"] = pinned_bytes(s, stage.tensors, cb) + math.ceil(4 * adapters / s.gpus)
+            whole["offloaded_weights"] = pinned_bytes(s, stage.tensors, cb) + math.ceil(4 * adapters / s.fsdp_shards)
             whole["offloaded_gradients"] = states["gradients"]
         else:
             whole["offloaded_weights"] = pinned_bytes(s, stage.tensors, 4)

@@ -68,6 +68,7 @@ from rlctl.estimate.training import (
     layer_activation_values,
     logits_bytes,
     model_states,
+    ulysses_bytes,
     vision_activation_bytes,
 )
 
@@ -103,6 +104,7 @@ __all__ = [
     "pinned_bytes",
     "pipeline_split",
     "pow2ceil",
+    "ulysses_bytes",
 ]
 
 
@@ -117,6 +119,8 @@ def _stage_phases(model: ModelSpec, s: MemorySettings, stage, states: dict, crit
     train["activations"] = activation_bytes(model, s, stage)
     if model.is_vl:
         train["vision_activations"] = vision_activation_bytes(model, s)
+    if s.sp > 1:
+        train["sp_all_to_all"] = ulysses_bytes(model, s, stage)
     train["logits"] = logits_bytes(model, s) if stage.has_head else 0
     frozen = _frozen_models(s, stage, states, critic_ratio)
     if s.is_rl and s.reward_model:  # a frozen scorer the size of the policy (assumed): rlctl.rewards.model
@@ -142,7 +146,7 @@ def _frozen_models(s: MemorySettings, stage, states: dict, critic_ratio: float) 
     if s.is_rl and s.kl and not s.lora_rank and not weights_off:  # LoRA: the base with adapters off
         whole = stage.dense_params + stage.expert_params
         reference = (
-            math.ceil(cb * whole / s.gpus)
+            math.ceil(cb * whole / s.fsdp_shards)
             if s.backend == "fsdp"
             else cb * (math.ceil(stage.dense_params / s.tp) + math.ceil(stage.expert_params / s.ep))
         )

@@ -14,6 +14,7 @@ LABELS = {
     "optimizer_states": "optimizer states",
     "unsharded_buffers": "FSDP unsharded layers",
     "activations": "activations",
+    "sp_all_to_all": "Ulysses all-to-all",
     "vision_activations": "vision tower activations",
     "logits": "logits (loss)",
     "reference_model": "reference model",

@@ -12,7 +12,7 @@ NOT_CACHED = frozenset(
     {"cuda_context", "engine_weights", "engine_packed_weights", "kv_cache", "engine_activations", "cuda_graphs"}
 )
 # freed and reallocated every micro batch in blocks of changing sizes: where the allocator's cache grows
-TRANSIENT = frozenset({"activations", "vision_activations", "logits", "unsharded_buffers"})
+TRANSIENT = frozenset({"activations", "vision_activations", "logits", "unsharded_buffers", "sp_all_to_all"})
 
 
 @dataclass

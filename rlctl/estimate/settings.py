@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from rlctl import names
 from rlctl.catalog import pipeline_split
+from rlctl.catalog.parallel import sp_problem
 from rlctl.catalog.spec import ModelSpec
 from rlctl.errors import UserError
 
@@ -74,7 +75,8 @@ class MemorySettings:
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    sequence_parallel: bool = False
+    sequence_parallel: bool = False  # Megatron's, with tp > 1
+    sp: int = 1  # FSDP: Ulysses sequence parallelism, each sequence split over sp GPUs
     rollout: str | None = "vllm"  # hf | vllm | sglang (ignored for sft)
     rollout_tp: int = 1
     rollout_procs: int = 0  # split runs (rollout.procs): devices that only generate; ``gpus`` only train
@@ -125,8 +127,10 @@ class MemorySettings:
 
     @property
     def tokens_per_micro_batch(self) -> int:
+        """Tokens one GPU computes per forward: its share of the sequence under context or Ulysses
+        sequence parallelism."""
         tokens = self.micro_batch_tokens or self.micro_batch * self.seq_len
-        return tokens // self.cp
+        return tokens // (self.cp * self.sp)
 
     @property
     def pure_bf16(self) -> bool:
@@ -166,7 +170,13 @@ class MemorySettings:
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp * self.cp)
+        """Data-parallel ranks: groups that see different sequences."""
+        return self.gpus // (self.tp * self.pp * self.cp * self.sp)
+
+    @property
+    def fsdp_shards(self) -> int:
+        """Ranks FSDP2 shards the model states over: every GPU (dp x sp), as the engine's mesh does."""
+        return self.gpus
 
     def check(self, spec: ModelSpec) -> None:
         """Reject impossible settings with a one-line UserError."""
@@ -206,7 +216,19 @@ class MemorySettings:
             raise UserError("micro_batch_tokens and loss_chunk must be positive (0 = off)")
         if self.optimizer != "adamw":
             raise UserError(f"optimizer={self.optimizer!r}: the estimator models AdamW only")
-        for key in ("gpus", "nodes", "micro_batch", "tp", "pp", "cp", "ep", "rollout_tp", "rollout_n", "rollout_batch"):
+        for key in (
+            "gpus",
+            "nodes",
+            "micro_batch",
+            "tp",
+            "pp",
+            "cp",
+            "ep",
+            "sp",
+            "rollout_tp",
+            "rollout_n",
+            "rollout_batch",
+        ):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be at least 1, got {getattr(self, key)}")
         if self.gpus % self.nodes:
@@ -220,8 +242,10 @@ class MemorySettings:
         if self.backend == "fsdp" and (self.tp, self.pp, self.ep, self.cp) != (1, 1, 1, 1):
             raise UserError(
                 "the fsdp engine has no tensor, pipeline, expert or context parallelism (FSDP+TP is not built): "
-                "tp, pp, ep and cp must be 1; use --backend megatron for them"
+                "tp, pp, ep and cp must be 1; for long sequences use Ulysses sequence parallelism (--sp), or "
+                "--backend megatron"
             )
+        self._check_sp(spec)
         if self.pp > 1 and pipeline_split(spec.num_layers, self.pp) is None:
             raise UserError(f"pp {self.pp} cannot split {spec.num_layers} layers")
         if self.ep > 1 and (not spec.is_moe or spec.num_experts % self.ep or (self.gpus // self.pp) % self.ep):
@@ -230,6 +254,18 @@ class MemorySettings:
             raise UserError(f"rollout tp {self.rollout_tp} must divide the {self.gpus} GPUs")
         if self.is_rl and self.rollout != "hf" and self.device == "cuda" and not 0 < self.mem_fraction < 1:
             raise UserError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
+
+    def _check_sp(self, spec: ModelSpec) -> None:
+        """Ulysses SP: the FSDP engine's, over GPUs that divide the world and the attention heads."""
+        if self.sp == 1:
+            return
+        if self.backend != "fsdp":
+            raise UserError(f"sp {self.sp}: Ulysses sequence parallelism is the fsdp engine's; Megatron uses --cp")
+        if spec.is_vl:
+            raise UserError(f"sp {self.sp}: Ulysses sequence parallelism does not split a VL model's images; sp 1")
+        problem = sp_problem(self.sp, self.gpus, spec.num_heads, None if spec.uses_mla else spec.num_kv_heads)
+        if problem:
+            raise UserError(f"sp {self.sp}: {problem} ({spec.name} on {self.gpus} GPUs)")
 
 
 def with_images(spec: ModelSpec, s: MemorySettings) -> MemorySettings:

@@ -11,6 +11,7 @@ from rlctl.catalog import count_params as _count_params
 from rlctl.catalog import layer_params as largest_layer_params
 from rlctl.catalog import pipeline_split
 from rlctl.catalog.count import embedding_params, lm_head_params, vision_params
+from rlctl.catalog.parallel import sp_kv_heads
 from rlctl.catalog.spec import ModelSpec, VisionSpec
 from rlctl.estimate.inventory import (
     LayerParams,
@@ -20,7 +21,12 @@ from rlctl.estimate.inventory import (
     lora_params,
     tensors,
 )
-from rlctl.estimate.settings import ADAM_STATE_BYTES, CHUNK_LOGIT_BYTES, LOGIT_EXTRA_BYTES, MemorySettings
+from rlctl.estimate.settings import (
+    ADAM_STATE_BYTES,
+    CHUNK_LOGIT_BYTES,
+    LOGIT_EXTRA_BYTES,
+    MemorySettings,
+)
 
 
 @lru_cache(maxsize=64)
@@ -106,7 +112,7 @@ def model_states(spec: ModelSpec, s: MemorySettings, stage: Stage) -> dict[str, 
     cb = s.compute_bytes
     master = 0 if cb == 4 else 4  # fp32 training keeps no separate master copy
     if s.backend == "fsdp":
-        n = s.gpus
+        n = s.fsdp_shards
         # trained tensors: fp32 (mixed precision) or bf16 (pure bf16: weights, gradients, AdamW m and v)
         tb = 2 if s.pure_bf16 else 4
         adam = ADAM_STATE_BYTES * tb // 4
@@ -186,10 +192,13 @@ def activation_bytes(spec: ModelSpec, s: MemorySettings, stage: Stage) -> int:
     Without checkpointing every layer keeps all its values; with full activation checkpointing a
     layer keeps only its input (``2 s b h`` in bf16) and one layer at a time is recomputed with its
     full activations. Tensor parallelism divides the inside values by t; sequence parallelism
-    divides the outside ones too (and the kept inputs). Context parallelism divides the tokens.
+    divides the outside ones too (and the kept inputs). Context parallelism and Ulysses sequence
+    parallelism divide the tokens (:attr:`MemorySettings.tokens_per_micro_batch`): under Ulysses each
+    GPU keeps every value of its ``1 / sp`` of the sequence, the attention's Q, K, V and output as
+    ``heads / sp`` over the whole sequence, the same count; what Ulysses adds is :func:`ulysses_bytes`.
     """
     tokens, cb = s.tokens_per_micro_batch, s.compute_bytes
-    sp = s.tp if s.sequence_parallel else 1
+    sp = s.tp if s.sequence_parallel else 1  # Megatron's sequence parallelism shards the outside values
 
     def full(layer: LayerParams) -> int:
         outside, inside = layer_activation_values(spec, layer)
@@ -213,6 +222,41 @@ def activation_bytes(spec: ModelSpec, s: MemorySettings, stage: Stage) -> int:
     if s.selective_checkpointing:
         return kept + max(mlp(layer) for layer, _ in stage.layers)
     return kept
+
+
+def attention_saved_layers(s: MemorySettings, stage: Stage) -> int:
+    """Layers whose attention tensors are alive at once: every layer in flight without checkpointing or
+    with selective checkpointing (attention kept); one (the layer recomputed, or in flight while the
+    others wait on the host) with full checkpointing or activation offload."""
+    if s.activation_checkpointing or s.offload_activations:
+        return 1
+    return stage.in_flight * sum(n for _, n in stage.layers)
+
+
+def ulysses_bytes(spec: ModelSpec, s: MemorySettings, stage: Stage) -> int:
+    """What Ulysses sequence parallelism adds on one GPU beyond ``1 / sp`` of the activations, as
+    rlctl.engines.ulysses runs it.
+
+    Per layer, the Q, K and V of the local ``T / sp`` tokens (all heads) are traded by all-to-all for
+    ``heads / sp`` over all ``T`` tokens, attention runs, and its output is traded back:
+    - in flight, the layer being computed: its Q, K, V in the sequence layout wait beside their traded
+      copies until attention runs, ``(q + 2 kv) T / sp`` values (with the KV heads repeated up to
+      ``sp``, the repeated K and V too), and one trade's contiguous send and receive buffers, the
+      largest Q's, ``2 q T / sp``;
+    - saved, for each layer whose attention tensors are alive: the output in both layouts (attention
+      keeps the head-sharded one, the output projection its sequence-sharded input; one tensor
+      without SP), ``q T / sp``, and the repeated K and V beyond the model's ``2 kv T / sp``.
+    ``q`` = heads x head_dim, ``kv`` = KV heads x head_dim, in the compute dtype. 0 without SP.
+    """
+    if s.sp == 1:
+        return 0
+    tokens, cb = s.tokens_per_micro_batch, s.compute_bytes
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    kv_sent = sp_kv_heads(s.sp, spec.num_kv_heads) * spec.head_dim
+    repeated = 2 * kv_sent if kv_sent > kv else 0
+    in_flight = q + 2 * kv + repeated + 2 * q
+    saved = q + 2 * (kv_sent - kv)
+    return cb * tokens * (in_flight + attention_saved_layers(s, stage) * saved)
 
 
 def vision_block_values(v: VisionSpec) -> int:
@@ -245,8 +289,10 @@ def vision_activation_bytes(spec: ModelSpec, s: MemorySettings) -> int:
 
 
 def logit_tokens(s: MemorySettings) -> int:
-    """Positions whose logits the loss needs: every token (SFT); in RL with a chunked loss the engine
-    computes logits at the response positions only."""
+    """Positions whose logits the loss needs on one GPU: every token of its share (SFT); in RL with a
+    chunked loss the engine computes logits at the response positions only. Under Ulysses SP the logits
+    stay on their shard (rlctl.engines.ulysses.ShardedLogits): each GPU computes the logits and the
+    per-token losses of its ``1 / sp`` of the sequence, and only ``[N]`` floats are gathered."""
     tokens = s.tokens_per_micro_batch
     if s.is_rl and s.loss_chunk:
         return math.ceil(tokens * s.response_len / s.seq_len)

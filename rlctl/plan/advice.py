@@ -56,6 +56,7 @@ class RentRow:
                 "pp": p.pp,
                 "dp": p.dp,
                 "ep": p.ep,
+                "sp": p.sp,
                 "rollout": p.rollout,
                 "rollout_tp": p.rollout_tp,
                 "rollout_mem_fraction": p.rollout_mem_fraction,

@@ -27,6 +27,7 @@ from rlctl.catalog import active_params
 from rlctl.config import RunConfig
 from rlctl.errors import UserError
 from rlctl.estimate.memory import GIB, MemoryEstimate, MemorySettings, estimate_memory
+from rlctl.estimate.settings import ALLOCATOR_SLACK
 from rlctl.plan import rules
 from rlctl.plan.inputs import OPTIONAL_PACKAGES, Job, LocalEnv, resolve_job, settings_for
 from rlctl.plan.types import Decision, Plan, Verdict
@@ -53,11 +54,16 @@ def plan_with_search(cfg: RunConfig, local: LocalEnv, *, host_memory_bytes: int 
     decisions += explain_search(tier, result)
     warnings += backend_warnings(job, result.option.backend, local)
     decisions.append(layout_decision(job, est.settings))
+    sp = sp_decision(job, est)
+    if sp is not None:
+        decisions.append(sp)
     if est.fits:
         decisions += offload_decisions(job, est.settings)
         est = relax(job, est, decisions)
     if job.is_rl:
         rollout_decisions(job, est, result.kv_short, decisions, warnings)
+    if est.settings.sp > 1:
+        sp_attention(job, est.settings.sp)
     if est.settings.rollout_procs:
         decisions.append(split_decision(job, est.settings))
     decisions += job.later
@@ -94,6 +100,10 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         if tier == "megatron" and job.device == "cpu":
             raise UserError("parallel.backend=megatron needs CUDA GPUs; on CPU use fsdp")
     tier = backend_the_engine_runs(job, tier, decisions)
+    if p.backend is None and tier == "megatron" and (p.sp or 1) > 1:
+        why = f"backend fsdp: parallel.sp={p.sp} is the FSDP engine's Ulysses sequence parallelism"
+        decisions.append(Decision("parallel.backend", "fsdp", why))
+        tier = "fsdp"
     rules.check_overrides(
         job.spec,
         backend=tier,
@@ -105,7 +115,11 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         rollout_tp=cfg.rollout.tp,
         is_rl=job.is_rl,
     )
-    rules.check_sp(job.spec, backend=tier, sp=p.sp, world=job.world, attn=cfg.model.attn)
+    rules.check_sp(
+        job.spec, backend=tier, sp=p.sp, world=job.world, attn=cfg.model.attn, rollout_procs=cfg.rollout.procs
+    )
+    if job.spec.is_vl and cfg.method == "ppo":
+        raise UserError("ppo trains a critic, which a vision-language model cannot be yet; use grpo (no critic)")
     if job.is_rl:
         rules.check_rollout_engine_tp(job.engine, cfg.rollout.tp)
     return tier
@@ -269,8 +283,11 @@ def options_for(job: Job, tier: str) -> list[Option]:
     return sorted(options, key=lambda o: o.cost)  # stable: Megatron before FSDP2 at the same cost
 
 
-def _search_order(job: Job, options: list[Option]) -> list[tuple[Option, tuple[int, int, int], int]]:
-    """(option, (tp, pp, ep), rollout TP) in the order tried: rollout TP inside a node before any offload
+Layout = tuple[int, int, int, int]  # (tp, pp, ep, sp)
+
+
+def _search_order(job: Job, options: list[Option]) -> list[tuple[Option, Layout, int]]:
+    """(option, (tp, pp, ep, sp), rollout TP) in the order tried: rollout TP inside a node before any offload
     (option, then layout, then TP); a rollout TP across nodes after every option (TP first)."""
     tps = _rollout_tps(job)
     inside, across = [t for t in tps if t <= job.nproc], [t for t in tps if t > job.nproc]
@@ -279,11 +296,22 @@ def _search_order(job: Job, options: list[Option]) -> list[tuple[Option, tuple[i
     return order + [(o, lay, t) for t in across for o in options for lay in layouts[o.backend]]
 
 
-def _layouts(job: Job, backend: str) -> list[tuple[int, int, int]]:
+def _layouts(job: Job, backend: str) -> list[Layout]:
+    """FSDP: each Ulysses sequence-parallel size, smallest first; Megatron: its (tp, pp, ep) layouts."""
     p = job.cfg.parallel
     if backend == "fsdp":
-        return [(1, 1, 1)]
-    return rules.megatron_layouts(job.spec, world=job.world, per_node=job.nproc, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp)
+        return [(1, 1, 1, sp) for sp in _sp_sizes(job)]
+    layouts = rules.megatron_layouts(job.spec, world=job.world, per_node=job.nproc, tp=p.tp, pp=p.pp, ep=p.ep, cp=p.cp)
+    return [(tp, pp, ep, 1) for tp, pp, ep in layouts]
+
+
+def _sp_sizes(job: Job) -> list[int]:
+    """Ulysses SP sizes to try: as configured, else 1 then each size inside a node (the all-to-all of every
+    layer wants the node's links) that the heads, the ranks and the job allow (rlctl.plan.rules.sp_sizes)."""
+    sp = job.cfg.parallel.sp
+    if sp is not None:
+        return [sp]
+    return rules.sp_sizes(job.spec, world=job.world, per_node=job.nproc, refused=rules.sp_refusal(job.cfg))
 
 
 def _rollout_tps(job: Job) -> list[int]:
@@ -310,14 +338,20 @@ def search(job: Job, options: list[Option]) -> SearchResult:
     closest: dict[Option, MemoryEstimate] = {}
     tried: dict[Option, set] = {}
     update_fits: dict[tuple, bool] = {}
-    for option, (tp, pp, ep), rollout_tp in _search_order(job, options):
-        key = (option, tp, pp, ep)
+    sp_needed: dict[Option, bool] = {}
+    for option, layout, rollout_tp in _search_order(job, options):
+        key = (option, layout)
         if update_fits.get(key) is False:
             continue  # the update does not depend on the rollout TP
-        est, update_fits[key] = _attempt(job, option, tp, pp, ep, rollout_tp)
+        if layout[3] > 1 and job.cfg.parallel.sp is None:
+            if option not in sp_needed:
+                sp_needed[option] = _sp_needed(job, option, rollout_tp)
+            if not sp_needed[option]:
+                continue
+        est, update_fits[key] = _attempt(job, option, layout, rollout_tp)
         if option not in closest or _shortfall(est) < _shortfall(closest[option]):
             closest[option] = est
-        tried.setdefault(option, set()).add((tp, pp, ep))
+        tried.setdefault(option, set()).add(layout)
         if not update_fits[key] or not est.fits:
             continue
         if not margin_ok(est):
@@ -338,9 +372,23 @@ def search(job: Job, options: list[Option]) -> SearchResult:
     return SearchResult(best.closest, best.option, rejected=rejected)
 
 
-def _attempt(job: Job, option: Option, tp: int, pp: int, ep: int, rollout_tp: int) -> tuple[MemoryEstimate, bool]:
+def _update_ok(est: MemoryEstimate) -> bool:
+    """The update (training phase) fits the GPU with the safety margin."""
+    return est.phases["training"].total_bytes <= est.gpu_memory_bytes * (1 - rules.tiers()["memory"]["margin_fraction"])
+
+
+def _sp_needed(job: Job, option: Option, rollout_tp: int) -> bool:
+    """Ulysses SP is tried for an option only when it makes the difference: the update does not fit with
+    the margin at sp 1 and does at the largest size tried (otherwise the sequence is not the problem)."""
+    sizes = _sp_sizes(job)
+    one, _ = _attempt(job, option, (1, 1, 1, 1), rollout_tp)
+    top, _ = _attempt(job, option, (1, 1, 1, sizes[-1]), rollout_tp)
+    return not _update_ok(one) and _update_ok(top)
+
+
+def _attempt(job: Job, option: Option, layout: Layout, rollout_tp: int) -> tuple[MemoryEstimate, bool]:
     """The estimate of one combination, and whether its update fits the GPU (without the margin)."""
-    p = job.cfg.parallel
+    p, (tp, pp, ep, sp) = job.cfg.parallel, layout
     ckpt, sp_user = p.activation_checkpointing, p.sequence_parallel
     megatron = option.backend == "megatron"
     s = settings_for(
@@ -349,6 +397,7 @@ def _attempt(job: Job, option: Option, tp: int, pp: int, ep: int, rollout_tp: in
         tp=tp,
         pp=pp,
         ep=ep,
+        sp=sp,
         sequence_parallel=(megatron and tp > 1) if sp_user is None else (sp_user and megatron),
         rollout_tp=rollout_tp,
         micro_batch=job.cfg.train.micro_batch_size or 1,
@@ -523,7 +572,10 @@ def why_not(est: MemoryEstimate) -> str:
 
 
 def describe_layout(s: MemorySettings) -> str:
-    text = f"dp {s.dp}" if s.backend == "fsdp" else f"tp {s.tp} x pp {s.pp}" + (f" x ep {s.ep}" if s.ep > 1 else "")
+    if s.backend == "fsdp":
+        text = f"dp {s.dp}" + (f" x sp {s.sp}" if s.sp > 1 else "")
+    else:
+        text = f"tp {s.tp} x pp {s.pp}" + (f" x ep {s.ep}" if s.ep > 1 else "")
     return text + (f", rollout tp {s.rollout_tp}" if s.is_rl else "")
 
 
@@ -562,14 +614,14 @@ def backend_warnings(job: Job, backend: str, local: LocalEnv) -> list[str]:
 
 
 def layout_decision(job: Job, s: MemorySettings) -> Decision:
-    value = {"tp": s.tp, "pp": s.pp, "dp": s.dp, "ep": s.ep, "sequence_parallel": s.sequence_parallel}
+    value = {"tp": s.tp, "pp": s.pp, "dp": s.dp, "ep": s.ep, "sp": s.sp, "sequence_parallel": s.sequence_parallel}
     if s.backend == "fsdp" and not s.sharded:
         one = "one GPU" if job.device == "cuda" else "one process"
         return Decision("parallel", value, f"parallel: {one}, the plain module (no FSDP): every state on it")
     if s.backend == "fsdp":
         why = (
-            f"parallel: FSDP2 full shard, dp {s.dp}: weights, gradients and optimizer states split over "
-            f"{job.world} ranks"
+            f"parallel: FSDP2 full shard, {describe_layout(replace(s, method='sft'))}: weights, gradients and "
+            f"optimizer states split over {s.fsdp_shards} ranks"
         )
         return Decision("parallel", value, why)
     ep = f" x ep {s.ep}" if s.ep > 1 else ""
@@ -577,6 +629,75 @@ def layout_decision(job: Job, s: MemorySettings) -> Decision:
         ", sequence parallel on" if s.sequence_parallel else ""
     )
     return Decision("parallel", value, why)
+
+
+def sp_decision(job: Job, est: MemoryEstimate) -> Decision | None:
+    """Ulysses SP the search chose (not configured), and why: the update at sp 1 and at the chosen size, the
+    activations that divide, the logits, the all-to-all buffers on top. At sp 1 when the update does not fit:
+    why splitting the sequence was not enough either."""
+    s = est.settings
+    if job.cfg.parallel.sp is not None:
+        return None
+    one = estimate_memory(job.spec, job.gpu, replace(s, sp=1))
+    if s.sp == 1:
+        return _sp_not_enough(job, one)
+    at = est.phases["training"]
+    why = (
+        f"sp {s.sp} (Ulysses sequence parallelism): at sp 1 a {one.settings.tokens_per_micro_batch}-token micro "
+        f"batch needs {_gib(one, 'activations')} GiB of activations and {_gib(one, 'logits')} GiB of logits per "
+        f"GPU, the update {one.phases['training'].total_bytes / GIB:.1f} GiB (the limit: {_limit(job) / GIB:.1f} "
+        f"GiB); sp {s.sp} splits each sequence over {s.sp} GPUs: activations {_gib(est, 'activations')} GiB, "
+        f"logits {_gib(est, 'logits')} GiB, all-to-all buffers {_gib(est, 'sp_all_to_all')} GiB, the update "
+        f"{at.total_bytes / GIB:.1f} GiB"
+    )
+    return Decision("parallel.sp", s.sp, why)
+
+
+def _gib(est: MemoryEstimate, key: str) -> str:
+    return f"{est.phases['training'].components.get(key, 0) / GIB:.1f}"
+
+
+def _limit(job: Job) -> float:
+    return job.memory * (1 - rules.tiers()["memory"]["margin_fraction"])
+
+
+def _sequence_overflows(job: Job, one: MemoryEstimate) -> bool:
+    """The activations and logits (with the allocator's slack on them) are more than the update's overflow:
+    splitting the sequence finely enough would make it fit, so the sequence is the problem."""
+    parts = one.phases["training"].components
+    divisible = (parts["activations"] + parts["logits"]) * (1 + ALLOCATOR_SLACK)
+    return divisible > one.phases["training"].total_bytes - _limit(job)
+
+
+def _sp_not_enough(job: Job, one: MemoryEstimate) -> Decision | None:
+    """sp 1 although the update does not fit and its sequence is the problem: what the largest SP size would
+    leave (None when the update fits, no SP size can run, or the sequence is not what overflows)."""
+    sizes = _sp_sizes(job)
+    if _update_ok(one) or len(sizes) == 1 or not _sequence_overflows(job, one):
+        return None
+    top = estimate_memory(job.spec, job.gpu, replace(one.settings, sp=sizes[-1]))
+    if _update_ok(top):
+        return None
+    why = (
+        f"sp 1: splitting each sequence over sp {sizes[-1]} GPUs (the most the heads and a node allow) would "
+        f"still need {top.phases['training'].total_bytes / GIB:.1f} GiB for the update (the limit: "
+        f"{_limit(job) / GIB:.1f} GiB): activations {_gib(one, 'activations')} -> {_gib(top, 'activations')} GiB, "
+        f"logits {_gib(one, 'logits')} -> {_gib(top, 'logits')} GiB"
+    )
+    return Decision("parallel.sp", 1, why)
+
+
+def sp_attention(job: Job, sp: int) -> None:
+    """Ulysses SP runs attention with sdpa per document (rlctl.engines.ulysses): the plan's attention, its
+    reason, and no flash-attn warning."""
+    job.attn = "sdpa"
+    job.later = [
+        Decision("model.attn", "sdpa", f"attn sdpa: Ulysses sequence parallelism (sp {sp}) runs sdpa per document")
+        if d.key == "model.attn"
+        else d
+        for d in job.later
+    ]
+    job.warnings[:] = [w for w in job.warnings if not w.startswith("flash-attn is not installed here")]
 
 
 def offload_decisions(job: Job, s: MemorySettings) -> list[Decision]:
@@ -674,7 +795,7 @@ def _plan(job: Job, est: MemoryEstimate, decisions: list[Decision], warnings: li
         dp=s.dp,
         cp=s.cp,
         ep=s.ep,
-        sp=cfg.parallel.sp or 1,
+        sp=s.sp,
         sequence_parallel=s.sequence_parallel,
         rollout=job.engine,
         rollout_tp=s.rollout_tp if rl else 0,

@@ -16,7 +16,7 @@ __all__ = ["render_estimate", "render_plan", "render_what_to_rent"]
 
 def _layout(plan: Plan) -> str:
     if plan.backend == "fsdp":
-        return f"fsdp, dp {plan.dp}"
+        return f"fsdp, dp {plan.dp}" + (f" x sp {plan.sp} (Ulysses)" if plan.sp > 1 else "")
     parts = [f"tp {plan.tp}", f"pp {plan.pp}", f"dp {plan.dp}"]
     if plan.ep > 1:
         parts.append(f"ep {plan.ep}")
@@ -72,7 +72,7 @@ def render_plan(console: Console, plan: Plan) -> None:
 
 def _short_layout(plan: Plan) -> str:
     if plan.backend == "fsdp":
-        return f"fsdp dp{plan.dp}"
+        return f"fsdp dp{plan.dp}" + (f" sp{plan.sp}" if plan.sp > 1 else "")
     return f"megatron tp{plan.tp} pp{plan.pp} dp{plan.dp}" + (f" ep{plan.ep}" if plan.ep > 1 else "")
 
 

@@ -24,8 +24,9 @@ images (``pixel_values``, ``image_grid_thw``: what the trainer's forward gets) a
 positions of the model's own ``get_rope_index`` (left padding masked out, so a padded prompt is positioned
 as it would be alone); the response's tokens are text, positioned after the prompt's largest position on all
 three rope axes, which the text model does from one position per token. A group of ``n`` samples shares its
-prompt's prefill, images included. The decode steps are the generic loop's (the fast decode step prefills
-text only).
+prompt's prefill, images included. The decode steps are the fast decode step's where it covers the text model
+(Qwen2-VL's and Qwen2.5-VL's are Qwen2's: the prefill's keys and values are copied into its cache, each row
+starting at its prompt's next rope position), else the generic loop's.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from rlctl.rollout.base import (
     default_stop_token_ids,
     torch_dtype,
 )
-from rlctl.rollout.hf_decode import FastDecoder, unsupported_reason
+from rlctl.rollout.hf_decode import FastDecoder, TextModel, unsupported_reason
 from rlctl.rollout.spec import RolloutSpec
 
 logger = logging.getLogger(__name__)
@@ -79,9 +80,10 @@ class HFRolloutEngine(RolloutEngine):
         self.fast_decode = True  # False: always the generic loop (tests and benchmarks compare both)
         self._fast: FastDecoder | None = None
         self._logged: set[str] = set()
-        reason = VISION_REASON if self.vision else unsupported_reason(self.model)
+        text = TextModel(self.model) if self.vision else self.model  # a VL model: its text model decodes
+        reason = unsupported_reason(text)
         if reason is None:
-            self._fast = FastDecoder(self.model)
+            self._fast = FastDecoder(text)
         else:
             self._log_fallback(reason)
         # multi-turn sessions (start_session): each sample's keys and values, by the tokens they cover
@@ -159,6 +161,21 @@ class HFRolloutEngine(RolloutEngine):
             start = width - len(prompt)
             self._kept[tuple(covered)] = state.row_kv(s, start, start + len(covered))
 
+    def _vision_fast_prefill(self, fast: FastDecoder, prompts: list[list[int]], n: int, max_new: int, padded, images):
+        """VL prompts: the HF model's prefill (images, multimodal rope) once per prompt, its keys and values copied
+        into the fast decode state's cache (each prompt's for its ``n`` rows), each row's next position the
+        prompt's next rope position. ``padded``: (input_ids, attention_mask) of the left-padded prompts."""
+        input_ids, attention_mask = padded
+        width = input_ids.shape[1]
+        generic, logits = self._generic_prefill(input_ids, attention_mask, 1, images)
+        state = fast.start([len(p) for p in prompts], n, max_new)
+        for i, layer in enumerate(generic.cache.layers):
+            state.prompt_kv[i, 0].copy_(layer.keys[:, None])
+            state.prompt_kv[i, 1].copy_(layer.values[:, None])
+        state.position = generic.next_position.repeat_interleave(n)
+        self.prefilled_tokens += len(prompts) * width
+        return state, logits
+
     def _generic_prefill(self, input_ids, attention_mask, n: int, images: list | None):
         """The HF model's prefill of the padded prompts (with their images): (the decode steps, last logits)."""
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -201,7 +218,10 @@ class HFRolloutEngine(RolloutEngine):
             self._log_fallback(reason)
             fast = None
         # One prefill per prompt; its cache is shared by the prompt's n samples.
-        if fast is not None:
+        if fast is not None and images is not None:  # the whole model's prefill, then the fast decode steps
+            padded = (input_ids, attention_mask)
+            steps, logits = self._vision_fast_prefill(fast, prompt_token_ids, n, max(budget), padded, images)
+        elif fast is not None:
             # the fast path's own prefill, into its preallocated cache (after kept columns, in a session)
             state, logits = self._fast_prefill(fast, prompt_token_ids, n, max(budget), input_ids)
             steps: _Steps = state

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "qwen2_vl_text", "qwen2_5_vl_text")  # (VL: the text model)
 # rope types whose cos/sin depend on the position only (not on the sequence length seen so far)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -79,6 +79,18 @@ def unsupported_reason(model: nn.Module) -> str | None:
     if cos.shape[-1] != head_dim:
         return f"rotary dimension {cos.shape[-1]} != head_dim {head_dim} (partial rotary)"
     return None
+
+
+class TextModel:
+    """A vision-language model's text part as the fast decode step reads a CausalLM: ``config`` (the text config),
+    ``model`` (its decoder: layers, embeddings, final norm, rotary embedding) and ``lm_head``. Qwen2-VL's
+    multimodal rope is plain rope for text tokens (the three axes at the same position), which is all the
+    decode steps feed; the prompt (and its images) is prefilled by the whole model (rlctl.rollout.hf)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.config = model.config.get_text_config()
+        self.model = model.model.language_model
+        self.lm_head = model.lm_head
 
 
 def sliding_window(model: nn.Module) -> int | None:

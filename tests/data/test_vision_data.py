@@ -155,3 +155,5 @@ def test_a_vl_model_without_its_image_processor_fails_before_launch(tiny_vl_mode
     code, text = rlctl_in_process(monkeypatch, capsys, *args)
     assert code == 0, text[-2000:]
     assert "vision tower" in text  # the plan counts it (rlctl.estimate)
+    ppo = ("ppo", *args[1:])  # a VL model cannot be PPO's critic: refused by the plan, not on the ranks
+    assert "use grpo" in one_line_error(*rlctl_in_process(monkeypatch, capsys, *ppo))

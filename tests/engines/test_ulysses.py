@@ -63,6 +63,7 @@ def test_sp2_gives_the_losses_gradients_and_logprobs_of_sp1(tiny_model_dir, tmp_
             assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=TOL, abs=1e-7), (prefix, key)
     assert _max_diff(r["saved"], r["loaded"]) == 0.0  # exact: the weights' layout does not depend on sp
     assert r["optim"] == 0.0 and r["steps"] == (1, 1)
+    assert r["attn"] == ["rlctl_ulysses", "rlctl_ulysses"]  # rank 0 built the random weights, and kept it
 
 
 @pytest.mark.slow

@@ -32,6 +32,10 @@ CASES = {
     ),
     "ppo-fsdp": ("ppo", {"model": {"name": "Qwen2.5-1.5B"}, "hardware": {"gpus": 4, "gpu": "A100-80GB"}}),
     "sft-offload": ("sft", {"model": {"name": "Qwen2.5-72B"}, "hardware": {"gpus": 8, "gpu": "H100-80GB"}}),
+    "grpo-long-ulysses": (
+        "grpo",
+        {"model": {"name": "Mistral-7B"}, "hardware": {"gpus": 8}, "rollout": {"max_response_len": 65536}},
+    ),
     "grpo-does-not-fit": ("grpo", {"model": {"name": "Qwen2.5-72B"}, "hardware": {"gpus": 2, "gpu": "L40S-48GB"}}),
 }
 
@@ -56,6 +60,7 @@ def test_the_cases_cover_what_a_plan_can_be(plans):
     assert any(lora for *_, lora in got)
     assert any(p.offload_params or p.offload_optimizer for p in plans.values())
     assert any(not p.fits for p in plans.values())
+    assert any(p.sp > 1 for p in plans.values())  # Ulysses sequence parallelism, with its all-to-all line
     assert all(p.estimate.host_phases for p in plans.values() if p.device == "cuda")
 
 
@@ -79,7 +84,7 @@ def test_round_trip_keeps_each_field_by_name(plans):
     ints = [k for k, v in settings.items() if isinstance(v, int) and not isinstance(v, bool)]
     for i, key in enumerate(ints):
         settings[key] = 1000 + i
-    top = ("tp", "pp", "dp", "cp", "ep", "rollout_tp", "micro_batch_size", "gpus", "nodes", "lora_rank")
+    top = ("tp", "pp", "dp", "cp", "ep", "sp", "rollout_tp", "micro_batch_size", "gpus", "nodes", "lora_rank")
     for i, key in enumerate(top):
         d[key] = 100 + i
     back = Plan.from_dict(json.loads(json.dumps(d)))

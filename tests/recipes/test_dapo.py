@@ -9,7 +9,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rlctl.algos.filtering import pick_groups
 from rlctl.recipes.rl.batch import RolloutBatch, mask_truncated, rank_positions
@@ -104,18 +103,6 @@ def test_round_metrics_combine_into_the_steps():
 
 # ---------------------------------------------------------------------------------------------
 # Overlong filtering
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    from rlctl.runtime.net import free_port
-
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])

@@ -8,24 +8,11 @@ from collections import defaultdict
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rlctl.recipes.rl.batch import RolloutBatch
 from tests.support.cli import run_cli
 from tests.support.rl import arith_rows, failure, rl_args, train_records
 from tests.support.sft import write_jsonl
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    from rlctl.runtime.net import free_port
-
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def test_remax_is_registered_as_needing_a_greedy_rollout_and_takes_its_baseline_by_hand(process_group):

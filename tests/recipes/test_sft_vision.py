@@ -104,7 +104,7 @@ def test_vl_lora_with_the_tower_trained_converts_folded_and_verified(tiny_vl_mod
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
-    from rlctl.convert.pipeline import fsdp_to_hf
+    from rlctl.convert.pipeline import fsdp_to_hf, lora_merge
 
     text_only = {**chat_row("red"), "images": []}
     text_only["messages"][0]["content"] = [{"type": "text", "text": "Say red.", "image": None}]
@@ -126,3 +126,12 @@ def test_vl_lora_with_the_tower_trained_converts_folded_and_verified(tiny_vl_mod
     assert any(".visual." in k for k in moved) and any("language_model" in k for k in moved)
     linear = {f"{n}.weight" for n in result.folded}
     assert moved <= linear  # folded linear layers only (the rest is frozen under LoRA)
+    # the adapter kept apart, then merged into the hub-layout base (model.layers.*, visual.*: transformers'
+    # save_pretrained names) by `rlctl convert lora-merge`: the same model
+    kept = fsdp_to_hf(out / "checkpoints" / "step_000003", tmp_path / "kept", keep_adapter=True)
+    assert kept.verdict.ok, kept.verdict.checks
+    merged = lora_merge(tiny_vl_model_dir, tmp_path / "kept" / "adapter", tmp_path / "merged")
+    assert merged.committed and merged.verdict.ok, merged.verdict.checks
+    again = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert sorted(again) == sorted(converted)
+    assert all(torch.allclose(again[k], converted[k], atol=1e-6) for k in converted)

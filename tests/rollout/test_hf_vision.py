@@ -26,15 +26,17 @@ def engine_and_processor(tiny_vl_model_dir):
     return engine, vp
 
 
-def test_hf_engine_logprobs_with_images_equal_a_plain_forward(engine_and_processor):
+@pytest.mark.parametrize("fast", [True, False], ids=["fast decode step", "generic loop"])
+def test_hf_engine_logprobs_with_images_equal_a_plain_forward(engine_and_processor, fast):
     engine, vp = engine_and_processor
-    assert engine.vision and engine._fast is None
+    assert engine.vision and engine._fast is not None  # Qwen2-VL's text model is one the fast step covers
+    engine.fast_decode = fast
     # two prompts of different lengths (left padding) and image sizes, plus one without an image
     a = vl_prompt(vp, "red", (56, 56), "Which colour?")
     b = vl_prompt(vp, "green", (112, 56), "Which colour fills more of the picture?")
     text = vp.tokenizer("plain text prompt")["input_ids"]
     prompts, images = [a[0], b[0], text], [a[1], b[1], None]
-    samples = engine.generate(prompts, 3, SamplingParams(temperature=1.0, max_tokens=6, seed=1), images=images)
+    samples = engine.generate(prompts, 3, SamplingParams(temperature=1.0, max_tokens=12, seed=1), images=images)
     assert [s.prompt_index for s in samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert len({tuple(s.token_ids) for s in samples[:3]}) > 1  # a group samples different responses
     for s in samples:
@@ -48,6 +50,7 @@ def test_hf_engine_logprobs_with_images_equal_a_plain_forward(engine_and_process
             with torch.no_grad():
                 ref = reference_logprobs(engine.model, ids, s.token_ids, pixels).tolist()
         np.testing.assert_allclose(s.logprobs, ref, atol=1e-5)
+    engine.fast_decode = True
 
 
 def test_images_need_an_engine_that_takes_them(engine_and_processor, tiny_model_dir):

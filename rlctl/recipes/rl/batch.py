@@ -235,11 +235,14 @@ def _dummy(pad_id: int, device: torch.device) -> MicroBatch:
 
 def _prompt_groups(batch: RolloutBatch, rows: list[int], budget: int) -> list[list[int]]:
     """``rows`` grouped by prompt (in order), a group split where its prefix plus responses exceed ``budget``.
-    A prompt is its position in the step (``uid // n``) as well as its tokens: two prompts of equal tokens
-    differ by their images (vision-language prompts)."""
+    A prompt is its tokens and, where prompts carry images, its position in the step (``uid // n``): two
+    vision-language prompts of equal tokens differ by their images. (Text batches never read ``uid``: on an
+    accelerator that would be a device-to-host copy.)"""
+    with_images = any(getattr(p, "pixel_values", None) is not None for p in batch.meta)
+    positions = (batch.uid // batch.n).tolist() if with_images else [0] * len(batch)
     by_prompt: dict[tuple[int, tuple[int, ...]], list[int]] = {}
     for i in rows:
-        by_prompt.setdefault((int(batch.uid[i]) // batch.n, tuple(batch.prompts[i])), []).append(i)
+        by_prompt.setdefault((positions[i], tuple(batch.prompts[i])), []).append(i)
     groups = []
     for (_, prompt), members in by_prompt.items():
         current, size = [], len(prompt)

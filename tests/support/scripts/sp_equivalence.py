@@ -13,7 +13,8 @@ For sp in (1, 2), with the recipes' own functions (each rank's share as the reci
 * the sp 2 SFT actor (after its step) is saved, and loaded by a fresh sp 1 engine: its parameters and
   AdamW states.
 
-Rank 0 saves {"sft": {sp: {layout: {"loss", "grads"}}}, "grpo": {sp: {prefix: {...}}}, "saved", "loaded"}.
+Rank 0 saves {"sft": {sp: {variant: {"loss", "grads", "logits"}}}, "grpo": {sp: {prefix: {...}}}, "saved",
+"loaded", "optim", "steps", "attn" (every rank's attention of a random-init sp 2 engine)}.
 """
 
 from __future__ import annotations
@@ -158,6 +159,8 @@ def main(model_dir: str, out: str, ckpt: str) -> None:
     results["loaded"] = {name: t.clone() for name, t in fresh.iter_full_params()}
     results["steps"] = (engine.global_step, fresh.global_step)
     results["optim"] = optimizer_difference(engine, fresh)
+    random = FSDPEngine(cpu_spec(model=model_dir, sp=2, random_init=True), role="actor")
+    results["attn"] = all_gather_objects(random._hf_model().config._attn_implementation)  # every rank's
     if d.rank == 0:
         torch.save(results, out)
     torch.distributed.destroy_process_group()
