@@ -6,8 +6,8 @@ GRPO, with long-tailed response lengths, on this CPU; and the cost model that pr
 The model is the tests' tiny Qwen2 (rlctl.testing.build_tiny_model, random init, vocabulary 512) whose
 generation_config.json names STOP_IDS as end-of-sequence tokens: the random policy samples almost
 uniformly, so a response stops after each token with probability ~len(STOP_IDS)/512 and the lengths are
-geometric, from a few tokens to the 512-token cap (a long tail: a batch of 32 has one response near the
-cap, the median is ~60). The learning rate is tiny so that the lengths stay put over a run.
+geometric, from a few tokens to the 512-token cap (a long tail: the longest of a batch of 32 is ~400
+tokens, the mean ~100). The learning rate is tiny so that the lengths stay put over a run.
 
 Columns, run interleaved (every column once per round, in a rotating order) on 2 cores:
 
