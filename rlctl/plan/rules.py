@@ -135,6 +135,8 @@ def sp_refusal(cfg: RunConfig) -> str | None:
     None when it can. The planner then keeps sp 1."""
     if cfg.model.attn not in (None, "sdpa"):
         return f"model.attn={cfg.model.attn}: Ulysses sequence parallelism runs attention with sdpa per document"
+    if cfg.rollout.procs:
+        return f"rollout.procs={cfg.rollout.procs}: one-step-off-policy runs without sequence parallelism"
     return None
 
 
