@@ -6,8 +6,8 @@ GRPO, with long-tailed response lengths, on this CPU; and the cost model that pr
 The model is the tests' tiny Qwen2 (rlctl.testing.build_tiny_model, random init, vocabulary 512) whose
 generation_config.json names STOP_IDS as end-of-sequence tokens: the random policy samples almost
 uniformly, so a response stops after each token with probability ~len(STOP_IDS)/512 and the lengths are
-geometric, from a few tokens to the 512-token cap (a long tail: a batch of 32 has one response near the
-cap, the median is ~60). The learning rate is tiny so that the lengths stay put over a run.
+geometric, from a few tokens to the 512-token cap (a long tail: the longest of a batch of 32 is ~400
+tokens, the mean ~100). The learning rate is tiny so that the lengths stay put over a run.
 
 Columns, run interleaved (every column once per round, in a rotating order) on 2 cores:
 
@@ -111,7 +111,9 @@ def run(cmd: list[str], out: Path) -> list[dict]:
 
 
 def fit_rollout(records: list[dict]) -> tuple[float, float]:
-    """Least squares ``time/rollout = a L + b T`` (no intercept) over steps."""
+    """Least squares ``time/rollout = a L + b T`` (no intercept) over steps, with ``a, b >= 0`` (a time
+    per decoding step and per token cannot be negative; L and T move together, so a free fit of noisy
+    steps can give one a negative sign: then the other alone is fitted)."""
     xs = [(r["response_len/max"], response_tokens(r)) for r in records]
     ys = [r["time/rollout"] for r in records]
     s11 = sum(x[0] * x[0] for x in xs)
@@ -120,7 +122,12 @@ def fit_rollout(records: list[dict]) -> tuple[float, float]:
     t1 = sum(x[0] * y for x, y in zip(xs, ys))
     t2 = sum(x[1] * y for x, y in zip(xs, ys))
     det = s11 * s22 - s12 * s12
-    return (t1 * s22 - t2 * s12) / det, (s11 * t2 - s12 * t1) / det
+    a, b = (t1 * s22 - t2 * s12) / det, (s11 * t2 - s12 * t1) / det
+    if b < 0:
+        return t1 / s11, 0.0
+    if a < 0:
+        return 0.0, t2 / s22
+    return a, b
 
 
 def response_tokens(r: dict) -> float:

@@ -115,7 +115,9 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         rollout_tp=cfg.rollout.tp,
         is_rl=job.is_rl,
     )
-    rules.check_sp(job.spec, backend=tier, sp=p.sp, world=job.world, attn=cfg.model.attn)
+    rules.check_sp(
+        job.spec, backend=tier, sp=p.sp, world=job.world, attn=cfg.model.attn, rollout_procs=cfg.rollout.procs
+    )
     if job.spec.is_vl and cfg.method == "ppo":
         raise UserError("ppo trains a critic, which a vision-language model cannot be yet; use grpo (no critic)")
     if job.is_rl:

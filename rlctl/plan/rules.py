@@ -87,10 +87,17 @@ def valid_tps(spec: ModelSpec, limit: int) -> list[int]:
     return [t for t in range(1, limit + 1) if tp_problem(spec, t) is None]
 
 
-def check_sp(spec: ModelSpec, *, backend: str, sp: int | None, world: int, attn: str | None = None) -> None:
+def check_sp(
+    spec: ModelSpec, *, backend: str, sp: int | None, world: int, attn: str | None = None, rollout_procs: int = 0
+) -> None:
     """Validate the Ulysses sequence-parallel size a user set (None: not set); UserError names the valid sizes."""
     if sp is None or sp == 1:
         return
+    if rollout_procs:
+        raise UserError(
+            f"parallel.sp={sp} with rollout.procs={rollout_procs} (one-step-off-policy) has not been built or "
+            "tested; use one of them"
+        )
     if backend != "fsdp":
         raise UserError(f"parallel.sp={sp} is the FSDP engine's; Megatron splits sequences with --cp")
     if attn not in (None, "sdpa"):
@@ -128,6 +135,8 @@ def sp_refusal(cfg: RunConfig) -> str | None:
     None when it can. The planner then keeps sp 1."""
     if cfg.model.attn not in (None, "sdpa"):
         return f"model.attn={cfg.model.attn}: Ulysses sequence parallelism runs attention with sdpa per document"
+    if cfg.rollout.procs:
+        return f"rollout.procs={cfg.rollout.procs}: one-step-off-policy runs without sequence parallelism"
     return None
 
 

@@ -147,3 +147,14 @@ def test_bad_sampling_values_are_one_line(tmp_path):
 def test_ignore_logprob_check_reaches_the_ranks_config(tmp_path):
     assert _dry_run("grpo", tmp_path)["rollout"]["ignore_logprob_check"] is False
     assert _dry_run("grpo", tmp_path, "--ignore-logprob-check")["rollout"]["ignore_logprob_check"] is True
+
+
+def test_rollout_gpus_and_procs_set_the_same_split(tmp_path):
+    """--rollout-procs (CPU) and --rollout-gpus (GPU) are one setting, rollout.procs (docs/offpolicy.md)."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a = _dry_run("grpo", tmp_path / "a", "--device", "cpu", "--nproc", "2", "--rollout-procs", "1")["rollout"]
+    b = _dry_run(
+        "grpo", tmp_path / "b", "--device", "cpu", "--nproc", "2", "--rollout-gpus", "1", "--max-staleness", "0"
+    )
+    assert (a["procs"], a["max_staleness"]) == (1, 1)
+    assert (b["rollout"]["procs"], b["rollout"]["max_staleness"]) == (1, 0)

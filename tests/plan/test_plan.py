@@ -266,6 +266,7 @@ def test_overrides_are_honoured():
             {"model": {"name": "Qwen2.5-7B", "attn": "eager"}, "parallel": {"sp": 2}},
             r"with sdpa, not eager; set model.attn=sdpa$",
         ),
+        ({"parallel": {"sp": 2}, "rollout": {"procs": 2}}, r"parallel.sp=2 with rollout.procs=2 \(one-step"),
         ({"model": {"name": "Qwen2-VL-7B"}, "parallel": {"sp": 2}}, r"parallel.sp=2: Qwen2-VL-7B is a vision-language"),
         ({"lora": {"rank": 8, "targets": "q_proj,vproj"}}, r"no linear module 'vproj' \(did you mean v_proj"),
     ],

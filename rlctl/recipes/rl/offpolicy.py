@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from rlctl.config import RunConfig, save_every_steps
+from rlctl.errors import UserError
 from rlctl.runtime.dist import Split
 from rlctl.runtime.entry import RunContext
 
@@ -131,6 +132,8 @@ class TrainerFeed:
     """A trainer's end: it receives each step's samples and sends the weights the rollout group needs."""
 
     def __init__(self, trainer):
+        if trainer.vision is not None:
+            raise UserError("--rollout-procs runs text models only (a vision-language model's images are not sent)")
         self.rl, self.split = trainer, trainer.dist.split
         self.cfg, self.device = trainer.cfg, trainer.device
         self.staleness = self.cfg.rollout.max_staleness
