@@ -6,8 +6,10 @@ estimate and verdict.
 machine printing the plan has); :func:`apply_plan` fills a config's open fields (None) from a plan.
 
 The modules, each importing only those before it: types (the Plan and its JSON), rules (thresholds
-and legal sizes), inputs (the local machine and the job), planner (choose the backend, search,
-relax, explain), advice (what would fit, what to rent); render and compare print them.
+and legal sizes), inputs (the local machine and the job), search (the options, layouts and rollout
+TPs; the margin checks), relax (checkpointing and the micro batch of a plan that fits), decisions (the
+choices in words), planner (choose the backend, then search, relax, explain; apply_plan), advice (what
+would fit, what to rent); render and compare print them.
 """
 
 from rlctl.config import RunConfig

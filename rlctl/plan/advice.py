@@ -21,8 +21,9 @@ from rlctl.config import RunConfig
 from rlctl.errors import UserError
 from rlctl.estimate.memory import GIB, HOST_MARGIN_FRACTION
 from rlctl.plan.inputs import Job, LocalEnv, detect_local
-from rlctl.plan.planner import SearchResult, good_fit, gpu_margin_ok, kv_ok, plan_config
+from rlctl.plan.planner import plan_config
 from rlctl.plan.rules import tiers
+from rlctl.plan.search import SearchResult, good_fit, gpu_margin_ok, kv_ok
 from rlctl.plan.types import Plan
 
 

@@ -16,7 +16,7 @@ from rlctl.config import build_config
 from rlctl.errors import UserError
 from rlctl.estimate import MemorySettings, estimate_memory
 from rlctl.plan import LocalEnv, apply_plan, resolve_plan, what_to_rent
-from rlctl.plan.planner import good_fit
+from rlctl.plan.search import good_fit
 from rlctl.presets import method_layers
 
 P72 = count_params(resolve_model("Qwen2.5-72B"))

@@ -14,8 +14,8 @@ from rlctl.errors import UserError
 from rlctl.estimate import estimate_memory
 from rlctl.estimate.settings import GIB
 from rlctl.plan import apply_plan, resolve_plan, what_to_rent
-from rlctl.plan.planner import good_fit
 from rlctl.plan.render import render_what_to_rent
+from rlctl.plan.search import good_fit
 from tests.plan.test_plan import LAPTOP, cfg_for
 
 H100 = {"gpus": 8, "gpu": "H100-80GB"}

@@ -1,0 +1,101 @@
+"""Relax a plan that fits: the plain module on one GPU, checkpointing off (or selective) and a larger micro
+batch while the update still fits comfortably; each change recorded as a :class:`~rlctl.plan.types.Decision`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from rlctl.estimate.memory import GIB, MemoryEstimate, MemorySettings, estimate_memory
+from rlctl.plan import rules
+from rlctl.plan.inputs import Job
+from rlctl.plan.types import Decision
+
+
+def relax(job: Job, est: MemoryEstimate, decisions: list[Decision]) -> MemoryEstimate:
+    """Turn checkpointing off and raise the micro batch while the update fits comfortably."""
+    s = est.settings
+    unshard = _unshard_decision(job, s)
+    if unshard is not None:
+        decisions.append(unshard)
+    if job.cfg.parallel.activation_checkpointing is None and not s.offload_activations:
+        s = _relax_checkpointing(job, s, decisions)
+    if not job.cfg.train.micro_batch_size:
+        s = _relax_micro_batch(job, s, decisions)
+    return estimate_memory(job.spec, job.gpu, s)
+
+
+def _comfortable(est: MemoryEstimate) -> bool:
+    """The update leaves enough room to trade memory for speed (no checkpointing, larger batches)."""
+    margin = rules.tiers()["memory"]["comfort_fraction"]
+    return est.phases["training"].total_bytes <= est.gpu_memory_bytes * (1 - margin)
+
+
+def _comfort_limit(job: Job) -> str:
+    return f"{(1 - rules.tiers()['memory']['comfort_fraction']) * job.memory / GIB:.1f} GiB"
+
+
+def _unshard_decision(job: Job, s: MemorySettings) -> Decision | None:
+    if s.shard or job.cfg.parallel.shard is not None:
+        return None
+    if job.device != "cuda":
+        why = (
+            "shard off: one process, so the plain module without FSDP wrappers (no DTensor, no hooks; mixed "
+            "precision by autocast, as on one GPU)"
+        )
+        return Decision("parallel.shard", False, why)
+    saved = estimate_memory(job.spec, job.gpu, replace(s, shard=True)).phases["training"].total_bytes
+    saved -= estimate_memory(job.spec, job.gpu, s).phases["training"].total_bytes
+    why = (
+        f"shard off: one GPU, so the plain module without FSDP wrappers ({saved / GIB:.1f} GiB of gathered "
+        "layers less, no collectives)"
+    )
+    return Decision("parallel.shard", False, why)
+
+
+def _relax_checkpointing(job: Job, s: MemorySettings, decisions: list[Decision]) -> MemorySettings:
+    """Checkpointing off when the update fits comfortably without it; else (FSDP on GPUs, the savers not
+    set) selective checkpointing when that fits comfortably; else on."""
+    limit = _comfort_limit(job)
+    off = estimate_memory(job.spec, job.gpu, replace(s, activation_checkpointing=False))
+    need = off.phases["training"].total_bytes / GIB
+    if _comfortable(off):
+        why = f"activation checkpointing off: the update fits comfortably without it ({need:.1f} GiB <= {limit})"
+        decisions.append(Decision("parallel.activation_checkpointing", False, why))
+        return off.settings
+    savers = s.backend == "fsdp" and job.device == "cuda" and job.cfg.parallel.selective_checkpointing is None
+    if savers:
+        selective = estimate_memory(
+            job.spec, job.gpu, replace(s, activation_checkpointing=False, selective_checkpointing=True)
+        )
+        if _comfortable(selective):
+            why = (
+                f"selective activation checkpointing (the MLPs recomputed, attention kept): the update needs "
+                f"{selective.phases['training'].total_bytes / GIB:.1f} GiB (comfortable: <= {limit}); without "
+                f"checkpointing {need:.1f} GiB"
+            )
+            decisions.append(Decision("parallel.selective_checkpointing", True, why))
+            return selective.settings
+    why = f"activation checkpointing on: without it the update needs {need:.1f} GiB (comfortable: <= {limit})"
+    decisions.append(Decision("parallel.activation_checkpointing", True, why))
+    return s
+
+
+def _relax_micro_batch(job: Job, s: MemorySettings, decisions: list[Decision]) -> MemorySettings:
+    """The largest candidate micro batch that fits comfortably, within a step's sequences and the token cap."""
+    mb = rules.tiers()["micro_batch"]
+    per_gpu = job.sequences_per_gpu(s.dp)
+    tokens = s.seq_len
+    chosen = 1
+    for c in mb["candidates"]:
+        if c > per_gpu or c * tokens > mb["max_tokens"] or c == 1:
+            continue
+        if _comfortable(estimate_memory(job.spec, job.gpu, replace(s, micro_batch=c))):
+            chosen = c
+            break
+    why = (
+        f"micro batch {chosen}: the largest of {', '.join(map(str, mb['candidates']))} that fits comfortably, "
+        f"<= {per_gpu} sequences per GPU per step and <= {mb['max_tokens']} tokens ({tokens} per sequence)"
+    )
+    decisions.append(Decision("train.micro_batch_size", chosen, why))
+    return replace(s, micro_batch=chosen)
