@@ -12,6 +12,7 @@ No torch/transformers import here: the CLI uses this module for completion and -
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -138,21 +139,13 @@ def _qwen_vl(name, family, hidden, inter, layers, heads, kv, vocab, tied, vision
         window_size=112 if v25 else 0,
         fullatt_block_indexes=(7, 15, 23, 31) if v25 else (),
     )
-    return ModelSpec(
+    text = _qwen25(name, hidden, inter, layers, heads, kv, vocab, tied)  # the language model: Qwen2.5's layout
+    return dataclasses.replace(
+        text,
         name=name,
         hf_id=f"Qwen/{name}-Instruct",
         arch=family,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=hidden // heads,
-        vocab_size=vocab,
-        tie_embeddings=tied,
-        qkv_bias=True,
         max_position=128000 if v25 else 32768,
-        rope_theta=1e6,
         vision=vision,
         extra={
             "rms_norm_eps": 1e-6,
