@@ -265,20 +265,18 @@ def _check_train(doc: dict, method: str, steps: int) -> dict:
     return r
 
 
+def _bench_train(model, method: str, *args: str) -> dict:
+    """`rlctl bench train --json` of ``method``: 3 steps of one CPU process, and ``args``."""
+    return bench_json(
+        "train", "--model", str(model), "--method", method, "--device", "cpu", "--nproc", "1", "--steps", "3", *args
+    )
+
+
 @pytest.mark.slow
 def test_train_sft_json(tiny_model_dir, tmp_path):
-    doc = bench_json(
-        "train",
-        "--model",
-        str(tiny_model_dir),
-        "--method",
+    doc = _bench_train(
+        tiny_model_dir,
         "sft",
-        "--device",
-        "cpu",
-        "--nproc",
-        "1",
-        "--steps",
-        "3",
         "--batch-size",
         "4",
         "--seq-len",
@@ -297,18 +295,9 @@ def test_train_sft_json(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_train_grpo_json_splits_the_step(tiny_model_dir):
-    doc = bench_json(
-        "train",
-        "--model",
-        str(tiny_model_dir),
-        "--method",
+    doc = _bench_train(
+        tiny_model_dir,
         "grpo",
-        "--device",
-        "cpu",
-        "--nproc",
-        "1",
-        "--steps",
-        "3",
         "--batch-size",
         "2",
         "--n",
