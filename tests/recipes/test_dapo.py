@@ -105,18 +105,21 @@ def test_round_metrics_combine_into_the_steps():
 # Overlong filtering
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_masked_truncated_samples_change_the_update_as_if_they_were_absent(tiny_model_dir, process_group, agg):
-    """One optimizer step on 3 prompts x 2 samples with 2 truncated samples masked (their advantages came
-    from their groups) gives the weights of the same step on the 4 other samples alone."""
+@pytest.mark.parametrize(
+    ("role", "agg"), [("actor", "token-mean"), ("actor", "seq-mean-token-mean"), ("critic", "seq-mean-token-mean")]
+)
+def test_masked_truncated_samples_change_the_update_as_if_they_were_absent(tiny_model_dir, process_group, role, agg):
+    """One optimizer step on 3 prompts x 2 samples with 2 truncated samples masked (their advantages and
+    returns came from their groups) gives the weights of the same step on the 4 other samples alone: for
+    the policy, and for the critic's value loss (PPO)."""
     from rlctl.config import build_config, dotted_to_nested
     from rlctl.engines.fsdp import FSDPEngine
     from rlctl.recipes.rl.spec import AlgoSpec
-    from rlctl.recipes.rl.update import update_actor
+    from rlctl.recipes.rl.update import update_actor, update_critic
     from tests.support.sft import cpu_spec
 
     cfg = build_config(
-        "grpo",
+        "grpo" if role == "actor" else "ppo",
         [
             dotted_to_nested(
                 {
@@ -137,18 +140,24 @@ def test_masked_truncated_samples_change_the_update_as_if_they_were_absent(tiny_
         n=2, batch_size=3, mini_batch_size=0, width=6, truncated=[False, True, False, False, True, False],
     )  # fmt: skip
     batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])[:, None] * batch.mask
+    batch.values = torch.linspace(-0.3, 0.4, 36).reshape(6, 6) * batch.mask  # the critic before the update
+    batch.returns = torch.tensor([2.0, -3.0, 0.5, 1.0, 4.0, -1.0])[:, None] * batch.mask
     kept = batch.take([0, 2, 3, 5])
     assert mask_truncated(batch) == 2
     assert batch.mask[[1, 4]].sum() == 0 and torch.equal(batch.mask[[0, 2, 3, 5]], kept.mask)
+    spec = cpu_spec(cfg)  # lr 1e-3, the critic's too
     weights = []
     for b in (batch, kept):
         b.old_logp = None  # one optimizer step: the update's own forward gives the old log-probs
-        actor = FSDPEngine(cpu_spec(cfg), role="actor", total_steps=1)
-        update_actor(actor, b, algo, budget=64, pad_id=0)
-        weights.append({k: v.detach().clone() for k, v in actor.model.state_dict().items()})
+        engine = FSDPEngine(spec, role=role, total_steps=1)
+        if role == "actor":
+            update_actor(engine, b, algo, budget=64, pad_id=0)
+        else:
+            update_critic(engine, b, algo, budget=64, pad_id=0)
+        weights.append({k: v.detach().clone() for k, v in engine.model.state_dict().items()})
     worst = max((weights[0][k].full_tensor() - weights[1][k].full_tensor()).abs().max() for k in weights[0])
     assert worst < 1e-6
-    moved = FSDPEngine(cpu_spec(cfg), role="actor", total_steps=1).model.state_dict()
+    moved = FSDPEngine(spec, role=role, total_steps=1).model.state_dict()
     assert any((weights[0][k].full_tensor() - moved[k].full_tensor()).abs().max() > 1e-4 for k in moved)
 
 
