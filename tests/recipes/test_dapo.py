@@ -14,7 +14,7 @@ from rlctl.algos.filtering import pick_groups
 from rlctl.recipes.rl.batch import RolloutBatch, mask_truncated, rank_positions
 from rlctl.recipes.rl.dynamic import assemble, combine_rounds, local_groups
 from tests.support.cli import run_cli
-from tests.support.rl import REWARDS, arith_rows, failure, rl_args, train_records
+from tests.support.rl import REWARDS, arith_rows, eos_prone_model, failure, rl_args, train_records
 from tests.support.sft import write_jsonl
 
 N, PROMPTS, WIDTH = 2, 4, 3
@@ -201,3 +201,44 @@ def test_dynamic_sampling_on_two_processes_fills_batches_and_resumes_exactly(tin
     got = train_records(run)
     for key in DYNAMIC_COMPARED:
         assert [r[key] for r in got] == [r[key] for r in want], key
+
+
+@pytest.mark.slow
+def test_ppo_with_a_critic_keeps_varied_groups_and_filters_truncated_samples(tiny_model_dir, tmp_path):
+    """`rlctl ppo` (GAE, a critic) with dynamic sampling and overlong filtering, 2 processes, 2 steps, on a
+    model that ends about half its responses: the dynamic/* counts add up; in samples.jsonl (all of rank
+    0's samples of each step) every group of a full batch varies in reward, and a truncated sample has
+    no advantage left (its loss mask is zeroed for the policy and the critic alike) while the others do."""
+    import json
+
+    model = eos_prone_model(tiny_model_dir, tmp_path / "model")
+    data = write_jsonl(tmp_path / "data.jsonl", arith_rows(32))
+    run = tmp_path / "run"
+    args = rl_args(model, data, run, "--rollout", "hf", "--max-steps", "2", "--n", "4", "--kl-coef", "0")
+    args[args.index("--reward") + 1] = f"{REWARDS}:digits_when_odd"
+    args[args.index("--lr") + 1] = "1e-3"  # the model keeps ending some responses after an update
+    sets = ("algo.dynamic_sampling=true", "algo.dynamic_max_rounds=3", "algo.overlong_filter=true")
+    sets += ("algo.critic_lr=1e-3", "log.samples_every=1", "log.samples=64", "checkpoint.export_hf=false")
+    res = run_cli("ppo", *args, *[x for s in sets for x in ("--set", s)])
+    assert res.returncode == 0, failure(res, run)
+    records = train_records(run)
+    assert [r["step"] for r in records] == [1, 2]
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    for r in records:
+        assert r["dynamic/kept_groups"] + r["dynamic/padded_groups"] == 4
+        groups = r["dynamic/generated_samples"] / 4
+        assert groups == r["dynamic/kept_groups"] + r["dynamic/dropped_groups"] + r["dynamic/surplus_groups"]
+        assert r["dynamic/generated_samples"] == 16 + r["dynamic/extra_samples"]
+        mine = [s for s in samples if s["step"] == r["step"]]
+        by_prompt: dict[str, list[dict]] = {}
+        for s in mine:
+            by_prompt.setdefault(s["prompt"], []).append(s)
+        assert mine and all(len(g) == 4 for g in by_prompt.values())
+        varied = sum(len({s["reward"] for s in g}) > 1 for g in by_prompt.values())
+        assert varied >= len(by_prompt) - r["dynamic/padded_groups"]
+        cut = [s for s in mine if s["truncated"]]
+        assert all(s["advantage"] == 0.0 for s in cut) and len(cut) <= r["response/overlong_filtered"]
+        assert all(s["advantage"] != 0.0 for s in mine if not s["truncated"])
+    assert sum(r["dynamic/dropped_groups"] for r in records) > 0
+    ended = [s["truncated"] for s in samples]
+    assert any(ended) and not all(ended), ended  # both kinds were trained on or filtered
