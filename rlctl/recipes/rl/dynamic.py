@@ -28,7 +28,8 @@ from rlctl.recipes.rl.batch import RolloutBatch
 from rlctl.runtime.dist import all_gather_objects
 
 if TYPE_CHECKING:
-    from rlctl.recipes.rl.trainer import Metrics, RLTrainer
+    from rlctl.recipes.rl.metrics import Metrics
+    from rlctl.recipes.rl.trainer import RLTrainer
 
 SUMMED = {"tokens", "reward/failed", "reward/nonfinite", "reward/errors", "tool/calls", "tool/errors"}
 SUMMED |= {"tool/timeouts", "tool/malformed"}
