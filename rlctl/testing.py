@@ -1,4 +1,5 @@
-"""Tiny models and tokenizers built offline, for tests, benchmarks and the demo.
+"""Tiny models and tokenizers built offline, for tests, benchmarks, the demo and the examples; and a
+vision-language model's greedy answer about a picture through plain transformers (:func:`vl_greedy_answer`).
 
 Nothing here downloads anything: the tokenizer is trained in a second with the `tokenizers`
 library and the model is a Qwen2 architecture with random weights (head_dim 64, because vLLM's
@@ -249,3 +250,30 @@ def build_tiny_vl_model(
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+def vl_greedy_answer(model, tok, processor, png: bytes, question: str, *, max_new_tokens: int):
+    """A Hugging Face Qwen-VL model's greedy answer to ``question`` about one picture (PNG bytes), through plain
+    transformers: the chat template, the image processor, one ``<|image_pad|>`` per merged patch, ``generate``.
+    Returns (answer, prompt ids ``[1, L]``, the processor's output)."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    pixels = processor(images=[Image.open(io.BytesIO(png)).convert("RGB")], return_tensors="pt")
+    n = int(pixels["image_grid_thw"].prod()) // processor.merge_size**2
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(text.replace("<|image_pad|>", "<|image_pad|>" * n), add_special_tokens=False, return_tensors="pt")
+    ids = ids["input_ids"]
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            pixel_values=pixels["pixel_values"],
+            image_grid_thw=pixels["image_grid_thw"],
+            mm_token_type_ids=(ids == model.config.image_token_id).int(),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True), ids, pixels

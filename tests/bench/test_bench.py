@@ -434,23 +434,20 @@ def test_compare_without_trl_says_how_to_install(monkeypatch):
         CompareSettings(peer="verl").check()
 
 
+def _compare_trl(model, *args: str) -> dict:
+    """`rlctl bench compare --peer trl --json` of ``model``: one rep of 2 steps on the CPU, and ``args``."""
+    return bench_json(
+        "compare", "--peer", "trl", "--model", str(model), "--reps", "1", "--steps", "2", "--device", "cpu", *args
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed")
 def test_compare_trl_json(tiny_model_dir):
-    doc = bench_json(
-        "compare",
-        "--peer",
-        "trl",
-        "--model",
-        str(tiny_model_dir),
+    doc = _compare_trl(
+        tiny_model_dir,
         "--work",
         "rollout,sft,grpo",
-        "--reps",
-        "1",
-        "--steps",
-        "2",
-        "--device",
-        "cpu",
         "--prompts",
         "2",
         "--n",
@@ -483,22 +480,12 @@ def test_compare_trl_json(tiny_model_dir):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed")
 def test_compare_trl_sft_spread_runs_packing_at_the_same_batch(tiny_model_dir):
-    doc = bench_json(
-        "compare",
-        "--peer",
-        "trl",
-        "--model",
-        str(tiny_model_dir),
+    doc = _compare_trl(
+        tiny_model_dir,
         "--work",
         "sft",
         "--lengths",
         "spread",
-        "--reps",
-        "1",
-        "--steps",
-        "2",
-        "--device",
-        "cpu",
         "--batch-size",
         "4",
         "--seq-len",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import pytest
 import torch
@@ -90,7 +91,13 @@ def test_round_metrics_combine_into_the_steps():
         {"reward/mean": 1.0, "reward/std": 0.0, "tokens": 40.0, "response_len/max": 3.0, "warning": "w"},
     ]
     counts = [8.0, 8.0, 4.0]
+    # response lengths: 8 of 4 and 8 (mean 6, std 2), 8 of 9 and 11 (mean 10, std 1), 4 of 2 (mean 2, std 0)
+    lengths = [4.0, 8.0] * 4 + [9.0, 11.0] * 4 + [2.0] * 4
+    for part, (m, sd) in zip(parts, [(6.0, 2.0), (10.0, 1.0), (2.0, 0.0)]):
+        part.update({"response_len/mean": m, "response_len/std": sd})
     out = combine_rounds(parts, counts)
+    assert math.isclose(out["response_len/mean"], statistics.fmean(lengths))
+    assert math.isclose(out["response_len/std"], statistics.pstdev(lengths))
     # every sample: 8 of mean 0.5 (4 ones), 8 zeros, 4 ones -> 8 ones of 20
     scores = [1.0] * 4 + [0.0] * 4 + [0.0] * 8 + [1.0] * 4
     mean = sum(scores) / 20

@@ -34,6 +34,33 @@ def verl_rows(n: int, *, seed: int = 0) -> list[dict]:
     ]
 
 
+def sampled_batch(
+    prompts: list[list[int]], n: int, *, width: int, vocab: int, rng: random.Random, seed: int, meta=None
+):
+    """A step's RolloutBatch: ``n`` random responses (1 to ``width`` token ids in [4, ``vocab``), drawn from
+    ``rng``) to each of ``prompts``, with random advantages (seeded by ``seed``); ``meta``: each prompt's
+    rlctl.data.rl Prompt (images), or None."""
+    import torch
+
+    from rlctl.recipes.rl.batch import RolloutBatch
+
+    uid = list(range(len(prompts) * n))
+    responses = [[rng.randrange(4, vocab) for _ in range(rng.randint(1, width))] for _ in uid]
+    batch = RolloutBatch.build(
+        [prompts[u // n] for u in uid],
+        responses,
+        [[-1.0] * len(r) for r in responses],
+        uid,
+        n=n,
+        batch_size=len(prompts),
+        mini_batch_size=0,
+        width=width,
+        meta=None if meta is None else [meta[u // n] for u in uid],
+    )
+    batch.advantages = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(seed)) * batch.mask
+    return batch
+
+
 def rl_args(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
     """CLI arguments of a fast 2-process CPU run (tiny model, short responses, high lr)."""
     return [
