@@ -13,7 +13,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from safetensors.torch import load_file
 
 from rlctl.errors import UserError
 from tests.support.cli import convert_cli as cli
+from tests.support.cli import torchrun
 
 HELPER = Path(__file__).resolve().parents[1] / "support" / "scripts" / "make_fsdp_checkpoints.py"
 
@@ -60,16 +60,7 @@ def ckpts(tmp_path_factory) -> Path:
     """One torchrun launch writing every FSDP2 scenario (see the helper's docstring)."""
     root = tmp_path_factory.mktemp("fsdp")
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(HELPER),
-        str(root),
-    ]
+    cmd = torchrun(2, HELPER, root)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return root

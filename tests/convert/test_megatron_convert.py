@@ -38,6 +38,7 @@ from rlctl.formats.megatron_layout import (  # noqa: E402
     hf_to_megatron_shards,
     megatron_shard_for_rank,
 )
+from tests.support.cli import torchrun  # noqa: E402
 
 HELPER = Path(__file__).resolve().parents[1] / "support" / "scripts" / "mcore_save.py"
 HAVE_MCORE = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
@@ -242,13 +243,9 @@ def _real_megatron(hf_dirs: list[Path], tmp_path: Path, tp: int, pp: int, single
         outs[-1].mkdir()
         args += ["--model", str(tmp_path / f"shards{n}"), str(outs[-1])]
     nproc = tp * pp
-    launcher = (
-        [sys.executable]
-        if nproc == 1
-        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    )
+    cmd = [sys.executable, str(HELPER), *args] if nproc == 1 else torchrun(nproc, HELPER, *args)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(launcher + [str(HELPER), *args], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"megatron helper failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     for hf_dir, out in zip(hf_dirs, outs):
         if pp == 1:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 from rlctl.data.mapped import map_rows
-from tests.support.cli import REPO
+from tests.support.cli import REPO, torchrun
 from tests.support.sft import chat_rows, write_jsonl
 
 FEATURES = {"ids": "int32 list", "bad": "string"}
@@ -55,16 +54,7 @@ def test_sft_data_through_the_cache_equals_the_plain_path_and_a_changed_file_is_
 
 def test_under_torchrun_only_rank_0_tokenizes(tmp_path):
     script = Path(__file__).parent / "map_once_script.py"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(script),
-        str(tmp_path),
-    ]
+    cmd = torchrun(2, script, tmp_path)
     with open(tmp_path / "torchrun.log", "w") as log:
         r = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=120)
     assert r.returncode == 0, (tmp_path / "torchrun.log").read_text()[-3000:]

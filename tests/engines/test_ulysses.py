@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.support.cli import REPO, run_cli
+from tests.support.cli import REPO, run_cli, torchrun
 from tests.support.rl import arith_rows, failure, rl_args, train_records
 from tests.support.sft import chat_rows, cpu_plan, losses, sft_config, write_jsonl
 
@@ -34,9 +33,8 @@ def test_sp2_gives_the_losses_gradients_and_logprobs_of_sp1(tiny_model_dir, tmp_
     offload) and GRPO (packed and shared-prefix: log-probs, entropy, reference log-probs, a critic's
     values, one update): sp 2 == sp 1 to 1e-5; the sp 2 checkpoint loads into an sp 1 engine exactly."""
     out, env = tmp_path / "out.pt", {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER)]
     res = subprocess.run(
-        [*cmd, str(tiny_model_dir), str(out), str(tmp_path / "ckpt")],
+        torchrun(2, WORKER, tiny_model_dir, out, tmp_path / "ckpt"),
         env=env,
         capture_output=True,
         text=True,

@@ -7,13 +7,12 @@ import json
 import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.cli import REPO, run_cli
+from tests.support.cli import REPO, run_cli, torchrun
 from tests.support.rl import (
     REWARDS,
     UPDATE_STEP,
@@ -234,18 +233,7 @@ def test_advantages_and_token_rewards_by_hand(process_group):
 
 def _run_update(world: int, batch_json: Path, out: Path, model_dir: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(world),
-        str(UPDATE_STEP),
-        str(model_dir),
-        str(batch_json),
-        str(out),
-    ]
+    cmd = torchrun(world, UPDATE_STEP, model_dir, batch_json, out)
     res = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return torch.load(out)

@@ -21,6 +21,7 @@ from rlctl.rollout import RolloutSpec, SamplingParams, make_rollout_engine
 from rlctl.rollout.base import default_stop_token_ids
 from rlctl.rollout.hf import filter_top_k_top_p
 from rlctl.testing import build_tiny_model
+from tests.support.cli import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 HELPERS = Path(__file__).resolve().parents[1] / "support" / "scripts"
@@ -400,16 +401,7 @@ def test_vllm_colocated_on_every_torchrun_rank(model_a):
     pytest.importorskip("vllm")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(HELPERS / "vllm_colocated.py"),
-            str(model_a),
-        ],
+        torchrun(2, HELPERS / "vllm_colocated.py", model_a),
         check=False,
         cwd=REPO,
         env=env,

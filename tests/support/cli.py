@@ -26,6 +26,12 @@ def run_cli(
     )
 
 
+def torchrun(nproc: int, script: str | Path, *args: str | Path) -> list[str]:
+    """The command that runs a test script on ``nproc`` local processes: ``torchrun --standalone``."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    return [*launcher, str(script), *map(str, args)]
+
+
 def rlctl_in_process(monkeypatch, capsys, *args: str) -> tuple[int, str]:
     """Run ``rlctl ARGS`` in this process (the real entry point, ``rlctl.cli.app.main``): (exit code,
     stdout + stderr). Milliseconds instead of a new interpreter's seconds."""
