@@ -167,15 +167,16 @@ def counts(cfg, batch: int, rank_tokens: float) -> dict:
     a pass over the rank's samples (``rank_tokens`` packed under the token budget), the optimizer steps
     (``ppo_epochs`` x mini-batches), the log-prob passes before the update (none when the update's own
     forward gives the old log-probs), and the small metric collectives of the recipe (``global_sums``,
-    maxima, gathers: 10 per step, 2 per log-prob pass, 2 per optimizer step; see rlctl/recipes/rl)."""
+    maxima, gathers: about 10 per step for the rewards, lengths, advantages and the update's metrics, 2 per
+    log-prob pass, 2 per optimizer step; see rlctl/recipes/rl)."""
     from rlctl.recipes.rl.batch import token_budget
     from rlctl.recipes.rl.update import skips_old_logprobs
 
-    micro = max(1, math.ceil(rank_tokens / token_budget(cfg)))
     minis = math.ceil(batch / (cfg.algo.mini_batch_size or batch))
+    micro, per_mini = (max(1, math.ceil(rank_tokens / k / token_budget(cfg))) for k in (1, minis))
     opt = cfg.algo.ppo_epochs * minis
     passes = 0 if skips_old_logprobs(cfg) else 1
-    return {"micro_per_pass": micro, "opt_steps": opt, "fb_micro": opt * micro, "fwd_micro": passes * micro,
+    return {"micro_per_pass": micro, "opt_steps": opt, "fb_micro": opt * per_mini, "fwd_micro": passes * micro,
             "small": 10 + 2 * passes + 2 * opt}  # fmt: skip
 
 
