@@ -80,7 +80,7 @@ def check_dapo(cfg: RunConfig) -> None:
         raise UserError(
             f"algo.overlong_buffer={a.overlong_buffer} must be in 0..rollout.max_response_len ({cap}): "
             f"the penalty ramps over the last overlong_buffer tokens before the cap; set e.g. "
-            f"--set algo.overlong_buffer={cap // 5} (DAPO: 4096 of 20480) or 0 (off)"
+            f"--overlong-buffer {cap // 5} (DAPO: 4096 of 20480) or 0 (off)"
         )
     if a.dynamic_sampling and cfg.rollout.n < 2:
         raise UserError("algo.dynamic_sampling drops prompts whose samples all score the same; set rollout.n >= 2")
