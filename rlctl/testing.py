@@ -99,18 +99,24 @@ def build_tokenizer(out_dir: str | Path | None = None, *, vocab_size: int = 512,
     return fast
 
 
+# the sizes of the tiny text model (Qwen2, and the text model of the tiny Qwen-VL)
+TINY_TEXT_SIZES = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+)
+
+
 def tiny_qwen2_config(vocab_size: int = 512, **overrides):
     """A Qwen2 config small enough for CPU tests: GQA (2 heads, 1 kv head), head_dim 64."""
     from transformers import Qwen2Config
 
     kwargs = dict(
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
+        **TINY_TEXT_SIZES,
         max_position_embeddings=512,
         rope_theta=10000.0,
         tie_word_embeddings=False,
@@ -194,12 +200,7 @@ def tiny_qwen2_vl_config(tokenizer, arch: str = "qwen2_vl", **overrides):
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     text = dict(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
+        **TINY_TEXT_SIZES,
         max_position_embeddings=1024,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
         eos_token_id=tokenizer.eos_token_id,

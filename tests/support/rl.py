@@ -109,3 +109,29 @@ def failure(result, run_dir: Path) -> str:
     log = Path(run_dir) / "train.log"
     tail = log.read_text()[-4000:] if log.is_file() else "(no train.log)"
     return f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}\n{tail}"
+
+
+def eos_prone_model(model_dir: Path, out: Path, strength: float = 0.5) -> Path:
+    """A copy of the tiny random model whose eos logit follows the mean direction of its last hidden
+    states (``strength`` times its unit vector as eos's row of lm_head): about half of its 12-token
+    responses end with eos, the others are truncated (DAPO's overlong filtering has both to tell apart)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shutil.copytree(model_dir, out)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    chats = [[{"role": "user", "content": r["prompt"]}] for r in arith_rows(8)]
+    inputs = tok.apply_chat_template(
+        chats, add_generation_prompt=True, return_tensors="pt", padding=True, return_dict=True
+    )
+    with torch.no_grad():
+        hidden = model(**inputs, output_hidden_states=True).hidden_states[-1]
+    mean = hidden[inputs["attention_mask"].bool()].mean(0)
+    weights = load_file(str(out / "model.safetensors"))
+    weights["lm_head.weight"][tok.eos_token_id] = strength * mean / mean.norm()
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
