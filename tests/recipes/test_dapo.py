@@ -221,11 +221,11 @@ def test_ppo_with_a_critic_keeps_varied_groups_and_filters_truncated_samples(tin
     model = eos_prone_model(tiny_model_dir, tmp_path / "model")
     data = write_jsonl(tmp_path / "data.jsonl", arith_rows(32))
     run = tmp_path / "run"
-    args = rl_args(model, data, run, "--rollout", "hf", "--max-steps", "2", "--n", "4", "--kl-coef", "0")
+    dapo = ("--dynamic-sampling", "--overlong-filter", "--critic-lr", "1e-3", "--samples-every", "1")
+    args = rl_args(model, data, run, "--rollout", "hf", "--max-steps", "2", "--n", "4", "--kl-coef", "0", *dapo)
     args[args.index("--reward") + 1] = f"{REWARDS}:digits_when_odd"
     args[args.index("--lr") + 1] = "1e-3"  # the model keeps ending some responses after an update
-    sets = ("algo.dynamic_sampling=true", "algo.dynamic_max_rounds=3", "algo.overlong_filter=true")
-    sets += ("algo.critic_lr=1e-3", "log.samples_every=1", "log.samples=64", "checkpoint.export_hf=false")
+    sets = ("algo.dynamic_max_rounds=3", "log.samples=64", "checkpoint.export_hf=false")
     res = run_cli("ppo", *args, *[x for s in sets for x in ("--set", s)])
     assert res.returncode == 0, failure(res, run)
     records = train_records(run)
