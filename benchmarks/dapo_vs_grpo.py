@@ -1,6 +1,7 @@
 """The `dapo` preset against plain GRPO on the demo task: reward per generated sample (issue 26).
 
     python benchmarks/dapo_vs_grpo.py [--out runs/dapo_vs_grpo] [--seeds 0,1,2] [--steps 40] [--nproc 2]
+    python benchmarks/dapo_vs_grpo.py --from-results benchmarks/results/dapo_vs_grpo.json --out /tmp/x
 
 1. The demo's model and data (:mod:`rlctl.demo`, full size): a tiny Qwen2 trained from scratch by SFT on a
    sloppy teacher's two-digit additions (most carries forgotten), once.
@@ -11,13 +12,19 @@
    - ``dapo``: ``--preset dapo`` (clip 0.2 / 0.28, token-mean, no KL, dynamic sampling, at most 10 rounds),
      the sizes above from the command line (they win over the preset's), and the soft overlong buffer off
      (``algo.overlong_buffer=0``: 4-token answers leave no room for DAPO's 4096-token buffer).
-3. Samples are counted as generated: a dapo step counts every round (``dynamic/generated_samples``). The
-   budget is what grpo generates in ``--steps`` steps; dapo runs the same number of steps (it generates
-   more) and is compared up to the budget. Reported per seed and run: the mean training reward of the
-   samples generated in each quarter of the budget (reward per generated sample), the least-squares slope
-   of the per-step reward against the samples generated so far (per 1000 samples, within the budget), and
-   the held-out accuracy at the last evaluation within the budget. The results go to ``OUT/results.json``
-   and a markdown table to stdout.
+3. Samples are counted as generated: a dapo step counts every round (``dynamic/generated_samples``), the
+   dropped groups' samples included. The budget is what grpo generates in ``--steps`` steps; dapo runs the
+   same number of steps (it generates more) and is compared up to the budget. Reported per seed and run:
+   the mean training reward of the samples generated in each quarter of the budget and over all of it
+   (reward per generated sample), the least-squares slope of the per-step reward against the samples
+   generated so far (per 1000 samples, within the budget), and the held-out accuracy at equal samples: at
+   the budget and averaged over 8 equally spaced sample counts up to it (grpo's evaluations), read off the
+   straight lines between a run's evaluations (dapo's fall at other sample counts), beside the last
+   evaluation within the budget.
+4. Over the seeds, paired: each measure's mean per run kind, the mean difference dapo - grpo with its
+   standard error, and the seeds on which dapo's is at least grpo's. The results go to
+   ``OUT/results.json`` and markdown tables to stdout; ``--from-results R`` summarises the curves of a
+   results.json again without running anything.
 """
 
 from __future__ import annotations
