@@ -164,6 +164,7 @@ PAIRED = {
     "reward_in_budget": "reward / sample, whole budget",
     "acc_at_budget": "held-out acc at the budget",
     "acc_mean_in_budget": "held-out acc, mean over the budget",
+    "acc_end": "held-out acc after all steps (equal steps, not samples)",
 }
 
 
@@ -196,7 +197,7 @@ def paired(results: dict) -> dict:
 
 def paired_table(summary: dict) -> str:
     lines = [
-        "| measure (equal generated samples) | grpo | dapo | dapo - grpo, mean +- s.e. | seeds dapo >= grpo |",
+        "| measure (at equal generated samples unless said) | grpo | dapo | dapo - grpo, mean +- s.e. | seeds dapo >= grpo |",
         "|---|---|---|---|---|",
     ]
     for key, p in summary.items():
@@ -223,6 +224,25 @@ def table(results: dict) -> str:
                 f"({s['acc_in_budget_step']}) | {s['steps_in_budget']} | {s['mean_rounds']:.2f} | "
                 f"{s['dropped_groups']:.0f} / {s['padded_groups']:.0f} | {s['samples_end']:.0f}, {s['acc_end']:.3f} |"
             )
+    return "\n".join(lines)
+
+
+def seed_table(results: dict) -> str:
+    """One row a seed, grpo / dapo side by side."""
+    lines = [
+        "| seed | slope / 1k samples, grpo / dapo | reward / sample in the last budget quarter | held-out acc at the "
+        "budget | held-out acc, mean over the budget | dapo: rounds / step, groups dropped / step, samples / step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for seed, runs in results["seeds"].items():
+        g, d = runs["grpo"], runs["dapo"]
+        steps = results["steps"]
+        lines.append(
+            f"| {seed} | {g['slope_per_1k']:+.4f} / {d['slope_per_1k']:+.4f} | {g['quarters'][3]:.3f} / "
+            f"{d['quarters'][3]:.3f} | {g['acc_at_budget']:.3f} / {d['acc_at_budget']:.3f} | "
+            f"{g['acc_mean_in_budget']:.3f} / {d['acc_mean_in_budget']:.3f} | {d['mean_rounds']:.2f}, "
+            f"{d['dropped_groups'] / steps:.1f}, {d['samples_end'] / steps:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -270,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     results["paired"] = paired(results)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print(table(results))
+    print()
+    print(seed_table(results))
     print()
     print(paired_table(results["paired"]))
     return 0
