@@ -197,7 +197,8 @@ def paired(results: dict) -> dict:
 
 def paired_table(summary: dict) -> str:
     lines = [
-        "| measure (at equal generated samples unless said) | grpo | dapo | dapo - grpo, mean +- s.e. | seeds dapo >= grpo |",
+        "| measure (at equal generated samples unless said) | grpo | dapo | dapo - grpo, mean +- s.e. | "
+        "seeds dapo >= grpo |",
         "|---|---|---|---|---|",
     ]
     for key, p in summary.items():
