@@ -187,10 +187,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench-agent-grpo")
     ap.add_argument("--json", default="benchmarks/results/speed/agent-grpo-vs-trl.json")
     ap.add_argument("--keep-model", action="store_true", help="reuse OUT's fine-tuned model from an earlier run")
-    ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--setting-json", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
-    ap.add_argument("--data", help=argparse.SUPPRESS)
+    h.add_worker_flags(ap, "--setting-json")
     args = ap.parse_args()
     if args.trl_worker:
         trl_worker(args)

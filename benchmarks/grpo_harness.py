@@ -9,6 +9,7 @@ TRL in a callback. Reward gain per step: the least-squares slope of the mean tra
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -64,6 +65,15 @@ def rlctl_run(argv: list[str], out: Path) -> tuple[dict, list[dict]]:
     times = {k: statistics.mean(x.get(k, 0.0) for x in records[WARMUP_STEPS:]) for k in records[-1] if "time/" in k}
     result = {**step_times(marks), "rewards": rewards, "gain_per_step": slope(rewards), "load": load, "phases": times}
     return result, records
+
+
+def add_worker_flags(ap: argparse.ArgumentParser, setting_flag: str) -> None:
+    """The hidden flags :func:`trl_run` gives ``script --trl-worker``: the worker's setting as JSON
+    (``setting_flag``, what ``extra`` passes), its model and its data (``--out`` and ``--steps`` are public)."""
+    ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(setting_flag, help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
 
 
 def trl_run(script: str, extra: list[str], model: Path, data: Path, out: Path, steps: int) -> dict:

@@ -132,10 +132,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default="runs/bench-grpo")
     ap.add_argument("--json", default="benchmarks/results/speed/grpo-vs-trl.json")
-    ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--regime-json", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
-    ap.add_argument("--data", help=argparse.SUPPRESS)
+    h.add_worker_flags(ap, "--regime-json")
     args = ap.parse_args()
     if args.trl_worker:
         trl_worker(args)

@@ -19,11 +19,12 @@ Columns, run interleaved (every column once per round, in a rotating order) on 2
 comparison: 8x1 (the update a bit slower than the rollout), 4x1 (fewer tokens: both shrink but the
 longest response does not, so the rollout and the update cost about the same), 8x4 (the update four
 times as long: it dominates). Seconds per step: the median of ``time/step`` over the steps after
-WARMUP, then the median over rounds. A run directory with its ``load.txt`` is reused by a later call.
+WARMUP, then the median over rounds.
 
-The cost model, for a batch of ``T`` response tokens whose longest response has ``L`` tokens, with
-its parts measured in the split run (two busy processes, as in sync2: on a shared machine a process's
-speed depends on what runs beside it, so the 1-process column is not used as input):
+The cost model, for a batch of ``T`` response tokens whose longest response has ``L`` tokens. Every
+part is measured apart from the sync2 run it predicts: in the split run (two busy processes, as in
+sync2: on a shared machine a process's speed depends on what runs beside it, so the 1-process column is
+not an input) and in a data-parallel micro-benchmark (:func:`dp_parts`):
 
 * rollout on one process: ``R(L, T) = a L + b T`` (the hf engine decodes until the longest sample
   finishes; a finished sample leaves the batch), ``a`` and ``b`` fitted by least squares on the split
@@ -32,20 +33,33 @@ speed depends on what runs beside it, so the 1-process column is not used as inp
 * ``U``: the trainer's part of a split step (scoring, log-probs, update; ``time/step`` less the wait for
   the batch and the weight broadcast), for the whole batch on one process;
 * ``S``: the weight broadcast after an update (``time/weight_sync``);
-* ``sync2 = R(L, T/2) + U/2``: each rank decodes half the tokens, but the rank holding the longest
-  response decodes for ``L`` steps and the other waits for it at the first collective; the update
-  halves (the gradient all-reduce of the tiny model is left out);
+* ``f``: the load imbalance of sync2 (:func:`imbalance`): each rank trains its own half of the samples
+  and the other waits for the busier at the next collective, so a step costs the busier rank's share,
+  ``f`` times the even one; from the split run's ``response_len/std``, ``response_len/mean`` and tokens;
+* ``C_dp``: what 2 data-parallel processes pay per step that one does not (:func:`counts`, :func:`dp_parts`):
+  FSDP's all-gathers and gradient reduce-scatters per micro-batch (``fb``; ``fwd`` for a log-prob pass),
+  the gradient norm's all-reduce per optimizer step, and the recipe's small metric collectives, each the
+  micro-benchmark's 2-process time less its 1-process time, times the count of the config;
+* ``S_gather``: the FSDP parameters gathered every step for sync2's own hf rollout engine (the
+  micro-benchmark on 2 processes);
+* ``sync2 = a L + b (T/2) f + (U/2) f + C_dp + S_gather``: each rank decodes half the tokens (the busier
+  rank ``f`` times that), but the rank holding the longest response decodes for ``L`` steps and the other
+  waits for it at the first collective; the update halves, times ``f``;
 * ``split = max(R(L, T), U) + S``: the trainer waits for the rollout when it is slower, the rollout
   for the weights when the update is.
 
-``L``, ``T``, ``U`` and ``S`` are medians over the split steps after WARMUP. The predicted ratio
-split / sync2 is compared with the measured one (the median over rounds of the per-round ratio).
+``L``, ``T``, ``U``, ``S`` and ``f`` are medians over the split steps after WARMUP. The predicted ratio
+split / sync2 is compared with the measured one (the median over rounds of the per-round ratio); each
+config's line prints both, the error and every part. A run directory with its ``load.txt`` and the
+micro-benchmark's ``WORK/dp_parts.json`` are reused by a later call (so a call on an existing WORK only
+recomputes the model).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -56,6 +70,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 STOP_IDS = [3, 100, 101, 102, 103, 104]  # 3: the tokenizer's EOS; the others make lengths geometric
 WARMUP = 2
+DP_REPS = 30  # reps of each part in the data-parallel micro-benchmark
 N, RESPONSE = 4, 512
 
 
@@ -135,27 +150,60 @@ def response_tokens(r: dict) -> float:
     return r["response_len/mean"] * r["batch"] * N
 
 
-def model_ratio(split: list[dict]) -> dict:
-    """The cost model's parts, measured in the split run (two busy processes, as in sync2), and its
-    predictions of both step times."""
+def imbalance(r: dict) -> float:
+    """``f``: the expected tokens of the busier of two ranks over the even share, for the step's samples
+    split in two halves of ``n = batch * N / 2``: a rank's tokens are its prompts (nearly the same on both)
+    plus the sum of ``n`` response lengths of standard deviation ``s``; for two such sums (normal
+    approximation) ``E[max] = mean + s sqrt(n) / sqrt(pi)``, so ``f = 1 + s sqrt(n) / (sqrt(pi) tokens / 2)``.
+    ``s`` is ``response_len/std``; a run from before that metric: the geometric lengths' ``sqrt(m (m - 1))``."""
+    m = r["response_len/mean"]
+    s = r.get("response_len/std", math.sqrt(max(0.0, m * (m - 1))))
+    n = r["batch"] * N / 2
+    return 1 + s * math.sqrt(n) / (math.sqrt(math.pi) * r["tokens"] / 2)
+
+
+def counts(cfg, batch: int, rank_tokens: float) -> dict:
+    """What sync2 runs per step on each rank, counted from its config as the engine does: micro-batches of
+    a pass over the rank's samples (``rank_tokens`` packed under the token budget), the optimizer steps
+    (``ppo_epochs`` x mini-batches), the log-prob passes before the update (none when the update's own
+    forward gives the old log-probs), and the small metric collectives of the recipe (``global_sums``,
+    maxima, gathers: 10 per step, 2 per log-prob pass, 2 per optimizer step; see rlctl/recipes/rl)."""
+    from rlctl.recipes.rl.batch import token_budget
+    from rlctl.recipes.rl.update import skips_old_logprobs
+
+    micro = max(1, math.ceil(rank_tokens / token_budget(cfg)))
+    minis = math.ceil(batch / (cfg.algo.mini_batch_size or batch))
+    opt = cfg.algo.ppo_epochs * minis
+    passes = 0 if skips_old_logprobs(cfg) else 1
+    return {"micro_per_pass": micro, "opt_steps": opt, "fb_micro": opt * micro, "fwd_micro": passes * micro,
+            "small": 10 + 2 * passes + 2 * opt}  # fmt: skip
+
+
+def model_ratio(split: list[dict], dp: dict, cfg) -> dict:
+    """The cost model's parts, measured in the split run (two busy processes, as in sync2) and by the
+    data-parallel micro-benchmark ``dp`` (:func:`dp_parts`), and its predictions of both step times."""
     a, b = fit_rollout(split)
     med = statistics.median
     L, T = med(r["response_len/max"] for r in split), med(response_tokens(r) for r in split)
     U = med(r["time/step"] - r["time/rollout_wait"] - r["time/weight_sync"] for r in split)
     S = med(r["time/weight_sync"] for r in split)
-    R1, R2 = a * L + b * T, a * L + b * T / 2
-    sync2, split_s = R2 + U / 2, max(R1, U) + S
-    return {"a_s_per_step": a, "b_s_per_token": b, "L": L, "T": T, "R1": R1, "R2": R2, "U": U, "S": S,
+    f = med(imbalance(r) for r in split)
+    n = counts(cfg, split[0]["batch"], med(r["tokens"] for r in split) / 2 * f)
+    C = n["fb_micro"] * dp["fb"] + n["fwd_micro"] * dp["fwd"] + n["opt_steps"] * dp["step"] + n["small"] * dp["sums"]
+    R1, R2 = a * L + b * T, a * L + b * T / 2 * f
+    sync2, split_s = R2 + U / 2 * f + C + dp["gather"], max(R1, U) + S
+    return {"a_s_per_step": a, "b_s_per_token": b, "L": L, "T": T, "f": f, "R1": R1, "R2": R2, "U": U,
+            "U2f": U / 2 * f, "S": S, "C_dp": C, "S_gather": dp["gather"], "counts": n,
             "sync2_pred": sync2, "split_pred": split_s, "ratio_pred": split_s / sync2}  # fmt: skip
 
 
-def summarize(recs: dict[str, list[list[dict]]]) -> dict:
+def summarize(recs: dict[str, list[list[dict]]], dp: dict, cfg) -> dict:
     """Medians over rounds, the measured ratio split / sync2 and the cost model's."""
     modes = list(recs)
     flat = {m: [r for rr in recs[m] for r in rr] for m in modes}
     per_round = {m: [statistics.median(r["time/step"] for r in rr) for rr in recs[m]] for m in modes}
     ratios = [s / y for s, y in zip(per_round["split"], per_round["sync2"])]
-    cost = model_ratio(flat["split"])
+    cost = model_ratio(flat["split"], dp, cfg)
     return {
         "s_per_step": {m: statistics.median(v) for m, v in per_round.items()},
         "s_per_step_rounds": per_round,
@@ -168,6 +216,112 @@ def summarize(recs: dict[str, list[list[dict]]]) -> dict:
     }
 
 
+def report(config: str, s: dict) -> str:
+    """One config's measured and predicted ratio, the error, and each part of the model (seconds)."""
+    m, t = s["model"], s["s_per_step"]
+    parts = " ".join(f"{k}={m[k]:.4g}" for k in ("R1", "U", "S", "R2", "U2f", "C_dp", "S_gather", "f", "L", "T"))
+    return (f"{config}: split/sync2 measured {s['ratio_split_over_sync2']:.3f} ({t['split']:.3f}/{t['sync2']:.3f} s),"
+            f" predicted {m['ratio_pred']:.3f} ({m['split_pred']:.3f}/{m['sync2_pred']:.3f} s), error "
+            f"{s['model_error']:+.1%}\n  parts: {parts} counts={m['counts']}")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The data-parallel micro-benchmark: what sync2's two processes pay that one process does not
+
+
+def dp_worker(run_dir: Path, out: Path) -> None:
+    """Under torchrun: the actor engine of ``run_dir``'s config on this many processes, and the seconds
+    of each data-parallel part on a one-token micro-batch (the slowest rank, median over DP_REPS reps,
+    each after a barrier): ``fwd`` a no-grad forward (a log-prob pass), ``fb`` a forward and backward
+    (FSDP's all-gathers and gradient reduce-scatters), ``step`` an optimizer step (the gradient norm's
+    all-reduce), ``gather`` every full parameter (the weight sync to the hf rollout), ``sums`` one small
+    ``global_sums``."""
+    import torch
+    import torch.distributed as dist
+
+    from rlctl.config import load_config
+    from rlctl.data.packing import MicroBatch
+    from rlctl.engines import EngineSpec, build_engine
+    from rlctl.engines.base import model_source
+    from rlctl.runtime.dist import all_gather_objects, global_sums, init_distributed
+
+    cfg = load_config(run_dir / "config.yaml")
+    d = init_distributed("cpu")
+    engine = build_engine(EngineSpec.from_config(cfg), role="actor", total_steps=10**6,
+                          source=model_source(cfg.model.name))  # fmt: skip
+    one = torch.zeros((1, 1), dtype=torch.int64)
+    mb = [MicroBatch(one, one, one[0], logit_index=torch.zeros(1, dtype=torch.int64))]
+
+    def loss(out, _mb):
+        return out.float().sum(), None
+
+    def fwd():
+        engine.train(False)
+        engine.forward_backward(mb, loss, forward_only=True)
+        engine.train(True)
+
+    ops = {"fwd": fwd, "fb": lambda: engine.forward_backward(mb, loss), "step": engine.step,
+           "gather": lambda: [t.clone() for _, t in engine.iter_full_params(dtype=torch.float32)],
+           "sums": lambda: global_sums({"a": 1.0, "b": 2.0, "c": 3.0}, d.device)}  # fmt: skip
+    times: dict[str, list[float]] = {k: [] for k in ops}
+    for rep in range(DP_REPS + 3):  # 3 warmup reps
+        for key, op in ops.items():  # fb then step: the step has gradients to clip
+            dist.barrier()
+            began = time.perf_counter()
+            op()
+            if rep >= 3:
+                times[key].append(time.perf_counter() - began)
+    every = all_gather_objects(times)
+    if d.rank == 0:
+        slowest = {k: [max(t[k][i] for t in every) for i in range(DP_REPS)] for k in ops}
+        fastest = {f"{k}_min": min(v) for k, v in slowest.items()}  # (a check against load: not used)
+        out.write_text(json.dumps({**{k: statistics.median(v) for k, v in slowest.items()}, **fastest}) + "\n")
+    dist.destroy_process_group()
+
+
+def dp_parts(work: Path, run_dir: Path) -> dict:
+    """The micro-benchmark on 2 processes and on 1 (cached in WORK/dp_parts.json): the parts of a step
+    sync2 pays beyond the split trainer, ``fwd``, ``fb``, ``step``, ``sums`` as the 2-process time less
+    the 1-process one (the split trainer runs the same engine on one process: its compute is in U), and
+    ``gather`` whole (sync2's rollout engine is loaded from the gathered parameters every step). The
+    real engine on a one-token micro-batch rather than bare collectives of the same sizes: it pays what
+    FSDP2 really does (an all-gather per decoder layer before the forward and again before the backward,
+    the reduce-scatters, the copies in and out, DTensor's bookkeeping), and the 1-process run removes the
+    compute that the split trainer's ``U`` already holds."""
+    cache = work / "dp_parts.json"
+    if not cache.is_file():
+        procs = {}
+        for p in (2, 1):
+            out = work / f"dp_{p}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(p),
+                   __file__, "--dp-worker", str(run_dir), "--dp-out", str(out)]  # fmt: skip
+            result = subprocess.run(cmd, env=env(), cwd=REPO, capture_output=True, text=True)
+            if result.returncode:
+                raise SystemExit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
+            procs[p] = json.loads(out.read_text())
+        parts = {k: max(0.0, procs[2][k] - procs[1][k]) for k in ("fwd", "fb", "step", "sums")}
+        cache.write_text(json.dumps({**parts, "gather": procs[2]["gather"], "procs2": procs[2], "procs1": procs[1]}))
+    return json.loads(cache.read_text())
+
+
+def run_config(work: Path, model: Path, data: Path, config: str, rounds: int, steps: int) -> dict:
+    """The runs of one config, interleaved: each mode's records per round."""
+    batch, epochs = (int(v) for v in config.split("x"))
+    modes = ["sync1", "sync2", "split"]
+    recs: dict[str, list[list[dict]]] = {m: [] for m in modes}
+    for rnd in range(rounds):
+        for m in modes[rnd % 3 :] + modes[: rnd % 3]:
+            out = work / f"b{batch}-e{epochs}-{m}-{rnd}"
+            began = time.time()
+            recs[m].append(run(argv(model, data, out, m, steps, batch, epochs), out))
+            for r in recs[m][-1]:
+                r["batch"] = batch
+            step = statistics.median(r["time/step"] for r in recs[m][-1])
+            print(f"{config} round {rnd} {m}: {step:.2f} s/step ({time.time() - began:.0f} s, "
+                  f"load {recs[m][-1][0]['load']:.1f})", flush=True)  # fmt: skip
+    return recs
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=3)
@@ -175,31 +329,32 @@ def main() -> None:
     p.add_argument("--configs", default="8x1,4x1,8x4", help="BATCHxPPO_EPOCHS, comma-separated")
     p.add_argument("--work", default="/tmp/offpolicy_bench")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "offpolicy_vs_sync.json"))
+    p.add_argument("--dp-worker", type=Path, help=argparse.SUPPRESS)  # the micro-benchmark's ranks
+    p.add_argument("--dp-out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.dp_worker:
+        return dp_worker(args.dp_worker, args.dp_out)
+    from rlctl.config import load_config
+
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     model, data = setup(work)
-    modes = ["sync1", "sync2", "split"]
+    configs = args.configs.split(",")
+    recs = {c: run_config(work, model, data, c, args.rounds, args.steps) for c in configs}
+    runs = {c: work / "b{}-e{}-sync2-0".format(*c.split("x")) for c in configs}
+    dp = dp_parts(work, runs[configs[0]])
+    print(f"data-parallel parts (s): {json.dumps(dp)}", flush=True)
     results = json.loads(Path(args.out).read_text())["results"] if Path(args.out).is_file() else {}
-    for config in args.configs.split(","):
-        batch, epochs = (int(v) for v in config.split("x"))
-        recs: dict[str, list[list[dict]]] = {m: [] for m in modes}
-        for rnd in range(args.rounds):
-            for m in modes[rnd % 3 :] + modes[: rnd % 3]:
-                out = work / f"b{batch}-e{epochs}-{m}-{rnd}"
-                began = time.time()
-                recs[m].append(run(argv(model, data, out, m, args.steps, batch, epochs), out))
-                for r in recs[m][-1]:
-                    r["batch"] = batch
-                step = statistics.median(r["time/step"] for r in recs[m][-1])
-                print(f"{config} round {rnd} {m}: {step:.2f} s/step ({time.time() - began:.0f} s, "
-                      f"load {recs[m][-1][0]['load']:.1f})", flush=True)  # fmt: skip
-        results[f"batch={batch},ppo_epochs={epochs}"] = summarize(recs)
-        print(json.dumps(results[f"batch={batch},ppo_epochs={epochs}"], indent=1), flush=True)
+    lines = []
+    for c in configs:
+        batch, epochs = c.split("x")
+        results[f"batch={batch},ppo_epochs={epochs}"] = s = summarize(recs[c], dp, load_config(runs[c] / "config.yaml"))
+        lines.append(report(c, s))
     out = {"setup": {"n": N, "max_response_len": RESPONSE, "stop_ids": STOP_IDS,
                      "rounds": args.rounds, "steps": args.steps, "warmup": WARMUP, "cpus": os.cpu_count()},
-           "results": results}  # fmt: skip
+           "dp_parts": dp, "results": results}  # fmt: skip
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print("\n".join(lines))
     print(f"wrote {args.out}")
 
 

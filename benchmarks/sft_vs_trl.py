@@ -296,7 +296,7 @@ def fp32_peak(repeats: int = 3) -> float:
 def flops_per_token(model: Path, lengths: list[int]) -> dict:
     """Model training FLOPs per token (rlctl.bench.mfu) with each document attending to itself only."""
     from rlctl.bench import mfu as M
-    from rlctl.catalog.models import spec_from_path
+    from rlctl.catalog.hf_config import spec_from_path
 
     spec = spec_from_path(model)
     s = sum(n * n for n in lengths) / sum(lengths)  # token-weighted mean document length

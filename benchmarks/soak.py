@@ -50,21 +50,18 @@ FATAL = re.compile(
 
 def make_inputs(out: Path) -> tuple[Path, Path]:
     from rlctl.testing import build_tiny_model
+    from tests.support.rl import arith_rows
+    from tests.support.sft import write_jsonl
 
     model = out / "model"
     if not (model / "config.json").is_file():
         build_tiny_model(model, seed=0)
-    rng = random.Random(0)
-    rows = []
-    for _ in range(64):
-        a, b = rng.randrange(0, 100, 3), rng.randrange(0, 100, 7)
-        rows.append({"prompt": f"What is {a} + {b}?", "answer": str(a + b)})
-    data = out / "prompts.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return model, data
+    return model, write_jsonl(out / "prompts.jsonl", arith_rows(64, seed=0))
 
 
 def one_run(args, model: Path, data: Path, run_dir: Path) -> dict:
+    from tests.support.rl import REWARDS
+
     argv = [
         sys.executable,
         "-m",
@@ -93,7 +90,7 @@ def one_run(args, model: Path, data: Path, run_dir: Path) -> dict:
         "--lr",
         "1e-3",
         "--reward",
-        f"{REPO / 'tests' / 'support' / 'rl_rewards.py'}:digits",
+        f"{REWARDS}:digits",
         "--max-steps",
         str(args.steps),
         "--set",

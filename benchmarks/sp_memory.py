@@ -183,7 +183,7 @@ def run_sp(model: Path, sp: int, args, tmp: Path) -> list[dict]:
 def estimate(model: Path, sp: int, args) -> dict:
     """The estimator's training phase for this job: 2 CPU processes, fp32, no checkpointing, one sequence
     of --seq-len tokens per micro batch."""
-    from rlctl.catalog.models import spec_from_path
+    from rlctl.catalog.hf_config import spec_from_path
     from rlctl.catalog.spec import GpuSpec
     from rlctl.estimate import MemorySettings, estimate_memory
 

@@ -34,7 +34,7 @@ def main() -> None:
     from grpo_vs_trl import REGIMES
 
     from rlctl.bench import mfu as M
-    from rlctl.catalog.models import spec_from_path
+    from rlctl.catalog.hf_config import spec_from_path
 
     r = REGIMES[args.regime]
     root = Path(args.bench_dir)

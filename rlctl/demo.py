@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -73,21 +73,17 @@ FULL = DemoSize(
     grpo_lr=1e-4,
     temperature=1.0,
 )
-QUICK = DemoSize(
+QUICK = replace(  # the same task and model, smaller and shorter (--quick, about a minute; the tests)
+    FULL,
     max_operand=19,
     n_heldout=60,
-    slip_rate=0.7,
-    hidden=128,
     intermediate=256,
-    layers=2,
     sft_steps=30,
     sft_batch=32,
-    sft_lr=1e-3,
     grpo_steps=3,
     grpo_batch=8,
     grpo_n=4,
     grpo_lr=3e-4,
-    temperature=1.0,
 )
 SEED = 0  # default seed of everything: model init, data split, teacher, training
 MAX_LEN = 64  # tokens of one SFT conversation (they are about 23)

@@ -1,4 +1,5 @@
-"""Tiny models and tokenizers built offline, for tests, benchmarks and the demo.
+"""Tiny models and tokenizers built offline, for tests, benchmarks, the demo and the examples; and a
+vision-language model's greedy answer about a picture through plain transformers (:func:`vl_greedy_answer`).
 
 Nothing here downloads anything: the tokenizer is trained in a second with the `tokenizers`
 library and the model is a Qwen2 architecture with random weights (head_dim 64, because vLLM's
@@ -98,18 +99,24 @@ def build_tokenizer(out_dir: str | Path | None = None, *, vocab_size: int = 512,
     return fast
 
 
+# the sizes of the tiny text model (Qwen2, and the text model of the tiny Qwen-VL)
+TINY_TEXT_SIZES = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+)
+
+
 def tiny_qwen2_config(vocab_size: int = 512, **overrides):
     """A Qwen2 config small enough for CPU tests: GQA (2 heads, 1 kv head), head_dim 64."""
     from transformers import Qwen2Config
 
     kwargs = dict(
         vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
+        **TINY_TEXT_SIZES,
         max_position_embeddings=512,
         rope_theta=10000.0,
         tie_word_embeddings=False,
@@ -193,12 +200,7 @@ def tiny_qwen2_vl_config(tokenizer, arch: str = "qwen2_vl", **overrides):
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     text = dict(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
+        **TINY_TEXT_SIZES,
         max_position_embeddings=1024,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
         eos_token_id=tokenizer.eos_token_id,
@@ -249,3 +251,30 @@ def build_tiny_vl_model(
     model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+def vl_greedy_answer(model, tok, processor, png: bytes, question: str, *, max_new_tokens: int):
+    """A Hugging Face Qwen-VL model's greedy answer to ``question`` about one picture (PNG bytes), through plain
+    transformers: the chat template, the image processor, one ``<|image_pad|>`` per merged patch, ``generate``.
+    Returns (answer, prompt ids ``[1, L]``, the processor's output)."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    pixels = processor(images=[Image.open(io.BytesIO(png)).convert("RGB")], return_tensors="pt")
+    n = int(pixels["image_grid_thw"].prod()) // processor.merge_size**2
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(text.replace("<|image_pad|>", "<|image_pad|>" * n), add_special_tokens=False, return_tensors="pt")
+    ids = ids["input_ids"]
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            pixel_values=pixels["pixel_values"],
+            image_grid_thw=pixels["image_grid_thw"],
+            mm_token_type_ids=(ids == model.config.image_token_id).int(),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True), ids, pixels

@@ -18,7 +18,6 @@ teacher's answers, then GRPO with the task's reward; held-out accuracy before an
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import subprocess
 import sys
@@ -62,31 +61,14 @@ def write_data(out: Path, size: Size, seed: int) -> list[colors.Picture]:
 def answers(model_dir: Path, pictures: list[colors.Picture]) -> list[str]:
     """Greedy answers of the model in ``model_dir`` through plain transformers (its own image processor)."""
     import torch
-    from PIL import Image
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from rlctl.testing import vl_greedy_answer
 
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     processor = AutoImageProcessor.from_pretrained(str(model_dir))
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": colors.QUESTION}]}]
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    out = []
-    for p in pictures:
-        pixels = processor(images=[Image.open(io.BytesIO(p.png())).convert("RGB")], return_tensors="pt")
-        n = int(pixels["image_grid_thw"].prod()) // processor.merge_size**2
-        ids = tok(text.replace("<|image_pad|>", "<|image_pad|>" * n), add_special_tokens=False, return_tensors="pt")
-        ids = ids["input_ids"]
-        with torch.no_grad():
-            gen = model.generate(
-                input_ids=ids,
-                pixel_values=pixels["pixel_values"],
-                image_grid_thw=pixels["image_grid_thw"],
-                mm_token_type_ids=(ids == model.config.image_token_id).int(),
-                max_new_tokens=4,
-                do_sample=False,
-            )
-        out.append(tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True))
-    return out
+    return [vl_greedy_answer(model, tok, processor, p.png(), colors.QUESTION, max_new_tokens=4)[0] for p in pictures]
 
 
 def accuracy(model_dir: Path, pictures: list[colors.Picture]) -> dict[str, float]:

@@ -78,6 +78,32 @@ def weigh(per_token: Tensor, is_weights: Tensor | None) -> Tensor:
     return per_token if is_weights is None else per_token * is_weights.detach()
 
 
+def reduce_policy_loss(
+    per_token: Tensor,
+    mask: Tensor,
+    agg: str,
+    norm_len: int | None,
+    global_tokens: Count | None,
+    global_seqs: Count | None,
+    is_weights: Tensor | None,
+) -> Tensor:
+    """A policy loss's scalar: the per-token loss :func:`weigh`-ed by ``is_weights``, then :func:`aggregate`-d."""
+    per_token = weigh(per_token, is_weights)
+    return aggregate(per_token, mask, agg, norm_len=norm_len, global_tokens=global_tokens, global_seqs=global_seqs)
+
+
+def token_inputs(advantages: Tensor, log_ratio: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(advantages per token ``[B, T]``, log-ratio), both 0 on padding so that garbage there cannot reach the
+    gradient (0 * nan = nan); ``advantages`` is ``[B, T]`` or ``[B]`` (one per sequence)."""
+    adv = advantages if advantages.dim() == log_ratio.dim() else advantages.unsqueeze(-1)
+    return zero_masked(adv, mask), zero_masked(log_ratio, mask)
+
+
+def approx_kl(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """The metric ``approx_kl = mean(old_logp - logp)`` over the valid tokens (detached)."""
+    return masked_mean(old_logp - logp, mask).detach()
+
+
 def _at_least_one(count: Count, like: Tensor) -> Tensor:
     """A denominator as a float tensor on ``like``'s device, at least 1 (an empty batch gives 0,
     not nan); at least float32, since bfloat16 cannot hold token counts exactly."""
@@ -94,9 +120,7 @@ def _clipped_surrogate(
     dual_clip: float | None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token PPO clip objective (with optional dual clip) and its clip fractions."""
-    adv = advantages if advantages.dim() == log_ratio.dim() else advantages.unsqueeze(-1)
-    # zero the inputs on padding so that garbage there cannot reach the gradient (0 * nan = nan)
-    adv, log_ratio = zero_masked(adv, mask), zero_masked(log_ratio, mask)
+    adv, log_ratio = token_inputs(advantages, log_ratio, mask)
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -140,10 +164,8 @@ def ppo_policy_loss(
     """
     log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     per_token, metrics = _clipped_surrogate(log_ratio, advantages, mask, clip_low, clip_high, dual_clip)
-    metrics["approx_kl"] = masked_mean(old_logp - logp, mask).detach()
-    per_token = weigh(per_token, is_weights)
-    loss = aggregate(per_token, mask, agg, norm_len=norm_len, global_tokens=global_tokens, global_seqs=global_seqs)
-    return loss, metrics
+    metrics["approx_kl"] = approx_kl(logp, old_logp, mask)
+    return reduce_policy_loss(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), metrics
 
 
 def gspo_policy_loss(
@@ -171,10 +193,8 @@ def gspo_policy_loss(
     seq_log_ratio = masked_mean(logp - old_logp, mask, dim=-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach()
     per_token, metrics = _clipped_surrogate(log_ratio, advantages, mask, clip_low, clip_high, dual_clip)
-    metrics["approx_kl"] = masked_mean(old_logp - logp, mask).detach()
-    per_token = weigh(per_token, is_weights)
-    loss = aggregate(per_token, mask, agg, norm_len=norm_len, global_tokens=global_tokens, global_seqs=global_seqs)
-    return loss, metrics
+    metrics["approx_kl"] = approx_kl(logp, old_logp, mask)
+    return reduce_policy_loss(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), metrics
 
 
 def value_loss(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlctl.algos.losses import LOG_RATIO_CLAMP, Count, aggregate, weigh
+from rlctl.algos.losses import LOG_RATIO_CLAMP, Count, approx_kl, reduce_policy_loss, token_inputs
 from rlctl.algos.masked import masked_mean, zero_masked
 
 __all__ = [
@@ -27,9 +27,7 @@ __all__ = [
 
 def _prepare(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """(per-token advantages, clamped log-ratio), both zero on padding."""
-    adv = advantages if advantages.dim() == logp.dim() else advantages.unsqueeze(-1).expand_as(logp)
-    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return zero_masked(adv, mask), zero_masked(log_ratio, mask)
+    return token_inputs(advantages, (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), mask)
 
 
 def _metrics(logp: Tensor, old_logp: Tensor, mask: Tensor, clip_frac: Tensor | None = None) -> dict[str, Tensor]:
@@ -37,13 +35,8 @@ def _metrics(logp: Tensor, old_logp: Tensor, mask: Tensor, clip_frac: Tensor | N
     return {
         "clip_frac": zero if clip_frac is None else clip_frac.detach(),
         "dual_clip_frac": zero,
-        "approx_kl": masked_mean(old_logp - logp, mask).detach(),
+        "approx_kl": approx_kl(logp, old_logp, mask),
     }
-
-
-def _agg(per_token: Tensor, mask: Tensor, agg: str, norm_len, global_tokens, global_seqs, is_weights) -> Tensor:
-    per_token = weigh(per_token, is_weights)
-    return aggregate(per_token, mask, agg, norm_len=norm_len, global_tokens=global_tokens, global_seqs=global_seqs)
 
 
 def cispo_policy_loss(
@@ -69,7 +62,7 @@ def cispo_policy_loss(
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = -clipped.detach() * adv * zero_masked(logp, mask)
     m = _metrics(logp, old_logp, mask, masked_mean((ratio != clipped).float(), mask))
-    return _agg(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), m
+    return reduce_policy_loss(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), m
 
 
 def gpg_policy_loss(
@@ -91,7 +84,8 @@ def gpg_policy_loss(
     settings are ignored)."""
     adv, _ = _prepare(logp, old_logp, advantages, mask)
     per_token = -adv * zero_masked(logp, mask)
-    return _agg(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), _metrics(logp, old_logp, mask)
+    m = _metrics(logp, old_logp, mask)
+    return reduce_policy_loss(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), m
 
 
 def geo_mean_policy_loss(
@@ -152,7 +146,8 @@ def sapo_policy_loss(
     ratio = torch.exp(log_ratio)
     tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
     per_token = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv
-    return _agg(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), _metrics(logp, old_logp, mask)
+    m = _metrics(logp, old_logp, mask)
+    return reduce_policy_loss(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), m
 
 
 def _centred_cov(adv: Tensor, logp: Tensor, valid: Tensor) -> Tensor:
@@ -198,7 +193,7 @@ def clip_cov_policy_loss(
     keep[idx[perm, 0], idx[perm, 1]] = 0.0
     per_token = torch.maximum(unclipped, clipped) * keep
     m = _metrics(logp, old_logp, mask, masked_mean((keep == 0).float(), mask))
-    return _agg(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), m
+    return reduce_policy_loss(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), m
 
 
 def kl_cov_policy_loss(
@@ -230,4 +225,4 @@ def kl_cov_policy_loss(
     penalised = torch.zeros_like(cov).scatter_(0, cov.topk(k).indices, 1.0).reshape(adv.shape)
     per_token = per_token + penalised * ppo_kl_coef * log_ratio.abs()
     m = _metrics(logp, old_logp, mask, masked_mean(penalised, mask))
-    return _agg(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), m
+    return reduce_policy_loss(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), m

@@ -159,25 +159,19 @@ def render_compare(console: Console, doc: dict) -> None:
                 fmt(b["ttft_s"] * 1000, ",.1f", " ms"),
             )
             continue
-        t.add_row(
-            r["work"],
-            fmt(a["tokens_per_s"]),
-            fmt(b["tokens_per_s"]),
-            fmt_ratio(r["ratio_tokens_per_s"]),
-            fmt_ratio(r.get("ratio_tokens_per_cpu_s")),
-            fmt(a["step_s"] * 1000, ",.1f", " ms"),
-            fmt(b["step_s"] * 1000, ",.1f", " ms"),
-        )
-        packed = r.get(f"{peer}_packing")
-        if packed:
+        sides = [(r["work"], b, "")]  # the peer's run, and its run with packing when there is one
+        if r.get(f"{peer}_packing"):
+            batch = doc["settings"].get("batch_size", "")
+            sides.append((f"{r['work']} ({peer} with packing, batch {batch})", r[f"{peer}_packing"], "_packing"))
+        for label, other, suffix in sides:
             t.add_row(
-                f"{r['work']} ({peer} with packing, batch {doc['settings'].get('batch_size', '')})",
+                label,
                 fmt(a["tokens_per_s"]),
-                fmt(packed["tokens_per_s"]),
-                fmt_ratio(r["ratio_tokens_per_s_packing"]),
-                fmt_ratio(r.get("ratio_tokens_per_cpu_s_packing")),
+                fmt(other["tokens_per_s"]),
+                fmt_ratio(r[f"ratio_tokens_per_s{suffix}"]),
+                fmt_ratio(r.get(f"ratio_tokens_per_cpu_s{suffix}")),
                 fmt(a["step_s"] * 1000, ",.1f", " ms"),
-                fmt(packed["step_s"] * 1000, ",.1f", " ms"),
+                fmt(other["step_s"] * 1000, ",.1f", " ms"),
             )
     console.print(t)
 

@@ -11,8 +11,9 @@ from .count import (
     layer_params,
 )
 from .gpus import list_gpus, resolve_gpu
+from .hf_config import hf_config_dict
 from .markdown import catalog_markdown
-from .models import hf_config_dict, list_models, resolve_model
+from .models import list_models, resolve_model
 from .parallel import pipeline_split
 from .spec import GpuSpec, ModelSpec
 

@@ -71,6 +71,17 @@ def _check_dtype(dtype: str | None) -> str | None:
     return dtype
 
 
+def _writing(dtype: str | None, verify: bool, force: bool, max_shard_size: str) -> dict:
+    """The options of a conversion that writes a Hugging Face model (rlctl.convert.pipeline), checked."""
+    return {
+        "dtype": _check_dtype(dtype),
+        "verify": verify,
+        "force": force,
+        "progress": True,
+        "max_shard_bytes": parse_size(max_shard_size),
+    }
+
+
 def _console():
     from rich.console import Console
 
@@ -142,15 +153,7 @@ def fsdp_to_hf(
 
     _warn_trust(trust)
     result = convert(
-        ckpt,
-        out,
-        trust=trust,
-        dtype=_check_dtype(dtype),
-        keep_adapter=keep_adapter,
-        verify=verify,
-        force=force,
-        progress=True,
-        max_shard_bytes=parse_size(max_shard_size),
+        ckpt, out, trust=trust, keep_adapter=keep_adapter, **_writing(dtype, verify, force, max_shard_size)
     )
     _report(result, "Hugging Face model")
 
@@ -170,16 +173,7 @@ def lora_merge(
     """Fold a LoRA adapter into its base model: W + (alpha/r)·B@A (alpha/sqrt(r) with rsLoRA)."""
     from rlctl.convert.pipeline import lora_merge as merge
 
-    result = merge(
-        base,
-        adapter,
-        out,
-        dtype=_check_dtype(dtype),
-        verify=verify,
-        force=force,
-        progress=True,
-        max_shard_bytes=parse_size(max_shard_size),
-    )
+    result = merge(base, adapter, out, **_writing(dtype, verify, force, max_shard_size))
     _report(result, "merged model")
 
 

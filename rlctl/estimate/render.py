@@ -7,6 +7,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from rlctl.estimate.memory import GIB, MemoryEstimate, Phase
+from rlctl.estimate.result import component_rows
 
 LABELS = {
     "weights": "weights",
@@ -55,13 +56,8 @@ def _phase_table(title: str, phases: dict[str, Phase], labels: dict[str, str], d
     names = list(phases)
     for name in names:
         table.add_column(f"{name} (GiB)", justify="right")
-    components: list[str] = []
-    for phase in phases.values():
-        components += [c for c in phase.components if c not in components]
-    for comp in components:
-        cells = [phases[n].components.get(comp, 0) for n in names]
-        if any(cells):
-            table.add_row(labels.get(comp, comp), *[gib(v) if v else "-" for v in cells])
+    for comp, cells in component_rows(phases):
+        table.add_row(labels.get(comp, comp), *[gib(v) if v else "-" for v in cells])
     table.add_section()
     if device:
         table.add_row("allocated (torch max_memory_allocated)", *[gib(phases[n].allocated_bytes) for n in names])

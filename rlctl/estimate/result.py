@@ -61,6 +61,16 @@ class Phase:
         return cls({str(k): int(v) for k, v in d["components"].items()}, d["note"], float(d["slack"]))
 
 
+def component_rows(phases: dict[str, Phase]) -> list[tuple[str, list[int]]]:
+    """A table of components by phase: (component, its bytes in each phase) for every component of any phase,
+    in order of first appearance; a component that is 0 in every phase is left out."""
+    components: list[str] = []
+    for phase in phases.values():
+        components += [c for c in phase.components if c not in components]
+    rows = [(comp, [phase.components.get(comp, 0) for phase in phases.values()]) for comp in components]
+    return [(comp, cells) for comp, cells in rows if any(cells)]
+
+
 @dataclass
 class MemoryEstimate:
     model: str

@@ -18,6 +18,7 @@ from rlctl.catalog import (
 from rlctl.catalog.spec import GpuSpec
 from rlctl.estimate import MemorySettings, estimate_memory
 from rlctl.estimate.memory import GIB
+from rlctl.estimate.result import component_rows
 
 UNBOUNDED = GpuSpec("unbounded", 10**15, 0.0, "NVLink", 0.0, 8)
 GB = 10**9
@@ -139,13 +140,8 @@ def _phase_table(phases: dict) -> list[str]:
     """A markdown table of components (rows) by phase (columns), in GiB."""
     names = list(phases)
     out = ["| component | " + " | ".join(f"{n} (GiB)" for n in names) + " |", "|---|" + "---|" * len(names)]
-    components: list[str] = []
-    for phase in phases.values():
-        components += [c for c in phase.components if c not in components]
-    for comp in components:
-        cells = [phases[n].components.get(comp, 0) for n in names]
-        if any(cells):
-            out.append(f"| {comp} | " + " | ".join(f"{v / GIB:.2f}" if v else "-" for v in cells) + " |")
+    for comp, cells in component_rows(phases):
+        out.append(f"| {comp} | " + " | ".join(f"{v / GIB:.2f}" if v else "-" for v in cells) + " |")
     out.append("| **total** | " + " | ".join(f"**{phases[n].total_bytes / GIB:.2f}**" for n in names) + " |")
     return out
 

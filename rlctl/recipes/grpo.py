@@ -11,8 +11,9 @@ the loop around the steps (resume, eval, checkpoints, export) is :func:`rlctl.ru
 from __future__ import annotations
 
 from rlctl.recipes.rl.batch import RolloutBatch
+from rlctl.recipes.rl.metrics import Metrics, merged
 from rlctl.recipes.rl.offpolicy import rollout_main
-from rlctl.recipes.rl.trainer import Metrics, RLTrainer, merged
+from rlctl.recipes.rl.trainer import RLTrainer
 from rlctl.runtime.entry import RunContext, recipe_main
 from rlctl.runtime.fit import fit
 

@@ -162,28 +162,19 @@ def test_tiny_is_built_once_into_the_cache(tmp_path, monkeypatch):
 # bench rollout
 
 
+def _bench_rollout(model, engines: str, *, reps: int) -> dict:
+    """`rlctl bench rollout --json` of ``engines`` on the CPU: 2 prompts of about 8 tokens, 2 samples of at most 4
+    tokens each."""
+    return bench_json(
+        "rollout", "--model", str(model), "--engine", engines, "--prompts", "2", "--n", "2", "--prompt-len", "8",
+        "--max-tokens", "4", "--reps", str(reps), "--device", "cpu",
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def rollout_doc(tiny_model_dir) -> dict:
     """hf engine, plus sglang which cannot start here: its row carries the error."""
-    return bench_json(
-        "rollout",
-        "--model",
-        str(tiny_model_dir),
-        "--engine",
-        "hf,sglang",
-        "--prompts",
-        "2",
-        "--n",
-        "2",
-        "--prompt-len",
-        "8",
-        "--max-tokens",
-        "4",
-        "--reps",
-        "2",
-        "--device",
-        "cpu",
-    )
+    return _bench_rollout(tiny_model_dir, "hf,sglang", reps=2)
 
 
 def test_rollout_json(rollout_doc):
@@ -210,25 +201,7 @@ def test_rollout_json(rollout_doc):
 
 @pytest.mark.slow
 def test_rollout_hf_and_vllm_in_one_table(tiny_model_dir):
-    doc = bench_json(
-        "rollout",
-        "--model",
-        str(tiny_model_dir),
-        "--engine",
-        "hf,vllm",
-        "--prompts",
-        "2",
-        "--n",
-        "2",
-        "--prompt-len",
-        "8",
-        "--max-tokens",
-        "4",
-        "--reps",
-        "1",
-        "--device",
-        "cpu",
-    )
+    doc = _bench_rollout(tiny_model_dir, "hf,vllm", reps=1)
     rows = {r["engine"]: r for r in doc["results"]}
     assert set(rows) == {"hf", "vllm"} and not any(r["error"] for r in rows.values())
     assert rows["vllm"]["tokens_per_s"] > 0 and rows["vllm"]["peak_memory_bytes"] > rows["hf"]["peak_memory_bytes"]
@@ -292,20 +265,18 @@ def _check_train(doc: dict, method: str, steps: int) -> dict:
     return r
 
 
+def _bench_train(model, method: str, *args: str) -> dict:
+    """`rlctl bench train --json` of ``method``: 3 steps of one CPU process, and ``args``."""
+    return bench_json(
+        "train", "--model", str(model), "--method", method, "--device", "cpu", "--nproc", "1", "--steps", "3", *args
+    )
+
+
 @pytest.mark.slow
 def test_train_sft_json(tiny_model_dir, tmp_path):
-    doc = bench_json(
-        "train",
-        "--model",
-        str(tiny_model_dir),
-        "--method",
+    doc = _bench_train(
+        tiny_model_dir,
         "sft",
-        "--device",
-        "cpu",
-        "--nproc",
-        "1",
-        "--steps",
-        "3",
         "--batch-size",
         "4",
         "--seq-len",
@@ -324,18 +295,9 @@ def test_train_sft_json(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_train_grpo_json_splits_the_step(tiny_model_dir):
-    doc = bench_json(
-        "train",
-        "--model",
-        str(tiny_model_dir),
-        "--method",
+    doc = _bench_train(
+        tiny_model_dir,
         "grpo",
-        "--device",
-        "cpu",
-        "--nproc",
-        "1",
-        "--steps",
-        "3",
         "--batch-size",
         "2",
         "--n",
@@ -434,23 +396,20 @@ def test_compare_without_trl_says_how_to_install(monkeypatch):
         CompareSettings(peer="verl").check()
 
 
+def _compare_trl(model, *args: str) -> dict:
+    """`rlctl bench compare --peer trl --json` of ``model``: one rep of 2 steps on the CPU, and ``args``."""
+    return bench_json(
+        "compare", "--peer", "trl", "--model", str(model), "--reps", "1", "--steps", "2", "--device", "cpu", *args
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed")
 def test_compare_trl_json(tiny_model_dir):
-    doc = bench_json(
-        "compare",
-        "--peer",
-        "trl",
-        "--model",
-        str(tiny_model_dir),
+    doc = _compare_trl(
+        tiny_model_dir,
         "--work",
         "rollout,sft,grpo",
-        "--reps",
-        "1",
-        "--steps",
-        "2",
-        "--device",
-        "cpu",
         "--prompts",
         "2",
         "--n",
@@ -483,22 +442,12 @@ def test_compare_trl_json(tiny_model_dir):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is not installed")
 def test_compare_trl_sft_spread_runs_packing_at_the_same_batch(tiny_model_dir):
-    doc = bench_json(
-        "compare",
-        "--peer",
-        "trl",
-        "--model",
-        str(tiny_model_dir),
+    doc = _compare_trl(
+        tiny_model_dir,
         "--work",
         "sft",
         "--lengths",
         "spread",
-        "--reps",
-        "1",
-        "--steps",
-        "2",
-        "--device",
-        "cpu",
         "--batch-size",
         "4",
         "--seq-len",

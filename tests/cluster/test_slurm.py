@@ -160,8 +160,8 @@ def fake_sbatch(tmp_path):
     return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}, log
 
 
-def _job_args(tmp_path, tiny_model_dir, run):
-    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(16))
+def _two_nodes(tiny_model_dir, data) -> list[str]:
+    """`rlctl sft` on 2 nodes of 1 CPU process."""
     return [
         "sft",
         "--model",
@@ -174,6 +174,13 @@ def _job_args(tmp_path, tiny_model_dir, run):
         "2",
         "--nproc",
         "1",
+    ]
+
+
+def _job_args(tmp_path, tiny_model_dir, run):
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(16))
+    return [
+        *_two_nodes(tiny_model_dir, data),
         "--max-steps",
         "2",
         "--launcher",
@@ -229,21 +236,7 @@ def test_default_run_dir_inside_a_slurm_job_is_the_same_on_every_node(tmp_path, 
 
 def test_several_nodes_by_hand_need_an_output_dir(tmp_path, tiny_model_dir):
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8))
-    r = run_cli(
-        "sft",
-        "--model",
-        str(tiny_model_dir),
-        "--data",
-        str(data),
-        "--device",
-        "cpu",
-        "--nodes",
-        "2",
-        "--nproc",
-        "1",
-        cwd=tmp_path,
-        env={"SLURM_JOB_ID": ""},
-    )
+    r = run_cli(*_two_nodes(tiny_model_dir, data), cwd=tmp_path, env={"SLURM_JOB_ID": ""})
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == (
         "error: a run on 2 nodes needs --output-dir: the same run directory on every node, "

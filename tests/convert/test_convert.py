@@ -21,26 +21,12 @@ import torch
 from safetensors.torch import load_file
 
 from rlctl.errors import UserError
+from tests.support.cli import convert_cli as cli
 
 HELPER = Path(__file__).resolve().parents[1] / "support" / "scripts" / "make_fsdp_checkpoints.py"
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def cli(*args: str):
-    """Run the `rlctl convert` sub-app in-process like the real entry point: (exit code, stderr+stdout)."""
-    import typer
-    from typer.testing import CliRunner
-
-    from rlctl.cli.convert import app
-
-    result = CliRunner().invoke(app, list(args))
-    if isinstance(result.exception, UserError):
-        return 2, str(result.exception)
-    if result.exception is not None and not isinstance(result.exception, (SystemExit, typer.Exit)):
-        raise result.exception
-    return result.exit_code, result.output
 
 
 def flat(text: str) -> str:

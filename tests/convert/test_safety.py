@@ -21,24 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlctl.errors import UserError
 from rlctl.formats.safe_load import UntrustedCheckpoint, load_dcp_metadata, load_pt
+from tests.support.cli import convert_cli as cli
 from tests.support.cli import run_cli
-
-
-def cli(*args: str):
-    """Run the `rlctl convert` sub-app in-process: (exit code, message); any other exception propagates."""
-    import typer
-    from typer.testing import CliRunner
-
-    from rlctl.cli.convert import app
-
-    result = CliRunner().invoke(app, list(args))
-    if isinstance(result.exception, UserError):
-        return 2, str(result.exception)
-    if result.exception is not None and not isinstance(result.exception, (SystemExit, typer.Exit)):
-        raise result.exception
-    return result.exit_code, result.output
 
 
 class Evil:

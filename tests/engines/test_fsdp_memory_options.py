@@ -39,7 +39,7 @@ def settings(**kw):
 
 
 def model_spec(tiny_model_dir):
-    from rlctl.catalog.models import spec_from_path
+    from rlctl.catalog.hf_config import spec_from_path
 
     return spec_from_path(tiny_model_dir)
 

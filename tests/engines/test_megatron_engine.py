@@ -133,9 +133,9 @@ def test_launch_command_is_the_plain_torchrun_command():
 # ----------------------------------------------------------------------------- clear errors
 
 
-def _layout(**overrides) -> MegatronLayoutConfig:
-    hf = {
-        "architectures": ["Qwen2ForCausalLM"],
+def _hf(**fields) -> dict:
+    """The config.json of the test model (HIDDEN, LAYERS, ...), with ``fields`` added or replaced."""
+    return {
         "hidden_size": HIDDEN,
         "num_hidden_layers": LAYERS,
         "num_attention_heads": HEADS,
@@ -143,9 +143,12 @@ def _layout(**overrides) -> MegatronLayoutConfig:
         "head_dim": D,
         "intermediate_size": FFN,
         "vocab_size": VOCAB,
-        **overrides,
+        **fields,
     }
-    return mcfg.layout_config(hf, 1)
+
+
+def _layout(**overrides) -> MegatronLayoutConfig:
+    return mcfg.layout_config(_hf(**{"architectures": ["Qwen2ForCausalLM"], **overrides}), 1)
 
 
 def test_layout_errors_name_what_would_work():
@@ -305,16 +308,7 @@ def test_stage_shard_splits_five_layers_into_three_and_two(tied):
 def test_uneven_stages_and_optimizer_offload_in_megatron_core_configs():
     from megatron.core.optimizer import OptimizerConfig
 
-    hf = {
-        "model_type": "qwen2",
-        "hidden_size": HIDDEN,
-        "num_hidden_layers": 5,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV,
-        "head_dim": D,
-        "intermediate_size": FFN,
-        "vocab_size": VOCAB,
-    }
+    hf = _hf(model_type="qwen2", num_hidden_layers=5)
     assert mcfg.transformer_config(hf, pp=2).num_layers_in_last_pipeline_stage == 2
     assert mcfg.transformer_config({**hf, "num_hidden_layers": 4}, pp=2).num_layers_in_last_pipeline_stage is None
     plain = mcfg.optimizer_settings(OptimizerSpec(), lr=1e-5, dtype=torch.bfloat16, offload=False)
@@ -357,18 +351,7 @@ def test_unpack_rows_keeps_padding_with_its_document_and_rounds_width():
 def test_transformer_config_from_hf(arch):
     import torch.nn.functional as F
 
-    hf = {
-        "model_type": arch,
-        "hidden_size": HIDDEN,
-        "num_hidden_layers": LAYERS,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV,
-        "head_dim": D,
-        "intermediate_size": FFN,
-        "vocab_size": VOCAB,
-        "rms_norm_eps": 1e-5,
-        "initializer_range": 0.01,
-    }
+    hf = _hf(model_type=arch, rms_norm_eps=1e-5, initializer_range=0.01)
     c = mcfg.transformer_config(hf, tp=2, pp=2, sequence_parallel=True, dtype=torch.bfloat16)
     assert (
         c.num_layers,

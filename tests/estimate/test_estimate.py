@@ -138,7 +138,7 @@ def _hf_meta(model_type: str, **kw):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlctl.catalog.models import spec_from_hf_config
+    from rlctl.catalog.hf_config import spec_from_hf_config
 
     config = AutoConfig.for_model(model_type, **kw)
     with torch.device("meta"):
@@ -174,7 +174,7 @@ def test_model_states_equal_real_tensors_after_an_adamw_step():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlctl.catalog.models import spec_from_hf_config
+    from rlctl.catalog.hf_config import spec_from_hf_config
 
     torch.manual_seed(0)
     config = AutoConfig.for_model("qwen2", **TINY["qwen2"])
@@ -316,7 +316,7 @@ def test_kv_bytes_per_token_equal_a_real_hf_cache():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlctl.catalog.models import spec_from_hf_config
+    from rlctl.catalog.hf_config import spec_from_hf_config
 
     config = AutoConfig.for_model("qwen2", **TINY["qwen2"])
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)

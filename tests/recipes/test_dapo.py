@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from rlctl.algos.filtering import pick_groups
 from rlctl.recipes.rl.batch import RolloutBatch, mask_truncated, rank_positions
 from rlctl.recipes.rl.dynamic import assemble, combine_rounds, local_groups
 from tests.support.cli import run_cli
-from tests.support.rl import REWARDS, arith_rows, failure, rl_args, train_records
+from tests.support.rl import REWARDS, arith_rows, eos_prone_model, failure, rl_args, train_records
 from tests.support.sft import write_jsonl
 
 N, PROMPTS, WIDTH = 2, 4, 3
@@ -90,7 +91,13 @@ def test_round_metrics_combine_into_the_steps():
         {"reward/mean": 1.0, "reward/std": 0.0, "tokens": 40.0, "response_len/max": 3.0, "warning": "w"},
     ]
     counts = [8.0, 8.0, 4.0]
+    # response lengths: 8 of 4 and 8 (mean 6, std 2), 8 of 9 and 11 (mean 10, std 1), 4 of 2 (mean 2, std 0)
+    lengths = [4.0, 8.0] * 4 + [9.0, 11.0] * 4 + [2.0] * 4
+    for part, (m, sd) in zip(parts, [(6.0, 2.0), (10.0, 1.0), (2.0, 0.0)]):
+        part.update({"response_len/mean": m, "response_len/std": sd})
     out = combine_rounds(parts, counts)
+    assert math.isclose(out["response_len/mean"], statistics.fmean(lengths))
+    assert math.isclose(out["response_len/std"], statistics.pstdev(lengths))
     # every sample: 8 of mean 0.5 (4 ones), 8 zeros, 4 ones -> 8 ones of 20
     scores = [1.0] * 4 + [0.0] * 4 + [0.0] * 8 + [1.0] * 4
     mean = sum(scores) / 20
@@ -105,18 +112,21 @@ def test_round_metrics_combine_into_the_steps():
 # Overlong filtering
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_masked_truncated_samples_change_the_update_as_if_they_were_absent(tiny_model_dir, process_group, agg):
-    """One optimizer step on 3 prompts x 2 samples with 2 truncated samples masked (their advantages came
-    from their groups) gives the weights of the same step on the 4 other samples alone."""
+@pytest.mark.parametrize(
+    ("role", "agg"), [("actor", "token-mean"), ("actor", "seq-mean-token-mean"), ("critic", "seq-mean-token-mean")]
+)
+def test_masked_truncated_samples_change_the_update_as_if_they_were_absent(tiny_model_dir, process_group, role, agg):
+    """One optimizer step on 3 prompts x 2 samples with 2 truncated samples masked (their advantages and
+    returns came from their groups) gives the weights of the same step on the 4 other samples alone: for
+    the policy, and for the critic's value loss (PPO)."""
     from rlctl.config import build_config, dotted_to_nested
     from rlctl.engines.fsdp import FSDPEngine
     from rlctl.recipes.rl.spec import AlgoSpec
-    from rlctl.recipes.rl.update import update_actor
+    from rlctl.recipes.rl.update import update_actor, update_critic
     from tests.support.sft import cpu_spec
 
     cfg = build_config(
-        "grpo",
+        "grpo" if role == "actor" else "ppo",
         [
             dotted_to_nested(
                 {
@@ -137,18 +147,24 @@ def test_masked_truncated_samples_change_the_update_as_if_they_were_absent(tiny_
         n=2, batch_size=3, mini_batch_size=0, width=6, truncated=[False, True, False, False, True, False],
     )  # fmt: skip
     batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])[:, None] * batch.mask
+    batch.values = torch.linspace(-0.3, 0.4, 36).reshape(6, 6) * batch.mask  # the critic before the update
+    batch.returns = torch.tensor([2.0, -3.0, 0.5, 1.0, 4.0, -1.0])[:, None] * batch.mask
     kept = batch.take([0, 2, 3, 5])
     assert mask_truncated(batch) == 2
     assert batch.mask[[1, 4]].sum() == 0 and torch.equal(batch.mask[[0, 2, 3, 5]], kept.mask)
+    spec = cpu_spec(cfg)  # lr 1e-3, the critic's too
     weights = []
     for b in (batch, kept):
         b.old_logp = None  # one optimizer step: the update's own forward gives the old log-probs
-        actor = FSDPEngine(cpu_spec(cfg), role="actor", total_steps=1)
-        update_actor(actor, b, algo, budget=64, pad_id=0)
-        weights.append({k: v.detach().clone() for k, v in actor.model.state_dict().items()})
+        engine = FSDPEngine(spec, role=role, total_steps=1)
+        if role == "actor":
+            update_actor(engine, b, algo, budget=64, pad_id=0)
+        else:
+            update_critic(engine, b, algo, budget=64, pad_id=0)
+        weights.append({k: v.detach().clone() for k, v in engine.model.state_dict().items()})
     worst = max((weights[0][k].full_tensor() - weights[1][k].full_tensor()).abs().max() for k in weights[0])
     assert worst < 1e-6
-    moved = FSDPEngine(cpu_spec(cfg), role="actor", total_steps=1).model.state_dict()
+    moved = FSDPEngine(spec, role=role, total_steps=1).model.state_dict()
     assert any((weights[0][k].full_tensor() - moved[k].full_tensor()).abs().max() > 1e-4 for k in moved)
 
 
@@ -192,3 +208,44 @@ def test_dynamic_sampling_on_two_processes_fills_batches_and_resumes_exactly(tin
     got = train_records(run)
     for key in DYNAMIC_COMPARED:
         assert [r[key] for r in got] == [r[key] for r in want], key
+
+
+@pytest.mark.slow
+def test_ppo_with_a_critic_keeps_varied_groups_and_filters_truncated_samples(tiny_model_dir, tmp_path):
+    """`rlctl ppo` (GAE, a critic) with dynamic sampling and overlong filtering, 2 processes, 2 steps, on a
+    model that ends about half its responses: the dynamic/* counts add up; in samples.jsonl (all of rank
+    0's samples of each step) every group of a full batch varies in reward, and a truncated sample has
+    no advantage left (its loss mask is zeroed for the policy and the critic alike) while the others do."""
+    import json
+
+    model = eos_prone_model(tiny_model_dir, tmp_path / "model")
+    data = write_jsonl(tmp_path / "data.jsonl", arith_rows(32))
+    run = tmp_path / "run"
+    args = rl_args(model, data, run, "--rollout", "hf", "--max-steps", "2", "--n", "4", "--kl-coef", "0")
+    args[args.index("--reward") + 1] = f"{REWARDS}:digits_when_odd"
+    args[args.index("--lr") + 1] = "1e-3"  # the model keeps ending some responses after an update
+    sets = ("algo.dynamic_sampling=true", "algo.dynamic_max_rounds=3", "algo.overlong_filter=true")
+    sets += ("algo.critic_lr=1e-3", "log.samples_every=1", "log.samples=64", "checkpoint.export_hf=false")
+    res = run_cli("ppo", *args, *[x for s in sets for x in ("--set", s)])
+    assert res.returncode == 0, failure(res, run)
+    records = train_records(run)
+    assert [r["step"] for r in records] == [1, 2]
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    for r in records:
+        assert r["dynamic/kept_groups"] + r["dynamic/padded_groups"] == 4
+        groups = r["dynamic/generated_samples"] / 4
+        assert groups == r["dynamic/kept_groups"] + r["dynamic/dropped_groups"] + r["dynamic/surplus_groups"]
+        assert r["dynamic/generated_samples"] == 16 + r["dynamic/extra_samples"]
+        mine = [s for s in samples if s["step"] == r["step"]]
+        by_prompt: dict[str, list[dict]] = {}
+        for s in mine:
+            by_prompt.setdefault(s["prompt"], []).append(s)
+        assert mine and all(len(g) == 4 for g in by_prompt.values())
+        varied = sum(len({s["reward"] for s in g}) > 1 for g in by_prompt.values())
+        assert varied >= len(by_prompt) - r["dynamic/padded_groups"]
+        cut = [s for s in mine if s["truncated"]]
+        assert all(s["advantage"] == 0.0 for s in cut) and len(cut) <= r["response/overlong_filtered"]
+        assert all(s["advantage"] != 0.0 for s in mine if not s["truncated"])
+    assert sum(r["dynamic/dropped_groups"] for r in records) > 0
+    ended = [s["truncated"] for s in samples]
+    assert any(ended) and not all(ended), ended  # both kinds were trained on or filtered

@@ -10,7 +10,10 @@ import pytest
 
 from tests.support.cli import one_line_error, rlctl_in_process, run_cli
 from tests.support.rl import arith_rows, failure, rl_args, train_records
+from tests.support.rl_rewards import digits
 from tests.support.sft import write_jsonl
+
+VAL_ROWS = arith_rows(4, seed=1)
 
 
 def test_schedule_of_weight_versions():
@@ -66,6 +69,34 @@ def _same_numbers(a: list[dict], b: list[dict]) -> None:
         assert {k: ra[k] for k in keys} == {k: rb[k] for k in keys}, ra["step"]
 
 
+def _evals(run) -> list[dict]:
+    """The eval records of metrics.jsonl (the last of a step wins), without their timing."""
+    from rlctl.metrics import read_metrics
+
+    by_step = {r["step"]: r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") == "eval"}
+    return [{k: v for k, v in by_step[s].items() if not k.startswith("time")} for s in sorted(by_step)]
+
+
+def _greedy_reward(model_dir, max_new_tokens: int = 12) -> float:
+    """The mean `digits` reward of greedy responses to VAL_ROWS, by transformers' own generate on a
+    saved HF model (the chat template as rlctl's data applies it): what rlctl's evaluation must report."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    rewards = []
+    for row in VAL_ROWS:
+        text = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
+                                       add_generation_prompt=True)  # fmt: skip
+        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)
+        response = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        rewards.append(digits("", response, row["answer"]))
+    return sum(rewards) / len(rewards)
+
+
 def _weights(run) -> dict:
     from safetensors.torch import load_file
 
@@ -81,7 +112,9 @@ def _assert_same_weights(a, b) -> None:
 @pytest.mark.slow
 def test_staleness_zero_is_the_synchronous_run(tiny_model_dir, tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", arith_rows(16))
+    val = write_jsonl(tmp_path / "val.jsonl", VAL_ROWS)
     common = ("--rollout", "hf", "--max-steps", "3", "--batch-size", "2", "--n", "4")
+    common += ("--val-data", str(val), "--eval-every", "2")
 
     def run(name: str, *extra: str):
         out = tmp_path / name
@@ -96,6 +129,8 @@ def test_staleness_zero_is_the_synchronous_run(tiny_model_dir, tmp_path):
     assert [r["offpolicy/staleness"] for r in b] == [0.0, 0.0, 0.0] and "corr/is_mean" not in b[-1]
     assert a[0]["pg/loss"] != a[-1]["pg/loss"]  # it trained
     _assert_same_weights(sync, split)
+    # evaluated by the trainer's own rollout engine, made for the first evaluation, on the current weights
+    assert [r["step"] for r in _evals(split)] == [2, 3] and _evals(split) == _evals(sync)
 
 
 @pytest.mark.slow
@@ -103,14 +138,21 @@ def test_split_run_resumes_exactly(tiny_model_dir, tmp_path):
     """Staleness 1 with a checkpoint after step 2: stopped there and resumed, the run equals the one that
     went on (the batch in flight at the checkpoint is regenerated from the checkpointed weights)."""
     data = write_jsonl(tmp_path / "data.jsonl", arith_rows(16))
+    val = write_jsonl(tmp_path / "val.jsonl", VAL_ROWS)
     args = ("--rollout", "hf", "--max-steps", "4", "--batch-size", "2", "--n", "4", "--rollout-procs", "1")
-    args += ("--save-every", "2")
+    args += ("--save-every", "2", "--val-data", str(val), "--eval-every", "2")
     whole, part = tmp_path / "whole", tmp_path / "part"
-    first = run_cli("grpo", *rl_args(tiny_model_dir, data, whole, *args))
+
+    def grpo(run, *extra, env=None):
+        full = rl_args(tiny_model_dir, data, run, *args, *extra)
+        full[full.index("--lr") + 1] = "3e-3"  # the greedy answers change from step to step, not all to digits
+        return run_cli("grpo", *full, env=env)
+
+    first = grpo(whole)
     assert first.returncode == 0, failure(first, whole)
-    stopped = run_cli("grpo", *rl_args(tiny_model_dir, data, part, *args), env={"RLCTL_STOP_AFTER_STEP": "2"})
+    stopped = grpo(part, env={"RLCTL_STOP_AFTER_STEP": "2"})
     assert stopped.returncode == 130, failure(stopped, part)
-    resumed = run_cli("grpo", *rl_args(tiny_model_dir, data, part, *args, "--resume", "auto"))
+    resumed = grpo(part, "--resume", "auto")
     assert resumed.returncode == 0, failure(resumed, part)
     a, b = train_records(whole), train_records(part)
     assert [r["offpolicy/staleness"] for r in a] == [0.0, 1.0, 0.0, 1.0]  # step 3 starts after a checkpoint
@@ -118,3 +160,13 @@ def test_split_run_resumes_exactly(tiny_model_dir, tmp_path):
     _same_numbers(a, b)
     _assert_same_weights(whole, part)
     assert json.loads((part / "summary.json").read_text())["status"] == "completed"
+    # evaluations at steps 2 and 4 on the trainer's weights of that step (not the rollout process's, one
+    # update behind): what transformers' greedy decoding of the checkpoint at step 2 and of the export scores
+    from rlctl.convert.pipeline import fsdp_to_hf
+
+    evals = _evals(whole)
+    assert [r["step"] for r in evals] == [2, 4] and _evals(part) == evals
+    assert fsdp_to_hf(whole / "checkpoints" / "step_000002", tmp_path / "step2").committed
+    assert evals[0]["val/reward/mean"] == pytest.approx(_greedy_reward(tmp_path / "step2"), abs=1e-6)
+    assert evals[1]["val/reward/mean"] == pytest.approx(_greedy_reward(whole / "hf"), abs=1e-6)
+    assert evals[0]["val/reward/mean"] != evals[1]["val/reward/mean"]  # the weights moved between them

@@ -341,7 +341,7 @@ def test_a_grpo_run_profiles_the_steps_rlctl_profile_names(tiny_model_dir, tmp_p
 def test_step_metrics_merge_sums_the_phases_several_steps_time():
     """The RL steps return their metrics; a step's record joins them, adding up the seconds of a phase
     that several steps time (reference, old and value passes: time/logprobs) and keeping the rest."""
-    from rlctl.recipes.rl.trainer import merged, timed
+    from rlctl.recipes.rl.metrics import merged, timed
 
     m: dict[str, float] = {}
     with timed(m, "time/logprobs"):

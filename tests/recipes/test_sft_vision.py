@@ -74,10 +74,9 @@ def _check_export(run: Path, initial_dir: Path, data: Path) -> None:
     """The export loads with the auto classes, has the image processor, was trained (weights moved, the vision
     tower frozen) and answers about an image (transformers' generate) exactly as the trained model does: the
     last checkpoint loaded into an engine, its weights synced into the hf rollout engine, greedy."""
-    import io
-
-    from PIL import Image
     from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from rlctl.testing import vl_greedy_answer
 
     hf_dir = run / "hf"
     assert (hf_dir / "preprocessor_config.json").is_file()
@@ -90,22 +89,9 @@ def _check_export(run: Path, initial_dir: Path, data: Path) -> None:
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert moved and all(".visual." not in k for k in moved) and any("language_model" in k for k in moved)
 
-    pixels = images(images=[Image.open(io.BytesIO(png_bytes("red"))).convert("RGB")], return_tensors="pt")
-    n = int(pixels["image_grid_thw"].prod()) // 4
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour is it?"}]}]
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tok(text.replace("<|image_pad|>", "<|image_pad|>" * n), add_special_tokens=False, return_tensors="pt")
-    ids = ids["input_ids"]
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            pixel_values=pixels["pixel_values"],
-            image_grid_thw=pixels["image_grid_thw"],
-            mm_token_type_ids=(ids == model.config.image_token_id).int(),
-            max_new_tokens=8,
-            do_sample=False,
-        )
-    answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    answer, ids, pixels = vl_greedy_answer(
+        model, tok, images, png_bytes("red"), "Which colour is it?", max_new_tokens=8
+    )
     engine_answer = _engine_greedy_answer(run, initial_dir, data, ids[0].tolist(), pixels, tok)
     assert answer == engine_answer and answer.startswith("It is"), (answer, engine_answer)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from tests.support.rl import sampled_batch
 from tests.support.sft import cpu_spec
 
 TOL = 1e-5
@@ -34,24 +35,9 @@ def rl_config(model_dir, **sets):
 
 def group_batch(n_prompts: int, n: int, *, width: int, seed: int):
     """Random prompts of different lengths, ``n`` random responses of different lengths each."""
-    from rlctl.recipes.rl.batch import RolloutBatch
-
     rng = random.Random(seed)
     prompts = [[rng.randrange(4, 400) for _ in range(rng.randint(2, 20))] for _ in range(n_prompts)]
-    uid = list(range(n_prompts * n))
-    responses = [[rng.randrange(4, 400) for _ in range(rng.randint(1, width))] for _ in uid]
-    batch = RolloutBatch.build(
-        [prompts[u // n] for u in uid],
-        responses,
-        [[-1.0] * len(r) for r in responses],
-        uid,
-        n=n,
-        batch_size=n_prompts,
-        mini_batch_size=0,
-        width=width,
-    )
-    batch.advantages = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(seed)) * batch.mask
-    return batch
+    return sampled_batch(prompts, n, width=width, vocab=400, rng=rng, seed=seed)
 
 
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -46,3 +46,20 @@ def one_line_error(code: int, text: str) -> str:
     assert code == 2, text[-3000:]
     assert len(lines) == 1 and lines[0].startswith("error: "), text[-3000:]
     return lines[0]
+
+
+def convert_cli(*args: str) -> tuple[int, str]:
+    """Run the `rlctl convert` sub-app in-process like the real entry point: (exit code, stderr+stdout); a
+    UserError is exit code 2 and its message; any other exception propagates."""
+    import typer
+    from typer.testing import CliRunner
+
+    from rlctl.cli.convert import app
+    from rlctl.errors import UserError
+
+    result = CliRunner().invoke(app, list(args))
+    if isinstance(result.exception, UserError):
+        return 2, str(result.exception)
+    if result.exception is not None and not isinstance(result.exception, (SystemExit, typer.Exit)):
+        raise result.exception
+    return result.exit_code, result.output

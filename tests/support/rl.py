@@ -34,6 +34,33 @@ def verl_rows(n: int, *, seed: int = 0) -> list[dict]:
     ]
 
 
+def sampled_batch(
+    prompts: list[list[int]], n: int, *, width: int, vocab: int, rng: random.Random, seed: int, meta=None
+):
+    """A step's RolloutBatch: ``n`` random responses (1 to ``width`` token ids in [4, ``vocab``), drawn from
+    ``rng``) to each of ``prompts``, with random advantages (seeded by ``seed``); ``meta``: each prompt's
+    rlctl.data.rl Prompt (images), or None."""
+    import torch
+
+    from rlctl.recipes.rl.batch import RolloutBatch
+
+    uid = list(range(len(prompts) * n))
+    responses = [[rng.randrange(4, vocab) for _ in range(rng.randint(1, width))] for _ in uid]
+    batch = RolloutBatch.build(
+        [prompts[u // n] for u in uid],
+        responses,
+        [[-1.0] * len(r) for r in responses],
+        uid,
+        n=n,
+        batch_size=len(prompts),
+        mini_batch_size=0,
+        width=width,
+        meta=None if meta is None else [meta[u // n] for u in uid],
+    )
+    batch.advantages = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(seed)) * batch.mask
+    return batch
+
+
 def rl_args(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
     """CLI arguments of a fast 2-process CPU run (tiny model, short responses, high lr)."""
     return [
@@ -82,3 +109,29 @@ def failure(result, run_dir: Path) -> str:
     log = Path(run_dir) / "train.log"
     tail = log.read_text()[-4000:] if log.is_file() else "(no train.log)"
     return f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}\n{tail}"
+
+
+def eos_prone_model(model_dir: Path, out: Path, strength: float = 0.5) -> Path:
+    """A copy of the tiny random model whose eos logit follows the mean direction of its last hidden
+    states (``strength`` times its unit vector as eos's row of lm_head): about half of its 12-token
+    responses end with eos, the others are truncated (DAPO's overlong filtering has both to tell apart)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shutil.copytree(model_dir, out)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    chats = [[{"role": "user", "content": r["prompt"]}] for r in arith_rows(8)]
+    inputs = tok.apply_chat_template(
+        chats, add_generation_prompt=True, return_tensors="pt", padding=True, return_dict=True
+    )
+    with torch.no_grad():
+        hidden = model(**inputs, output_hidden_states=True).hidden_states[-1]
+    mean = hidden[inputs["attention_mask"].bool()].mean(0)
+    weights = load_file(str(out / "model.safetensors"))
+    weights["lm_head.weight"][tok.eos_token_id] = strength * mean / mean.norm()
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

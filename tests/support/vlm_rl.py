@@ -8,6 +8,7 @@ import random
 
 import torch
 
+from tests.support.rl import sampled_batch
 from tests.support.vision import png_bytes
 
 
@@ -42,27 +43,12 @@ def vl_group_batch(vp, n_prompts: int, n: int, *, width: int, seed: int):
     """A RolloutBatch of ``n_prompts`` prompts with images (two of them with the same tokens, different
     pictures), ``n`` random responses of different lengths each; ``meta`` carries each prompt's images."""
     from rlctl.data.rl import Prompt
-    from rlctl.recipes.rl.batch import RolloutBatch
 
-    rng = random.Random(seed)
     colours, sizes = ["red", "green", "blue"], [(56, 56), (56, 56), (112, 56)]
     prompts = []
     for i in range(n_prompts):
         ids, (pv, grid) = vl_prompt(vp, colours[i % 3], sizes[i % 3], "Which colour?")
         prompts.append(Prompt(ids, "t", "red", None, pixel_values=pv, image_grid_thw=grid))
-    uid = list(range(n_prompts * n))
     vocab = len(vp.tokenizer) - 8  # below the vision tokens
-    responses = [[rng.randrange(4, vocab) for _ in range(rng.randint(1, width))] for _ in uid]
-    batch = RolloutBatch.build(
-        [prompts[u // n].token_ids for u in uid],
-        responses,
-        [[-1.0] * len(r) for r in responses],
-        uid,
-        n=n,
-        batch_size=n_prompts,
-        mini_batch_size=0,
-        width=width,
-        meta=[prompts[u // n] for u in uid],
-    )
-    batch.advantages = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(seed)) * batch.mask
-    return batch
+    token_ids = [p.token_ids for p in prompts]
+    return sampled_batch(token_ids, n, width=width, vocab=vocab, rng=random.Random(seed), seed=seed, meta=prompts)

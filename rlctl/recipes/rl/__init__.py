@@ -7,11 +7,14 @@
 - :mod:`.update`: the one PPO-style update loop, for the actor (policy loss) and the critic (value loss)
 - :mod:`.scoring`: :class:`~.scoring.RewardScorer`, the reward component the trainer owns
 - :mod:`.dynamic`: DAPO's dynamic sampling, rounds of rollout until the groups that vary fill the batch
+- :mod:`.metrics`: a step's metrics, :func:`~.metrics.timed` phases and :func:`~.metrics.merged` records
+- :mod:`.sampling`: the trainer's sampling half: its rollout engine, a step's samples generated, scored
+  and pooled, validation
 - :mod:`.trainer`: :class:`~.trainer.RLTrainer`, the run's state and its steps; the outer loop is
   :func:`rlctl.runtime.fit.fit`
 
 One RL step (the recipes spell it out in order; every step returns its metrics, which
-:func:`~.trainer.merged` joins into the step's record)::
+:func:`~.metrics.merged` joins into the step's record)::
 
     batch, m = rl.sample(step)    # prompts -> n samples each (every rank's colocated rollout engine),
                                   # scored; dynamic sampling (DAPO): more rounds until the groups vary

@@ -171,37 +171,40 @@ def mask_truncated(batch: RolloutBatch) -> int:
 # Packed micro-batches
 
 
+def _int64(x, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.int64).to(device)
+
+
+def _response_fields(batch: RolloutBatch, rows: list[int], logit_index: list[int], device: torch.device) -> dict:
+    """The :class:`MicroBatch` fields every layout shares, ``rows``' responses in order: each token's label,
+    where its logit is (``logit_index``, the layout's), and its row and column in the ``[b, width]`` batch."""
+    responses = [batch.responses[i] for i in rows]
+    return {
+        "labels": _int64([tok for resp in responses for tok in resp], device),
+        "num_seqs": len(rows),
+        "rows": _int64(rows, device),
+        "logit_index": _int64(logit_index, device),
+        "token_row": _int64([r for r, resp in enumerate(responses) for _ in resp], device),
+        "token_col": _int64([c for resp in responses for c in range(len(resp))], device),
+        "width": max(len(resp) for resp in responses),
+    }
+
+
 def _collate(batch: RolloutBatch, rows: list[int], device: torch.device) -> MicroBatch:
     ids: list[int] = []
     pos: list[int] = []
     logit_index: list[int] = []
-    labels: list[int] = []
-    token_row: list[int] = []
-    token_col: list[int] = []
-    for r, i in enumerate(rows):
+    for i in rows:
         prompt, resp = batch.prompts[i], batch.responses[i]
         start = len(ids)
         ids += prompt + resp
         pos += range(len(prompt) + len(resp))
         # logits at position t predict token t+1
         logit_index += range(start + len(prompt) - 1, start + len(prompt) + len(resp) - 1)
-        labels += resp
-        token_row += [r] * len(resp)
-        token_col += range(len(resp))
-
-    def t(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int64, device=device)
-
     return MicroBatch(
-        input_ids=t(ids)[None],
-        position_ids=t(pos)[None],
-        labels=t(labels),
-        num_seqs=len(rows),
-        rows=t(rows),
-        logit_index=t(logit_index),
-        token_row=t(token_row),
-        token_col=t(token_col),
-        width=max(len(batch.responses[i]) for i in rows),
+        input_ids=_int64(ids, device)[None],
+        position_ids=_int64(pos, device)[None],
+        **_response_fields(batch, rows, logit_index, device),
         **prompt_images(batch, rows, device),
     )
 
@@ -263,7 +266,6 @@ def _collate_shared(batch: RolloutBatch, groups: list[list[int]], pad_id: int, d
     ``[G, 1, L, L]`` mask here: the engine builds one from the blocks where it runs one, ``varlen.dense_mask``.)"""
     rows = [i for g in groups for i in g]
     id_rows, pos_rows, logit_pos, blocks = [], [], [], []
-    labels, token_row, token_col = [], [], []
     for g, members in enumerate(groups):
         prompt = batch.prompts[members[0]]
         ids, pos, wanted = list(prompt), list(range(len(prompt))), []
@@ -276,13 +278,9 @@ def _collate_shared(batch: RolloutBatch, groups: list[list[int]], pad_id: int, d
             ids += resp[:-1]
             pos += range(len(prompt), len(prompt) + len(resp) - 1)
             wanted += [len(prompt) - 1] + list(range(start, start + len(resp) - 1))
-            labels += resp
         id_rows.append(ids)
         pos_rows.append(pos)
         logit_pos.append(wanted)
-    for s, i in enumerate(rows):
-        token_row += [s] * len(batch.responses[i])
-        token_col += range(len(batch.responses[i]))
     width = max(len(r) for r in id_rows)
     keep = sorted({c for w in logit_pos for c in w})
     col_of = {c: k for k, c in enumerate(keep)}
@@ -293,21 +291,11 @@ def _collate_shared(batch: RolloutBatch, groups: list[list[int]], pad_id: int, d
         n = len(id_rows[g])
         ids[g, :n] = torch.tensor(id_rows[g])
         pos[g, :n] = torch.tensor(pos_rows[g])
-
-    def t(x) -> torch.Tensor:
-        return torch.as_tensor(x, dtype=torch.int64).to(device)
-
     return MicroBatch(
-        input_ids=t(ids),
-        position_ids=t(pos),
-        labels=t(labels),
-        num_seqs=len(rows),
-        rows=t(rows),
-        logit_index=t(logit_index),
-        token_row=t(token_row),
-        token_col=t(token_col),
-        width=max(len(batch.responses[i]) for i in rows),
-        keep_cols=t(keep),
+        input_ids=ids.to(device),
+        position_ids=pos.to(device),
+        **_response_fields(batch, rows, logit_index, device),
+        keep_cols=_int64(keep, device),
         blocks=blocks,
         **prompt_images(batch, [g[0] for g in groups], device),  # a group's images once, with its prompt
     )

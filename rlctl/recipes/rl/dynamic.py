@@ -28,10 +28,13 @@ from rlctl.recipes.rl.batch import RolloutBatch
 from rlctl.runtime.dist import all_gather_objects
 
 if TYPE_CHECKING:
-    from rlctl.recipes.rl.trainer import Metrics, RLTrainer
+    from rlctl.recipes.rl.metrics import Metrics
+    from rlctl.recipes.rl.trainer import RLTrainer
 
 SUMMED = {"tokens", "reward/failed", "reward/nonfinite", "reward/errors", "tool/calls", "tool/errors"}
 SUMMED |= {"tool/timeouts", "tool/malformed"}
+# a standard deviation over the samples -> its mean: the rounds' pool as (std^2 + mean^2) weighted by samples
+POOLED = {"reward/std": "reward/mean", "response_len/std": "response_len/mean"}
 
 
 def local_groups(batch: RolloutBatch) -> list[tuple[int, bool]]:
@@ -69,9 +72,10 @@ def assemble(rounds: list[RolloutBatch], pick: GroupPick, mini_batch_size: int) 
 
 def combine_rounds(parts: list[Metrics], counts: list[float]) -> Metrics:
     """One step's metrics from those of its rounds (``counts``: samples per round, over all ranks):
-    seconds, token and error counts add up, ``response_len/max`` is the largest, ``reward/std`` pools,
-    a key every round has is otherwise the sample-weighted mean (a key some round lacks, such as ``acc``
-    where a round's scores are not all 0 or 1, is left out); a text (a warning) is the last one's."""
+    seconds, token and error counts add up, ``response_len/max`` is the largest, a standard deviation
+    (``reward/std``, ``response_len/std``) pools with its mean (:data:`POOLED`), a key every round has is
+    otherwise the sample-weighted mean (a key some round lacks, such as ``acc`` where a round's scores are
+    not all 0 or 1, is left out); a text (a warning) is the last one's."""
     total = max(1.0, sum(counts))
     out: Metrics = {}
     for key in {k for p in parts for k in p}:
@@ -82,11 +86,12 @@ def combine_rounds(parts: list[Metrics], counts: list[float]) -> Metrics:
             out[key] = sum(values)
         elif key == "response_len/max":
             out[key] = max(values)
-        elif len(values) == len(parts) and key != "reward/std":
+        elif len(values) == len(parts) and key not in POOLED:
             out[key] = sum(v * c for v, c in zip(values, counts)) / total
-    if all("reward/std" in p and "reward/mean" in p for p in parts):
-        second = sum((p["reward/std"] ** 2 + p["reward/mean"] ** 2) * c for p, c in zip(parts, counts)) / total
-        out["reward/std"] = math.sqrt(max(0.0, second - out["reward/mean"] ** 2))
+    for std, mean in POOLED.items():
+        if all(std in p and mean in p for p in parts):
+            second = sum((p[std] ** 2 + p[mean] ** 2) * c for p, c in zip(parts, counts)) / total
+            out[std] = math.sqrt(max(0.0, second - out[mean] ** 2))
     return out
 
 

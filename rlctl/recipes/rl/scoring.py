@@ -5,6 +5,7 @@ batch (:func:`response_metrics`)."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 
@@ -101,21 +102,26 @@ def score_greedy(
 
 
 def response_metrics(batch: RolloutBatch, device: torch.device) -> dict[str, float]:
-    """Response lengths (mean, max), the share truncated, and the step's tokens, over every rank (collective)."""
+    """Response lengths (mean, standard deviation over the samples, max), the share truncated, and the
+    step's tokens, over every rank (collective)."""
     lengths = torch.tensor([float(len(r)) for r in batch.responses], device=device)  # tool turns included
     s = global_sums(
         {
             "len": lengths.sum(),
+            "sq": (lengths**2).sum(),
             "trunc": batch.truncated.sum(),
             "n": len(batch),
             "prompt": sum(len(p) for p in batch.prompts),
         },
         device,
     )
+    n = max(1.0, s["n"])
+    mean = s["len"] / n
     return {
-        "response_len/mean": s["len"] / max(1.0, s["n"]),
+        "response_len/mean": mean,
+        "response_len/std": math.sqrt(max(0.0, s["sq"] / n - mean * mean)),
         "response_len/max": float(all_reduce_max(int(lengths.max()) if len(batch) else 0, device)),
-        "response/truncated": s["trunc"] / max(1.0, s["n"]),
+        "response/truncated": s["trunc"] / n,
         "tokens": s["len"] + s["prompt"],
     }
 
