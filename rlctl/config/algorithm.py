@@ -1,6 +1,6 @@
 """The algorithm settings of a config, checked against the registry (:mod:`rlctl.algos.registry`, no
 torch): the names of ``algo.adv`` and ``algo.policy_loss`` (the built-ins and any plugin's), and the
-settings that cannot run together. Checked before launch (:mod:`rlctl.job`) and again on the ranks."""
+settings that cannot run together. Checked before launch (:mod:`rlctl.checks`) and again on the ranks."""
 
 from __future__ import annotations
 
