@@ -45,8 +45,11 @@ not an input) and in a data-parallel micro-benchmark (:func:`dp_parts`):
 * ``sync2 = a L + b (T/2) f + (U/2) f + C_dp + S_gather``: each rank decodes half the tokens (the busier
   rank ``f`` times that), but the rank holding the longest response decodes for ``L`` steps and the other
   waits for it at the first collective; the update halves, times ``f``;
-* ``split = max(R(L, T), U) + S``: the trainer waits for the rollout when it is slower, the rollout
-  for the weights when the update is.
+* ``split = median over i, j of max(R(L_i, T_i), U_j) + S``: the trainer waits for the rollout when it
+  is slower, the rollout for the weights when the update is; batch t+1's rollout and batch t's update
+  are independent draws from the steps' distributions, so the step costs the slower of two draws, which
+  is more than the slower of the two medians when both are close (every rollout of the split run,
+  through the fitted ``R``, paired with every update).
 
 ``L``, ``T``, ``U``, ``S`` and ``f`` are medians over the split steps after WARMUP. The predicted ratio
 split / sync2 is compared with the measured one (the median over rounds of the per-round ratio); each
@@ -167,15 +170,16 @@ def counts(cfg, batch: int, rank_tokens: float) -> dict:
     a pass over the rank's samples (``rank_tokens`` packed under the token budget), the optimizer steps
     (``ppo_epochs`` x mini-batches), the log-prob passes before the update (none when the update's own
     forward gives the old log-probs), and the small metric collectives of the recipe (``global_sums``,
-    maxima, gathers: 10 per step, 2 per log-prob pass, 2 per optimizer step; see rlctl/recipes/rl)."""
+    maxima, gathers: about 10 per step for the rewards, lengths, advantages and the update's metrics, 2 per
+    log-prob pass, 2 per optimizer step; see rlctl/recipes/rl)."""
     from rlctl.recipes.rl.batch import token_budget
     from rlctl.recipes.rl.update import skips_old_logprobs
 
-    micro = max(1, math.ceil(rank_tokens / token_budget(cfg)))
     minis = math.ceil(batch / (cfg.algo.mini_batch_size or batch))
+    micro, per_mini = (max(1, math.ceil(rank_tokens / k / token_budget(cfg))) for k in (1, minis))
     opt = cfg.algo.ppo_epochs * minis
     passes = 0 if skips_old_logprobs(cfg) else 1
-    return {"micro_per_pass": micro, "opt_steps": opt, "fb_micro": opt * micro, "fwd_micro": passes * micro,
+    return {"micro_per_pass": micro, "opt_steps": opt, "fb_micro": opt * per_mini, "fwd_micro": passes * micro,
             "small": 10 + 2 * passes + 2 * opt}  # fmt: skip
 
 
@@ -185,13 +189,15 @@ def model_ratio(split: list[dict], dp: dict, cfg) -> dict:
     a, b = fit_rollout(split)
     med = statistics.median
     L, T = med(r["response_len/max"] for r in split), med(response_tokens(r) for r in split)
-    U = med(r["time/step"] - r["time/rollout_wait"] - r["time/weight_sync"] for r in split)
+    updates = [r["time/step"] - r["time/rollout_wait"] - r["time/weight_sync"] for r in split]
+    U = med(updates)
     S = med(r["time/weight_sync"] for r in split)
     f = med(imbalance(r) for r in split)
     n = counts(cfg, split[0]["batch"], med(r["tokens"] for r in split) / 2 * f)
     C = n["fb_micro"] * dp["fb"] + n["fwd_micro"] * dp["fwd"] + n["opt_steps"] * dp["step"] + n["small"] * dp["sums"]
     R1, R2 = a * L + b * T, a * L + b * T / 2 * f
-    sync2, split_s = R2 + U / 2 * f + C + dp["gather"], max(R1, U) + S
+    rollouts = [a * r["response_len/max"] + b * response_tokens(r) for r in split]
+    sync2, split_s = R2 + U / 2 * f + C + dp["gather"], med(max(r, u) for r in rollouts for u in updates) + S
     return {"a_s_per_step": a, "b_s_per_token": b, "L": L, "T": T, "f": f, "R1": R1, "R2": R2, "U": U,
             "U2f": U / 2 * f, "S": S, "C_dp": C, "S_gather": dp["gather"], "counts": n,
             "sync2_pred": sync2, "split_pred": split_s, "ratio_pred": split_s / sync2}  # fmt: skip
@@ -203,7 +209,9 @@ def summarize(recs: dict[str, list[list[dict]]], dp: dict, cfg) -> dict:
     flat = {m: [r for rr in recs[m] for r in rr] for m in modes}
     per_round = {m: [statistics.median(r["time/step"] for r in rr) for rr in recs[m]] for m in modes}
     ratios = [s / y for s, y in zip(per_round["split"], per_round["sync2"])]
-    cost = model_ratio(flat["split"], dp, cfg)
+    cost = model_ratio(flat["split"], dp["median"], cfg)
+    # the same with the micro-benchmark's fastest reps: far from ``ratio_pred``, the machine was loaded
+    cost["ratio_pred_fastest_dp"] = model_ratio(flat["split"], dp["fastest"], cfg)["ratio_pred"]
     return {
         "s_per_step": {m: statistics.median(v) for m, v in per_round.items()},
         "s_per_step_rounds": per_round,
@@ -222,7 +230,8 @@ def report(config: str, s: dict) -> str:
     parts = " ".join(f"{k}={m[k]:.4g}" for k in ("R1", "U", "S", "R2", "U2f", "C_dp", "S_gather", "f", "L", "T"))
     return (f"{config}: split/sync2 measured {s['ratio_split_over_sync2']:.3f} ({t['split']:.3f}/{t['sync2']:.3f} s),"
             f" predicted {m['ratio_pred']:.3f} ({m['split_pred']:.3f}/{m['sync2_pred']:.3f} s), error "
-            f"{s['model_error']:+.1%}\n  parts: {parts} counts={m['counts']}")  # fmt: skip
+            f"{s['model_error']:+.1%} (with the micro-benchmark's fastest reps {m['ratio_pred_fastest_dp']:.3f})"
+            f"\n  parts: {parts} counts={m['counts']}")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,7 +283,7 @@ def dp_worker(run_dir: Path, out: Path) -> None:
     every = all_gather_objects(times)
     if d.rank == 0:
         slowest = {k: [max(t[k][i] for t in every) for i in range(DP_REPS)] for k in ops}
-        fastest = {f"{k}_min": min(v) for k, v in slowest.items()}  # (a check against load: not used)
+        fastest = {f"{k}_min": min(v) for k, v in slowest.items()}  # a check against the load
         out.write_text(json.dumps({**{k: statistics.median(v) for k, v in slowest.items()}, **fastest}) + "\n")
     dist.destroy_process_group()
 
@@ -287,7 +296,8 @@ def dp_parts(work: Path, run_dir: Path) -> dict:
     real engine on a one-token micro-batch rather than bare collectives of the same sizes: it pays what
     FSDP2 really does (an all-gather per decoder layer before the forward and again before the backward,
     the reduce-scatters, the copies in and out, DTensor's bookkeeping), and the 1-process run removes the
-    compute that the split trainer's ``U`` already holds."""
+    compute that the split trainer's ``U`` already holds. ``median``: the medians over the reps (the
+    model's input); ``fastest``: the same from the fastest reps (a check: far apart, the machine was loaded)."""
     cache = work / "dp_parts.json"
     if not cache.is_file():
         procs = {}
@@ -299,8 +309,14 @@ def dp_parts(work: Path, run_dir: Path) -> dict:
             if result.returncode:
                 raise SystemExit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
             procs[p] = json.loads(out.read_text())
-        parts = {k: max(0.0, procs[2][k] - procs[1][k]) for k in ("fwd", "fb", "step", "sums")}
-        cache.write_text(json.dumps({**parts, "gather": procs[2]["gather"], "procs2": procs[2], "procs1": procs[1]}))
+        parts = {
+            stat: {
+                **{k: max(0.0, procs[2][k + sfx] - procs[1][k + sfx]) for k in ("fwd", "fb", "step", "sums")},
+                "gather": procs[2]["gather" + sfx],
+            }  # fmt: skip
+            for stat, sfx in (("median", ""), ("fastest", "_min"))
+        }
+        cache.write_text(json.dumps({**parts, "procs2": procs[2], "procs1": procs[1]}))
     return json.loads(cache.read_text())
 
 

@@ -217,6 +217,9 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l adv -x -a 'grpo rloo 
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l loss-agg -x -a 'token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-high -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l dynamic-sampling -l no-dynamic-sampling
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l overlong-filter -l no-overlong-filter
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l overlong-buffer -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout -x -a 'hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout-tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout-procs -l rollout-gpus -x
@@ -314,6 +317,9 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l adv -x -a 'grpo rloo r
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l loss-agg -x -a 'token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-high -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l dynamic-sampling -l no-dynamic-sampling
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l overlong-filter -l no-overlong-filter
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l overlong-buffer -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout -x -a 'hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout-tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout-procs -l rollout-gpus -x

@@ -1,7 +1,7 @@
 """Starting a training job: the torchrun command, the run directory, the progress bar, Ctrl-C.
 
 :func:`build_command` gives the exact argv (also printed by ``--dry-run``); :func:`launch_job`
-takes a job already checked (:func:`rlctl.job.check_job`), creates the run directory (config.yaml,
+takes a job already checked (:func:`rlctl.checks.check_job`), creates the run directory (config.yaml,
 plan.json), runs torchrun with the ranks' output in RUN/train.log, draws one progress bar from rank 0's
 RUN/metrics.jsonl, and returns the ranks' exit status. A failed job is reported in one line: the
 earliest rank error (RUN/errors/rank_N.json) that is not an interruption; torchrun's own report stays
@@ -273,7 +273,7 @@ def _worker_pids(torchrun_pid: int) -> list[int]:
 def launch_job(cfg: RunConfig, plan: Plan) -> int:
     """Run the job under torchrun on this node; return the exit status (0 ok, 130 interrupted).
 
-    The caller has checked the job (:func:`rlctl.job.check_job`): the run directory is created here,
+    The caller has checked the job (:func:`rlctl.checks.check_job`): the run directory is created here,
     only now. A rank's failure comes back as one line (:func:`report_rank_errors`)."""
     run_dir = (Path(cfg.output_dir) if cfg.output_dir else default_run_dir(cfg)).absolute()
     paths = RunPaths(run_dir)

@@ -1,8 +1,8 @@
 """Pre-launch checks of what a job will touch: the run directory, a checkpoint it resumes, the model's
 files, and settings that run but silently learn nothing (docs/reliability.md).
 
-Called by :func:`rlctl.job.check_job` (and, for what a dry run can see, :func:`rlctl.job.check_dry_run`). Each
-refusal is one :class:`~rlctl.errors.UserError`; each warning one line returned to the caller, which
+Called by :func:`rlctl.checks.check_job` (and, for what a dry run can see, :func:`rlctl.checks.check_dry_run`).
+Each refusal is one :class:`~rlctl.errors.UserError`; each warning one line returned to the caller, which
 prints it. Nothing here writes to a run directory (the writability probe is a temporary directory
 beside it, removed at once). No torch import.
 """

@@ -1,6 +1,6 @@
 """`rlctl bench train`: a real ``sft`` / ``grpo`` / ``ppo`` run on synthetic data, measured.
 
-The job is configured and planned by :func:`rlctl.job.resolve_job`, checked by :func:`rlctl.job.check_job`
+The job is configured and planned by :func:`rlctl.job.resolve_job`, checked by :func:`rlctl.checks.check_job`
 and started by :func:`rlctl.launch.launch_job`, the code path of ``rlctl sft|grpo|ppo``. The data is random text
 written by this module: SFT chats (a short fixed question, a random answer) long enough to fill
 ``seq_len`` tokens (cut there with ``data.truncation=right``; with ``lengths="spread"`` the answers

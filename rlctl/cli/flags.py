@@ -229,6 +229,14 @@ FLAGS: tuple[Flag, ...] = (
       "PPO clip below 1."),
     F("clip_high", "--clip-high", "algo.clip_high", RL_PANEL, RL,
       "PPO clip above 1 (0.28 = DAPO's clip-higher)."),
+    F("dynamic_sampling", "--dynamic-sampling/--no-dynamic-sampling", "algo.dynamic_sampling", RL_PANEL, RL,
+      "DAPO: drop the prompts whose samples all score the same and sample further prompts until they fill "
+      "the batch (at most algo.dynamic_max_rounds rounds a step; needs --n >= 2)."),
+    F("overlong_filter", "--overlong-filter/--no-overlong-filter", "algo.overlong_filter", RL_PANEL, RL,
+      "DAPO: truncated responses (no stop token within --max-response-len) get no loss."),
+    F("overlong_buffer", "--overlong-buffer", "algo.overlong_buffer", RL_PANEL, RL,
+      "DAPO's soft overlong punishment: the reward falls by up to algo.overlong_factor over the last N tokens "
+      "before --max-response-len (0 = off)."),
     F("rollout", "--rollout", "rollout.engine", RL_PANEL, RL_EST,
       f"{describe(names.RolloutEngine)} (default: the plan's: hf on CPU, vllm or sglang on GPUs)."),
     F("rollout_tp", "--rollout-tp", "rollout.tp", RL_PANEL, RL_EST,

@@ -1,8 +1,8 @@
 """`rlctl sft`, `rlctl grpo` and `rlctl ppo`: one code path from the flags to a launched (or printed) job.
 
-Each command's options come from the table of flags (:mod:`rlctl.cli.flags`); the job is resolved and
-checked by :mod:`rlctl.job` (every pre-launch check lives there), then printed (--dry-run), submitted
-(--launcher slurm) or launched. grpo and ppo take the same options; they differ in their presets
+Each command's options come from the table of flags (:mod:`rlctl.cli.flags`); the job is resolved by
+:mod:`rlctl.job` and checked by :mod:`rlctl.checks` (every pre-launch check lives there), then printed
+(--dry-run), submitted (--launcher slurm) or launched. grpo and ppo take the same options; they differ in their presets
 (grpo: group advantages, no critic; ppo: a critic and GAE). No torch import here.
 """
 
@@ -60,9 +60,10 @@ JSON_NEEDS_DRY_RUN = "--json goes with --dry-run (a real run writes metrics.json
 
 def run_training(method: str, values: dict[str, Any]) -> None:
     """The body of `rlctl sft|grpo|ppo`: resolve the job, then print it (--dry-run), submit it to SLURM
-    or launch it here, once every check of :mod:`rlctl.job` has passed."""
+    or launch it here, once every check of :mod:`rlctl.checks` has passed."""
+    from rlctl.checks import check_dry_run, check_placement
     from rlctl.errors import UserError
-    from rlctl.job import check_dry_run, check_placement, ready_to_launch, resolve_job
+    from rlctl.job import ready_to_launch, resolve_job
 
     job = resolve_job(
         method,

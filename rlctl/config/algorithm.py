@@ -1,6 +1,6 @@
 """The algorithm settings of a config, checked against the registry (:mod:`rlctl.algos.registry`, no
 torch): the names of ``algo.adv`` and ``algo.policy_loss`` (the built-ins and any plugin's), and the
-settings that cannot run together. Checked before launch (:mod:`rlctl.job`) and again on the ranks."""
+settings that cannot run together. Checked before launch (:mod:`rlctl.checks`) and again on the ranks."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def check_dapo(cfg: RunConfig) -> None:
         raise UserError(
             f"algo.overlong_buffer={a.overlong_buffer} must be in 0..rollout.max_response_len ({cap}): "
             f"the penalty ramps over the last overlong_buffer tokens before the cap; set e.g. "
-            f"--set algo.overlong_buffer={cap // 5} (DAPO: 4096 of 20480) or 0 (off)"
+            f"--overlong-buffer {cap // 5} (DAPO: 4096 of 20480) or 0 (off)"
         )
     if a.dynamic_sampling and cfg.rollout.n < 2:
         raise UserError("algo.dynamic_sampling drops prompts whose samples all score the same; set rollout.n >= 2")

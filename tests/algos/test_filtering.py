@@ -85,7 +85,7 @@ def test_the_dapo_preset_has_the_papers_settings():
     assert (cfg.train.batch_size, r.n, a.mini_batch_size) == (512, 16, 32)  # 16 updates per step
     # a shorter cap from the command line: the buffer no longer fits, and the message says what to set
     short = build_config("grpo", [*method_layers("grpo", "dapo"), dotted_to_nested({"rollout.max_response_len": 1024})])
-    with pytest.raises(UserError, match=r"--set algo.overlong_buffer=204 \(DAPO: 4096 of 20480\) or 0"):
+    with pytest.raises(UserError, match=r"--overlong-buffer 204 \(DAPO: 4096 of 20480\) or 0"):
         check_algorithm(short)
 
 

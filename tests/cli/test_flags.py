@@ -33,6 +33,7 @@ RL = [
     ("--max-prompt-len", "256", "rollout.max_prompt_len"),
     ("--max-response-len", "128", "rollout.max_response_len"),
     ("--micro-batch-size", "2", "train.micro_batch_size"),
+    ("--overlong-buffer", "32", "algo.overlong_buffer"),
 ]
 
 
@@ -66,6 +67,16 @@ def test_every_flag_reaches_its_config_key(method, tmp_path):
         assert (got == type(got)(want)) if not isinstance(got, str) else got == want, (flag, got)
     assert cfg["train"]["lr_scheduler"] == "constant" and cfg["train"]["min_lr_ratio"] == 1.0
     assert cfg["parallel"]["activation_checkpointing"] in ("true", True)
+
+
+def test_dapo_switches_reach_the_config_and_win_over_the_preset(tmp_path):
+    """DAPO's settings without a preset (ppo, with a critic, too) and against the dapo preset's."""
+    cfg = _dry_run("ppo", tmp_path, "--n", "4", "--dynamic-sampling", "--overlong-filter")
+    assert cfg["algo"]["dynamic_sampling"] is True and cfg["algo"]["overlong_filter"] is True
+    args = ("--preset", "dapo", "--no-dynamic-sampling", "--overlong-filter", "--overlong-buffer", "100")
+    cfg = _dry_run("grpo", tmp_path, *args, "--max-response-len", "512")
+    assert cfg["algo"]["dynamic_sampling"] is False and cfg["algo"]["overlong_filter"] is True
+    assert cfg["algo"]["overlong_buffer"] == 100 and cfg["algo"]["clip_high"] == 0.28  # the rest: the preset's
 
 
 def test_help_shows_each_methods_defaults():

@@ -240,10 +240,10 @@ def test_a_crash_between_the_renames_of_a_re_save_keeps_the_new_copy(run):
 
 
 def test_the_damaged_checkpoint_is_refused_before_launch(run):
-    """rlctl/job.py's pre-launch check: explicit -> the one-line error; auto -> the note on the console."""
+    """rlctl/checks.py's pre-launch check: explicit -> the one-line error; auto -> the note on the console."""
     from types import SimpleNamespace
 
-    from rlctl.job import check_run_dir
+    from rlctl.checks import check_run_dir
 
     victim = run / "checkpoints" / NEWEST / "__0_0.distcp"
     victim.unlink()

@@ -167,8 +167,8 @@ def test_checks_take_well_under_a_second_in_process(files, tiny_model_dir, tmp_p
 
 
 def test_trust_remote_code_lets_the_remote_check_pass(files):
+    from rlctl.checks import check_remote_code, model_files
     from rlctl.config import build_config
-    from rlctl.job import check_remote_code, model_files
 
     model = model_files(str(files / "remote"))
     cfg = build_config("sft", [{"model": {"name": str(files / "remote")}}])
@@ -184,7 +184,7 @@ def test_trust_remote_code_lets_the_remote_check_pass(files):
 
 
 def test_cuda_visible_follows_cuda_visible_devices(monkeypatch):
-    from rlctl.job import gpu_visible
+    from rlctl.checks import gpu_visible
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert not gpu_visible()
@@ -214,7 +214,7 @@ def test_first_rows_reads_only_the_head(tmp_path):
 
 
 def test_the_algorithm_check_reads_the_registry_without_torch():
-    """rlctl.job checks algorithm choices from the registry the ranks use, in a process without torch."""
+    """rlctl.checks checks algorithm choices from the registry the ranks use, in a process without torch."""
     code = (
         "import sys\n"
         "from rlctl.config import build_config\n"
@@ -258,8 +258,8 @@ def test_a_malformed_rlctl_profile_is_refused_before_launch(files, tiny_model_di
 
 
 def test_the_memory_check_reads_the_verdict_and_the_advice_not_the_reasons():
+    from rlctl.checks import IGNORE_MEMORY_FLAG, check_memory
     from rlctl.config import build_config
-    from rlctl.job import IGNORE_MEMORY_FLAG, check_memory
     from rlctl.plan import LocalEnv, resolve_plan
     from rlctl.presets import method_layers
 

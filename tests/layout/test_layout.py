@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"runtime"},
     {"engines", "rollout", "rewards", "agents"},
     {"recipes"},
-    {"launch", "job", "slurm", "preflight"},
+    {"launch", "job", "checks", "slurm", "preflight"},
     {"convert"},
     {"bench", "demo", "run_report", "viewer"},
     {"cli", "__main__"},

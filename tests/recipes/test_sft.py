@@ -438,7 +438,7 @@ def test_bad_data_ends_in_one_line_error(tiny_model_dir, tmp_path):
 
 
 def test_bad_options_fail_before_launch(tiny_model_dir, chat_file, tmp_path):
-    from rlctl.job import check_job
+    from rlctl.checks import check_job
     from rlctl.launch import build_command
 
     cases = [

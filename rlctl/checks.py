@@ -1,0 +1,436 @@
+"""Every check that can be made before torchrun starts, in well under a second (:func:`check_job`; a
+dry run's share: :func:`check_dry_run`): the settings, the data's first rows, the model's config.json, the
+machine's GPUs, the plan's memory verdict, the run directory's checkpoints. Each problem is one
+:class:`~rlctl.errors.UserError` naming the fix; nothing is written here.
+
+Called by :func:`rlctl.job.ready_to_launch` (and ``rlctl sft|grpo|ppo --dry-run``); the checks of the files a
+job touches are :mod:`rlctl.preflight`'s. No torch import here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import re
+import sys
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlctl.config import RunConfig, val_split
+from rlctl.config.algorithm import check_algorithm
+from rlctl.errors import UserError
+
+if TYPE_CHECKING:
+    from rlctl.plan import Plan
+
+IGNORE_MEMORY_FLAG = "--ignore-memory-check"
+
+
+def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_this_machine: bool = True) -> None:
+    """Every check before launch, cheapest first; the first problem is a one-line UserError.
+    ``on_this_machine=False`` (a job submitted to other machines, e.g. by SLURM): no local device check."""
+    from rlctl.preflight import check_footguns, check_image_processor, check_model_available, check_tokenizer
+
+    check_algorithm(cfg)
+    check_split(cfg, nproc=int(plan.nproc_per_node or 1), nodes=int(plan.nodes or 1))
+    check_data_given(cfg)
+    check_reward_spec(cfg)
+    check_agent_files(cfg)
+    from rlctl.metrics import check_backends_installed
+
+    check_backends_installed(cfg.log.backends)
+    check_profile_env()
+    warnings = check_footguns(cfg, nproc=int(plan.nproc_per_node or 1), device=plan.device)
+    check_memory(plan, ignore=ignore_memory_check)
+    if on_this_machine:
+        check_device(plan)
+    if cfg.output_dir:
+        check_run_dir(cfg, Path(cfg.output_dir), backend=plan.backend)
+    model = model_files(cfg.model.name)
+    if model is not None:
+        check_tokenizer(model.root)
+        check_image_processor(model.root)
+        check_remote_code(cfg, model)
+        check_context(cfg, model)
+    elif on_this_machine:
+        check_model_available(cfg.model.name, random_init=cfg.model.random_init)
+    check_data_rows(cfg, model)
+    check_agent_template(cfg, model)
+    for line in warnings:
+        print(line, file=sys.stderr, flush=True)
+
+
+def check_dry_run(cfg: RunConfig) -> None:
+    """What ``--dry-run`` checks too: it plans without data or a downloaded model, but what the user
+    names must exist and read (a data file, a log backend's package, a local model's tokenizer)."""
+    from rlctl.metrics import check_backends_installed
+    from rlctl.preflight import check_footguns, check_image_processor, check_tokenizer
+
+    check_algorithm(cfg)
+    check_backends_installed(cfg.log.backends)
+    check_agent_files(cfg)
+    check_footguns(cfg, nproc=1, device="cpu")  # its refusals; the warnings come with the real run
+    model = model_files(cfg.model.name)
+    if model is not None:
+        check_tokenizer(model.root)
+        check_image_processor(model.root)
+    if cfg.data.path:  # the files exist and read (their columns are checked by the real run)
+        from rlctl.data.io import first_rows
+
+        check_data_given(cfg)
+        for path in (cfg.data.path, cfg.data.val_path):
+            if path:
+                first_rows(path)
+
+
+def check_placement(plan: Plan) -> None:
+    """Where the ranks go (checked for a dry run too): a vLLM/SGLang engine's tensor parallel stays inside one node."""
+    if plan.nodes > 1 and plan.rollout in ("vllm", "sglang") and plan.rollout_tp > 1:
+        from rlctl.runtime.dist import check_rollout_in_node  # (imports torch: only for multi-node RL)
+
+        check_rollout_in_node(plan.rollout_tp, plan.nproc_per_node)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def check_data_given(cfg: RunConfig) -> None:
+    if not cfg.data.path:
+        raise UserError(
+            f"no data given: pass --data FILE (JSONL, Parquet or a datasets directory) to `rlctl {cfg.method}`"
+        )
+    from rlctl.data.io import check_source
+
+    if cfg.data.chat_template and not Path(cfg.data.chat_template).expanduser().is_file():
+        raise UserError(f"chat template file not found: {cfg.data.chat_template} (--chat-template takes a Jinja file)")
+
+    for key in ("path", "val_path"):
+        value = getattr(cfg.data, key)
+        if value:
+            check_source(value, f"data.{key}", cfg.data.split if key == "path" else val_split(cfg))
+
+
+def check_profile_env() -> None:
+    """``RLCTL_PROFILE`` (rlctl.runtime.profile) is START:END or N; a typo fails here, not after the run."""
+    from rlctl.runtime.profile import PROFILE_ENV, parse_steps
+
+    value = os.environ.get(PROFILE_ENV, "")
+    if value.strip() and parse_steps(value) is None:
+        raise UserError(
+            f"{PROFILE_ENV}={value!r} is not a step range: use START:END (1-based, e.g. 3:6) or one step N, or unset it"
+        )
+
+
+def check_reward_spec(cfg: RunConfig) -> None:
+    if cfg.method in ("grpo", "ppo"):
+        from rlctl.rewards import check_reward_config
+
+        check_reward_config(cfg.reward)  # an unknown name, a missing file/function or model: a UserError
+
+
+def check_split(cfg: RunConfig, *, nproc: int, nodes: int) -> None:
+    """One-step-off-policy (``rollout.procs``, docs/offpolicy.md): what the split supports."""
+    r, flag = cfg.rollout, "--rollout-procs"
+    if r.max_staleness < 0:
+        raise UserError(f"rollout.max_staleness={r.max_staleness} must be >= 0 (0: synchronous; 1: one step behind)")
+    if r.procs < 0:
+        raise UserError(f"rollout.procs={r.procs} must be >= 0 (0: no split; N: N processes only generate)")
+    if not r.procs:
+        return
+    total = nproc * nodes
+    problem = None
+    if cfg.method not in ("grpo",):
+        problem = f"{cfg.method} is not supported with {flag} (only grpo: {cfg.method} " + (
+            "has no rollout)" if cfg.method == "sft" else "trains a critic, not split yet)"
+        )
+    elif total < 2:
+        problem = f"{flag} {r.procs} needs at least 2 processes (1 to generate, 1 to train): add --nproc 2"
+    elif r.procs >= total:
+        problem = f"{flag} {r.procs} leaves no trainer among the {total} processes: use at most {total - 1}"
+    elif nodes > 1:
+        problem = f"{flag} runs on one node ({nodes} given): use --nodes 1"
+    elif cfg.agent.tools or cfg.agent.env or cfg.agent.interaction:
+        problem = f"{flag} does not run multi-turn agents yet (--tools / --env / --interaction): drop one of them"
+    elif r.tp > 1:
+        problem = f"{flag} runs one rollout engine per process (rollout.tp={r.tp}): use --rollout-tp 1"
+    elif cfg.parallel.backend == "megatron":
+        problem = f"{flag} trains with the FSDP engine only (backend megatron): use --backend fsdp"
+    if problem:
+        raise UserError(problem)
+
+
+def check_agent_files(cfg: RunConfig) -> None:
+    """--tools / --env / --interaction load here as on the ranks (torch-free): a file that does not import,
+    a tool without a documented argument, a missing class or a bad verl YAML is one line before launch."""
+    a = cfg.agent
+    if cfg.method in ("grpo", "ppo") and (a.tools or a.env or a.interaction):
+        from rlctl.agents.tools import load_agent_spec
+
+        load_agent_spec(tools=a.tools, env=a.env, interaction=a.interaction, timeout_s=a.tool_timeout_s)
+
+
+def check_agent_template(cfg: RunConfig, model: ModelFiles | None) -> None:
+    """An agent run (--tools / --env / --interaction) needs a chat template that renders tool calls."""
+    if not (cfg.agent.tools or cfg.agent.env):  # an interaction alone calls no tools
+        return
+    from rlctl.agents.parse import template_style
+
+    template: object = None
+    if cfg.data.chat_template:
+        template = Path(cfg.data.chat_template).expanduser().read_text()
+    elif model is not None:
+        template = model.tokenizer_config.get("chat_template")
+        jinja = model.root / "chat_template.jinja"
+        if not template and jinja.is_file():
+            template = jinja.read_text()
+    else:
+        return  # a hub model: its template is read on the ranks
+    if template_style(template) is None and "response_schema" not in (model.tokenizer_config if model else {}):
+        raise UserError(
+            "the chat template has no tool-call format (no <tool_call> nor Llama 3 JSON calls), so the model cannot "
+            "call --tools / --env: use a model whose template takes tools, or pass --chat-template FILE.jinja"
+        )
+
+
+def check_run_dir(cfg: RunConfig, run_dir: Path, *, backend: str = "") -> None:
+    """An output that cannot be written or is someone else's directory; a bad or damaged --resume
+    checkpoint, or one this job cannot continue (another method, engine, LoRA rank or model); a run
+    directory that already holds checkpoints without --resume. Nothing in ``run_dir`` changes."""
+    from rlctl.preflight import check_output_dir, check_resume_compatible
+    from rlctl.runtime.layout import choose_resume, latest_checkpoint
+
+    resume = cfg.checkpoint.resume
+    check_output_dir(run_dir, resume=bool(resume))
+    if resume:  # checks every file of the checkpoint it picks (imports torch's DCP classes to read .metadata)
+        choice = choose_resume(resume, run_dir)
+        if choice.path is not None:
+            check_resume_compatible(cfg, choice.path, backend)
+        if choice.note():
+            print(choice.note(), flush=True)  # --resume auto passed over a damaged checkpoint: say which and why
+    if not resume and latest_checkpoint(run_dir / "checkpoints") is not None:
+        raise UserError(
+            f"{run_dir} already holds checkpoints; pass --resume auto to continue that run "
+            f"or choose another --output-dir"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Machine and plan
+
+
+def gpu_visible() -> bool:
+    """Whether this machine shows a CUDA GPU, without importing torch (device nodes and CUDA_VISIBLE_DEVICES)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or bool(glob.glob("/dev/dxg"))
+
+
+def check_device(plan) -> None:
+    if plan.device == "cuda" and not gpu_visible():
+        raise UserError("the plan asks for CUDA but no GPU is visible; pass --device cpu (or run on a GPU machine)")
+
+
+def check_memory(plan, *, ignore: bool) -> None:
+    """The planner's "does not fit" verdict stops a real launch (as it is printed by --dry-run), with what
+    would fit (the plan's advice)."""
+    if plan.fits or ignore:
+        return
+    from rlctl.plan.types import advice_line
+
+    parts = [f"the plan does not fit in memory: {plan.verdict.why}"]
+    if plan.advice:
+        parts.append(advice_line(plan.advice).rstrip("."))
+    parts.append(f"pass {IGNORE_MEMORY_FLAG} to launch anyway")
+    raise UserError(" ".join("; ".join(parts).split()))
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+@dataclasses.dataclass
+class ModelFiles:
+    """What a local model directory says about itself, from its JSON files only."""
+
+    root: Path
+    config: dict
+    tokenizer_config: dict
+
+    @property
+    def has_chat_template(self) -> bool:
+        tc = self.tokenizer_config.get("chat_template")
+        return bool(tc) or (self.root / "chat_template.jinja").is_file() or (self.root / "chat_template.json").is_file()
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {path}: {str(e).splitlines()[0]}; pass a valid HF model directory") from None
+    return data if isinstance(data, dict) else {}
+
+
+def model_files(name: str) -> ModelFiles | None:
+    """The config of a local model (a directory with config.json, or the config.json itself); None otherwise
+    (a catalog name or a hub id: the planner already knows its shape)."""
+    p = Path(name).expanduser()
+    if p.name == "config.json" and p.is_file():
+        p = p.parent
+    if not (p / "config.json").is_file():
+        return None
+    tok = p / "tokenizer_config.json"
+    return ModelFiles(p, _read_json(p / "config.json"), _read_json(tok) if tok.is_file() else {})
+
+
+@cache
+def known_model_types() -> frozenset[str]:
+    """The model types this transformers builds natively, read from its source (importing it takes seconds)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset()
+    models = Path(next(iter(spec.submodule_search_locations))) / "models"
+    found: set[str] = set()
+    for name in ("auto_mappings.py", "configuration_auto.py"):  # where the mapping lives moves between versions
+        try:
+            text = (models / "auto" / name).read_text()
+        except OSError:
+            continue
+        found.update(re.findall(r'"([\w-]+)"\s*[:,]\s*"\w+Config"', text))
+    return frozenset(found)
+
+
+def check_remote_code(cfg: RunConfig, model: ModelFiles) -> None:
+    """A model whose config names its own code (auto_map) for a type transformers does not know."""
+    if cfg.model.trust_remote_code or "auto_map" not in model.config:
+        return
+    model_type = str(model.config.get("model_type", ""))
+    known = known_model_types()
+    if (known and model_type in known) or (not known and model_type):
+        return  # transformers builds it natively (or its mapping could not be read: let it decide)
+    raise UserError(
+        f"{model.root} needs its own Python code (config.json auto_map, model_type {model_type or '?'!r} unknown to "
+        f"transformers); pass --trust-remote-code if you trust it (or --set model.trust_remote_code=true)"
+    )
+
+
+def context_length(model: ModelFiles) -> int:
+    cfg = model.config.get("text_config") if isinstance(model.config.get("text_config"), dict) else model.config
+    value = cfg.get("max_position_embeddings") or cfg.get("n_positions") or 0
+    return int(value) if isinstance(value, int | float) else 0
+
+
+def check_context(cfg: RunConfig, model: ModelFiles) -> None:
+    """RL: prompt + response within the model's positions (max_position_embeddings): the rollout engine
+    refuses a longer context (vLLM's max_model_len), minutes into the job."""
+    ctx = context_length(model)
+    if not ctx:
+        return
+    if cfg.method == "sft":  # rows longer than max_len are skipped or cut; the positions stretch (RoPE)
+        return
+    r = cfg.rollout
+    if r.max_prompt_len + r.max_response_len > ctx:
+        raise UserError(
+            f"rollout.max_prompt_len + rollout.max_response_len = {r.max_prompt_len} + {r.max_response_len} is "
+            f"longer than the model's context of {ctx} tokens (max_position_embeddings in "
+            f"{model.root / 'config.json'}); lower --max-prompt-len / --max-response-len to sum to {ctx} or less"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Data (its first rows)
+
+
+def check_data_rows(cfg: RunConfig, model: ModelFiles | None) -> None:
+    from rlctl.data.io import first_rows
+
+    for key in ("path", "val_path"):
+        path = getattr(cfg.data, key)
+        if not path:
+            continue
+        found = first_rows(path)
+        if found is None:
+            continue
+        rows, columns = found
+        if not rows:
+            raise UserError(f"{path} holds no rows (data.{key}); pass a file with at least one row")
+        if cfg.method == "sft":
+            _check_sft_rows(cfg, path, rows, columns, model)
+        else:
+            _check_rl_rows(cfg, path, rows, columns)
+
+
+def _columns(columns: list[str]) -> str:
+    return ", ".join(columns[:12]) + (", ..." if len(columns) > 12 else "") if columns else "none"
+
+
+def _check_sft_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[str], model: ModelFiles | None):
+    d = cfg.data
+    chat = d.format == "chat" or (d.format is None and any(d.messages_field in r for r in rows))
+    if chat:
+        if not any(d.messages_field in r for r in rows):
+            raise UserError(
+                f"{path}: no '{d.messages_field}' column (the rows have {_columns(columns)}); "
+                f"name the messages with --set data.messages_field=FIELD"
+            )
+        if model is not None and not model.has_chat_template and not d.chat_template:
+            raise UserError(
+                f"{model.root} has no chat template, and {path} holds chat messages; use a model with a chat "
+                f"template (tokenizer_config.json chat_template) or prompt/response rows (--set data.format=pairs)"
+            )
+        return
+    if d.format == "rl":
+        raise UserError("data.format=rl is for grpo/ppo; sft reads chat (messages) or pairs (prompt/response) rows")
+    if not any(d.prompt_field in r and d.response_field in r for r in rows):
+        raise UserError(
+            f"{path}: sft needs a '{d.messages_field}' column or '{d.prompt_field}' and '{d.response_field}' "
+            f"columns; the rows have {_columns(columns)} (name them with --set data.messages_field=... or "
+            f"data.prompt_field=... data.response_field=...)"
+        )
+
+
+def _check_rl_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[str]) -> None:
+    d = cfg.data
+    if d.format not in (None, "rl"):
+        raise UserError(f"data.format={d.format} is for sft; grpo/ppo read RL prompt rows (data.format=rl or unset)")
+    if not any(d.prompt_field in r for r in rows):
+        raise UserError(
+            f"{path}: no '{d.prompt_field}' column (the rows have {_columns(columns)}); "
+            f"name the prompt with --set data.prompt_field=FIELD"
+        )
+
+    def has_answer(r: dict) -> bool:
+        rm = r.get("reward_model")
+        return (isinstance(rm, dict) and "ground_truth" in rm) or d.answer_field in r
+
+    if not any(has_answer(r) for r in rows):
+        raise UserError(
+            f"{path}: no row has an answer field '{d.answer_field}' (nor verl's reward_model.ground_truth); "
+            f"the rows have {_columns(columns)}: name the answer with --set data.answer_field=FIELD"
+        )
+    from rlctl.rewards.loader import default_for_data_source
+    from rlctl.rewards.spec import rule_specs
+
+    if all(s.spec != "auto" for s in rule_specs(cfg.reward)):
+        return  # every component is named (or a reward model alone): no row needs a data_source
+    if cfg.agent.env or cfg.agent.interaction:
+        return  # the environment's get_reward / the interaction's score may be the reward (TRL's convention)
+
+    sources = {str(r.get("data_source") or "") for r in rows}
+    if "" in sources:
+        raise UserError(
+            f"{path}: rows without a data_source, so no reward can be chosen for them; pass --reward "
+            f"(gsm8k | math | exact | format | length | file.py:fn)"
+        )
+    unknown = sorted(s for s in sources if default_for_data_source(s) is None)
+    if unknown:
+        raise UserError(
+            f"{path}: data_source {', '.join(map(repr, unknown[:3]))} has no built-in reward; pass --reward "
+            f"(gsm8k | math | exact | format | length | file.py:fn)"
+        )
