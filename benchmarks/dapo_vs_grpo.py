@@ -1,6 +1,7 @@
 """The `dapo` preset against plain GRPO on the demo task: reward per generated sample (issue 26).
 
     python benchmarks/dapo_vs_grpo.py [--out runs/dapo_vs_grpo] [--seeds 0,1,2] [--steps 40] [--nproc 2]
+                                      [--dapo-mini-batch M] [--grpo-mini-batch M]
     python benchmarks/dapo_vs_grpo.py --from-results benchmarks/results/dapo_vs_grpo.json --out /tmp/x
 
 1. The demo's model and data (:mod:`rlctl.demo`, full size): a tiny Qwen2 trained from scratch by SFT on a
@@ -12,6 +13,9 @@
    - ``dapo``: ``--preset dapo`` (clip 0.2 / 0.28, token-mean, no KL, dynamic sampling, at most 10 rounds),
      the sizes above from the command line (they win over the preset's), and the soft overlong buffer off
      (``algo.overlong_buffer=0``: 4-token answers leave no room for DAPO's 4096-token buffer).
+   Both take one optimizer step a rollout step unless ``--dapo-mini-batch M`` / ``--grpo-mini-batch M``
+   give that run kind mini-batches of M prompts (32 / M updates a step; its run directories are named
+   ``KIND-mbM-seedS``), as the preset's own 512 prompts in mini-batches of 32 do.
 3. Samples are counted as generated: a dapo step counts every round (``dynamic/generated_samples``), the
    dropped groups' samples included. The budget is what grpo generates in ``--steps`` steps; dapo runs the
    same number of steps (it generates more) and is compared up to the budget. Reported per seed and run:
@@ -57,7 +61,9 @@ def rlctl(method: str, args: list[str], log: Path) -> float:
     return time.perf_counter() - began
 
 
-def run_args(kind: str, out: Path, model: Path, data: Path, *, seed: int, steps: int, nproc: int) -> list[str]:
+def run_args(
+    kind: str, out: Path, model: Path, data: Path, *, seed: int, steps: int, nproc: int, mini_batch: int | None = None
+) -> list[str]:
     size = demo.FULL
     args = demo.grpo_args(
         out,
@@ -80,7 +86,14 @@ def run_args(kind: str, out: Path, model: Path, data: Path, *, seed: int, steps:
             "--set",
             f"algo.dynamic_max_rounds={MAX_ROUNDS}",
         ]
+    if mini_batch:  # prompts per optimizer step: batch / mini_batch updates a step
+        args += ["--set", f"algo.mini_batch_size={mini_batch}"]
     return args
+
+
+def run_name(kind: str, seed: int, mini_batch: int | None) -> str:
+    """``grpo-seed0``; with mini-batches ``grpo-mb8-seed0``."""
+    return f"{kind}-mb{mini_batch}-seed{seed}" if mini_batch else f"{kind}-seed{seed}"
 
 
 def curve(run: Path, per_step: int) -> tuple[list[dict], list[dict]]:
@@ -247,9 +260,10 @@ def seed_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def run_seeds(out: Path, seeds: list[int], steps: int, nproc: int) -> dict:
+def run_seeds(out: Path, seeds: list[int], steps: int, nproc: int, mini_batch: dict[str, int | None]) -> dict:
     """The SFT model once, then both runs of each seed (a run whose directory holds a summary is read,
-    not rerun); every run's curve and wall seconds."""
+    not rerun), each run kind with its ``mini_batch`` (None: the whole batch, one update a step); every
+    run's curve and wall seconds."""
     base, data, sft = out / "base", out / "data", out / "sft"
     if not (sft / "hf" / "config.json").is_file():
         demo.build_model(base, demo.FULL)
@@ -257,15 +271,18 @@ def run_seeds(out: Path, seeds: list[int], steps: int, nproc: int) -> dict:
         sft_args = demo.sft_args(sft, base, data / "sft.jsonl", demo.FULL, nproc=nproc, seed=demo.SEED)
         print(f"sft: {rlctl('sft', sft_args, out / 'sft.log'):.0f}s", flush=True)
     per_step = demo.FULL.grpo_batch * demo.FULL.grpo_n
-    results: dict = {"per_step": per_step, "steps": steps, "seconds": {}, "curves": {}}
+    results: dict = {"per_step": per_step, "steps": steps, "mini_batch": mini_batch, "seconds": {}, "curves": {}}
     for seed in seeds:
         for kind in ("grpo", "dapo"):
-            run = out / f"{kind}-seed{seed}"
+            name = run_name(kind, seed, mini_batch[kind])
+            run = out / name
             if not (run / "summary.json").is_file():
-                a = run_args(kind, run, sft / "hf", data, seed=seed, steps=steps, nproc=nproc)
-                secs = rlctl("grpo", a, out / f"{kind}-seed{seed}.log")
-                results["seconds"][f"{kind}-seed{seed}"] = secs
-                print(f"{kind} seed {seed}: {secs:.0f}s", flush=True)
+                a = run_args(
+                    kind, run, sft / "hf", data, seed=seed, steps=steps, nproc=nproc, mini_batch=mini_batch[kind]
+                )
+                secs = rlctl("grpo", a, out / f"{name}.log")
+                results["seconds"][name] = secs
+                print(f"{name}: {secs:.0f}s", flush=True)
             results["curves"].setdefault(str(seed), {})[kind] = curve(run, per_step)
     return results
 
@@ -277,13 +294,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=demo.FULL.grpo_steps)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--from-results", type=Path, help="summarise the curves of this results.json; run nothing")
+    for kind in ("dapo", "grpo"):
+        parser.add_argument(f"--{kind}-mini-batch", type=int, help=f"prompts per optimizer step of the {kind} runs "
+                            "(default: the whole batch, one update a step)")  # fmt: skip
     args = parser.parse_args(argv)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     if args.from_results:
         results = json.loads(args.from_results.read_text())
     else:
-        results = run_seeds(out, [int(s) for s in args.seeds.split(",")], args.steps, args.nproc)
+        mini_batch = {"grpo": args.grpo_mini_batch, "dapo": args.dapo_mini_batch}
+        results = run_seeds(out, [int(s) for s in args.seeds.split(",")], args.steps, args.nproc, mini_batch)
     results["seeds"] = {}
     for seed, curves in results["curves"].items():
         budget = curves["grpo"][0][-1]["samples"]
