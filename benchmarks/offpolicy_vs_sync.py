@@ -45,8 +45,11 @@ not an input) and in a data-parallel micro-benchmark (:func:`dp_parts`):
 * ``sync2 = a L + b (T/2) f + (U/2) f + C_dp + S_gather``: each rank decodes half the tokens (the busier
   rank ``f`` times that), but the rank holding the longest response decodes for ``L`` steps and the other
   waits for it at the first collective; the update halves, times ``f``;
-* ``split = max(R(L, T), U) + S``: the trainer waits for the rollout when it is slower, the rollout
-  for the weights when the update is.
+* ``split = median over i, j of max(R(L_i, T_i), U_j) + S``: the trainer waits for the rollout when it
+  is slower, the rollout for the weights when the update is; batch t+1's rollout and batch t's update
+  are independent draws from the steps' distributions, so the step costs the slower of two draws, which
+  is more than the slower of the two medians when both are close (every rollout of the split run,
+  through the fitted ``R``, paired with every update).
 
 ``L``, ``T``, ``U``, ``S`` and ``f`` are medians over the split steps after WARMUP. The predicted ratio
 split / sync2 is compared with the measured one (the median over rounds of the per-round ratio); each
@@ -186,13 +189,15 @@ def model_ratio(split: list[dict], dp: dict, cfg) -> dict:
     a, b = fit_rollout(split)
     med = statistics.median
     L, T = med(r["response_len/max"] for r in split), med(response_tokens(r) for r in split)
-    U = med(r["time/step"] - r["time/rollout_wait"] - r["time/weight_sync"] for r in split)
+    updates = [r["time/step"] - r["time/rollout_wait"] - r["time/weight_sync"] for r in split]
+    U = med(updates)
     S = med(r["time/weight_sync"] for r in split)
     f = med(imbalance(r) for r in split)
     n = counts(cfg, split[0]["batch"], med(r["tokens"] for r in split) / 2 * f)
     C = n["fb_micro"] * dp["fb"] + n["fwd_micro"] * dp["fwd"] + n["opt_steps"] * dp["step"] + n["small"] * dp["sums"]
     R1, R2 = a * L + b * T, a * L + b * T / 2 * f
-    sync2, split_s = R2 + U / 2 * f + C + dp["gather"], max(R1, U) + S
+    rollouts = [a * r["response_len/max"] + b * response_tokens(r) for r in split]
+    sync2, split_s = R2 + U / 2 * f + C + dp["gather"], med(max(r, u) for r in rollouts for u in updates) + S
     return {"a_s_per_step": a, "b_s_per_token": b, "L": L, "T": T, "f": f, "R1": R1, "R2": R2, "U": U,
             "U2f": U / 2 * f, "S": S, "C_dp": C, "S_gather": dp["gather"], "counts": n,
             "sync2_pred": sync2, "split_pred": split_s, "ratio_pred": split_s / sync2}  # fmt: skip

@@ -219,13 +219,16 @@ def test_ppo_with_a_critic_keeps_varied_groups_and_filters_truncated_samples(tin
     import json
 
     model = eos_prone_model(tiny_model_dir, tmp_path / "model")
-    data = write_jsonl(tmp_path / "data.jsonl", arith_rows(32))
+    # in stream order (no shuffling) odd answers at even positions: each round's odd positions, rank 1's,
+    # always score 0 and are dropped, so rank 1 may hold none of a step's groups (no values, no update)
+    rows = [{**r, "answer": str(2 * i if i % 2 else 2 * i + 1)} for i, r in enumerate(arith_rows(32))]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
     run = tmp_path / "run"
     dapo = ("--dynamic-sampling", "--overlong-filter", "--critic-lr", "1e-3", "--samples-every", "1")
     args = rl_args(model, data, run, "--rollout", "hf", "--max-steps", "2", "--n", "4", "--kl-coef", "0", *dapo)
     args[args.index("--reward") + 1] = f"{REWARDS}:digits_when_odd"
     args[args.index("--lr") + 1] = "1e-3"  # the model keeps ending some responses after an update
-    sets = ("algo.dynamic_max_rounds=3", "log.samples=64", "checkpoint.export_hf=false")
+    sets = ("algo.dynamic_max_rounds=3", "log.samples=64", "checkpoint.export_hf=false", "data.shuffle=false")
     res = run_cli("ppo", *args, *[x for s in sets for x in ("--set", s)])
     assert res.returncode == 0, failure(res, run)
     records = train_records(run)
@@ -247,5 +250,6 @@ def test_ppo_with_a_critic_keeps_varied_groups_and_filters_truncated_samples(tin
         assert all(s["advantage"] == 0.0 for s in cut) and len(cut) <= r["response/overlong_filtered"]
         assert all(s["advantage"] != 0.0 for s in mine if not s["truncated"])
     assert sum(r["dynamic/dropped_groups"] for r in records) > 0
+    assert any(len({s["prompt"] for s in samples if s["step"] == r["step"]}) == 4 for r in records)  # rank 1: none
     ended = [s["truncated"] for s in samples]
     assert any(ended) and not all(ended), ended  # both kinds were trained on or filtered
