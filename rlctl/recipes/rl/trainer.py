@@ -64,7 +64,7 @@ class RLTrainer(Sampling):
         self.recipe_step = recipe_step  # the recipe's steps in order (rlctl.recipes.grpo / ppo)
         # an unknown name: a one-line error naming the registered ones; needs_greedy: remax's greedy baseline
         self.needs_greedy = get_adv_estimator(cfg.algo.adv).needs_greedy
-        # the same check as before launch (rlctl.job), for a run directory written by other means
+        # the same check as before launch (rlctl.checks), for a run directory written by other means
         check_algorithm(cfg)
         self.algo = a = AlgoSpec.from_config(cfg)  # the typed algorithm every step reads
 
