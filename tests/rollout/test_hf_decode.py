@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import rlctl.rollout.hf as hf
 from rlctl.rollout import RolloutSpec, SamplingParams, make_rollout_engine
 from rlctl.rollout.hf_decode import DecodeState, FastDecoder
-from rlctl.testing import build_tiny_model
+from rlctl.testing import TINY_TEXT_SIZES, build_tiny_model
 
 # different lengths, so left padding matters; with MAX_MODEL_LEN the budgets differ per prompt too
 PROMPTS = [[5, 17, 33, 8], [100, 7, 250, 61, 90, 4, 12], [42, 43]]
@@ -94,12 +94,7 @@ def _mistral(path: Path) -> Path:
         path,
         MistralConfig,
         seed=4,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
+        **TINY_TEXT_SIZES,
     )
 
 
