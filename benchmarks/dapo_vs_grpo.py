@@ -42,6 +42,8 @@ import sys
 import time
 from pathlib import Path
 
+from make_benchmarks_md import table as markdown_table
+
 from rlctl import demo
 from rlctl.metrics import read_metrics
 
@@ -209,55 +211,62 @@ def paired(results: dict) -> dict:
 
 
 def paired_table(summary: dict) -> str:
-    lines = [
-        "| measure (at equal generated samples unless said) | grpo | dapo | dapo - grpo, mean +- s.e. | "
-        "seeds dapo >= grpo |",
-        "|---|---|---|---|---|",
+    header = ["measure (at equal generated samples unless said)", "grpo", "dapo", "dapo - grpo, mean +- s.e.",
+              "seeds dapo >= grpo"]  # fmt: skip
+    rows = [
+        [
+            PAIRED[key],
+            f"{p['grpo']:.4f}",
+            f"{p['dapo']:.4f}",
+            f"{p['diff']:+.4f} +- {p['se']:.4f}",
+            f"{p['dapo_ge_grpo']} of {p['seeds']}",
+        ]
+        for key, p in summary.items()
     ]
-    for key, p in summary.items():
-        lines.append(
-            f"| {PAIRED[key]} | {p['grpo']:.4f} | {p['dapo']:.4f} | {p['diff']:+.4f} +- {p['se']:.4f} | "
-            f"{p['dapo_ge_grpo']} of {p['seeds']} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(header, rows)
 
 
 def table(results: dict) -> str:
-    lines = [
-        "| seed | run | reward / sample, budget quarters 1-4 | slope / 1k samples | held-out acc: start -> at budget, "
-        "mean over budget | last eval in budget (step) | steps in budget | rounds / step | dropped / padded "
-        "groups | samples, acc after all steps |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+    header = ["seed", "run", "reward / sample, budget quarters 1-4", "slope / 1k samples",
+              "held-out acc: start -> at budget, mean over budget", "last eval in budget (step)", "steps in budget",
+              "rounds / step", "dropped / padded groups", "samples, acc after all steps"]  # fmt: skip
+    rows = [
+        [
+            seed,
+            kind,
+            " / ".join(f"{x:.3f}" for x in s["quarters"]),
+            f"{s['slope_per_1k']:+.4f}",
+            f"{s['acc_start']:.3f} -> {s['acc_at_budget']:.3f}, {s['acc_mean_in_budget']:.3f}",
+            f"{s['acc_in_budget']:.3f} ({s['acc_in_budget_step']})",
+            str(s["steps_in_budget"]),
+            f"{s['mean_rounds']:.2f}",
+            f"{s['dropped_groups']:.0f} / {s['padded_groups']:.0f}",
+            f"{s['samples_end']:.0f}, {s['acc_end']:.3f}",
+        ]
+        for seed, runs in results["seeds"].items()
+        for kind, s in runs.items()
     ]
-    for seed, runs in results["seeds"].items():
-        for kind, s in runs.items():
-            q = " / ".join(f"{x:.3f}" for x in s["quarters"])
-            lines.append(
-                f"| {seed} | {kind} | {q} | {s['slope_per_1k']:+.4f} | {s['acc_start']:.3f} -> "
-                f"{s['acc_at_budget']:.3f}, {s['acc_mean_in_budget']:.3f} | {s['acc_in_budget']:.3f} "
-                f"({s['acc_in_budget_step']}) | {s['steps_in_budget']} | {s['mean_rounds']:.2f} | "
-                f"{s['dropped_groups']:.0f} / {s['padded_groups']:.0f} | {s['samples_end']:.0f}, {s['acc_end']:.3f} |"
-            )
-    return "\n".join(lines)
+    return markdown_table(header, rows)
 
 
 def seed_table(results: dict) -> str:
     """One row a seed, grpo / dapo side by side."""
-    lines = [
-        "| seed | slope / 1k samples, grpo / dapo | reward / sample in the last budget quarter | held-out acc at the "
-        "budget | held-out acc, mean over the budget | dapo: rounds / step, groups dropped / step, samples / step |",
-        "|---|---|---|---|---|---|",
+    header = ["seed", "slope / 1k samples, grpo / dapo", "reward / sample in the last budget quarter",
+              "held-out acc at the budget", "held-out acc, mean over the budget",
+              "dapo: rounds / step, groups dropped / step, samples / step"]  # fmt: skip
+    steps = results["steps"]
+    rows = [
+        [
+            seed,
+            f"{g['slope_per_1k']:+.4f} / {d['slope_per_1k']:+.4f}",
+            f"{g['quarters'][3]:.3f} / {d['quarters'][3]:.3f}",
+            f"{g['acc_at_budget']:.3f} / {d['acc_at_budget']:.3f}",
+            f"{g['acc_mean_in_budget']:.3f} / {d['acc_mean_in_budget']:.3f}",
+            f"{d['mean_rounds']:.2f}, {d['dropped_groups'] / steps:.1f}, {d['samples_end'] / steps:.0f}",
+        ]
+        for seed, g, d in ((seed, runs["grpo"], runs["dapo"]) for seed, runs in results["seeds"].items())
     ]
-    for seed, runs in results["seeds"].items():
-        g, d = runs["grpo"], runs["dapo"]
-        steps = results["steps"]
-        lines.append(
-            f"| {seed} | {g['slope_per_1k']:+.4f} / {d['slope_per_1k']:+.4f} | {g['quarters'][3]:.3f} / "
-            f"{d['quarters'][3]:.3f} | {g['acc_at_budget']:.3f} / {d['acc_at_budget']:.3f} | "
-            f"{g['acc_mean_in_budget']:.3f} / {d['acc_mean_in_budget']:.3f} | {d['mean_rounds']:.2f}, "
-            f"{d['dropped_groups'] / steps:.1f}, {d['samples_end'] / steps:.0f} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(header, rows)
 
 
 def run_seeds(out: Path, seeds: list[int], steps: int, nproc: int, mini_batch: dict[str, int | None]) -> dict:

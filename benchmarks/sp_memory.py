@@ -35,6 +35,8 @@ import threading
 import time
 from pathlib import Path
 
+from make_benchmarks_md import table as markdown_table
+
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
@@ -202,17 +204,20 @@ def estimate(model: Path, sp: int, args) -> dict:
 
 
 def table(rows: dict) -> str:
-    lines = [
-        "| sp | tokens/s (2 ranks) | peak per rank (MiB) | step peak per rank (MiB) | estimate beyond states (MiB) "
-        "| peak RSS per rank (MiB) |",
-        "|---|---|---|---|---|---|",
+    header = ["sp", "tokens/s (2 ranks)", "peak per rank (MiB)", "step peak per rank (MiB)",
+              "estimate beyond states (MiB)", "peak RSS per rank (MiB)"]  # fmt: skip
+    cells = [
+        [
+            str(sp),
+            f"{r['measured']['tokens_per_s']:.0f}",
+            f"{r['measured']['peak_bytes'] / MIB:.0f}",
+            f"{r['measured']['step_peak_bytes'] / MIB:.0f}",
+            f"{r['estimate']['beyond_states'] / MIB:.0f}",
+            f"{r['measured']['max_rss_bytes'] / MIB:.0f}",
+        ]
+        for sp, r in rows.items()
     ]
-    for sp, r in rows.items():
-        m = r["measured"]
-        lines.append(
-            f"| {sp} | {m['tokens_per_s']:.0f} | {m['peak_bytes'] / MIB:.0f} | {m['step_peak_bytes'] / MIB:.0f} | "
-            f"{r['estimate']['beyond_states'] / MIB:.0f} | {m['max_rss_bytes'] / MIB:.0f} |"
-        )
+    lines = [markdown_table(header, cells)]
     one, two = rows[1], rows[2]
     saved = one["measured"]["step_peak_bytes"] - two["measured"]["step_peak_bytes"]
     predicted = one["estimate"]["allocated"] - two["estimate"]["allocated"]
