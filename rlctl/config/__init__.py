@@ -331,7 +331,12 @@ def validate(cfg: RunConfig) -> None:
     for key in non_negative.split():
         if get_key(cfg, key) < 0:
             raise UserError(f"{key} must not be negative, got {get_key(cfg, key)}")
-    ranges = {"rollout.mem_fraction": "[0, 1)", "data.val_fraction": "[0, 1)", "train.warmup_ratio": "[0, 1)"}
+    ranges = {
+        "rollout.mem_fraction": "[0, 1)",
+        "rollout.eval_mem_fraction": "[0, 1)",
+        "data.val_fraction": "[0, 1)",
+        "train.warmup_ratio": "[0, 1)",
+    }
     ranges["rollout.top_p"] = "(0, 1]"
     for key, text in ranges.items():
         v = get_key(cfg, key)

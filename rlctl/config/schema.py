@@ -138,6 +138,9 @@ class RolloutConfig:
     engine: RolloutEngine | None = None  # None: the plan decides (hf on CPU; vllm or sglang on GPUs)
     tp: int = 0  # 0 = chosen by the plan
     mem_fraction: float = 0.0  # 0 = chosen by the plan
+    # split runs (procs > 0): the share of a TRAINER GPU its evaluation engine takes, beside the trainer's
+    # states (mem_fraction is the rollout GPUs'); 0 = chosen by the plan
+    eval_mem_fraction: float = 0.0
     n: int = 8  # samples per prompt
     temperature: float = 1.0
     top_p: float = 1.0

@@ -44,6 +44,10 @@ class Sampling:
 
         d = self.dist
         spec = RolloutSpec.from_config(self.cfg)
+        beside = ""
+        if self.feed is not None:  # a split run's evaluation engine: on a trainer GPU, beside its states
+            spec = spec.replace(mem_fraction=self.cfg.rollout.eval_mem_fraction or spec.mem_fraction)
+            beside = f", memory fraction {spec.mem_fraction:.2f} beside the trainer (rollout.eval_mem_fraction)"
         path = self.rollout_path
         if d.world_size % self.rollout_tp:
             raise UserError(f"rollout.tp={self.rollout_tp} does not divide the {d.world_size} processes")
@@ -56,7 +60,7 @@ class Sampling:
                 seed=spec.seed + d.rank,
             )
         )
-        self.ctx.log(f"rollout: {spec.engine} engine on every rank ({self.rollout_dtype})")
+        self.ctx.log(f"rollout: {spec.engine} engine on every rank ({self.rollout_dtype}){beside}")
         return engine
 
     # ------------------------------------------------------------------ rollout
