@@ -322,6 +322,7 @@ def validate(cfg: RunConfig) -> None:
     check_registered_names(cfg)
     positive = "train.batch_size train.max_len train.epochs rollout.n hardware.nodes rollout.max_prompt_len"
     positive += " rollout.max_response_len algo.ppo_epochs rollout.val_n checkpoint.keep_last"
+    positive += " hardware.collective_timeout_min"
     for key in positive.split():
         if get_key(cfg, key) < 1:
             raise UserError(f"{key} must be at least 1, got {get_key(cfg, key)}")

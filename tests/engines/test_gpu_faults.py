@@ -7,6 +7,7 @@ labelled FAKE, and, where the library is installed, calls the library's own func
 
 from __future__ import annotations
 
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -56,9 +57,6 @@ def test_split_run_evaluation_engine_fits_beside_the_trainer(monkeypatch):
 
     cfg, plan = _split_run_config()
     assert cfg.rollout.mem_fraction == plan.rollout_mem_fraction >= 0.8  # the rollout GPUs hold the engine alone
-    assert 0 < cfg.rollout.eval_mem_fraction == plan.rollout_eval_mem_fraction < cfg.rollout.mem_fraction
-    assert any(d.key == "rollout.eval_mem_fraction" for d in plan.decisions)
-
     built = []
     monkeypatch.setattr("rlctl.rollout.make_rollout_engine", built.append)
     d = SimpleNamespace(rank=0, world_size=6, local_rank=0, local_world_size=6)
@@ -84,3 +82,198 @@ def test_split_run_evaluation_engine_fits_beside_the_trainer(monkeypatch):
     with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
         # the rollout GPUs' fraction (what the trainer's engine got before) on the same GPU
         request_memory(snapshot, CacheConfig(gpu_memory_utilization=RolloutSpec.from_config(cfg).mem_fraction))
+    assert 0 < spec.mem_fraction == cfg.rollout.eval_mem_fraction == plan.rollout_eval_mem_fraction
+    assert any(d.key == "rollout.eval_mem_fraction" for d in plan.decisions)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The off-policy weight-sync NCCL group: its timeout, its end
+
+
+class _FakeNCCL:
+    """FAKE (this CPU build of torch has no ProcessGroupNCCL): records its construction and its end."""
+
+    made: list[_FakeNCCL] = []
+    ended: list[str] = []
+
+    class Options:
+        _timeout = timedelta(minutes=10)  # NCCL's default (torch c10d: kProcessGroupNCCLDefaultTimeout)
+        is_high_priority_stream = True
+
+    def __init__(self, store, rank, size, options=None):
+        self.rank, self.size, self.options = rank, size, options
+        _FakeNCCL.made.append(self)
+
+    def shutdown(self):
+        _FakeNCCL.ended.append("sync")
+
+
+class _FakeGloo:
+    """FAKE: the bridge's gloo group (a real one would wait for the other processes to connect)."""
+
+    def __init__(self, store, rank, size, timeout):
+        self.timeout = timeout
+
+    def shutdown(self):
+        _FakeNCCL.ended.append("bridge")
+
+
+@pytest.mark.parametrize("rank", [0, 2])  # trainer 0 and the rollout process of a 2 + 1 split
+def test_split_weight_sync_group_waits_the_run_timeout_and_is_destroyed(monkeypatch, rank):
+    """The sync group (trainer 0 and the rollout processes, NCCL on CUDA) was built by its constructor
+    without options: NCCL's 10-minute watchdog then kills a rollout process that waits through a longer
+    update (or trainer 0 through a longer rollout), though every other group waits 30 minutes. It now gets
+    ``hardware.collective_timeout_min`` like the others, the way torch's ``new_group`` sets it
+    (``options._timeout``), and it and the bridge are ended at the end of the run (``destroy_process_group``
+    does not know groups it did not register). (FAKE: the rendezvous, the default group's init, the gloo
+    bridge and the NCCL class are recorded.)"""
+    import torch.distributed as dist
+
+    from rlctl.runtime import dist as rdist
+
+    _FakeNCCL.made.clear()
+    _FakeNCCL.ended.clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "rendezvous", lambda url: iter([(dist.HashStore(), rank, 3)]))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: None)
+    monkeypatch.setattr(dist, "ProcessGroupGloo", _FakeGloo, raising=False)
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", _FakeNCCL, raising=False)
+    for key, value in {"RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": str(rank)}.items():
+        monkeypatch.setenv(key, value)
+    d = rdist.init_distributed("cuda", rollout_procs=1, timeout=timedelta(minutes=45))
+    (sync,) = _FakeNCCL.made
+    assert d.split.sync is sync and sync.size == 2 and sync.rank == (0 if rank == 0 else 1)
+    assert sync.options is not None and sync.options._timeout == timedelta(minutes=45)
+    assert d.split.bridge.timeout == timedelta(minutes=45)
+    rdist.destroy_all()
+    assert _FakeNCCL.ended == ["sync", "bridge"]
+    rdist.destroy_all()  # nothing left to end
+    assert _FakeNCCL.ended == ["sync", "bridge"]
+
+
+def test_collective_timeout_is_a_checked_setting():
+    from rlctl.config import build_config, dotted_to_nested
+    from rlctl.errors import UserError
+    from rlctl.presets import method_layers
+
+    assert build_config("grpo", method_layers("grpo", None)).hardware.collective_timeout_min == 30
+    with pytest.raises(UserError, match="hardware.collective_timeout_min must be at least 1"):
+        build_config("grpo", method_layers("grpo", None) + [dotted_to_nested({"hardware.collective_timeout_min": 0})])
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Dynamic sampling and evaluation: one weight sync while nothing changed
+
+
+class _VLLMLike:
+    """A rollout engine that behaves as vLLM on a GPU does (FAKE: it generates fixed tokens): sleep frees
+    the KV cache and DISCARDS the weights (level 2), so every wake after a sleep needs a full weight sync.
+    Records each sync and each sleep."""
+
+    @staticmethod
+    def make():
+        from rlctl.rollout.base import RolloutEngine, Sample
+
+        class Engine(RolloutEngine):
+            name = "vllm-like"
+            supports_sleep = True
+            keeps_weights_asleep = False
+
+            def __init__(self):
+                self.events: list[str] = []
+
+            def _generate(self, prompts, n, sampling):
+                return [Sample(i, [5 + j, 2], [-0.5, -0.1], "stop") for i in range(len(prompts)) for j in range(n)]
+
+            def _load_weights(self, named_tensors):
+                self.events.append(f"sync {len(list(named_tensors))} tensors")
+
+            def _release(self, tags):
+                self.events.append("sleep")
+
+            def _resume(self, tags):
+                pass
+
+            def close(self):
+                pass
+
+        return Engine()
+
+
+def _sampling_trainer(monkeypatch, *, val_n: int):
+    """An RLTrainer whose sampling, dynamic sampling, evaluation and update bookkeeping are rlctl's own;
+    FAKE: the engine (_VLLMLike), the actor's all-gather (counted), the scores (every group equal, so
+    dynamic sampling runs all its rounds) and the update's arithmetic."""
+    from rlctl.config import build_config, dotted_to_nested
+    from rlctl.data.packing import StepSampler
+    from rlctl.data.rl import Prompt
+    from rlctl.presets import method_layers
+    from rlctl.recipes.rl import trainer as trainer_module
+    from rlctl.recipes.rl.spec import AlgoSpec
+
+    sets = {
+        "train.batch_size": 2,
+        "rollout.n": 2,
+        "rollout.val_n": val_n,
+        "rollout.max_response_len": 4,
+        "algo.dynamic_sampling": True,
+        "algo.dynamic_max_rounds": 3,
+    }
+    cfg = build_config("grpo", method_layers("grpo", None) + [dotted_to_nested(sets)])
+    gathers = []
+
+    class Actor:
+        def iter_full_params(self, dtype):
+            gathers.append(dtype)  # FAKE: FSDP's all-gather of every parameter
+            return iter([("w", torch.zeros(2)), ("b", torch.zeros(1))])
+
+    class Trainer(trainer_module.RLTrainer):
+        def __init__(self):  # the attributes RLTrainer.__init__ sets that these steps read
+            self.cfg, self.algo = cfg, AlgoSpec.from_config(cfg)
+            self.dist = SimpleNamespace(rank=0, world_size=1, local_rank=0, local_world_size=1)
+            self.ctx = SimpleNamespace(log=lambda line: None)
+            prompts = [Prompt([3, 4 + i], "arith", str(i), None) for i in range(16)]
+            self.data = SimpleNamespace(train=prompts, val=prompts[:3])
+            self.sampler = StepSampler(16, 2, seed=0, shuffle=False)
+            self.cursor, self.mini_batch_size, self.rollout_tp = 0, 2, 1
+            self.feed, self.agent_loop, self.needs_greedy = None, None, False
+            self.device, self.rollout_dtype, self.actor = torch.device("cpu"), "fp32", Actor()
+            self.rollout = _VLLMLike.make()
+            self.ref, self.budget, self.pad_id, self.logprobs_checked = None, 0, 0, True
+            self.scorer = SimpleNamespace(score=self.fake_scores)
+            self.weights_stale = False  # (main's bookkeeping, before the version counter)
+            self.weights_version, self.rollout_version = 0, 0
+
+        def score(self, batch, step):  # FAKE: every sample scores 0, so no group varies
+            batch.scores = torch.zeros(len(batch))
+            return {"reward/mean": 0.0}
+
+        @staticmethod
+        def fake_scores(prompt_ids, token_ids, prompts, step, trajectories):
+            return torch.zeros(len(token_ids)), {"reward/mean": 0.0}
+
+    monkeypatch.setattr(trainer_module, "update_actor", lambda *a, **kw: {})  # FAKE: the update's arithmetic
+    return Trainer(), gathers
+
+
+def test_dynamic_sampling_and_evaluation_sync_the_weights_once(monkeypatch):
+    """Dynamic sampling woke the engine, synced the actor's weights into it and put it to sleep on every
+    round, with no update in between: on vLLM and SGLang a sleep discards the weights, so each extra round
+    paid a full all-gather and reload. Evaluation with ``val_n > 1`` did the same for its second pass. The
+    engine now stays awake through the rounds and the passes, and syncs only when the actor's weights
+    version moved (or it dropped its weights asleep)."""
+    rl, gathers = _sampling_trainer(monkeypatch, val_n=4)
+    batch, metrics = rl.sample(0)
+    assert metrics["dynamic/rounds"] == 3.0
+    assert len(gathers) == 0 and rl.rollout.events == ["sleep"]  # the engine holds the initial weights
+    batch.old_logp = torch.zeros(1)
+    rl.update_actor(batch)
+    rl.sample(1)
+    assert len(gathers) == 1 and rl.rollout.events == ["sleep", "sync 2 tensors", "sleep"]
+    out = rl.evaluate(2)  # two passes (val_n 4): asleep since the last step, so one sync
+    assert "val/pass@4" in out and len(gathers) == 2
+    assert rl.rollout.events[-2:] == ["sync 2 tensors", "sleep"]
+    rl.sample(2)  # no update since the evaluation, but vLLM dropped the weights asleep: one sync
+    assert len(gathers) == 3 and rl.rollout.events[-2:] == ["sync 2 tensors", "sleep"]
