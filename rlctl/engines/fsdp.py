@@ -182,7 +182,7 @@ class FSDPEngine(ShardedModel, TrainEngine):
         """Activations saved to host memory; unsharded mixed precision autocasts to the compute dtype."""
         stack = contextlib.ExitStack()
         if self.spec.offload_activations and self.trainable and torch.is_grad_enabled():
-            stack.enter_context(HostActivations(pin_memory=self.device.type == "cuda"))
+            stack.enter_context(HostActivations(self.device))
         mixed = self.param_dtype == torch.float32 and self.compute_dtype != torch.float32
         if not self.sharded and mixed:
             stack.enter_context(torch.autocast(self.device.type, dtype=self.compute_dtype))

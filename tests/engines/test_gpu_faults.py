@@ -277,3 +277,120 @@ def test_dynamic_sampling_and_evaluation_sync_the_weights_once(monkeypatch):
     assert rl.rollout.events[-2:] == ["sync 2 tensors", "sleep"]
     rl.sample(2)  # no update since the evaluation, but vLLM dropped the weights asleep: one sync
     assert len(gathers) == 3 and rl.rollout.events[-2:] == ["sync 2 tensors", "sleep"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Activation offload: no parameters, and no blocking copy on CUDA
+
+
+def test_activation_offload_copies_activations_not_parameters(tiny_model_dir):
+    """Activation offload copied every tensor autograd saves, the weights every linear layer saves
+    included (about the model's bytes to the host and back per micro-batch, for tensors the module holds
+    anyway). It now copies exactly the saved tensors that are not parameters (counted independently by a
+    plain recorder of the same forward), and the gradients are those of the run without offload."""
+    from transformers import AutoModelForCausalLM
+
+    from rlctl.engines.savers import HostActivations
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    ids = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def grads_of(hooks) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with hooks:
+            loss = model(input_ids=ids).logits.float().pow(2).mean()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    saved: list[torch.Tensor] = []
+    want = grads_of(torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t))
+    params = {id(p) for p in model.parameters()}
+    param_bytes = sum(t.nbytes for t in saved if id(t) in params)
+    activation_bytes = sum(t.nbytes for t in saved if id(t) not in params)
+    assert param_bytes > 0 and activation_bytes > 0  # the linear layers save their weights
+
+    offload = HostActivations(torch.device("cpu"))
+    packed: list = []
+    pack = offload.pack_hook
+    offload.pack_hook = lambda t: packed.append(pack(t)) or packed[-1]
+    got = grads_of(offload)
+    copied = [p[1] for p in packed if isinstance(p, tuple)]
+    kept = [p for p in packed if not isinstance(p, tuple)]
+    assert sum(h.nbytes for h in copied) == activation_bytes
+    assert kept and all(id(p) in params for p in kept)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7)
+
+
+class _FakeCudaStreams:
+    """FAKE torch.cuda stream API (no GPU here): records, in order, what each call would do on a GPU."""
+
+    def __init__(self, monkeypatch):
+        self.log: list[str] = []
+        log = self.log
+
+        class Stream:
+            def __init__(self, device=None, name="side"):
+                self.name = name
+
+            def wait_stream(self, other):
+                log.append(f"{self.name} waits for {other.name}")
+
+            def wait_event(self, event):
+                log.append(f"{self.name} waits for {event.name}")
+
+        class Event:
+            def __init__(self):
+                self.name = "copy event"
+
+            def record(self, stream):
+                log.append(f"{self.name} recorded on {stream.name}")
+
+        class StreamContext:
+            def __init__(self, stream):
+                self.stream = stream
+
+            def __enter__(self):
+                log.append(f"enter {self.stream.name}")
+
+            def __exit__(self, *exc):
+                log.append(f"leave {self.stream.name}")
+
+        empty = torch.empty
+
+        def pinned_empty(*size, pin_memory=False, **kw):
+            log.append(f"host buffer pinned={pin_memory}")
+            return empty(*size, **kw)
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(name="compute"))
+        monkeypatch.setattr(torch, "empty", pinned_empty)
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: log.append(f"tensor kept for {s.name}"))
+
+
+def test_activation_offload_copies_on_a_side_stream_into_pinned_memory(monkeypatch):
+    """On CUDA each saved activation was copied to pageable host memory with a blocking copy: the forward
+    waited for PCIe on every tensor. The copy now runs non-blocking on a side stream into pinned memory,
+    after the work that wrote the tensor; the tensor is kept alive for that stream, and the backward's
+    stream waits for the copy's event before bringing it back. (FAKE: torch.cuda's streams and events
+    record their calls; the tensors are CPU tensors.)"""
+    from rlctl.engines.savers import SideStreamCopies
+
+    fake = _FakeCudaStreams(monkeypatch)
+    copies = SideStreamCopies(torch.device("cuda", 0))
+    t = torch.randn(3, 5)
+    device, host, copied = copies.to_host(t)
+    assert fake.log == [
+        "host buffer pinned=True",
+        "side waits for compute",
+        "enter side",
+        "copy event recorded on side",
+        "leave side",
+        "tensor kept for side",
+    ]
+    assert torch.equal(host, t) and host.data_ptr() != t.data_ptr()
+    fake.log.clear()
+    back = copies.to_device(host, device, copied)
+    assert fake.log == ["compute waits for copy event"] and torch.equal(back, t)
