@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 GIB = 2**30
 
@@ -394,3 +395,174 @@ def test_activation_offload_copies_on_a_side_stream_into_pinned_memory(monkeypat
     fake.log.clear()
     back = copies.to_device(host, device, copied)
     assert fake.log == ["compute waits for copy event"] and torch.equal(back, t)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Per-document attention: a few batched calls (or flash-attn's varlen kernel), not one per block
+
+
+_VIEW_OPS = ("aten.view", "aten.transpose", "aten._unsafe_view", "aten.expand", "aten.slice.", "aten.select")
+_VIEW_OPS += ("aten.detach", "aten.alias", "aten.unsqueeze", "aten.t.", "aten.permute", "aten.squeeze")
+
+
+class _Allocations(TorchDispatchMode):
+    """The bytes of the tensors the ops under it create (views excluded), and how many of them have the
+    size of a whole input (``full_sizes``: numels)."""
+
+    def __init__(self, full_sizes: set[int]):
+        super().__init__()
+        self.full_sizes, self.bytes, self.full = full_sizes, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not str(func).startswith(_VIEW_OPS):
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.bytes += t.nbytes
+                    self.full += t.numel() in self.full_sizes
+        return out
+
+
+def _packed_blocks(lengths: list[int], prefix: int = 0) -> tuple[list, int]:
+    """Blocks of one row: a prompt of ``prefix`` tokens (when > 0) that every block after it answers."""
+    blocks, at = ([(0, 0, prefix, 0, 0)], prefix) if prefix else ([], 0)
+    for n in lengths:
+        blocks.append((0, at, at + n, 0, prefix))
+        at += n
+    return blocks, at
+
+
+def _by_hand(q, k, v, blocks, scale):
+    """Each block alone, softmax written out (repeat the KV heads; the prefix then causal)."""
+    kk, vv = k.repeat_interleave(q.shape[1] // k.shape[1], 1), v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    out = torch.zeros(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+    for row, start, end, p0, p1 in blocks:
+        keys = torch.cat([kk[row, :, p0:p1], kk[row, :, start:end]], 1)
+        values = torch.cat([vv[row, :, p0:p1], vv[row, :, start:end]], 1)
+        scores = q[row, :, start:end] @ keys.transpose(-1, -2) * scale
+        n = end - start
+        allowed = torch.ones(n, p1 - p0 + n, dtype=torch.bool)
+        allowed[:, p1 - p0 :] = torch.ones(n, n, dtype=torch.bool).tril()
+        out[row, start:end] = (scores.masked_fill(~allowed, -torch.inf).softmax(-1) @ values).transpose(0, 1)
+    return out
+
+
+def test_per_document_attention_is_batched_and_its_backward_allocates_no_tensor_per_block(monkeypatch):
+    """Per-document attention ran one sdpa call per block and layer from Python, and each block's slices of
+    q, k and v allocated a full-size zero tensor in the backward: the backward's allocations grew with the
+    number of blocks (32 documents: 64 x the bytes of q, k, v; 64 documents: 128 x). The blocks are now
+    gathered by index: sdpa runs once per bucket of similar lengths (1 call for the documents, 2 with a
+    shared prompt), and the backward allocates the same few full-size tensors whatever the block count.
+    The values and gradients equal each block computed alone by hand."""
+    from rlctl.engines import varlen
+
+    calls = []
+    sdpa = varlen.F.scaled_dot_product_attention
+    monkeypatch.setattr(varlen.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    g = torch.Generator().manual_seed(0)
+    for prefix, buckets in ((0, 1), (6, 2)):  # packed documents; a prompt and the responses that share it
+        measured = []
+        for copies in (4, 8):  # 32 and 64 blocks
+            blocks, length = _packed_blocks([5, 9, 3, 12, 7, 6, 4, 10] * copies, prefix)
+            q, k, v = (torch.randn(1, h, length, 16, generator=g, requires_grad=True) for h in (4, 2, 2))
+            calls.clear()
+            out, _ = varlen.attention(None, q, k, v, None, scaling=0.25, rlctl_blocks=blocks)
+            assert len(calls) == buckets
+            grad = torch.randn(out.shape, generator=g)
+            counted = _Allocations({q.numel(), k.numel()})
+            with counted:
+                out.backward(grad)
+            measured.append((counted.full, counted.bytes / (q.nbytes + k.nbytes + v.nbytes)))
+            got = [x.grad.clone() for x in (q, k, v)]
+            for x in (q, k, v):
+                x.grad = None
+            want = _by_hand(q, k, v, blocks, 0.25)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+            want.backward(grad)
+            for a, x in zip(got, (q, k, v)):
+                torch.testing.assert_close(a, x.grad, rtol=1e-4, atol=1e-5)
+        (full_32, ratio_32), (full_64, ratio_64) = measured
+        assert full_64 == full_32 < 32  # the full-size tensors do not grow with the blocks
+        assert ratio_64 == pytest.approx(ratio_32, rel=0.05) and ratio_64 < 16
+
+
+def _fake_flash_varlen(calls: list):
+    """FAKE flash_attn.flash_attn_varlen_func (flash-attn needs CUDA): its documented semantics, one sequence
+    at a time: queries ``cu_q[i]:cu_q[i+1]`` see keys ``cu_k[i]:cu_k[i+1]``, causal aligned bottom-right
+    (query t of n sees keys up to t + m - n), grouped KV heads."""
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False):
+        calls.append({"sequences": len(cu_q) - 1, "max_q": max_q, "max_k": max_k, "causal": causal})
+        outs = []
+        for i in range(len(cu_q) - 1):
+            qs, ks, vs = q[cu_q[i] : cu_q[i + 1]], k[cu_k[i] : cu_k[i + 1]], v[cu_k[i] : cu_k[i + 1]]
+            n, m = qs.shape[0], ks.shape[0]
+            ks, vs = (x.repeat_interleave(qs.shape[1] // x.shape[1], 1) for x in (ks, vs))
+            scores = torch.einsum("qhd,khd->hqk", qs, ks) * softmax_scale
+            allowed = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
+            outs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, -torch.inf).softmax(-1), vs))
+        return torch.cat(outs)
+
+    return kernel
+
+
+def test_per_document_attention_uses_flash_varlen_in_one_call(monkeypatch):
+    """Where flash-attn is installed (on CUDA) the blocks go to its varlen kernel in ONE call per layer,
+    with cu_seqlens (the shared prompt's keys before each response's own); same values as by hand.
+    (FAKE: the kernel, flash-attn's documented semantics in torch.)"""
+    from rlctl.engines import varlen
+
+    calls = []
+    monkeypatch.setattr(varlen, "flash_varlen", lambda: _fake_flash_varlen(calls))
+    blocks, length = _packed_blocks([5, 9, 3, 12], prefix=6)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, length, 16, generator=g) for h in (4, 2, 2))
+    out, _ = varlen.attention(None, q, k, v, None, scaling=0.25, rlctl_blocks=blocks, rlctl_flash=True)
+    assert calls == [{"sequences": 5, "max_q": 12, "max_k": 18, "causal": True}]
+    torch.testing.assert_close(out, _by_hand(q, k, v, blocks, 0.25), rtol=1e-5, atol=1e-6)
+
+
+def test_sequence_parallel_attention_takes_flash_attn_where_installed(monkeypatch, process_group):
+    """Ulysses SP forced sdpa even where flash-attn is installed (and refused model.attn=flash_attention_2):
+    its per-document attention now takes flash-attn's varlen kernel on CUDA where flash-attn is installed,
+    and the forward tells the attention so. (FAKE: flash-attn "installed", a CUDA device named, the kernel.)"""
+    import importlib.util
+
+    from rlctl.engines import ulysses, varlen
+    from rlctl.engines.fsdp import FSDPEngine
+    from rlctl.engines.spec import EngineSpec
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else find_spec(name, *a)
+    )
+    cuda = SimpleNamespace(device=torch.device("cuda", 0))
+    for attn in (None, "flash_attention_2"):
+        assert FSDPEngine._attn(cuda, EngineSpec(sp=2, attn=attn)) == "flash_attention_2"
+    assert FSDPEngine._attn(SimpleNamespace(device=torch.device("cpu")), EngineSpec(sp=2)) == "sdpa"
+
+    calls = []
+    monkeypatch.setattr(varlen, "flash_varlen", lambda: _fake_flash_varlen(calls))
+    seen = {}
+
+    def model(**kwargs):  # FAKE model: the decoder layers' attention call with the forward's kwargs
+        q, k, v = (torch.randn(1, h, 8, 16) for h in (4, 2, 2))
+        out, _ = ulysses.attention(
+            None,
+            q,
+            k,
+            v,
+            None,
+            scaling=0.25,
+            **{key: kwargs[key] for key in ("rlctl_sp", "rlctl_blocks", "rlctl_flash")},
+        )
+        seen.update(out=out)
+        return SimpleNamespace(logits=torch.zeros(1, len(kwargs["logits_to_keep"]), 5))
+
+    groups = ulysses.sp_groups(1, "cpu")
+    ids = torch.arange(8)[None]
+    mb = SimpleNamespace(
+        input_ids=ids, position_ids=ids, blocks=None, attention_mask=None, keep_cols=None, logit_index=None
+    )
+    ulysses.forward(model, mb, groups, critic=False, flash=True)
+    assert calls and calls[0]["sequences"] == 1 and seen["out"].shape == (1, 8, 4, 16)
