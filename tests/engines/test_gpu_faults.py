@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import timedelta
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -566,3 +567,74 @@ def test_sequence_parallel_attention_takes_flash_attn_where_installed(monkeypatc
     )
     ulysses.forward(model, mb, groups, critic=False, flash=True)
     assert calls and calls[0]["sequences"] == 1 and seen["out"].shape == (1, 8, 4, 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. SGLang: the free memory it is sized from, and the images it is sent
+
+
+def test_sglang_reads_free_memory_after_releasing_the_allocators_cache(monkeypatch, tiny_model_dir):
+    """SGLang's ``mem_fraction_static`` is a share of the memory free when it starts, so the adapter reads
+    ``torch.cuda.mem_get_info`` to convert rlctl's fraction. It read it with the trainer's caching
+    allocator still holding the blocks it freed (here 30 GiB, free to give back): 30 GiB looked free where
+    60 are, and a 40 GiB engine was refused. The cache is now released first (gc, empty_cache).
+    (FAKE: sglang.Engine records its arguments; torch.cuda's allocator is an 80 GiB GPU with 20 GiB in use
+    and 30 GiB cached.)"""
+    import rlctl.rollout.sglang as adapter
+    from rlctl.rollout import make_rollout_engine
+    from rlctl.rollout.spec import RolloutSpec
+    from tests.rollout.test_rollout import FakeSGLangEngine
+
+    gpu = {"used": 20 * GIB, "cached": 30 * GIB, "total": 80 * GIB}
+    monkeypatch.setattr(adapter, "_import_engine_class", lambda: FakeSGLangEngine)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: gpu.update(cached=0))
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda device=None: (gpu["total"] - gpu["used"] - gpu["cached"], gpu["total"])
+    )
+    FakeSGLangEngine.instances.clear()
+    spec = RolloutSpec(
+        engine="sglang",
+        model_path=str(tiny_model_dir),
+        device="cuda:0",
+        dtype="bf16",
+        mem_fraction=0.5,
+        max_model_len=64,
+    )
+    make_rollout_engine(spec)
+    (fake,) = FakeSGLangEngine.instances
+    assert fake.kwargs["mem_fraction_static"] == pytest.approx(40 / 60, abs=1e-4)  # 40 GiB of the 60 free
+
+
+def test_sglang_image_request_sends_each_prompts_pixels_once_in_the_engine_dtype(monkeypatch, tiny_vl_model_dir):
+    """A vision-language rollout sent each prompt n times, each copy with the same fp32 pixels (SGLang
+    serializes and processes every request's images: n x the pixel bytes per prompt). Each prompt is now
+    sent once with SGLang's parallel sampling (``n``) and its pixels in the engine's dtype: 1/(2n) of the
+    bytes. (FAKE: sglang.Engine, expanding n as SGLang's tokenizer manager does.)"""
+    from transformers import AutoTokenizer
+
+    import rlctl.rollout.sglang as adapter
+    from rlctl.data.vision import load_processor
+    from rlctl.rollout import make_rollout_engine
+    from rlctl.rollout.base import SamplingParams
+    from rlctl.rollout.spec import RolloutSpec
+    from tests.rollout.test_rollout import FakeSGLangEngine
+    from tests.rollout.test_sglang_vision import FakeSGLangVL
+    from tests.support.vlm_rl import vl_prompt
+
+    monkeypatch.setattr(adapter, "_import_engine_class", lambda: FakeSGLangVL)
+    FakeSGLangEngine.instances.clear()
+    vp = load_processor(str(tiny_vl_model_dir), AutoTokenizer.from_pretrained(tiny_vl_model_dir))
+    spec = RolloutSpec(
+        engine="sglang", model_path=str(tiny_vl_model_dir), device="cpu", dtype="bf16", max_model_len=256
+    )
+    engine = make_rollout_engine(spec)
+    prompts = [vl_prompt(vp, colour, (56, 56), "Which colour?") for colour in ("red", "blue")]
+    n = 4
+    samples = engine.generate([p[0] for p in prompts], n, SamplingParams(max_tokens=3), images=[p[1] for p in prompts])
+    assert [s.prompt_index for s in samples] == [0] * n + [1] * n
+    (_, image_data), _ = FakeSGLangEngine.instances[0].calls[-2:]
+    sent = [item["pixel_values"] for entry in image_data for item in entry]
+    fp32_once = sum(np.asarray(p[1][0], dtype=np.float32).nbytes for p in prompts)
+    assert sum(t.nbytes for t in sent) == fp32_once // 2  # was n * fp32_once
+    for t, p in zip(sent, prompts):
+        assert torch.equal(t, torch.as_tensor(p[1][0]).to(torch.bfloat16))
