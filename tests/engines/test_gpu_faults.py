@@ -638,3 +638,40 @@ def test_sglang_image_request_sends_each_prompts_pixels_once_in_the_engine_dtype
     assert sum(t.nbytes for t in sent) == fp32_once // 2  # was n * fp32_once
     for t, p in zip(sent, prompts):
         assert torch.equal(t, torch.as_tensor(p[1][0]).to(torch.bfloat16))
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. One GPU: FSDP2 when asked, and the dry run says which wrapper
+
+
+@pytest.mark.parametrize(("shard", "wrapper"), [(True, "FSDP2 fully_shard over 1 rank"), (None, "plain module")])
+def test_one_gpu_plan_exercises_fsdp2_when_asked_and_says_so(monkeypatch, capsys, tmp_path, shard, wrapper):
+    """A one-GPU plan runs the plain module unless parallel.shard is set; a GPU check that must exercise
+    FSDP2 (and its NCCL collectives) on one GPU sets it: the plan, the resolved config and the engine spec
+    keep it, and ``--dry-run`` names the wrapper the run gets."""
+    from rlctl.config import build_config, dotted_to_nested
+    from rlctl.engines.spec import EngineSpec
+    from rlctl.plan import apply_plan
+    from rlctl.plan.inputs import LocalEnv
+    from rlctl.plan.planner import plan_config
+    from rlctl.presets import method_layers
+    from tests.support.cli import rlctl_in_process
+    from tests.support.sft import write_jsonl
+
+    sets = {"model.name": "Qwen2.5-0.5B", "hardware.device": "cuda", "hardware.gpus": 1, "hardware.gpu": "H100"}
+    if shard:
+        sets["parallel.shard"] = True
+    cfg = build_config("grpo", method_layers("grpo", None) + [dotted_to_nested(sets)])
+    plan = plan_config(cfg, LocalEnv())
+    resolved = apply_plan(cfg, plan)
+    assert plan.shard is bool(shard) and resolved.parallel.shard is bool(shard)
+    assert EngineSpec.from_config(resolved).shard is bool(shard)
+
+    data = write_jsonl(tmp_path / "data.jsonl", [{"prompt": "What is 1 + 1?", "answer": "2"}])
+    args = ["grpo", "--model", "Qwen2.5-0.5B", "--data", str(data), "--device", "cuda", "--gpus", "1"]
+    code, text = rlctl_in_process(
+        monkeypatch, capsys, *args, "--gpu", "H100", *(["--shard"] if shard else []), "--dry-run"
+    )
+    assert code == 0, text
+    (line,) = [ln for ln in text.splitlines() if "engine wrapper" in ln]
+    assert wrapper in line
