@@ -51,10 +51,10 @@ def worth_splitting(blocks: Sequence[Block], rows: int) -> bool:
     return len(blocks) > rows
 
 
-#: Rows up to this many tokens run ONE sdpa call with the dense boolean mask of their blocks rather than a
-#: call per block: there the per-block calls (and their slices' backward, each a full-size zero tensor)
-#: cost more than the scores the mask throws away (measured on CPU, GRPO's overhead regime, docs/bench.md).
-#: CPU only: on a GPU a boolean mask rules out the flash kernels, and nothing was measured there.
+#: Rows up to this many tokens run ONE sdpa call with the dense boolean mask of their blocks rather than
+#: the blocks' own calls: there the calls cost more than the scores the mask throws away (measured on CPU,
+#: GRPO's overhead regime, docs/bench.md, when each block was a call of its own; not remeasured since the
+#: blocks are batched). CPU only: on a GPU a boolean mask rules out the flash kernels.
 DENSE_MAX_LEN = 256
 
 
@@ -71,8 +71,8 @@ def dense_mask(blocks: Sequence[Block], rows: int, length: int, device: torch.de
 
 def attention_kwargs(blocks: Sequence[Block], input_ids: torch.Tensor, *, split: bool = True) -> dict:
     """What a forward over shared-prefix rows ``input_ids`` [B, T] laid out as ``blocks`` passes the model: the blocks
-    (one sdpa call each, a placeholder mask) or, for rows of at most :data:`DENSE_MAX_LEN` tokens on a CPU,
-    their dense mask (one call). ``split=False`` (an attention without per-block calls, e.g. eager): always
+    (attended per block by :func:`attention`, a placeholder mask) or, for rows of at most :data:`DENSE_MAX_LEN`
+    tokens on a CPU, their dense mask (one call). ``split=False`` (an attention without per-block calls, e.g. eager): always
     the dense mask, so a response never sees its siblings."""
     rows, length = input_ids.shape
     if not split or (length <= DENSE_MAX_LEN and input_ids.device.type == "cpu"):  # measured on CPU only
@@ -87,7 +87,7 @@ class Layout:
 
     def __init__(self, blocks: Sequence[Block], length: int, device: torch.device):
         q, k, q_len, k_len = [], [], [], []
-        for row, start, end, p0, p1 in blocks:
+        for row, start, end, p0, p1 in (b for b in blocks if b[2] > b[1]):  # (an empty block attends nothing)
             base = row * length
             q.append(range(base + start, base + end))
             k.append([*range(base + p0, base + p1), *range(base + start, base + end)])
@@ -154,7 +154,7 @@ _LAYOUTS: dict[tuple, Layout] = {}  # the last forward's layout: its layers shar
 
 
 def layout_of(blocks: Sequence[Block], length: int, device: torch.device) -> Layout:
-    key = (tuple(blocks), length, str(device))
+    key = (tuple(map(tuple, blocks)), length, str(device))
     if key not in _LAYOUTS:
         _LAYOUTS.clear()
         _LAYOUTS[key] = Layout(blocks, length, device)
