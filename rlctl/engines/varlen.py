@@ -72,8 +72,8 @@ def dense_mask(blocks: Sequence[Block], rows: int, length: int, device: torch.de
 def attention_kwargs(blocks: Sequence[Block], input_ids: torch.Tensor, *, split: bool = True) -> dict:
     """What a forward over shared-prefix rows ``input_ids`` [B, T] laid out as ``blocks`` passes the model: the blocks
     (attended per block by :func:`attention`, a placeholder mask) or, for rows of at most :data:`DENSE_MAX_LEN`
-    tokens on a CPU, their dense mask (one call). ``split=False`` (an attention without per-block calls, e.g. eager): always
-    the dense mask, so a response never sees its siblings."""
+    tokens on a CPU, their dense mask (one call). ``split=False`` (an attention without per-block calls, e.g.
+    eager): always the dense mask, so a response never sees its siblings."""
     rows, length = input_ids.shape
     if not split or (length <= DENSE_MAX_LEN and input_ids.device.type == "cpu"):  # measured on CPU only
         return {"attention_mask": dense_mask(blocks, rows, length, input_ids.device)}
