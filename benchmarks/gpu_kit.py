@@ -58,17 +58,19 @@ def requirements(dist: str, extras: tuple[str, ...] = ()) -> list[Requirement]:
 def missing_distributions(image: set[str], extras: tuple[str, ...]) -> dict[str, str]:
     """Every distribution rlctl needs (transitively) that the image lacks: name -> version installed here."""
     need: dict[str, str] = {}
-    todo = [(r, ()) for r in requirements("rlctl", extras)]
+    todo = requirements("rlctl", extras)
     while todo:
-        req, _ = todo.pop()
+        req = todo.pop()
         name = norm(req.name)
         if name in image or name in need:
             continue
         try:
             need[name] = metadata.version(req.name)
         except metadata.PackageNotFoundError:
-            raise SystemExit(f"gpu_kit: {req.name} (needed by rlctl) is not installed here; run `make install` first")
-        todo.extend((r, ()) for r in requirements(req.name, tuple(req.extras)))
+            raise SystemExit(
+                f"gpu_kit: {req.name} (needed by rlctl) is not installed here; run `make install` first"
+            ) from None
+        todo.extend(requirements(req.name, tuple(req.extras)))
     return need
 
 

@@ -288,7 +288,11 @@ def run(out: Path, size: Size, nproc: int, seed: int, device: str = "cpu") -> di
         sft_data = data / ("sft_tool.jsonl" if tools else "sft_plain.jsonl")
         rlctl("sft", sft_args(base, sft_data, sft_dir, size, nproc, seed, device), console.print)
         after_sft, _ = accuracy(sft_dir / "hf", heldout, tools)
-        rlctl("grpo", grpo_args(sft_dir / "hf", data / "rl.jsonl", grpo_dir, size, nproc, seed, tools, device), console.print)
+        rlctl(
+            "grpo",
+            grpo_args(sft_dir / "hf", data / "rl.jsonl", grpo_dir, size, nproc, seed, tools, device),
+            console.print,
+        )
         after_grpo, calls = accuracy(grpo_dir / "hf", heldout, tools)
         results[arm] = {"after_sft": after_sft, "after_grpo": after_grpo, "calls": calls}
     table = Table(title=f"held-out accuracy ({len(heldout)} two-digit products, greedy)")

@@ -322,6 +322,7 @@ def validate(cfg: RunConfig) -> None:
     check_registered_names(cfg)
     positive = "train.batch_size train.max_len train.epochs rollout.n hardware.nodes rollout.max_prompt_len"
     positive += " rollout.max_response_len algo.ppo_epochs rollout.val_n checkpoint.keep_last"
+    positive += " hardware.collective_timeout_min"
     for key in positive.split():
         if get_key(cfg, key) < 1:
             raise UserError(f"{key} must be at least 1, got {get_key(cfg, key)}")
@@ -331,7 +332,12 @@ def validate(cfg: RunConfig) -> None:
     for key in non_negative.split():
         if get_key(cfg, key) < 0:
             raise UserError(f"{key} must not be negative, got {get_key(cfg, key)}")
-    ranges = {"rollout.mem_fraction": "[0, 1)", "data.val_fraction": "[0, 1)", "train.warmup_ratio": "[0, 1)"}
+    ranges = {
+        "rollout.mem_fraction": "[0, 1)",
+        "rollout.eval_mem_fraction": "[0, 1)",
+        "data.val_fraction": "[0, 1)",
+        "train.warmup_ratio": "[0, 1)",
+    }
     ranges["rollout.top_p"] = "(0, 1]"
     for key, text in ranges.items():
         v = get_key(cfg, key)

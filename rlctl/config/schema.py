@@ -75,6 +75,9 @@ class HardwareConfig:
     master_port: int = 0  # 0 = pick a free port
     rdzv_endpoint: str = ""  # host:port for torchrun's c10d rendezvous (multi-node)
     host_memory_gib: float = 0.0  # host memory per node (0 = the GPU type's typical node); bounds offload
+    # how long a collective may wait for its peers before the run fails (every process group, NCCL's watchdog
+    # included): longer than the slowest step, checkpoint or rollout; NCCL's own default is 10 minutes
+    collective_timeout_min: int = 30
 
 
 @dataclass
@@ -138,6 +141,9 @@ class RolloutConfig:
     engine: RolloutEngine | None = None  # None: the plan decides (hf on CPU; vllm or sglang on GPUs)
     tp: int = 0  # 0 = chosen by the plan
     mem_fraction: float = 0.0  # 0 = chosen by the plan
+    # split runs (procs > 0): the share of a TRAINER GPU its evaluation engine takes, beside the trainer's
+    # states (mem_fraction is the rollout GPUs'); 0 = chosen by the plan
+    eval_mem_fraction: float = 0.0
     n: int = 8  # samples per prompt
     temperature: float = 1.0
     top_p: float = 1.0

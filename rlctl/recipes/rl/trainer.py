@@ -120,7 +120,9 @@ class RLTrainer(Sampling):
         self.rollout_path = self._rollout_path()
         self.rollout = self._make_rollout() if self.feed is None else None
         self.agent_loop = make_agent_loop(cfg, self.agent_spec, self.tokenizer, self.rollout, self.rollout_tp)
-        self.weights_stale = False  # the rollout engine's weights lag the actor's
+        # the actor's updates in this process, and the version the rollout engine holds (None: unknown);
+        # the engine syncs only when they differ or it dropped its weights asleep (Sampling._wake_and_sync)
+        self.weights_version, self.rollout_version = 0, 0
         self.logprobs_checked = cfg.rollout.ignore_logprob_check  # the step-0 check (logprob_check_problem)
 
     # ------------------------------------------------------------------ log-prob passes
@@ -241,7 +243,7 @@ class RLTrainer(Sampling):
             )
         if batch.old_logp is None:  # the log-prob pass was skipped: the update measured the difference
             self.warn_logprob_diff(m)
-        self.weights_stale = True
+        self.weights_version += 1
         return m
 
     def update_critic(self, batch: RolloutBatch) -> Metrics:
@@ -325,7 +327,7 @@ class RLTrainer(Sampling):
         self.kl_ctl.value = float(state.get("kl_coef", self.kl_ctl.value))
         # older checkpoints: one batch a step
         self.cursor = int(state.get("data_position", self.sampler.first(int(state.get("step", 0)))))
-        self.weights_stale = True  # the rollout engine still holds the initial weights
+        self.rollout_version = None  # the rollout engine still holds the initial weights
 
     def summary(self) -> dict:
         return {
