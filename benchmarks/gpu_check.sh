@@ -81,7 +81,7 @@ STEP_TABLE=(
     "bench-rollout-hf|torch|90|cmd|RLCTL bench rollout --model $MODEL --random-init --engine hf --prompts 8 --n 4 --max-tokens 64 --reps 2 --device cuda --json"
     "sft-flash-attn|flash_attn|90|train|sft||parallel.shard=true model.attn=flash_attention_2"
     "sft-megatron|megatron.core|120|train|sft||parallel.backend=megatron"
-    "megatron-gpu-check|megatron.core|120|cmd|PY benchmarks/megatron_gpu_check.py --gpus 1 --out WORKDIR"
+    "megatron-gpu-check|megatron.core|240|cmd|PY benchmarks/megatron_gpu_check.py --gpus 1 --out WORKDIR"
     "grpo-vllm|vllm|150|train|grpo||rollout.engine=vllm"
     "ppo-vllm|vllm|150|train|ppo||rollout.engine=vllm"
     # sleep / wake under memory pressure: the planner gives the engine all the trainer leaves
