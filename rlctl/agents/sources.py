@@ -85,6 +85,8 @@ def _signature(fn: Callable) -> inspect.Signature | None:
 class Functions:
     """Plain tool functions, shared by every trajectory."""
 
+    reward_names: tuple[str, ...] = ()
+
     def __init__(self, functions: dict[str, Callable], schemas: list[dict], where: str):
         self.functions, self.schemas, self.where = functions, schemas, where
         self.names = list(functions)
@@ -104,6 +106,7 @@ class EnvClass:
     def __init__(self, cls: type, names: list[str], schemas: list[dict], where: str):
         self.cls, self.names, self.schemas, self.where = cls, names, schemas, where
         self.has_reward = callable(getattr(cls, "get_reward", None))
+        self.reward_names = ("env",) if self.has_reward else ()
 
     def attach(self, episode: Episode, row: dict) -> None:
         def start():
@@ -135,6 +138,8 @@ class EnvClass:
 
 class VerlTools:
     """verl tool objects (one per YAML entry), an instance id per trajectory."""
+
+    reward_names = ("tool",)
 
     def __init__(self, tools: list[Any], schemas: list[dict], where: str):
         self.tools, self.schemas, self.where = tools, schemas, where
@@ -171,6 +176,7 @@ class Interactions:
 
     schemas: list[dict] = []
     names: list[str] = []
+    reward_names = ("interaction",)
 
     def __init__(self, objects: dict[str, Any], where: str):
         self.objects, self.where = objects, where

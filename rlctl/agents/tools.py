@@ -157,6 +157,11 @@ class AgentSpec:
             source.attach(episode, row)
         return episode
 
+    def reward_names(self) -> set[str]:
+        """The environment rewards its sources produce: ``env`` (get_reward), ``tool`` (verl tools' step
+        rewards and calc_reward), ``interaction`` (verl turn scores)."""
+        return {name for s in self.sources for name in getattr(s, "reward_names", ())}
+
     def describe(self) -> str:
         return "; ".join(s.describe() for s in self.sources)
 
