@@ -165,7 +165,7 @@ class BaseInteraction:
 
 
 def _reward_score(name: str) -> dict[str, Any]:
-    from rlctl.rewards import verl_scores as v
+    import rlctl.rewards.verl_scores as v
 
     if name == "gsm8k":
         return {"compute_score": v.gsm8k_compute_score, "extract_solution": v.gsm8k_extract_solution}
