@@ -66,6 +66,7 @@ class AgentLoop:
 
     def run(self, engine, prompts: list[AgentPrompt], n: int, sampling) -> list[Trajectory]:
         """``n`` trajectories per prompt, prompt-major (as ``engine.generate`` orders samples)."""
+        self.spec.prepare(len(prompts) * n)
         episodes = [self.spec.open(p.row) for p in prompts for _ in range(n)]
         engine.start_session()  # the hf engine keeps each sample's keys and values for its next turn
         try:

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import uuid
@@ -17,23 +18,51 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rlctl.agents.guard import guarded
-from rlctl.agents.loading import call_with_row
 from rlctl.errors import UserError
 
 if TYPE_CHECKING:
     from rlctl.agents.tools import Episode
 
-__all__ = ["EnvClass", "Functions", "Interactions", "Tool", "VerlTools", "extra_info", "tool_text"]
+__all__ = [
+    "EnvClass",
+    "Functions",
+    "Interactions",
+    "Tool",
+    "VerlTools",
+    "error_content",
+    "extra_info",
+    "result_text",
+    "tool_text",
+]
 
 
 @dataclass(frozen=True)
 class Tool:
     """One tool of one trajectory: ``run(arguments)`` (may return an awaitable), ``interpret(value) ->
-    (text, step reward)``, and the signature that checks the arguments (None: the tool checks them)."""
+    (text, step reward)``, and the signature that checks the arguments (None: the tool checks them); or
+    ``hosted(arguments, timeout_s)``, a sync-host call whose value is already text. ``style``: whose text
+    its results and errors take (:func:`result_text`, :func:`error_content`)."""
 
-    run: Callable[[dict], Any]
-    interpret: Callable[[Any], tuple[str, float]]
+    run: Callable[[dict], Any] | None
+    interpret: Callable[[Any], tuple[str, float]] | None
     signature: inspect.Signature | None = None
+    style: str = "rlctl"
+    hosted: Callable[[dict, float], Any] | None = None
+
+
+def result_text(value: Any, style: str) -> str:
+    """A tool's value as the model sees it: TRL's ``str(result)``, else :func:`tool_text` (JSON)."""
+    return str(value) if style == "trl" else tool_text(value)
+
+
+def error_content(style: str, name: str, kind: str, message: str) -> str:
+    """What the model sees of a failed call ``name`` (``kind``: the exception's type): TRL's
+    ``str({"error": message})``, verl's ``Error executing tool 'name': message``, or rlctl's ``Error: Type: message``."""
+    if style == "trl":
+        return str({"error": message})
+    if style == "verl":
+        return f"Error executing tool '{name}': {message}"
+    return f"Error: {kind}: {message}" if kind else f"Error: {message}"
 
 
 def tool_text(value: Any) -> str:
@@ -52,10 +81,6 @@ def tool_text(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False, default=str)
     except (TypeError, ValueError):
         return str(value)
-
-
-def _plain(value: Any) -> tuple[str, float]:
-    return tool_text(value), 0.0
 
 
 def _verl_step(value: Any) -> tuple[str, float]:
@@ -87,13 +112,19 @@ class Functions:
 
     reward_names: tuple[str, ...] = ()
 
-    def __init__(self, functions: dict[str, Callable], schemas: list[dict], where: str):
-        self.functions, self.schemas, self.where = functions, schemas, where
+    def __init__(self, functions: dict[str, Callable], schemas: list[dict], where: str, chosen: str = ""):
+        self.functions, self.schemas, self.where, self.chosen = functions, schemas, where, chosen
         self.names = list(functions)
 
     def attach(self, episode: Episode, row: dict) -> None:
+        host = episode.sync_host()
+        status, value = host.add(("functions", self.where if not self.chosen else f"{self.where}:{self.chosen}"))
+        if status != "ok":
+            raise UserError(f"tools file {self.where} failed to load in its worker process: {value[1]}")
+        style = episode.style_for("trl")
         for name, fn in self.functions.items():
-            episode._tools[name] = Tool(lambda args, fn=fn: fn(**args), _plain, _signature(fn))
+            run = functools.partial(host.call, name, style=style)
+            episode._tools[name] = Tool(None, None, _signature(fn), style, lambda args, t, r=run: r(args, timeout_s=t))
 
     def describe(self) -> str:
         return f"{len(self.names)} tool function(s) from {self.where} ({', '.join(self.names)})"
@@ -103,34 +134,32 @@ class EnvClass:
     """An environment class: ``Class()`` per trajectory, ``reset(**row)``, public methods as tools,
     ``get_reward()`` as the reward component ``env``, ``close()`` when the trajectory ends."""
 
-    def __init__(self, cls: type, names: list[str], schemas: list[dict], where: str):
-        self.cls, self.names, self.schemas, self.where = cls, names, schemas, where
+    def __init__(self, cls: type, names: list[str], schemas: list[dict], where: str, spec: str = ""):
+        self.cls, self.names, self.schemas, self.where, self.spec = cls, names, schemas, where, spec
         self.has_reward = callable(getattr(cls, "get_reward", None))
         self.reward_names = ("env",) if self.has_reward else ()
 
     def attach(self, episode: Episode, row: dict) -> None:
-        def start():
-            env = self.cls()
-            reset = getattr(env, "reset", None)
-            return env, (call_with_row(reset, row) if callable(reset) else None)
-
-        status, value = guarded(start, episode.timeout_s)
+        """The environment lives in the trajectory's worker process (rlctl.agents.sync_host): constructed,
+        reset, its methods and get_reward called there, on that process's main thread, as TRL does."""
+        host = episode.sync_host()
+        status, value = host.add(("env", self.spec, row))
         if status != "ok":
-            why = value if status == "error" else f"took longer than {episode.timeout_s:g} s"
+            why = value[1] if status == "error" else f"took longer than {episode.timeout_s:g} s"
             raise UserError(f"environment {self.cls.__name__}() / reset() failed: {why}; fix {self.where}")
-        env, suffix = value
-        if suffix is not None and not isinstance(suffix, str):
+        if value is not None and not isinstance(value, str):
             raise UserError(
-                f"environment {self.cls.__name__}.reset() returned {type(suffix).__name__}; return a str or None"
+                f"environment {self.cls.__name__}.reset() returned {type(value).__name__}; return a str or None"
             )
-        episode.prompt_suffix = suffix or None
+        episode.prompt_suffix = value or None
+        style = episode.style_for("trl")
         for name in self.names:
-            method = getattr(env, name)
-            episode._tools[name] = Tool(lambda args, m=method: m(**args), _plain, _signature(method))
+            sig = _signature(getattr(self.cls, name))
+            sig = sig.replace(parameters=list(sig.parameters.values())[1:]) if sig is not None else None
+            run = functools.partial(host.call, name, style=style)
+            episode._tools[name] = Tool(None, None, sig, style, lambda args, t, r=run: r(args, timeout_s=t))
         if self.has_reward:
-            episode._rewards.append(("env", env.get_reward))
-        if callable(getattr(env, "close", None)):
-            episode._closers.append(env.close)
+            episode._rewards.append(("env", host.reward))
 
     def describe(self) -> str:
         return f"environment {self.cls.__name__} from {self.where} ({', '.join(self.names) or 'no tools'})"
@@ -160,7 +189,9 @@ class VerlTools:
             instance = value if isinstance(value, str) and value else instance
             execute_kw = dict(kw.get("execute_kwargs") or {})
             episode._tools[name] = Tool(
-                lambda args, t=tool, i=instance, e=execute_kw: t.execute(i, args, **e), _verl_step
+                lambda args, t=tool, i=instance, e=execute_kw: t.execute(i, args, **e),
+                _verl_step,
+                style=episode.style_for("verl"),
             )
             reward_kw = dict(kw.get("calc_reward_kwargs") or {})
             episode._rewards.append((name, lambda t=tool, i=instance, r=reward_kw: t.calc_reward(i, **r)))
