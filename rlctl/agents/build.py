@@ -52,7 +52,7 @@ def _schema_dict(tool: Any, given: dict | None, where: str) -> dict:
     return schema
 
 
-def verl_tools(path: str) -> VerlTools:
+def verl_tools(path: str, lifecycle: str = "call") -> VerlTools:
     """verl's tool config: ``tools: [{class_name, config: {type: native, ...}, tool_schema}]``."""
     install_shim()
     schema_type = importlib.import_module("verl.tools.schemas").OpenAIFunctionToolSchema
@@ -72,7 +72,7 @@ def verl_tools(path: str) -> VerlTools:
             ) from exc
         tools.append(tool)
         schemas.append(_schema_dict(tool, given, path))
-    return VerlTools(tools, schemas, path)
+    return VerlTools(tools, schemas, path, lifecycle)
 
 
 def interactions(spec: str) -> Interactions:

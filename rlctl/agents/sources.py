@@ -57,7 +57,8 @@ def result_text(value: Any, style: str) -> str:
 
 def error_content(style: str, name: str, kind: str, message: str) -> str:
     """What the model sees of a failed call ``name`` (``kind``: the exception's type): TRL's
-    ``str({"error": message})``, verl's ``Error executing tool 'name': message``, or rlctl's ``Error: Type: message``."""
+    ``str({"error": message})``, verl's ``Error executing tool 'name': message``, or rlctl's
+    ``Error: Type: message``."""
     if style == "trl":
         return str({"error": message})
     if style == "verl":
@@ -166,40 +167,103 @@ class EnvClass:
 
 
 class VerlTools:
-    """verl tool objects (one per YAML entry), an instance id per trajectory."""
+    """verl tool objects (one per YAML entry). ``lifecycle`` ``call`` (verl's tool agent loop): each call is
+    ``create(create_kwargs=...)``, ``execute(instance_id, parameters, agent_data=...)``, ``release``, and
+    ``calc_reward`` is never called; ``trajectory`` (verl's older SGLang rollout): one instance per trajectory,
+    ``create(instance_id, **create_kwargs)``, ``execute(..., **execute_kwargs)``, ``calc_reward`` (a reward
+    component named by the tool) and ``release`` when it ends. Kwargs from the row's ``extra_info.tools_kwargs``."""
 
     reward_names = ("tool",)
 
-    def __init__(self, tools: list[Any], schemas: list[dict], where: str):
-        self.tools, self.schemas, self.where = tools, schemas, where
+    def __init__(self, tools: list[Any], schemas: list[dict], where: str, lifecycle: str = "call"):
+        self.tools, self.schemas, self.where, self.lifecycle = tools, schemas, where, lifecycle
         self.names = [s["function"]["name"] for s in schemas]
 
     def attach(self, episode: Episode, row: dict) -> None:
         kwargs_by_tool = extra_info(row).get("tools_kwargs") or {}
+        agent_data = AgentData(episode, f"rlctl-{uuid.uuid4().hex}", kwargs_by_tool, row)
         for name, tool in zip(self.names, self.tools):
             kw = kwargs_by_tool.get(name) or {}
-            create_kw = dict(kw.get("create_kwargs") or {})
-            instance = f"rlctl-{uuid.uuid4().hex}"
-            status, value = guarded(lambda t=tool, i=instance, c=create_kw: t.create(i, **c), episode.timeout_s)
-            if status != "ok":
-                why = value if status == "error" else f"took longer than {episode.timeout_s:g} s"
-                raise UserError(f"verl tool {name}: create() failed: {why}; fix its class in {self.where}")
-            if isinstance(value, tuple) and value:  # verl 0.5+: (instance_id, ToolResponse); older: the id
-                value = value[0]
-            instance = value if isinstance(value, str) and value else instance
-            execute_kw = dict(kw.get("execute_kwargs") or {})
-            episode._tools[name] = Tool(
-                lambda args, t=tool, i=instance, e=execute_kw: t.execute(i, args, **e),
-                _verl_step,
-                style=episode.style_for("verl"),
-            )
-            reward_kw = dict(kw.get("calc_reward_kwargs") or {})
-            episode._rewards.append((name, lambda t=tool, i=instance, r=reward_kw: t.calc_reward(i, **r)))
-            release_kw = dict(kw.get("release_kwargs") or {})
-            episode._closers.append(lambda t=tool, i=instance, r=release_kw: t.release(i, **r))
+            style = episode.style_for("verl")
+            if self.lifecycle == "call":
+                run = functools.partial(_verl_call, tool, dict(kw.get("create_kwargs") or {}), agent_data)
+                episode._tools[name] = Tool(run, _verl_step, style=style)
+            else:
+                self._attach_instance(episode, name, tool, kw, style)
+
+    def _attach_instance(self, episode: Episode, name: str, tool: Any, kw: dict, style: str) -> None:
+        create_kw = dict(kw.get("create_kwargs") or {})
+        instance = f"rlctl-{uuid.uuid4().hex}"
+        status, value = guarded(lambda t=tool, i=instance, c=create_kw: t.create(i, **c), episode.timeout_s)
+        if status != "ok":
+            why = value if status == "error" else f"took longer than {episode.timeout_s:g} s"
+            raise UserError(f"verl tool {name}: create() failed: {why}; fix its class in {self.where}")
+        instance = _instance_id(value) or instance
+        execute_kw = dict(kw.get("execute_kwargs") or {})
+        episode._tools[name] = Tool(
+            lambda args, t=tool, i=instance, e=execute_kw: t.execute(i, args, **e), _verl_step, style=style
+        )
+        reward_kw = dict(kw.get("calc_reward_kwargs") or {})
+        episode._rewards.append((name, lambda t=tool, i=instance, r=reward_kw: t.calc_reward(i, **r)))
+        release_kw = dict(kw.get("release_kwargs") or {})
+        episode._closers.append(lambda t=tool, i=instance, r=release_kw: t.release(i, **r))
 
     def describe(self) -> str:
         return f"{len(self.names)} verl tool(s) from {self.where} ({', '.join(self.names)})"
+
+
+def _instance_id(value: Any) -> str | None:
+    """What ``create`` returned: verl 0.5+ ``(instance_id, ToolResponse)``, older verl the id."""
+    if isinstance(value, tuple) and value:
+        value = value[0]
+    return value if isinstance(value, str) and value else None
+
+
+async def _maybe(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+async def _verl_call(tool: Any, create_kwargs: dict, agent_data: Any, arguments: dict) -> Any:
+    """One call as verl's tool agent loop makes it: a fresh instance, execute with ``agent_data``, release."""
+    instance = _instance_id(await _maybe(tool.create(create_kwargs=create_kwargs)))
+    try:
+        params = inspect.signature(tool.execute).parameters.values()
+        takes = any(p.kind is p.VAR_KEYWORD or p.name == "agent_data" for p in params)
+        return await _maybe(tool.execute(instance, arguments, **({"agent_data": agent_data} if takes else {})))
+    finally:
+        if instance:
+            await _maybe(tool.release(instance))
+
+
+class AgentData:
+    """What verl's tool agent loop hands ``execute`` as ``agent_data``: the trajectory's conversation so far
+    (``messages``), ``request_id``, ``tools_kwargs``, ``interaction_kwargs``, its turn counts and scores, and
+    ``extra_fields`` for a tool's own session data (images and videos: none, rlctl's agent runs are text)."""
+
+    def __init__(self, episode: Episode, request_id: str, tools_kwargs: dict, row: dict):
+        self._episode, self.request_id, self.tools_kwargs = episode, request_id, tools_kwargs
+        self.interaction_kwargs = dict(extra_info(row).get("interaction_kwargs") or {})
+        self.image_data, self.video_data = None, None
+        self.metrics: dict = {}
+        self.extra_fields: dict = {}
+        self.tool_rewards: list[float] = []
+        self.interaction = None
+
+    @property
+    def messages(self) -> list[dict]:
+        return self._episode.messages
+
+    @property
+    def turn_scores(self) -> list[float]:
+        return self._episode.turn_scores
+
+    @property
+    def assistant_turns(self) -> int:
+        return sum(m.get("role") == "assistant" for m in self._episode.messages)
+
+    @property
+    def user_turns(self) -> int:
+        return sum(m.get("role") in ("user", "tool") for m in self._episode.messages) - 1
 
 
 class Interactions:

@@ -58,6 +58,7 @@ class Episode:
         self.prompt_suffix: str | None = None
         self.timeout_s = float(timeout_s)
         self.turn_scores: list[float] = []  # verl interaction: each user turn's score
+        self.messages: list[dict] = []  # the conversation so far (the loop's; verl's agent_data.messages)
         self.errors: list[str] = []
         self._tools: dict[str, Tool] = {}
         self._rewards: list[tuple[str, Any]] = []
@@ -172,6 +173,7 @@ class AgentSpec:
     """What ``--tools`` / ``--env`` / ``--interaction`` name, loaded once; :meth:`open` per trajectory."""
 
     def __init__(self, sources: list[Any], timeout_s: float = 30.0, results: str | None = None):
+        """``results``: agent.tool_results (None: each source's peer's)."""
         self.sources, self.results = sources, results
         self.schemas: list[dict] = [s for src in sources for s in src.schemas]
         self.timeout_s = float(timeout_s)
@@ -207,18 +209,26 @@ class AgentSpec:
 
 
 def load_agent_spec(
-    tools: str = "", env: str = "", interaction: str = "", *, timeout_s: float = 30.0, results: str | None = None
+    tools: str = "",
+    env: str = "",
+    interaction: str = "",
+    *,
+    timeout_s: float = 30.0,
+    results: str | None = None,
+    verl_lifecycle: str = "call",
 ) -> AgentSpec | None:
     """Load the tools (``FILE.py``, ``FILE.py:a,b`` or verl's tool YAML; several joined by ``;``), the
     environment class (``FILE.py:Class``) and the interaction (verl's YAML or ``FILE.py:Class``).
     None when all three are empty. Torch-free; bad input is a one-line :class:`UserError`. ``results``
-    (agent.tool_results): whose text tool results and errors take; None: each source its peer's."""
+    (agent.tool_results): whose text tool results and errors take; None: each source its peer's.
+    ``verl_lifecycle`` (agent.verl_tool_lifecycle): a verl tool's instance per call (verl's agent loop) or
+    per trajectory (:class:`rlctl.agents.sources.VerlTools`)."""
     from rlctl.agents import build
 
     sources: list[Any] = []
     for spec in (s.strip() for s in (tools or "").split(";") if s.strip()):
         if Path(spec).suffix.lower() in (".yaml", ".yml"):
-            sources.append(build.verl_tools(spec))
+            sources.append(build.verl_tools(spec, verl_lifecycle))
         else:
             sources.append(build.functions(spec))
     if env and env.strip():

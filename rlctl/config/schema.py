@@ -30,6 +30,7 @@ from rlctl.names import (
     RolloutEngine,
     ToolResults,
     Truncation,
+    VerlToolLifecycle,
 )
 
 
@@ -218,6 +219,9 @@ class AgentConfig:
     # executing tool ..."), rlctl (JSON, "Error: Type: ..."); None: Python tools and environments TRL's, verl
     # tools verl's
     tool_results: ToolResults | None = None
+    # a verl tool's instance: per call (verl's tool agent loop: create, execute(agent_data=...), release; no
+    # calc_reward) or per trajectory (verl's older SGLang rollout: calc_reward at the end, a reward component)
+    verl_tool_lifecycle: VerlToolLifecycle = "call"
 
 
 @dataclass

@@ -209,7 +209,9 @@ def read_prompts(
 
     def render(row: dict) -> dict:
         try:
-            p = row_prompt(row, tokenizer, cfg, tools, vision=vision, base_dir=base_dir, answer_required=answer_required)
+            p = row_prompt(
+                row, tokenizer, cfg, tools, vision=vision, base_dir=base_dir, answer_required=answer_required
+            )
             out = {"token_ids": p.token_ids, "bad": ""}
         except BadRow as e:
             p, out = None, {"token_ids": [], "bad": str(e)}

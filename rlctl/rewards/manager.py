@@ -231,6 +231,14 @@ class _EnvReward(_Component):
         return [(True, t.rewards.get(self.name, 0.0)) for t in batch.trajectories]
 
 
+def _num_turns(messages: list[dict]) -> int:
+    """verl's ``__num_turns__``: the prompt, each assistant turn and each round of tool / user replies."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+    after = [m.get("role") for m in messages[first:]]
+    rounds = sum(r != "assistant" and (i == 0 or after[i - 1] == "assistant") for i, r in enumerate(after))
+    return 1 + after.count("assistant") + rounds
+
+
 def _completion(prompt: Any, response: str, trajectory: Any) -> Any:
     """A sample's completion as TRL gives it: the messages after the prompt for a chat prompt (a multi-turn
     trajectory's assistant and tool turns), the text for a plain one."""
@@ -354,9 +362,16 @@ class RewardManager:
         ``extra_info`` also holds ``messages``, ``tool_calls`` and ``turns``."""
         tok = self.tokenizer
         extra = [m.extra_info for m in meta]
-        if trajectories:
+        if trajectories:  # num_turns and rollout_reward_scores: what verl's naive reward manager adds
             extra = [
-                {**(e or {}), "messages": t.messages, "tool_calls": t.tool_call_list(), "turns": t.turns}
+                {
+                    **(e or {}),
+                    "messages": t.messages,
+                    "tool_calls": t.tool_call_list(),
+                    "turns": t.turns,
+                    "num_turns": _num_turns(t.messages),
+                    "rollout_reward_scores": dict(t.rewards),
+                }
                 for e, t in zip(extra, trajectories)
             ]
         return RewardBatch(

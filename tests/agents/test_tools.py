@@ -173,7 +173,7 @@ def test_trl_environment_class_runs_unchanged():
 
 
 def test_verl_tool_config_and_class_run_unchanged():
-    spec = load_agent_spec(tools=str(FILES / "verl_tools.yaml"))
+    spec = load_agent_spec(tools=str(FILES / "verl_tools.yaml"), verl_lifecycle="trajectory")  # per call: tests/compat
     assert spec.schemas == [
         {
             "type": "function",

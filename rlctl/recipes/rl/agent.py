@@ -16,7 +16,12 @@ def load_agent(cfg: RunConfig):
 
     a = cfg.agent
     return load_agent_spec(
-        tools=a.tools, env=a.env, interaction=a.interaction, timeout_s=a.tool_timeout_s, results=a.tool_results
+        tools=a.tools,
+        env=a.env,
+        interaction=a.interaction,
+        timeout_s=a.tool_timeout_s,
+        results=a.tool_results,
+        verl_lifecycle=a.verl_tool_lifecycle,
     )
 
 
