@@ -99,6 +99,14 @@ def check_placement(plan: Plan) -> None:
 
 
 def check_data_given(cfg: RunConfig) -> None:
+    if not cfg.data.path and cfg.method in ("grpo", "ppo") and cfg.agent.env:
+        if not cfg.train.max_steps:  # TRL's rule too: the environment owns the data, the steps bound the run
+            raise UserError(
+                "no --data: the environment samples its own tasks (its reset() returns each prompt); set the run's "
+                "length with --max-steps N"
+            )
+        check_reward_source(cfg, [])
+        return
     if not cfg.data.path:
         raise UserError(
             f"no data given: pass --data FILE (JSONL, Parquet or a datasets directory) to `rlctl {cfg.method}`"
@@ -188,7 +196,7 @@ def check_reward_source(cfg: RunConfig, rows: list[dict]) -> None:
     specs = rule_specs(cfg.reward)
     given = {s.spec: s.weight for s in specs if s.spec in ENV_REWARDS}
     sources = {str(r.get("data_source") or "") for r in rows}
-    auto = any(s.spec == "auto" for s in specs) and all(default_for_data_source(x) for x in sources)
+    auto = any(s.spec == "auto" for s in specs) and sources and all(default_for_data_source(x) for x in sources)
     if auto or cfg.reward.model or any(s.spec != "auto" and s.spec not in ENV_REWARDS for s in specs):
         return
     spec = load_agent_spec(tools=a.tools, env=a.env, interaction=a.interaction, timeout_s=a.tool_timeout_s)

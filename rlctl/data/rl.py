@@ -246,6 +246,15 @@ def read_prompts(
     return prompts, report
 
 
+def _environment_tasks(cfg: RunConfig, tokenizer, tools: list[dict] | None) -> RLData:
+    """No dataset, an environment that samples its own tasks (TRL's convention): ``train.batch_size`` rows of
+    one empty user message, cycled over the steps; each trajectory's ``reset()`` returns its task, appended
+    to that message."""
+    rows = [{"prompt": [{"role": "user", "content": ""}]} for _ in range(cfg.train.batch_size)]
+    prompts = [row_prompt(r, tokenizer, cfg, tools, answer_required=False) for r in rows]
+    return RLData(prompts, [], DataReport(total=len(rows)), 0)
+
+
 def build_rl_data(
     cfg: RunConfig,
     tokenizer,
@@ -259,12 +268,15 @@ def build_rl_data(
     """The training prompts (and validation prompts from ``data.val_path`` or ``data.val_fraction``).
 
     Deterministic, so every rank computes the same list. Prompts too long are skipped (not counted
-    against ``data.max_bad_fraction``); other bad rows are. UserError when nothing is left.
+    against ``data.max_bad_fraction``); other bad rows are. UserError when nothing is left. Without a
+    ``data.path``, an environment (``agent.env``) samples its own tasks (:func:`_environment_tasks`).
     """
     if cfg.data.format not in (None, "rl"):
         raise UserError(
             f"data.format={cfg.data.format} is for sft; grpo/ppo read RL prompt rows (data.format=rl or unset)"
         )
+    if not cfg.data.path and cfg.agent.env:
+        return _environment_tasks(cfg, tokenizer, tools)
     if not cfg.data.path:
         raise UserError("no data given: pass --data FILE (JSONL, Parquet or a datasets directory of prompts)")
     kw = dict(cache_dir=cache_dir, log=log, tools=tools, vision=vision, answer_required=answer_required)

@@ -124,6 +124,50 @@ def test_a_trl_environment_runs_on_trl_rows_without_an_answer(agent_model_dir, t
         assert s["reward"] == s["rewards"]["env"]
 
 
+SELF_SERVE_ENV = '''class SelfServeEnv:
+    """An environment that samples its own task: no dataset, reset() returns the prompt (TRL's convention)."""
+
+    def reset(self, **kwargs) -> str:
+        self.last = None
+        return "What is 3 + 4?"
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        self.last = a + b
+        return self.last
+
+    def get_reward(self) -> float:
+        return 1.0 if self.last == 7 else 0.0
+'''
+
+
+def test_an_environment_samples_its_own_tasks_without_a_dataset(agent_model_dir, tmp_path):
+    """TRL trains an environment_factory without a train_dataset (max_steps set): reset() gives each prompt."""
+    env = write(tmp_path / "self_serve.py", SELF_SERVE_ENV)
+    run = tmp_path / "run"
+    args = [
+        "--model", str(agent_model_dir), "--output-dir", str(run), "--device", "cpu", "--nproc", "1",
+        "--batch-size", "2", "--n", "4", "--max-prompt-len", "200", "--max-response-len", "96", "--lr", "1e-4",
+        "--rollout", "hf", "--max-turns", "3", "--samples-every", "1", "--set", "log.samples=8",
+        "--set", "checkpoint.export_hf=false", "--env", f"{env}:SelfServeEnv",
+    ]  # fmt: skip
+    res = run_cli("grpo", *args)
+    assert res.returncode != 0 and "--max-steps" in error_line(res), res.stderr[-2000:]
+    res = run_cli("grpo", *args, "--max-steps", "1")
+    assert res.returncode == 0, failure(res, run)
+    r = train_records(run)[0]
+    assert r["tool/calls"] > 0 and r["reward/mean"] > 0
+    for s in samples(run):
+        assert s["messages"][0] == {"role": "user", "content": "What is 3 + 4?"}
+        results = [m["content"] for m in s["messages"] if m["role"] == "tool"]
+        assert s["reward"] == (1.0 if results and results[-1] == "7" else 0.0)
+
+
 SQL_TOOL = '''import signal
 
 
