@@ -148,7 +148,8 @@ class EpisodeHost:
         self.stateful = self.stateful or request[0] == "env"
         return self._ask(request)
 
-    def _ask(self, request: tuple) -> Guarded:
+    def _ask(self, request: tuple, timeout_s: float | None = None) -> Guarded:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if self.lost:
             return "error", ("RuntimeError", LOST)
         if self.host is None or not self.host.alive:
@@ -161,17 +162,13 @@ class EpisodeHost:
                     status, value = self.host.ask(earlier, self.timeout_s)
                     if status != "ok":
                         return status, value
-        status, value = self.host.ask(request, self.timeout_s)
+        status, value = self.host.ask(request, timeout_s)
         if status == "timeout" and self.stateful:
             self.lost = True
         return status, value
 
     def call(self, name: str, arguments: dict, style: str, timeout_s: float) -> Guarded:
-        saved, self.timeout_s = self.timeout_s, timeout_s
-        try:
-            return self._ask(("call", name, arguments, style))
-        finally:
-            self.timeout_s = saved
+        return self._ask(("call", name, arguments, style), timeout_s)
 
     def reward(self) -> Guarded:
         return self._ask(("reward",))

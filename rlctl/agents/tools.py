@@ -52,9 +52,9 @@ class Episode:
     """One trajectory's tools and state. Every method runs the user's code with the episode's timeout and
     never raises; failures outside tool calls (a reward, a user turn, close) are listed in ``errors``."""
 
-    def __init__(self, schemas: list[dict], timeout_s: float, style: str | None = None):
+    def __init__(self, schemas: list[dict], timeout_s: float, results: str | None = None):
         self.schemas = schemas
-        self.style = style  # agent.tool_results: None = each source its peer's (TRL's, verl's)
+        self.results = results  # agent.tool_results: None = each source its peer's (TRL's, verl's)
         self.prompt_suffix: str | None = None
         self.timeout_s = float(timeout_s)
         self.turn_scores: list[float] = []  # verl interaction: each user turn's score
@@ -76,11 +76,7 @@ class Episode:
 
     def style_for(self, peer: str) -> str:
         """Whose text a source's results and errors take: agent.tool_results, else the source's peer's."""
-        return self.style or peer
-
-    def _error(self, tool: Tool | None, name: str, kind: str, message: str) -> str:
-        style = tool.style if tool is not None else self.style_for("verl" if not self._host else "trl")
-        return error_content(style, name, kind, message)
+        return self.results or peer
 
     @property
     def tool_names(self) -> list[str]:
@@ -90,13 +86,15 @@ class Episode:
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         tool, name = self._tools.get(call.name), call.name
         if tool is None:
-            names = ", ".join(self._tools) or "none"
-            hint = did_you_mean(call.name, self._tools)
-            peer = self.style_for("trl" if self._host else "verl") == "trl"
-            message = f"Tool {name} not found." if peer else f"unknown tool {name!r}{hint}; the tools are: {names}"
-            return ToolOutcome(self._error(None, name, "", message), "unknown_tool")
+            style = self.style_for("trl" if self._host else "verl")  # Python tools: TRL's words
+            names, hint = ", ".join(self._tools) or "none", did_you_mean(name, self._tools)
+            message = (
+                f"Tool {name} not found." if style == "trl" else f"unknown tool {name!r}{hint}; the tools are: {names}"
+            )
+            return ToolOutcome(error_content(style, name, "", message), "unknown_tool")
         if not isinstance(call.arguments, dict):
-            return ToolOutcome(self._error(tool, name, "", f"the arguments of {name} must be a JSON object"), "error")
+            message = f"the arguments of {name} must be a JSON object"
+            return ToolOutcome(error_content(tool.style, name, "", message), "error")
         if tool.signature is not None and tool.style == "rlctl":  # TRL and verl let the call raise
             try:
                 tool.signature.bind(**call.arguments)
@@ -116,13 +114,13 @@ class Episode:
             return ToolOutcome(text, "ok", reward)
         if status == "timeout":
             message = f"{name} took longer than {timeout:g} s and was stopped"
-            return ToolOutcome(self._error(tool, name, "", message), "timeout")
+            return ToolOutcome(error_content(tool.style, name, "", message), "timeout")
         if status == "busy":
             return ToolOutcome(f"Error: {name} was not run: an earlier call is still running", "error")
         kind, message = value if isinstance(value, tuple) else ("", value)  # guard's text is "Type: message"
         if not kind and tool.style != "rlctl":
             kind, _, message = message.partition(": ")
-        return ToolOutcome(self._error(tool, name, kind, message), "error")
+        return ToolOutcome(error_content(tool.style, name, kind, message), "error")
 
     def user_turn(self, messages: list[dict]) -> tuple[bool, str | None]:
         """verl Interaction: ``(done, reply)`` after an assistant turn; ``(False, None)`` without one.
