@@ -160,7 +160,8 @@ VERL_YAML = """tools:
 def test_a_verl_tool_run_scores_compute_score_alone(agent_model_dir, tmp_path):
     """A verl tool YAML and class (importing verl's modules) run unchanged, execute gets agent_data=, and the
     score is compute_score alone, as in verl's tool agent loop: the tool's step reward (-0.05 per call) is
-    reported (samples.jsonl, with the rule reward), not added."""
+    reported (samples.jsonl, with every rule reward, the automatic one of the rows' data_source included),
+    not added."""
     write(tmp_path / "add_tool.py", VERL_TOOL)
     tools = write(tmp_path / "tool_config.yaml", VERL_YAML)
     reward = write(
@@ -168,19 +169,22 @@ def test_a_verl_tool_run_scores_compute_score_alone(agent_model_dir, tmp_path):
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return 1.0 if ground_truth == '7' else 0.0\n",
     )
-    rows = verl_rows(2)
+    rows = verl_rows(2, "openai/gsm8k")
     for r in rows:
         r["extra_info"]["tools_kwargs"] = {"add": {"create_kwargs": {"ground_truth": "7"}}}
-    res, records, run = agent_run(agent_model_dir, tmp_path, rows, "--tools", str(tools), "--reward", str(reward))
+    extra = ("--tools", str(tools), "--reward", str(reward), "--reward", "auto")  # auto: the GSM8K rule
+    res, records, run = agent_run(agent_model_dir, tmp_path, rows, *extra)
     r = records[0]
     assert r["tool/calls"] > 0 and r["tool/errors"] == 0, failure(res, run)
-    assert r["reward/mean"] == 1.0  # verl: compute_score; summing the tool rewards would give less
     got = samples(run)
     called = [s for s in got if any(m["role"] == "tool" for m in s["messages"])]
     assert called and all(m["content"] == "7" for s in called for m in s["messages"] if m["role"] == "tool")
     for s in got:
         calls = sum(m["role"] == "tool" for m in s["messages"])
-        assert s["rewards"]["score"] == 1.0 and s["reward"] == 1.0
+        strict = re.findall(r"#### (-?[0-9.,]+)", s["response"][-300:])  # verl's GSM8K rule, computed here
+        gsm8k = 1.0 if strict and strict[-1].replace(",", "") == "7" else 0.0
+        assert s["rewards"]["score"] == 1.0 and s["rewards"]["auto"] == gsm8k
+        assert s["reward"] == 1.0 + gsm8k  # the rule rewards alone; summing the tool's would give less
         assert s["rewards"].get("tool", 0.0) == pytest.approx(-0.05 * calls)
 
 
