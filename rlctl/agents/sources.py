@@ -109,7 +109,7 @@ def _signature(fn: Callable) -> inspect.Signature | None:
 
 
 class Functions:
-    """Plain tool functions, shared by every trajectory."""
+    """Plain tool functions (sync or async), loaded in each trajectory's worker process and called there."""
 
     reward_names: tuple[str, ...] = ()
 
@@ -124,8 +124,9 @@ class Functions:
             raise UserError(f"tools file {self.where} failed to load in its worker process: {value[1]}")
         style = episode.style_for("trl")
         for name, fn in self.functions.items():
-            run = functools.partial(host.call, name, style=style)
-            episode._tools[name] = Tool(None, None, _signature(fn), style, lambda args, t, r=run: r(args, timeout_s=t))
+            episode._tools[name] = Tool(
+                None, None, _signature(fn), style, functools.partial(host.call, name, style=style)
+            )
 
     def describe(self) -> str:
         return f"{len(self.names)} tool function(s) from {self.where} ({', '.join(self.names)})"
@@ -156,9 +157,10 @@ class EnvClass:
         style = episode.style_for("trl")
         for name in self.names:
             sig = _signature(getattr(self.cls, name))
-            sig = sig.replace(parameters=list(sig.parameters.values())[1:]) if sig is not None else None
-            run = functools.partial(host.call, name, style=style)
-            episode._tools[name] = Tool(None, None, sig, style, lambda args, t, r=run: r(args, timeout_s=t))
+            bound = not isinstance(inspect.getattr_static(self.cls, name), (staticmethod, classmethod))
+            if sig is not None and bound:  # without self
+                sig = sig.replace(parameters=list(sig.parameters.values())[1:])
+            episode._tools[name] = Tool(None, None, sig, style, functools.partial(host.call, name, style=style))
         if self.has_reward:
             episode._rewards.append(("env", host.reward))
 

@@ -167,7 +167,7 @@ class EpisodeHost:
             self.lost = True
         return status, value
 
-    def call(self, name: str, arguments: dict, style: str, timeout_s: float) -> Guarded:
+    def call(self, name: str, arguments: dict, timeout_s: float, *, style: str) -> Guarded:
         return self._ask(("call", name, arguments, style), timeout_s)
 
     def reward(self) -> Guarded:
