@@ -7,6 +7,8 @@ function prints goes to stderr, so it cannot break the protocol.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import pickle
 import struct
@@ -58,7 +60,14 @@ def call(spec: str, kind: str, args: Any, cache: dict) -> Any:
     fn = cache.get(spec)
     if fn is None:
         fn = cache[spec] = get_reward(spec)
-    return fn(**dict(zip(SAMPLE_KEYWORDS, args))) if kind == "sample" else fn(**args)
+    result = fn(**dict(zip(SAMPLE_KEYWORDS, args))) if kind == "sample" else fn(**args)
+    if inspect.isawaitable(result):  # an async reward (TRL allows them): run to its end here
+        result = asyncio.run(_await(result))
+    return result
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ TRL_REWARDS = '''def accuracy_reward(completions, solution, **kwargs):
     return rewards
 
 
-def only_for_code(prompts, completions, completion_ids, task, **kwargs):
-    """None: not applicable to that sample (TRL adds nothing for it)."""
+async def only_for_code(prompts, completions, completion_ids, task, **kwargs):
+    """Async (TRL awaits it); None: not applicable to that sample (TRL adds nothing for it)."""
     assert len(prompts) == len(completions) == len(completion_ids) == len(task)
     return [None if t == "math" else 5.0 for t in task]
 '''
