@@ -186,7 +186,9 @@ def grpo_args(
         "--temperature", "1.0", "--max-prompt-len", "160", "--max-response-len", str(MAX_RESPONSE if tools else 8),
         "--kl-coef", "0", "--seed", str(seed),
     ]  # fmt: skip
-    return args + (["--tools", str(TOOLS), "--max-turns", str(MAX_TURNS)] if tools else [])
+    # rlctl's error texts (Error: Type: message), as this script's own evaluation loop writes them
+    agent = ["--tools", str(TOOLS), "--max-turns", str(MAX_TURNS), "--set", "agent.tool_results=rlctl"]
+    return args + (agent if tools else [])
 
 
 # ChatML with Hermes/Qwen tool calls, like Qwen2.5's template, but naming the tools instead of printing

@@ -28,7 +28,9 @@ from rlctl.names import (
     PolicyLossName,
     Precision,
     RolloutEngine,
+    ToolResults,
     Truncation,
+    VerlToolLifecycle,
 )
 
 
@@ -219,6 +221,13 @@ class AgentConfig:
     max_turns: int | None = None  # assistant turns per trajectory (None: 8 with tools / env / interaction)
     tool_timeout_s: float = 30.0  # seconds per tool call; a call that runs over returns an error to the model
     tool_max_chars: int = 4096  # a tool's output is cut to this many characters
+    # whose text tool results and errors take: trl (str(result), {'error': ...}), verl (ToolResponse text, "Error
+    # executing tool ..."), rlctl (JSON, "Error: Type: ..."); None: Python tools and environments TRL's, verl
+    # tools verl's
+    tool_results: ToolResults | None = None
+    # a verl tool's instance: per call (verl's tool agent loop: create, execute(agent_data=...), release; no
+    # calc_reward) or per trajectory (verl's older SGLang rollout: calc_reward at the end, a reward component)
+    verl_tool_lifecycle: VerlToolLifecycle = "call"
 
 
 @dataclass

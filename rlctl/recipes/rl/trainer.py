@@ -28,6 +28,7 @@ from rlctl.recipes.rl.sampling import Sampling
 from rlctl.recipes.rl.scoring import RewardScorer
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.recipes.rl.update import single_step, update_actor, update_critic
+from rlctl.rewards import needs_answer
 from rlctl.rollout import RolloutSpec
 from rlctl.runtime.dist import barrier, global_sums
 from rlctl.runtime.entry import RunContext
@@ -82,6 +83,7 @@ class RLTrainer(Sampling):
             log=ctx.log,
             tools=self.agent_spec.schemas if self.agent_spec is not None else None,
             vision=self.vision,
+            answer_required=needs_answer(cfg),
         )
         ctx.log(f"data: {self.data.report.summary()}; {len(self.data.train)} train / {len(self.data.val)} val prompts")
         self.scorer = RewardScorer.for_run(cfg, self.data, self.tokenizer, d.device, ctx.log)
@@ -276,9 +278,12 @@ class RLTrainer(Sampling):
                     "response_len": len(b.responses[i]),
                     "truncated": bool(b.truncated[i]),
                 }
+                if len(b.reward_parts) == len(b):  # every component, unweighted: the automatic one, an environment's
+                    rec["rewards"] = b.reward_parts[i]
                 if b.trajectories:  # the whole conversation, with roles and tool calls
                     t = b.trajectories[i]
-                    rec.update(messages=t.messages, turns=t.turns, finish_reason=t.finish_reason, rewards=t.rewards)
+                    rec.update(messages=t.messages, turns=t.turns, finish_reason=t.finish_reason)
+                    rec.setdefault("rewards", t.rewards)
                 f.write(json.dumps(rec) + "\n")
 
     # ------------------------------------------------------------------ what rlctl.runtime.fit needs
