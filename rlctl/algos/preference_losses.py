@@ -5,7 +5,8 @@ excluded), with the response lengths for the losses that average per token (IPO 
 SimPO, ORPO). With ``h = (pi_c - ref_c) - (pi_r - ref_r)`` (``pi``/``ref``: the policy's and the
 reference's log-probs, ``c``/``r``: chosen and rejected), and ``e`` the label smoothing:
 
-- sigmoid (DPO): ``-(1 - e) log s(beta h) - e log s(-beta h)``
+- sigmoid (DPO): ``-(1 - e) log s(beta h) - e log s(-beta h)`` (cDPO's smoothing; TRL 1.16's sigmoid has none:
+  ``e = 0``, the default, is TRL's loss)
 - robust: ``(-(1 - e) log s(beta h) + e log s(-beta h)) / (1 - 2e)``
 - hinge (SLiC): ``relu(1 - beta h)``
 - ipo: ``(h' - 1 / (2 beta))^2``, h' from per-token MEAN log-probs (TRL's convention)
@@ -89,7 +90,9 @@ def _per_token(b: PrefInputs, *, ref: bool) -> PrefInputs:
 
 
 def ipo_loss(b: PrefInputs, *, beta: float, label_smoothing: float = 0.0, gamma: float = 0.0):
-    h, rc, rr = _ref_rewards(_per_token(b, ref=True), beta)
+    """IPO on per-token mean log-ratios (TRL's normalisation); its rewards, as TRL logs them, from the sums."""
+    h, _, _ = _ref_rewards(_per_token(b, ref=True), beta)
+    _, rc, rr = _ref_rewards(b, beta)
     return (h - 1 / (2 * beta)) ** 2, rc, rr
 
 

@@ -67,12 +67,13 @@ class RMTrainer(UnitTrainer):
     def metrics(self, sums: dict[str, float], step: dict) -> dict:
         n = max(step["units"], 1)
         chosen, rejected = sums["rewards/chosen"] / n, sums["rewards/rejected"] / n
-        return {
+        return {  # TRL RewardTrainer's names, and each side's mean
             "loss": sums["loss"] / n,
             "accuracy": sums["accuracy"] / n,
+            "margin": chosen - rejected,
+            "mean_reward": (chosen + rejected) / 2,
             "rewards/chosen": chosen,
             "rewards/rejected": rejected,
-            "rewards/margins": chosen - rejected,
         }
 
     def before_step(self) -> None:
