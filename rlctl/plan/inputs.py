@@ -22,7 +22,7 @@ from rlctl.config import RunConfig
 from rlctl.errors import UserError, did_you_mean
 from rlctl.estimate.inventory import lora_target_names, lora_targets
 from rlctl.estimate.memory import GIB, MemorySettings
-from rlctl.names import PAIR_METHODS, RL_METHODS
+from rlctl.names import RL_METHODS
 from rlctl.plan import rules
 from rlctl.plan.types import Decision
 
@@ -111,7 +111,7 @@ class Job:
         c = self.cfg
         if self.is_rl:
             return max(1, (c.algo.mini_batch_size or c.train.batch_size) * c.rollout.n // dp)
-        return max(1, c.train.batch_size * (2 if c.method in PAIR_METHODS else 1) // dp)
+        return max(1, c.train.batch_size // dp)  # sft: sequences; dpo / rm: pairs (kto: rows)
 
 
 @dataclass
