@@ -109,3 +109,17 @@ def check_preference(cfg: RunConfig) -> None:
         raise UserError("pref.desirable_weight and pref.undesirable_weight must be > 0 (kto's class weights)")
     if p.center_rewards < 0:
         raise UserError(f"pref.center_rewards={p.center_rewards} must be >= 0 (e.g. 0.01; 0 = off)")
+    pair_budget(cfg)
+
+
+def pair_budget(cfg: RunConfig) -> int:
+    """dpo / rm: tokens per packed micro-batch: train.max_tokens_per_micro_batch, else micro_batch_size pairs of
+    two sequences of train.max_len; a whole pair must fit."""
+    pairs = cfg.train.micro_batch_size or 1
+    budget = cfg.train.max_tokens_per_micro_batch or pairs * 2 * cfg.train.max_len
+    if budget < 2 * cfg.train.max_len:
+        raise UserError(
+            f"train.max_tokens_per_micro_batch={budget} is below 2 x train.max_len={2 * cfg.train.max_len}; a pair "
+            f"(its chosen and rejected sequences) must fit in one micro-batch: raise it or lower --max-len"
+        )
+    return budget

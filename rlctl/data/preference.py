@@ -255,10 +255,9 @@ def _check_kind(units: list[Unit], path: str, *, paired: bool, loss: str) -> Non
 
 
 def with_kl_rows(units: list[Unit], cfg: RunConfig) -> list[Unit]:
-    """KTO: each row's KL row pairs its prompt with the next row's completion (a fixed derangement)."""
+    """KTO: each row's KL row pairs its prompt with the next row's completion (a fixed derangement; a lone
+    validation row, its own)."""
     n = len(units)
-    if n < 2:
-        raise UserError("kto estimates KL(policy || reference) from mismatched rows: it needs at least 2 rows")
     return [
         dataclasses.replace(u, kl_seq=mismatched(u.seqs[0], units[(i + 1) % n].seqs[0], cfg))
         for i, u in enumerate(units)
@@ -291,5 +290,7 @@ def build_pref_data(cfg: RunConfig, tokenizer, *, paired: bool, loss: str, score
         val = [u for i, u in enumerate(units) if i in held]
         units = [u for i, u in enumerate(units) if i not in held]
     if not paired:
-        units, val = with_kl_rows(units, cfg), (with_kl_rows(val, cfg) if len(val) > 1 else val)
+        if len(units) < 2:
+            raise UserError("kto estimates KL(policy || reference) from mismatched rows: it needs at least 2 rows")
+        units, val = with_kl_rows(units, cfg), with_kl_rows(val, cfg)
     return PrefData(units, val, report, val_report, paired)

@@ -34,7 +34,7 @@ from rlctl.data.preference import PrefData, Unit, build_pref_data
 from rlctl.data.sft import IGNORE, use_chat_template
 from rlctl.engines import EngineSpec, build_engine
 from rlctl.engines.base import TrainEngine, load_tokenizer, model_source, position_tokens, write_model_meta
-from rlctl.recipes.pairs import UnitTrainer
+from rlctl.recipes.pairs import UnitTrainer, micro_batches
 from rlctl.runtime.dist import all_reduce_sum, barrier
 from rlctl.runtime.entry import RunContext, recipe_main
 from rlctl.runtime.fit import fit
@@ -71,15 +71,16 @@ def adapters_off(engine: TrainEngine):
 
 
 class Reference:
-    """The reference's log-probs: a frozen engine, or the LoRA policy with adapters off (``engine`` None)."""
+    """The reference's log-probs: a frozen engine's, or (``lora``) the LoRA policy's with its adapters off."""
 
-    def __init__(self, trainer: DPOTrainer, engine: TrainEngine | None):
-        self.trainer, self.engine = trainer, engine
+    def __init__(self, engine: TrainEngine, cfg, *, pad_id: int, lora: bool = False):
+        self.engine, self.cfg, self.pad_id, self.lora = engine, cfg, pad_id, lora
 
     def forward(self, micro: list) -> list[torch.Tensor]:
-        engine = self.engine or self.trainer.engine
-        with adapters_off(engine) if self.engine is None else contextlib.nullcontext():
-            return engine.forward_backward(micro, lambda out, mb: (None, sequence_logps(out, mb)), forward_only=True)
+        with adapters_off(self.engine) if self.lora else contextlib.nullcontext():
+            return self.engine.forward_backward(
+                micro, lambda out, mb: (None, sequence_logps(out, mb)), forward_only=True
+            )
 
     def of_micro(self, micro: list) -> None:
         """On the fly: ``mb.ref_logps`` for each micro-batch."""
@@ -89,18 +90,16 @@ class Reference:
     def of_units(self, units: list[Unit]) -> torch.Tensor:
         """Once: ``[N, S]`` log-probs of every unit's sequences (KTO: the row's and its KL row's), the same on
         every rank (each computes its micro-batches', summed over the replicas)."""
-        t = self.trainer
         width = max(len(_seqs(u)) for u in units)
-        out = torch.zeros(len(units), width, dtype=torch.float64, device=t.engine.device)
-        bs = t.ctx.cfg.train.batch_size
+        out = torch.zeros(len(units), width, dtype=torch.float64, device=self.engine.device)
+        bs = self.cfg.train.batch_size
         for k in range(0, len(units), bs):
-            chunk = [Unit(_seqs(u)) for u in units[k : k + bs]]
-            micro = t.micro_batches(chunk, self.engine or t.engine)
+            micro = micro_batches(self.cfg, [Unit(_seqs(u)) for u in units[k : k + bs]], self.engine, self.pad_id)
             for mb, logps in zip(micro, self.forward(micro)):
                 if isinstance(mb, UnitMicroBatch):
                     out[[k + i for i in mb.units]] = logps.view(len(mb.units), -1).double()
         if dist.get_world_size() > 1:
-            dist.all_reduce(out, group=t.engine.dp_group)
+            dist.all_reduce(out, group=self.engine.dp_group)
         return out.float()
 
 
@@ -123,14 +122,17 @@ class DPOTrainer(UnitTrainer):
         "rejected_rows",
     )
 
-    def __init__(self, ctx: RunContext, engine: TrainEngine, data: PrefData, loss: PrefLoss, *, pad_id: int):
+    def __init__(
+        self, ctx: RunContext, engine: TrainEngine, data: PrefData, loss: PrefLoss, *, pad_id: int,
+        ref: Reference | None, cached: dict[bool, torch.Tensor],
+    ):  # fmt: skip
         super().__init__(ctx, engine, data, pad_id=pad_id)
         p = ctx.cfg.pref
         self.loss = loss
         self.beta = loss.beta if p.beta is None else p.beta
         self.settings = {"beta": self.beta, "label_smoothing": p.label_smoothing, "gamma": p.gamma}
-        self.ref: Reference | None = None
-        self.cached: dict[bool, torch.Tensor] = {}  # val -> [N, S] reference log-probs (precompute_ref)
+        self.ref = ref  # per step (None: precomputed, or no reference)
+        self.cached = cached  # {val: [N, S] reference log-probs} (precompute_ref)
 
     def prepare(self, micro: list, indices: list[int], *, val: bool) -> dict:
         units = [(self.data.val if val else self.data.train)[i] for i in indices]
@@ -228,29 +230,27 @@ def run(ctx: RunContext) -> None:
     loss = get_pref_loss(cfg.pref.loss)
     source = model_source(cfg.model.name, random_init=cfg.model.random_init)
     tokenizer = use_chat_template(load_tokenizer(source), cfg)
+    pad_id, lora = tokenizer.pad_token_id, cfg.lora.rank > 0
     data = build_pref_data(cfg, tokenizer, paired=loss.paired, loss=f"--loss {loss.name}")
     ctx.log(f"data: {data.report.summary()}; {len(data.train)} train / {len(data.val)} val units ({loss.name})")
     spec = EngineSpec.from_config(cfg)
-    lora = cfg.lora.rank > 0
-    ref_engine = None
-    cached = {}
+    ref, cached = None, {}
     if loss.needs_ref and not lora:
-        ref_engine = build_engine(spec, role="ref", trainable=False, source=source)
-    steps = cfg.train.max_steps or cfg.train.epochs * -(-len(data.train) // min(cfg.train.batch_size, len(data.train)))
-    engine = None
-    if ref_engine is not None and cfg.pref.precompute_ref:  # the reference first, freed before the policy exists
-        probe = DPOTrainer(ctx, ref_engine, data, loss, pad_id=tokenizer.pad_token_id)
-        cached = _precompute(ctx, Reference(probe, ref_engine), data)
-        del probe, ref_engine
-        ref_engine = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    engine = build_engine(spec, role="actor", total_steps=steps, source=source)
-    trainer = DPOTrainer(ctx, engine, data, loss, pad_id=tokenizer.pad_token_id)
-    if loss.needs_ref:
-        trainer.ref = Reference(trainer, ref_engine)  # None with LoRA: the policy, adapters off
-        trainer.cached = cached or (_precompute(ctx, trainer.ref, data) if cfg.pref.precompute_ref else {})
+        ref = Reference(build_engine(spec, role="ref", trainable=False, source=source), cfg, pad_id=pad_id)
+        if cfg.pref.precompute_ref:  # the reference first, freed before the policy exists
+            cached, ref = _precompute(ctx, ref, data), None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    batches = -(-len(data.train) // min(cfg.train.batch_size, len(data.train)))
+    engine = build_engine(
+        spec, role="actor", total_steps=cfg.train.max_steps or cfg.train.epochs * batches, source=source
+    )
+    if loss.needs_ref and lora:  # the policy's base, adapters off
+        ref = Reference(engine, cfg, pad_id=pad_id, lora=True)
+        if cfg.pref.precompute_ref:
+            cached, ref = _precompute(ctx, ref, data), None
+    trainer = DPOTrainer(ctx, engine, data, loss, pad_id=pad_id, ref=ref, cached=cached)
     if d.is_main:
         write_model_meta(paths.model_meta, engine.hf_config, tokenizer, source)
     barrier()

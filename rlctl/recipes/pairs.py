@@ -2,7 +2,7 @@
 
 The step's global batch (``train.batch_size`` units, fixed by the step number alone: :class:`StepSampler`)
 is cut into micro-batches of whole units (a pair's chosen and rejected in the same one, packed in one row
-with per-document attention: :func:`rlctl.data.preference.unit_micro_batches`) and dealt over the
+with per-document attention: :func:`rlctl.data.pref_batches.unit_micro_batches`) and dealt over the
 data-parallel replicas. A unit's loss is divided by the global number of units, so the update is the mean
 over the batch for any number of processes or micro-batches. Each micro-batch's loss function returns, beside
 its share of the loss, a vector of SUMS (the metrics' numerators), added over micro-batches and replicas and
@@ -16,26 +16,23 @@ import time
 
 import torch
 
+from rlctl.config.algorithm import pair_budget
 from rlctl.data.packing import StepSampler
 from rlctl.data.pref_batches import unit_micro_batches
 from rlctl.data.preference import PrefData, Unit
 from rlctl.engines.base import TrainEngine
-from rlctl.errors import UserError
 from rlctl.runtime.dist import all_reduce_sum
 from rlctl.runtime.entry import RunContext
 
 
-def unit_budget(cfg) -> int:
-    """Tokens per packed micro-batch: train.max_tokens_per_micro_batch, else micro_batch_size pairs of two
-    sequences of train.max_len; a whole pair must fit."""
-    pairs = cfg.train.micro_batch_size or 1
-    budget = cfg.train.max_tokens_per_micro_batch or pairs * 2 * cfg.train.max_len
-    if budget < 2 * cfg.train.max_len:
-        raise UserError(
-            f"train.max_tokens_per_micro_batch={budget} is below 2 x train.max_len={2 * cfg.train.max_len}; "
-            f"a pair (its chosen and rejected sequences) must fit in one micro-batch"
-        )
-    return budget
+def micro_batches(cfg, units: list[Unit], engine: TrainEngine, pad_id: int) -> list:
+    """This replica's micro-batches of ``units`` (whole units each; packed, at most
+    :func:`rlctl.config.algorithm.pair_budget` tokens), on the engine's device."""
+    micro = unit_micro_batches(
+        units, engine.dp_rank, engine.dp_size, packing=cfg.data.packing, budget=pair_budget(cfg), pad_id=pad_id,
+        per_micro=cfg.train.micro_batch_size or 1,
+    )  # fmt: skip
+    return [mb.to(engine.device) for mb in micro]
 
 
 class UnitTrainer:
@@ -48,9 +45,6 @@ class UnitTrainer:
         cfg = ctx.cfg
         self.ctx, self.engine, self.data, self.pad_id = ctx, engine, data, pad_id
         self.sampler = StepSampler(len(data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
-        self.packing = cfg.data.packing
-        self.budget = unit_budget(cfg)
-        self.per_micro = cfg.train.micro_batch_size or 1
 
     @property
     def total_steps(self) -> int:
@@ -68,14 +62,8 @@ class UnitTrainer:
     def has_eval(self) -> bool:
         return bool(self.data.val)
 
-    def micro_batches(self, units: list[Unit], engine: TrainEngine | None = None):
-        """This replica's micro-batches of ``units``, on the engine's device."""
-        e = engine or self.engine
-        micro = unit_micro_batches(
-            units, e.dp_rank, e.dp_size, packing=self.packing, budget=self.budget, pad_id=self.pad_id,
-            per_micro=self.per_micro,
-        )  # fmt: skip
-        return [mb.to(e.device) for mb in micro]
+    def micro_batches(self, units: list[Unit]):
+        return micro_batches(self.ctx.cfg, units, self.engine, self.pad_id)
 
     def sum_over_replicas(self, results: list[torch.Tensor]) -> dict[str, float]:
         local = torch.stack([r.double() for r in results]).sum(0).tolist() if results else [0.0] * len(self.SUMS)
