@@ -84,3 +84,17 @@ def test_rows_without_pairs_are_one_line_before_launch(tiny_model_dir, tmp_path,
     line = one_line_error(code, out)
     assert "no row of the first 4 is a preference row (no 'chosen' and 'rejected' fields)" in line
     assert "the rows have prompt, response" in line and not (tmp_path / "run").exists()
+
+
+def test_a_plugin_registers_a_preference_loss(pairs, tmp_path, monkeypatch, capsys):
+    plugin = tmp_path / "my_pref.py"
+    plugin.write_text(
+        "from rlctl.algos.preference import register_pref_loss\n\n"
+        "@register_pref_loss('my_sigmoid_test', needs_ref=True, beta=0.2)\n"
+        "def my_loss(b, *, beta, label_smoothing=0.0, gamma=0.0):\n"
+        "    raise NotImplementedError\n"
+    )
+    args = ["dpo", "--model", "Qwen2.5-7B", "--data", str(pairs), "--gpus", "8", "--dry-run", "--json"]
+    code, out = rlctl_in_process(monkeypatch, capsys, *args, "--loss", "my_sigmoid_test", "--plugin", str(plugin))
+    assert code == 0, out
+    assert json.loads(out)["config"]["pref"]["loss"] == "my_sigmoid_test"
