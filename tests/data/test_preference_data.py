@@ -114,9 +114,10 @@ def test_pairs_tokenize_like_sft_and_kto_rows_get_mismatched_kl_rows(tiny_model_
     assert [u.label for u in kto.train] == [True, False, True]
 
 
-def test_packed_pairs_give_each_sequences_own_logps(tiny_model_dir, tmp_path, process_group):
-    """A micro-batch of two pairs, packed in one row: every sequence's summed response log-prob equals a plain
-    forward of that sequence alone (per-document attention, positions restarting at 0)."""
+@pytest.mark.parametrize("packing", [True, False])
+def test_packed_pairs_give_each_sequences_own_logps(packing, tiny_model_dir, tmp_path, process_group):
+    """A micro-batch of two pairs, packed in one row (or padded, one row each): every sequence's summed response
+    log-prob equals a plain forward of that sequence alone (per-document attention, positions restarting at 0)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlctl.data.pref_batches import unit_micro_batches
@@ -127,8 +128,8 @@ def test_packed_pairs_give_each_sequences_own_logps(tiny_model_dir, tmp_path, pr
     cfg = _cfg(tiny_model_dir, write_jsonl(tmp_path / "p.jsonl", format_pairs(2)), **{"model.attn": "sdpa"})
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     units = build_pref_data(cfg, tok, paired=True, loss="x").train
-    (mb,) = unit_micro_batches(units, 0, 1, packing=True, budget=1024, pad_id=tok.pad_token_id, per_micro=2)
-    assert mb.input_ids.shape[0] == 1 and mb.units == [0, 1]  # one packed row holding both pairs
+    (mb,) = unit_micro_batches(units, 0, 1, packing=packing, budget=1024, pad_id=tok.pad_token_id, per_micro=2)
+    assert mb.input_ids.shape[0] == (1 if packing else 4) and mb.units == [0, 1]  # both pairs in one micro-batch
     engine = FSDPEngine(cpu_spec(cfg), role="ref", trainable=False)
     (packed,) = engine.forward_backward([mb], lambda out, m: (None, sequence_logps(out, m)), forward_only=True)
 
