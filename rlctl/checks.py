@@ -56,6 +56,10 @@ def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_thi
         check_image_processor(model.root)
         check_remote_code(cfg, model)
         check_context(cfg, model)
+        if cfg.method == "rm":
+            from rlctl.rewards.model import classifier_architecture
+
+            classifier_architecture(model.config.get("architectures"), cfg.model.name)
     elif on_this_machine:
         check_model_available(cfg.model.name, random_init=cfg.model.random_init)
     check_data_rows(cfg, model)

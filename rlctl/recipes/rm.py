@@ -27,8 +27,8 @@ from rlctl.data.preference import build_pref_data
 from rlctl.data.sft import use_chat_template
 from rlctl.engines import EngineSpec, build_engine
 from rlctl.engines.base import full_logits, load_tokenizer, model_source, write_model_meta
-from rlctl.errors import UserError
 from rlctl.recipes.pairs import UnitTrainer
+from rlctl.rewards.model import classifier_architecture
 from rlctl.runtime.dist import barrier
 from rlctl.runtime.entry import RunContext, recipe_main
 from rlctl.runtime.fit import fit
@@ -80,17 +80,10 @@ class RMTrainer(UnitTrainer):
         self.engine.model.value_head.bias.grad = None  # held at 0 (module docstring)
 
 
-def classifier_config(hf_config, pad_token_id: int):
-    """The causal LM's config as a one-label sequence classifier's (``Qwen2ForCausalLM`` ->
-    ``Qwen2ForSequenceClassification``)."""
-    arch = (getattr(hf_config, "architectures", None) or [""])[0]
-    if not arch.endswith("ForCausalLM"):
-        raise UserError(
-            f"rlctl rm builds a reward model from a causal LM (an architecture named *ForCausalLM); "
-            f"{hf_config.model_type} is {arch or 'unnamed'}"
-        )
+def classifier_config(hf_config, pad_token_id: int, model: str):
+    """The causal LM's config as a one-label sequence classifier's."""
     config = type(hf_config).from_dict(hf_config.to_dict())
-    config.architectures = [arch.removesuffix("ForCausalLM") + "ForSequenceClassification"]
+    config.architectures = [classifier_architecture(getattr(hf_config, "architectures", None), model)]
     config.num_labels = 1
     config.pad_token_id = pad_token_id
     return config
@@ -115,7 +108,7 @@ def run(ctx: RunContext) -> None:
     engine.export_names = export_name
     trainer = RMTrainer(ctx, engine, data, pad_id=tokenizer.pad_token_id)
     if d.is_main:
-        config = classifier_config(source.load_config(), tokenizer.pad_token_id)
+        config = classifier_config(source.load_config(), tokenizer.pad_token_id, cfg.model.name)
         write_model_meta(paths.model_meta, config, tokenizer, source)
     barrier()
     fit(ctx, trainer)

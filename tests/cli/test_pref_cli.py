@@ -98,3 +98,17 @@ def test_a_plugin_registers_a_preference_loss(pairs, tmp_path, monkeypatch, caps
     code, out = rlctl_in_process(monkeypatch, capsys, *args, "--loss", "my_sigmoid_test", "--plugin", str(plugin))
     assert code == 0, out
     assert json.loads(out)["config"]["pref"]["loss"] == "my_sigmoid_test"
+
+
+def test_rm_of_a_model_that_is_not_a_causal_lm_is_one_line_before_launch(
+    tiny_model_dir, pairs, tmp_path, monkeypatch, capsys
+):
+    import shutil
+
+    model = tmp_path / "encoder"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2Model"]}))
+    args = ["rm", "--model", str(model), "--data", str(pairs), "--device", "cpu", "-o", str(tmp_path / "run")]
+    line = one_line_error(*rlctl_in_process(monkeypatch, capsys, *args))
+    assert "rlctl rm builds a reward model from a causal LM" in line and "is Qwen2Model" in line
