@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from rlctl.config import RunConfig, val_split
 from rlctl.config.algorithm import check_algorithm
 from rlctl.errors import UserError
+from rlctl.names import PAIR_METHODS, RL_METHODS
 
 if TYPE_CHECKING:
     from rlctl.plan import Plan
@@ -55,6 +56,10 @@ def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_thi
         check_image_processor(model.root)
         check_remote_code(cfg, model)
         check_context(cfg, model)
+        if cfg.method == "rm":
+            from rlctl.rewards.model import classifier_architecture
+
+            classifier_architecture(model.config.get("architectures"), cfg.model.name)
     elif on_this_machine:
         check_model_available(cfg.model.name, random_init=cfg.model.random_init)
     check_data_rows(cfg, model)
@@ -153,7 +158,7 @@ def check_split(cfg: RunConfig, *, nproc: int, nodes: int) -> None:
     problem = None
     if cfg.method not in ("grpo",):
         problem = f"{cfg.method} is not supported with {flag} (only grpo: {cfg.method} " + (
-            "has no rollout)" if cfg.method == "sft" else "trains a critic, not split yet)"
+            "has no rollout)" if cfg.method not in RL_METHODS else "trains a critic, not split yet)"
         )
     elif total < 2:
         problem = f"{flag} {r.procs} needs at least 2 processes (1 to generate, 1 to train): add --nproc 2"
@@ -371,7 +376,7 @@ def check_context(cfg: RunConfig, model: ModelFiles) -> None:
     ctx = context_length(model)
     if not ctx:
         return
-    if cfg.method == "sft":  # rows longer than max_len are skipped or cut; the positions stretch (RoPE)
+    if cfg.method not in RL_METHODS:  # rows longer than max_len are skipped or cut; the positions stretch (RoPE)
         return
     r = cfg.rollout
     if r.max_prompt_len + r.max_response_len > ctx:
@@ -401,6 +406,8 @@ def check_data_rows(cfg: RunConfig, model: ModelFiles | None) -> None:
             raise UserError(f"{path} holds no rows (data.{key}); pass a file with at least one row")
         if cfg.method == "sft":
             _check_sft_rows(cfg, path, rows, columns, model)
+        elif cfg.method in PAIR_METHODS:
+            _check_pref_rows(cfg, path, rows, columns)
         else:
             _check_rl_rows(cfg, path, rows, columns)
 
@@ -432,6 +439,28 @@ def _check_sft_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[s
             f"columns; the rows have {_columns(columns)} (name them with --set data.messages_field=... or "
             f"data.prompt_field=... data.response_field=...)"
         )
+
+
+def _check_pref_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[str]) -> None:
+    """dpo / rm: the first rows parse in one of the preference layouts (rlctl.data.preference)."""
+    from rlctl.data.preference import parse_row
+    from rlctl.data.sft import BadRow
+
+    reasons = []
+    for r in rows:
+        try:
+            parse_row(r, cfg)
+            return
+        except BadRow as e:
+            reasons.append(str(e))
+    c, rj = cfg.pref.chosen_field, cfg.pref.rejected_field
+    raise UserError(
+        f"{path}: no row of the first {len(rows)} is a preference row ({reasons[0]}); the rows have "
+        f"{_columns(columns)}. rlctl {cfg.method} reads '{cfg.data.prompt_field}'/'{c}'/'{rj}' (TRL), "
+        f"'{cfg.data.prompt_field}'/'{cfg.pref.completion_field}'/'{cfg.pref.label_field}' (kto) or "
+        f"LLaMA-Factory's alpaca/sharegpt pairs (docs/dpo.md); name the columns with "
+        f"--set pref.chosen_field=... pref.rejected_field=..."
+    )
 
 
 def _check_rl_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[str]) -> None:

@@ -14,7 +14,7 @@ from rlctl import __version__
 from rlctl.cli import bench, convert, estimate, presets, report, train
 from rlctl.names import Method, choices
 
-HELP = """rlctl: post-train LLMs (SFT, GRPO, PPO) from one command.
+HELP = """rlctl: post-train LLMs (SFT, GRPO, PPO, DPO, reward models) from one command.
 
 rlctl picks a plan for your model and hardware (FSDP2 or Megatron, SGLang / vLLM / HF rollout,
 micro batches, offload), explains every choice, estimates the memory before you rent a GPU,

@@ -37,13 +37,14 @@ from rlctl.config.schema import (  # noqa: F401 - the schema, re-exported
     LoraConfig,
     ModelConfig,
     ParallelConfig,
+    PrefConfig,
     RewardConfig,
     RolloutConfig,
     RunConfig,
     TrainConfig,
 )
 from rlctl.errors import UserError, did_you_mean
-from rlctl.names import Method, choices
+from rlctl.names import RL_METHODS, Method, choices
 
 METHODS = choices(Method)
 
@@ -383,8 +384,10 @@ def _validate_agent(cfg: RunConfig) -> None:
         raise UserError(f"agent.tool_timeout_s must be > 0 seconds, got {a.tool_timeout_s}")
     if a.tool_max_chars < 1:
         raise UserError(f"agent.tool_max_chars must be at least 1, got {a.tool_max_chars}")
-    if agent_enabled(cfg) and cfg.method == "sft":
-        raise UserError("--tools / --env / --interaction are for grpo and ppo; sft trains on tool traces in the data")
+    if agent_enabled(cfg) and cfg.method not in RL_METHODS:
+        raise UserError(
+            f"--tools / --env / --interaction are for grpo and ppo; {cfg.method} trains on the data's tool traces"
+        )
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:

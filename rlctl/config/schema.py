@@ -27,6 +27,7 @@ from rlctl.names import (
     Method,
     PolicyLossName,
     Precision,
+    PrefLossName,
     RolloutEngine,
     ToolResults,
     Truncation,
@@ -201,6 +202,27 @@ class AlgoConfig:
 
 
 @dataclass
+class PrefConfig:
+    """`rlctl dpo` and `rlctl rm`: preference pairs (rlctl.data.preference, docs/dpo.md, docs/rm.md)."""
+
+    loss: PrefLossName = "sigmoid"  # dpo: a name registered in rlctl.algos.preference (TRL's loss_type names)
+    beta: float | None = None  # None: the loss's own default (0.1; simpo 2.0)
+    label_smoothing: float = 0.0  # sigmoid / robust / simpo: the share of pairs assumed mislabelled (cDPO)
+    gamma: float = 0.5  # simpo: the target reward margin (TRL's simpo_gamma)
+    # True: the reference's log-probs of every pair once, before training (its model then freed);
+    # False: a reference forward every step. LoRA: the base with its adapters off is the reference either way
+    precompute_ref: bool = True
+    desirable_weight: float = 1.0  # kto: lambda_D, the weight of the good rows' loss
+    undesirable_weight: float = 1.0  # kto: lambda_U
+    center_rewards: float = 0.0  # rm: TRL's center_rewards_coefficient c: + c * mean((r_c + r_r)^2)
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    completion_field: str = "completion"  # kto rows: {prompt, completion, label}
+    label_field: str = "label"
+    margin_field: str = "margin"  # rm: a row's margin (0 where the row has none)
+
+
+@dataclass
 class RewardConfig:
     fn: str = "auto"  # auto (from data_source), a built-in (rlctl.rewards.builtin), file.py:fn or module:fn
     format_pattern: str = ""
@@ -266,6 +288,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    pref: PrefConfig = field(default_factory=PrefConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     log: LogConfig = field(default_factory=LogConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -26,6 +26,7 @@ from rlctl.catalog import active_params
 from rlctl.config import RunConfig
 from rlctl.errors import UserError
 from rlctl.estimate.memory import MemoryEstimate
+from rlctl.names import PAIR_METHODS
 from rlctl.plan import rules
 from rlctl.plan.decisions import (
     backend_warnings,
@@ -148,6 +149,8 @@ def backend_the_engine_runs(job: Job, tier: str, decisions: list[Decision]) -> s
         if job.spec.is_vl
         else "a PPO critic"
         if c.method == "ppo"
+        else f"rlctl {c.method}"
+        if c.method in PAIR_METHODS
         else "LoRA"
         if c.lora.rank
         else None

@@ -85,7 +85,8 @@ def _relax_micro_batch(job: Job, s: MemorySettings, decisions: list[Decision]) -
     """The largest candidate micro batch that fits comfortably, within a step's sequences and the token cap."""
     mb = rules.tiers()["micro_batch"]
     per_gpu = job.sequences_per_gpu(s.dp)
-    tokens = s.seq_len
+    tokens = s.seq_len * s.seqs_per_unit  # dpo / rm: a micro batch counts pairs of two sequences
+    unit = "pairs" if s.seqs_per_unit > 1 else "sequences"
     chosen = 1
     for c in mb["candidates"]:
         if c > per_gpu or c * tokens > mb["max_tokens"] or c == 1:
@@ -95,7 +96,7 @@ def _relax_micro_batch(job: Job, s: MemorySettings, decisions: list[Decision]) -
             break
     why = (
         f"micro batch {chosen}: the largest of {', '.join(map(str, mb['candidates']))} that fits comfortably, "
-        f"<= {per_gpu} sequences per GPU per step and <= {mb['max_tokens']} tokens ({tokens} per sequence)"
+        f"<= {per_gpu} {unit} per GPU per step and <= {mb['max_tokens']} tokens ({tokens} per {unit[:-1]})"
     )
     decisions.append(Decision("train.micro_batch_size", chosen, why))
     return replace(s, micro_batch=chosen)

@@ -593,7 +593,7 @@ def test_fp32_on_cpu_has_no_cuda_context():
 @pytest.mark.parametrize(
     "kw, words",
     [
-        (dict(method="dpo"), "method"),
+        (dict(method="kto"), "method"),
         (dict(gpus=2, backend="fsdp", tp=2), "fsdp"),
         (dict(gpus=6, backend="megatron", tp=4), "do not split"),
         (dict(gpus=8, backend="megatron", pp=8), "pp 8"),
