@@ -4,8 +4,10 @@
 when no NAME) through the CLI on the checkout this file lies in (PYTHONPATH: that checkout) and writes
 ``OUT/NAME.json``: the metrics.jsonl records without their timings, and samples.jsonl.
 ``python tests/support/scripts/pinned_runs.py --compare A B`` tells every difference between two such folders
-(exit 1 when any). tests/recipes/test_unchanged_runs.py runs the same configurations against the figures
-recorded on the code before the recipes/rl redesign (tests/recipes/files/pinned_runs/).
+(exit 1 when any). To hold a change against the code before it: record on a copy of that commit
+(``git archive BASE | tar -x -C DIR``, then this script copied into DIR and run with ``PYTHONPATH=DIR``),
+record on the change, compare. Exact equality holds on one machine; figures from another CPU or torch
+build can differ in the last bits, so they are not kept as a test's expected values.
 """
 
 from __future__ import annotations
