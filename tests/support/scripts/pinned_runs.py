@@ -58,6 +58,12 @@ def grpo_split(models, tmp, run):
     return "grpo", _rl(models["tiny"], tmp, run, *extra, "--eval-every", "2")
 
 
+def grpo_split_random_init(models, tmp, run):
+    """A split run of a randomly initialised model: every rollout engine loads RUN/rollout_init."""
+    extra = ("--max-steps", "2", "--batch-size", "2", "--n", "4", "--rollout-procs", "1", "--set", "model.random_init=true")
+    return "grpo", _rl(models["tiny"], tmp, run, *extra, "--eval-every", "1")
+
+
 def ppo(models, tmp, run):
     extra = ("--max-steps", "3", "--n", "4", "--mini-batch-size", "2", "--kl-coef", "0.001")
     return "ppo", _rl(models["tiny"], tmp, run, *extra, "--set", "algo.critic_lr=5e-3", "--set", "algo.kl_target=0.01")
@@ -89,7 +95,10 @@ def sft(models, tmp, run):
     ]  # fmt: skip
 
 
-RUNS = {f.__name__: f for f in (grpo_packed, grpo_dynamic, grpo_remax, grpo_split, ppo, grpo_tools, sft)}
+RUNS = {
+    f.__name__: f
+    for f in (grpo_packed, grpo_dynamic, grpo_remax, grpo_split, grpo_split_random_init, ppo, grpo_tools, sft)
+}
 
 
 def models(tmp: Path, names: list[str]) -> dict[str, Path]:
