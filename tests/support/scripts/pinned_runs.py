@@ -60,7 +60,8 @@ def grpo_split(models, tmp, run):
 
 def grpo_split_random_init(models, tmp, run):
     """A split run of a randomly initialised model: every rollout engine loads RUN/rollout_init."""
-    extra = ("--max-steps", "2", "--batch-size", "2", "--n", "4", "--rollout-procs", "1", "--set", "model.random_init=true")
+    extra = ("--max-steps", "2", "--batch-size", "2", "--n", "4", "--rollout-procs", "1")
+    extra += ("--set", "model.random_init=true")
     return "grpo", _rl(models["tiny"], tmp, run, *extra, "--eval-every", "1")
 
 
