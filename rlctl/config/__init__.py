@@ -274,6 +274,12 @@ SAVE_EVERY_MIN = 50  # auto: never a checkpoint more often than this many steps
 SAVE_EVERY_COUNT = 10  # auto: about this many checkpoints over a run
 
 
+def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
+    """The optimizer steps of a run: ``train.max_steps``, else ``train.epochs`` over the data
+    (``steps_per_epoch``: known once the data is read, so each recipe asks here with its sampler's)."""
+    return cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
+
+
 def save_every_steps(save_every: int, total_steps: int) -> int:
     """The checkpoint interval in steps (0 = only the final checkpoint). ``checkpoint.save_every = -1``
     (auto, the default) checkpoints about 10 times over a long run and never more often than every 50

@@ -224,7 +224,9 @@ class PrefConfig:
 
 @dataclass
 class RewardConfig:
-    fn: str = "auto"  # auto (from data_source), a built-in (rlctl.rewards.builtin), file.py:fn or module:fn
+    # None ("auto" reads as None): each row's data_source picks its built-in; a built-in (rlctl.rewards.builtin),
+    # file.py:fn or module:fn
+    fn: str | None = None
     format_pattern: str = ""
     fns: list[str] = field(default_factory=list)  # several weighted rewards NAME[:WEIGHT], e.g. [gsm8k, format:0.2]
     timeout: float = 30.0  # seconds per reward call (0: none); a call that runs over counts as failed

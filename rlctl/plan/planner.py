@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 
 from rlctl.catalog import active_params
-from rlctl.config import RunConfig
+from rlctl.config import RunConfig, agent_enabled, max_turns
 from rlctl.errors import UserError
 from rlctl.estimate.memory import MemoryEstimate
 from rlctl.names import PAIR_METHODS
@@ -221,8 +221,9 @@ def _plan(job: Job, est: MemoryEstimate, decisions: list[Decision], warnings: li
 
 
 def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
-    """A copy of ``cfg`` with every field the plan decides (None or 0) filled in: the resolved
-    config has no None left in parallel.*."""
+    """A copy of ``cfg`` with every field the plan decides (None or 0) filled in, and the settings whose
+    default depends on others written out (:func:`write_derived`): the resolved config has no None left
+    in parallel.*, and the run's config.yaml says what ran."""
     out = copy.deepcopy(cfg)
     m, hw, par, tr, ro = out.model, out.hardware, out.parallel, out.train, out.rollout
     if m.dtype is None:
@@ -258,4 +259,17 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
         ro.tp = ro.tp or plan.rollout_tp
         ro.mem_fraction = ro.mem_fraction or plan.rollout_mem_fraction
         ro.eval_mem_fraction = ro.eval_mem_fraction or plan.rollout_eval_mem_fraction
+    write_derived(out)
     return out
+
+
+def write_derived(cfg: RunConfig) -> None:
+    """The settings whose default depends on other settings, written once into the resolved ``cfg``
+    (its readers take them from there): ``agent.max_turns`` of an agent run (8 when not given), and an RL
+    run's ``algo.mini_batch_size`` (0, the whole batch: ``train.batch_size``; never more than it). The
+    recipes still cap the mini-batch by the prompts the data has (rlctl.recipes.rl.stream)."""
+    if agent_enabled(cfg):
+        cfg.agent.max_turns = max_turns(cfg)
+    if cfg.method in ("grpo", "ppo"):
+        a, batch = cfg.algo, cfg.train.batch_size
+        a.mini_batch_size = min(a.mini_batch_size or batch, batch)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rlctl.config import total_steps
 from rlctl.data.packing import MicroBatch, StepSampler, rank_micro_batches
 from rlctl.data.sft import IGNORE, SFTData, build_sft_data, use_chat_template
 from rlctl.engines import EngineSpec, build_engine
@@ -55,9 +56,19 @@ def token_loss_sum(logits, labels: torch.Tensor) -> torch.Tensor:
 
 
 class SFTTrainer:
-    def __init__(self, ctx: RunContext, engine: TrainEngine, data: SFTData, sampler: StepSampler, *, pad_id: int):
+    def __init__(
+        self,
+        ctx: RunContext,
+        engine: TrainEngine,
+        data: SFTData,
+        sampler: StepSampler,
+        *,
+        pad_id: int,
+        total_steps: int,
+    ):
         cfg = ctx.cfg
         self.ctx, self.engine, self.data, self.sampler, self.pad_id = ctx, engine, data, sampler, pad_id
+        self.total_steps = total_steps
         self.packing = cfg.data.packing
         self.micro_batch_size = cfg.train.micro_batch_size or 1  # the plan's choice is in the resolved config
         self.budget = cfg.train.max_tokens_per_micro_batch or self.micro_batch_size * cfg.train.max_len
@@ -66,10 +77,6 @@ class SFTTrainer:
                 f"train.max_tokens_per_micro_batch={self.budget} is below train.max_len="
                 f"{cfg.train.max_len}; a sequence must fit in one micro-batch"
             )
-
-    @property
-    def total_steps(self) -> int:
-        return self.ctx.cfg.train.max_steps or self.ctx.cfg.train.epochs * self.sampler.steps_per_epoch
 
     @property
     def steps_per_epoch(self) -> int:
@@ -175,9 +182,9 @@ def run(ctx: RunContext) -> None:
     data = build_sft_data(cfg, tokenizer, cache_dir=paths.data_cache, log=ctx.log, vision=vision)
     ctx.log(f"data: {data.report.summary()}; {len(data.train)} train / {len(data.val)} val sequences")
     sampler = StepSampler(len(data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle)
-    total_steps = cfg.train.max_steps or cfg.train.epochs * sampler.steps_per_epoch
-    engine = build_engine(EngineSpec.from_config(cfg), role="actor", total_steps=total_steps, source=source)
-    trainer = SFTTrainer(ctx, engine, data, sampler, pad_id=tokenizer.pad_token_id)
+    steps = total_steps(cfg, sampler.steps_per_epoch)
+    engine = build_engine(EngineSpec.from_config(cfg), role="actor", total_steps=steps, source=source)
+    trainer = SFTTrainer(ctx, engine, data, sampler, pad_id=tokenizer.pad_token_id, total_steps=steps)
     if d.is_main:
         write_model_meta(paths.model_meta, engine.hf_config, tokenizer, source, vision=vision)
     barrier()

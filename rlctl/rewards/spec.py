@@ -70,9 +70,10 @@ def parse_spec(text: str) -> RewardSpec:
     return RewardSpec(spec, weight, _short_name(spec))
 
 
-def reward_specs(fn: str = "auto", fns: list[str] | tuple[str, ...] = ()) -> list[RewardSpec]:
-    """The weighted components of ``reward.fn`` (one spec, ``auto`` by default) or ``reward.fns`` (a
-    list); unique metric names (a repeated name gets ``_2``, ``_3``...)."""
+def reward_specs(fn: str | None = None, fns: list[str] | tuple[str, ...] = ()) -> list[RewardSpec]:
+    """The weighted components of ``reward.fn`` (one spec; None, the default, is ``auto``: each row's
+    data_source picks its built-in) or ``reward.fns`` (a list); unique metric names (a repeated name gets
+    ``_2``, ``_3``...)."""
     fn = (fn or "auto").strip()
     if fns and fn != "auto":
         raise UserError(
@@ -92,7 +93,7 @@ def reward_specs(fn: str = "auto", fns: list[str] | tuple[str, ...] = ()) -> lis
 def rule_specs(reward_cfg: Any) -> list[RewardSpec]:
     """The rule components of a run's ``reward`` config: ``reward.fn`` / ``reward.fns``, or none when a
     reward model is given alone (``--reward-model`` without ``--reward``)."""
-    if reward_cfg.model and not reward_cfg.fns and reward_cfg.fn == "auto":
+    if reward_cfg.model and not reward_cfg.fns and (reward_cfg.fn or "auto") == "auto":
         return []
     return reward_specs(reward_cfg.fn, list(reward_cfg.fns or []))
 

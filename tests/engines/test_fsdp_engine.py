@@ -180,7 +180,12 @@ def test_micro_batch_split_does_not_change_the_update(tiny_model_dir, data_file,
         data = build_sft_data(cfg, tok)
         engine = make_engine(cfg, total_steps=4)
         trainer = SFTTrainer(
-            _fake_ctx(cfg, PLAN), engine, data, StepSampler(len(data.train), 8, seed=0), pad_id=tok.pad_token_id
+            _fake_ctx(cfg, PLAN),
+            engine,
+            data,
+            StepSampler(len(data.train), 8, seed=0),
+            pad_id=tok.pad_token_id,
+            total_steps=4,
         )
         n_micro = len(trainer._micro_batches([data.train[i] for i in trainer.sampler.indices(0)]))
         assert n_micro == 1 if budget > 1000 else n_micro > 1

@@ -54,7 +54,7 @@ def test_split_run_evaluation_engine_fits_beside_the_trainer(monkeypatch):
     from vllm.config import CacheConfig
     from vllm.v1.worker.utils import request_memory
 
-    from rlctl.recipes.rl.sampling import Sampling
+    from rlctl.recipes.rl.rollouts import make_engine
     from rlctl.rollout import RolloutSpec
 
     cfg, plan = _split_run_config()
@@ -62,17 +62,9 @@ def test_split_run_evaluation_engine_fits_beside_the_trainer(monkeypatch):
     built = []
     monkeypatch.setattr("rlctl.rollout.make_rollout_engine", built.append)
     d = SimpleNamespace(rank=0, world_size=6, local_rank=0, local_world_size=6)
-    trainer = SimpleNamespace(
-        cfg=cfg,
-        dist=d,
-        feed=object(),  # a split run's trainer: its samples come from the rollout processes
-        rollout_tp=1,
-        rollout_path="/model",
-        device=torch.device("cuda", 0),
-        rollout_dtype="bf16",
-        ctx=SimpleNamespace(log=lambda line: None),
-    )
-    Sampling._make_rollout(trainer)
+    # a split run's trainer: its samples come from the rollout processes, its engine evaluates only
+    device = torch.device("cuda", 0)
+    make_engine(cfg, d, device=device, tp=1, path="/model", dtype="bf16", evaluation_only=True, log=lambda line: None)
     (spec,) = built
     # what the trainer holds on its GPU while it evaluates, from the estimate's training phase
     parts = plan.estimate.phases["training"].components
@@ -204,16 +196,16 @@ class _VLLMLike:
         return Engine()
 
 
-def _sampling_trainer(monkeypatch, *, val_n: int):
-    """An RLTrainer whose sampling, dynamic sampling, evaluation and update bookkeeping are rlctl's own;
-    FAKE: the engine (_VLLMLike), the actor's all-gather (counted), the scores (every group equal, so
-    dynamic sampling runs all its rounds) and the update's arithmetic."""
+def _sampling_part(*, val_n: int):
+    """The trainer's Sampling part, with rlctl's own sampling, dynamic sampling, evaluation and weights
+    bookkeeping; FAKE: the engine (_VLLMLike), the actor's all-gather (counted) and the scores (every group
+    equal, so dynamic sampling runs all its rounds)."""
     from rlctl.config import build_config, dotted_to_nested
-    from rlctl.data.packing import StepSampler
     from rlctl.data.rl import Prompt
     from rlctl.presets import method_layers
-    from rlctl.recipes.rl import trainer as trainer_module
-    from rlctl.recipes.rl.spec import AlgoSpec
+    from rlctl.recipes.rl.rollouts import ActorWeights, ColocatedRollout
+    from rlctl.recipes.rl.sampling import Sampling
+    from rlctl.recipes.rl.stream import PromptStream
 
     sets = {
         "train.batch_size": 2,
@@ -222,6 +214,7 @@ def _sampling_trainer(monkeypatch, *, val_n: int):
         "rollout.max_response_len": 4,
         "algo.dynamic_sampling": True,
         "algo.dynamic_max_rounds": 3,
+        "data.shuffle": False,
     }
     cfg = build_config("grpo", method_layers("grpo", None) + [dotted_to_nested(sets)])
     gathers = []
@@ -231,54 +224,43 @@ def _sampling_trainer(monkeypatch, *, val_n: int):
             gathers.append(dtype)  # FAKE: FSDP's all-gather of every parameter
             return iter([("w", torch.zeros(2)), ("b", torch.zeros(1))])
 
-    class Trainer(trainer_module.RLTrainer):
-        def __init__(self):  # the attributes RLTrainer.__init__ sets that these steps read
-            self.cfg, self.algo = cfg, AlgoSpec.from_config(cfg)
-            self.dist = SimpleNamespace(rank=0, world_size=1, local_rank=0, local_world_size=1)
-            self.ctx = SimpleNamespace(log=lambda line: None)
-            prompts = [Prompt([3, 4 + i], "arith", str(i), None) for i in range(16)]
-            self.data = SimpleNamespace(train=prompts, val=prompts[:3])
-            self.sampler = StepSampler(16, 2, seed=0, shuffle=False)
-            self.cursor, self.mini_batch_size, self.rollout_tp = 0, 2, 1
-            self.feed, self.agent_loop, self.needs_greedy = None, None, False
-            self.device, self.rollout_dtype, self.actor = torch.device("cpu"), "fp32", Actor()
-            self.rollout = _VLLMLike.make()
-            self.ref, self.budget, self.pad_id, self.logprobs_checked = None, 0, 0, True
-            self.scorer = SimpleNamespace(score=self.fake_scores)
-            self.weights_stale = False  # (main's bookkeeping, before the version counter)
-            self.weights_version, self.rollout_version = 0, 0
+    class Scorer:  # FAKE: every sample scores 0, so no group varies
+        def score_batch(self, batch, step):
+            return torch.zeros(len(batch)), {"reward/mean": 0.0}
 
-        def score(self, batch, step):  # FAKE: every sample scores 0, so no group varies
-            batch.scores = torch.zeros(len(batch))
-            return {"reward/mean": 0.0}
-
-        @staticmethod
-        def fake_scores(prompt_ids, token_ids, prompts, step, trajectories):
+        def score(self, prompt_ids, token_ids, prompts, step, trajectories):
             return torch.zeros(len(token_ids)), {"reward/mean": 0.0}
 
-    monkeypatch.setattr(trainer_module, "update_actor", lambda *a, **kw: {})  # FAKE: the update's arithmetic
-    return Trainer(), gathers
+    prompts = [Prompt([3, 4 + i], "arith", str(i), None) for i in range(16)]
+    data = SimpleNamespace(train=prompts, val=prompts[:3])
+    weights = ActorWeights(Actor(), "fp32")
+    engine = _VLLMLike.make()
+    own = ColocatedRollout(lambda: None, weights, cfg, rank=0, world_size=1, tp=1, engine=engine)
+    sampling = Sampling(
+        cfg, data, PromptStream(cfg, len(prompts)), own, own, Scorer(), rank=0, world_size=1,
+        device=torch.device("cpu"), agent=False, needs_greedy=False, log=lambda line: None,
+    )  # fmt: skip
+    return sampling, weights, engine, gathers
 
 
-def test_dynamic_sampling_and_evaluation_sync_the_weights_once(monkeypatch):
+def test_dynamic_sampling_and_evaluation_sync_the_weights_once():
     """Dynamic sampling woke the engine, synced the actor's weights into it and put it to sleep on every
     round, with no update in between: on vLLM and SGLang a sleep discards the weights, so each extra round
     paid a full all-gather and reload. Evaluation with ``val_n > 1`` did the same for its second pass. The
     engine now stays awake through the rounds and the passes, and syncs only when the actor's weights
     version moved (or it dropped its weights asleep)."""
-    rl, gathers = _sampling_trainer(monkeypatch, val_n=4)
+    rl, weights, engine, gathers = _sampling_part(val_n=4)
     batch, metrics = rl.sample(0)
     assert metrics["dynamic/rounds"] == 3.0
-    assert len(gathers) == 0 and rl.rollout.events == ["sleep"]  # the engine holds the initial weights
-    batch.old_logp = torch.zeros(1)
-    rl.update_actor(batch)
+    assert len(gathers) == 0 and engine.events == ["sleep"]  # the engine holds the initial weights
+    weights.stepped()  # the actor's update (RLTrainer.update_actor)
     rl.sample(1)
-    assert len(gathers) == 1 and rl.rollout.events == ["sleep", "sync 2 tensors", "sleep"]
+    assert len(gathers) == 1 and engine.events == ["sleep", "sync 2 tensors", "sleep"]
     out = rl.evaluate(2)  # two passes (val_n 4): asleep since the last step, so one sync
     assert "val/pass@4" in out and len(gathers) == 2
-    assert rl.rollout.events[-2:] == ["sync 2 tensors", "sleep"]
+    assert engine.events[-2:] == ["sync 2 tensors", "sleep"]
     rl.sample(2)  # no update since the evaluation, but vLLM dropped the weights asleep: one sync
-    assert len(gathers) == 3 and rl.rollout.events[-2:] == ["sync 2 tensors", "sleep"]
+    assert len(gathers) == 3 and engine.events[-2:] == ["sync 2 tensors", "sleep"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -259,7 +259,9 @@ def test_micro_batches_are_dealt_by_data_parallel_replica(tiny_model_dir, tmp_pa
     for rank in range(4):
         dp = rank_coords(rank, 4, tp=2, pp=1)["dp"]
         engine = SimpleNamespace(dp_rank=dp, dp_size=2, device=torch.device("cpu"))
-        trainer = SFTTrainer(SimpleNamespace(cfg=cfg, plan=SimpleNamespace()), engine, None, None, pad_id=0)
+        trainer = SFTTrainer(
+            SimpleNamespace(cfg=cfg, plan=SimpleNamespace()), engine, None, None, pad_id=0, total_steps=1
+        )
         dealt[rank] = trainer._micro_batches(batch)
     as_lists = {r: [(mb.input_ids.tolist(), mb.labels.tolist()) for mb in mbs] for r, mbs in dealt.items()}
     assert as_lists[0] == as_lists[1] and as_lists[2] == as_lists[3] and as_lists[0] != as_lists[2]

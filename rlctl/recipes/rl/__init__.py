@@ -6,18 +6,26 @@
 - :mod:`.advantages`: token rewards and the advantage estimator ``algo.adv`` names
 - :mod:`.update`: the one PPO-style update loop, for the actor (policy loss) and the critic (value loss)
 - :mod:`.scoring`: :class:`~.scoring.RewardScorer`, the reward component the trainer owns
+- :mod:`.stream`: :class:`~.stream.PromptStream`, the step sampler and the data position (with the run's
+  step count and mini-batch size)
+- :mod:`.rollouts`: the :class:`~.rollouts.SampleSource` protocol, :class:`~.rollouts.ColocatedRollout`
+  (this rank's own rollout engine) and :class:`~.rollouts.ActorWeights` (what the rollout side reads of
+  the actor)
+- :mod:`.offpolicy`: split runs (``rollout.procs``): the trainer's :class:`~.offpolicy.TrainerFeed` (the
+  other sample source) and the rollout processes
 - :mod:`.dynamic`: DAPO's dynamic sampling, rounds of rollout until the groups that vary fill the batch
 - :mod:`.metrics`: a step's metrics, :func:`~.metrics.timed` phases and :func:`~.metrics.merged` records
-- :mod:`.sampling`: the trainer's sampling half: its rollout engine, a step's samples generated, scored
-  and pooled, validation
+- :mod:`.sampling`: :class:`~.sampling.Sampling`, a part the trainer owns: a step's samples from the
+  sample source, scored, and validation
 - :mod:`.trainer`: :class:`~.trainer.RLTrainer`, the run's state and its steps; the outer loop is
   :func:`rlctl.runtime.fit.fit`
 
 One RL step (the recipes spell it out in order; every step returns its metrics, which
 :func:`~.metrics.merged` joins into the step's record)::
 
-    batch, m = rl.sample(step)    # prompts -> n samples each (every rank's colocated rollout engine),
-                                  # scored; dynamic sampling (DAPO): more rounds until the groups vary
+    batch, m = rl.sample(step)    # prompts -> n samples each (the sample source: every rank's colocated
+                                  # rollout engine, or the rollout processes), scored; dynamic sampling
+                                  # (DAPO): more rounds until the groups vary
     batch = rl.pool(batch)        # the ranks of one model replica (Megatron TP x PP) pool their samples
     rl.ref_logprobs(batch)        # frozen reference policy (when algo.kl_coef > 0)
     rl.old_logprobs(batch)        # the trainer's log-probs of the samples (+ rollout/logprob_diff)

@@ -3,7 +3,7 @@ rollout engine, and this rank's prompts turned into trajectories (:mod:`rlctl.ag
 
 from __future__ import annotations
 
-from rlctl.config import RunConfig, agent_enabled, max_turns
+from rlctl.config import RunConfig, agent_enabled
 from rlctl.data.rl import Prompt, prompt_messages
 from rlctl.errors import UserError
 
@@ -44,7 +44,7 @@ def make_agent_loop(cfg: RunConfig, spec, tokenizer, rollout, rollout_tp: int):
             "whose template takes tools, or pass --chat-template FILE.jinja"
         )
     settings = LoopSettings(
-        max_turns=max_turns(cfg),
+        max_turns=a.max_turns,  # resolved by the plan (rlctl.plan.planner.write_derived)
         max_response_len=cfg.rollout.max_response_len,
         tool_timeout_s=a.tool_timeout_s,
         tool_max_chars=a.tool_max_chars,

@@ -19,17 +19,15 @@ generated sample. ``dynamic/*`` say what the rounds gave.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from rlctl.algos.filtering import GroupPick, next_round_size, pick_groups, varied_groups
 from rlctl.recipes.rl.batch import RolloutBatch
+from rlctl.recipes.rl.metrics import Metrics
+from rlctl.recipes.rl.stream import PromptStream
 from rlctl.runtime.dist import all_gather_objects
-
-if TYPE_CHECKING:
-    from rlctl.recipes.rl.metrics import Metrics
-    from rlctl.recipes.rl.trainer import RLTrainer
 
 SUMMED = {"tokens", "reward/failed", "reward/nonfinite", "reward/errors", "tool/calls", "tool/errors"}
 SUMMED |= {"tool/timeouts", "tool/malformed"}
@@ -95,10 +93,20 @@ def combine_rounds(parts: list[Metrics], counts: list[float]) -> Metrics:
     return out
 
 
-def dynamic_sample(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
+def dynamic_sample(
+    one_round: Callable[[list[int], int], tuple[RolloutBatch, Metrics]],
+    stream: PromptStream,
+    *,
+    n: int,
+    max_rounds: int,
+    step: int,
+    log: Callable[[str], None],
+) -> tuple[RolloutBatch, Metrics]:
     """Rounds of rollout and scoring until the varied groups fill the batch (collective); the batch and
-    the step's metrics (:func:`combine_rounds` of the rounds, plus ``dynamic/*``)."""
-    a, n, target = rl.cfg.algo, rl.cfg.rollout.n, rl.sampler.batch_size
+    the step's metrics (:func:`combine_rounds` of the rounds, plus ``dynamic/*``). ``one_round(indices,
+    draw)``: this rank's samples of the prompts ``indices``, scored, and their metrics (``draw``, the
+    stream position, seeds the sampling); ``stream``: where the rounds draw from (it moves past them)."""
+    target = stream.batch_size
     rounds: list[RolloutBatch] = []
     parts: list[Metrics] = []
     counts: list[float] = []
@@ -108,15 +116,13 @@ def dynamic_sample(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
         r = len(rounds)
         varied = sum(v for _, _, v in seen)
         size = target if not r else next_round_size(target - varied, varied, len(seen), target)
-        indices = rl.sampler.stream(rl.cursor, size)
-        batch, generated = rl.generate(indices, rl.cursor)
-        rl.cursor += size
-        parts.append({**generated, **rl.score(batch, step)})
+        batch, metrics = one_round(*stream.draw(size))
+        parts.append(metrics)
         counts.append(float(size * n))
         rounds.append(batch)
         mine = [(r, p, v) for p, v in local_groups(batch)]
         seen += [g for part in all_gather_objects(mine) for g in part]
-        pick = pick_groups(seen, target, final=r + 1 >= a.dynamic_max_rounds)
+        pick = pick_groups(seen, target, final=r + 1 >= max_rounds)
     m = combine_rounds(parts, counts)
     m.update(
         {
@@ -130,9 +136,9 @@ def dynamic_sample(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
         }
     )
     if pick.padded:
-        rl.ctx.log(
+        log(
             f"step {step + 1}: dynamic sampling ran {len(rounds)} rounds (algo.dynamic_max_rounds) and found "
             f"{pick.kept} of {target} prompts whose samples score differently; {pick.padded} all-equal groups "
             f"fill the batch"
         )
-    return assemble(rounds, pick, rl.mini_batch_size), m
+    return assemble(rounds, pick, stream.mini_batch_size), m

@@ -4,7 +4,6 @@ metrics, evaluation, checkpoints, stop requests, export, summary.json)."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 
@@ -12,7 +11,6 @@ import torch
 
 from rlctl.algos import AdaptiveKLController, FixedKLController, get_adv_estimator, kl_estimate
 from rlctl.config.algorithm import check_algorithm
-from rlctl.data.packing import StepSampler
 from rlctl.data.rl import build_rl_data
 from rlctl.data.sft import use_chat_template
 from rlctl.engines import EngineSpec, build_engine
@@ -24,13 +22,15 @@ from rlctl.recipes.rl.batch import RolloutBatch, mask_truncated, token_budget
 from rlctl.recipes.rl.metrics import Metrics, merged, timed
 from rlctl.recipes.rl.offpolicy import TrainerFeed
 from rlctl.recipes.rl.passes import compute_logprobs, compute_values
+from rlctl.recipes.rl.rollouts import ActorWeights, ColocatedRollout, make_engine, rollout_model_path
 from rlctl.recipes.rl.sampling import Sampling
 from rlctl.recipes.rl.scoring import RewardScorer
 from rlctl.recipes.rl.spec import AlgoSpec
+from rlctl.recipes.rl.stream import PromptStream
 from rlctl.recipes.rl.update import single_step, update_actor, update_critic
 from rlctl.rewards import needs_answer
 from rlctl.rollout import RolloutSpec
-from rlctl.runtime.dist import barrier, global_sums
+from rlctl.runtime.dist import all_gather_objects, barrier, global_sums
 from rlctl.runtime.entry import RunContext
 
 LOGPROB_DIFF_WARN = 0.1  # mean |rollout - trainer| log-prob above this: the engines disagree
@@ -55,9 +55,11 @@ def logprob_check_problem(diff: float, dtype: str) -> str | None:
 RecipeStep = Callable[["RLTrainer", int], tuple[RolloutBatch, Metrics]]
 
 
-class RLTrainer(Sampling):
+class RLTrainer:
     """Everything one GRPO / PPO run holds, and the steps the recipes call in order; each step returns
-    its metrics."""
+    its metrics. Its parts: the engines (actor, reference, critic), the reward scorer and
+    :class:`~rlctl.recipes.rl.sampling.Sampling` (the step's samples and validation, from the run's sample
+    source: this rank's own rollout engine, or the rollout processes of a split run)."""
 
     def __init__(self, ctx: RunContext, recipe_step: RecipeStep, *, with_critic: bool):
         cfg, d = ctx.cfg, ctx.dist
@@ -76,6 +78,8 @@ class RLTrainer(Sampling):
         self.vision = load_vision_processor(self.source, self.tokenizer)  # a VL model's image processor, or None
         if self.vision is not None and self.agent_spec is not None:
             raise UserError("multi-turn agent runs take text models only; a vision-language model runs single-turn")
+        if self.vision is not None and d.split is not None:
+            raise UserError("--rollout-procs runs text models only (a vision-language model's images are not sent)")
         self.data = build_rl_data(
             cfg,
             self.tokenizer,
@@ -87,16 +91,20 @@ class RLTrainer(Sampling):
         )
         ctx.log(f"data: {self.data.report.summary()}; {len(self.data.train)} train / {len(self.data.val)} val prompts")
         self.scorer = RewardScorer.for_run(cfg, self.data, self.tokenizer, d.device, ctx.log)
-        self.sampler = StepSampler(
-            len(self.data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle
-        )
-        self.cursor = 0  # examples drawn so far (sampler.stream's position): dynamic sampling draws more
-        self.total_steps = cfg.train.max_steps or cfg.train.epochs * self.sampler.steps_per_epoch
-        self.mini_batch_size = min(a.mini_batch_size or self.sampler.batch_size, self.sampler.batch_size)
-        optimizer_steps = self.total_steps * a.ppo_epochs * math.ceil(self.sampler.batch_size / self.mini_batch_size)
+        self.stream = PromptStream(cfg, len(self.data.train))  # the step sampler and the data position
+        self.total_steps = self.stream.total_steps
+        optimizer_steps = self.stream.optimizer_steps(a.ppo_epochs)
         self.budget = token_budget(cfg)
         ctx.log(f"policy loss: {a.policy.as_metrics()}")
+        self._build_engines(optimizer_steps, with_critic)
+        self.kl_ctl = AdaptiveKLController(a.kl_coef, a.kl_target) if a.kl_target else FixedKLController(a.kl_coef)
+        self.weights = ActorWeights(self.actor, "fp32" if self.actor.compute_dtype == torch.float32 else "bf16")
+        self.sampling = self._build_sampling()
+        self.logprobs_checked = cfg.rollout.ignore_logprob_check  # the step-0 check (logprob_check_problem)
 
+    def _build_engines(self, optimizer_steps: int, with_critic: bool) -> None:
+        """The actor, the reference (when a KL term reads it) and the critic (PPO); the model's meta file."""
+        cfg, a, ctx = self.cfg, self.algo, self.ctx
         spec = EngineSpec.from_config(cfg)
         self.actor = build_engine(spec, role="actor", total_steps=optimizer_steps, source=self.source)
         self.ref = build_engine(spec, role="ref", trainable=False, source=self.source) if a.kl_coef > 0 else None
@@ -108,24 +116,59 @@ class RLTrainer(Sampling):
         )
         self.device = self.actor.device
         self.dp_group = self.actor.dp_group  # sums over the (pooled) data: over the data-parallel replicas
-        if d.is_main:
+        if self.dist.is_main:
             write_model_meta(
                 ctx.paths.model_meta, self.actor.hf_config, self.tokenizer, self.source, vision=self.vision
             )
         barrier()
-        self.kl_ctl = AdaptiveKLController(a.kl_coef, a.kl_target) if a.kl_target else FixedKLController(a.kl_coef)
-        self.rollout_dtype = "fp32" if self.actor.compute_dtype == torch.float32 else "bf16"
-        # split runs (rollout.procs, rlctl.recipes.rl.offpolicy): other processes generate; this one's own
-        # rollout engine is made for the first evaluation only
-        self.feed = TrainerFeed(self) if d.split is not None else None
-        self.rollout_tp = RolloutSpec.from_config(cfg).tp
-        self.rollout_path = self._rollout_path()
-        self.rollout = self._make_rollout() if self.feed is None else None
-        self.agent_loop = make_agent_loop(cfg, self.agent_spec, self.tokenizer, self.rollout, self.rollout_tp)
-        # the actor's updates in this process, and the version the rollout engine holds (None: unknown);
-        # the engine syncs only when they differ or it dropped its weights asleep (Sampling._wake_and_sync)
-        self.weights_version, self.rollout_version = 0, 0
-        self.logprobs_checked = cfg.rollout.ignore_logprob_check  # the step-0 check (logprob_check_problem)
+
+    def _build_sampling(self) -> Sampling:
+        """Where the samples come from: this rank's rollout engine, or in a split run (rollout.procs,
+        rlctl.recipes.rl.offpolicy) the rollout processes, this process's own engine being made for the
+        first evaluation only."""
+        cfg, d, ctx = self.cfg, self.dist, self.ctx
+        split = d.split is not None
+        tp = RolloutSpec.from_config(cfg).tp
+        path = rollout_model_path(self.source, ctx.paths.root)
+        if self.source.random_init:  # no weights on disk: the rollout engines start from the actor's (collective)
+            self.actor.export_hf(path, ctx.paths.model_meta)
+
+        def make():
+            dtype, device = self.weights.dtype, self.device
+            return make_engine(cfg, d, device=device, tp=tp, path=path, dtype=dtype, evaluation_only=split, log=ctx.log)
+
+        engine = None if split else make()
+        loop = make_agent_loop(cfg, self.agent_spec, self.tokenizer, engine, tp)
+        own = ColocatedRollout(
+            make, self.weights, cfg, rank=d.rank, world_size=d.world_size, tp=tp, agent_loop=loop,
+            needs_greedy=self.needs_greedy, engine=engine,
+        )  # fmt: skip
+        source = (
+            TrainerFeed(d.split, d.rank, cfg, self.weights, total_steps=self.total_steps, device=self.device)
+            if split
+            else own
+        )
+        return Sampling(
+            cfg, self.data, self.stream, source, own, self.scorer, rank=d.rank, world_size=d.world_size,
+            device=self.device, agent=loop is not None, needs_greedy=self.needs_greedy, log=ctx.log,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ samples
+
+    def sample(self, step: int) -> tuple[RolloutBatch, Metrics]:
+        """This rank's scored samples of step ``step`` (:meth:`Sampling.sample`)."""
+        return self.sampling.sample(step)
+
+    def pool(self, batch: RolloutBatch) -> RolloutBatch:
+        """The samples of every rank that splits this rank's model replica (Megatron: its TP x PP group),
+        in rank order: those ranks train on them together. FSDP: the batch itself."""
+        if self.actor.mp_size == 1:
+            return batch
+        parts = all_gather_objects(batch.to("cpu"), self.actor.mp_group)
+        return RolloutBatch.join(parts).to(self.device)
+
+    def evaluate(self, step: int) -> dict:
+        return self.sampling.evaluate(step)
 
     # ------------------------------------------------------------------ log-prob passes
 
@@ -175,20 +218,23 @@ class RLTrainer(Sampling):
         if self.logprobs_checked:
             return
         self.logprobs_checked = True
-        r = self.cfg.rollout
-        if getattr(self.rollout, "logprobs_filtered", False) and (r.top_k != -1 or r.top_p < 1):
+        if self._filtered():
             return  # the engine's log-probs are of the top-k/top-p filtered distribution: they differ by design
         diff = metrics.get("rollout/logprob_diff", 0.0)
-        self.ctx.log(f"log-prob check: rollout vs trainer differ by {diff:.3g} per token ({self.rollout_dtype})")
-        problem = logprob_check_problem(diff, self.rollout_dtype)
+        self.ctx.log(f"log-prob check: rollout vs trainer differ by {diff:.3g} per token ({self.weights.dtype})")
+        problem = logprob_check_problem(diff, self.weights.dtype)
         if problem:
             raise UserError(problem)
 
-    def warn_logprob_diff(self, metrics: Metrics) -> None:
+    def _filtered(self) -> bool:
+        """The rollout engine's log-probs are of the top-k/top-p filtered distribution."""
         r = self.cfg.rollout
-        if self.feed is not None and r.max_staleness > 0:
+        return self.sampling.evaluator.logprobs_filtered and (r.top_k != -1 or r.top_p < 1)
+
+    def warn_logprob_diff(self, metrics: Metrics) -> None:
+        if self.sampling.source.stale:
             return  # stale batches: the difference is the staleness (the rollout correction's metrics show it)
-        if getattr(self.rollout, "logprobs_filtered", False) and (r.top_k != -1 or r.top_p < 1):
+        if self._filtered():
             return  # the engine's log-probs are of the top-k/top-p filtered distribution: they differ by design
         if metrics.get("rollout/logprob_diff", 0.0) > LOGPROB_DIFF_WARN:
             self.ctx.log(
@@ -245,7 +291,7 @@ class RLTrainer(Sampling):
             )
         if batch.old_logp is None:  # the log-prob pass was skipped: the update measured the difference
             self.warn_logprob_diff(m)
-        self.weights_version += 1
+        self.weights.stepped()
         return m
 
     def update_critic(self, batch: RolloutBatch) -> Metrics:
@@ -290,7 +336,7 @@ class RLTrainer(Sampling):
 
     @property
     def steps_per_epoch(self) -> int:
-        return self.sampler.steps_per_epoch
+        return self.stream.steps_per_epoch
 
     @property
     def num_examples(self) -> int:
@@ -308,8 +354,7 @@ class RLTrainer(Sampling):
         lr = self.actor.lr
         began = time.perf_counter()
         batch, m = self.recipe_step(self, step)
-        if self.feed is not None:  # the new weights to the rollout processes
-            m = merged(m, self.feed.after_update(step))
+        m = merged(m, self.sampling.source.after_update(step))  # split runs: the new weights to the rollout processes
         elapsed = time.perf_counter() - began
         every = self.cfg.log.samples_every
         if every and (step == 0 or (step + 1) % every == 0 or step + 1 == self.total_steps):
@@ -320,19 +365,18 @@ class RLTrainer(Sampling):
             "reward": m["reward/mean"],
             **{k: m[k] for k in sorted(m)},
             "lr": lr,
-            "epoch": round((step + 1) / self.sampler.steps_per_epoch, 4),
+            "epoch": round((step + 1) / self.stream.steps_per_epoch, 4),
             "time/step": elapsed,
             "tokens_per_s": m.get("tokens", 0.0) / elapsed,
         }
 
     def state(self) -> dict:
-        return {"kl_coef": self.kl_ctl.value, "data_position": self.cursor}
+        return {"kl_coef": self.kl_ctl.value, "data_position": self.stream.cursor}
 
     def load_state(self, state: dict) -> None:
         self.kl_ctl.value = float(state.get("kl_coef", self.kl_ctl.value))
-        # older checkpoints: one batch a step
-        self.cursor = int(state.get("data_position", self.sampler.first(int(state.get("step", 0)))))
-        self.rollout_version = None  # the rollout engine still holds the initial weights
+        self.stream.restore(state.get("data_position"), int(state.get("step", 0)))
+        self.sampling.evaluator.weights_unknown()  # the rollout engine still holds the initial weights
 
     def summary(self) -> dict:
         return {
@@ -343,8 +387,8 @@ class RLTrainer(Sampling):
         }
 
     def close(self) -> None:
-        if self.feed is not None:
-            self.feed.close()
-        if self.rollout is not None:
-            self.rollout.close()
+        s = self.sampling
+        s.source.close()
+        if s.evaluator is not s.source:
+            s.evaluator.close()
         self.scorer.close()

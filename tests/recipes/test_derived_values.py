@@ -1,0 +1,44 @@
+"""Values derived from other settings are written once into the resolved config (rlctl.plan.apply_plan),
+so the run's config.yaml says what ran: ``agent.max_turns`` of an agent run, an RL run's
+``algo.mini_batch_size``. Read here from ``--dry-run --json``, the resolved config the launcher saves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.agents.conftest import TOOLS_FILE
+from tests.support.cli import rlctl_in_process
+from tests.support.rl import arith_rows
+from tests.support.sft import chat_rows, write_jsonl
+
+
+def _resolved(monkeypatch, capsys, method: str, *args: str) -> dict:
+    code, out = rlctl_in_process(monkeypatch, capsys, method, *args, "--device", "cpu", "--dry-run", "--json")
+    assert code == 0, out
+    return json.loads(out)["config"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "turns", "mini"),
+    [((), 8, 4), (("--max-turns", "3", "--mini-batch-size", "2"), 3, 2), (("--mini-batch-size", "16"), 8, 4)],
+)
+def test_agent_run_records_its_max_turns_and_mini_batch(
+    monkeypatch, capsys, tiny_model_dir, tmp_path, extra, turns, mini
+):
+    data = write_jsonl(tmp_path / "data.jsonl", arith_rows(8))
+    tools = tmp_path / "tools.py"
+    tools.write_text(TOOLS_FILE)
+    args = ("--model", str(tiny_model_dir), "--data", str(data), "--tools", str(tools), "--batch-size", "4")
+    cfg = _resolved(monkeypatch, capsys, "grpo", *args, *extra)
+    assert (cfg["agent"]["max_turns"], cfg["algo"]["mini_batch_size"]) == (turns, mini)
+
+
+def test_single_turn_and_sft_runs_leave_max_turns_unset(monkeypatch, capsys, tiny_model_dir, tmp_path):
+    rl = write_jsonl(tmp_path / "rl.jsonl", arith_rows(8))
+    cfg = _resolved(monkeypatch, capsys, "ppo", "--model", str(tiny_model_dir), "--data", str(rl), "--batch-size", "6")
+    assert cfg["agent"]["max_turns"] is None and cfg["algo"]["mini_batch_size"] == 6
+    chats = write_jsonl(tmp_path / "chat.jsonl", chat_rows(8))
+    cfg = _resolved(monkeypatch, capsys, "sft", "--model", str(tiny_model_dir), "--data", str(chats))
+    assert cfg["agent"]["max_turns"] is None and cfg["algo"]["mini_batch_size"] == 0  # no RL: untouched
