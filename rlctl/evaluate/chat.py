@@ -1,0 +1,59 @@
+"""`rlctl chat`: a conversation with a model, its history rendered by the model's own chat template.
+
+Each turn renders the whole history (the system prompt first, when given) with the generation prompt,
+exactly as training renders a prompt (:func:`rlctl.data.rl.render_prompt`), samples one reply on a
+rollout engine and keeps it in the history; :meth:`ChatSession.reset` forgets the history.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlctl.errors import UserError
+
+
+class ChatSession:
+    """A chat with the HF model in ``model_dir`` on ``engine`` ("hf" or "vllm")."""
+
+    def __init__(self, model_dir: Path, *, engine: str = "hf", device: str = "cpu", dtype: str = "float32",
+                 temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 512, max_model_len: int = 4096,
+                 system: str = "", seed: int = 0):  # fmt: skip
+        from transformers import AutoTokenizer
+
+        from rlctl.rollout import RolloutSpec, SamplingParams, make_rollout_engine
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        if not self.tokenizer.chat_template:
+            raise UserError(f"{model_dir}: the tokenizer has no chat template; chat needs a model with one")
+        self.system = system
+        self.sampling = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed)
+        self.max_model_len = max_model_len
+        spec = RolloutSpec(engine=engine, model_path=str(model_dir), device=device, dtype=dtype,
+                           max_model_len=max_model_len, seed=seed)  # fmt: skip
+        self.engine = make_rollout_engine(spec)
+        self.history: list[dict] = []
+
+    def reply(self, text: str) -> str:
+        """The model's answer to ``text`` after the history so far; both join the history."""
+        from rlctl.data.rl import render_prompt
+        from rlctl.data.sft import BadRow
+
+        messages = [*self.history, {"role": "user", "content": text}]
+        try:
+            ids = render_prompt(messages, self.tokenizer, "chat", self.system)
+        except BadRow as e:
+            raise UserError(f"cannot render the conversation: {e}") from None
+        if len(ids) >= self.max_model_len:
+            raise UserError(
+                f"the conversation is {len(ids)} tokens, over --max-model-len {self.max_model_len}; /reset it"
+            )
+        (sample,) = self.engine.generate([ids], 1, self.sampling)
+        answer = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        self.history = [*messages, {"role": "assistant", "content": answer}]
+        return answer
+
+    def reset(self) -> None:
+        self.history = []
+
+    def close(self) -> None:
+        self.engine.close()
