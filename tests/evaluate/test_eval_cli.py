@@ -46,7 +46,8 @@ def answers(tiny_model_dir):
 def _eval(monkeypatch, capsys, *args: str) -> tuple[int, dict]:
     code, out = rlctl_in_process(monkeypatch, capsys, "eval", *args, "--json", "--max-new-tokens", str(NEW))
     assert code == 0, out[-3000:]
-    return code, json.loads(out.strip().splitlines()[-1])
+    (summary,) = [line for line in out.splitlines() if line.startswith('{"model"')]  # stdout; the log is stderr
+    return code, json.loads(summary)
 
 
 def test_eval_greedy_accuracy_is_predicted(tiny_model_dir, answers, tmp_path, monkeypatch, capsys):
@@ -126,11 +127,19 @@ def test_eval_run_dir_uses_latest_checkpoint_and_run_config(tiny_model_dir, tmp_
 
 
 def test_chat_prompt_equals_transformers_greedy(tiny_model_dir, monkeypatch, capsys):
+    """--prompt prints exactly the reply (stdout: nothing else) and returns (exit 0)."""
+    import sys
+
+    from rlctl.cli.app import main
+
     for system in ("", "be brief"):
         args = ["chat", str(tiny_model_dir), "--prompt", PROMPTS[1], "--max-new-tokens", str(NEW)]
-        code, out = rlctl_in_process(monkeypatch, capsys, *args, "--system-prompt", system)
-        assert code == 0, out[-2000:]
-        assert out.rstrip("\n").splitlines()[-1] == _greedy(tiny_model_dir, PROMPTS[1], system).rstrip("\n")
+        monkeypatch.setattr(sys, "argv", ["rlctl", *args, "--system-prompt", system])
+        with pytest.raises(SystemExit) as exited:
+            main()
+        assert exited.value.code in (0, None)
+        out = capsys.readouterr().out
+        assert out == _greedy(tiny_model_dir, PROMPTS[1], system) + "\n"
 
 
 def test_chat_session_keeps_history_and_resets(tiny_model_dir):
