@@ -72,21 +72,27 @@ def test_eval_greedy_accuracy_is_predicted(tiny_model_dir, answers, tmp_path, mo
     assert (m["accuracy"], m["pass@1"]) == (0.5, 0.5)
 
 
-def test_eval_sampled_pass_at_k_from_rows(tiny_model_dir, answers, tmp_path, monkeypatch, capsys):
-    """--n 4 --temperature 1.5: pass@k equals the estimator worked by hand on the rows' correct counts."""
+def test_eval_sampled_pass_at_k_from_rows(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """--n 4 --temperature 1.5 with a custom reward (even response length): each row's reward is the rule
+    applied to its response here, and pass@k equals the estimator worked by hand on the rows' counts."""
     from math import comb
 
-    data = _write(tmp_path / "d.jsonl", [{"prompt": p, "answer": a} for p, a in zip(PROMPTS, answers)])
+    rule = tmp_path / "parity.py"
+    rule.write_text("def even(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    return float(len(solution_str) % 2 == 0)\n")  # fmt: skip
+    data = _write(tmp_path / "d.jsonl", [{"prompt": p, "answer": ""} for p in PROMPTS])
     out_file = tmp_path / "rows.jsonl"
-    args = ["--data", str(data), "--reward", "exact", "--n", "4", "--k", "1", "--k", "2", "--k", "4"]
+    args = ["--data", str(data), "--reward", f"{rule}:even", "--n", "4", "--k", "1", "--k", "2", "--k", "4"]
     _, m = _eval(monkeypatch, capsys, str(tiny_model_dir), *args, "--temperature", "1.5", "-o", str(out_file))
     rows = [json.loads(line) for line in out_file.read_text().splitlines()]
     assert len(rows) == 16 and m["samples"] == 16
+    assert all(r["reward"] == float(len(r["response"]) % 2 == 0) for r in rows)
     counts = [sum(r["correct"] for r in rows if r["prompt_index"] == i) for i in range(4)]
+    assert any(0 < c < 4 for c in counts), counts  # some prompt half solved: pass@k differs from pass@1
     for k in (1, 2, 4):
         by_hand = sum(1 - comb(4 - c, k) / comb(4, k) if 4 - c >= k else 1.0 for c in counts) / 4
         assert m[f"pass@{k}"] == pytest.approx(by_hand)
-    assert m["accuracy"] == pytest.approx(sum(counts) / 16)
+    assert m["accuracy"] == pytest.approx(sum(counts) / 16) == m["pass@1"]
 
 
 def _dcp_run(run: Path, source_model: Path) -> Path:
