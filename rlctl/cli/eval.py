@@ -185,6 +185,6 @@ def _table(metrics: dict):
     for key, value in metrics.items():
         if key in ("model", "data"):
             continue
-        shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+        shown = f"{value:g}" if key == "temperature" else f"{value:.4f}" if isinstance(value, float) else str(value)
         table.add_row(Text(key), Text(inert(shown)))
     return table

@@ -30,7 +30,10 @@ class ChatSession:
         self.max_model_len = max_model_len
         spec = RolloutSpec(engine=engine, model_path=str(model_dir), device=device, dtype=dtype,
                            max_model_len=max_model_len, seed=seed)  # fmt: skip
-        self.engine = make_rollout_engine(spec)
+        from rlctl.convert.verify import hf_quiet
+
+        with hf_quiet():  # no load report nor progress bar between the user and the prompt
+            self.engine = make_rollout_engine(spec)
         self.history: list[dict] = []
 
     def reply(self, text: str) -> str:

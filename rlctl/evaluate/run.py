@@ -121,7 +121,11 @@ def _generate(model_dir: Path, cfg: RunConfig, s: EvalSettings, prompts: list, l
     )
     log(f"sampling {len(prompts)} prompt(s) x {s.n} with {s.engine} ({'greedy' if sampling.greedy else 'sampled'})")
     images = [(p.pixel_values, p.image_grid_thw) if p.pixel_values is not None else None for p in prompts]
-    with make_rollout_engine(spec) as engine:
+    from rlctl.convert.verify import hf_quiet
+
+    with hf_quiet():  # no load report nor progress bar on the console
+        engine = make_rollout_engine(spec)
+    with engine:
         return engine.generate([p.token_ids for p in prompts], s.n, sampling, images=images)
 
 
