@@ -103,6 +103,13 @@ def run_eval(
     mem_fraction: Annotated[float, typer.Option("--mem-fraction", help="vLLM's share of GPU memory.")] = 0.8,
     limit: Annotated[int, typer.Option("--limit", help="Only the first N usable prompts (0: all).")] = 0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    tools: Annotated[
+        str | None,
+        typer.Option("--tools", help="Multi-turn with tools, as training: FILE.py, FILE.py:a,b or a verl tool YAML."),
+    ] = None,
+    env: Annotated[
+        str | None, typer.Option("--env", help="An environment class FILE.py:Class (multi-turn, as training).")
+    ] = None,
     sets: Annotated[
         list[str] | None, typer.Option("--set", help="Any config key=value (data.*, reward.*, rollout.*).")
     ] = None,
@@ -130,6 +137,8 @@ def run_eval(
         "data.system_prompt": system_prompt,
         "rollout.max_prompt_len": max_prompt_len,
         "rollout.max_response_len": max_new_tokens,
+        "agent.tools": tools,
+        "agent.env": env,
         **({"reward.fn": reward[0]} if reward and len(reward) == 1 else {"reward.fns": reward} if reward else {}),
     }
     cfg, config_file = eval_config(model_or_run, options, sets or [])

@@ -20,7 +20,7 @@ class ChatSession:
                  system: str = "", seed: int = 0):  # fmt: skip
         from transformers import AutoTokenizer
 
-        from rlctl.rollout import RolloutSpec, SamplingParams, make_rollout_engine
+        from rlctl.rollout import RolloutSpec, SamplingParams
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         if not self.tokenizer.chat_template:
@@ -30,10 +30,9 @@ class ChatSession:
         self.max_model_len = max_model_len
         spec = RolloutSpec(engine=engine, model_path=str(model_dir), device=device, dtype=dtype,
                            max_model_len=max_model_len, seed=seed)  # fmt: skip
-        from rlctl.convert.verify import hf_quiet
+        from rlctl.evaluate.run import make_engine
 
-        with hf_quiet():  # no load report nor progress bar between the user and the prompt
-            self.engine = make_rollout_engine(spec)
+        self.engine = make_engine(spec)
         self.history: list[dict] = []
 
     def reply(self, text: str) -> str:

@@ -56,35 +56,53 @@ def check_rows(path: str, split: str) -> None:
 
 
 def evaluate(model_dir: Path, cfg: RunConfig, s: EvalSettings, log: Callable[[str], None] = lambda m: None):
-    """Sample ``s.n`` responses per prompt of ``cfg.data.path`` and score them with ``cfg.reward``."""
+    """Sample ``s.n`` responses per prompt of ``cfg.data.path`` and score them with ``cfg.reward``; with
+    ``agent.tools`` / ``agent.env`` each sample is a multi-turn trajectory of training's agent loop."""
     from transformers import AutoTokenizer
 
+    from rlctl.config import agent_enabled
     from rlctl.data.rl import read_prompts
+    from rlctl.recipes.rl.agent import load_agent
     from rlctl.rewards import RewardManager, reward_metrics
 
     check_rows(cfg.data.path, cfg.data.split)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if cfg.data.chat_template:
         tokenizer.chat_template = Path(cfg.data.chat_template).read_text()
-    prompts, report = read_prompts(cfg.data.path, tokenizer, cfg, cfg.data.split)
+    agent = load_agent(cfg)  # None without tools: single-turn samples
+    tools = agent.schemas if agent is not None else None
+    prompts, report = read_prompts(cfg.data.path, tokenizer, cfg, cfg.data.split, tools=tools)
     if not prompts:
         raise UserError(f"{cfg.data.path}: no usable prompts: {report.summary()}")
-    if s.limit:
-        prompts = prompts[: s.limit]
-    manager = RewardManager(cfg.reward, {p.data_source for p in prompts}, tokenizer=tokenizer)  # bad names fail here
+    prompts = prompts[: s.limit] if s.limit else prompts
+    sources = {p.data_source for p in prompts}
+    manager = RewardManager(cfg.reward, sources, tokenizer=tokenizer, agent=agent_enabled(cfg))  # bad names fail now
     try:
-        samples = _generate(model_dir, cfg, s, prompts, log)
+        samples = _generate(model_dir, cfg, s, prompts, tokenizer, agent, log)
         picked = [prompts[x.prompt_index] for x in samples]
-        result = manager.score(manager.batch([p.token_ids for p in picked], [x.token_ids for x in samples], picked))
+        prompt_ids = [x.prompt_ids if agent else p.token_ids for x, p in zip(samples, picked)]
+        trajectories = samples if agent else None
+        result = manager.score(manager.batch(prompt_ids, [x.token_ids for x in samples], picked, trajectories))
         reward = reward_metrics(result.sums, result.errors)
-        texts = tokenizer.batch_decode([x.token_ids for x in samples], skip_special_tokens=True)
     finally:
         manager.close()
-    rows = [
-        {
+    rows = sample_rows(samples, picked, prompt_ids, result.scores, tokenizer, s.n)
+    metrics = summarize(rows, len(prompts), s, reward)
+    metrics["bad_rows"] = report.num_bad
+    if result.errors:
+        metrics["reward_errors"] = result.errors
+    return EvalResult(metrics, rows)
+
+
+def sample_rows(samples: list, picked: list, prompt_ids: list, scores: list[float], tokenizer, n: int) -> list[dict]:
+    """One row per sample (a Sample, or an agent run's Trajectory: its turns and tool calls too)."""
+    texts = tokenizer.batch_decode([x.token_ids for x in samples], skip_special_tokens=True)
+    rows = []
+    for i, (x, p, ids, text, score) in enumerate(zip(samples, picked, prompt_ids, texts, scores)):
+        row = {
             "prompt_index": x.prompt_index,
-            "sample": i % s.n,
-            "prompt": tokenizer.decode(p.token_ids),
+            "sample": i % n,
+            "prompt": tokenizer.decode(ids),
             "response": text,
             "ground_truth": p.ground_truth,
             "data_source": p.data_source,
@@ -93,17 +111,16 @@ def evaluate(model_dir: Path, cfg: RunConfig, s: EvalSettings, log: Callable[[st
             "finish_reason": x.finish_reason,
             "response_tokens": len(x.token_ids),
         }
-        for i, (x, p, text, score) in enumerate(zip(samples, picked, texts, result.scores))
-    ]
-    metrics = summarize(rows, len(prompts), s, reward)
-    metrics["bad_rows"] = report.num_bad
-    if result.errors:
-        metrics["reward_errors"] = result.errors
-    return EvalResult(metrics, rows)
+        if hasattr(x, "turns"):
+            row.update(turns=x.turns, tool_calls=x.tool_calls, tool_errors=x.tool_errors)
+        rows.append(row)
+    return rows
 
 
-def _generate(model_dir: Path, cfg: RunConfig, s: EvalSettings, prompts: list, log) -> list:
-    from rlctl.rollout import RolloutSpec, SamplingParams, make_rollout_engine
+def _generate(model_dir: Path, cfg: RunConfig, s: EvalSettings, prompts: list, tokenizer, agent, log) -> list:
+    """The samples (prompt-major): the engine's, or the agent loop's trajectories when ``agent``."""
+    from rlctl.recipes.rl.agent import make_agent_loop, run_agent
+    from rlctl.rollout import RolloutSpec, SamplingParams
 
     r = cfg.rollout
     spec = RolloutSpec(
@@ -119,14 +136,32 @@ def _generate(model_dir: Path, cfg: RunConfig, s: EvalSettings, prompts: list, l
     sampling = SamplingParams(
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=r.max_response_len, seed=s.seed
     )
-    log(f"sampling {len(prompts)} prompt(s) x {s.n} with {s.engine} ({'greedy' if sampling.greedy else 'sampled'})")
-    images = [(p.pixel_values, p.image_grid_thw) if p.pixel_values is not None else None for p in prompts]
-    from rlctl.convert.verify import hf_quiet
-
-    with hf_quiet():  # no load report nor progress bar on the console
-        engine = make_rollout_engine(spec)
-    with engine:
+    how = "greedy" if sampling.greedy else "sampled"
+    log(f"sampling {len(prompts)} prompt(s) x {s.n} with {s.engine} ({how}{', multi-turn' if agent else ''})")
+    with make_engine(spec) as engine:
+        if agent is not None:
+            return run_agent(make_agent_loop(cfg, agent, tokenizer, engine, s.tp), cfg, engine, prompts, s.n, sampling)
+        images = [(p.pixel_values, p.image_grid_thw) if p.pixel_values is not None else None for p in prompts]
         return engine.generate([p.token_ids for p in prompts], s.n, sampling, images=images)
+
+
+def make_engine(spec):
+    """The rollout engine of ``spec``, quietly: no transformers load report or progress bar, vLLM's log on
+    stderr (stdout is the reply or the JSON), and ``max_model_len`` capped at the model's
+    ``max_position_embeddings`` (vLLM refuses a longer one)."""
+    import json
+    import os
+
+    from rlctl.convert.verify import hf_quiet
+    from rlctl.rollout import make_rollout_engine
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    config = json.loads((Path(spec.model_path) / "config.json").read_text())
+    longest = config.get("max_position_embeddings") or config.get("text_config", {}).get("max_position_embeddings")
+    if longest and spec.max_model_len > longest:
+        spec = spec.replace(max_model_len=int(longest))
+    with hf_quiet():
+        return make_rollout_engine(spec)
 
 
 def summarize(rows: list[dict], num_prompts: int, s: EvalSettings, reward: dict[str, float]) -> dict[str, Any]:
