@@ -47,6 +47,13 @@ def chat(
         str | None, typer.Option("--dtype", help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu).")
     ] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    tools: Annotated[
+        str | None,
+        typer.Option(
+            "--tools", help="Tools the model may call, as training takes them: FILE.py, FILE.py:a,b, verl YAML."
+        ),
+    ] = None,
+    max_turns: Annotated[int, typer.Option("--max-turns", help="With --tools: model turns per reply at most.")] = 8,
     trust: Annotated[
         bool, typer.Option("--trust-checkpoint", help="Unpickle a checkpoint's files fully (see rlctl convert).")
     ] = False,
@@ -75,10 +82,13 @@ def chat(
         session = ChatSession(
             model_dir, engine=engine, device=device, dtype=dtype, temperature=temperature, top_p=top_p,
             max_new_tokens=max_new_tokens, max_model_len=max_model_len, system=system_prompt, seed=seed,
+            tools=tools or "", max_turns=max_turns,
         )  # fmt: skip
         try:
             if prompt is not None:
-                typer.echo(inert(session.reply(prompt)))
+                answer = session.reply(prompt)
+                show_tool_turns(session, err)
+                typer.echo(inert(answer))
             else:
                 _interactive(session, err)
         finally:
@@ -115,5 +125,19 @@ def _interactive(session, err) -> None:
         except UserError as e:
             err.print(inert(f"error: {e}"), markup=False, style="red")
             continue
+        show_tool_turns(session, err)
         out.print("[bold green]model[/]: ", end="")
         out.print(inert(answer), markup=False)
+
+
+def show_tool_turns(session, err) -> None:
+    """The tool calls and results of the last reply (with --tools), before it, on stderr, made inert."""
+    import json
+
+    from rlctl.evaluate.text import inert
+
+    for m in session.last_turn[:-1]:
+        name = f" {m['name']}" if m.get("name") else ""
+        calls = [c.get("function", c) for c in m.get("tool_calls") or []]
+        text = " ".join([m.get("content") or "", *(f"-> {json.dumps(c, default=str)}" for c in calls)]).strip()
+        err.print(inert(f"[{m.get('role')}{name}] {text}"), markup=False, style="dim")

@@ -3,6 +3,10 @@
 Each turn renders the whole history (the system prompt first, when given) with the generation prompt,
 exactly as training renders a prompt (:func:`rlctl.data.rl.render_prompt`), samples one reply on a
 rollout engine and keeps it in the history; :meth:`ChatSession.reset` forgets the history.
+
+With ``tools`` (what ``--tools`` takes in training) a turn is one trajectory of training's agent loop
+(:mod:`rlctl.recipes.rl.agent`): the model may call tools, their results are appended, and it goes on
+until it answers without a call (or ``max_turns``); every message of the turn joins the history.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ class ChatSession:
 
     def __init__(self, model_dir: Path, *, engine: str = "hf", device: str = "cpu", dtype: str = "float32",
                  temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 512, max_model_len: int = 4096,
-                 system: str = "", seed: int = 0):  # fmt: skip
+                 system: str = "", seed: int = 0, tools: str = "", max_turns: int = 8):  # fmt: skip
         from transformers import AutoTokenizer
 
         from rlctl.rollout import RolloutSpec, SamplingParams
@@ -34,6 +38,19 @@ class ChatSession:
 
         self.engine = make_engine(spec)
         self.history: list[dict] = []
+        self.last_turn: list[dict] = []  # the messages of the last reply (with tools: calls and results too)
+        self.agent, self.loop = None, None
+        if tools:
+            self._load_tools(tools, max_new_tokens, max_turns)
+
+    def _load_tools(self, tools: str, max_new_tokens: int, max_turns: int) -> None:
+        from rlctl.config import build_config
+        from rlctl.recipes.rl.agent import load_agent, make_agent_loop
+
+        layer = {"agent": {"tools": tools, "max_turns": max_turns}, "rollout": {"max_response_len": max_new_tokens}}
+        cfg = build_config("grpo", [layer])
+        self.agent = load_agent(cfg)
+        self.loop = make_agent_loop(cfg, self.agent, self.tokenizer, self.engine, 1)
 
     def reply(self, text: str) -> str:
         """The model's answer to ``text`` after the history so far; both join the history."""
@@ -41,6 +58,8 @@ class ChatSession:
         from rlctl.data.sft import BadRow
 
         messages = [*self.history, {"role": "user", "content": text}]
+        if self.loop is not None:
+            return self._agent_reply(messages)
         try:
             ids = render_prompt(messages, self.tokenizer, "chat", self.system)
         except BadRow as e:
@@ -51,8 +70,25 @@ class ChatSession:
             )
         (sample,) = self.engine.generate([ids], 1, self.sampling)
         answer = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-        self.history = [*messages, {"role": "assistant", "content": answer}]
+        self.last_turn = [{"role": "assistant", "content": answer}]
+        self.history = [*messages, *self.last_turn]
         return answer
+
+    def _agent_reply(self, messages: list[dict]) -> str:
+        """One agent-loop trajectory after ``messages``: its messages join the history; the reply is its last
+        assistant message (the tool calls and results before it are in :attr:`last_turn`)."""
+        from rlctl.agents.loop import AgentPrompt, render_ids
+        from rlctl.data.rl import prompt_messages
+
+        full = prompt_messages(messages, "chat", self.system)
+        ids = render_ids(self.tokenizer, full, self.agent.schemas)
+        if len(ids) >= self.max_model_len:
+            raise UserError(f"the conversation is {len(ids)} tokens, over --max-model-len {self.max_model_len}; /reset")
+        (traj,) = self.loop.run(self.engine, [AgentPrompt(ids, full, {})], 1, self.sampling)
+        self.last_turn = traj.messages[len(full) :]
+        self.history = [*messages, *self.last_turn]
+        replies = [m for m in self.last_turn if m.get("role") == "assistant"]
+        return str(replies[-1].get("content") or "") if replies else ""
 
     def reset(self) -> None:
         self.history = []

@@ -32,3 +32,23 @@ def test_eval_with_tools_runs_the_agent_loop(agent_model_dir, tmp_path, monkeypa
     assert [r["reward"] for r in got] == pytest.approx([1.1, 0.1])
     assert [(r["turns"], r["tool_calls"], r["tool_errors"]) for r in got] == [(2, 1, 0), (2, 1, 0)]
     assert "7" in got[0]["response"] and summary["accuracy"] == 0.5 and summary["pass@1"] == 0.5
+
+
+def test_chat_prompt_with_tools(agent_model_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """chat --tools --prompt: the model calls add(3, 4), the tool's 7 comes back, and the reply on stdout is
+    the conversation's last assistant message, the one the model was trained on; the call goes to stderr."""
+    import sys
+
+    from rlctl.cli.app import main
+    from tests.agents.conftest import trace_messages
+
+    tools = tmp_path / "tools.py"
+    tools.write_text(TOOLS_FILE)
+    args = ["chat", str(agent_model_dir), "--prompt", "What is 3 + 4?", "--tools", str(tools), "--max-new-tokens", "96"]
+    monkeypatch.setattr(sys, "argv", ["rlctl", *args])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code in (0, None)
+    out = capsys.readouterr()
+    assert out.out == trace_messages()[-1]["content"] + "\n"
+    assert "[tool add] 7" in out.err and '"name": "add"' in out.err, out.err
