@@ -69,6 +69,9 @@ def chat(
         raise UserError("--prompt is empty; give the message text")
     if max_new_tokens < 1 or max_model_len <= max_new_tokens:
         raise UserError(f"need 1 <= --max-new-tokens < --max-model-len, got {max_new_tokens} and {max_model_len}")
+    from rlctl.evaluate.settings import chat_tools
+
+    agent = chat_tools(tools or "", max_turns, max_new_tokens)  # a bad tools file fails before the model loads
     from rich.console import Console
 
     from rlctl.evaluate.chat import ChatSession
@@ -82,7 +85,7 @@ def chat(
         session = ChatSession(
             model_dir, engine=engine, device=device, dtype=dtype, temperature=temperature, top_p=top_p,
             max_new_tokens=max_new_tokens, max_model_len=max_model_len, system=system_prompt, seed=seed,
-            tools=tools or "", max_turns=max_turns,
+            tools=agent,
         )  # fmt: skip
         try:
             if prompt is not None:

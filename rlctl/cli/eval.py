@@ -145,12 +145,15 @@ def run_eval(
     from rlctl.evaluate.run import EvalSettings, check_rows
 
     check_rows(cfg.data.path, cfg.data.split)
+    from rlctl.evaluate.settings import load_tools
+
+    agent = load_tools(cfg)  # None without --tools / --env
     settings = dict(n=n, ks=tuple(ks), temperature=temperature, top_p=top_p, top_k=top_k, engine=_engine(rollout))
     settings.update(tp=tp, mem_fraction=mem_fraction, limit=limit, seed=seed)
-    _run(source, cfg, EvalSettings(**settings), device, dtype, trust, config_file, json_, output)
+    _run(source, cfg, EvalSettings(**settings), agent, device, dtype, trust, config_file, json_, output)
 
 
-def _run(source, cfg, settings, device, dtype, trust, config_file, json_: bool, output: Path | None) -> None:
+def _run(source, cfg, settings, agent, device, dtype, trust, config_file, json_: bool, output: Path | None) -> None:
     from dataclasses import replace
 
     from rich.console import Console
@@ -168,7 +171,7 @@ def _run(source, cfg, settings, device, dtype, trust, config_file, json_: bool, 
         log(f"data and reward settings from {config_file}")
     device, dtype = pick_device(device, dtype)
     with materialize(source, trust=trust, log=log) as model_dir:
-        result = evaluate(model_dir, cfg, replace(settings, device=device, dtype=dtype), log)
+        result = evaluate(model_dir, cfg, replace(settings, device=device, dtype=dtype), agent, log)
     result.metrics = {"model": str(source.path), "data": cfg.data.path, **result.metrics}
     if output is not None:
         with output.open("w") as f:

@@ -21,7 +21,7 @@ class ChatSession:
 
     def __init__(self, model_dir: Path, *, engine: str = "hf", device: str = "cpu", dtype: str = "float32",
                  temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 512, max_model_len: int = 4096,
-                 system: str = "", seed: int = 0, tools: str = "", max_turns: int = 8):  # fmt: skip
+                 system: str = "", seed: int = 0, tools=None):  # fmt: skip
         from transformers import AutoTokenizer
 
         from rlctl.rollout import RolloutSpec, SamplingParams
@@ -40,17 +40,11 @@ class ChatSession:
         self.history: list[dict] = []
         self.last_turn: list[dict] = []  # the messages of the last reply (with tools: calls and results too)
         self.agent, self.loop = None, None
-        if tools:
-            self._load_tools(tools, max_new_tokens, max_turns)
+        if tools is not None:  # (cfg, spec) of rlctl.evaluate.settings.chat_tools
+            from rlctl.recipes.rl.agent import make_agent_loop
 
-    def _load_tools(self, tools: str, max_new_tokens: int, max_turns: int) -> None:
-        from rlctl.config import build_config
-        from rlctl.recipes.rl.agent import load_agent, make_agent_loop
-
-        layer = {"agent": {"tools": tools, "max_turns": max_turns}, "rollout": {"max_response_len": max_new_tokens}}
-        cfg = build_config("grpo", [layer])
-        self.agent = load_agent(cfg)
-        self.loop = make_agent_loop(cfg, self.agent, self.tokenizer, self.engine, 1)
+            cfg, self.agent = tools
+            self.loop = make_agent_loop(cfg, self.agent, self.tokenizer, self.engine, 1)
 
     def reply(self, text: str) -> str:
         """The model's answer to ``text`` after the history so far; both join the history."""

@@ -55,21 +55,20 @@ def check_rows(path: str, split: str) -> None:
         raise UserError(f"{path}: no data rows{bad}; pass a file of prompt rows with an answer field")
 
 
-def evaluate(model_dir: Path, cfg: RunConfig, s: EvalSettings, log: Callable[[str], None] = lambda m: None):
+def evaluate(model_dir: Path, cfg: RunConfig, s: EvalSettings, agent=None, log: Callable[[str], None] = lambda m: None):
     """Sample ``s.n`` responses per prompt of ``cfg.data.path`` and score them with ``cfg.reward``; with
-    ``agent.tools`` / ``agent.env`` each sample is a multi-turn trajectory of training's agent loop."""
+    ``agent`` (the spec of ``agent.tools`` / ``agent.env``: rlctl.evaluate.settings.load_tools) each sample is
+    a multi-turn trajectory of training's agent loop."""
     from transformers import AutoTokenizer
 
     from rlctl.config import agent_enabled
     from rlctl.data.rl import read_prompts
-    from rlctl.recipes.rl.agent import load_agent
     from rlctl.rewards import RewardManager, reward_metrics
 
     check_rows(cfg.data.path, cfg.data.split)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if cfg.data.chat_template:
         tokenizer.chat_template = Path(cfg.data.chat_template).read_text()
-    agent = load_agent(cfg)  # None without tools: single-turn samples
     tools = agent.schemas if agent is not None else None
     prompts, report = read_prompts(cfg.data.path, tokenizer, cfg, cfg.data.split, tools=tools)
     if not prompts:

@@ -55,3 +55,20 @@ def eval_config(model_or_run: Path, options: dict[str, object], sets: list[str])
     if cfg.data.format not in (None, "rl"):
         raise UserError(f"data.format={cfg.data.format} is for sft; eval reads RL prompt rows (data.format=rl)")
     return cfg, config_file
+
+
+def load_tools(cfg: RunConfig):
+    """The agent spec (tools / environment) of ``cfg``, loaded before any model (torch-free; a bad path or
+    function is a one-line UserError), or None without tools."""
+    from rlctl.recipes.rl.agent import load_agent
+
+    return load_agent(cfg)
+
+
+def chat_tools(tools: str, max_turns: int, max_new_tokens: int):
+    """``(cfg, spec)`` for `rlctl chat --tools`: the agent settings training would use, or None without tools."""
+    if not tools:
+        return None
+    layer = {"agent": {"tools": tools, "max_turns": max_turns}, "rollout": {"max_response_len": max_new_tokens}}
+    cfg = build_config("grpo", [layer])
+    return cfg, load_tools(cfg)

@@ -205,7 +205,9 @@ def test_bad_input_errors(tiny_model_dir, tmp_path, monkeypatch, capsys):
         (["eval", model, "--data", str(data), "--reward", "nosuch"], "nosuch"),
         (["eval", model, "--data", str(data), "--rollout", "sglang"], "choose one of hf, vllm"),
         (["eval", model, "--data", str(data), "-o", str(tmp_path / "no" / "dir.jsonl")], "does not exist"),
+        (["eval", model, "--data", str(data), "--tools", str(tmp_path / "nope.py")], "nope.py not found"),
         (["chat", str(bare), "--prompt", "hi"], "no config.json"),
+        (["chat", model, "--prompt", "hi", "--tools", str(tmp_path / "nope.py")], "nope.py not found"),
         (["chat", model, "--prompt", " "], "--prompt is empty"),
     ]
     for args, expected in cases:
