@@ -9,12 +9,13 @@ _rlctl() {
     for ((i=1; i<COMP_CWORD; i++)); do
         w="${COMP_WORDS[i]}"
         case "$path/$w" in
-            "/bench"|"/bench/compare"|"/bench/convert"|"/bench/rollout"|"/bench/train"|"/convert"|"/convert/fsdp-to-hf"|"/convert/hf-to-megatron"|"/convert/inspect"|"/convert/lora-merge"|"/convert/megatron-to-hf"|"/dpo"|"/estimate"|"/estimate/memory"|"/grpo"|"/ppo"|"/presets"|"/presets/list"|"/presets/show"|"/report"|"/rm"|"/sft") path="$path/$w" ;;
+            "/bench"|"/bench/compare"|"/bench/convert"|"/bench/rollout"|"/bench/train"|"/chat"|"/convert"|"/convert/fsdp-to-hf"|"/convert/hf-to-megatron"|"/convert/inspect"|"/convert/lora-merge"|"/convert/megatron-to-hf"|"/dpo"|"/estimate"|"/estimate/memory"|"/eval"|"/grpo"|"/ppo"|"/presets"|"/presets/list"|"/presets/show"|"/report"|"/rm"|"/sft") path="$path/$w" ;;
         esac
     done
     case "$prev" in
         --account) return ;;
         --adv) COMPREPLY=($(compgen -W "grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg remax" -- "$cur")); return ;;
+        --answer-field) return ;;
         --backend) COMPREPLY=($(compgen -W "fsdp megatron" -- "$cur")); return ;;
         --batch-size) return ;;
         --beta) return ;;
@@ -42,12 +43,14 @@ _rlctl() {
         --host-memory) return ;;
         --interaction) return ;;
         --interval) return ;;
+        --k) return ;;
         --keep-last) return ;;
         --kl-coef) return ;;
         --kl-kind) COMPREPLY=($(compgen -W "k1 abs k2 k3 kl mse low_var_kl" -- "$cur")); return ;;
         --label-smoothing) return ;;
         --launcher) COMPREPLY=($(compgen -W "torchrun slurm" -- "$cur")); return ;;
         --lengths) return ;;
+        --limit) return ;;
         --log) COMPREPLY=($(compgen -W "console tensorboard wandb" -- "$cur")); return ;;
         --lora-alpha) return ;;
         --lora-dropout) return ;;
@@ -61,6 +64,8 @@ _rlctl() {
         --master-addr) return ;;
         --master-port) return ;;
         --max-len) return ;;
+        --max-model-len) return ;;
+        --max-new-tokens) return ;;
         --max-prompt-len) return ;;
         --max-response-len) return ;;
         --max-shard-size) return ;;
@@ -90,6 +95,8 @@ _rlctl() {
         --ppo-epochs) return ;;
         --precision) COMPREPLY=($(compgen -W "mixed bf16" -- "$cur")); return ;;
         --preset) COMPREPLY=($(compgen -W "dapo dpo dr-grpo grpo ppo rm sft tiers" -- "$cur")); return ;;
+        --prompt|-p) return ;;
+        --prompt-field) return ;;
         --prompt-len) return ;;
         --prompts) return ;;
         --rdzv-endpoint) return ;;
@@ -110,6 +117,7 @@ _rlctl() {
         --set|-s) return ;;
         --smooth) return ;;
         --sp) return ;;
+        --split) return ;;
         --steps) return ;;
         --system-prompt) return ;;
         --temperature) return ;;
@@ -125,12 +133,13 @@ _rlctl() {
         --work) return ;;
     esac
     case "$path" in
-        "") words="bench convert dpo estimate grpo ppo presets report rm sft --version --help" ;;
+        "") words="bench chat convert dpo estimate eval grpo ppo presets report rm sft --version --help" ;;
         "/bench") words="compare convert rollout train --help" ;;
         "/bench/compare") words="--model --peer --random-init --work --reps --steps --device --engine --prompts --n --prompt-len --max-tokens --batch-size --seq-len --lengths --seed --json --plot --help" ;;
         "/bench/convert") words="--verify --work --json --plot --help" ;;
         "/bench/rollout") words="--model --random-init --engine --prompts --n --prompt-len --max-tokens --reps --device --dtype --mem-fraction --seed --json --plot --help" ;;
         "/bench/train") words="--model --method --random-init --device --gpus --gpu --nproc --steps --batch-size --seq-len --lengths --n --prompt-len --max-tokens --rollout --micro-batch-size --lora-rank --set --output-dir --seed --json --plot --help" ;;
+        "/chat") words="--prompt --system-prompt --temperature --top-p --max-new-tokens --max-model-len --rollout --device --dtype --seed --tools --max-turns --trust-checkpoint --help" ;;
         "/convert") words="fsdp-to-hf hf-to-megatron inspect lora-merge megatron-to-hf --help" ;;
         "/convert/fsdp-to-hf") words="--dtype --keep-adapter --verify --no-verify --force --max-shard-size --trust-checkpoint --help" ;;
         "/convert/hf-to-megatron") words="--tp --pp --verify --no-verify --force --help" ;;
@@ -140,6 +149,7 @@ _rlctl() {
         "/dpo") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --system-prompt --chat-template --gpus --nodes --gpu --device --host-memory --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --plugin --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --micro-batch-size --max-len --packing --no-packing --max-tokens-per-micro-batch --gradient-checkpointing --no-gradient-checkpointing --backend --tp --pp --ep --cp --sp --precision --dtype --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --loss --beta --label-smoothing --precompute-ref --no-precompute-ref --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --train-vision --no-train-vision --log --run-name --trust-remote-code --ignore-memory-check --help" ;;
         "/estimate") words="memory --help" ;;
         "/estimate/memory") words="--model --method --gpus --nodes --gpu --device --host-memory --preset --config --set --plugin --json --batch-size --n --max-prompt-len --prompt-len --max-response-len --response-len --micro-batch-size --micro-batch --max-len --max-tokens-per-micro-batch --gradient-checkpointing --no-gradient-checkpointing --activation-checkpointing --no-activation-checkpointing --kl-coef --rollout --rollout-tp --rollout-procs --rollout-gpus --mem-fraction --reward-model --backend --tp --pp --ep --cp --sp --precision --dtype --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --loss-chunk --precompute-ref --no-precompute-ref --lora-rank --lora-targets --train-vision --no-train-vision --trust-remote-code --what-to-rent --help" ;;
+        "/eval") words="--data --n --k --temperature --top-p --top-k --max-new-tokens --max-prompt-len --reward --prompt-field --answer-field --system-prompt --split --rollout --device --dtype --tp --mem-fraction --limit --seed --tools --env --set --json --output --trust-checkpoint --help" ;;
         "/grpo") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --host-memory --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --plugin --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --max-tokens-per-micro-batch --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --dynamic-sampling --no-dynamic-sampling --overlong-filter --no-overlong-filter --overlong-buffer --rollout --rollout-tp --rollout-procs --rollout-gpus --max-staleness --mem-fraction --reward --reward-model --samples-every --tools --env --interaction --max-turns --backend --tp --pp --ep --cp --sp --precision --dtype --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --train-vision --no-train-vision --log --run-name --trust-remote-code --ignore-memory-check --ignore-logprob-check --help" ;;
         "/ppo") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --host-memory --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --plugin --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --max-tokens-per-micro-batch --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --dynamic-sampling --no-dynamic-sampling --overlong-filter --no-overlong-filter --overlong-buffer --rollout --rollout-tp --rollout-procs --rollout-gpus --max-staleness --mem-fraction --reward --reward-model --samples-every --tools --env --interaction --max-turns --backend --tp --pp --ep --cp --sp --precision --dtype --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --train-vision --no-train-vision --log --run-name --trust-remote-code --ignore-memory-check --ignore-logprob-check --help" ;;
         "/presets") words="list show --help" ;;

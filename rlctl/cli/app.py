@@ -11,7 +11,8 @@ import sys
 import typer
 
 from rlctl import __version__
-from rlctl.cli import bench, convert, estimate, presets, report, train
+from rlctl.cli import bench, chat, convert, estimate, presets, report, train
+from rlctl.cli import eval as eval_cmd
 from rlctl.names import Method, choices
 
 HELP = """rlctl: post-train LLMs (SFT, GRPO, PPO, DPO, reward models) from one command.
@@ -48,6 +49,8 @@ app = typer.Typer(
 for method in choices(Method):
     app.command(method, epilog=train.EXAMPLES[method])(getattr(train, method))
 app.command("report", epilog=report.EXAMPLES)(report.report)
+app.command("eval", epilog=eval_cmd.EXAMPLES)(eval_cmd.run_eval)
+app.command("chat", epilog=chat.EXAMPLES)(chat.chat)
 app.add_typer(convert.app, name="convert")
 app.add_typer(estimate.app, name="estimate")
 app.add_typer(bench.app, name="bench")
