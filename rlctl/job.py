@@ -87,8 +87,9 @@ def _config_file_layer(path: str, method: str) -> dict:
 
 
 def ready_to_launch(job: Job, *, ignore_memory_check: bool = False, environ: Mapping[str, str] = os.environ):
-    """The config to launch: its run directory fixed, and every check before launch passed
-    (:func:`check_job`); a job submitted to SLURM skips the checks of this machine's devices."""
+    """The config to launch: its run directory fixed and owned by this process (its lock, held until the
+    launcher ends or the process exits), and every check before launch passed (:func:`check_job`); a job
+    submitted to SLURM skips the checks of this machine's devices."""
     cfg, plan = job.cfg, job.plan
     slurm = cfg.cluster.launcher == "slurm"
     if plan.nodes > 1 and not cfg.output_dir and not slurm and not environ.get("SLURM_JOB_ID"):
@@ -97,8 +98,30 @@ def ready_to_launch(job: Job, *, ignore_memory_check: bool = False, environ: Map
             f"on a filesystem all nodes share"
         )
     cfg = with_run_dir(cfg)
-    check_job(cfg, plan, ignore_memory_check=ignore_memory_check, on_this_machine=not slurm)
+    lock = lock_run_dir(cfg, plan, environ)
+    try:
+        check_job(cfg, plan, ignore_memory_check=ignore_memory_check, on_this_machine=not slurm)
+    except BaseException:
+        lock.release()  # a refused job leaves the directory as it was (a new one is removed)
+        raise
     return cfg
+
+
+def lock_run_dir(cfg: RunConfig, plan: Plan, environ: Mapping[str, str]):
+    """Own the run directory (:mod:`rlctl.runtime.run_lock`) before anything is written or read there
+    (``--resume``): a file or someone else's directory is refused first, then another live run's."""
+    import sys
+
+    from rlctl.preflight import check_output_dir
+    from rlctl.runtime.run_lock import job_key, take_run_dir
+
+    run_dir = Path(cfg.output_dir)
+    check_output_dir(run_dir, resume=bool(cfg.checkpoint.resume))
+    notes: list[str] = []
+    lock = take_run_dir(run_dir, job_key(plan.nodes, cfg.hardware, environ), notes=notes)
+    for line in notes:
+        print(line, file=sys.stderr, flush=True)
+    return lock
 
 
 def with_run_dir(cfg: RunConfig) -> RunConfig:

@@ -74,14 +74,15 @@ def main() -> None:
     Usage errors (an unknown option, a missing argument) are click's, also exit code 2.
     """
     from rlctl.errors import UserError
+    from rlctl.terminal import inert  # a message quotes paths, user code's exceptions, data: shown, never obeyed
 
     try:
         app()
     except UserError as e:
-        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.write(f"error: {inert(e)}\n")
         sys.exit(e.exit_code)
     except OSError as e:  # a file-system problem anywhere (an unwritable output, a full disk): one line too
         from rlctl.errors import os_error_line
 
-        sys.stderr.write(f"error: {os_error_line(e)}\n")
+        sys.stderr.write(f"error: {inert(os_error_line(e))}\n")
         sys.exit(UserError.exit_code)

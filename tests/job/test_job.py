@@ -163,6 +163,10 @@ def test_checks_take_well_under_a_second_in_process(files, tiny_model_dir, tmp_p
     start = time.perf_counter()
     ready_to_launch(resolve_job("grpo", options=opts))
     assert time.perf_counter() - start < 1.0
+    from rlctl.runtime.run_lock import LOCK_NAME, held
+
+    assert [p.name for p in (tmp_path / "run").iterdir()] == [LOCK_NAME]  # owned (issue 37), nothing written
+    held(tmp_path / "run").release()
     assert not (tmp_path / "run").exists()
 
 
