@@ -51,7 +51,7 @@ def resolve_job(
 
     ``defaults``: a command's own defaults over the preset's (``rlctl estimate memory``: CUDA);
     ``environ``: inside a SLURM allocation, this node's place in it fills the options left out."""
-    from rlctl.config import build_config, dotted_to_nested, parse_set_options
+    from rlctl.config import build_config, check_no_effect, dotted_to_nested, flat_keys, parse_set_options
     from rlctl.plan import apply_plan, resolve_plan
     from rlctl.presets import method_layers
 
@@ -60,11 +60,12 @@ def resolve_job(
 
         options = allocation_options(options, environ)
     layers = method_layers(method, preset) + [dotted_to_nested(defaults or {})]
-    if config_file:
-        layers.append(_config_file_layer(config_file, method))
-    layers.append(dotted_to_nested({k: v for k, v in options.items() if v is not None}))
-    layers.append(parse_set_options(sets or []))
+    file_layer = _config_file_layer(config_file, method) if config_file else {}
+    named = {k: v for k, v in options.items() if v is not None}
+    set_layer = parse_set_options(sets or [])
+    layers += [file_layer, dotted_to_nested(named), set_layer]
     cfg = build_config(method, layers)
+    check_no_effect(cfg, named={**named, **flat_keys(set_layer)}, config_file=flat_keys(file_layer))
     if not cfg.model.name:
         raise UserError(
             f"no model given: pass --model (e.g. `rlctl {method} --model Qwen2.5-7B ...`) or set model.name in --config"

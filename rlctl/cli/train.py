@@ -76,7 +76,7 @@ def run_training(method: str, values: dict[str, Any]) -> None:
     check_placement(job.plan)
     dry_run, as_json = values["dry_run"], values["as_json"]
     if dry_run:
-        check_dry_run(job.cfg)  # what the user names must exist and read, even for a dry run
+        check_dry_run(job.cfg, job.plan)  # what the launch refuses, a dry run refuses
     if job.cfg.cluster.launcher == "slurm":
         return submit_slurm(job, dry_run=dry_run, as_json=as_json, ignore_memory_check=values["ignore_memory_check"])
     if dry_run:
