@@ -252,6 +252,8 @@ def conversation(messages: list[dict]) -> list[tuple[str, str]]:
         role = str(m.get("role", "?"))
         if role == "system":
             continue
+        if m.get("dropped"):  # ran, but not appended: the policy never read it (no room left)
+            role += " (dropped)"
         text = str(m.get("content") or "")
         calls = [c.get("function", c) for c in m.get("tool_calls") or ()]
         text += " ".join(f" -> {c.get('name')}({json.dumps(c.get('arguments'))})" for c in calls)

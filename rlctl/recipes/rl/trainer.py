@@ -276,7 +276,9 @@ class RLTrainer(Sampling):
                 }
                 if b.trajectories:  # the whole conversation, with roles and tool calls
                     t = b.trajectories[i]
-                    rec.update(messages=t.messages, turns=t.turns, finish_reason=t.finish_reason, rewards=t.rewards)
+                    rec.update(
+                        messages=t.logged_messages(), turns=t.turns, finish_reason=t.finish_reason, rewards=t.rewards
+                    )
                 f.write(json.dumps(rec) + "\n")
 
     # ------------------------------------------------------------------ what rlctl.runtime.fit needs
