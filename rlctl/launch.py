@@ -358,7 +358,6 @@ def _run_ranks(cfg: RunConfig, plan: Plan, paths: RunPaths, lock) -> tuple[int, 
                 while proc.poll() is None:
                     progress.update(tail.read())
                     progress.show_samples(samples.read())
-                    lock.beat()
                     time.sleep(0.2)
                 progress.update(tail.read())
                 progress.show_samples(samples.read())

@@ -10,8 +10,8 @@ is broken only when its owner is gone:
 
 * on this host: none of its processes (the launcher, then torchrun too) is alive, checked by pid and
   process start time (a reused pid is not its owner);
-* on another host (a shared file system): its heartbeat stopped; the launcher touches the file every
-  :data:`HEARTBEAT_S` seconds, and a lock not touched for :data:`STALE_S` seconds is its owner's remains
+* on another host (a shared file system): its heartbeat stopped; a thread of the launcher touches the
+  file every :data:`HEARTBEAT_S` seconds, and a lock not touched for :data:`STALE_S` seconds is its owner's remains
   (this assumes the hosts' clocks agree within a minute).
 
 The nodes of one multi-node job share the lock: the job's ``key`` (the SLURM job id and the rendezvous
@@ -25,6 +25,7 @@ import json
 import os
 import secrets
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -57,7 +58,10 @@ class RunLock:
     record: dict
     owner: bool
     created: Path | None  # the first directory this process created on the way (a refusal removes it again)
-    last_beat: float = 0.0
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def __post_init__(self):
+        threading.Thread(target=self._heartbeat, daemon=True, name="rlctl-run-lock").start()
 
     @property
     def run_dir(self) -> Path:
@@ -69,11 +73,9 @@ class RunLock:
             self.record["pids"].append([pid, _proc_start(pid)])
             _write(self.path, self.record, replace=True)
 
-    def beat(self, now: float | None = None) -> None:
-        """Touch the lock (at most every HEARTBEAT_S): the heartbeat another host reads."""
-        now = time.time() if now is None else now
-        if now - self.last_beat >= HEARTBEAT_S:
-            self.last_beat = now
+    def _heartbeat(self) -> None:
+        """Touch the lock every HEARTBEAT_S until released (through the checks, however long they read)."""
+        while not self.stop.wait(HEARTBEAT_S):
             try:
                 os.utime(self.path)
             except OSError:
@@ -82,6 +84,7 @@ class RunLock:
     def release(self, *, remove_dir: bool = False) -> None:
         """Give the lock up; ``remove_dir``: this process created the directory and leaves none behind."""
         _HELD.pop(self.run_dir, None)
+        self.stop.set()
         if self.owner:
             try:
                 if json.loads(self.path.read_text()).get("token") == self.record["token"]:
@@ -212,7 +215,7 @@ def take_run_dir(run_dir: Path, key: str | None = None, *, notes: list[str] | No
     for _ in range(5):
         try:
             _write(path, record)
-            lock = RunLock(path, record, owner=True, created=created, last_beat=time.time())
+            lock = RunLock(path, record, owner=True, created=created)
             break
         except FileExistsError:
             other = _read(path)

@@ -155,3 +155,13 @@ def test_a_refused_launch_removes_the_directories_it_made(tmp_path):
     (run / "config.yaml").write_text("x")
     lock.release(remove_dir=True)
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_owner_keeps_its_lock_fresh_while_it_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+    lock = take_run_dir(tmp_path / "run")
+    old = time.time() - STALE_S - 5
+    os.utime(lock.path, (old, old))
+    time.sleep(0.5)
+    assert time.time() - lock.path.stat().st_mtime < 5  # another host would not break it
+    lock.release()
