@@ -37,6 +37,20 @@ STALE_S = 300.0
 
 
 def _proc_start(pid: int) -> float | None:
+    """When process ``pid`` started, in this host's own terms (Linux: clock ticks after boot, from
+    /proc/PID/stat; elsewhere psutil's create time); None when there is no such process. Only compared
+    with values read on the same host."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None if Path("/proc/self/stat").is_file() else _psutil_start(pid)
+    except OSError:
+        return _psutil_start(pid)
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3, starttime field 22
+    return None if fields[0] in ("Z", "X") else float(fields[19])
+
+
+def _psutil_start(pid: int) -> float | None:
     import psutil
 
     try:

@@ -93,20 +93,16 @@ def _plant(run: Path, **record) -> Path:
 
 
 def _dead_pid() -> tuple[int, float]:
-    import psutil
-
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    started = psutil.Process(p.pid).create_time()
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    started = run_lock._proc_start(p.pid)
     p.wait()
     return p.pid, started
 
 
 def test_a_live_owner_on_this_host_refuses_and_a_dead_one_is_broken(tmp_path):
-    import psutil
-
     run = tmp_path / "run"
     me = os.getppid()  # a live process that is not this one
-    _plant(run, pid=me, pids=[[me, psutil.Process(me).create_time()]])
+    _plant(run, pid=me, pids=[[me, run_lock._proc_start(me)]])
     with pytest.raises(UserError, match=f"in use by another rlctl run \\(pid {me} on host"):
         take_run_dir(run)
     pid, started = _dead_pid()
@@ -121,8 +117,8 @@ def test_a_live_owner_on_this_host_refuses_and_a_dead_one_is_broken(tmp_path):
 
 def test_a_reused_pid_is_not_the_owner(tmp_path):
     run = tmp_path / "run"
-    me = os.getppid()  # alive, but it started long after the recorded start time
-    _plant(run, pid=me, pids=[[me, 1000.0]])
+    me = os.getppid()  # alive, but not when the recorded process started
+    _plant(run, pid=me, pids=[[me, run_lock._proc_start(me) - 500.0]])
     take_run_dir(run).release()
 
 
