@@ -17,7 +17,7 @@ _rlctl() {
         --adv) COMPREPLY=($(compgen -W "grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg remax" -- "$cur")); return ;;
         --backend) COMPREPLY=($(compgen -W "fsdp megatron" -- "$cur")); return ;;
         --batch-size) return ;;
-        --chat-template) return ;;
+        --chat-template) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --clip-high) return ;;
         --clip-low) return ;;
         --compare) return ;;
@@ -29,7 +29,7 @@ _rlctl() {
         --dtype) COMPREPLY=($(compgen -W "bf16 fp16 fp32" -- "$cur")); return ;;
         --engine) return ;;
         --entropy-coef) return ;;
-        --env) return ;;
+        --env) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --ep) return ;;
         --epochs) return ;;
         --eval-every) return ;;
@@ -38,7 +38,7 @@ _rlctl() {
         --gpus) return ;;
         --hf-config) return ;;
         --host-memory) return ;;
-        --interaction) return ;;
+        --interaction) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --interval) return ;;
         --keep-last) return ;;
         --kl-coef) return ;;
@@ -85,7 +85,7 @@ _rlctl() {
         --pp) return ;;
         --ppo-epochs) return ;;
         --precision) COMPREPLY=($(compgen -W "mixed bf16" -- "$cur")); return ;;
-        --preset) COMPREPLY=($(compgen -W "dapo dr-grpo grpo ppo sft tiers" -- "$cur")); return ;;
+        --preset) COMPREPLY=($(compgen -W "dapo dr-grpo grpo ppo sft" -- "$cur")); return ;;
         --prompt-len) return ;;
         --prompts) return ;;
         --rdzv-endpoint) return ;;
@@ -93,7 +93,7 @@ _rlctl() {
         --response-len) return ;;
         --resume) return ;;
         --reward) COMPREPLY=($(compgen -W "gsm8k gsm8k_flexible math exact format length" -- "$cur")); return ;;
-        --reward-model) return ;;
+        --reward-model) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --rollout) COMPREPLY=($(compgen -W "hf vllm sglang" -- "$cur")); return ;;
         --rollout-gpus|--rollout-procs) return ;;
         --rollout-tp) return ;;
@@ -110,11 +110,11 @@ _rlctl() {
         --system-prompt) return ;;
         --temperature) return ;;
         --time) return ;;
-        --tools) return ;;
+        --tools) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --top-k) return ;;
         --top-p) return ;;
         --tp) return ;;
-        --val-data) return ;;
+        --val-data) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --val-fraction) return ;;
         --warmup-ratio) return ;;
         --weight-decay) return ;;
