@@ -159,6 +159,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l train-vision -l no-train-vision
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l what-to-rent
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l help-all
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2-VL-2B-Instruct Qwen/Qwen2-VL-72B-Instruct Qwen/Qwen2-VL-7B-Instruct Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen2.5-VL-32B-Instruct Qwen/Qwen2.5-VL-3B-Instruct Qwen/Qwen2.5-VL-72B-Instruct Qwen/Qwen2.5-VL-7B-Instruct Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2-VL-2B Qwen2-VL-72B Qwen2-VL-7B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen2.5-VL-32B Qwen2.5-VL-3B Qwen2.5-VL-72B Qwen2.5-VL-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l data -s d -r -F
@@ -259,6 +260,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ignore-memory-check
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ignore-logprob-check
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l help-all
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2-VL-2B-Instruct Qwen/Qwen2-VL-72B-Instruct Qwen/Qwen2-VL-7B-Instruct Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen2.5-VL-32B-Instruct Qwen/Qwen2.5-VL-3B-Instruct Qwen/Qwen2.5-VL-72B-Instruct Qwen/Qwen2.5-VL-7B-Instruct Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2-VL-2B Qwen2-VL-72B Qwen2-VL-7B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen2.5-VL-32B Qwen2.5-VL-3B Qwen2.5-VL-72B Qwen2.5-VL-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l data -s d -r -F
@@ -359,6 +361,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l ignore-memory-check
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l ignore-logprob-check
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l help-all
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from presets; and not __fish_seen_subcommand_from list show' -a list -d 'List the presets: per-method defaults, named presets and the planner\'s...'
 complete -c rlctl -n '__fish_seen_subcommand_from presets; and not __fish_seen_subcommand_from list show' -a show -d 'Print a preset\'s YAML (with the method\'s full resolved defaults for method...'
@@ -440,4 +443,5 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l log -x -a 'console ten
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l ignore-memory-check
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l help-all
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l help -s h

@@ -37,6 +37,7 @@ def build_app():
     import typer
 
     from rlctl.cli import bench, convert, estimate, presets, report, train
+    from rlctl.cli.help import FlagsCommand
     from rlctl.names import Method, choices
 
     app = typer.Typer(
@@ -50,7 +51,7 @@ def build_app():
         context_settings={"help_option_names": ["-h", "--help"]},
     )
     for method in choices(Method):
-        app.command(method, epilog=train.EXAMPLES[method])(getattr(train, method))
+        app.command(method, epilog=train.EXAMPLES[method], cls=FlagsCommand)(getattr(train, method))
     app.command("report", epilog=report.EXAMPLES)(report.report)
     app.add_typer(convert.app, name="convert")
     app.add_typer(estimate.app, name="estimate")

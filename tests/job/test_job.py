@@ -138,10 +138,10 @@ def test_every_pre_launch_error_is_one_line_exit_2_and_leaves_no_run_dir(files, 
 
 
 def test_grpo_help_does_not_offer_gae():
-    r = run_cli("grpo", "--help", env={"COLUMNS": "200"})
+    r = run_cli("grpo", "--help-all", env={"COLUMNS": "200"})
     adv = next(ln for ln in r.stdout.splitlines() if "--adv" in ln)
     assert "gae" not in adv and "rloo" in adv
-    adv = next(ln for ln in run_cli("ppo", "--help", env={"COLUMNS": "200"}).stdout.splitlines() if "--adv" in ln)
+    adv = next(ln for ln in run_cli("ppo", "--help-all", env={"COLUMNS": "200"}).stdout.splitlines() if "--adv" in ln)
     assert "gae" in adv
 
 
