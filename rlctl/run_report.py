@@ -108,9 +108,18 @@ def summarize(run: Run) -> dict:
 
 # The panels of a report, in order: (panel, section, which metric keys it draws). The PNG draws one panel
 # each; the HTML report draws one chart per metric, under its section's heading.
+# The failure counters (flat at zero in a healthy run) come last but "other"; accuracy sits with the reward.
+FAILURE_COUNTERS = {
+    "reward/failed",
+    "reward/nonfinite",
+    "reward/errors",
+    "tool/errors",
+    "tool/timeouts",
+    "tool/malformed",
+}
 PANELS: list[tuple[str, str, Callable[[str], bool]]] = [
-    ("reward", "reward", lambda k: k == "reward" or (k.startswith("reward/") and k not in REWARD_BOOKKEEPING)),
-    ("reward spread", "reward", lambda k: k in REWARD_BOOKKEEPING and k != "reward/mean"),
+    ("reward", "reward", lambda k: k in ("reward", "acc") or (k.startswith("reward/") and k not in REWARD_BOOKKEEPING)),
+    ("reward spread", "reward", lambda k: k == "reward/std"),
     ("loss", "loss and KL", lambda k: k in ("loss", "pg/loss", "critic/value_loss")),
     ("KL", "loss and KL", lambda k: k in ("kl", "kl_loss", "pg/approx_kl")),
     ("entropy", "entropy", lambda k: k == "entropy"),
@@ -118,12 +127,13 @@ PANELS: list[tuple[str, str, Callable[[str], bool]]] = [
     ("lr", "optimizer", lambda k: k == "lr" or k.endswith("/lr")),
     ("clip fraction", "optimizer", lambda k: k.endswith("clip_frac")),
     ("response length", "lengths", lambda k: k.startswith("response_len/")),
-    ("truncated", "lengths", lambda k: k == "response/truncated"),
-    ("agent turns", "agent and tools", lambda k: k.startswith(("turns/", "tool/"))),
-    ("tokens/s", "throughput and timings", lambda k: k == "tokens_per_s"),
+    ("truncated", "lengths", lambda k: k.startswith("response/")),
+    ("agent turns", "agent and tools", lambda k: k.startswith(("turns/", "tool/")) and k not in FAILURE_COUNTERS),
+    ("tokens/s", "throughput and timings", lambda k: k in ("tokens_per_s", "tokens")),
     ("time", "throughput and timings", lambda k: k.startswith("time/")),
     ("memory", "memory", lambda k: k.startswith(("mem/", "memory/"))),
-    ("rollout", "rollout", lambda k: k.startswith("rollout/")),
+    ("rollout", "rollout", lambda k: k.startswith(("rollout/", "dynamic/", "offpolicy/"))),
+    ("failures", "failures", lambda k: k in FAILURE_COUNTERS),
 ]
 NOT_PLOTTED = {"step", "total_steps", "time", "epoch", "reward/mean"}  # the x axis, bookkeeping, duplicates
 EVAL_NOT_PLOTTED = {"step", "time", "time/eval"}
