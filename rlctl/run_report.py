@@ -259,13 +259,18 @@ def _draw(ax, x: list[int], y: list[float], label: str, color: str, style: str, 
 
 
 def render_summary(console, s: dict) -> None:
-    """The summary as a rich table."""
+    """The summary as a rich table (names and keys from the run's files shown as text, inert: never markup
+    nor terminal controls)."""
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
+
+    from rlctl.terminal import inert
 
     def num(v, fmt: str = ".4g") -> str:
         return "-" if v is None else format(v, fmt)
 
-    table = Table(title=f"{s['run']} ({s['method']})", show_header=False)
+    table = Table(title=escape(inert(f"{s['run']} ({s['method']})")), show_header=False)
     table.add_column(style="bold")
     table.add_column()
     total = f" of {s['total_steps']}" if s.get("total_steps") else ""
@@ -274,12 +279,12 @@ def render_summary(console, s: dict) -> None:
     table.add_row("tokens/s", num(s["tokens_per_s"], ",.0f"))
     m = s["metric"]
     best = f"{num(s['best'])} at step {s['best_step']}" if s["best"] is not None else "-"
-    table.add_row(m, f"first {num(s['first'])}, last {num(s['last'])}, best {best}")
+    table.add_row(Text(inert(m)), f"first {num(s['first'])}, last {num(s['last'])}, best {best}")
     if s["nonfinite_steps"]:
         table.add_row(f"{m} not finite", f"at steps {', '.join(map(str, s['nonfinite_steps'][:10]))}")
     for e in s["evals"][-3:]:
         vals = ", ".join(f"{k} {num(v)}" for k, v in e.items() if k != "step" and not k.startswith("time"))
-        table.add_row(f"eval at step {e['step']}", vals)
+        table.add_row(f"eval at step {e['step']}", Text(inert(vals)))
     if not s["evals"]:
         table.add_row("eval", "none (give --val-data or --val-fraction)")
     table.add_row("checkpoints", ", ".join(Path(c).name for c in s["checkpoints"]) or "none")

@@ -54,3 +54,24 @@ def test_a_tool_returning_escape_sequences_reaches_the_console_inert(agent_model
     assert b"7\\x1b]0;pwned\\x07\\x1b[31mRED" in console  # shown, as visible escapes
     found = [c for c in CONTROL if c in console.replace(b"\n", b"").replace(b"\t", b"")]
     assert not found, (found, console.decode(errors="replace")[-2000:])
+
+
+def test_the_report_summary_shows_names_from_the_run_inert():
+    """`rlctl report`'s table: a run directory's name and an eval key (a reward's own key) are the run's text."""
+    import io
+
+    from rich.console import Console
+
+    from rlctl.run_report import render_summary
+
+    out = io.StringIO()
+    summary = {
+        "run": "run\x1b]0;pwned\x07", "method": "grpo", "status": "completed", "steps": 2, "total_steps": 2,
+        "time_s": 1.0, "tokens_per_s": 10.0, "metric": "reward", "first": 0.0, "last": 1.0, "best": 1.0,
+        "best_step": 2, "nonfinite_steps": [], "evals": [{"step": 2, "val/\x1b[31m[bold]x": 0.5}],
+        "checkpoints": [], "hf": None,
+    }  # fmt: skip
+    render_summary(Console(file=out, width=200, color_system=None), summary)
+    text = out.getvalue()
+    assert "\x1b" not in text and "\x07" not in text, repr(text)
+    assert "run\\x1b]0;pwned\\x07" in text and "val/\\x1b[31m[bold]x 0.5" in text, text
