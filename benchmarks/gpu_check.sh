@@ -1,86 +1,112 @@
 #!/usr/bin/env bash
-# Every CUDA path of rlctl, once, on one GPU: about 10 minutes on an H100 (Qwen2.5-0.5B, random weights).
+# Every CUDA path of rlctl, once, on one GPU, within a time budget, on a bare machine.
 #
-#   benchmarks/gpu_check.sh                 # run every step whose packages are installed
-#   benchmarks/gpu_check.sh --only grpo-vllm,sft-lora
-#   benchmarks/gpu_check.sh --dry           # on CPU: check this script's own commands (CI runs it)
+#   make gpu-kit                              # here, first: the wheels the GPU machine lacks, in .gpu-kit/
+#   bash benchmarks/gpu_check.sh              # there: every step whose packages are present, 8 minutes at most
+#   bash benchmarks/gpu_check.sh --budget 300 --only grpo-fsdp-hf,sft-lora
+#   bash benchmarks/gpu_check.sh --dry        # on CPU: check this script's own commands (CI runs it)
 #
-# Each step is one `rlctl bench train` run (a real job through the planner, torchrun and the recipe, 3
-# optimizer steps; it records the peak memory beside the plan's estimate: nvidia-smi's per-GPU figure and
-# torch's allocated / reserved peaks, which the recipe logs on CUDA), or `rlctl bench rollout`, or
-# benchmarks/megatron_gpu_check.py. A step whose Python packages are missing is skipped and says which.
-# Everything lands in ONE JSON file, benchmarks/results/gpu_check.json (--out FILE to change it): per step
-# its command, status (ok | failed | skipped), seconds, the last lines of its output when it failed, and
-# the benchmark's own JSON (memory: measured_bytes, torch_allocated_peak_bytes, torch_reserved_peak_bytes
-# beside estimated_bytes, estimated_allocated_bytes, estimated_reserved_bytes).
+# Nothing need be installed on the GPU machine but its image: the wheels in .gpu-kit/ (or --kit DIR) go into
+# a private folder with `pip install --no-index --no-deps --target`, rlctl runs from this checkout as
+# `python3 -m rlctl` (PYTHONPATH=checkout:folder). The versions of everything are printed first.
+# Steps run in the order of what they teach per minute; each runs under its own `timeout` (its cap, or what
+# is left of --budget, whichever is less); a step that does not fit is "skipped" with the reason.
+#   1 grpo-fsdp-hf           GRPO, hf rollout, FSDP2 forced on 1 GPU: bf16 mixed precision, reference model,
+#                            fast decode, weight sync, step-0 log-prob check, measured peak vs the estimate
+#   2 sft-offload            SFT with parameter + optimizer offload (pinned host memory)
+#   3 grpo-tools-hf          multi-turn tool GRPO, hf rollout on CUDA (KV cache kept between turns)
+#   4 vl-sft-grpo            vision-language SFT then GRPO (a tiny Qwen2-VL built from its config)
+#   5 sft-pure-bf16-savers   pure bf16 + selective checkpointing + activation offload
+#   6 sft-lora               LoRA on FSDP2
+#   then bench-rollout-hf, and flash-attn / Megatron / vLLM / SGLang steps where those packages import.
+# Train steps are `rlctl bench train` runs (real jobs: planner, torchrun, recipe; the peak memory measured
+# beside the plan's estimate, tokens/s, MFU, step times); 3 and 4 are the examples' --quick paths on CUDA.
 #
-# --dry (no GPU needed): bash -n on this file; for every train step `rlctl <method> --dry-run --json` with
-# the step's exact --set options on a CUDA plan (device cuda, 1 x H100-80GB), so every key and value is
-# resolved and planned as the real run would; for the other commands every option they use must appear in
-# their --help. Writes the same JSON with status "dry-ok" / "dry-failed" and the plan's estimate.
+# Output, in --out DIR (default: $OUT when set, as on the lent machine, else benchmarks/results/gpu_check):
+# gpu_check.json (versions, GPU, per step: command, status ok | failed | timeout | skipped, seconds, the
+# benchmark's JSON, the last lines of a failure) and gpu_check.log (every step's whole output).
 #
-# Environment: PYTHON (default: python), GPU_CHECK_MODEL (default: Qwen2.5-0.5B), GPU_CHECK_STEPS (3).
+# --dry (no GPU needed): bash -n on this file; every train step's exact options through
+# `rlctl <method> --dry-run --json` on a CUDA plan (1 x H100-80GB); every other command's options must
+# appear in its --help. Same JSON, statuses "dry-ok" / "dry-failed".
+#
+# Environment: PYTHON (default python3), GPU_CHECK_MODEL (Qwen2.5-0.5B), GPU_CHECK_STEPS (3).
 set -uo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="${GPU_CHECK_REPO:-$(dirname "$HERE")}"
-PY="${PYTHON:-python}"
+PY="${PYTHON:-python3}"
 MODEL="${GPU_CHECK_MODEL:-Qwen2.5-0.5B}"
 STEPS="${GPU_CHECK_STEPS:-3}"
-OUT="$REPO/benchmarks/results/gpu_check.json"
+OUTDIR="${OUT:-$REPO/benchmarks/results/gpu_check}"
+KIT="$REPO/.gpu-kit"
+BUDGET=480
 DRY=0
 ONLY=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry) DRY=1 ;;
-        --out) OUT="$2"; shift ;;
+        --out) OUTDIR="$2"; shift ;;
         --only) ONLY="$2"; shift ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
-        *) echo "gpu_check.sh: unknown option $1 (use --dry, --out FILE, --only A,B)" >&2; exit 2 ;;
+        --budget) BUDGET="$2"; shift ;;
+        --kit) KIT="$2"; shift ;;
+        -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+        *) echo "gpu_check.sh: unknown option $1 (use --dry, --out DIR, --only A,B, --budget SECONDS, --kit DIR)" >&2; exit 2 ;;
     esac
     shift
 done
+[[ "$BUDGET" =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: --budget takes whole seconds, not $BUDGET" >&2; exit 2; }
 
+T_START=$(date +%s)
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/rlctl-gpu-check.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 RECORDS="$WORK/records.jsonl"
 : > "$RECORDS"
+mkdir -p "$OUTDIR"
+LOG="$OUTDIR/gpu_check.log"
+: > "$LOG"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
 
-# name | python modules that must import | method | --set options (space separated)
-TRAIN_STEPS=(
-    "sft-fsdp-bf16|torch|sft|model.attn=sdpa"
-    "sft-flash-attn|flash_attn|sft|model.attn=flash_attention_2"
-    "sft-offload|torch|sft|parallel.offload_params=true parallel.offload_optimizer=true"
-    "sft-pure-bf16-savers|torch|sft|train.precision=bf16 parallel.selective_checkpointing=true parallel.offload_activations=true"
-    "sft-lora|peft|sft|lora.rank=16"
-    "sft-megatron|megatron.core|sft|parallel.backend=megatron"
-    "grpo-hf|torch|grpo|rollout.engine=hf"
-    "grpo-vllm|vllm|grpo|rollout.engine=vllm"
-    "grpo-sglang|sglang|grpo|rollout.engine=sglang"
-    "ppo-vllm|vllm|ppo|rollout.engine=vllm"
-    # sleep / wake under memory pressure: the planner gives the engine all the trainer leaves (auto fraction)
-    # and every step sleeps the engine, trains, empties the cache and wakes it beside the optimizer states
-    "grpo-vllm-pressure|vllm|grpo|rollout.engine=vllm train.batch_size=16 rollout.n=8"
-    "grpo-sglang-pressure|sglang|grpo|rollout.engine=sglang train.batch_size=16 rollout.n=8"
-)
-# name | python modules | command (run from the repository root)
-OTHER_STEPS=(
-    "bench-rollout|vllm|rlctl bench rollout --model $MODEL --random-init --engine ENGINES --prompts 8 --n 4 --max-tokens 64 --reps 2 --device cuda --json"
-    "megatron-gpu-check|megatron.core|$PY benchmarks/megatron_gpu_check.py --gpus 1 --out OUTDIR"
+# name | python modules that must import | cap (s) | kind | kind's fields
+#   train: method | `rlctl bench train` options | --set options (space separated)
+#   cmd:   a command run from the checkout (RLCTL = python -m rlctl, WORKDIR = a scratch folder)
+STEP_TABLE=(
+    "grpo-fsdp-hf|torch|150|train|grpo|--rollout hf|parallel.shard=true algo.kl_coef=0.001"
+    "sft-offload|torch|100|train|sft||parallel.shard=true parallel.offload_params=true parallel.offload_optimizer=true"
+    "grpo-tools-hf|torch|120|cmd|PY examples/calculator/run.py --quick --nproc 1 --device cuda --out WORKDIR"
+    "vl-sft-grpo|torch|120|cmd|PY examples/vlm_colors/run.py --quick --nproc 1 --device cuda --out WORKDIR"
+    "sft-pure-bf16-savers|torch|100|train|sft||parallel.shard=true train.precision=bf16 parallel.selective_checkpointing=true parallel.offload_activations=true"
+    "sft-lora|peft|90|train|sft||parallel.shard=true lora.rank=16"
+    "bench-rollout-hf|torch|90|cmd|RLCTL bench rollout --model $MODEL --random-init --engine hf --prompts 8 --n 4 --max-tokens 64 --reps 2 --device cuda --json"
+    "sft-flash-attn|flash_attn|90|train|sft||parallel.shard=true model.attn=flash_attention_2"
+    "sft-megatron|megatron.core|120|train|sft||parallel.backend=megatron"
+    "megatron-gpu-check|megatron.core|240|cmd|PY benchmarks/megatron_gpu_check.py --gpus 1 --out WORKDIR"
+    "grpo-vllm|vllm|150|train|grpo||rollout.engine=vllm"
+    "ppo-vllm|vllm|150|train|ppo||rollout.engine=vllm"
+    # sleep / wake under memory pressure: the planner gives the engine all the trainer leaves
+    "grpo-vllm-pressure|vllm|150|train|grpo||rollout.engine=vllm train.batch_size=16 rollout.n=8"
+    "grpo-sglang|sglang|150|train|grpo||rollout.engine=sglang"
+    "grpo-sglang-pressure|sglang|150|train|grpo||rollout.engine=sglang train.batch_size=16 rollout.n=8"
+    "bench-rollout|vllm|120|cmd|RLCTL bench rollout --model $MODEL --random-init --engine ENGINES --prompts 8 --n 4 --max-tokens 64 --reps 2 --device cuda --json"
 )
 
-have() {  # have MOD... : every module imports
+have() {  # have MOD... : prints the modules that do not import; status 1 when any
     "$PY" - "$@" <<'EOF'
 import importlib.util, sys
-missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m.split(".")[0]) is None or importlib.util.find_spec(m) is None]
+def found(m):
+    try:
+        return importlib.util.find_spec(m) is not None
+    except (ImportError, ValueError):
+        return False
+missing = [m for m in sys.argv[1:] if not found(m)]
 print(", ".join(missing))
 sys.exit(1 if missing else 0)
 EOF
 }
 
 elapsed() { echo "$(( ($(date +%s%N) - $1) / 1000000 ))e-3"; }  # seconds since $1 (date +%s%N)
-
+left() { echo $(( BUDGET - ($(date +%s) - T_START) )); }     # seconds of the budget left
 wanted() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
 
 record() {  # record NAME STATUS SECONDS COMMAND RESULT_FILE LOG_FILE [REASON]
@@ -99,33 +125,82 @@ except (OSError, ValueError):
     row["result"] = None
 if status not in ("ok", "dry-ok", "skipped"):
     try:
-        row["output_tail"] = open(log_file).read().splitlines()[-15:]
+        row["output_tail"] = open(log_file, errors="replace").read().splitlines()[-25:]
     except OSError:
         pass
 print(json.dumps(row))
 EOF
 }
 
-run_step() {  # run_step NAME MODULES COMMAND
-    local name="$1" mods="$2" cmd="$3" missing t0 rc
+append_log() {  # append_log NAME FILE...: the step's whole output into gpu_check.log
+    local name="$1"; shift
+    { echo "===== $name ====="; cat "$@" 2>/dev/null; echo; } >> "$LOG"
+}
+
+rank_errors() {  # rank_errors DIR: the tracebacks the ranks of every run under DIR recorded (RUN/errors/rank_N.json)
+    find "$1" -path '*/errors/rank_*.json' 2>/dev/null | while read -r f; do
+        "$PY" -c 'import json, sys; d = json.load(open(sys.argv[1])); print(sys.argv[1]); print(d.get("traceback") or d)' "$f"
+    done
+}
+
+reap() {  # ranks and engines a killed step left behind (torchrun runs in its own session)
+    pkill -9 -f 'rlctl\.recipes\.' 2>/dev/null
+    pkill -9 -f 'torch\.distributed\.run' 2>/dev/null
+    sleep 1
+}
+
+train_command() {  # train_command METHOD BENCH_OPTS SETS: the `rlctl bench train` command line
+    local args="" s
+    for s in $3; do args="$args --set $s"; done
+    echo "$PY -m rlctl bench train --model $MODEL --random-init --method $1 --gpus 1 --steps $STEPS --json --output-dir WORKDIR $2$args"
+}
+
+expand() {  # expand NAME CMD: the placeholders of a cmd step
+    local cmd="$2"
+    cmd="${cmd//RLCTL/$PY -m rlctl}"
+    cmd="${cmd//WORKDIR/$WORK/$1}"
+    cmd="${cmd//ENGINES/$(engines)}"
+    cmd="${cmd/#PY /$PY }"
+    echo "$cmd"
+}
+
+engines() {  # the rollout engines installed here, for bench rollout
+    local list=hf e
+    for e in vllm sglang; do have "$e" > /dev/null 2>&1 && list="$list,$e"; done
+    echo "$list"
+}
+
+run_step() {  # run_step NAME MODULES CAP COMMAND
+    local name="$1" mods="$2" cap="$3" cmd="$4" missing t0 rc limit
     missing="$(have ${mods//,/ } 2>/dev/null)"
     if [ $? -ne 0 ]; then
         echo "[skip] $name: missing $missing"
         record "$name" skipped 0 "$cmd" /dev/null /dev/null "not installed: $missing"
         return
     fi
-    echo "[run ] $name: $cmd"
+    limit=$(left)
+    if [ "$limit" -lt 30 ]; then
+        echo "[skip] $name: ${limit}s of the --budget left"
+        record "$name" skipped 0 "$cmd" /dev/null /dev/null "budget: ${limit}s left of ${BUDGET}s"
+        return
+    fi
+    [ "$limit" -gt "$cap" ] && limit=$cap
+    echo "[run ] $name (at most ${limit}s): $cmd"
     t0=$(date +%s%N)
-    (cd "$REPO" && eval "$cmd") > "$WORK/$name.out" 2> "$WORK/$name.log"
+    (cd "$REPO" && timeout -k 15 "$limit" bash -c "$cmd") > "$WORK/$name.out" 2> "$WORK/$name.log"
     rc=$?
-    local status=ok
+    reap
+    local status=ok reason=""
     [ $rc -eq 0 ] || status=failed
-    echo "[$status] $name (exit $rc)"
-    record "$name" "$status" "$(elapsed "$t0")" "$cmd" "$WORK/$name.out" "$WORK/$name.log"
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status=timeout; reason="stopped after ${limit}s"; fi
+    echo "[$status] $name (exit $rc, $(elapsed "$t0")s)"
+    [ $status = ok ] || rank_errors "$WORK/$name" | tee -a "$WORK/$name.log" | tail -12
+    record "$name" "$status" "$(elapsed "$t0")" "$cmd" "$WORK/$name.out" "$WORK/$name.log" "$reason"
+    append_log "$name" "$WORK/$name.log" "$WORK/$name.out"
 }
 
-dry_train_step() {  # dry_train_step NAME METHOD SETS
-    local name="$1" method="$2" sets="$3" data="$WORK/sft.jsonl" args=() s t0 rc
+dry_train_step() {  # dry_train_step NAME METHOD BENCH_OPTS SETS
+    local name="$1" method="$2" bench_opts="$3" sets="$4" data="$WORK/sft.jsonl" args=() s t0 rc
     [ "$method" = sft ] || data="$WORK/rl.jsonl"
     for s in $sets; do args+=(--set "$s"); done
     local cmd="rlctl $method --model $MODEL --data $data --device cuda --gpus 1 --gpu H100-80GB --dry-run --json --set model.random_init=true ${args[*]}"
@@ -161,6 +236,8 @@ EOF
     then
         rc=1
     fi
+    # the benchmark's own options must exist
+    [ $rc -eq 0 ] && ! check_options "$name" "$PY -m rlctl bench train --help" "$bench_opts" && rc=1
     local status=dry-ok
     [ $rc -eq 0 ] || status=dry-failed
     echo "[$status] $name"
@@ -168,13 +245,18 @@ EOF
     [ $rc -eq 0 ]
 }
 
-dry_other_step() {  # dry_other_step NAME COMMAND: every --option of COMMAND appears in its --help
-    local name="$1" cmd="$2" help_cmd rc=0 opt
-    help_cmd="$(echo "$cmd" | sed -E 's/ --.*$//') --help"
-    (cd "$REPO" && eval "${help_cmd/#rlctl /$PY -m rlctl }") > "$WORK/$name.help" 2>&1 || rc=1
-    for opt in $(echo "$cmd" | grep -oE -- '--[a-z][a-z-]*' | sort -u); do
-        grep -q -- "$opt" "$WORK/$name.help" || { echo "$name: $opt is not an option of: $help_cmd" > "$WORK/$name.log"; rc=1; }
+check_options() {  # check_options NAME HELP_COMMAND OPTIONS: every --option of OPTIONS is in HELP_COMMAND's output
+    local name="$1" help_cmd="$2" opts="$3" opt rc=0
+    (cd "$REPO" && eval "$help_cmd") > "$WORK/$name.help" 2>&1 || { echo "$name: $help_cmd failed" >> "$WORK/$name.log"; return 1; }
+    for opt in $(echo "$opts" | grep -oE -- '--[a-z][a-z-]*' | sort -u); do
+        grep -q -- "$opt" "$WORK/$name.help" || { echo "$name: $opt is not an option of: $help_cmd" >> "$WORK/$name.log"; rc=1; }
     done
+    return $rc
+}
+
+dry_cmd_step() {  # dry_cmd_step NAME COMMAND: every --option of COMMAND appears in its --help
+    local name="$1" cmd="$2" rc=0
+    check_options "$name" "$(echo "$cmd" | sed -E 's/ --.*$//') --help" "$cmd" || rc=1
     local status=dry-ok
     [ $rc -eq 0 ] || status=dry-failed
     echo "[$status] $name"
@@ -182,10 +264,63 @@ dry_other_step() {  # dry_other_step NAME COMMAND: every --option of COMMAND app
     [ $rc -eq 0 ]
 }
 
-engines() {  # the rollout engines installed here, for bench rollout
-    local list=hf e
-    for e in vllm sglang; do have "$e" > /dev/null 2>&1 && list="$list,$e"; done
-    echo "$list"
+install_kit() {  # the kit's wheels into a private folder, on PYTHONPATH after the checkout
+    local wheels=("$KIT"/*.whl) site="$WORK/site" w
+    [ -e "${wheels[0]}" ] || { echo "[kit ] no wheels in $KIT (run \`make gpu-kit\` on a machine with pip access)"; return; }
+    echo "[kit ] installing ${#wheels[@]} wheels from $KIT"
+    if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "${wheels[@]}" >> "$LOG" 2>&1; then
+        for w in "${wheels[@]}"; do  # one by one: a wheel this Python refuses costs only its own steps
+            "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$w" >> "$LOG" 2>&1 \
+                || echo "[kit ] could not install $(basename "$w") (see gpu_check.log)"
+        done
+    fi
+    export PYTHONPATH="$REPO:$site${PYTHONPATH#"$REPO"}"
+}
+
+versions() {  # what is here, as JSON on stdout; a readable copy on stderr
+    "$PY" - "$KIT" <<'EOF'
+import json, platform, shutil, subprocess, sys
+from importlib import metadata
+from pathlib import Path
+doc = {"python": platform.python_version(), "host": platform.node(), "gpus": []}
+if shutil.which("nvidia-smi"):
+    q = ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+    doc["gpus"] = subprocess.run(q, capture_output=True, text=True).stdout.strip().splitlines()
+try:
+    import torch
+    doc["torch"], doc["cuda"] = torch.__version__, torch.version.cuda
+    doc["cuda_available"] = torch.cuda.is_available()
+except Exception as e:
+    doc["torch"] = f"not importable: {e}"
+names = ["transformers", "peft", "accelerate", "tokenizers", "safetensors", "pyarrow", "pandas", "huggingface-hub",
+         "fsspec", "datasets", "dill", "multiprocess", "omegaconf", "math-verify", "megatron-core", "vllm", "sglang",
+         "flash-attn", "transformer-engine", "triton", "typer", "rich", "numpy"]
+doc["packages"] = {}
+for n in names:
+    try:
+        doc["packages"][n] = metadata.version(n)
+    except metadata.PackageNotFoundError:
+        doc["packages"][n] = None
+problems = []  # the kit's requirements that this machine's versions do not meet (pip --no-deps checks none)
+kit = Path(sys.argv[1]) / "kit.json"
+if kit.exists():
+    from packaging.requirements import Requirement
+    for dist in json.loads(kit.read_text())["distributions"]:
+        for text in metadata.requires(dist) or []:
+            req = Requirement(text)
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            try:
+                have = metadata.version(req.name)
+            except metadata.PackageNotFoundError:
+                problems.append(f"{dist} needs {req}: not installed")
+                continue
+            if req.specifier and not req.specifier.contains(have, prereleases=True):
+                problems.append(f"{dist} needs {req}: {have} is here")
+doc["kit_requirement_problems"] = problems
+print(json.dumps(doc))
+print("versions: " + json.dumps(doc, indent=1), file=sys.stderr)
+EOF
 }
 
 failed=0
@@ -193,67 +328,55 @@ if [ $DRY -eq 1 ]; then
     bash -n "$0" || { echo "gpu_check.sh: syntax error" >&2; exit 1; }
     printf '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n%.0s' 1 2 3 4 5 6 7 8 > "$WORK/sft.jsonl"
     printf '{"prompt": "What is 1 + 1?", "answer": "2"}\n%.0s' 1 2 3 4 5 6 7 8 > "$WORK/rl.jsonl"
-    for step in "${TRAIN_STEPS[@]}"; do
-        IFS='|' read -r name mods method sets <<< "$step"
+    echo '{"dry": true}' > "$WORK/versions.json"
+    for step in "${STEP_TABLE[@]}"; do
+        IFS='|' read -r name mods cap kind a b c <<< "$step"
         wanted "$name" || continue
-        dry_train_step "$name" "$method" "$sets" || failed=1
-    done
-    for step in "${OTHER_STEPS[@]}"; do
-        IFS='|' read -r name mods cmd <<< "$step"
-        wanted "$name" || continue
-        dry_other_step "$name" "$cmd" || failed=1
+        if [ "$kind" = train ]; then
+            dry_train_step "$name" "$a" "$b" "$c" || failed=1
+        else
+            dry_cmd_step "$name" "$(expand "$name" "$a")" || failed=1
+        fi
     done
 else
+    install_kit
+    versions > "$WORK/versions.json"
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
         || { echo "gpu_check.sh: no CUDA GPU visible (use --dry on a machine without one)" >&2; exit 2; }
-    for step in "${TRAIN_STEPS[@]}"; do
-        IFS='|' read -r name mods method sets <<< "$step"
+    for step in "${STEP_TABLE[@]}"; do
+        IFS='|' read -r name mods cap kind a b c <<< "$step"
         wanted "$name" || continue
-        args=""
-        for s in $sets; do args="$args --set $s"; done
-        run_step "$name" "$mods" "rlctl bench train --model $MODEL --random-init --method $method --gpus 1 --steps $STEPS --json$args"
-        [ "$(tail -1 "$RECORDS" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["status"])')" != failed ] || failed=1
-    done
-    for step in "${OTHER_STEPS[@]}"; do
-        IFS='|' read -r name mods cmd <<< "$step"
-        wanted "$name" || continue
-        cmd="${cmd/ENGINES/$(engines)}"
-        cmd="${cmd/OUTDIR/$WORK/$name}"
-        run_step "$name" "${mods}" "${cmd/#rlctl /$PY -m rlctl }"
-        [ "$(tail -1 "$RECORDS" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["status"])')" != failed ] || failed=1
+        if [ "$kind" = train ]; then cmd="$(train_command "$a" "$b" "$c")"; else cmd="$a"; fi
+        cmd="$(expand "$name" "$cmd")"
+        run_step "$name" "$mods" "$cap" "$cmd"
+        case "$(tail -1 "$RECORDS" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["status"])')" in
+            failed|timeout) failed=1 ;;
+        esac
     done
 fi
 
-mkdir -p "$(dirname "$OUT")"
-"$PY" - "$RECORDS" "$OUT" "$DRY" "$MODEL" <<'EOF'
-import json, platform, shutil, subprocess, sys, time
-records, out, dry, model = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
-gpus = []
-if shutil.which("nvidia-smi"):
-    gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.splitlines()
-try:
-    import torch
-    versions = {"torch": torch.__version__, "cuda": torch.version.cuda}
-except ImportError:
-    versions = {}
-for name in ("vllm", "sglang", "megatron.core", "transformers", "flash_attn", "transformer_engine"):
-    try:
-        mod = __import__(name, fromlist=["__version__"])
-        versions[name] = getattr(mod, "__version__", "?")
-    except Exception:
-        pass
+"$PY" - "$RECORDS" "$OUTDIR/gpu_check.json" "$DRY" "$MODEL" "$BUDGET" "$WORK/versions.json" <<'EOF'
+import json, sys, time
+records, out, dry, model, budget, versions = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4], int(sys.argv[5]), sys.argv[6]
 steps = [json.loads(line) for line in open(records) if line.strip()]
 doc = {
     "what": "benchmarks/gpu_check.sh" + (" --dry (commands checked on CPU, nothing ran on a GPU)" if dry else ""),
     "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    "host": platform.node(),
-    "gpus": gpus,
     "model": model,
-    "versions": versions,
+    "budget_s": budget,
+    "versions": json.load(open(versions)),
     "steps": steps,
     "summary": {s: sum(1 for r in steps if r["status"] == s) for s in sorted({r["status"] for r in steps})},
 }
 json.dump(doc, open(out, "w"), indent=1)
 print(f"wrote {out}: {doc['summary']}")
+for r in steps:
+    res = r.get("result") or {}
+    extra = ""
+    if isinstance(res, dict) and "memory" in res:
+        m = res["memory"]
+        extra = f" measured {m.get('measured_bytes')} est {m.get('estimated_bytes')}"
+    print(f"  {r['step']:24s} {r['status']:8s} {r['seconds']:7.1f}s{extra} {r.get('reason', '')}")
 EOF
+echo "total: $(( $(date +%s) - T_START ))s of a ${BUDGET}s budget"
 exit $failed

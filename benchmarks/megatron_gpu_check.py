@@ -48,6 +48,13 @@ sys.path.insert(0, str(ROOT))
 DOCS = [[5, 9, 17, 33, 2, 41, 7, 8], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [60, 61, 62, 63, 64]]
 
 
+def child_env() -> dict[str, str]:
+    """This environment with the checkout first on PYTHONPATH, keeping what is already there (on the lent
+    machine, gpu_check.sh's folder of kit wheels: megatron-core, omegaconf, datasets)."""
+    path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
 def packed_batch():
     """Row 0 packs documents 0 and 2 (positions restart); row 1 is document 1. Labels: next token per doc."""
     import torch
@@ -336,7 +343,7 @@ def main() -> int:
         "--out",
         str(out),
     ]
-    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**child_env(), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     print(f"running on {gpus} GPU(s); outputs in {out}", flush=True)
     engine_rc = subprocess.run(cmd, env=env, check=False).returncode
     cli_rc = cli_checks(hf_dir, out / "cli", gpus)
@@ -355,7 +362,7 @@ def rlctl(*args: str) -> subprocess.CompletedProcess:
         text=True,
         check=False,
         timeout=1800,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=child_env(),
     )
 
 
@@ -365,22 +372,24 @@ def train_records(run: Path) -> list[dict]:
     return [r for r in read_metrics(run / "metrics.jsonl") if r.get("kind") != "eval"]
 
 
-def cli_checks(hf_dir: Path, out: Path, gpus: int) -> int:
-    """`rlctl sft` and `rlctl grpo --rollout hf` with ``--set parallel.backend=megatron --set parallel.tp=T``
-    (T = 2 with 2+ GPUs, else 1), each beside the same command on FSDP: the Megatron run ends with
-    status 0 and a checkpoint its engine wrote, its metrics follow the FSDP run's (bf16: first-step loss
-    within 2%, same rewards while both sample from the same weights), the sft loss falls, the grpo
-    rollout engine's log-probs match the trainer's (weight sync)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from rl_helpers import REWARDS, arith_rows
-    from sft_helpers import chat_rows, write_jsonl
+def cli_tp(gpus: int) -> int:
+    """The tp of the CLI's Megatron runs: 2 with 2+ GPUs, else 1."""
+    return 2 if gpus >= 2 else 1
+
+
+def cli_jobs(hf_dir: Path, out: Path, gpus: int) -> dict[str, dict[str, list[str]]]:
+    """``{method: {backend: rlctl argv}}`` for :func:`cli_checks` (writes their data files into ``out``):
+    ``rlctl sft`` and ``rlctl grpo --rollout hf`` on FSDP and with ``--set parallel.backend=megatron
+    --set parallel.tp=T`` (T: :func:`cli_tp`), 6 steps each, outputs in ``out/METHOD-BACKEND``."""
+    from tests.support.rl import REWARDS, arith_rows
+    from tests.support.sft import chat_rows, write_jsonl
 
     out.mkdir(parents=True, exist_ok=True)
-    tp = 2 if gpus >= 2 else 1
+    tp = cli_tp(gpus)
     chat = write_jsonl(out / "chat.jsonl", chat_rows(64))
     prompts = write_jsonl(out / "prompts.jsonl", arith_rows(32))
     common = ["--model", str(hf_dir), "--device", "cuda", "--gpus", str(gpus), "--max-steps", "6"]
-    jobs = {
+    methods = {
         "sft": ["sft", *common, "--data", str(chat), "--batch-size", "16", "--max-len", "128", "--lr", "2e-3"],
         "grpo": [
             "grpo",
@@ -405,17 +414,38 @@ def cli_checks(hf_dir: Path, out: Path, gpus: int) -> int:
             "0.001",
         ],
     }
+    megatron = ["--set", "parallel.backend=megatron", "--set", f"parallel.tp={tp}"]
+    return {
+        method: {
+            backend: [
+                *args,
+                "--output-dir",
+                str(out / f"{method}-{backend}"),
+                *(megatron if backend == "megatron" else []),
+            ]
+            for backend in ("fsdp", "megatron")
+        }
+        for method, args in methods.items()
+    }
+
+
+def cli_checks(hf_dir: Path, out: Path, gpus: int) -> int:
+    """The jobs of :func:`cli_jobs`, each Megatron run beside the same command on FSDP: the Megatron run
+    ends with status 0 and a checkpoint its engine wrote, its metrics follow the FSDP run's (bf16:
+    first-step loss within 2%, same rewards while both sample from the same weights), the sft loss
+    falls, the grpo rollout engine's log-probs match the trainer's (weight sync)."""
+    jobs = cli_jobs(hf_dir, out, gpus)
+    tp = cli_tp(gpus)
     c = Checks(0)
-    for method, args in jobs.items():
+    for method, argvs in jobs.items():
         runs = {}
-        for backend in ("fsdp", "megatron"):
+        for backend, argv in argvs.items():
             run = out / f"{method}-{backend}"
-            extra = ["--set", "parallel.backend=megatron", "--set", f"parallel.tp={tp}"] * (backend == "megatron")
             t0 = time.time()
-            res = rlctl(*args, "--output-dir", str(run), *extra)
+            res = rlctl(*argv)
             ok = res.returncode == 0
             c.record(
-                f"rlctl {method} on {backend}{f' tp{tp}' if extra else ''}",
+                f"rlctl {method} on {backend}{f' tp{tp}' if backend == 'megatron' else ''}",
                 ok,
                 f"exit {res.returncode} in {time.time() - t0:.0f}s" + ("" if ok else f": {res.stderr[-1500:]}"),
             )

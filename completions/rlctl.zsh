@@ -11,7 +11,7 @@ _rlctl() {
     for ((i=1; i<COMP_CWORD; i++)); do
         w="${COMP_WORDS[i]}"
         case "$path/$w" in
-            "/bench"|"/bench/compare"|"/bench/convert"|"/bench/rollout"|"/bench/train"|"/convert"|"/convert/fsdp-to-hf"|"/convert/hf-to-megatron"|"/convert/inspect"|"/convert/lora-merge"|"/convert/megatron-to-hf"|"/estimate"|"/estimate/memory"|"/grpo"|"/ppo"|"/presets"|"/presets/list"|"/presets/show"|"/report"|"/sft") path="$path/$w" ;;
+            "/bench"|"/bench/compare"|"/bench/convert"|"/bench/rollout"|"/bench/train"|"/convert"|"/convert/fsdp-to-hf"|"/convert/hf-to-megatron"|"/convert/inspect"|"/convert/lora-merge"|"/convert/megatron-to-hf"|"/dpo"|"/estimate"|"/estimate/memory"|"/grpo"|"/ppo"|"/presets"|"/presets/list"|"/presets/show"|"/report"|"/rm"|"/sft") path="$path/$w" ;;
         esac
     done
     case "$prev" in
@@ -19,6 +19,8 @@ _rlctl() {
         --adv) COMPREPLY=($(compgen -W "grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg remax" -- "$cur")); return ;;
         --backend) COMPREPLY=($(compgen -W "fsdp megatron" -- "$cur")); return ;;
         --batch-size) return ;;
+        --beta) return ;;
+        --center-rewards) return ;;
         --chat-template) COMPREPLY=($(compgen -f -- "$cur")); return ;;
         --clip-high) return ;;
         --clip-low) return ;;
@@ -45,6 +47,7 @@ _rlctl() {
         --keep-last) return ;;
         --kl-coef) return ;;
         --kl-kind) COMPREPLY=($(compgen -W "k1 abs k2 k3 kl mse low_var_kl" -- "$cur")); return ;;
+        --label-smoothing) return ;;
         --launcher) COMPREPLY=($(compgen -W "torchrun slurm" -- "$cur")); return ;;
         --lengths) return ;;
         --log) COMPREPLY=($(compgen -W "console tensorboard wandb" -- "$cur")); return ;;
@@ -52,6 +55,7 @@ _rlctl() {
         --lora-dropout) return ;;
         --lora-rank) return ;;
         --lora-targets) return ;;
+        --loss) COMPREPLY=($(compgen -W "sigmoid robust hinge ipo simpo orpo kto" -- "$cur")); return ;;
         --loss-agg) COMPREPLY=($(compgen -W "token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm" -- "$cur")); return ;;
         --loss-chunk) return ;;
         --lr) return ;;
@@ -68,7 +72,7 @@ _rlctl() {
         --max-tokens-per-micro-batch) return ;;
         --max-turns) return ;;
         --mem-fraction) return ;;
-        --method) COMPREPLY=($(compgen -W "sft grpo ppo" -- "$cur")); return ;;
+        --method) COMPREPLY=($(compgen -W "sft grpo ppo dpo rm" -- "$cur")); return ;;
         --micro-batch) return ;;
         --micro-batch-size) return ;;
         --mini-batch-size) return ;;
@@ -87,7 +91,7 @@ _rlctl() {
         --pp) return ;;
         --ppo-epochs) return ;;
         --precision) COMPREPLY=($(compgen -W "mixed bf16" -- "$cur")); return ;;
-        --preset) COMPREPLY=($(compgen -W "dapo dr-grpo grpo ppo sft" -- "$cur")); return ;;
+        --preset) COMPREPLY=($(compgen -W "dapo dpo dr-grpo grpo ppo rm sft" -- "$cur")); return ;;
         --prompt-len) return ;;
         --prompts) return ;;
         --rdzv-endpoint) return ;;
@@ -123,7 +127,7 @@ _rlctl() {
         --work) return ;;
     esac
     case "$path" in
-        "") words="bench convert estimate grpo ppo presets report sft --version --help" ;;
+        "") words="bench convert dpo estimate grpo ppo presets report rm sft --version --help" ;;
         "/bench") words="compare convert rollout train --help" ;;
         "/bench/compare") words="--model --peer --random-init --work --reps --steps --device --engine --prompts --n --prompt-len --max-tokens --batch-size --seq-len --lengths --seed --json --plot --help" ;;
         "/bench/convert") words="--verify --work --json --plot --help" ;;
@@ -135,14 +139,16 @@ _rlctl() {
         "/convert/inspect") words="--json --trust-checkpoint --help" ;;
         "/convert/lora-merge") words="--dtype --verify --no-verify --force --max-shard-size --help" ;;
         "/convert/megatron-to-hf") words="--hf-config --dtype --verify --no-verify --force --max-shard-size --trust-checkpoint --help" ;;
+        "/dpo") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --system-prompt --chat-template --gpus --nodes --gpu --device --host-memory --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --plugin --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --micro-batch-size --max-len --packing --no-packing --max-tokens-per-micro-batch --gradient-checkpointing --no-gradient-checkpointing --backend --tp --pp --ep --cp --sp --precision --dtype --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --loss --beta --label-smoothing --precompute-ref --no-precompute-ref --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --train-vision --no-train-vision --log --run-name --trust-remote-code --ignore-memory-check --help-all --help" ;;
         "/estimate") words="memory --help" ;;
-        "/estimate/memory") words="--model --method --gpus --nodes --gpu --device --host-memory --preset --config --set --plugin --json --batch-size --n --max-prompt-len --prompt-len --max-response-len --response-len --micro-batch-size --micro-batch --max-len --max-tokens-per-micro-batch --gradient-checkpointing --no-gradient-checkpointing --activation-checkpointing --no-activation-checkpointing --kl-coef --rollout --rollout-tp --rollout-procs --rollout-gpus --mem-fraction --reward-model --backend --tp --pp --ep --cp --sp --precision --dtype --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --loss-chunk --lora-rank --lora-targets --train-vision --no-train-vision --trust-remote-code --what-to-rent --help-all --help" ;;
+        "/estimate/memory") words="--model --method --gpus --nodes --gpu --device --host-memory --preset --config --set --plugin --json --batch-size --n --max-prompt-len --prompt-len --max-response-len --response-len --micro-batch-size --micro-batch --max-len --max-tokens-per-micro-batch --gradient-checkpointing --no-gradient-checkpointing --activation-checkpointing --no-activation-checkpointing --kl-coef --rollout --rollout-tp --rollout-procs --rollout-gpus --mem-fraction --reward-model --backend --tp --pp --ep --cp --sp --precision --dtype --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --loss-chunk --precompute-ref --no-precompute-ref --lora-rank --lora-targets --train-vision --no-train-vision --trust-remote-code --what-to-rent --help-all --help" ;;
         "/grpo") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --host-memory --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --plugin --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --max-tokens-per-micro-batch --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --dynamic-sampling --no-dynamic-sampling --overlong-filter --no-overlong-filter --overlong-buffer --rollout --rollout-tp --rollout-procs --rollout-gpus --max-staleness --mem-fraction --reward --reward-model --samples-every --tools --env --interaction --max-turns --backend --tp --pp --ep --cp --sp --precision --dtype --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --train-vision --no-train-vision --log --run-name --trust-remote-code --ignore-memory-check --ignore-logprob-check --help-all --help" ;;
         "/ppo") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --eval-n --system-prompt --chat-template --gpus --nodes --gpu --device --host-memory --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --plugin --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --n --max-prompt-len --max-response-len --temperature --top-p --top-k --mini-batch-size --micro-batch-size --max-tokens-per-micro-batch --gradient-checkpointing --no-gradient-checkpointing --ppo-epochs --kl-coef --kl-kind --entropy-coef --critic-lr --adv --loss-agg --clip-low --clip-high --dynamic-sampling --no-dynamic-sampling --overlong-filter --no-overlong-filter --overlong-buffer --rollout --rollout-tp --rollout-procs --rollout-gpus --max-staleness --mem-fraction --reward --reward-model --samples-every --tools --env --interaction --max-turns --backend --tp --pp --ep --cp --sp --precision --dtype --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --train-vision --no-train-vision --log --run-name --trust-remote-code --ignore-memory-check --ignore-logprob-check --help-all --help" ;;
         "/presets") words="list show --help" ;;
         "/presets/list") words="--help" ;;
         "/presets/show") words="--help" ;;
         "/report") words="--compare --output --html --no-html --no-plot --smooth --follow --interval --json --help" ;;
+        "/rm") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --system-prompt --chat-template --gpus --nodes --gpu --device --host-memory --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --micro-batch-size --max-len --packing --no-packing --max-tokens-per-micro-batch --gradient-checkpointing --no-gradient-checkpointing --backend --tp --pp --ep --cp --sp --precision --dtype --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --center-rewards --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --train-vision --no-train-vision --log --run-name --trust-remote-code --ignore-memory-check --help-all --help" ;;
         "/sft") words="--model --data --val-data --val-fraction --eval-every --eval-before --no-eval-before --system-prompt --chat-template --gpus --nodes --gpu --device --host-memory --nproc --node-rank --master-addr --master-port --rdzv-endpoint --launcher --partition --account --time --sbatch --preset --config --set --output-dir --dry-run --json --max-steps --epochs --lr --lr-scheduler --warmup-ratio --weight-decay --batch-size --micro-batch-size --max-len --packing --no-packing --max-tokens-per-micro-batch --gradient-checkpointing --no-gradient-checkpointing --backend --tp --pp --ep --cp --sp --precision --dtype --offload-params --no-offload-params --offload-optimizer --no-offload-optimizer --selective-checkpointing --no-selective-checkpointing --offload-activations --no-offload-activations --shard --no-shard --save-every --keep-last --resume --seed --lora-rank --lora-alpha --lora-targets --lora-dropout --train-vision --no-train-vision --log --run-name --trust-remote-code --ignore-memory-check --help-all --help" ;;
         *) words="" ;;
     esac

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from rlctl.config import RunConfig, val_split
 from rlctl.config.algorithm import check_algorithm
 from rlctl.errors import UserError
+from rlctl.names import PAIR_METHODS, RL_METHODS
 
 if TYPE_CHECKING:
     from rlctl.plan import Plan
@@ -81,6 +82,10 @@ def check_settings(cfg: RunConfig, plan, model: ModelFiles | None) -> list[str]:
         check_image_processor(model.root)
         check_remote_code(cfg, model)
         check_context(cfg, model)
+        if cfg.method == "rm":
+            from rlctl.rewards.model import classifier_architecture
+
+            classifier_architecture(model.config.get("architectures"), cfg.model.name)
     check_agent_template(cfg, model)
     return warnings
 
@@ -98,6 +103,14 @@ def check_placement(plan: Plan) -> None:
 
 
 def check_data_given(cfg: RunConfig) -> None:
+    if not cfg.data.path and cfg.method in ("grpo", "ppo") and cfg.agent.env:
+        if not cfg.train.max_steps:  # TRL's rule too: the environment owns the data, the steps bound the run
+            raise UserError(
+                "no --data: the environment samples its own tasks (its reset() returns each prompt); set the run's "
+                "length with --max-steps N"
+            )
+        check_reward_source(cfg, [])
+        return
     if not cfg.data.path:
         raise UserError(
             f"no data given: pass --data FILE (JSONL, Parquet or a datasets directory) to `rlctl {cfg.method}`"
@@ -144,7 +157,7 @@ def check_split(cfg: RunConfig, *, nproc: int, nodes: int) -> None:
     problem = None
     if cfg.method not in ("grpo",):
         problem = f"{cfg.method} is not supported with {flag} (only grpo: {cfg.method} " + (
-            "has no rollout)" if cfg.method == "sft" else "trains a critic, not split yet)"
+            "has no rollout)" if cfg.method not in RL_METHODS else "trains a critic, not split yet)"
         )
     elif total < 2:
         problem = f"{flag} {r.procs} needs at least 2 processes (1 to generate, 1 to train): add --nproc 2"
@@ -170,6 +183,37 @@ def check_agent_files(cfg: RunConfig) -> None:
         from rlctl.agents.tools import load_agent_spec
 
         load_agent_spec(tools=a.tools, env=a.env, interaction=a.interaction, timeout_s=a.tool_timeout_s)
+
+
+def check_reward_source(cfg: RunConfig, rows: list[dict]) -> None:
+    """An agent run whose rewards would all be zero trains on nothing: refused, as TRL refuses it ("No reward
+    source provided"). Its sources: a rule reward or model that applies to the rows, or an environment reward
+    with a weight (get_reward: 1 by default; verl's tool and interaction rewards: 0 unless --reward tool:W)."""
+    a = cfg.agent
+    if cfg.method not in ("grpo", "ppo") or not (a.tools or a.env or a.interaction):
+        return
+    from rlctl.agents.tools import load_agent_spec
+    from rlctl.rewards.loader import default_for_data_source
+    from rlctl.rewards.manager import env_weight
+    from rlctl.rewards.spec import ENV_REWARDS, rule_specs
+
+    specs = rule_specs(cfg.reward)
+    given = {s.spec: s.weight for s in specs if s.spec in ENV_REWARDS}
+    sources = {str(r.get("data_source") or "") for r in rows}
+    auto = any(s.spec == "auto" for s in specs) and sources and all(default_for_data_source(x) for x in sources)
+    if auto or cfg.reward.model or any(s.spec != "auto" and s.spec not in ENV_REWARDS for s in specs):
+        return
+    spec = load_agent_spec(tools=a.tools, env=a.env, interaction=a.interaction, timeout_s=a.tool_timeout_s)
+    produced = spec.reward_names() if spec is not None else set()
+    if any(env_weight(n, given) != 0 for n in produced):
+        return
+    fixes = ["--reward FILE.py:function"]
+    fixes += [f"a get_reward() method in {a.env}"] if a.env and "env" not in produced else []
+    fixes += [f"--reward {n}:1" for n in sorted(produced - {"env"})]  # verl's rewards, weight 0 by default
+    raise UserError(
+        "no reward source: no --reward, no environment get_reward, and no row's data_source has a built-in "
+        f"reward (TRL refuses this too: 'No reward source provided'); add {' or '.join(fixes)}"
+    )
 
 
 def check_agent_template(cfg: RunConfig, model: ModelFiles | None) -> None:
@@ -331,7 +375,7 @@ def check_context(cfg: RunConfig, model: ModelFiles) -> None:
     ctx = context_length(model)
     if not ctx:
         return
-    if cfg.method == "sft":  # rows longer than max_len are skipped or cut; the positions stretch (RoPE)
+    if cfg.method not in RL_METHODS:  # rows longer than max_len are skipped or cut; the positions stretch (RoPE)
         return
     r = cfg.rollout
     if r.max_prompt_len + r.max_response_len > ctx:
@@ -361,6 +405,8 @@ def check_data_rows(cfg: RunConfig, model: ModelFiles | None) -> None:
             raise UserError(f"{path} holds no rows (data.{key}); pass a file with at least one row")
         if cfg.method == "sft":
             _check_sft_rows(cfg, path, rows, columns, model)
+        elif cfg.method in PAIR_METHODS:
+            _check_pref_rows(cfg, path, rows, columns)
         else:
             _check_rl_rows(cfg, path, rows, columns)
 
@@ -394,6 +440,28 @@ def _check_sft_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[s
         )
 
 
+def _check_pref_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[str]) -> None:
+    """dpo / rm: the first rows parse in one of the preference layouts (rlctl.data.preference)."""
+    from rlctl.data.preference import parse_row
+    from rlctl.data.sft import BadRow
+
+    reasons = []
+    for r in rows:
+        try:
+            parse_row(r, cfg)
+            return
+        except BadRow as e:
+            reasons.append(str(e))
+    c, rj = cfg.pref.chosen_field, cfg.pref.rejected_field
+    raise UserError(
+        f"{path}: no row of the first {len(rows)} is a preference row ({reasons[0]}); the rows have "
+        f"{_columns(columns)}. rlctl {cfg.method} reads '{cfg.data.prompt_field}'/'{c}'/'{rj}' (TRL), "
+        f"'{cfg.data.prompt_field}'/'{cfg.pref.completion_field}'/'{cfg.pref.label_field}' (kto) or "
+        f"LLaMA-Factory's alpaca/sharegpt pairs (docs/dpo.md); name the columns with "
+        f"--set pref.chosen_field=... pref.rejected_field=..."
+    )
+
+
 def _check_rl_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[str]) -> None:
     d = cfg.data
     if d.format not in (None, "rl"):
@@ -408,18 +476,19 @@ def _check_rl_rows(cfg: RunConfig, path: str, rows: list[dict], columns: list[st
         rm = r.get("reward_model")
         return (isinstance(rm, dict) and "ground_truth" in rm) or d.answer_field in r
 
-    if not any(has_answer(r) for r in rows):
+    from rlctl.rewards.loader import default_for_data_source
+    from rlctl.rewards.spec import needs_answer, rule_specs
+
+    if needs_answer(cfg) and not any(has_answer(r) for r in rows):
         raise UserError(
             f"{path}: no row has an answer field '{d.answer_field}' (nor verl's reward_model.ground_truth); "
             f"the rows have {_columns(columns)}: name the answer with --set data.answer_field=FIELD"
         )
-    from rlctl.rewards.loader import default_for_data_source
-    from rlctl.rewards.spec import rule_specs
-
+    check_reward_source(cfg, rows)
     if all(s.spec != "auto" for s in rule_specs(cfg.reward)):
         return  # every component is named (or a reward model alone): no row needs a data_source
     if cfg.agent.env or cfg.agent.interaction:
-        return  # the environment's get_reward / the interaction's score may be the reward (TRL's convention)
+        return  # the environment's get_reward (TRL's convention) or a weighted interaction scores the rows
 
     sources = {str(r.get("data_source") or "") for r in rows}
     if "" in sources:

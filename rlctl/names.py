@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
-Method = Literal["sft", "grpo", "ppo"]
+Method = Literal["sft", "grpo", "ppo", "dpo", "rm"]
+RL_METHODS = ("grpo", "ppo")  # the methods that generate (a rollout engine, rewards); the rest train on fixed data
+PAIR_METHODS = ("dpo", "rm")  # the methods that train on preference pairs (rlctl.data.preference)
 Dtype = Literal["bf16", "fp16", "fp32"]  # model.dtype None: the plan decides (bf16 on GPU, fp32 on CPU)
 Attn = Literal["sdpa", "eager", "flash_attention_2"]  # model.attn None: the engine picks at run time
 DataFormat = Literal["chat", "pairs", "rl"]  # data.format None: chosen per row (sft), rl (grpo/ppo)
@@ -29,9 +31,12 @@ LogBackend = Literal["console", "tensorboard", "wandb"]  # log.backends is a com
 KlKind = Literal["k1", "abs", "k2", "k3", "kl", "mse", "low_var_kl"]
 CorrectionMode = Literal["none", "tis", "mis"]  # algo.rollout_correction (docs/algos.md)
 CorrectionLevel = Literal["token", "sequence"]
+VerlToolLifecycle = Literal["call", "trajectory"]  # agent.verl_tool_lifecycle (rlctl.agents.sources.VerlTools)
+ToolResults = Literal["trl", "verl", "rlctl"]  # agent.tool_results None: each tool source its peer's (docs/agents.md)
 # Open sets, not Literals: the names registered in rlctl.algos.registry (the built-ins and any plugin's)
 AdvName = str
 PolicyLossName = str
+PrefLossName = str  # rlctl.algos.preference: sigmoid, ipo, hinge, robust, simpo, orpo, kto and plugins'
 
 # value -> what it means, per Literal (only where a word helps)
 MEANINGS: dict[Any, dict[str, str]] = {

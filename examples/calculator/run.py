@@ -168,23 +168,27 @@ def rlctl(method: str, args: list[str], log) -> None:
         raise SystemExit(f"rlctl {method} failed (exit {code})")
 
 
-def sft_args(base: Path, data: Path, out: Path, size: Size, nproc: int, seed: int) -> list[str]:
+def sft_args(base: Path, data: Path, out: Path, size: Size, nproc: int, seed: int, device: str) -> list[str]:
     return [
-        "--model", str(base), "--data", str(data), "--device", "cpu", "--nproc", str(nproc), "-o", str(out),
+        "--model", str(base), "--data", str(data), "--device", device, "--nproc", str(nproc), "-o", str(out),
         "--max-steps", str(size.sft_steps), "--batch-size", str(size.sft_batch), "--lr", str(SFT_LR),
         "--max-len", str(MAX_LEN), "--seed", str(seed),
     ]  # fmt: skip
 
 
-def grpo_args(model: Path, data: Path, out: Path, size: Size, nproc: int, seed: int, tools: bool) -> list[str]:
+def grpo_args(
+    model: Path, data: Path, out: Path, size: Size, nproc: int, seed: int, tools: bool, device: str
+) -> list[str]:
     args = [
-        "--model", str(model), "--data", str(data), "--reward", str(REWARD), "--device", "cpu",
+        "--model", str(model), "--data", str(data), "--reward", str(REWARD), "--device", device,
         "--nproc", str(nproc), "--rollout", "hf", "-o", str(out), "--max-steps", str(size.grpo_steps),
         "--batch-size", str(size.grpo_batch), "--n", str(size.grpo_n), "--lr", str(GRPO_LR),
         "--temperature", "1.0", "--max-prompt-len", "160", "--max-response-len", str(MAX_RESPONSE if tools else 8),
         "--kl-coef", "0", "--seed", str(seed),
     ]  # fmt: skip
-    return args + (["--tools", str(TOOLS), "--max-turns", str(MAX_TURNS)] if tools else [])
+    # rlctl's error texts (Error: Type: message), as this script's own evaluation loop writes them
+    agent = ["--tools", str(TOOLS), "--max-turns", str(MAX_TURNS), "--set", "agent.tool_results=rlctl"]
+    return args + (agent if tools else [])
 
 
 # ChatML with Hermes/Qwen tool calls, like Qwen2.5's template, but naming the tools instead of printing
@@ -265,7 +269,7 @@ def accuracy(model_dir: Path, heldout: list[Problem], tools: bool) -> tuple[floa
     return sum(a == p.answer for a, p in zip(answers, heldout)) / len(heldout), calls
 
 
-def run(out: Path, size: Size, nproc: int, seed: int) -> dict:
+def run(out: Path, size: Size, nproc: int, seed: int, device: str = "cpu") -> dict:
     from rich.console import Console
     from rich.table import Table
 
@@ -284,9 +288,13 @@ def run(out: Path, size: Size, nproc: int, seed: int) -> dict:
         console.rule(f"[bold]{arm}")
         sft_dir, grpo_dir = out / f"{'tool' if tools else 'plain'}_sft", out / f"{'tool' if tools else 'plain'}_grpo"
         sft_data = data / ("sft_tool.jsonl" if tools else "sft_plain.jsonl")
-        rlctl("sft", sft_args(base, sft_data, sft_dir, size, nproc, seed), console.print)
+        rlctl("sft", sft_args(base, sft_data, sft_dir, size, nproc, seed, device), console.print)
         after_sft, _ = accuracy(sft_dir / "hf", heldout, tools)
-        rlctl("grpo", grpo_args(sft_dir / "hf", data / "rl.jsonl", grpo_dir, size, nproc, seed, tools), console.print)
+        rlctl(
+            "grpo",
+            grpo_args(sft_dir / "hf", data / "rl.jsonl", grpo_dir, size, nproc, seed, tools, device),
+            console.print,
+        )
         after_grpo, calls = accuracy(grpo_dir / "hf", heldout, tools)
         results[arm] = {"after_sft": after_sft, "after_grpo": after_grpo, "calls": calls}
     table = Table(title=f"held-out accuracy ({len(heldout)} two-digit products, greedy)")
@@ -311,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke test (accuracies mean nothing)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where rlctl trains (default: cpu)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not (out / "base").exists():
@@ -318,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     import shutil
 
     shutil.rmtree(out, ignore_errors=True)
-    run(out, QUICK if args.quick else FULL, args.nproc, args.seed)
+    run(out, QUICK if args.quick else FULL, args.nproc, args.seed, args.device)
     return 0
 
 

@@ -95,14 +95,14 @@ def rlctl(method: str, *args: str) -> None:
         raise SystemExit(f"rlctl {method} failed (exit {code})")
 
 
-def common(model: Path, data: Path, out: Path, nproc: int, seed: int) -> list[str]:
+def common(model: Path, data: Path, out: Path, nproc: int, seed: int, device: str) -> list[str]:
     return [
-        *("--model", str(model), "--data", str(data), "--output-dir", str(out), "--device", "cpu"),
+        *("--model", str(model), "--data", str(data), "--output-dir", str(out), "--device", device),
         *("--nproc", str(nproc), "--seed", str(seed)),
     ]
 
 
-def run(out: Path, size: Size, nproc: int, seed: int) -> dict:
+def run(out: Path, size: Size, nproc: int, seed: int, device: str = "cpu") -> dict:
     from rlctl.testing import build_tiny_vl_model
 
     prepare_out(out)
@@ -115,7 +115,7 @@ def run(out: Path, size: Size, nproc: int, seed: int) -> dict:
         *("--max-len", "128"),
     )
     t = time.perf_counter()
-    rlctl("sft", *common(base, out / "sft.parquet", out / "sft", nproc, seed), *sft)
+    rlctl("sft", *common(base, out / "sft.parquet", out / "sft", nproc, seed, device), *sft)
     times["sft"] = time.perf_counter() - t
     before = accuracy(out / "sft" / "hf", heldout)
     print(f"after SFT: {_line(before)}", flush=True)
@@ -125,7 +125,7 @@ def run(out: Path, size: Size, nproc: int, seed: int) -> dict:
         *("--reward", str(HERE / "colors.py"), "--temperature", "1.0"),
     )
     t = time.perf_counter()
-    rlctl("grpo", *common(out / "sft" / "hf", out / "rl.parquet", out / "grpo", nproc, seed), *grpo)
+    rlctl("grpo", *common(out / "sft" / "hf", out / "rl.parquet", out / "grpo", nproc, seed, device), *grpo)
     times["grpo"] = time.perf_counter() - t
     after = accuracy(out / "grpo" / "hf", heldout)
     times["total"] = time.perf_counter() - start
@@ -172,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a few steps on a few pictures (a smoke test)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where rlctl trains (default: cpu)")
     args = parser.parse_args(argv)
-    run(args.out, QUICK if args.quick else FULL, args.nproc, args.seed)
+    run(args.out, QUICK if args.quick else FULL, args.nproc, args.seed, args.device)
     return 0
 
 

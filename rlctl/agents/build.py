@@ -24,7 +24,7 @@ __all__ = ["env_class", "functions", "interactions", "verl_tools"]
 
 def functions(spec: str) -> Functions:
     fns, path = load_functions(spec)
-    return Functions(fns, [function_schema(fn, path) for fn in fns.values()], path)
+    return Functions(fns, [function_schema(fn, path) for fn in fns.values()], path, split_spec(spec)[1])
 
 
 def env_class(spec: str) -> EnvClass:
@@ -33,7 +33,7 @@ def env_class(spec: str) -> EnvClass:
         raise UserError(f"--env {spec!r} names no class; give FILE.py:ClassName")
     cls = load_class(spec, "environment")
     names = env_tool_names(cls)
-    return EnvClass(cls, names, [method_schema(cls, n, path) for n in names], path)
+    return EnvClass(cls, names, [method_schema(cls, n, path) for n in names], path, spec)
 
 
 def _search_dirs(path: str) -> tuple[Path, ...]:
@@ -52,7 +52,7 @@ def _schema_dict(tool: Any, given: dict | None, where: str) -> dict:
     return schema
 
 
-def verl_tools(path: str) -> VerlTools:
+def verl_tools(path: str, lifecycle: str = "call") -> VerlTools:
     """verl's tool config: ``tools: [{class_name, config: {type: native, ...}, tool_schema}]``."""
     install_shim()
     schema_type = importlib.import_module("verl.tools.schemas").OpenAIFunctionToolSchema
@@ -72,7 +72,7 @@ def verl_tools(path: str) -> VerlTools:
             ) from exc
         tools.append(tool)
         schemas.append(_schema_dict(tool, given, path))
-    return VerlTools(tools, schemas, path)
+    return VerlTools(tools, schemas, path, lifecycle)
 
 
 def interactions(spec: str) -> Interactions:

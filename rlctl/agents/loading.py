@@ -21,7 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from rlctl.agents.verl_compat import install_shim
+from rlctl.agents.verl_compat import BUNDLED_VERSION, install_shim
 from rlctl.errors import UserError, name_hint, one_line
 from rlctl.usercode import import_user_file, import_user_module
 
@@ -160,15 +160,16 @@ def load_class(spec: str, what: str, base_dirs: tuple[Path, ...] = ()) -> type:
 
 
 def _import_module(name: str, what: str, base_dirs: tuple[Path, ...]) -> ModuleType:
-    shimmed = install_shim()
-    if shimmed and (name == "verl" or name.startswith("verl.")) and name not in sys.modules:
-        raise UserError(
-            f"{what} class in {name} is part of verl, which is not installed: pip install verl, or copy the "
-            "class into your own module"
-        )
+    install_shim()
     added = [str(d) for d in base_dirs if str(d) not in sys.path]
     sys.path[:0] = added  # verl resolves class_name on PYTHONPATH; the YAML's folder and the cwd also work
-    return import_user_module(name, what, "add its folder to PYTHONPATH")
+    fix = "add its folder to PYTHONPATH"
+    if name == "verl" or name.startswith("verl."):  # verl's bundled tools / interactions: gone from verl 0.8 on
+        fix = (
+            f"it is one of verl's bundled classes, which only {BUNDLED_VERSION} has: pip install '{BUNDLED_VERSION}', "
+            "or copy its file next to your YAML and name it there (its verl imports run unchanged under rlctl)"
+        )
+    return import_user_module(name, what, fix)
 
 
 def read_yaml_list(path_text: str, key: str, what: str) -> list[dict]:

@@ -66,6 +66,7 @@ class AgentLoop:
 
     def run(self, engine, prompts: list[AgentPrompt], n: int, sampling) -> list[Trajectory]:
         """``n`` trajectories per prompt, prompt-major (as ``engine.generate`` orders samples)."""
+        self.spec.prepare(len(prompts) * n)
         episodes = [self.spec.open(p.row) for p in prompts for _ in range(n)]
         engine.start_session()  # the hf engine keeps each sample's keys and values for its next turn
         try:
@@ -100,7 +101,9 @@ class AgentLoop:
         if episode.prompt_suffix:
             messages = _with_suffix(messages, episode.prompt_suffix)
             ids = render_ids(self.tokenizer, messages, self.spec.schemas)
-        return Trajectory(prompt_ids=list(ids), prompt_index=index, messages=[dict(m) for m in messages])
+        traj = Trajectory(prompt_ids=list(ids), prompt_index=index, messages=[dict(m) for m in messages])
+        episode.messages = traj.messages  # the same list: a verl tool's agent_data.messages sees each turn
+        return traj
 
     def _first_turn(self, engine, trajs: list[Trajectory], n: int, sampling) -> None:
         budget = self.settings.max_response_len

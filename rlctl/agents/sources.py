@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import uuid
@@ -17,23 +18,52 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rlctl.agents.guard import guarded
-from rlctl.agents.loading import call_with_row
 from rlctl.errors import UserError
 
 if TYPE_CHECKING:
     from rlctl.agents.tools import Episode
 
-__all__ = ["EnvClass", "Functions", "Interactions", "Tool", "VerlTools", "extra_info", "tool_text"]
+__all__ = [
+    "EnvClass",
+    "Functions",
+    "Interactions",
+    "Tool",
+    "VerlTools",
+    "error_content",
+    "extra_info",
+    "result_text",
+    "tool_text",
+]
 
 
 @dataclass(frozen=True)
 class Tool:
     """One tool of one trajectory: ``run(arguments)`` (may return an awaitable), ``interpret(value) ->
-    (text, step reward)``, and the signature that checks the arguments (None: the tool checks them)."""
+    (text, step reward)``, and the signature that checks the arguments (None: the tool checks them); or
+    ``hosted(arguments, timeout_s)``, a sync-host call whose value is already text. ``style``: whose text
+    its results and errors take (:func:`result_text`, :func:`error_content`)."""
 
-    run: Callable[[dict], Any]
-    interpret: Callable[[Any], tuple[str, float]]
+    run: Callable[[dict], Any] | None
+    interpret: Callable[[Any], tuple[str, float]] | None
     signature: inspect.Signature | None = None
+    style: str = "rlctl"
+    hosted: Callable[[dict, float], Any] | None = None
+
+
+def result_text(value: Any, style: str) -> str:
+    """A tool's value as the model sees it: TRL's ``str(result)``, else :func:`tool_text` (JSON)."""
+    return str(value) if style == "trl" else tool_text(value)
+
+
+def error_content(style: str, name: str, kind: str, message: str) -> str:
+    """What the model sees of a failed call ``name`` (``kind``: the exception's type): TRL's
+    ``str({"error": message})``, verl's ``Error executing tool 'name': message``, or rlctl's
+    ``Error: Type: message``."""
+    if style == "trl":
+        return str({"error": message})
+    if style == "verl":
+        return f"Error executing tool '{name}': {message}"
+    return f"Error: {kind}: {message}" if kind else f"Error: {message}"
 
 
 def tool_text(value: Any) -> str:
@@ -52,10 +82,6 @@ def tool_text(value: Any) -> str:
         return json.dumps(value, ensure_ascii=False, default=str)
     except (TypeError, ValueError):
         return str(value)
-
-
-def _plain(value: Any) -> tuple[str, float]:
-    return tool_text(value), 0.0
 
 
 def _verl_step(value: Any) -> tuple[str, float]:
@@ -83,15 +109,24 @@ def _signature(fn: Callable) -> inspect.Signature | None:
 
 
 class Functions:
-    """Plain tool functions, shared by every trajectory."""
+    """Plain tool functions (sync or async), loaded in each trajectory's worker process and called there."""
 
-    def __init__(self, functions: dict[str, Callable], schemas: list[dict], where: str):
-        self.functions, self.schemas, self.where = functions, schemas, where
+    reward_names: tuple[str, ...] = ()
+
+    def __init__(self, functions: dict[str, Callable], schemas: list[dict], where: str, chosen: str = ""):
+        self.functions, self.schemas, self.where, self.chosen = functions, schemas, where, chosen
         self.names = list(functions)
 
     def attach(self, episode: Episode, row: dict) -> None:
+        host = episode.sync_host()
+        status, value = host.add(("functions", self.where if not self.chosen else f"{self.where}:{self.chosen}"))
+        if status != "ok":
+            raise UserError(f"tools file {self.where} failed to load in its worker process: {value[1]}")
+        style = episode.style_for("trl")
         for name, fn in self.functions.items():
-            episode._tools[name] = Tool(lambda args, fn=fn: fn(**args), _plain, _signature(fn))
+            episode._tools[name] = Tool(
+                None, None, _signature(fn), style, functools.partial(host.call, name, style=style)
+            )
 
     def describe(self) -> str:
         return f"{len(self.names)} tool function(s) from {self.where} ({', '.join(self.names)})"
@@ -101,69 +136,136 @@ class EnvClass:
     """An environment class: ``Class()`` per trajectory, ``reset(**row)``, public methods as tools,
     ``get_reward()`` as the reward component ``env``, ``close()`` when the trajectory ends."""
 
-    def __init__(self, cls: type, names: list[str], schemas: list[dict], where: str):
-        self.cls, self.names, self.schemas, self.where = cls, names, schemas, where
+    def __init__(self, cls: type, names: list[str], schemas: list[dict], where: str, spec: str = ""):
+        self.cls, self.names, self.schemas, self.where, self.spec = cls, names, schemas, where, spec
         self.has_reward = callable(getattr(cls, "get_reward", None))
+        self.reward_names = ("env",) if self.has_reward else ()
 
     def attach(self, episode: Episode, row: dict) -> None:
-        def start():
-            env = self.cls()
-            reset = getattr(env, "reset", None)
-            return env, (call_with_row(reset, row) if callable(reset) else None)
-
-        status, value = guarded(start, episode.timeout_s)
+        """The environment lives in the trajectory's worker process (rlctl.agents.sync_host): constructed,
+        reset, its methods and get_reward called there, on that process's main thread, as TRL does."""
+        host = episode.sync_host()
+        status, value = host.add(("env", self.spec, row))
         if status != "ok":
-            why = value if status == "error" else f"took longer than {episode.timeout_s:g} s"
+            why = value[1] if status == "error" else f"took longer than {episode.timeout_s:g} s"
             raise UserError(f"environment {self.cls.__name__}() / reset() failed: {why}; fix {self.where}")
-        env, suffix = value
-        if suffix is not None and not isinstance(suffix, str):
+        if value is not None and not isinstance(value, str):
             raise UserError(
-                f"environment {self.cls.__name__}.reset() returned {type(suffix).__name__}; return a str or None"
+                f"environment {self.cls.__name__}.reset() returned {type(value).__name__}; return a str or None"
             )
-        episode.prompt_suffix = suffix or None
+        episode.prompt_suffix = value or None
+        style = episode.style_for("trl")
         for name in self.names:
-            method = getattr(env, name)
-            episode._tools[name] = Tool(lambda args, m=method: m(**args), _plain, _signature(method))
+            sig = _signature(getattr(self.cls, name))
+            bound = not isinstance(inspect.getattr_static(self.cls, name), (staticmethod, classmethod))
+            if sig is not None and bound:  # without self
+                sig = sig.replace(parameters=list(sig.parameters.values())[1:])
+            episode._tools[name] = Tool(None, None, sig, style, functools.partial(host.call, name, style=style))
         if self.has_reward:
-            episode._rewards.append(("env", env.get_reward))
-        if callable(getattr(env, "close", None)):
-            episode._closers.append(env.close)
+            episode._rewards.append(("env", host.reward))
 
     def describe(self) -> str:
         return f"environment {self.cls.__name__} from {self.where} ({', '.join(self.names) or 'no tools'})"
 
 
 class VerlTools:
-    """verl tool objects (one per YAML entry), an instance id per trajectory."""
+    """verl tool objects (one per YAML entry). ``lifecycle`` ``call`` (verl's tool agent loop): each call is
+    ``create(create_kwargs=...)``, ``execute(instance_id, parameters, agent_data=...)``, ``release``, and
+    ``calc_reward`` is never called; ``trajectory`` (verl's older SGLang rollout): one instance per trajectory,
+    ``create(instance_id, **create_kwargs)``, ``execute(..., **execute_kwargs)``, ``calc_reward`` (a reward
+    component named by the tool) and ``release`` when it ends. Kwargs from the row's ``extra_info.tools_kwargs``."""
 
-    def __init__(self, tools: list[Any], schemas: list[dict], where: str):
-        self.tools, self.schemas, self.where = tools, schemas, where
+    reward_names = ("tool",)
+
+    def __init__(self, tools: list[Any], schemas: list[dict], where: str, lifecycle: str = "call"):
+        self.tools, self.schemas, self.where, self.lifecycle = tools, schemas, where, lifecycle
         self.names = [s["function"]["name"] for s in schemas]
 
     def attach(self, episode: Episode, row: dict) -> None:
         kwargs_by_tool = extra_info(row).get("tools_kwargs") or {}
+        agent_data = AgentData(episode, f"rlctl-{uuid.uuid4().hex}", kwargs_by_tool, row)
         for name, tool in zip(self.names, self.tools):
             kw = kwargs_by_tool.get(name) or {}
-            create_kw = dict(kw.get("create_kwargs") or {})
-            instance = f"rlctl-{uuid.uuid4().hex}"
-            status, value = guarded(lambda t=tool, i=instance, c=create_kw: t.create(i, **c), episode.timeout_s)
-            if status != "ok":
-                why = value if status == "error" else f"took longer than {episode.timeout_s:g} s"
-                raise UserError(f"verl tool {name}: create() failed: {why}; fix its class in {self.where}")
-            if isinstance(value, tuple) and value:  # verl 0.5+: (instance_id, ToolResponse); older: the id
-                value = value[0]
-            instance = value if isinstance(value, str) and value else instance
-            execute_kw = dict(kw.get("execute_kwargs") or {})
-            episode._tools[name] = Tool(
-                lambda args, t=tool, i=instance, e=execute_kw: t.execute(i, args, **e), _verl_step
-            )
-            reward_kw = dict(kw.get("calc_reward_kwargs") or {})
-            episode._rewards.append((name, lambda t=tool, i=instance, r=reward_kw: t.calc_reward(i, **r)))
-            release_kw = dict(kw.get("release_kwargs") or {})
-            episode._closers.append(lambda t=tool, i=instance, r=release_kw: t.release(i, **r))
+            style = episode.style_for("verl")
+            if self.lifecycle == "call":
+                run = functools.partial(_verl_call, tool, dict(kw.get("create_kwargs") or {}), agent_data)
+                episode._tools[name] = Tool(run, _verl_step, style=style)
+            else:
+                self._attach_instance(episode, name, tool, kw, style)
+
+    def _attach_instance(self, episode: Episode, name: str, tool: Any, kw: dict, style: str) -> None:
+        create_kw = dict(kw.get("create_kwargs") or {})
+        instance = f"rlctl-{uuid.uuid4().hex}"
+        status, value = guarded(lambda t=tool, i=instance, c=create_kw: t.create(i, **c), episode.timeout_s)
+        if status != "ok":
+            why = value if status == "error" else f"took longer than {episode.timeout_s:g} s"
+            raise UserError(f"verl tool {name}: create() failed: {why}; fix its class in {self.where}")
+        instance = _instance_id(value) or instance
+        execute_kw = dict(kw.get("execute_kwargs") or {})
+        episode._tools[name] = Tool(
+            lambda args, t=tool, i=instance, e=execute_kw: t.execute(i, args, **e), _verl_step, style=style
+        )
+        reward_kw = dict(kw.get("calc_reward_kwargs") or {})
+        episode._rewards.append((name, lambda t=tool, i=instance, r=reward_kw: t.calc_reward(i, **r)))
+        release_kw = dict(kw.get("release_kwargs") or {})
+        episode._closers.append(lambda t=tool, i=instance, r=release_kw: t.release(i, **r))
 
     def describe(self) -> str:
         return f"{len(self.names)} verl tool(s) from {self.where} ({', '.join(self.names)})"
+
+
+def _instance_id(value: Any) -> str | None:
+    """What ``create`` returned: verl 0.5+ ``(instance_id, ToolResponse)``, older verl the id."""
+    if isinstance(value, tuple) and value:
+        value = value[0]
+    return value if isinstance(value, str) and value else None
+
+
+async def _maybe(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+async def _verl_call(tool: Any, create_kwargs: dict, agent_data: Any, arguments: dict) -> Any:
+    """One call as verl's tool agent loop makes it: a fresh instance, execute with ``agent_data``, release."""
+    instance = _instance_id(await _maybe(tool.create(create_kwargs=create_kwargs)))
+    try:
+        params = inspect.signature(tool.execute).parameters.values()
+        takes = any(p.kind is p.VAR_KEYWORD or p.name == "agent_data" for p in params)
+        return await _maybe(tool.execute(instance, arguments, **({"agent_data": agent_data} if takes else {})))
+    finally:
+        if instance:
+            await _maybe(tool.release(instance))
+
+
+class AgentData:
+    """What verl's tool agent loop hands ``execute`` as ``agent_data``: the trajectory's conversation so far
+    (``messages``), ``request_id``, ``tools_kwargs``, ``interaction_kwargs``, its turn counts and scores, and
+    ``extra_fields`` for a tool's own session data (images and videos: none, rlctl's agent runs are text)."""
+
+    def __init__(self, episode: Episode, request_id: str, tools_kwargs: dict, row: dict):
+        self._episode, self.request_id, self.tools_kwargs = episode, request_id, tools_kwargs
+        self.interaction_kwargs = dict(extra_info(row).get("interaction_kwargs") or {})
+        self.image_data, self.video_data = None, None
+        self.metrics: dict = {}
+        self.extra_fields: dict = {}
+        self.tool_rewards: list[float] = []
+        self.interaction = None
+
+    @property
+    def messages(self) -> list[dict]:
+        return self._episode.messages
+
+    @property
+    def turn_scores(self) -> list[float]:
+        return self._episode.turn_scores
+
+    @property
+    def assistant_turns(self) -> int:
+        return sum(m.get("role") == "assistant" for m in self._episode.messages)
+
+    @property
+    def user_turns(self) -> int:
+        return sum(m.get("role") in ("user", "tool") for m in self._episode.messages) - 1
 
 
 class Interactions:
@@ -171,6 +273,7 @@ class Interactions:
 
     schemas: list[dict] = []
     names: list[str] = []
+    reward_names = ("interaction",)
 
     def __init__(self, objects: dict[str, Any], where: str):
         self.objects, self.where = objects, where

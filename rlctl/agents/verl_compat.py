@@ -3,8 +3,10 @@
 A verl tool class imports ``BaseTool`` from ``verl.tools.base_tool`` and its schema types from
 ``verl.tools.schemas``; a verl interaction imports ``BaseInteraction`` from ``verl.interactions.base``.
 Such a file runs under rlctl either with one import changed (``from rlctl.agents.verl_compat import
-BaseTool, ToolResponse``) or unchanged: when verl itself is not importable, :func:`install_shim`
-registers these classes under verl's module names (only those modules, nothing else of verl).
+BaseTool, ToolResponse``) or unchanged: :func:`install_shim` makes verl's module names importable module by
+module (:data:`STAND_INS`: the base classes, the schema types, the interaction base, the
+``verl.utils.reward_score`` helpers), each from the installed verl when it has that module and from these
+stand-ins when it does not (no verl, or a verl 0.8+ without ``verl.interactions``).
 
 The classes follow verl 0.9's: ``BaseTool.__init__(config, tool_schema)`` and the async
 create/execute/calc_reward/release life cycle; ``BaseInteraction.__init__(config)`` and the async
@@ -15,6 +17,7 @@ pydantic; rlctl does not depend on it).
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.util
 import sys
 import types
@@ -28,8 +31,11 @@ __all__ = [
     "OpenAIFunctionPropertySchema",
     "OpenAIFunctionSchema",
     "OpenAIFunctionToolSchema",
+    "BUNDLED_VERSION",
+    "STAND_INS",
     "ToolResponse",
     "install_shim",
+    "is_stand_in",
     "rollout_trace_op",
 ]
 
@@ -158,39 +164,76 @@ class BaseInteraction:
         return None
 
 
-_SHIM = {
-    "verl": {},
-    "verl.tools": {},
-    "verl.tools.base_tool": {"BaseTool": BaseTool, "rollout_trace_op": rollout_trace_op},
-    "verl.tools.schemas": {
-        "OpenAIFunctionPropertySchema": OpenAIFunctionPropertySchema,
-        "OpenAIFunctionParametersSchema": OpenAIFunctionParametersSchema,
-        "OpenAIFunctionSchema": OpenAIFunctionSchema,
-        "OpenAIFunctionToolSchema": OpenAIFunctionToolSchema,
-        "ToolResponse": ToolResponse,
-    },
-    "verl.interactions": {},
-    "verl.interactions.base": {"BaseInteraction": BaseInteraction},
-    "verl.utils": {},
-    "verl.utils.rollout_trace": {"rollout_trace_op": rollout_trace_op},
+def _reward_score(name: str) -> dict[str, Any]:
+    import rlctl.rewards.verl_scores as v
+
+    if name == "gsm8k":
+        return {"compute_score": v.gsm8k_compute_score, "extract_solution": v.gsm8k_extract_solution}
+    if name in ("math_reward", "math"):
+        return {
+            "compute_score": v.math_compute_score,
+            "last_boxed_only_string": v.last_boxed_only_string,
+            "remove_boxed": v.remove_boxed,
+            "is_equiv": v.is_equiv,
+        }
+    return {"default_compute_score": v.default_compute_score}
+
+
+_SCHEMAS = {
+    "OpenAIFunctionPropertySchema": OpenAIFunctionPropertySchema,
+    "OpenAIFunctionParametersSchema": OpenAIFunctionParametersSchema,
+    "OpenAIFunctionSchema": OpenAIFunctionSchema,
+    "OpenAIFunctionToolSchema": OpenAIFunctionToolSchema,
+    "ToolResponse": ToolResponse,
 }
+STAND_INS: dict[str, Any] = {
+    "verl": dict,
+    "verl.tools": dict,
+    "verl.tools.base_tool": lambda: {"BaseTool": BaseTool, "rollout_trace_op": rollout_trace_op, **_SCHEMAS},
+    "verl.tools.schemas": lambda: dict(_SCHEMAS),
+    "verl.interactions": dict,
+    "verl.interactions.base": lambda: {"BaseInteraction": BaseInteraction},
+    "verl.utils": dict,
+    "verl.utils.rollout_trace": lambda: {"rollout_trace_op": rollout_trace_op},
+    "verl.utils.reward_score": lambda: _reward_score(""),
+    "verl.utils.reward_score.gsm8k": lambda: _reward_score("gsm8k"),
+    "verl.utils.reward_score.math_reward": lambda: _reward_score("math_reward"),
+    "verl.utils.reward_score.math": lambda: _reward_score("math"),
+}
+"""The verl modules users' files import, each built on first import: what a module's stand-in holds."""
+
+BUNDLED_VERSION = "verl<=0.7.1"
+"""The last verl with its bundled tools and interactions (verl.tools.gsm8k_tool, verl.interactions.*)."""
 
 
-def install_shim() -> bool:
-    """Register the classes above under verl's module names unless verl is importable; True if it did."""
-    if "verl" in sys.modules and not getattr(sys.modules["verl"], "__rlctl_shim__", False):
-        return False
-    if "verl" not in sys.modules and importlib.util.find_spec("verl") is not None:
-        return False
-    for name, attrs in _SHIM.items():
-        if name in sys.modules:
-            continue
-        module = types.ModuleType(name, f"rlctl's stand-in for {name} (verl is not installed)")
-        module.__dict__.update(attrs)
-        module.__path__ = []  # a package, so submodule imports resolve through sys.modules
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Last on ``sys.meta_path``: asked only for a module no other finder has, so an installed verl's own
+    modules win and only what it lacks (or all of them, without verl) comes from :data:`STAND_INS`."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None):
+        if fullname not in STAND_INS:
+            return None
+        return importlib.util.spec_from_loader(fullname, self, is_package=True)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__dict__.update(STAND_INS[module.__name__]())
+        module.__doc__ = f"rlctl's stand-in for {module.__name__} (rlctl.agents.verl_compat)"
         module.__rlctl_shim__ = True
-        sys.modules[name] = module
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(sys.modules[parent], child, module)
-    return True
+
+
+_FINDER = _StandInFinder()
+
+
+def install_shim() -> None:
+    """Make the modules of :data:`STAND_INS` importable, module by module, whether or not some verl is
+    installed: each resolves to verl's own when verl has it, else to rlctl's stand-in. Idempotent."""
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.append(_FINDER)
+
+
+def is_stand_in(module_name: str) -> bool:
+    """Whether ``module_name`` was imported as rlctl's stand-in."""
+    return bool(getattr(sys.modules.get(module_name), "__rlctl_shim__", False))

@@ -7,7 +7,9 @@ The rollout engine samples from ``pi_rollout`` (its kernels, dtype, batching); t
   ``level="sequence"``: ``w = exp(clamp(sum_t m_t * log_ratio_t, -20, 20))`` on every token of the
   sequence. Padding gets weight 0.
 - ``mode="tis"`` (truncated IS): ``w = min(w, U)``; ``mode="mis"`` (masked IS, IcePop): ``w`` kept where
-  ``L <= w <= U``, else 0. ``threshold`` is ``U`` (then ``L = 1/U``) or the string ``"L_U"``.
+  ``L <= w <= U``, else 0. ``threshold`` is ``U`` (then ``L = 1/U``; also as a string, ``"2.0"``) or the
+  string ``"L_U"``. Without a mode, the threshold's form chooses as verl's ``rollout_is_threshold`` does:
+  ``U`` truncates (tis), ``"L_U"`` masks (mis).
 - ``reject`` (optional, ``R`` or ``"L_U"``): whole sequences whose geometric-mean ratio
   ``exp(mean_t log_ratio_t)`` falls outside ``[L, U]`` get weight 0 (verl's ``rollout_rs="geometric"``).
 
@@ -31,13 +33,28 @@ from torch import Tensor
 from rlctl.algos.masked import masked_mean, masked_sum
 from rlctl.names import CorrectionLevel, CorrectionMode, choices
 
-__all__ = ["SAFETY_BOUND", "Correction", "correction_for", "is_weights", "parse_threshold"]
+__all__ = ["SAFETY_BOUND", "Correction", "correction_for", "default_mode", "is_bounds", "is_weights", "parse_threshold"]
 
 SAFETY_BOUND = 20.0
 
 
+def is_bounds(threshold: float | str) -> bool:
+    """Is ``threshold`` verl's ``"L_U"`` form (two bounds), not one upper bound (``2.0`` or ``"2.0"``)?"""
+    return isinstance(threshold, str) and "_" in threshold
+
+
+def default_mode(threshold: float | str) -> str:
+    """The mode verl reads from a threshold's form: ``"L_U"`` masks (mis, IcePop), ``U`` truncates (tis)."""
+    return "mis" if is_bounds(threshold) else "tis"
+
+
 def parse_threshold(threshold: float | str) -> tuple[float, float]:
-    """``2.0`` -> ``(0.5, 2.0)``; ``"0.5_5"`` -> ``(0.5, 5.0)``. Raises ValueError on a bad value."""
+    """``2.0`` or ``"2.0"`` -> ``(0.5, 2.0)``; ``"0.5_5"`` -> ``(0.5, 5.0)``. Raises ValueError on a bad value."""
+    if isinstance(threshold, str) and not is_bounds(threshold):
+        try:
+            threshold = float(threshold)
+        except ValueError:
+            raise ValueError(f"threshold {threshold!r}: write a number U >= 1 or 'LOWER_UPPER', e.g. '0.5_2'") from None
     if isinstance(threshold, str):
         low_s, sep, high_s = threshold.partition("_")
         try:
@@ -98,13 +115,15 @@ def is_weights(
     *,
     level: str = "token",
     threshold: float | str = 2.0,
-    mode: str = "tis",
+    mode: str | None = None,
     reject: float | str | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Importance weights ``[B, T]`` (detached, 0 on padding) and their metrics; see the module doc.
 
-    ``log_ratio = log pi_train - log pi_rollout`` ``[B, T]``; ``mask`` 1 on response tokens.
+    ``log_ratio = log pi_train - log pi_rollout`` ``[B, T]``; ``mask`` 1 on response tokens. ``mode``
+    None: from the threshold's form (:func:`default_mode`), as verl reads ``rollout_is_threshold``.
     """
+    mode = default_mode(threshold) if mode is None else mode
     if mode not in choices(CorrectionMode, without=("none",)):
         raise ValueError(f"unknown correction mode {mode!r}; choose tis or mis")
     valid = mask.bool()

@@ -34,9 +34,9 @@ from rlctl.bench import mfu as M
 from rlctl.bench.common import ProcessSampler, median, relative_error, run_measured
 from rlctl.bench.models import BenchModel, token_space
 from rlctl.errors import UserError
-from rlctl.names import Method, choices
+from rlctl.names import PAIR_METHODS, Method, choices
 
-METHODS = choices(Method)
+METHODS = choices(Method, without=PAIR_METHODS)  # dpo / rm: not benchmarked here yet
 LENGTHS = ("fixed", "spread")
 SPLIT_KEYS = ("time/rollout", "time/logprobs", "time/update", "time/weight_sync")
 RECIPE_PEAK_KEY = "mem/peak_bytes"  # per-rank peak, logged by the recipe (max over ranks)

@@ -10,7 +10,7 @@ import sys
 
 from rlctl import __version__
 
-HELP = """rlctl: post-train LLMs (SFT, GRPO, PPO) from one command.
+HELP = """rlctl: post-train LLMs (SFT, GRPO, PPO, DPO, reward models) from one command.
 
 rlctl picks a plan for your model and hardware (FSDP2 or Megatron, SGLang / vLLM / HF rollout,
 micro batches, offload), explains every choice, estimates the memory before you rent a GPU,

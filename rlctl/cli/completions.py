@@ -46,6 +46,7 @@ class Node:
 
 def value_choices() -> dict[str, list[str]]:
     """Completions for option values (keyed by the option's long name)."""
+    from rlctl.algos.preference import pref_loss_names
     from rlctl.algos.registry import adv_names
     from rlctl.catalog import list_gpus, list_models
     from rlctl.presets import run_preset_names
@@ -59,6 +60,7 @@ def value_choices() -> dict[str, list[str]]:
         "--device": list(choices(Device)),
         "--rollout": list(choices(RolloutEngine)),
         "--adv": list(adv_names()),
+        "--loss": list(pref_loss_names()),
         "--kl-kind": list(choices(KlKind)),
         "--loss-agg": list(choices(LossAgg)),
         "--lr-scheduler": list(choices(LrScheduler)),

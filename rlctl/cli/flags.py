@@ -13,16 +13,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rlctl import names
+from rlctl.algos.preference import pref_loss_names
 from rlctl.algos.registry import adv_names
 from rlctl.names import describe
 
-SFT, GRPO, PPO, ESTIMATE = "sft", "grpo", "ppo", "estimate"
+SFT, GRPO, PPO, DPO, RM, ESTIMATE = "sft", "grpo", "ppo", "dpo", "rm", "estimate"
 RL = frozenset({GRPO, PPO})
-TRAIN = frozenset({SFT, GRPO, PPO})
+PAIRS = frozenset({DPO, RM})  # preference pairs (rlctl.data.preference)
+TRAIN = frozenset({SFT, GRPO, PPO}) | PAIRS
 ALL = TRAIN | {ESTIMATE}
 ONLY_SFT, ONLY_ESTIMATE, RL_EST, SFT_EST = frozenset({SFT}), frozenset({ESTIMATE}), RL | {ESTIMATE}, {SFT, ESTIMATE}
 JOB, EVAL, HW, CLUSTER, CONF = "Job", "Evaluation", "Hardware", "Cluster", "Configuration"
 TRAINING, CKPT, LORA, RL_PANEL, PAR = "Training", "Checkpoints", "LoRA", "RL", "Parallelism"
+PREF = "Preference (dpo, rm)"
 AGENT = "Agent (multi-turn, tools)"
 
 
@@ -52,6 +55,7 @@ FIRST_RUN = frozenset(
         *("model", "data", "gpus", "gpu", "nodes", "device", "nproc", "preset", "config_file", "sets", "output_dir"),
         *("dry_run", "max_steps", "epochs", "lr", "batch_size", "max_len", "lora_rank", "resume", "method"),
         *("n", "max_prompt_len", "max_response_len", "reward", "rollout", "tools", "what_to_rent", "as_json"),
+        *("loss", "beta"),  # dpo
     }
 )
 
@@ -89,6 +93,7 @@ class Flag:
 
 
 def _per(train: str, estimate: str) -> dict[str, str]:
+    """One help text for every training command, another for `rlctl estimate memory`."""
     return {**dict.fromkeys(TRAIN, train), ESTIMATE: estimate}
 
 
@@ -160,9 +165,9 @@ FLAGS: tuple[Flag, ...] = (
     F("sets", ("--set", "-s"), "", CONF, ALL,
       "key=value with a dotted key, repeatable; wins over everything (e.g. --set train.lr=2e-5).",
       type=list[str] | None),
-    F("plugin", "--plugin", "plugins", CONF, RL_EST,
-      "A Python file (or module) that registers a policy loss or advantage estimator, imported before the config is "
-      "checked and on every rank; repeatable (docs/plugins.md)."),
+    F("plugin", "--plugin", "plugins", CONF, RL_EST | {DPO},
+      "A Python file (or module) that registers a policy loss, advantage estimator or preference loss, imported "
+      "before the config is checked and on every rank; repeatable (docs/plugins.md)."),
     F("output_dir", ("--output-dir", "-o"), "output_dir", CONF, TRAIN,
       "Run directory (default: runs/<method>-<model>-<time>)."),
     F("dry_run", "--dry-run", "", CONF, TRAIN,
@@ -184,9 +189,11 @@ FLAGS: tuple[Flag, ...] = (
     F("weight_decay", "--weight-decay", "train.weight_decay", TRAINING, TRAIN,
       "AdamW weight decay."),
     F("batch_size", "--batch-size", "train.batch_size",
-      {SFT: TRAINING, GRPO: RL_PANEL, PPO: RL_PANEL, ESTIMATE: JOB}, ALL,
+      {SFT: TRAINING, GRPO: RL_PANEL, PPO: RL_PANEL, DPO: TRAINING, RM: TRAINING, ESTIMATE: JOB}, ALL,
       {SFT: "Sequences per optimizer step (global).", GRPO: "Prompts per step (global).",
-       PPO: "Prompts per step (global).", ESTIMATE: "Sequences (SFT) or prompts (RL) per step."}),
+       PPO: "Prompts per step (global).", DPO: "Pairs (kto: rows) per optimizer step (global).",
+       RM: "Pairs per optimizer step (global).",
+       ESTIMATE: "Sequences (SFT), prompts (RL) or pairs (dpo, rm) per step."}),
     F("n", "--n", "rollout.n", RL_PANEL, RL_EST,
       "Samples per prompt."),
     F("max_prompt_len", "--max-prompt-len", "rollout.max_prompt_len", RL_PANEL, RL_EST,
@@ -209,9 +216,10 @@ FLAGS: tuple[Flag, ...] = (
       "Sequences per device per forward."),
     F("micro_batch", "--micro-batch", "", TRAINING, ONLY_ESTIMATE,
       "", type=int | None, alias_of="micro_batch_size"),
-    F("max_len", "--max-len", "train.max_len", TRAINING, SFT_EST,
-      "Longest sequence in tokens (also the packing budget per sequence slot)."),
-    F("packing", "--packing/--no-packing", "data.packing", TRAINING, ONLY_SFT,
+    F("max_len", "--max-len", "train.max_len", TRAINING, SFT_EST | PAIRS,
+      "Longest sequence in tokens (also the packing budget per sequence slot; dpo/rm: per response, prompt"
+      " included)."),
+    F("packing", "--packing/--no-packing", "data.packing", TRAINING, ONLY_SFT | PAIRS,
       "Pack several documents per row."),
     F("max_tokens_per_micro_batch", "--max-tokens-per-micro-batch", "train.max_tokens_per_micro_batch", TRAINING, ALL,
       "Packed micro batches by token budget per GPU (verl's dynamic batch size)."),
@@ -307,6 +315,17 @@ FLAGS: tuple[Flag, ...] = (
       "FSDP wrappers; --no-shard on one GPU: the plain module, no gather buffers (default: the plan's).", shown=False),
     F("loss_chunk", "--loss-chunk", "", PAR, ONLY_ESTIMATE,
       "Tokens per chunk of the loss (chunked log-softmax; RL: logits at response positions only).", type=int | None),
+    # --- preference pairs
+    F("loss", "--loss", "pref.loss", PREF, {DPO},
+      f"{' | '.join(pref_loss_names())} (TRL's loss_type names; kto reads unpaired rows; docs/dpo.md)."),
+    F("beta", "--beta", "pref.beta", PREF, {DPO},
+      "The loss's beta (default: the loss's own: 0.1; simpo 2.0)."),
+    F("label_smoothing", "--label-smoothing", "pref.label_smoothing", PREF, {DPO},
+      "sigmoid / robust / simpo: the share of pairs assumed mislabelled (0 = off)."),
+    F("precompute_ref", "--precompute-ref/--no-precompute-ref", "pref.precompute_ref", PREF, {DPO, ESTIMATE},
+      "The reference's log-probs once before training (its model then freed), or a reference forward per step."),
+    F("center_rewards", "--center-rewards", "pref.center_rewards", PREF, {RM},
+      "TRL's center_rewards_coefficient: adds c * mean((r_chosen + r_rejected)^2) (0 = off; TRL suggests 0.01)."),
     # --- checkpoints, LoRA, logging
     F("save_every", "--save-every", "checkpoint.save_every", CKPT, TRAIN,
       "Checkpoint every N steps and at the end; -1 = auto: every max(50, steps / 10); 0 = only at the end."),

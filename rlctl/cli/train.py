@@ -1,4 +1,4 @@
-"""`rlctl sft`, `rlctl grpo` and `rlctl ppo`: one code path from the flags to a launched (or printed) job.
+"""`rlctl sft|grpo|ppo|dpo|rm`: one code path from the flags to a launched (or printed) job.
 
 Each command's options come from the table of flags (:mod:`rlctl.cli.flags`); the job is resolved by
 :mod:`rlctl.job` and checked by :mod:`rlctl.checks` (every pre-launch check lives there), then printed
@@ -49,17 +49,41 @@ Examples:
   rlctl ppo --model Qwen2.5-1.5B --data train.parquet --gpus 4 --kl-coef 0.001 --adv gae
 """
 
+DPO_EXAMPLES = """
+Examples:
+
+  rlctl dpo --model Qwen2.5-7B --data prefs.jsonl --gpus 8 --dry-run
+
+  rlctl dpo --model ./sft-model --data prefs.jsonl --loss sigmoid --beta 0.1 --lora-rank 16
+
+  rlctl dpo --model ./tiny --data prefs.jsonl --device cpu --nproc 2 --loss simpo --val-fraction 0.1
+
+  rlctl dpo --model ./tiny --data kto.jsonl --device cpu --loss kto
+"""
+
+RM_EXAMPLES = """
+Examples:
+
+  rlctl rm --model Qwen2.5-1.5B --data prefs.jsonl --gpus 8 --dry-run
+
+  rlctl rm --model ./tiny --data prefs.jsonl --device cpu --nproc 2 --val-fraction 0.1 -o runs/rm
+
+  rlctl ppo --model ./tiny --data prompts.jsonl --reward-model runs/rm/hf --device cpu
+"""
+
 DOCS = {
     "sft": "Supervised fine-tuning: packed sequences, loss on assistant tokens, LoRA or full, exact resume.",
     "grpo": "GRPO: n samples per prompt, group-normalised advantages, PPO-clip updates, no critic.",
     "ppo": "PPO with a critic: GAE advantages, clipped value loss, KL penalty in the reward.",
+    "dpo": "Preference optimization on chosen/rejected pairs: DPO, IPO, hinge, robust, SimPO, ORPO, KTO.",
+    "rm": "A Bradley-Terry reward model on chosen/rejected pairs, exported for --reward-model.",
 }
-EXAMPLES = {"sft": SFT_EXAMPLES, "grpo": GRPO_EXAMPLES, "ppo": PPO_EXAMPLES}
+EXAMPLES = {"sft": SFT_EXAMPLES, "grpo": GRPO_EXAMPLES, "ppo": PPO_EXAMPLES, "dpo": DPO_EXAMPLES, "rm": RM_EXAMPLES}
 JSON_NEEDS_DRY_RUN = "--json goes with --dry-run (a real run writes metrics.jsonl in its run directory)"
 
 
 def run_training(method: str, values: dict[str, Any]) -> None:
-    """The body of `rlctl sft|grpo|ppo`: resolve the job, then print it (--dry-run), submit it to SLURM
+    """The body of `rlctl sft|grpo|ppo|dpo|rm`: resolve the job, then print it (--dry-run), submit it to SLURM
     or launch it here, once every check of :mod:`rlctl.checks` has passed."""
     from rlctl.checks import check_dry_run, check_placement
     from rlctl.errors import UserError
@@ -155,3 +179,4 @@ def _command(method: str):
 
 
 sft, grpo, ppo = _command("sft"), _command("grpo"), _command("ppo")
+dpo, rm = _command("dpo"), _command("rm")

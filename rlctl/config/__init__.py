@@ -37,13 +37,14 @@ from rlctl.config.schema import (  # noqa: F401 - the schema, re-exported
     LoraConfig,
     ModelConfig,
     ParallelConfig,
+    PrefConfig,
     RewardConfig,
     RolloutConfig,
     RunConfig,
     TrainConfig,
 )
 from rlctl.errors import UserError, did_you_mean
-from rlctl.names import Method, choices
+from rlctl.names import RL_METHODS, Method, choices
 
 METHODS = choices(Method)
 
@@ -322,6 +323,7 @@ def validate(cfg: RunConfig) -> None:
     check_registered_names(cfg)
     positive = "train.batch_size train.max_len train.epochs rollout.n hardware.nodes rollout.max_prompt_len"
     positive += " rollout.max_response_len algo.ppo_epochs rollout.val_n checkpoint.keep_last"
+    positive += " hardware.collective_timeout_min"
     for key in positive.split():
         if get_key(cfg, key) < 1:
             raise UserError(f"{key} must be at least 1, got {get_key(cfg, key)}")
@@ -331,7 +333,12 @@ def validate(cfg: RunConfig) -> None:
     for key in non_negative.split():
         if get_key(cfg, key) < 0:
             raise UserError(f"{key} must not be negative, got {get_key(cfg, key)}")
-    ranges = {"rollout.mem_fraction": "[0, 1)", "data.val_fraction": "[0, 1)", "train.warmup_ratio": "[0, 1)"}
+    ranges = {
+        "rollout.mem_fraction": "[0, 1)",
+        "rollout.eval_mem_fraction": "[0, 1)",
+        "data.val_fraction": "[0, 1)",
+        "train.warmup_ratio": "[0, 1)",
+    }
     ranges["rollout.top_p"] = "(0, 1]"
     for key, text in ranges.items():
         v = get_key(cfg, key)
@@ -372,8 +379,10 @@ def _validate_agent(cfg: RunConfig) -> None:
         raise UserError(f"agent.tool_timeout_s must be > 0 seconds, got {a.tool_timeout_s}")
     if a.tool_max_chars < 1:
         raise UserError(f"agent.tool_max_chars must be at least 1, got {a.tool_max_chars}")
-    if agent_enabled(cfg) and cfg.method == "sft":
-        raise UserError("--tools / --env / --interaction are for grpo and ppo; sft trains on tool traces in the data")
+    if agent_enabled(cfg) and cfg.method not in RL_METHODS:
+        raise UserError(
+            f"--tools / --env / --interaction are for grpo and ppo; {cfg.method} trains on the data's tool traces"
+        )
 
 
 # A setting that would have no effect, and what it needs: the one rule for every such flag (issue 37). A

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rlctl.algos.preference import PREF_LOSSES
 from rlctl.algos.registry import ADV_ESTIMATORS, POLICY_LOSSES
 from rlctl.errors import UserError, did_you_mean
+from rlctl.names import PAIR_METHODS, RL_METHODS
 
 if TYPE_CHECKING:
     from rlctl.config.schema import RunConfig
@@ -20,6 +22,7 @@ def check_registered_names(cfg: RunConfig) -> None:
     for key, value, table in (
         ("algo.adv", cfg.algo.adv, ADV_ESTIMATORS),
         ("algo.policy_loss", cfg.algo.policy_loss, POLICY_LOSSES),
+        ("pref.loss", cfg.pref.loss, PREF_LOSSES),
     ):
         if value not in table:
             raise UserError(
@@ -32,7 +35,9 @@ def check_algorithm(cfg: RunConfig) -> None:
     """A one-line UserError for settings that cannot run together (the method's critic and the
     estimator, group advantages with one sample per prompt, adaptive KL without a start value)."""
     method, a, n = cfg.method, cfg.algo, cfg.rollout.n
-    if method not in ("grpo", "ppo"):
+    if method in PAIR_METHODS:
+        return check_preference(cfg)
+    if method not in RL_METHODS:
         return
     if a.kl_target and not a.kl_coef:
         raise UserError("algo.kl_target (adaptive KL) needs an initial algo.kl_coef > 0, e.g. --kl-coef 0.001")
@@ -88,3 +93,33 @@ def check_dapo(cfg: RunConfig) -> None:
         raise UserError(
             f"algo.dynamic_max_rounds={a.dynamic_max_rounds} must be >= 1 (rounds of rollout per step, e.g. 10)"
         )
+
+
+def check_preference(cfg: RunConfig) -> None:
+    """`rlctl dpo` / `rlctl rm`: the loss's settings in range, and the engine that runs them."""
+    p = cfg.pref
+    check_registered_names(cfg)
+    if cfg.parallel.backend == "megatron":
+        raise UserError(f"rlctl {cfg.method} runs on the FSDP engine: use --backend fsdp (or leave it to the plan)")
+    if p.beta is not None and p.beta <= 0:
+        raise UserError(f"pref.beta={p.beta} must be > 0 (e.g. --beta 0.1), or unset for the loss's default")
+    if not 0 <= p.label_smoothing < 0.5:
+        raise UserError(f"pref.label_smoothing={p.label_smoothing} must be in [0, 0.5) (the share of flipped labels)")
+    if p.desirable_weight <= 0 or p.undesirable_weight <= 0:
+        raise UserError("pref.desirable_weight and pref.undesirable_weight must be > 0 (kto's class weights)")
+    if p.center_rewards < 0:
+        raise UserError(f"pref.center_rewards={p.center_rewards} must be >= 0 (e.g. 0.01; 0 = off)")
+    pair_budget(cfg)
+
+
+def pair_budget(cfg: RunConfig) -> int:
+    """dpo / rm: tokens per packed micro-batch: train.max_tokens_per_micro_batch, else micro_batch_size pairs of
+    two sequences of train.max_len; a whole pair must fit."""
+    pairs = cfg.train.micro_batch_size or 1
+    budget = cfg.train.max_tokens_per_micro_batch or pairs * 2 * cfg.train.max_len
+    if budget < 2 * cfg.train.max_len:
+        raise UserError(
+            f"train.max_tokens_per_micro_batch={budget} is below 2 x train.max_len={2 * cfg.train.max_len}; a pair "
+            f"(its chosen and rejected sequences) must fit in one micro-batch: raise it or lower --max-len"
+        )
+    return budget

@@ -27,8 +27,11 @@ from rlctl.names import (
     Method,
     PolicyLossName,
     Precision,
+    PrefLossName,
     RolloutEngine,
+    ToolResults,
     Truncation,
+    VerlToolLifecycle,
 )
 
 
@@ -75,6 +78,9 @@ class HardwareConfig:
     master_port: int = 0  # 0 = pick a free port
     rdzv_endpoint: str = ""  # host:port for torchrun's c10d rendezvous (multi-node)
     host_memory_gib: float = 0.0  # host memory per node (0 = the GPU type's typical node); bounds offload
+    # how long a collective may wait for its peers before the run fails (every process group, NCCL's watchdog
+    # included): longer than the slowest step, checkpoint or rollout; NCCL's own default is 10 minutes
+    collective_timeout_min: int = 30
 
 
 @dataclass
@@ -138,6 +144,9 @@ class RolloutConfig:
     engine: RolloutEngine | None = None  # None: the plan decides (hf on CPU; vllm or sglang on GPUs)
     tp: int = 0  # 0 = chosen by the plan
     mem_fraction: float = 0.0  # 0 = chosen by the plan
+    # split runs (procs > 0): the share of a TRAINER GPU its evaluation engine takes, beside the trainer's
+    # states (mem_fraction is the rollout GPUs'); 0 = chosen by the plan
+    eval_mem_fraction: float = 0.0
     n: int = 8  # samples per prompt
     temperature: float = 1.0
     top_p: float = 1.0
@@ -193,6 +202,27 @@ class AlgoConfig:
 
 
 @dataclass
+class PrefConfig:
+    """`rlctl dpo` and `rlctl rm`: preference pairs (rlctl.data.preference, docs/dpo.md, docs/rm.md)."""
+
+    loss: PrefLossName = "sigmoid"  # dpo: a name registered in rlctl.algos.preference (TRL's loss_type names)
+    beta: float | None = None  # None: the loss's own default (0.1; simpo 2.0)
+    label_smoothing: float = 0.0  # sigmoid / robust / simpo: the share of pairs assumed mislabelled (cDPO)
+    gamma: float = 0.5  # simpo: the target reward margin (TRL's simpo_gamma)
+    # True: the reference's log-probs of every pair once, before training (its model then freed);
+    # False: a reference forward every step. LoRA: the base with its adapters off is the reference either way
+    precompute_ref: bool = True
+    desirable_weight: float = 1.0  # kto: lambda_D, the weight of the good rows' loss
+    undesirable_weight: float = 1.0  # kto: lambda_U
+    center_rewards: float = 0.0  # rm: TRL's center_rewards_coefficient c: + c * mean((r_c + r_r)^2)
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    completion_field: str = "completion"  # kto rows: {prompt, completion, label}
+    label_field: str = "label"
+    margin_field: str = "margin"  # rm: a row's margin (0 where the row has none)
+
+
+@dataclass
 class RewardConfig:
     fn: str = "auto"  # auto (from data_source), a built-in (rlctl.rewards.builtin), file.py:fn or module:fn
     format_pattern: str = ""
@@ -213,6 +243,13 @@ class AgentConfig:
     max_turns: int | None = None  # assistant turns per trajectory (None: 8 with tools / env / interaction)
     tool_timeout_s: float = 30.0  # seconds per tool call; a call that runs over returns an error to the model
     tool_max_chars: int = 4096  # a tool's output is cut to this many characters
+    # whose text tool results and errors take: trl (str(result), {'error': ...}), verl (ToolResponse text, "Error
+    # executing tool ..."), rlctl (JSON, "Error: Type: ..."); None: Python tools and environments TRL's, verl
+    # tools verl's
+    tool_results: ToolResults | None = None
+    # a verl tool's instance: per call (verl's tool agent loop: create, execute(agent_data=...), release; no
+    # calc_reward) or per trajectory (verl's older SGLang rollout: calc_reward at the end, a reward component)
+    verl_tool_lifecycle: VerlToolLifecycle = "call"
 
 
 @dataclass
@@ -251,6 +288,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    pref: PrefConfig = field(default_factory=PrefConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     log: LogConfig = field(default_factory=LogConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

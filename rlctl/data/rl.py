@@ -55,7 +55,7 @@ class Prompt:
     data_source: str
     ground_truth: Any
     extra_info: dict | None
-    row: dict | None = None  # the dataset row, kept for agent runs (an environment's reset(**row))
+    row: dict | None = None  # the dataset row (an environment's reset(**row), a TRL reward's columns)
     pixel_values: np.ndarray | None = None  # float32 [patches, D]: a VL prompt's images, processed
     image_grid_thw: np.ndarray | None = None  # int64 [images, 3], in the order of its image tokens
 
@@ -103,16 +103,24 @@ def render_prompt(prompt: Any, tokenizer, field: str, system: str = "", tools: l
 
 
 def row_prompt(
-    row: dict, tokenizer, cfg: RunConfig, tools: list[dict] | None = None, *, vision=None, base_dir=None
+    row: dict,
+    tokenizer,
+    cfg: RunConfig,
+    tools: list[dict] | None = None,
+    *,
+    vision=None,
+    base_dir=None,
+    answer_required: bool = True,
 ) -> Prompt:
     """One row as a :class:`Prompt`; raises :class:`BadRow` with the reason when it cannot be used.
-    ``vision``: a VL model's VisionProcessor (its images processed, their tokens expanded)."""
+    ``vision``: a VL model's VisionProcessor (its images processed, their tokens expanded). Without
+    ``answer_required`` (no reward reads it: :func:`rlctl.rewards.needs_answer`) a row may have no answer."""
     field = cfg.data.prompt_field
     prompt = row.get(field)
     if not isinstance(prompt, (str, list)):
         raise BadRow(f"missing field '{field}'")
     found, truth = _ground_truth(row, cfg.data.answer_field)
-    if not found:
+    if not found and answer_required:
         raise BadRow(f"missing field '{cfg.data.answer_field}'")
     pixels = None
     if vision is not None:
@@ -164,9 +172,7 @@ def _with_meta(ids: list[int], row: dict, cfg: RunConfig) -> Prompt:
     extra = dict(extra) if isinstance(extra, dict) else None
     if cfg.reward.format_pattern:
         extra = {**(extra or {}), "pattern": cfg.reward.format_pattern}
-    from rlctl.config import agent_enabled
-
-    return Prompt(ids, str(row.get("data_source") or ""), truth, extra, dict(row) if agent_enabled(cfg) else None)
+    return Prompt(ids, str(row.get("data_source") or ""), truth, extra, dict(row))
 
 
 def read_prompts(
@@ -179,6 +185,7 @@ def read_prompts(
     log=lambda msg: None,
     tools: list[dict] | None = None,
     vision=None,
+    answer_required: bool = True,
 ) -> tuple[list[Prompt], DataReport]:
     """Every usable prompt of a data source (rendered through ``datasets.map``, cached in ``cache_dir``
     and done once: :func:`rlctl.data.mapped.map_rows`), and the report of what was skipped. ``vision``: a
@@ -191,7 +198,7 @@ def read_prompts(
     report = DataReport(total=len(rows))
     for reason in rows.unreadable:
         report.bad[reason] += 1
-    if rows.rows and not any(_ground_truth(r, cfg.data.answer_field)[0] for r in rows.rows):
+    if answer_required and rows.rows and not any(_ground_truth(r, cfg.data.answer_field)[0] for r in rows.rows):
         fields = sorted({k for r in rows.rows[:20] for k in r})
         raise UserError(
             f"{path}: no row has an answer field '{cfg.data.answer_field}' (nor verl's reward_model.ground_truth); "
@@ -202,7 +209,9 @@ def read_prompts(
 
     def render(row: dict) -> dict:
         try:
-            p = row_prompt(row, tokenizer, cfg, tools, vision=vision, base_dir=base_dir)
+            p = row_prompt(
+                row, tokenizer, cfg, tools, vision=vision, base_dir=base_dir, answer_required=answer_required
+            )
             out = {"token_ids": p.token_ids, "bad": ""}
         except BadRow as e:
             p, out = None, {"token_ids": [], "bad": str(e)}
@@ -222,6 +231,7 @@ def read_prompts(
         tokenizer=tokenizer_stamp(tokenizer),
         **({"tools": tools} if tools else {}),
         **({"vision": vision.stamp()} if vision is not None else {}),
+        **({} if answer_required else {"answer_required": False}),
     )
     features = {"token_ids": "int32 list", "bad": "string"} | (PIXEL_FEATURES if vision is not None else {})
     prompts = []
@@ -236,6 +246,15 @@ def read_prompts(
     return prompts, report
 
 
+def _environment_tasks(cfg: RunConfig, tokenizer, tools: list[dict] | None) -> RLData:
+    """No dataset, an environment that samples its own tasks (TRL's convention): ``train.batch_size`` rows of
+    one empty user message, cycled over the steps; each trajectory's ``reset()`` returns its task, appended
+    to that message."""
+    rows = [{"prompt": [{"role": "user", "content": ""}]} for _ in range(cfg.train.batch_size)]
+    prompts = [row_prompt(r, tokenizer, cfg, tools, answer_required=False) for r in rows]
+    return RLData(prompts, [], DataReport(total=len(rows)), 0)
+
+
 def build_rl_data(
     cfg: RunConfig,
     tokenizer,
@@ -244,21 +263,24 @@ def build_rl_data(
     log=lambda msg: None,
     tools: list[dict] | None = None,
     vision=None,
+    answer_required: bool = True,
 ) -> RLData:
     """The training prompts (and validation prompts from ``data.val_path`` or ``data.val_fraction``).
 
     Deterministic, so every rank computes the same list. Prompts too long are skipped (not counted
-    against ``data.max_bad_fraction``); other bad rows are. UserError when nothing is left.
+    against ``data.max_bad_fraction``); other bad rows are. UserError when nothing is left. Without a
+    ``data.path``, an environment (``agent.env``) samples its own tasks (:func:`_environment_tasks`).
     """
     if cfg.data.format not in (None, "rl"):
         raise UserError(
             f"data.format={cfg.data.format} is for sft; grpo/ppo read RL prompt rows (data.format=rl or unset)"
         )
+    if not cfg.data.path and cfg.agent.env:
+        return _environment_tasks(cfg, tokenizer, tools)
     if not cfg.data.path:
         raise UserError("no data given: pass --data FILE (JSONL, Parquet or a datasets directory of prompts)")
-    prompts, report = read_prompts(
-        cfg.data.path, tokenizer, cfg, cfg.data.split, cache_dir=cache_dir, log=log, tools=tools, vision=vision
-    )
+    kw = dict(cache_dir=cache_dir, log=log, tools=tools, vision=vision, answer_required=answer_required)
+    prompts, report = read_prompts(cfg.data.path, tokenizer, cfg, cfg.data.split, **kw)
     too_long = report.bad.get(TOO_LONG, 0)
     malformed = report.num_bad - too_long
     if report.total and malformed / report.total > cfg.data.max_bad_fraction:
@@ -271,9 +293,7 @@ def build_rl_data(
         raise UserError(f"{cfg.data.path}: no usable prompts{hint}: {report.summary()}")
     val: list[Prompt] = []
     if cfg.data.val_path:
-        val, _ = read_prompts(
-            cfg.data.val_path, tokenizer, cfg, val_split(cfg), cache_dir=cache_dir, log=log, tools=tools, vision=vision
-        )
+        val, _ = read_prompts(cfg.data.val_path, tokenizer, cfg, val_split(cfg), **kw)
     elif cfg.data.val_fraction > 0:
         import numpy as np
 

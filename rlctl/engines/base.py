@@ -69,6 +69,9 @@ class TrainEngine(abc.ABC):
     compute_dtype: torch.dtype  # the dtype of the forward and backward
     source: ModelSource
     hf_config: object  # the transformers config of the underlying model
+    # export_hf's names: HF name -> the exported name, or None to leave the tensor out (rlctl rm: the critic's
+    # value head as a sequence-classification model's ``score``); None: every tensor under its own name
+    export_names: Callable[[str], str | None] | None = None
 
     def _setup(self, spec: EngineSpec, *, role: str, trainable: bool, total_steps: int, source: ModelSource | None):
         """What every engine does first: check the role, keep the spec, take the device, read the model's config."""
@@ -201,7 +204,8 @@ class TrainEngine(abc.ABC):
         (collective: every rank takes part in every gather; rank 0 writes)."""
         from rlctl.formats.hf_writer import save_hf_model
 
-        stream = ((name, t.cpu()) for name, t in self.iter_full_params())
+        rename = self.export_names or (lambda name: name)
+        stream = ((rename(name), t.cpu()) for name, t in self.iter_full_params() if rename(name) is not None)
         try:
             if dist.get_rank() == 0:
                 save_hf_model(out_dir, stream, meta_dir=meta_dir, dtype=dtype, force=True)

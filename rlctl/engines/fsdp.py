@@ -151,10 +151,9 @@ class FSDPEngine(ShardedModel, TrainEngine):
 
     def _attn(self, spec: EngineSpec) -> str:
         attn = spec.attn  # None unless the user chose (the plan's attn is a forecast, not an order)
-        if spec.sp > 1:
-            if attn not in (None, "sdpa"):
-                raise UserError(f"parallel.sp={spec.sp} runs attention with sdpa per document; set model.attn=sdpa")
-            return "sdpa"
+        if spec.sp > 1 and attn not in (None, "sdpa", "flash_attention_2"):
+            # rlctl's per-document attention runs inside the all-to-alls: flash-attn's varlen kernel or sdpa
+            raise UserError(f"parallel.sp={spec.sp} runs attention per document; set model.attn=sdpa")
         has_flash = importlib.util.find_spec("flash_attn") is not None
         if attn is None:
             return "flash_attention_2" if self.device.type == "cuda" and has_flash else "sdpa"
@@ -182,7 +181,7 @@ class FSDPEngine(ShardedModel, TrainEngine):
         """Activations saved to host memory; unsharded mixed precision autocasts to the compute dtype."""
         stack = contextlib.ExitStack()
         if self.spec.offload_activations and self.trainable and torch.is_grad_enabled():
-            stack.enter_context(HostActivations(pin_memory=self.device.type == "cuda"))
+            stack.enter_context(HostActivations(self.device))
         mixed = self.param_dtype == torch.float32 and self.compute_dtype != torch.float32
         if not self.sharded and mixed:
             stack.enter_context(torch.autocast(self.device.type, dtype=self.compute_dtype))
@@ -206,7 +205,8 @@ class FSDPEngine(ShardedModel, TrainEngine):
             return self._forward_vision(mb)
         if self.sp is not None:  # each rank its shard of the sequence (rlctl.engines.ulysses)
             with self._memory_context():
-                return ulysses.forward(self.model, mb, self.sp, critic=self.role == "critic")
+                flash = self.attn == "flash_attention_2"  # flash-attn's varlen kernel per document
+                return ulysses.forward(self.model, mb, self.sp, critic=self.role == "critic", flash=flash)
         blocks, mask = mb.blocks, mb.attention_mask
         kwargs = {"attention_mask": mask}
         if blocks is not None:  # shared-prefix rows: a call per block, or one masked call (short rows, eager)

@@ -20,23 +20,67 @@ from rlctl.errors import UserError
 
 
 class HostActivations(torch.autograd.graph.saved_tensors_hooks):
-    """Activation offloading: every tensor autograd saves for the backward is copied to host memory
-    (pinned on a GPU host) and brought back when the backward needs it, so the device keeps only the
-    layer being computed. Like ``torch.autograd.graph.save_on_cpu``, except that a tensor already on
-    the CPU is copied too: the forward's own activation is freed either way (on CPU runs this only
-    matters for measuring the effect)."""
+    """Activation offloading: every tensor autograd saves for the backward is copied to host memory and
+    brought back when the backward needs it, so the device keeps only the layer being computed. Like
+    ``torch.autograd.graph.save_on_cpu``, except that
 
-    def __init__(self, pin_memory: bool):
+    * parameters are kept as they are: the module holds them anyway (FSDP2's unsharded ones are gathered
+      again for the backward), and copying them would move about the model's bytes over PCIe twice per
+      micro-batch for nothing;
+    * on CUDA the device-to-host copy is non-blocking, into pinned memory, on a stream of its own
+      (:class:`SideStreamCopies`), so the forward does not wait for PCIe; the backward's stream waits for
+      that copy before it reads the host tensor back;
+    * a tensor already on the CPU is copied too (blocking): the forward's own activation is freed either
+      way (on CPU runs this only matters for measuring the effect).
+    """
+
+    def __init__(self, device: torch.device):
+        copies = SideStreamCopies(device) if device.type == "cuda" else None
+
         def pack(t: torch.Tensor):
-            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin_memory)
+            if isinstance(t, nn.Parameter):
+                return t
+            if copies is not None and t.device.type == "cuda":
+                return copies.to_host(t)
+            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout)
             host.copy_(t)
-            return t.device, host
+            return t.device, host, None
 
         def unpack(packed):
-            device, host = packed
-            return host.to(device, non_blocking=pin_memory)
+            if isinstance(packed, torch.Tensor):
+                return packed
+            device, host, copied = packed
+            if copied is None:
+                return host.to(device)
+            return copies.to_device(host, device, copied)
 
         super().__init__(pack, unpack)
+
+
+class SideStreamCopies:
+    """Device-to-host copies of saved activations that do not hold up the forward: each one runs on a side
+    stream, after the work that wrote the tensor, into pinned host memory (a non-blocking copy from
+    pageable memory would be synchronous). The device tensor is recorded on the side stream, so the caching
+    allocator does not hand its memory to the forward's next kernels before the copy has read it; an event
+    marks the copy's end, and the backward's stream waits for it before copying the tensor back."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
+
+    def to_host(self, t: torch.Tensor):
+        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
+        self.stream.wait_stream(torch.cuda.current_stream(t.device))  # t is written
+        with torch.cuda.stream(self.stream):
+            host.copy_(t, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.stream)
+        t.record_stream(self.stream)
+        return t.device, host, copied
+
+    @staticmethod
+    def to_device(host: torch.Tensor, device: torch.device, copied) -> torch.Tensor:
+        torch.cuda.current_stream(device).wait_event(copied)  # the host copy is complete
+        return host.to(device, non_blocking=True)
 
 
 def checkpoint_mlp(layer: nn.Module) -> None:

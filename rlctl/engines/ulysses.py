@@ -13,7 +13,8 @@ One forward of a micro-batch ``[B, T]`` (:func:`forward`):
   all-to-all trades the sequence shards of q, k, v for head shards (``[B, H, Tl, d]`` ->
   ``[B, H/sp, T, d]``; KV heads repeated first where there are fewer than ``sp``), attention runs over
   the whole sequence for ``H/sp`` heads, per document or shared-prefix block
-  (:mod:`rlctl.engines.varlen`), and a second all-to-all trades back;
+  (:mod:`rlctl.engines.varlen`: flash-attn's varlen kernel where it is installed, else sdpa), and a
+  second all-to-all trades back;
 * the logits are computed on the shard, at the positions the loss reads only, and stay there
   (:class:`ShardedLogits`): the per-token values the losses need (log-probs, entropy, cross-entropy)
   are computed on each rank's positions and only those ``[N]`` floats are gathered over the SP group
@@ -242,9 +243,10 @@ def _owners(keep: torch.Tensor, local: int, sp: int) -> tuple[torch.Tensor, torc
     return owner, place - starts[owner]
 
 
-def forward(model, mb, groups: SPGroups, *, critic: bool) -> torch.Tensor | ShardedLogits:
+def forward(model, mb, groups: SPGroups, *, critic: bool, flash: bool = False) -> torch.Tensor | ShardedLogits:
     """The model's output for micro-batch ``mb``: an actor's :class:`ShardedLogits` at ``mb.keep_cols`` /
-    ``mb.logit_index`` (every column when neither), or a critic's values ``[B, T]``, gathered."""
+    ``mb.logit_index`` (every column when neither), or a critic's values ``[B, T]``, gathered. ``flash``:
+    attention per document with flash-attn's varlen kernel (:func:`rlctl.engines.varlen.attention`)."""
     sp, r = groups.size, groups.rank
     length = mb.input_ids.shape[1]
     local = math.ceil(length / sp)
@@ -256,6 +258,7 @@ def forward(model, mb, groups: SPGroups, *, critic: bool) -> torch.Tensor | Shar
         "attention_mask": varlen.placeholder_mask(ids.device),
         "rlctl_blocks": blocks_of(mb),
         "rlctl_sp": groups,
+        "rlctl_flash": flash,
     }
     if critic:
         values = model(ids[:, cols], position_ids=pos[:, cols], **kwargs)

@@ -33,9 +33,26 @@ def assumptions(model: ModelSpec, gpu: GpuSpec, s: MemorySettings, est: MemoryEs
     out = _batch(model, s) + _layout(model, s, est) + _vision(model, s) + _memory_options(s)
     if s.is_rl:
         out += _rl_models_and_engine(gpu, s)
+    out += _preference(s)
     if s.device == "cuda":
         out += _device_and_host(gpu, s, est)
     return out
+
+
+def _preference(s: MemorySettings) -> list[str]:
+    """dpo's reference and rm's head, in words."""
+    if s.method == "rm":
+        return ["reward model: the body and a scalar head are trained (no output head, no logits)"]
+    if s.method != "dpo":
+        return []
+    if s.lora_rank:
+        return ["reference: the base with its LoRA adapters off (no second copy)"]
+    if s.keeps_reference:
+        return ["reference: a frozen copy beside the policy in the compute dtype, sharded (per-step log-probs)"]
+    return [
+        "reference: log-probs precomputed once by a frozen copy freed before the policy is built (8 bytes per "
+        "pair kept; no reference counted in training)"
+    ]
 
 
 def _batch(model: ModelSpec, s: MemorySettings) -> list[str]:
@@ -49,8 +66,9 @@ def _batch(model: ModelSpec, s: MemorySettings) -> list[str]:
         )
     else:
         text = f" ({s.max_len} text{images})" if images else ""
+        unit = f" pairs of {s.seqs_per_unit} sequences" if s.seqs_per_unit > 1 else ""
         out.append(
-            f"sequence length {s.seq_len} tokens{text}, micro batch {s.micro_batch}: "
+            f"sequence length {s.seq_len} tokens{text}, micro batch {s.micro_batch}{unit}: "
             f"{s.tokens_per_micro_batch} tokens per forward (packed){_per_gpu(s)}"
         )
     if s.sp > 1:

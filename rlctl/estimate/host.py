@@ -93,7 +93,7 @@ def host_phases(
     for stage, states in zip(stages, stage_states):
         whole, between = host_offload(s, stage, states)
         reference = 0
-        if s.is_rl and s.kl and not s.lora_rank and s.idle_weights_offloaded:
+        if s.keeps_reference and s.idle_weights_offloaded:
             reference = (
                 pinned_bytes(s, stage.tensors, cb)
                 if s.cpu_offload

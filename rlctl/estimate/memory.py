@@ -121,7 +121,7 @@ def _stage_phases(model: ModelSpec, s: MemorySettings, stage, states: dict, crit
         train["vision_activations"] = vision_activation_bytes(model, s)
     if s.sp > 1:
         train["sp_all_to_all"] = ulysses_bytes(model, s, stage)
-    train["logits"] = logits_bytes(model, s) if stage.has_head else 0
+    train["logits"] = logits_bytes(model, s) if stage.has_head and not s.scalar_head else 0
     frozen = _frozen_models(s, stage, states, critic_ratio)
     if s.is_rl and s.reward_model:  # a frozen scorer the size of the policy (assumed): rlctl.rewards.model
         # loads a whole replica on every rank in reward.model_dtype, never sharded nor offloaded
@@ -143,7 +143,7 @@ def _frozen_models(s: MemorySettings, stage, states: dict, critic_ratio: float) 
     cb = s.compute_bytes
     weights_off, optimizer_off = s.idle_weights_offloaded, s.idle_optimizer_offloaded
     reference = 0
-    if s.is_rl and s.kl and not s.lora_rank and not weights_off:  # LoRA: the base with adapters off
+    if s.keeps_reference and not weights_off:  # LoRA: the base with adapters off
         whole = stage.dense_params + stage.expert_params
         reference = (
             math.ceil(cb * whole / s.fsdp_shards)
@@ -172,9 +172,13 @@ def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> Memory
         trainable = count_params(model) - (0 if s.train_vision else vision_params(model))
     critic_ratio = critic_params(model) / count_params(model)
 
+    if s.scalar_head:  # rm: the body and a scalar head are trained, not the output head
+        trainable = math.ceil(trainable * critic_ratio)
     train_phases, rollout_phases, stage_states = [], [], []
     for stage in stages:
         states = model_states(model, s, stage)
+        if s.scalar_head:
+            states = {k: math.ceil(v * critic_ratio) for k, v in states.items()}
         stage_states.append(states)
         train, resident = _stage_phases(model, s, stage, states, critic_ratio)
         train_phases.append(Phase({**train, "cuda_context": context}, stage.label))

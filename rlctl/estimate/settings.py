@@ -53,7 +53,7 @@ def check_keys(what: str, d: object, keys: Iterable[str]) -> dict:
 class MemorySettings:
     """Everything about a job that changes its memory (sizes are per the whole job unless noted)."""
 
-    method: str = "grpo"  # sft | grpo | ppo
+    method: str = "grpo"  # sft | grpo | ppo | dpo | rm
     gpus: int = 1  # devices in total (processes on CPU)
     nodes: int = 1
     device: str = "cuda"  # cuda | cpu (cpu: no CUDA context, engines size the KV cache for the batch)
@@ -81,7 +81,7 @@ class MemorySettings:
     rollout_tp: int = 1
     rollout_procs: int = 0  # split runs (rollout.procs): devices that only generate; ``gpus`` only train
     mem_fraction: float = 0.5  # vLLM gpu_memory_utilization / SGLang mem_fraction_static
-    kl: bool = True  # a reference model is kept (RL with a KL term)
+    kl: bool = True  # a reference model is kept beside the policy (RL with a KL term; dpo's per-step reference)
     critic: bool | None = None  # None = PPO has one
     optimizer: str = "adamw"
     precision: str = "mixed"  # mixed | bf16 (pure bf16 weights, gradients and AdamW states: 8 bytes/param)
@@ -109,7 +109,23 @@ class MemorySettings:
 
     @property
     def is_rl(self) -> bool:
-        return self.method != "sft"
+        return self.method in names.RL_METHODS
+
+    @property
+    def seqs_per_unit(self) -> int:
+        """Sequences a micro batch holds per unit it counts: a preference pair's two (dpo, rm), else one."""
+        return 2 if self.method in names.PAIR_METHODS else 1
+
+    @property
+    def keeps_reference(self) -> bool:
+        """A frozen reference model beside the trained one: RL with a KL term or dpo's per-step reference
+        (``kl``); with LoRA the base with adapters off is the reference, no copy."""
+        return self.kl and (self.is_rl or self.method == "dpo") and not self.lora_rank
+
+    @property
+    def scalar_head(self) -> bool:
+        """The trained model ends in a scalar head instead of the output head (rm): no logits."""
+        return self.method == "rm"
 
     @property
     def has_critic(self) -> bool:
@@ -129,7 +145,7 @@ class MemorySettings:
     def tokens_per_micro_batch(self) -> int:
         """Tokens one GPU computes per forward: its share of the sequence under context or Ulysses
         sequence parallelism."""
-        tokens = self.micro_batch_tokens or self.micro_batch * self.seq_len
+        tokens = self.micro_batch_tokens or self.micro_batch * self.seq_len * self.seqs_per_unit
         return tokens // (self.cp * self.sp)
 
     @property

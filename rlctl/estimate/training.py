@@ -289,13 +289,18 @@ def vision_activation_bytes(spec: ModelSpec, s: MemorySettings) -> int:
 
 
 def logit_tokens(s: MemorySettings) -> int:
-    """Positions whose logits the loss needs on one GPU: every token of its share (SFT); in RL with a
-    chunked loss the engine computes logits at the response positions only. Under Ulysses SP the logits
-    stay on their shard (rlctl.engines.ulysses.ShardedLogits): each GPU computes the logits and the
-    per-token losses of its ``1 / sp`` of the sequence, and only ``[N]`` floats are gathered."""
+    """Positions whose logits the loss needs on one GPU. SFT, and RL on Megatron (its output layer runs on
+    every position of its unpacked rows): every token of the GPU's share. RL on FSDP (or with a chunked
+    loss): the response positions only; every RL micro batch carries ``logit_index`` or ``keep_cols``, which
+    FSDPEngine.forward_micro passes as ``logits_to_keep`` (measured on the first GPU run: docs/gpu.md G2).
+    Under Ulysses SP each GPU computes the logits of the kept positions of its ``1 / sp`` of the sequence
+    (rlctl.engines.ulysses.ShardedLogits) and only ``[N]`` floats are gathered; the GPU that holds the
+    sequence's end holds the most response positions (its whole shard when the response is longer than a
+    shard) and sets the peak."""
     tokens = s.tokens_per_micro_batch
-    if s.is_rl and s.loss_chunk:
-        return math.ceil(tokens * s.response_len / s.seq_len)
+    if s.is_rl and (s.backend == "fsdp" or s.loss_chunk):
+        rows = tokens * s.cp * s.sp / s.seq_len
+        return min(tokens, math.ceil(rows * s.response_len))
     return tokens
 
 

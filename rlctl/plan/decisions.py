@@ -242,6 +242,17 @@ def rollout_decisions(
         )
 
 
+def eval_fraction_decision(job: Job, s: MemorySettings, fraction: float) -> list[Decision]:
+    """A split run's evaluation engine on the trainer GPUs (:func:`rlctl.plan.search.eval_fraction`)."""
+    if not fraction or job.cfg.rollout.eval_mem_fraction:
+        return []
+    why = (
+        f"evaluation memory fraction {fraction:.2f}: a split run evaluates on its trainer GPUs, where the "
+        f"trainer's resident states leave this much (the rollout GPUs' {s.mem_fraction:.2f} would not fit)"
+    )
+    return [Decision("rollout.eval_mem_fraction", fraction, why)]
+
+
 def split_decision(job: Job, s) -> Decision:
     """One-step-off-policy (rollout.procs): the split, and when it pays (docs/offpolicy.md)."""
     r, unit = job.cfg.rollout, "GPUs" if job.device == "cuda" else "processes"

@@ -22,6 +22,7 @@ from rlctl.config import RunConfig
 from rlctl.errors import UserError, did_you_mean
 from rlctl.estimate.inventory import lora_target_names, lora_targets
 from rlctl.estimate.memory import GIB, MemorySettings
+from rlctl.names import RL_METHODS
 from rlctl.plan import rules
 from rlctl.plan.types import Decision
 
@@ -99,7 +100,7 @@ class Job:
 
     @property
     def is_rl(self) -> bool:
-        return self.cfg.method != "sft"
+        return self.cfg.method in RL_METHODS
 
     @property
     def memory(self) -> int:
@@ -110,7 +111,7 @@ class Job:
         c = self.cfg
         if self.is_rl:
             return max(1, (c.algo.mini_batch_size or c.train.batch_size) * c.rollout.n // dp)
-        return max(1, c.train.batch_size // dp)
+        return max(1, c.train.batch_size // dp)  # sft: sequences; dpo / rm: pairs (kto: rows)
 
 
 @dataclass
@@ -137,7 +138,7 @@ def resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) -> 
     dtype, attn = _dtype_and_attn(cfg, device, local, later, warnings)
     _check_lora_targets(cfg, spec)
     weight_share = 2 * params / max(where.gpu.memory_bytes, 1)  # bf16 weights over one GPU
-    engine = _resolve_engine(cfg, device, local, later, warnings, weight_share) if cfg.method != "sft" else None
+    engine = _resolve_engine(cfg, device, local, later, warnings, weight_share) if cfg.method in RL_METHODS else None
     if engine is not None and spec.is_vl:
         engine = _vision_engine(cfg, engine, device, later)
     return Job(
@@ -339,6 +340,18 @@ def _resolve_engine(
     return chosen
 
 
+def reference_kept(cfg: RunConfig) -> bool:
+    """Whether a frozen reference model sits beside the policy while it trains: RL with a KL term; dpo with a
+    loss that reads one, computed per step (--no-precompute-ref). Precomputed, the reference runs before the
+    policy is built and is freed (its phase is smaller than training's); with LoRA the estimator counts none
+    (the base with adapters off is the reference)."""
+    if cfg.method == "dpo":
+        from rlctl.algos.preference import get_pref_loss
+
+        return get_pref_loss(cfg.pref.loss).needs_ref and not cfg.pref.precompute_ref
+    return cfg.method in RL_METHODS and (cfg.algo.kl_coef > 0 or cfg.algo.kl_target > 0)
+
+
 def settings_for(job: Job, **kw) -> MemorySettings:
     """The memory settings of the job, with ``kw`` (the search's choices) on top."""
     c = job.cfg
@@ -359,12 +372,12 @@ def settings_for(job: Job, **kw) -> MemorySettings:
         rollout_batch=c.train.batch_size,
         cp=c.parallel.cp,
         rollout=job.engine,
-        kl=c.algo.kl_coef > 0 or c.algo.kl_target > 0,
+        kl=reference_kept(c),
         mem_fraction=c.rollout.mem_fraction or 0.5,
         host_memory_bytes=job.host_memory_bytes,
         precision=c.train.precision,
         micro_batch_tokens=c.train.max_tokens_per_micro_batch,
-        reward_model=bool(c.reward.model) and c.method != "sft",
+        reward_model=bool(c.reward.model) and c.method in RL_METHODS,
         reward_model_dtype={"bfloat16": "bf16", "float16": "fp16"}.get(c.reward.model_dtype, "fp32"),
         # the FSDP engine's savers: as configured; None starts from the engine's default (the search may pick)
         selective_checkpointing=c.parallel.selective_checkpointing is True,

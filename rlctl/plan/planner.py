@@ -26,9 +26,11 @@ from rlctl.catalog import active_params
 from rlctl.config import RunConfig
 from rlctl.errors import UserError
 from rlctl.estimate.memory import MemoryEstimate
+from rlctl.names import PAIR_METHODS
 from rlctl.plan import rules
 from rlctl.plan.decisions import (
     backend_warnings,
+    eval_fraction_decision,
     explain_search,
     layout_decision,
     offload_decisions,
@@ -39,7 +41,7 @@ from rlctl.plan.decisions import (
 )
 from rlctl.plan.inputs import Job, LocalEnv, resolve_job
 from rlctl.plan.relax import relax
-from rlctl.plan.search import SearchResult, margin_ok, options_for, search
+from rlctl.plan.search import SearchResult, eval_fraction, margin_ok, options_for, search
 from rlctl.plan.types import Decision, Plan, Verdict
 
 
@@ -74,15 +76,17 @@ def plan_with_search(cfg: RunConfig, local: LocalEnv, *, host_memory_bytes: int 
         rollout_decisions(job, est, result.kv_short, decisions, warnings)
     if est.settings.sp > 1:
         sp_attention(job, est.settings.sp)
+    eval_frac = eval_fraction(job, est)
     if est.settings.rollout_procs:
         decisions.append(split_decision(job, est.settings))
+        decisions += eval_fraction_decision(job, est.settings, eval_frac)
     decisions += job.later
     if est.fits and not margin_ok(est):
         warnings.append(
             f"less than {rules.tiers()['memory']['margin_fraction']:.0%} of GPU memory to spare: "
             "an allocator's fragmentation may not fit; more GPUs or offload give room"
         )
-    return _plan(job, est, decisions, warnings), job, result
+    return _plan(job, est, decisions, warnings, eval_frac), job, result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,6 +154,8 @@ def backend_the_engine_runs(job: Job, tier: str, decisions: list[Decision]) -> s
         if job.spec.is_vl
         else "a PPO critic"
         if c.method == "ppo"
+        else f"rlctl {c.method}"
+        if c.method in PAIR_METHODS
         else "LoRA"
         if c.lora.rank
         else None
@@ -173,7 +179,7 @@ def backend_the_engine_runs(job: Job, tier: str, decisions: list[Decision]) -> s
     return "fsdp"
 
 
-def _plan(job: Job, est: MemoryEstimate, decisions: list[Decision], warnings: list[str]) -> Plan:
+def _plan(job: Job, est: MemoryEstimate, decisions: list[Decision], warnings: list[str], eval_frac: float) -> Plan:
     cfg, s, rl = job.cfg, est.settings, job.is_rl
     return Plan(
         method=cfg.method,
@@ -195,6 +201,7 @@ def _plan(job: Job, est: MemoryEstimate, decisions: list[Decision], warnings: li
         rollout=job.engine,
         rollout_tp=s.rollout_tp if rl else 0,
         rollout_mem_fraction=s.mem_fraction if rl and job.engine != "hf" and job.device == "cuda" else 0.0,
+        rollout_eval_mem_fraction=eval_frac,
         micro_batch_size=s.micro_batch,
         activation_checkpointing=s.activation_checkpointing,
         selective_checkpointing=s.selective_checkpointing,
@@ -255,4 +262,5 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
             ro.engine = plan.rollout
         ro.tp = ro.tp or plan.rollout_tp
         ro.mem_fraction = ro.mem_fraction or plan.rollout_mem_fraction
+        ro.eval_mem_fraction = ro.eval_mem_fraction or plan.rollout_eval_mem_fraction
     return out

@@ -92,7 +92,8 @@ def _relax_micro_batch(job: Job, s: MemorySettings, decisions: list[Decision]) -
     """The largest candidate micro batch that fits comfortably, within a step's sequences and the token cap."""
     mb = rules.tiers()["micro_batch"]
     per_gpu = job.sequences_per_gpu(s.dp)
-    tokens = s.seq_len
+    tokens = s.seq_len * s.seqs_per_unit  # dpo / rm: a micro batch counts pairs of two sequences
+    unit = "pairs" if s.seqs_per_unit > 1 else "sequences"
     chosen = 1
     for c in mb["candidates"]:
         if c > per_gpu or c * tokens > mb["max_tokens"] or c == 1:
@@ -102,13 +103,14 @@ def _relax_micro_batch(job: Job, s: MemorySettings, decisions: list[Decision]) -
             break
     why = (
         f"micro batch {chosen}: the largest of {', '.join(map(str, mb['candidates']))} within "
-        f"{_comfort_limit(job)}, <= {per_gpu} sequences per GPU per step and <= {mb['max_tokens']} tokens "
-        f"({tokens} per sequence)"
+        f"{_comfort_limit(job)}, <= {per_gpu} {unit} per GPU per step and <= {mb['max_tokens']} tokens "
+        f"({tokens} per {unit[:-1]})"
     )
-    if tokens > mb["max_tokens"]:  # one sequence is over the token target already: one at a time
+    if tokens > mb["max_tokens"]:  # one sequence (pair) is over the token target already: one at a time
+        one = unit[:-1]
         why = (
-            f"micro batch 1: one sequence is {tokens} tokens, over the {mb['max_tokens']}-token target of a "
-            f"micro batch already, so one sequence at a time"
+            f"micro batch 1: one {one} is {tokens} tokens, over the {mb['max_tokens']}-token target of a "
+            f"micro batch already, so one {one} at a time"
         )
     decisions.append(Decision("train.micro_batch_size", chosen, why))
     return replace(s, micro_batch=chosen)

@@ -25,6 +25,17 @@ def _layout(plan: Plan) -> str:
     return "megatron, " + " x ".join(parts) + (", SP" if plan.sequence_parallel else "")
 
 
+def engine_wrapper(plan: Plan) -> str:
+    """What wraps the model on each rank: what a run of the plan exercises (one GPU: FSDP2 only with
+    parallel.shard, else the plain module)."""
+    if plan.backend == "megatron":
+        return "Megatron-core (its DDP and distributed optimizer)"
+    if not plan.shard:
+        return "plain module, no FSDP (--shard: FSDP2)"
+    offload = " + CPUOffloadPolicy" if plan.offload_params or plan.offload_optimizer else ""
+    return f"FSDP2 fully_shard over {plan.dp * plan.sp} rank{'s' if plan.dp * plan.sp > 1 else ''}{offload}"
+
+
 def _rollout(plan: Plan) -> str:
     if plan.rollout is None:
         return "-"
@@ -53,6 +64,7 @@ def render_plan(console: Console, plan: Plan) -> None:
             "training",
             f"{_layout(plan)}; {'LoRA rank ' + str(plan.lora_rank) if plan.lora_rank else 'full fine-tuning'}",
         ),
+        ("engine wrapper", engine_wrapper(plan)),
         ("rollout", _rollout(plan)),
         ("micro batch", str(plan.micro_batch_size)),
         ("activation checkpointing", _checkpointing(plan)),

@@ -290,6 +290,17 @@ def _auto_fraction(job: Job, est: MemoryEstimate) -> float:
     return round(max(step, min(r["max_mem_fraction"], math.floor(room / step + 1e-9) * step)), 4)
 
 
+def eval_fraction(job: Job, est: MemoryEstimate) -> float:
+    """A split run's evaluation engine sits on each TRAINER GPU, beside the trainer's resident states (its
+    weights, optimizer states and reference model): the fraction a colocated run of the same trainers would
+    get. The rollout GPUs' fraction (up to ``max_mem_fraction``, with nothing else there) would not fit:
+    vLLM refuses to start when less than ``fraction x total`` is free. 0 when there is no such engine."""
+    s = est.settings
+    if not (job.is_rl and s.rollout_procs and job.engine != "hf" and job.device == "cuda"):
+        return 0.0
+    return _auto_fraction(job, estimate_memory(job.spec, job.gpu, replace(s, rollout_procs=0)))
+
+
 def _shortfall(est: MemoryEstimate) -> tuple[float, float, float]:
     """How far an estimate is from a good fit, for ordering attempts: first the memory overflow
     (GPU with the margin, or host; 1 when both fit), then the KV cache's shortfall, then how full."""

@@ -81,6 +81,7 @@ class Plan:
     rollout: str | None  # hf | vllm | sglang; None for sft
     rollout_tp: int
     rollout_mem_fraction: float
+    rollout_eval_mem_fraction: float  # split runs: the evaluation engine's share of a trainer GPU (0: none)
     micro_batch_size: int
     activation_checkpointing: bool
     selective_checkpointing: bool  # MLPs recomputed, attention kept (FSDP)

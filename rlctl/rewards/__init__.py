@@ -20,7 +20,7 @@ from rlctl.rewards.manager import (
     reward_warning,
 )
 from rlctl.rewards.scoring import score_batch
-from rlctl.rewards.spec import RewardSpec, check_reward_config, parse_spec, reward_specs
+from rlctl.rewards.spec import RewardSpec, check_reward_config, needs_answer, parse_spec, reward_specs
 
 __all__ = [
     "BUILTINS",
@@ -33,6 +33,7 @@ __all__ = [
     "classify",
     "default_for_data_source",
     "get_reward",
+    "needs_answer",
     "parse_spec",
     "reward_metrics",
     "reward_specs",

@@ -51,6 +51,9 @@ def get_reward(spec: str) -> RewardFn:
     if is_file_spec(target):
         return _function(_load_file(Path(target).expanduser()), name or DEFAULT_FUNCTION, target)
     if name and target:
+        from rlctl.agents.verl_compat import install_shim
+
+        install_shim()
         return _function(import_user_module(target, "reward", _MODULE_FIX), name, target)
     raise UserError(
         f"unknown reward {spec!r}{did_you_mean(spec, BUILTINS)}; give {_FORMS} (built-ins: {', '.join(BUILTINS)})"
@@ -60,7 +63,10 @@ def get_reward(spec: str) -> RewardFn:
 def _load_file(path: Path) -> ModuleType:
     if not path.is_file():
         raise UserError(f"reward file {path} not found; check the path in the reward spec")
-    return import_user_file(path, "reward")
+    from rlctl.agents.verl_compat import install_shim
+
+    # a verl reward file imports verl.utils.reward_score helpers: they resolve with or without verl
+    return import_user_file(path, "reward", before=install_shim)
 
 
 def _function(module: ModuleType, name: str, where: str) -> RewardFn:

@@ -23,20 +23,22 @@ from rlctl.rewards.builtin import BUILTINS
 from rlctl.rewards.loader import default_for_data_source, get_reward
 from rlctl.rewards.model import RewardModel
 from rlctl.rewards.pool import RewardPool
-from rlctl.rewards.spec import RewardSpec, reward_kind, rule_specs
+from rlctl.rewards.spec import ENV_REWARDS, RewardSpec, reward_kind, rule_specs
 from rlctl.rewards.worker import error_text
 
 __all__ = [
     "RewardBatch",
     "RewardManager",
     "RewardResult",
+    "DEFAULT_ENV_WEIGHTS",
     "classify",
+    "env_weight",
     "reward_metrics",
+    "trl_arguments",
     "reward_warning",
 ]
 
 MAX_AUTO_WORKERS = 8
-ENV_REWARDS = ("env", "tool", "interaction")  # reward names of an agent run's environment, not functions
 
 
 @dataclass
@@ -51,6 +53,7 @@ class RewardBatch:
     ground_truths: list[Any]
     extra_infos: list[dict | None]
     trajectories: list = field(default_factory=list)  # agent runs: rlctl.agents Trajectory per sample
+    rows: list[dict] = field(default_factory=list)  # each sample's dataset row (TRL reward functions' columns)
 
     @property
     def response_lengths(self) -> list[int]:
@@ -68,6 +71,7 @@ class RewardResult:
     scores: list[float]
     sums: dict[str, float]
     errors: dict[str, str] = field(default_factory=dict)
+    parts: list[dict[str, float]] = field(default_factory=list)  # each sample's unweighted component values
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,6 +149,11 @@ class _Rule(_Component):
         return self.route[source]
 
     def outcomes(self, batch: RewardBatch, pool: RewardPool) -> list[tuple[bool, Any]]:
+        if self.kind == "trl":
+            ((ok, result),) = pool.map([(self.spec, "trl", trl_arguments(batch))])
+            if ok and isinstance(result, (list, tuple)):  # None: not applicable to that sample (TRL adds nothing)
+                result = [0.0 if v is None else v for v in result]
+            return _spread(ok, result, len(batch))
         if self.kind == "batch":
             args = {
                 "data_sources": list(batch.data_sources),
@@ -220,6 +229,55 @@ class _EnvReward(_Component):
 
     def outcomes(self, batch: RewardBatch, pool: RewardPool) -> list[tuple[bool, Any]]:
         return [(True, t.rewards.get(self.name, 0.0)) for t in batch.trajectories]
+
+
+def _num_turns(messages: list[dict]) -> int:
+    """verl's ``__num_turns__``: the prompt, each assistant turn and each round of tool / user replies."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+    after = [m.get("role") for m in messages[first:]]
+    rounds = sum(r != "assistant" and (i == 0 or after[i - 1] == "assistant") for i, r in enumerate(after))
+    return 1 + after.count("assistant") + rounds
+
+
+def _completion(prompt: Any, response: str, trajectory: Any) -> Any:
+    """A sample's completion as TRL gives it: the messages after the prompt for a chat prompt (a multi-turn
+    trajectory's assistant and tool turns), the text for a plain one."""
+    if not isinstance(prompt, list):
+        return response
+    if trajectory is None:
+        return [{"role": "assistant", "content": response}]
+    messages = trajectory.messages
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+    return [dict(m) for m in messages[first:]]
+
+
+def trl_arguments(batch: RewardBatch) -> dict[str, list]:
+    """TRL's ``reward_funcs`` keywords: ``prompts``, ``completions``, ``completion_ids`` and every other column
+    of the rows (a column a row lacks is None there), one entry per sample."""
+    rows = batch.rows or [{} for _ in range(len(batch))]
+    prompts = [r.get("prompt", p) for r, p in zip(rows, batch.prompts)]
+    trajs = batch.trajectories or [None] * len(batch)
+    out: dict[str, list] = {
+        "prompts": prompts,
+        "completions": [_completion(p, r, t) for p, r, t in zip(prompts, batch.responses, trajs)],
+        "completion_ids": [list(r) for r in batch.response_ids],
+    }
+    columns = dict.fromkeys(k for r in rows for k in r if k not in ("prompt", "completion", "completion_ids"))
+    out.update({k: [r.get(k) for r in rows] for k in columns})
+    return out
+
+
+DEFAULT_ENV_WEIGHTS = {"env": 1.0}
+"""TRL adds an environment's ``get_reward`` to the score with weight 1; verl's tool agent loop adds nothing of
+tool step rewards (``tool``), ``calc_reward`` (named by tool) or interaction turn scores (``interaction``): they
+are reported with weight 0 unless ``--reward tool:W`` / ``interaction:W`` weights them."""
+
+
+def env_weight(name: str, given: dict[str, float]) -> float:
+    """The weight of an environment's reward ``name``: ``given`` (from reward.fns) or the peer's default; a verl
+    tool's calc_reward (named by its tool) goes with ``tool``."""
+    key = name if name in ENV_REWARDS else "tool"
+    return given.get(key, DEFAULT_ENV_WEIGHTS.get(key, 0.0))
 
 
 def _spread(ok: bool, result: Any, n: int) -> list[tuple[bool, Any]]:
@@ -304,9 +362,16 @@ class RewardManager:
         ``extra_info`` also holds ``messages``, ``tool_calls`` and ``turns``."""
         tok = self.tokenizer
         extra = [m.extra_info for m in meta]
-        if trajectories:
+        if trajectories:  # num_turns and rollout_reward_scores: what verl's naive reward manager adds
             extra = [
-                {**(e or {}), "messages": t.messages, "tool_calls": t.tool_call_list(), "turns": t.turns}
+                {
+                    **(e or {}),
+                    "messages": t.messages,
+                    "tool_calls": t.tool_call_list(),
+                    "turns": t.turns,
+                    "num_turns": _num_turns(t.messages),
+                    "rollout_reward_scores": dict(t.rewards),
+                }
                 for e, t in zip(extra, trajectories)
             ]
         return RewardBatch(
@@ -320,6 +385,7 @@ class RewardManager:
             ground_truths=[m.ground_truth for m in meta],
             extra_infos=extra,
             trajectories=list(trajectories or []),
+            rows=[dict(getattr(m, "row", None) or {}) for m in meta],
         )
 
     def score(self, batch: RewardBatch) -> RewardResult:
@@ -330,6 +396,7 @@ class RewardManager:
         sums: dict[str, float] = {}
         errors: dict[str, str] = {}
         extras: dict[str, list[float]] = {}
+        parts: list[dict[str, float]] = [{} for _ in range(n)]
         for comp in self.components + self._env_components(batch):
             comp_sum, bad = 0.0, 0
             for i, (ok, value) in enumerate(comp.outcomes(batch, self.pool)):
@@ -339,6 +406,7 @@ class RewardManager:
                     errors.setdefault(comp.name, f"sample {i}: {one_line(err)}")
                     (failed if status == "failed" else nonfinite)[i] = True
                 scores[i] += comp.weight * score
+                parts[i][comp.name] = score
                 comp_sum += score
                 for k, v in more.items():
                     extras.setdefault(k, []).append(v)
@@ -355,13 +423,13 @@ class RewardManager:
             failed=float(sum(failed)),
             nonfinite=float(sum(nonfinite)),
         )
-        return RewardResult(scores, sums, errors)
+        return RewardResult(scores, sums, errors, parts)
 
     def _env_components(self, batch: RewardBatch) -> list[_Component]:
-        """An environment's named rewards (get_reward, verl calc_reward, interaction scores, tool step rewards)
-        as components; weight 1 unless reward.fns names one (``env:0.5``)."""
+        """An environment's named rewards as components (reported in samples.jsonl and the metrics). Each peer's
+        weights by default (:func:`env_weight`) unless reward.fns names one (``env:0.5``, ``tool:1``)."""
         names = sorted({k for t in batch.trajectories for k in t.rewards})
-        return [_EnvReward(RewardSpec(k, self.env_weights.get(k, 1.0), k)) for k in names]
+        return [_EnvReward(RewardSpec(k, env_weight(k, self.env_weights), k)) for k in names]
 
     def close(self) -> None:
         self.pool.close()

@@ -4,7 +4,19 @@ from __future__ import annotations
 
 from rlctl.errors import UserError
 
-__all__ = ["RewardModel"]
+__all__ = ["RewardModel", "classifier_architecture"]
+
+
+def classifier_architecture(architectures: list[str] | None, model: str) -> str:
+    """The sequence classifier of a causal LM (``Qwen2ForCausalLM`` -> ``Qwen2ForSequenceClassification``): what
+    ``rlctl rm`` exports and this module loads."""
+    arch = (architectures or [""])[0]
+    if not arch.endswith("ForCausalLM"):
+        raise UserError(
+            f"rlctl rm builds a reward model from a causal LM (config.json architectures *ForCausalLM); {model} is "
+            f"{arch or 'not named'}"
+        )
+    return arch.removesuffix("ForCausalLM") + "ForSequenceClassification"
 
 
 class RewardModel:

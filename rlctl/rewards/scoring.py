@@ -11,6 +11,7 @@ from typing import Any
 from rlctl.errors import one_line
 from rlctl.rewards.loader import RewardFn
 from rlctl.rewards.manager import classify
+from rlctl.rewards.spec import SAMPLE_KEYWORDS
 
 __all__ = ["score_batch"]
 
@@ -22,7 +23,7 @@ def score_batch(
     ground_truths: Sequence[Any],
     extra_infos: Sequence[dict | None] | None = None,
 ) -> tuple[list[float], dict[str, list[float | None]], int, str | None]:
-    """Score each sample with ``fn(data_source, solution, ground_truth, extra_info)``.
+    """Score each sample with ``fn(data_source=, solution_str=, ground_truth=, extra_info=)`` (by keyword, as verl).
 
     Returns ``(scores, extras, n_errors, first_error)``:
 
@@ -45,7 +46,7 @@ def score_batch(
     n_errors, first_error = 0, None
     for i, args in enumerate(zip(data_sources, solutions, ground_truths, extra_infos)):
         try:
-            status, score, metrics, err = classify(fn(*args))
+            status, score, metrics, err = classify(fn(**dict(zip(SAMPLE_KEYWORDS, args))))
         except Exception as exc:
             status, score, metrics, err = "failed", 0.0, {}, f"{type(exc).__name__}: {exc}"
         if status != "ok":

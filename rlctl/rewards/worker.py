@@ -7,6 +7,8 @@ function prints goes to stderr, so it cannot break the protocol.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import pickle
 import struct
@@ -48,14 +50,24 @@ def error_text(exc: BaseException) -> str:
 
 
 def call(spec: str, kind: str, args: Any, cache: dict) -> Any:
-    """Run one reward call: ``sample`` args are (data_source, solution_str, ground_truth, extra_info);
-    ``batch`` args are verl's keyword lists."""
+    """Run one reward call, by keyword as the peer calls it: ``sample`` args are (data_source, solution_str,
+    ground_truth, extra_info), passed as verl's naive reward manager does (``data_source=...``); ``batch``
+    (verl's lists) and ``trl`` (TRL's ``prompts=, completions=, completion_ids=`` and the row's columns) args
+    are the keyword dict itself."""
     from rlctl.rewards.loader import get_reward
+    from rlctl.rewards.spec import SAMPLE_KEYWORDS
 
     fn = cache.get(spec)
     if fn is None:
         fn = cache[spec] = get_reward(spec)
-    return fn(**args) if kind == "batch" else fn(*args)
+    result = fn(**dict(zip(SAMPLE_KEYWORDS, args))) if kind == "sample" else fn(**args)
+    if inspect.isawaitable(result):  # an async reward (TRL allows them): run to its end here
+        result = asyncio.run(_await(result))
+    return result
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def main() -> None:

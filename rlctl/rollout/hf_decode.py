@@ -75,10 +75,23 @@ def unsupported_reason(model: nn.Module) -> str | None:
     head_dim = inner.layers[0].self_attn.head_dim
     with torch.no_grad():
         probe = inner.embed_tokens.weight[:1]
-        cos, _ = rotary(probe, torch.zeros(1, 1, dtype=torch.long, device=probe.device))
+        cos, _ = rope_table(rotary, probe, torch.zeros(1, dtype=torch.long, device=probe.device))
     if cos.shape[-1] != head_dim:
         return f"rotary dimension {cos.shape[-1]} != head_dim {head_dim} (partial rotary)"
     return None
+
+
+def rope_table(rotary: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of the 1-D ``positions`` from a model's own rotary embedding, each (len(positions), head_dim),
+    in ``x``'s dtype. A multimodal rope (Qwen2-VL's: ``mrope_section``) takes one row of position ids per axis,
+    (3, batch, len); a text token sits at the same position on all three. transformers 5.17's
+    Qwen2VLRotaryEmbedding indexes exactly that shape (2-D ids raise IndexError: seen on the first GPU run),
+    later versions also broadcast 2-D ids, so the three axes are always passed."""
+    ids = positions[None]
+    if getattr(rotary, "mrope_section", None) is not None:
+        ids = ids[None].expand(3, 1, -1)
+    cos, sin = rotary(x, ids)
+    return cos[0], sin[0]
 
 
 class TextModel:
@@ -264,10 +277,10 @@ class DecodeState:
         bias = torch.zeros(rows, self.max_len, device=device, dtype=dtype).masked_fill(pad, float("-inf"))
         self.bias = bias[:, None, None, :].expand(rows, kv, 1, self.max_len).contiguous()
         self.position = lens.clone()  # next position id of each row (each prompt starts at 0)
-        cos, sin = dec.model.model.rotary_emb(self.bias, torch.arange(self.max_len, device=device)[None])
+        cos, sin = rope_table(dec.model.model.rotary_emb, self.bias, torch.arange(self.max_len, device=device))
         half = hd // 2
-        sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # rotate_half's sign folded in
-        self.rope = torch.stack([cos[0], sin], dim=0)  # (2, positions, head_dim)
+        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # rotate_half's sign folded in
+        self.rope = torch.stack([cos, sin], dim=0)  # (2, positions, head_dim)
         self.qk_norm = [
             torch.cat([layer.q_norm.expand(dec.heads, hd), layer.k_norm.expand(kv, hd)])
             for layer in dec.layers

@@ -35,6 +35,8 @@ Images (vision-language models; UNTESTED, written from SGLang's "Query VLM with 
 request), with ``input_ids`` already expanded (one image token per merged patch, as rlctl.data.rl builds them):
 SGLang then uses the same pixels as the trainer instead of processing the pictures again. The engine needs the
 model's processor for that, so it is started with its tokenizer (``skip_tokenizer_init`` off) for a VL model.
+Each prompt is sent once with ``sampling_params["n"]`` (SGLang's parallel sampling expands it prompt-major after
+processing the images once), its pixels in the engine's dtype.
 
 Log-probabilities: SGLang's default returned log-probs are taken after temperature and before
 top-k/top-p, and greedy requests run at temperature 1 with top-k 1, which is our convention, as
@@ -58,6 +60,8 @@ from rlctl.rollout.base import (
     SamplingParams,
     check_generate_args,
     default_stop_token_ids,
+    release_cached_blocks,
+    torch_dtype,
 )
 from rlctl.rollout.spec import RolloutSpec
 
@@ -93,8 +97,11 @@ class SGLangRolloutEngine(RolloutEngine):
         self.supports_sleep = device_type == "cuda"
         self.max_model_len = spec.max_model_len
         self.stop_token_ids = default_stop_token_ids(spec.model_path)
+        self.pixel_dtype = torch_dtype(spec.dtype)  # images travel in the engine's dtype (its tower casts to it)
         mem_fraction = spec.mem_fraction
         if self.supports_sleep:
+            # what the driver sees free: the trainer's allocator first gives back the blocks it only caches
+            release_cached_blocks()
             mem_fraction = static_fraction(mem_fraction, *torch.cuda.mem_get_info(torch.device(spec.device)))
         self._engine = engine_class(
             model_path=spec.model_path,
@@ -129,10 +136,11 @@ class SGLangRolloutEngine(RolloutEngine):
     ) -> list[Sample]:
         check_generate_args(prompt_token_ids, n, self.max_model_len)
         stop_ids = sorted(self.stop_token_ids | set(sampling.stop_token_ids or ()))
-        request = image_request(prompt_token_ids, images, n)
-        outputs = self._engine.generate(
-            **request, sampling_params=sglang_sampling_params(sampling, stop_ids), return_logprob=True
-        )
+        # each prompt once with SGLang's parallel sampling (n): its pixels travel and are processed once, its
+        # prefix (images included) is cached before the n samples (tokenizer_manager._handle_batch_request)
+        request = image_request(prompt_token_ids, images, self.pixel_dtype)
+        params = {**sglang_sampling_params(sampling, stop_ids), "n": n}
+        outputs = self._engine.generate(**request, sampling_params=params, return_logprob=True)
         return samples_from_outputs(outputs, n)
 
     def _continue(self, histories: list[list[int]], sampling: SamplingParams, max_tokens: list[int]) -> list[Sample]:
@@ -183,10 +191,11 @@ def is_vision_model(model_path: str) -> bool:
         return False
 
 
-def image_request(prompt_token_ids: list[list[int]], images: list, n: int) -> dict[str, Any]:
-    """``generate``'s ``input_ids`` and ``image_data`` for prompts with images: each prompt ``n`` times
-    (prompt-major), its images as one processor output (None for a prompt without images)."""
-    input_ids, image_data = [], []
+def image_request(prompt_token_ids: list[list[int]], images: list, pixel_dtype: torch.dtype) -> dict[str, Any]:
+    """``generate``'s ``input_ids`` and ``image_data`` for prompts with images: each prompt once, its images
+    as one processor output (None for a prompt without images), the pixels in ``pixel_dtype`` (the vision
+    tower's: SGLang casts them to it, as the trainer's mixed precision does; fp32 would double the bytes)."""
+    image_data = []
     for prompt, im in zip(prompt_token_ids, images, strict=True):
         item = None
         if im is not None:
@@ -194,13 +203,12 @@ def image_request(prompt_token_ids: list[list[int]], images: list, n: int) -> di
                 {
                     "format": "processor_output",
                     "input_ids": torch.tensor([prompt]),
-                    "pixel_values": torch.as_tensor(np.asarray(im[0])),
+                    "pixel_values": torch.as_tensor(np.asarray(im[0])).to(pixel_dtype),
                     "image_grid_thw": torch.as_tensor(np.asarray(im[1]), dtype=torch.long),
                 }
             ]
-        input_ids += [prompt] * n
-        image_data += [item] * n
-    return {"input_ids": input_ids, "image_data": image_data}
+        image_data.append(item)
+    return {"input_ids": list(prompt_token_ids), "image_data": image_data}
 
 
 def static_fraction(mem_fraction: float, free_bytes: int, total_bytes: int) -> float:

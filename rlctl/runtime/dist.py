@@ -50,9 +50,15 @@ class Dist:
         return self.rank == 0 and (self.split is None or self.split.role == "train")
 
 
-def init_distributed(device_type: str, rollout_procs: int = 0) -> Dist:
+#: The process groups made outside torch's registry (a split run's bridge and sync, :func:`init_split`):
+#: ``destroy_process_group()`` does not know them, :func:`destroy_all` ends them.
+_UNREGISTERED: list = []
+
+
+def init_distributed(device_type: str, rollout_procs: int = 0, timeout: timedelta = timedelta(minutes=30)) -> Dist:
     """Start the default process group from torchrun's environment (gloo on CPU; nccl and gloo on CUDA,
-    see :func:`process_group_backend`); with ``rollout_procs`` > 0 one per group (:func:`init_split`)."""
+    see :func:`process_group_backend`); with ``rollout_procs`` > 0 one per group (:func:`init_split`).
+    ``timeout``: how long any collective of any group waits for its peers (``hardware.collective_timeout_min``)."""
     if device_type not in ("cpu", "cuda"):
         raise UserError(f"unknown device '{device_type}'; use cpu or cuda (hardware.device)")
     if device_type == "cuda" and not torch.cuda.is_available():
@@ -68,27 +74,27 @@ def init_distributed(device_type: str, rollout_procs: int = 0) -> Dist:
     else:
         device = torch.device("cpu")
     if rollout_procs > 0 and not dist.is_initialized():
-        return init_split(device, rollout_procs, local)
+        return init_split(device, rollout_procs, local, timeout)
     if not dist.is_initialized():
         dist.init_process_group(
             process_group_backend(device_type),
-            timeout=timedelta(minutes=30),
+            timeout=timeout,
             device_id=device if device_type == "cuda" else None,
         )
     return Dist(rank, world, local, device, int(os.environ.get("LOCAL_WORLD_SIZE") or world))
 
 
-def init_split(device: torch.device, rollout_procs: int, local_rank: int) -> Dist:
+def init_split(device: torch.device, rollout_procs: int, local_rank: int, timeout: timedelta) -> Dist:
     """The default process group of this process's group (trainers: the first ``world - rollout_procs``
     processes; rollout: the rest), and the two process groups between them (:class:`Split`), all over
-    torchrun's one store."""
+    torchrun's one store. Every group waits ``timeout``: the rollout processes wait on ``sync`` through a
+    whole update, the trainers on ``bridge`` through a whole rollout."""
     store, rank, world = next(dist.rendezvous("env://"))
     trainers = world - rollout_procs
     if trainers < 1:
         raise UserError(f"rollout.procs={rollout_procs} leaves no trainer among {world} processes; use fewer")
     role = "train" if rank < trainers else "rollout"
     group_rank, group_size = (rank, trainers) if role == "train" else (rank - trainers, rollout_procs)
-    timeout = timedelta(minutes=30)
     dist.init_process_group(
         process_group_backend(device.type),
         store=dist.PrefixStore(f"rlctl/{role}", store),
@@ -101,14 +107,34 @@ def init_split(device: torch.device, rollout_procs: int, local_rank: int) -> Dis
     sync = None
     if rank == 0 or role == "rollout":  # trainer 0 and the rollout processes
         sync_rank, sync_store = (0 if rank == 0 else rank - trainers + 1), dist.PrefixStore("rlctl/sync", store)
-        if device.type == "cuda":  # not run on this project's CPU machines (untested here)
-            sync = dist.ProcessGroupNCCL(sync_store, sync_rank, rollout_procs + 1)
+        if device.type == "cuda":  # not run on this project's CPU machines (tests/engines/test_gpu_faults.py)
+            sync = dist.ProcessGroupNCCL(sync_store, sync_rank, rollout_procs + 1, nccl_options(timeout))
         else:
             sync = dist.ProcessGroupGloo(sync_store, sync_rank, rollout_procs + 1, timeout)
+    _UNREGISTERED.extend(g for g in (sync, bridge) if g is not None)  # in the order destroy_all ends them
     split = Split(role, trainers, rollout_procs, rank, bridge, sync)
     os.environ.update(RANK=str(group_rank), WORLD_SIZE=str(group_size))  # libraries that read them see the group
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
     return Dist(group_rank, group_size, local_rank, device, min(local_world, group_size), split)
+
+
+def nccl_options(timeout: timedelta):
+    """The options of an NCCL group made by its constructor, as ``new_group`` would set them (torch c10d,
+    ``_new_process_group_helper``): without them the group gets NCCL's default 10-minute watchdog, which
+    kills the run when a peer waits longer (a rollout process waiting through a long update)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    options._timeout = timeout
+    return options
+
+
+def destroy_all() -> None:
+    """End every process group of this process: those torch does not know (:data:`_UNREGISTERED`, NCCL
+    communicators otherwise left to the interpreter's exit), then torch's own."""
+    while _UNREGISTERED:
+        _UNREGISTERED.pop(0).shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def process_group_backend(device_type: str) -> str:

@@ -24,14 +24,14 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from rlctl.config import RunConfig, load_config
 from rlctl.errors import UserError, os_error_line
-from rlctl.runtime.dist import Dist, init_distributed
+from rlctl.runtime.dist import Dist, destroy_all, init_distributed
 from rlctl.runtime.errors import INTERRUPTED, write_rank_error
 from rlctl.runtime.layout import RunPaths, interrupted_summary, write_json_atomic
 from rlctl.runtime.rng import seed_everything
@@ -125,7 +125,8 @@ def recipe_main(body: Callable[[RunContext], None], argv: list[str] | None = Non
     code = 0
     try:
         cfg = load_config(paths.config)
-        d = init_distributed(cfg.hardware.device, cfg.rollout.procs)
+        timeout = timedelta(minutes=cfg.hardware.collective_timeout_min)
+        d = init_distributed(cfg.hardware.device, cfg.rollout.procs, timeout)
         check_shared_run_dir(paths, d.device)  # before anything loads: one run directory for every node
         _quiet_libraries()
         seed_everything(cfg.train.seed)
@@ -153,8 +154,8 @@ def recipe_main(body: Callable[[RunContext], None], argv: list[str] | None = Non
         code = _internal(paths, rank, e, _first_failure(e))
     finally:
         sys.stdout.flush()
-        if dist.is_initialized() and code == 0:
-            dist.destroy_process_group()
+        if code == 0:
+            destroy_all()
         # os._exit skips the shutdown that would end the helper processes libraries started (megatron-core's
         # checkpoint writer keeps a multiprocessing Manager per rank): end them, or they outlive the run
         for child in multiprocessing.active_children():

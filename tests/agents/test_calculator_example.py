@@ -30,7 +30,7 @@ def test_calculator_tool_and_its_schema(example):
     assert calculator("17 * 23") == "391" and calculator("7 / 2") == "3.5" and calculator("-(2 + 3) * 4") == "-20"
     with pytest.raises(ValueError, match="not an arithmetic expression"):
         calculator("__import__('os')")
-    spec = load_agent_spec(tools=str(EXAMPLE / "calc.py"))
+    spec = load_agent_spec(tools=str(EXAMPLE / "calc.py"), results="rlctl")  # as run.py runs it
     assert spec.tool_names == ["calculator"]
     episode = spec.open({})
     assert (

@@ -45,6 +45,9 @@ class AddSpec:
     def __init__(self, replies=None):
         self.replies, self.episodes = replies, []
 
+    def prepare(self, trajectories):
+        pass
+
     def open(self, row):
         self.episodes.append(AddEpisode(self.replies))
         return self.episodes[-1]

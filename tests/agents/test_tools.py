@@ -73,7 +73,7 @@ def test_function_schemas_from_type_hints_and_docstrings():
 
 
 def test_raising_tool_returns_error_and_output_is_capped():
-    episode = load_agent_spec(tools=CALC).open({})
+    episode = load_agent_spec(tools=CALC, results="rlctl").open({})  # rlctl's texts (TRL's: tests/compat)
     out = run_calls(
         [
             (episode, ToolCall("divide", {"a": 1, "b": 0})),
@@ -97,7 +97,7 @@ def test_raising_tool_returns_error_and_output_is_capped():
 
 
 def test_hanging_tools_time_out_while_the_other_calls_complete():
-    spec = load_agent_spec(tools=CALC, env=f"{FILES / 'counter_env.py'}:HangingEnv")
+    spec = load_agent_spec(tools=CALC, env=f"{FILES / 'counter_env.py'}:HangingEnv", results="rlctl")
     a, b, c = spec.open({}), spec.open({}), spec.open({})
     timeout = 0.5
     start = time.monotonic()
@@ -107,7 +107,7 @@ def test_hanging_tools_time_out_while_the_other_calls_complete():
             (b, ToolCall("add", {"a": 2, "b": 3})),
             (c, ToolCall("async_sleepy", {"seconds": 10})),
             (b, ToolCall("wait", {"seconds": 10})),  # a stateful environment method
-            (b, ToolCall("wait", {"seconds": 0})),  # same trajectory: not run while the first still runs
+            (b, ToolCall("wait", {"seconds": 0})),  # same trajectory: its environment died with the overrun call
             (a, ToolCall("async_echo", {"text": "ok"})),
         ],
         timeout_s=timeout,
@@ -117,11 +117,14 @@ def test_hanging_tools_time_out_while_the_other_calls_complete():
     assert [o.status for o in out] == ["timeout", "ok", "timeout", "timeout", "error", "error"]
     assert out[0].content == "Error: sleepy took longer than 0.5 s and was stopped"
     assert out[1].content == "5"
-    assert "an earlier call is still running" in out[4].content
+    assert "the environment was lost" in out[4].content
     assert elapsed < 5 * timeout, elapsed  # the three hanging trajectories wait in parallel: about one timeout
     assert outcome_counts(out) == {"tool/calls": 6, "tool/errors": 2, "tool/timeouts": 3}
-    # the cancelled coroutine leaves its trajectory usable at once
-    assert c.call(ToolCall("async_echo", {"text": "x"})) == ToolOutcome("X", "ok")
+    # the overrun call's process was killed: a trajectory of plain functions goes on in a fresh one at once
+    plain = load_agent_spec(tools=CALC, results="rlctl").open({})
+    assert plain.call(ToolCall("async_sleepy", {"seconds": 10}), 0.5).status == "timeout"
+    assert plain.call(ToolCall("async_echo", {"text": "x"})) == ToolOutcome("X", "ok")
+    assert c.call(ToolCall("async_echo", {"text": "x"})).status == "error"  # its environment is gone
 
 
 def test_trl_environment_class_runs_unchanged():
@@ -170,7 +173,7 @@ def test_trl_environment_class_runs_unchanged():
 
 
 def test_verl_tool_config_and_class_run_unchanged():
-    spec = load_agent_spec(tools=str(FILES / "verl_tools.yaml"))
+    spec = load_agent_spec(tools=str(FILES / "verl_tools.yaml"), verl_lifecycle="trajectory")  # per call: tests/compat
     assert spec.schemas == [
         {
             "type": "function",
@@ -237,7 +240,7 @@ def test_bad_inputs_are_one_line_user_errors(tmp_path):
     assert "has no 'tools:' list" in _one_line_error(tools=str(no_list))
     builtin = tmp_path / "verl_builtin.yaml"
     builtin.write_text("tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    config: {type: native}\n")
-    assert "pip install verl" in _one_line_error(tools=str(builtin))
+    assert "pip install 'verl<=0.7.1'" in _one_line_error(tools=str(builtin))  # the last verl that bundles it
     assert "defined twice" in _one_line_error(tools=f"{CALC}:add;{CALC}:add")
     assert load_agent_spec() is None
 

@@ -75,7 +75,8 @@ def test_weights_are_detached_and_bad_thresholds_refused():
     w, _ = is_weights(lr, torch.ones(2, 3))
     assert not w.requires_grad
     assert parse_threshold(2.0) == (0.5, 2.0) and parse_threshold("0.25_4") == (0.25, 4.0)
-    for bad in (0.5, "2", "1.5_3", "a_b", float("inf")):
+    assert parse_threshold("2") == (0.5, 2.0)  # a number as a string: verl's float-like form
+    for bad in (0.5, "x", "1.5_3", "a_b", float("inf")):
         with pytest.raises(ValueError):
             parse_threshold(bad)
 

@@ -1,4 +1,5 @@
-"""benchmarks/gpu_check.sh --dry: the GPU check's own commands, checked on CPU (no GPU in CI).
+"""benchmarks/gpu_check.sh --dry: the GPU check's own commands, checked on CPU (no GPU in CI; the real path
+under a fake CUDA python is in test_gpu_kit.py).
 
 Every train step's exact --set options go through ``rlctl <method> --dry-run --json`` on a CUDA plan, and
 the resolved config must carry each value; the other commands' options must exist. A step with a misspelt
@@ -35,26 +36,28 @@ def _run(script: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_gpu_check_dry_mode_checks_every_command(tmp_path):
-    out = tmp_path / "gpu_check.json"
-    proc = _run(SCRIPT, out)
+    proc = _run(SCRIPT, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
     names = [s["step"] for s in doc["steps"]]
-    for expected in ("sft-fsdp-bf16", "sft-offload", "sft-megatron", "grpo-vllm", "grpo-sglang", "ppo-vllm",
-                     "grpo-vllm-pressure", "bench-rollout", "megatron-gpu-check"):  # fmt: skip
+    for expected in ("grpo-fsdp-hf", "sft-offload", "grpo-tools-hf", "vl-sft-grpo", "sft-pure-bf16-savers",
+                     "sft-lora", "sft-megatron", "grpo-vllm", "grpo-sglang", "ppo-vllm", "grpo-vllm-pressure",
+                     "bench-rollout", "megatron-gpu-check"):  # fmt: skip
         assert expected in names
     assert {s["status"] for s in doc["steps"]} == {"dry-ok"}
     assert "nothing ran on a GPU" in doc["what"]
     plan = next(s for s in doc["steps"] if s["step"] == "sft-offload")["result"]["plan"]
     assert plan["device"] == "cuda" and plan["offload_params"] and plan["estimate"]["phases"]
+    # one GPU, yet FSDP2 runs: the step asks for sharding and the plan keeps it
+    grpo = next(s for s in doc["steps"] if s["step"] == "grpo-fsdp-hf")["result"]
+    assert grpo["config"]["parallel"]["shard"] is True and grpo["config"]["algo"]["kl_coef"] > 0
 
 
 def test_gpu_check_dry_mode_fails_on_a_misspelt_option(tmp_path):
     broken = tmp_path / "gpu_check.sh"
     broken.write_text(SCRIPT.read_text().replace("lora.rank=16", "lora.rnak=16").replace("--prompts 8", "--promts 8"))
-    out = tmp_path / "gpu_check.json"
-    proc = _run(broken, out, "--only", "sft-lora,bench-rollout")
+    proc = _run(broken, tmp_path, "--only", "sft-lora,bench-rollout")
     assert proc.returncode == 1
-    steps = {s["step"]: s for s in json.loads(out.read_text())["steps"]}
+    steps = {s["step"]: s for s in json.loads((tmp_path / "gpu_check.json").read_text())["steps"]}
     assert steps["sft-lora"]["status"] == steps["bench-rollout"]["status"] == "dry-failed"
     assert any("rnak" in line for line in steps["sft-lora"]["output_tail"])

@@ -12,7 +12,10 @@ from typer.testing import CliRunner
 from rlctl.cli.flags import FIRST_RUN
 from rlctl.cli.options import flags_of
 
-COMMANDS = {"sft": ["sft"], "grpo": ["grpo"], "ppo": ["ppo"], "estimate": ["estimate", "memory"]}
+COMMANDS = {
+    **{m: [m] for m in ("sft", "grpo", "ppo", "dpo", "rm")},
+    "estimate": ["estimate", "memory"],
+}
 
 
 def helps(args: list[str], width: int) -> str:

@@ -18,10 +18,11 @@ engine at tp x pp in {2x2 (4 processes), 2x1, 1x2 (also 3 + 2 layers), 1x1 with 
 
 And the recipes on the engine (training: DDP, the distributed optimizer, checkpoints with optimizer
 state): ``rlctl sft``'s recipe at tp2, stopped, resumed at pp2 (2 + 1 layers), and ``rlctl grpo``'s
-recipe (hf rollout) at tp2 follow FSDP runs of the same configs step by step.
+recipe (hf rollout) at tp2 follow FSDP runs of the same configs step by step. And bf16 (what GPU runs
+use): training at pp2, its checkpoint's per-parameter optimizer state, loading it, converting it.
 
 The worker processes replace a few CUDA calls (tests/support/scripts/megatron_cpu_patches.py); the
-pytest process itself never imports those patches. What still needs a GPU (bf16, Transformer
+pytest process itself never imports those patches. What still needs a GPU (nccl, Transformer
 Engine, sequence parallelism, optimizer offload): benchmarks/megatron_gpu_check.py.
 """
 
@@ -587,6 +588,95 @@ def test_full_params_and_dist_checkpoint_give_the_hf_tensors(runs, tp, pp, model
     assert sorted(converted) == sorted(hf)
     for name, tensor in hf.items():
         assert torch.equal(converted[name], tensor), name
+
+
+# ----------------------------------------------------------------------------- bf16 (what every GPU run uses)
+
+BF16_WORKER = Path(__file__).resolve().parents[1] / "support" / "scripts" / "megatron_bf16.py"
+#: a GPTModel parameter of the 1-layer stages -> its key in the torch_dist checkpoint (layers stacked,
+#: the local spec's norms under Transformer Engine's names), written out here by hand
+CKPT_KEYS = {
+    "embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+    "decoder.layers.0.input_layernorm.weight": "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+    "decoder.layers.0.self_attention.linear_qkv.weight": "decoder.layers.self_attention.linear_qkv.weight",
+    "decoder.layers.0.self_attention.linear_qkv.bias": "decoder.layers.self_attention.linear_qkv.bias",
+    "decoder.layers.0.self_attention.linear_proj.weight": "decoder.layers.self_attention.linear_proj.weight",
+    "decoder.layers.0.pre_mlp_layernorm.weight": "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+    "decoder.layers.0.mlp.linear_fc1.weight": "decoder.layers.mlp.linear_fc1.weight",
+    "decoder.layers.0.mlp.linear_fc2.weight": "decoder.layers.mlp.linear_fc2.weight",
+    "decoder.final_layernorm.weight": "decoder.final_layernorm.weight",
+}
+
+
+def _read_dcp(ckpt: Path, key: str) -> torch.Tensor:
+    """One whole tensor of a torch_dist checkpoint, read with torch.distributed.checkpoint alone."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(ckpt))
+    meta = reader.read_metadata().state_dict_metadata[key]
+    out = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    return out[key]
+
+
+@needs_mcore
+@pytest.mark.slow
+def test_bf16_training_checkpoints_each_parameters_own_optimizer_state(tmp_path):
+    """The first GPU run (issue 35): a bf16 Qwen2 trained, then failed in megatron-core's
+    ``get_parameter_state_dp_zero`` (size 1152 vs 896) saving its checkpoint. The local spec's norms
+    were fp32 in a bf16 model, and the distributed optimizer's checkpoint map then pairs a QKV bias
+    with a norm's state. Here on CPU in bf16 at pp2 (2 layers, QKV bias, tied embeddings): every
+    parameter is bf16; the checkpoint holds each parameter's own fp32 copy, exp_avg and exp_avg_sq (as
+    the live optimizer links them to the parameter, ``main_param``); a fresh engine loads them and the
+    weights; and ``rlctl convert``'s reader gives the trained engine's export stream exactly."""
+    from rlctl.convert.megatron_io import load_megatron_to_hf
+    from rlctl.runtime.net import free_port
+    from rlctl.testing import build_tiny_model
+
+    hf_dir = build_tiny_model(
+        tmp_path / "hf",
+        seed=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_hidden_layers=2,
+        tie_word_embeddings=True,  # as Qwen2.5-0.5B
+    )
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    proc = subprocess.run(
+        [*cmd, str(BF16_WORKER), str(hf_dir), str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ckpt = out / "ckpt"
+    for stage in (0, 1):  # stage s holds HF layer s
+        got = torch.load(out / f"rank{stage}.pt")
+        assert set(got["dtypes"].values()) == {torch.bfloat16}, got["dtypes"]
+        assert got["loaded_step"] == 2
+        stored = {name: key for name, key in CKPT_KEYS.items() if name in got["live"]}
+        tied_copy = {"output_layer.weight"} if stage == 1 else set()  # saved under the embedding's key
+        assert set(got["live"]) == set(stored) | tied_copy
+        for name, live in got["live"].items():
+            shape = got["params"][name].shape
+            assert live["exp_avg"].abs().sum() > 0, name  # trained: states that a mix-up would show
+            assert torch.equal(live["param"].view(shape).bfloat16(), got["params"][name]), name
+            assert torch.equal(got["loaded_params"][name], got["params"][name]), name
+            for k in ("param", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(got["loaded"][name][k], live[k]), (name, k)
+                if name in stored:
+                    saved = _read_dcp(ckpt, f"optimizer.state.{k}.{stored[name]}")
+                    saved = saved[stage] if name.startswith("decoder.layers.") else saved
+                    assert torch.equal(saved, live[k].view(shape)), (name, k)
+    full = torch.load(out / "full.pt")
+    converted = dict(load_megatron_to_hf(ckpt, hf_dir))
+    assert sorted(converted) == sorted(full) and "model.layers.1.self_attn.q_proj.bias" in full
+    for name, tensor in full.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(converted[name], tensor), name
 
 
 # ----------------------------------------------------------------------------- the recipes on the Megatron engine

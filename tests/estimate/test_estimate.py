@@ -286,10 +286,12 @@ def test_tensor_and_sequence_parallel_activations():
 
 
 def test_logits_by_hand():
-    # the unfused loss's backward: bf16 logits and their bf16 gradient, fp32 log-softmax and its fp32 gradient
-    assert train(est(gpus=8))["logits"] == 1536 * V * (2 + 2 + 4 + 4)
+    # the unfused loss's backward: bf16 logits and their bf16 gradient, fp32 log-softmax and its fp32 gradient;
+    # GRPO on FSDP at the 1024 response positions of a 512 + 1024 sequence (logits_to_keep)
+    assert train(est(gpus=8))["logits"] == 1024 * V * (2 + 2 + 4 + 4)
     assert train(est(gpus=8, method="sft", max_len=4096, micro_batch=2))["logits"] == 2 * 4096 * V * 12
-    assert train(est(gpus=8, backend="megatron", tp=4))["logits"] == 1536 * (V // 4) * 12  # vocabulary parallel
+    # Megatron's output layer runs on every position; vocabulary parallel
+    assert train(est(gpus=8, backend="megatron", tp=4))["logits"] == 1536 * (V // 4) * 12
 
 
 def test_fsdp_unsharded_buffers_by_hand():
@@ -591,7 +593,7 @@ def test_fp32_on_cpu_has_no_cuda_context():
 @pytest.mark.parametrize(
     "kw, words",
     [
-        (dict(method="dpo"), "method"),
+        (dict(method="kto"), "method"),
         (dict(gpus=2, backend="fsdp", tp=2), "fsdp"),
         (dict(gpus=6, backend="megatron", tp=4), "do not split"),
         (dict(gpus=8, backend="megatron", pp=8), "pp 8"),

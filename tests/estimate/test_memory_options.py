@@ -71,7 +71,11 @@ def test_activation_offload_keeps_two_inputs_and_one_layer():
 def test_chunked_loss_counts_one_chunk_of_response_positions():
     rl = {"method": "grpo", "prompt_len": 512, "response_len": 1024, "rollout": "hf", "micro_batch": 2}
     unfused = train(est(**rl))["logits"]
-    assert unfused == 2 * 1536 * V * 12  # every position: bf16 logits + grad, fp32 log-softmax + grad
+    # the response positions only (the engines pass logits_to_keep; measured on the first GPU run, where
+    # counting every position put the GRPO estimate 3.1 GB high): bf16 logits + grad, fp32 log-softmax + grad
+    assert unfused == 2 * 1024 * V * 12
+    sft = train(est(method="sft", max_len=1536, micro_batch=2))["logits"]
+    assert sft == 2 * 1536 * V * 12  # SFT's loss reads every position
     assert train(est(**rl, loss_chunk=512))["logits"] == 512 * V * (2 + 12)
     # a chunk larger than the response positions (2 x 1024) holds only them
     assert train(est(**rl, loss_chunk=4096))["logits"] == 2 * 1024 * V * (2 + 12)

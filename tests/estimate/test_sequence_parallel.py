@@ -35,9 +35,11 @@ def test_activations_and_logits_are_those_of_t_over_sp_tokens(sp):
     t = T // sp
     full_layer = 2 * t * (4 * H + 2 * Q + 2 * KV + 4 * F)  # bf16: norms and inputs, Q K V out, gated MLP
     assert c["activations"] == L * 2 * t * H + full_layer  # checkpointing: each layer's input + one recomputed
-    assert c["logits"] == t * V * (2 + 2 + 4 + 4)
+    # the logits of the response positions the GPU holding the sequence's end computes: the whole response
+    # (32768 of 33280 positions) at sp 1, its whole shard when the response is longer than a shard
+    assert c["logits"] == min(t, 32768) * V * (2 + 2 + 4 + 4)
     one = train(**LONG, sp=1)
-    assert c["activations"] * sp == one["activations"] and c["logits"] * sp == one["logits"]
+    assert c["activations"] * sp == one["activations"]
     for key in ("weights", "gradients", "optimizer_states", "unsharded_buffers", "reference_model"):
         assert c[key] == one[key]  # FSDP2 shards the states over all 8 GPUs (dp x sp), whatever sp is
 
@@ -45,8 +47,11 @@ def test_activations_and_logits_are_those_of_t_over_sp_tokens(sp):
 def test_a_chunked_loss_under_sp_holds_one_chunk_of_the_shard():
     chunk = 1024
     assert train(**LONG, loss_chunk=chunk, sp=2)["logits"] == chunk * V * (2 + 12)  # one chunk, as at sp 1
-    # RL with a chunked loss: logits at the response positions of the shard only; a short shard is one chunk
-    assert train(**LONG, loss_chunk=65536, sp=4)["logits"] == (T // 4) * 32768 // T * V * (2 + 12)
+    # RL with a chunked loss: logits at the response positions of the shard only (the last shard: all of it,
+    # the response being longer than a shard); a short shard is one chunk
+    assert train(**LONG, loss_chunk=65536, sp=4)["logits"] == (T // 4) * V * (2 + 12)
+    short = {**LONG, "prompt_len": 4096, "response_len": 256}  # a response shorter than a shard (4352 / 4)
+    assert train(**short, loss_chunk=65536, sp=4)["logits"] == 256 * V * (2 + 12)
 
 
 def test_all_to_all_buffers_by_hand():
@@ -95,5 +100,6 @@ def test_cli_activation_line_scales_as_one_over_sp():
         lines[sp] = d["phases"]["training"]["components"]
     for sp in (2, 4):
         assert lines[1]["activations"] == sp * lines[sp]["activations"]
-        assert lines[1]["logits"] == sp * lines[sp]["logits"]
+        # the GPU holding the sequence's end: its whole shard is response (32768 of the 33280 positions)
+        assert lines[sp]["logits"] == min(-(-T // sp), 32768) * V * (2 + 2 + 4 + 4)
     assert 0 < lines[4]["sp_all_to_all"] < lines[2]["sp_all_to_all"]

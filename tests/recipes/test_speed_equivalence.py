@@ -193,8 +193,9 @@ def test_several_steps_per_batch_still_need_the_old_logprobs(tiny_model_dir, pro
 
 
 def test_packed_rows_attend_per_document_and_match_a_plain_model(tiny_model_dir, process_group, monkeypatch):
-    """An SFT packed row (positions restarting at 0, no mask) runs one sdpa call per document and layer
-    (cost: the sum of squared document lengths), with each document's own logits and gradients."""
+    """An SFT packed row (positions restarting at 0, no mask) attends per document (cost: the sum of squared
+    document lengths, here in ONE batched sdpa call per layer, the documents padded to the longest), with
+    each document's own logits and gradients."""
     import numpy as np
     from transformers import AutoModelForCausalLM
 
@@ -210,11 +211,13 @@ def test_packed_rows_attend_per_document_and_match_a_plain_model(tiny_model_dir,
     engine = FSDPEngine(cpu_spec(rl_config(tiny_model_dir)), total_steps=1)
     engine.train(False)
     calls = []
-    block = varlen._block_attention
-    monkeypatch.setattr(varlen, "_block_attention", lambda *a: calls.append(a[3]) or block(*a))
+    sdpa = varlen.F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        varlen.F, "scaled_dot_product_attention", lambda q, *a, **kw: calls.append(q.shape) or sdpa(q, *a, **kw)
+    )
     (logits,) = engine.forward_backward([mb], lambda out, _: ((out[..., :32] * weights).sum(), out))
     layers = engine.hf_config.num_hidden_layers
-    assert len(calls) == len(docs) * layers and all(b[2] - b[1] == len(d) for b, d in zip(calls, docs))
+    assert len(calls) == layers and all(c[0] == len(docs) and c[2] == max(map(len, docs)) for c in calls)
     got_grads = full_grads(engine.model)
 
     plain = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32, attn_implementation="eager")

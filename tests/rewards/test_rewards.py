@@ -256,6 +256,15 @@ def _batch(solutions):
     return ["src"] * n, solutions, ["gt"] * n, [None] * n
 
 
+def by_keyword(results: dict):
+    """A reward as verl calls it (by keyword): the result for each solution_str."""
+
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        return results[solution_str]
+
+    return fn
+
+
 def test_score_batch_result_kinds_and_extras():
     results = {
         "a": 1.0,
@@ -264,7 +273,7 @@ def test_score_batch_result_kinds_and_extras():
         "d": {"score": 0.5, "acc": 1, "pred": "x"},
         "e": {"score": 2, "acc": 0.0},
     }
-    scores, extras, n_errors, first = score_batch(lambda ds, s, gt, ei: results[s], *_batch(list("abcde")))
+    scores, extras, n_errors, first = score_batch(by_keyword(results), *_batch(list("abcde")))
     assert scores == [1.0, 1.0, 0.0, 0.5, 2.0]
     assert all(type(s) is float for s in scores)
     assert extras == {"acc": [None, None, None, 1.0, 0.0]}  # aligned; the string "pred" is dropped
@@ -285,7 +294,7 @@ def test_score_batch_one_failure_scores_zero():
 @pytest.mark.parametrize("bad", ["yes", float("nan"), {"acc": 1.0}, None])
 def test_score_batch_invalid_results_are_errors(bad):
     results = {"good": 1.0, "bad": bad}
-    scores, _, n_errors, first = score_batch(lambda ds, s, gt, ei: results[s], *_batch(["good", "bad"]))
+    scores, _, n_errors, first = score_batch(by_keyword(results), *_batch(["good", "bad"]))
     assert scores == [1.0, 0.0] and n_errors == 1 and first.startswith("sample 1:")
 
 

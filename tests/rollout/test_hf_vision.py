@@ -74,3 +74,34 @@ def test_vision_tokens_are_never_sampled_and_keep_the_unfiltered_logprob():
         assert not set(tokens.tolist()) & {7, 8}
         want = logits.log_softmax(-1)[torch.arange(64), tokens]
         torch.testing.assert_close(logprobs, want)
+
+
+def test_fast_decode_passes_the_three_rope_axes_that_transformers_5_17_requires(tiny_vl_model_dir, monkeypatch):
+    """Found on the first GPU run (H200, transformers 5.17): Qwen2-VL's text rotary embedding there indexes
+    ``position_ids[:, :, None, :]`` (3 axes x batch x positions), so the fast decode step's 2-D position ids
+    raised IndexError when the engine was built. The installed (newer) transformers also broadcasts 2-D ids;
+    here its forward is wrapped to index them as 5.17 does, and the engine must build, keep the fast step and
+    report the log-probs of a plain forward."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl import modeling_qwen2_vl
+
+    from rlctl.data.vision import load_processor
+
+    original = modeling_qwen2_vl.Qwen2VLRotaryEmbedding.forward
+
+    def forward_as_in_5_17(self, x, position_ids):
+        position_ids[:, :, None, :]  # transformers 5.17's first use of the ids: IndexError on 2-D ids
+        return original(self, x, position_ids)
+
+    monkeypatch.setattr(modeling_qwen2_vl.Qwen2VLRotaryEmbedding, "forward", forward_as_in_5_17)
+    engine = make_rollout_engine(
+        RolloutSpec(engine="hf", model_path=str(tiny_vl_model_dir), dtype="float32", max_model_len=256)
+    )
+    assert engine._fast is not None
+    vp = load_processor(str(tiny_vl_model_dir), AutoTokenizer.from_pretrained(tiny_vl_model_dir))
+    ids, pixels = vl_prompt(vp, "red", (56, 56), "Which colour?")
+    samples = engine.generate([ids], 2, SamplingParams(temperature=1.0, max_tokens=8, seed=3), images=[pixels])
+    for s in samples:
+        with torch.no_grad():
+            ref = reference_logprobs(engine.model, ids, s.token_ids, pixels).tolist()
+        np.testing.assert_allclose(s.logprobs, ref, atol=1e-5)

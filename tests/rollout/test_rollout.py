@@ -700,6 +700,8 @@ def test_every_wake_first_returns_the_freed_blocks_to_the_device(fake_sglang, mo
     engine = make_rollout_engine(
         RolloutSpec(engine="sglang", model_path=str(model_a), device="cuda", dtype="bf16", max_model_len=64)
     )
+    assert events == ["gc", "empty_cache"]  # before reading the free memory SGLang is sized from
+    events.clear()
     fake = fake_sglang.instances[0]
     original_resume = fake.resume_memory_occupation
     fake.resume_memory_occupation = lambda tags=None: events.append(f"resume {tags}") or original_resume(tags)

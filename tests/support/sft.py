@@ -73,6 +73,7 @@ def cpu_plan(nproc: int, **overrides) -> CpuPlan:
         "sequence_parallel": False,
         "rollout": None,
         "rollout_mem_fraction": 0.5,
+        "rollout_eval_mem_fraction": 0.0,
         "micro_batch_size": 2,
         "activation_checkpointing": False,
         "selective_checkpointing": False,

@@ -175,10 +175,17 @@ class TorchRMSNorm:
     """``torch.nn.RMSNorm`` for the local spec, built like megatron-core's ``WrappedTorchNorm`` without its
     asserts: with sequence parallel, each TP rank normalises 1/tp of the tokens with a replicated weight,
     so the weight is marked ``sequence_parallel`` and megatron-core's ``finalize_model_grads`` sums its
-    gradient over the TP group (as apex's ``FusedLayerNorm`` marks its own)."""
+    gradient over the TP group (as apex's ``FusedLayerNorm`` marks its own).
+
+    The weight is in ``config.params_dtype`` like every other parameter. (``WrappedTorchNorm`` leaves it
+    in torch's default fp32, which Megatron-LM's ``Float16Module`` casts away and rlctl has no such
+    wrapper. megatron-core 0.16.1's distributed optimizer numbers each parameter group's members in grad
+    buffer order, one buffer per dtype, but lists their fp32 copies fp32 parameters first
+    (``_build_optimizer_group_ranges`` vs ``_build_model_and_main_param_groups``): in a bf16 model with
+    fp32 norms, the checkpoint of a QKV bias reads a norm's optimizer state.)"""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_ignored):
-        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
         norm.weight.sequence_parallel = bool(config.sequence_parallel)
         return norm
 

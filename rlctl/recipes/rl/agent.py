@@ -15,7 +15,14 @@ def load_agent(cfg: RunConfig):
     from rlctl.agents.tools import load_agent_spec
 
     a = cfg.agent
-    return load_agent_spec(tools=a.tools, env=a.env, interaction=a.interaction, timeout_s=a.tool_timeout_s)
+    return load_agent_spec(
+        tools=a.tools,
+        env=a.env,
+        interaction=a.interaction,
+        timeout_s=a.tool_timeout_s,
+        results=a.tool_results,
+        verl_lifecycle=a.verl_tool_lifecycle,
+    )
 
 
 def make_agent_loop(cfg: RunConfig, spec, tokenizer, rollout, rollout_tp: int):

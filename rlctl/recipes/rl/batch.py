@@ -60,6 +60,7 @@ class RolloutBatch:
     trajectories: list = field(default_factory=list)  # agent runs: each sample's rlctl.agents Trajectory
     greedy: list = field(default_factory=list)  # needs_greedy estimators: the greedy sample of each row's prompt
     baselines: torch.Tensor | None = None  # [b] the score of greedy[i] (remax's baseline)
+    reward_parts: list = field(default_factory=list)  # each sample's reward components, unweighted (samples.jsonl)
     scores: torch.Tensor | None = None  # [b]
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None

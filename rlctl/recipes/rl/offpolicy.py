@@ -212,7 +212,11 @@ class RolloutWorker:
         self.cfg, self.split, self.device = cfg, d.split, d.device
         source = model_source(cfg.model.name, random_init=cfg.model.random_init)
         tokenizer = use_chat_template(load_tokenizer(source), cfg)
-        self.data = build_rl_data(cfg, tokenizer, cache_dir=ctx.paths.data_cache, log=lambda _: None)
+        from rlctl.rewards import needs_answer
+
+        self.data = build_rl_data(
+            cfg, tokenizer, cache_dir=ctx.paths.data_cache, log=lambda _: None, answer_required=needs_answer(cfg)
+        )
         self.sampler = StepSampler(
             len(self.data.train), cfg.train.batch_size, seed=cfg.train.seed, shuffle=cfg.data.shuffle
         )

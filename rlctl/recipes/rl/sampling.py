@@ -44,6 +44,10 @@ class Sampling:
 
         d = self.dist
         spec = RolloutSpec.from_config(self.cfg)
+        beside = ""
+        if self.feed is not None:  # a split run's evaluation engine: on a trainer GPU, beside its states
+            spec = spec.replace(mem_fraction=self.cfg.rollout.eval_mem_fraction or spec.mem_fraction)
+            beside = f", memory fraction {spec.mem_fraction:.2f} beside the trainer (rollout.eval_mem_fraction)"
         path = self.rollout_path
         if d.world_size % self.rollout_tp:
             raise UserError(f"rollout.tp={self.rollout_tp} does not divide the {d.world_size} processes")
@@ -56,7 +60,7 @@ class Sampling:
                 seed=spec.seed + d.rank,
             )
         )
-        self.ctx.log(f"rollout: {spec.engine} engine on every rank ({self.rollout_dtype})")
+        self.ctx.log(f"rollout: {spec.engine} engine on every rank ({self.rollout_dtype}){beside}")
         return engine
 
     # ------------------------------------------------------------------ rollout
@@ -93,39 +97,48 @@ class Sampling:
         ]
 
     def _wake_and_sync(self, metrics: Metrics) -> None:
-        """Wake the rollout engine's weights, load the actor's into it when they are not current (an
-        update since the last sync, or weights the engine dropped asleep; ``time/weight_sync``), then
-        wake its KV cache."""
+        """Wake the rollout engine's weights, load the actor's into it when they are not current (the
+        actor's ``weights_version`` moved since the engine's last sync, or the engine dropped its weights
+        asleep; ``time/weight_sync``), then wake its KV cache. An engine still awake with the current
+        weights (the rounds of dynamic sampling, the passes of an evaluation) does nothing."""
         from rlctl.rollout.base import torch_dtype
 
         if self.rollout is None:  # a split run's first evaluation
             self.rollout = self._make_rollout()
-        if self.weights_stale:
+        if self.rollout_version != self.weights_version:
             self.rollout.trainer_stepped()
-            self.weights_stale = False
 
         def sync() -> None:
             with timed(metrics, "time/weight_sync"):
                 self.rollout.update_weights(self.actor.iter_full_params(dtype=torch_dtype(self.rollout_dtype)))
 
         self.rollout.ready(sync)
+        self.rollout_version = self.weights_version
 
     def _sleep(self) -> None:
-        self.rollout.sleep()
+        """The rollout phase is over: the engine gives the accelerator back (it may drop its weights)."""
+        if self.rollout is not None:
+            self.rollout.sleep()
 
     def sample(self, step: int) -> tuple[RolloutBatch, Metrics]:
         """This rank's scored samples of step ``step``: the sampler's next batch generated and scored, or
         with ``algo.dynamic_sampling`` as many batches as fill it with groups whose scores differ
         (:mod:`rlctl.recipes.rl.dynamic`)."""
-        if self.cfg.algo.dynamic_sampling:
-            return dynamic_sample(self, step)
+        if self.cfg.algo.dynamic_sampling:  # the engine stays awake through the rounds: no update between
+            batch, m = dynamic_sample(self, step)
+            with timed(m, "time/rollout"):
+                self._sleep()
+            return batch, m
         batch, generated = self.generate(self.sampler.indices(step), step)
+        with timed(generated, "time/rollout"):
+            self._sleep()
         self.cursor = self.sampler.first(step + 1)
         return batch, merged(generated, self.score(batch, step))
 
     def generate(self, indices: list[int], draw: int) -> tuple[RolloutBatch, Metrics]:
         """This rank's share of the prompts ``indices`` (a step's batch, or a round of dynamic sampling),
-        ``rollout.n`` samples each; ``draw`` (the step, or the round's stream position) seeds the sampling."""
+        ``rollout.n`` samples each; ``draw`` (the step, or the round's stream position) seeds the sampling.
+        The engine is left awake (the caller puts it to sleep: :meth:`_sleep`)."""
         d, n = self.dist, self.cfg.rollout.n
 
         def positions_of(rank: int) -> list[int]:
@@ -144,7 +157,6 @@ class Sampling:
                 samples = self._rollout(shares, n, self._sampling(draw, temperature=self.cfg.rollout.temperature))
                 if self.needs_greedy:  # remax: one greedy response per prompt, its score the baseline
                     greedy = self._rollout(shares, 1, self._sampling(draw, temperature=0.0, seed_offset=1))
-                self._sleep()
         seen: dict[int, int] = {}
         uid = []
         for s in samples:
@@ -202,16 +214,18 @@ class Sampling:
 
     # ------------------------------------------------------------------ evaluation
 
-    def _eval_pass(self, step: int, n: int, temperature: float, seed_offset: int):
-        """This rank's validation samples: (their scores, their prompt indices, the global reward metrics,
-        this rank's prompt count)."""
+    def _eval_generate(self, step: int, n: int, temperature: float) -> tuple[list, list[Prompt]]:
+        """This rank's validation samples (``n`` per prompt) and its prompts; the engine stays awake."""
         d, tp = self.dist, self.rollout_tp
         group_prompts = self.data.val[d.rank // tp :: d.world_size // tp]
         shares = [group_prompts[i::tp] for i in range(tp)]
-        mine = shares[d.rank % tp]
-        self._wake_and_sync({})  # (an eval's weight sync is not a training step's time)
-        samples = self._rollout(shares, n, self._sampling(step, temperature=temperature, seed_offset=seed_offset))
-        self._sleep()
+        self._wake_and_sync({})  # (an eval's weight sync is not a training step's time; none for a second pass)
+        samples = self._rollout(shares, n, self._sampling(step, temperature=temperature, seed_offset=1))
+        return samples, shares[d.rank % tp]
+
+    def _eval_score(self, step: int, samples: list, mine: list[Prompt]):
+        """Scores of validation samples: (their scores, their prompt indices, the global reward metrics,
+        this rank's prompt count)."""
         picked = [mine[s.prompt_index] for s in samples]
         agent = self.agent_loop is not None
         scores, metrics = self.scorer.score(
@@ -228,16 +242,20 @@ class Sampling:
         and ``val/acc`` (binary rewards); with rollout.val_n = k > 1 also k samples per prompt at the
         training temperature -> ``val/mean@k`` (mean reward of the k samples, averaged over prompts) and
         ``val/pass@k`` (share of prompts with at least one of the k samples scoring >= 1, a correct answer
-        of gsm8k / math / exact)."""
+        of gsm8k / math / exact). Both passes generate with the engine awake once, then it sleeps and the
+        samples are scored."""
         r = self.cfg.rollout
         began = time.perf_counter()
-        _, _, metrics, _ = self._eval_pass(step, 1, r.val_temperature, seed_offset=1)
+        k = r.val_n
+        first = self._eval_generate(step, 1, r.val_temperature)
+        second = self._eval_generate(step, k, r.temperature or 1.0) if k > 1 else None
+        self._sleep()
+        _, _, metrics, _ = self._eval_score(step, *first)
         out = {"step": step, "kind": "eval", "val/reward/mean": metrics["reward/mean"]}
         if "acc" in metrics:
             out["val/acc"] = metrics["acc"]
-        k = r.val_n
-        if k > 1:
-            scores, index, metrics, n_prompts = self._eval_pass(step, k, r.temperature or 1.0, seed_offset=1)
+        if second is not None:
+            scores, index, metrics, n_prompts = self._eval_score(step, *second)
             best: dict[int, float] = {}
             for score, i in zip(scores, index):
                 best[i] = max(best.get(i, -math.inf), score)

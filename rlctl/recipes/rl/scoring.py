@@ -40,13 +40,16 @@ class RewardScorer:
         meta: list[Prompt],
         step: int,
         trajectories: list | None = None,
+        parts: list | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Scores of this rank's samples and the global reward metrics (collective): score locally,
         sum the counts over ranks, then :func:`rlctl.rewards.reward_metrics` (which alone decides that
-        every sample failed)."""
+        every sample failed). ``parts``, when given, gets each sample's component values."""
         from rlctl.rewards import reward_metrics, reward_warning
 
         result = self.manager.score(self.manager.batch(prompts, responses, meta, trajectories))
+        if parts is not None:
+            parts.extend(result.parts)
         keys = sorted({k for ks in all_gather_objects(sorted(result.sums)) for k in ks})
         sums = global_sums({k: result.sums.get(k, 0.0) for k in keys}, self.device)
         out = reward_metrics(sums, result.errors)  # UserError when every sample failed
@@ -59,7 +62,10 @@ class RewardScorer:
     def score_batch(self, batch: RolloutBatch, step: int) -> tuple[torch.Tensor, dict[str, float]]:
         """This rank's samples of a training step (scored before pooling, so sums run over every rank):
         their scores, and the reward and response-length metrics (collective)."""
-        scores, metrics = self.score(batch.prompts, batch.responses, batch.meta, step, batch.trajectories)
+        batch.reward_parts = []
+        scores, metrics = self.score(
+            batch.prompts, batch.responses, batch.meta, step, batch.trajectories, batch.reward_parts
+        )
         for key in ("reward/failed", "reward/nonfinite"):
             self.totals[key] = self.totals.get(key, 0) + int(metrics[key])
         out = {**metrics, **response_metrics(batch, self.device)}

@@ -28,6 +28,7 @@ from rlctl.recipes.rl.sampling import Sampling
 from rlctl.recipes.rl.scoring import RewardScorer
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.recipes.rl.update import single_step, update_actor, update_critic
+from rlctl.rewards import needs_answer
 from rlctl.rollout import RolloutSpec
 from rlctl.runtime.dist import barrier, global_sums
 from rlctl.runtime.entry import RunContext
@@ -82,6 +83,7 @@ class RLTrainer(Sampling):
             log=ctx.log,
             tools=self.agent_spec.schemas if self.agent_spec is not None else None,
             vision=self.vision,
+            answer_required=needs_answer(cfg),
         )
         ctx.log(f"data: {self.data.report.summary()}; {len(self.data.train)} train / {len(self.data.val)} val prompts")
         self.scorer = RewardScorer.for_run(cfg, self.data, self.tokenizer, d.device, ctx.log)
@@ -120,7 +122,9 @@ class RLTrainer(Sampling):
         self.rollout_path = self._rollout_path()
         self.rollout = self._make_rollout() if self.feed is None else None
         self.agent_loop = make_agent_loop(cfg, self.agent_spec, self.tokenizer, self.rollout, self.rollout_tp)
-        self.weights_stale = False  # the rollout engine's weights lag the actor's
+        # the actor's updates in this process, and the version the rollout engine holds (None: unknown);
+        # the engine syncs only when they differ or it dropped its weights asleep (Sampling._wake_and_sync)
+        self.weights_version, self.rollout_version = 0, 0
         self.logprobs_checked = cfg.rollout.ignore_logprob_check  # the step-0 check (logprob_check_problem)
 
     # ------------------------------------------------------------------ log-prob passes
@@ -241,7 +245,7 @@ class RLTrainer(Sampling):
             )
         if batch.old_logp is None:  # the log-prob pass was skipped: the update measured the difference
             self.warn_logprob_diff(m)
-        self.weights_stale = True
+        self.weights_version += 1
         return m
 
     def update_critic(self, batch: RolloutBatch) -> Metrics:
@@ -274,11 +278,12 @@ class RLTrainer(Sampling):
                     "response_len": len(b.responses[i]),
                     "truncated": bool(b.truncated[i]),
                 }
+                if len(b.reward_parts) == len(b):  # every component, unweighted: the automatic one, an environment's
+                    rec["rewards"] = b.reward_parts[i]
                 if b.trajectories:  # the whole conversation, with roles and tool calls
                     t = b.trajectories[i]
-                    rec.update(
-                        messages=t.logged_messages(), turns=t.turns, finish_reason=t.finish_reason, rewards=t.rewards
-                    )
+                    rec.update(messages=t.logged_messages(), turns=t.turns, finish_reason=t.finish_reason)
+                    rec.setdefault("rewards", t.rewards)
                 f.write(json.dumps(rec) + "\n")
 
     # ------------------------------------------------------------------ what rlctl.runtime.fit needs
@@ -327,7 +332,7 @@ class RLTrainer(Sampling):
         self.kl_ctl.value = float(state.get("kl_coef", self.kl_ctl.value))
         # older checkpoints: one batch a step
         self.cursor = int(state.get("data_position", self.sampler.first(int(state.get("step", 0)))))
-        self.weights_stale = True  # the rollout engine still holds the initial weights
+        self.rollout_version = None  # the rollout engine still holds the initial weights
 
     def summary(self) -> dict:
         return {

@@ -1,0 +1,183 @@
+"""Trained tokens per second: `rlctl dpo` against TRL's DPOTrainer, on this CPU, interleaved.
+
+    python benchmarks/dpo_vs_trl.py [--rounds 3] [--steps 12] [--batch-size 16] [--json OUT]
+
+Both train the same random Qwen2 (rlctl.testing.build_tiny_model with 4 layers of width 512, ~13M
+parameters) on the same preference pairs (the answer-format task of docs/dpo.md: the chosen answer has the
+``#### N`` line the rejected one lacks), in fp32, one process with one thread each, the sigmoid loss with
+beta 0.1, the same learning rate and batch (``--batch-size`` pairs per optimizer step), the reference's
+log-probs precomputed before training on both sides (rlctl's default; TRL's ``precompute_ref_log_probs=True``),
+TRL in its conversational layout so that both render the same chat template. The runs alternate (rlctl, TRL,
+then TRL, rlctl, ...) so that a change in the machine's load hits both alike.
+
+Measured, per side and round: tokens per CPU second of the training steps, the steadier figure on a shared
+machine. Each side runs twice, ``--steps`` and ``--short`` optimizer steps on the same data (the same start-up,
+tokenization and reference pass: the data set is the same size), and the figure is the extra tokens over the extra
+CPU seconds (user + system of the whole process tree, from ``getrusage(RUSAGE_CHILDREN)``): what the extra steps
+cost, start-up and the reference pass cancelled. Tokens are every token of every chosen and rejected sequence
+(prompt included), padding excluded, on both sides: rlctl's ``tokens`` in RUN/metrics.jsonl, TRL's ``num_tokens``
+(its attention mask's sum). Also printed: tokens per wall second over the long run's steps after the WARMUP-th
+(the wall clock stamps of rlctl's metrics records; TRL's ``on_step_end``), which the machine's load moves. The
+table gives each side's median over rounds and the ratios rlctl / TRL (above 1: rlctl is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WARMUP = 2  # steps before the measured window (first-step allocations, lazy imports)
+MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
+
+
+def pairs(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randrange(0, 100, 3), rng.randrange(0, 100, 7)
+        s = a + b
+        rows.append(
+            {
+                "prompt": f"What is {a} + {b}?",
+                "chosen": f"The answer is {s}. #### {s}",
+                "rejected": f"The answer is {s}.",
+            }
+        )
+    return rows
+
+
+def env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def window(stamps: list[float], tokens: list[int]) -> float:
+    """Tokens per wall second from the end of step WARMUP to the end of the last step."""
+    return sum(tokens[WARMUP:]) / (stamps[-1] - stamps[WARMUP - 1])
+
+
+def cpu_seconds(cmd: list[str]) -> float:
+    """Run ``cmd`` to the end; the user + system CPU seconds of it and every process it waited for."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(cmd, env=env(), check=True, capture_output=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def rlctl_run(model: Path, data: Path, work: Path, steps: int, batch: int) -> tuple[float, list[float], list[int]]:
+    run = work / f"rlctl-{time.monotonic_ns()}"
+    cmd = [sys.executable, "-m", "rlctl", "dpo", "--model", str(model), "--data", str(data), "--device", "cpu",
+           "--nproc", "1", "--batch-size", str(batch), "--max-len", "128", "--max-steps", str(steps), "--lr", "1e-4",
+           "-o", str(run), "--set", "checkpoint.export_hf=false", "--set", "checkpoint.save_every=0"]  # fmt: skip
+    cpu = cpu_seconds(cmd)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps_ = [r for r in records if r.get("kind") != "eval" and "tokens" in r]
+    return cpu, [r["time"] for r in steps_], [r["tokens"] for r in steps_]
+
+
+def trl_run(model: Path, data: Path, work: Path, steps: int, batch: int) -> tuple[float, list[float], list[int]]:
+    out = work / f"trl-{time.monotonic_ns()}.json"
+    cpu = cpu_seconds(
+        [sys.executable, __file__, "--trl-worker", str(model), str(data), str(steps), str(batch), str(out)]
+    )
+    doc = json.loads(out.read_text())
+    return cpu, doc["stamps"], doc["tokens"]
+
+
+def measure(run, model: Path, data: Path, work: Path, a) -> dict:
+    """Both runs of one side: tokens per marginal CPU second, and the long run's tokens per wall second."""
+    cpu_long, stamps, tokens = run(model, data, work, a.steps, a.batch_size)
+    cpu_short, _, tokens_short = run(model, data, work, a.short, a.batch_size)
+    return {
+        "tokens_per_cpu_s": (sum(tokens) - sum(tokens_short)) / (cpu_long - cpu_short),
+        "tokens_per_s": window(stamps, tokens),
+        "load": os.getloadavg()[0],
+    }
+
+
+def trl_worker(model_dir: str, data: str, steps: str, batch: str, out: str) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    torch.manual_seed(0)
+    rows = [json.loads(line) for line in open(data)]
+    conv = [
+        {"prompt": [{"role": "user", "content": r["prompt"]}],
+         "chosen": [{"role": "assistant", "content": r["chosen"]}],
+         "rejected": [{"role": "assistant", "content": r["rejected"]}]}
+        for r in rows
+    ]  # fmt: skip
+    stamps: list[float] = []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            stamps.append(time.time())
+
+    args = DPOConfig(
+        output_dir=str(Path(out).parent / "trl-out"), per_device_train_batch_size=int(batch), max_steps=int(steps),
+        learning_rate=1e-4, logging_steps=1, report_to=[], use_cpu=True, max_length=128, bf16=False,
+        save_strategy="no", beta=0.1, precompute_ref_log_probs=True, dataloader_num_workers=0,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    trainer = DPOTrainer(
+        model=model, args=args, train_dataset=Dataset.from_list(conv), processing_class=tok, callbacks=[Stamp()]
+    )
+    trainer.train()
+    seen = [log["num_tokens"] for log in trainer.state.log_history if "num_tokens" in log and "loss" in log]
+    tokens = [int(b - a) for a, b in zip([0.0] + seen[:-1], seen)]
+    Path(out).write_text(json.dumps({"stamps": stamps, "tokens": tokens}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--short", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--json", default="")
+    a = p.parse_args()
+    from rlctl.testing import build_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="dpo-vs-trl-"))
+    model = build_tiny_model(work / "model", seed=0, **MODEL)
+    data = work / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in pairs(a.steps * a.batch_size)))
+    runs: dict[str, list[dict]] = {"rlctl": [], "trl": []}
+    sides = {"rlctl": rlctl_run, "trl": trl_run}
+    for k in range(a.rounds):
+        for side in ["rlctl", "trl"] if k % 2 == 0 else ["trl", "rlctl"]:
+            m = measure(sides[side], model, data, work, a)
+            runs[side].append(m)
+            print(
+                f"round {k + 1} {side}: {m['tokens_per_cpu_s']:,.0f} tokens per CPU s, {m['tokens_per_s']:,.0f} "
+                f"tokens/s (load average {m['load']:.2f})",
+                flush=True,
+            )
+    med = {
+        side: {k: statistics.median(r[k] for r in v) for k in ("tokens_per_cpu_s", "tokens_per_s")}
+        for side, v in runs.items()
+    }
+    ratio = {k: med["rlctl"][k] / med["trl"][k] for k in ("tokens_per_cpu_s", "tokens_per_s")}
+    for k in ratio:
+        print(f"median {k}: rlctl {med['rlctl'][k]:,.0f}, trl {med['trl'][k]:,.0f}, rlctl / trl {ratio[k]:.2f}")
+    if a.json:
+        doc = {"runs": runs, "median": med, "ratio": ratio, "settings": vars(a), "model": MODEL}
+        Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--trl-worker":
+        trl_worker(*sys.argv[2:7])
+    else:
+        main()

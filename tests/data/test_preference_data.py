@@ -1,0 +1,157 @@
+"""Preference rows in TRL's and LLaMA-Factory's layouts (rlctl.data.preference), and their packed
+micro-batches: a pair's two sequences in one row, each attending only to itself, give the same summed
+log-probs as plain Hugging Face forwards of each sequence alone; the reward model's score position is
+Hugging Face's sequence-classification rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlctl.config import build_config, dotted_to_nested
+from rlctl.data.preference import PrefRow, build_pref_data, parse_row
+from rlctl.data.sft import BadRow
+from rlctl.errors import UserError
+from tests.support.pref import format_pairs
+from tests.support.sft import write_jsonl
+
+U = {"role": "user", "content": "What is 3 + 4?"}
+A = {"role": "assistant", "content": "7"}
+B = {"role": "assistant", "content": "8"}
+
+
+def _cfg(model_dir="", data="", **sets):
+    base = {"model.name": str(model_dir), "data.path": str(data), "train.max_len": 64, **sets}
+    return build_config("dpo", [dotted_to_nested(base)])
+
+
+@pytest.mark.parametrize(
+    "row, want",
+    [
+        ({"prompt": "What is 3 + 4?", "chosen": "7", "rejected": "8"}, PrefRow("What is 3 + 4?", "7", "8")),
+        ({"prompt": [U], "chosen": [A], "rejected": [B]}, PrefRow([U], "7", "8")),  # conversational
+        ({"chosen": [U, A], "rejected": [U, B]}, PrefRow([U], "7", "8")),  # implicit prompt
+        ({"chosen": "Q: 3 + 4? A: 7", "rejected": "Q: 3 + 4? A: 8"}, PrefRow("Q: 3 + 4? A: ", "7", "8")),
+        ({"prompt": "Q", "completion": "7", "label": True}, PrefRow("Q", "7", None, True)),  # kto
+        ({"prompt": [U], "completion": [B], "label": False}, PrefRow([U], "8", None, False)),
+        (  # LLaMA-Factory alpaca, with a system prompt and history
+            {
+                "instruction": "What is 3 + 4?",
+                "input": "",
+                "chosen": "7",
+                "rejected": "8",
+                "system": "Be brief.",
+                "history": [["Hi", "Hello"]],
+            },
+            PrefRow(
+                [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hi"},
+                    {"role": "assistant", "content": "Hello"},
+                    U,
+                ],
+                "7",
+                "8",
+            ),
+        ),  # fmt: skip
+        (  # LLaMA-Factory sharegpt
+            {
+                "conversations": [{"from": "human", "value": "What is 3 + 4?"}],
+                "chosen": {"from": "gpt", "value": "7"},
+                "rejected": {"from": "gpt", "value": "8"},
+            },
+            PrefRow([U], "7", "8"),
+        ),  # fmt: skip
+        (  # LLaMA-Factory sharegpt kto
+            {
+                "conversations": [{"from": "human", "value": "What is 3 + 4?"}, {"from": "gpt", "value": "8"}],
+                "kto_tag": False,
+            },
+            PrefRow([U], "8", None, False),
+        ),  # fmt: skip
+        ({"prompt": "Q", "chosen": "7", "rejected": "8", "margin": 2}, PrefRow("Q", "7", "8", margin=2)),
+    ],
+)
+def test_every_layout_parses_to_the_same_row(row, want):
+    assert parse_row(row, _cfg()) == want
+
+
+@pytest.mark.parametrize(
+    "row, reason",
+    [
+        ({"prompt": "Q", "chosen": "7"}, "no 'chosen' and 'rejected' fields"),
+        ({"chosen": [U, A], "rejected": [B]}, "do not share a prompt"),
+        ({"prompt": "Q", "completion": "7", "label": "yes"}, "'label' is not true or false"),
+        ({"prompt": "Q", "chosen": [U], "rejected": "8"}, "'chosen' is not a response"),
+        ({"conversations": [{"from": "observation", "value": "x"}], "chosen": "7", "rejected": "8"}, "observation"),
+    ],
+)
+def test_a_bad_row_names_its_problem(row, reason):
+    with pytest.raises(BadRow, match=reason):
+        parse_row(row, _cfg())
+
+
+def test_pairs_tokenize_like_sft_and_kto_rows_get_mismatched_kl_rows(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    pairs = write_jsonl(tmp_path / "p.jsonl", format_pairs(6))
+    data = build_pref_data(_cfg(tiny_model_dir, pairs, **{"data.val_fraction": 0.34}), tok, paired=True, loss="x")
+    assert (len(data.train), len(data.val)) == (4, 2)
+    chosen, rejected = data.train[0].seqs
+    text = tok.decode(chosen.input_ids)
+    assert text.startswith("<|im_start|>user\nWhat is") and text.endswith("<|im_end|>\n")
+    labelled = tok.decode([t for t in chosen.labels if t >= 0])  # the response and its end of turn
+    assert labelled.startswith("The answer is") and "####" in labelled and labelled.endswith("<|im_end|>\n")
+    assert "####" not in tok.decode([t for t in rejected.labels if t >= 0])
+    with pytest.raises(UserError, match="are pairs; --loss kto trains on unpaired rows"):
+        build_pref_data(_cfg(tiny_model_dir, pairs), tok, paired=False, loss="--loss kto")
+
+    rows = [{"prompt": f"Q{i}", "completion": f"A{i}", "label": i % 2 == 0} for i in range(3)]
+    kto = build_pref_data(_cfg(tiny_model_dir, write_jsonl(tmp_path / "k.jsonl", rows)), tok, paired=False, loss="k")
+    kl = kto.train[0].kl_seq  # row 0's prompt with row 1's completion
+    assert "Q0" in tok.decode(kl.input_ids) and tok.decode([t for t in kl.labels if t >= 0]).startswith("A1")
+    assert [u.label for u in kto.train] == [True, False, True]
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_packed_pairs_give_each_sequences_own_logps(packing, tiny_model_dir, tmp_path, process_group):
+    """A micro-batch of two pairs, packed in one row (or padded, one row each): every sequence's summed response
+    log-prob equals a plain forward of that sequence alone (per-document attention, positions restarting at 0)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlctl.data.pref_batches import unit_micro_batches
+    from rlctl.engines.fsdp import FSDPEngine
+    from rlctl.recipes.dpo import sequence_logps
+    from tests.support.sft import cpu_spec
+
+    cfg = _cfg(tiny_model_dir, write_jsonl(tmp_path / "p.jsonl", format_pairs(2)), **{"model.attn": "sdpa"})
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    units = build_pref_data(cfg, tok, paired=True, loss="x").train
+    (mb,) = unit_micro_batches(units, 0, 1, packing=packing, budget=1024, pad_id=tok.pad_token_id, per_micro=2)
+    assert mb.input_ids.shape[0] == (1 if packing else 4) and mb.units == [0, 1]  # both pairs in one micro-batch
+    engine = FSDPEngine(cpu_spec(cfg), role="ref", trainable=False)
+    (packed,) = engine.forward_backward([mb], lambda out, m: (None, sequence_logps(out, m)), forward_only=True)
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    alone = []
+    for seq in [s for u in units for s in u.seqs]:
+        ids, labels = (
+            torch.as_tensor(seq.input_ids[None], dtype=torch.long),
+            torch.as_tensor(seq.labels, dtype=torch.long),
+        )
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(ids).logits[0].float(), -1)
+        keep = labels >= 0
+        alone.append(float(logp[keep].gather(1, labels[keep][:, None]).sum()))
+    assert packed.tolist() == pytest.approx(alone, abs=1e-4)
+    assert mb.seq_len.tolist() == [float((torch.as_tensor(s.labels) >= 0).sum()) for u in units for s in u.seqs]
+
+
+def test_the_score_is_read_at_the_last_token_that_is_not_padding():
+    import numpy as np
+
+    from rlctl.data.pref_batches import score_position
+
+    assert score_position(np.array([5, 6, 7]), pad_id=0) == 2
+    assert score_position(np.array([5, 6, 0, 0]), pad_id=0) == 1
