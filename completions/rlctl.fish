@@ -91,7 +91,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from chat' -l rollout -x -a 'hf vll
 complete -c rlctl -n '__fish_seen_subcommand_from chat' -l device -x -a 'cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from chat' -l dtype -x -a 'bf16 fp16 fp32'
 complete -c rlctl -n '__fish_seen_subcommand_from chat' -l seed -x
-complete -c rlctl -n '__fish_seen_subcommand_from chat' -l tools -x
+complete -c rlctl -n '__fish_seen_subcommand_from chat' -l tools -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from chat' -l max-turns -x
 complete -c rlctl -n '__fish_seen_subcommand_from chat' -l trust-checkpoint
 complete -c rlctl -n '__fish_seen_subcommand_from chat' -l help -s h
@@ -129,12 +129,12 @@ complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subco
 complete -c rlctl -n '__fish_seen_subcommand_from convert; and __fish_seen_subcommand_from megatron-to-hf' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2-VL-2B-Instruct Qwen/Qwen2-VL-72B-Instruct Qwen/Qwen2-VL-7B-Instruct Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen2.5-VL-32B-Instruct Qwen/Qwen2.5-VL-3B-Instruct Qwen/Qwen2.5-VL-72B-Instruct Qwen/Qwen2.5-VL-7B-Instruct Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2-VL-2B Qwen2-VL-72B Qwen2-VL-7B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen2.5-VL-32B Qwen2.5-VL-3B Qwen2.5-VL-72B Qwen2.5-VL-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l data -s d -r -F
-complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l val-data -x
+complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l val-data -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l val-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l eval-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l eval-before -l no-eval-before
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l system-prompt -x
-complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l chat-template -x
+complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l chat-template -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
@@ -150,7 +150,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l partition -x
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l account -x
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l time -x
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l sbatch -x
-complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l preset -x -a 'dapo dpo dr-grpo grpo ppo rm sft tiers'
+complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l preset -x -a 'dapo dpo dr-grpo grpo ppo rm sft'
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l set -s s -x
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l plugin -r -F
@@ -199,6 +199,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l log -x -a 'console ten
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l ignore-memory-check
+complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l help-all
 complete -c rlctl -n '__fish_seen_subcommand_from dpo' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and not __fish_seen_subcommand_from memory' -a memory -d 'Per-GPU memory of the training and rollout phases, the KV cache, and whether...'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2-VL-2B-Instruct Qwen/Qwen2-VL-72B-Instruct Qwen/Qwen2-VL-7B-Instruct Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen2.5-VL-32B-Instruct Qwen/Qwen2.5-VL-3B-Instruct Qwen/Qwen2.5-VL-72B-Instruct Qwen/Qwen2.5-VL-7B-Instruct Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2-VL-2B Qwen2-VL-72B Qwen2-VL-7B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen2.5-VL-32B Qwen2.5-VL-3B Qwen2.5-VL-72B Qwen2.5-VL-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
@@ -208,7 +209,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l device -x -a 'cuda cpu'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l host-memory -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l preset -x -a 'dapo dpo dr-grpo grpo ppo rm sft tiers'
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l preset -x -a 'dapo dpo dr-grpo grpo ppo rm sft'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l set -s s -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l plugin -r -F
@@ -230,7 +231,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout-tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout-procs -l rollout-gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l mem-fraction -x
-complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l reward-model -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l reward-model -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l backend -x -a 'fsdp megatron'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l pp -x
@@ -251,6 +252,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l train-vision -l no-train-vision
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l what-to-rent
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l help-all
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l data -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l n -x
@@ -272,8 +274,8 @@ complete -c rlctl -n '__fish_seen_subcommand_from eval' -l tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l limit -x
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l seed -x
-complete -c rlctl -n '__fish_seen_subcommand_from eval' -l tools -x
-complete -c rlctl -n '__fish_seen_subcommand_from eval' -l env -x
+complete -c rlctl -n '__fish_seen_subcommand_from eval' -l tools -r -F
+complete -c rlctl -n '__fish_seen_subcommand_from eval' -l env -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l set -x
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l output -s o -x
@@ -281,13 +283,13 @@ complete -c rlctl -n '__fish_seen_subcommand_from eval' -l trust-checkpoint
 complete -c rlctl -n '__fish_seen_subcommand_from eval' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2-VL-2B-Instruct Qwen/Qwen2-VL-72B-Instruct Qwen/Qwen2-VL-7B-Instruct Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen2.5-VL-32B-Instruct Qwen/Qwen2.5-VL-3B-Instruct Qwen/Qwen2.5-VL-72B-Instruct Qwen/Qwen2.5-VL-7B-Instruct Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2-VL-2B Qwen2-VL-72B Qwen2-VL-7B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen2.5-VL-32B Qwen2.5-VL-3B Qwen2.5-VL-72B Qwen2.5-VL-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l data -s d -r -F
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l val-data -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l val-data -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l val-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l eval-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l eval-before -l no-eval-before
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l eval-n -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l system-prompt -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l chat-template -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l chat-template -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
@@ -303,7 +305,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l partition -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l account -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l time -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l sbatch -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l preset -x -a 'dapo dpo dr-grpo grpo ppo rm sft tiers'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l preset -x -a 'dapo dpo dr-grpo grpo ppo rm sft'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l set -s s -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l plugin -r -F
@@ -345,11 +347,11 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout-procs -l roll
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-staleness -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward -x -a 'gsm8k gsm8k_flexible math exact format length'
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward-model -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward-model -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l samples-every -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l tools -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l env -x
-complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l interaction -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l tools -r -F
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l env -r -F
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l interaction -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-turns -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l backend -x -a 'fsdp megatron'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l tp -x
@@ -378,16 +380,17 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ignore-memory-check
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l ignore-logprob-check
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l help-all
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2-VL-2B-Instruct Qwen/Qwen2-VL-72B-Instruct Qwen/Qwen2-VL-7B-Instruct Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen2.5-VL-32B-Instruct Qwen/Qwen2.5-VL-3B-Instruct Qwen/Qwen2.5-VL-72B-Instruct Qwen/Qwen2.5-VL-7B-Instruct Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2-VL-2B Qwen2-VL-72B Qwen2-VL-7B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen2.5-VL-32B Qwen2.5-VL-3B Qwen2.5-VL-72B Qwen2.5-VL-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l data -s d -r -F
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l val-data -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l val-data -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l val-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l eval-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l eval-before -l no-eval-before
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l eval-n -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l system-prompt -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l chat-template -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l chat-template -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
@@ -403,7 +406,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l partition -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l account -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l time -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l sbatch -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l preset -x -a 'dapo dpo dr-grpo grpo ppo rm sft tiers'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l preset -x -a 'dapo dpo dr-grpo grpo ppo rm sft'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l set -s s -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l plugin -r -F
@@ -445,11 +448,11 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout-procs -l rollo
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-staleness -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward -x -a 'gsm8k gsm8k_flexible math exact format length'
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward-model -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward-model -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l samples-every -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l tools -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l env -x
-complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l interaction -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l tools -r -F
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l env -r -F
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l interaction -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-turns -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l backend -x -a 'fsdp megatron'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l tp -x
@@ -478,6 +481,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l ignore-memory-check
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l ignore-logprob-check
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l help-all
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from presets; and not __fish_seen_subcommand_from list show' -a list -d 'List the presets: per-method defaults, named presets and the planner\'s...'
 complete -c rlctl -n '__fish_seen_subcommand_from presets; and not __fish_seen_subcommand_from list show' -a show -d 'Print a preset\'s YAML (with the method\'s full resolved defaults for method...'
@@ -494,12 +498,12 @@ complete -c rlctl -n '__fish_seen_subcommand_from report' -l json
 complete -c rlctl -n '__fish_seen_subcommand_from report' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2-VL-2B-Instruct Qwen/Qwen2-VL-72B-Instruct Qwen/Qwen2-VL-7B-Instruct Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen2.5-VL-32B-Instruct Qwen/Qwen2.5-VL-3B-Instruct Qwen/Qwen2.5-VL-72B-Instruct Qwen/Qwen2.5-VL-7B-Instruct Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2-VL-2B Qwen2-VL-72B Qwen2-VL-7B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen2.5-VL-32B Qwen2.5-VL-3B Qwen2.5-VL-72B Qwen2.5-VL-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l data -s d -r -F
-complete -c rlctl -n '__fish_seen_subcommand_from rm' -l val-data -x
+complete -c rlctl -n '__fish_seen_subcommand_from rm' -l val-data -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l val-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l eval-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l eval-before -l no-eval-before
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l system-prompt -x
-complete -c rlctl -n '__fish_seen_subcommand_from rm' -l chat-template -x
+complete -c rlctl -n '__fish_seen_subcommand_from rm' -l chat-template -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
@@ -515,7 +519,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from rm' -l partition -x
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l account -x
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l time -x
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l sbatch -x
-complete -c rlctl -n '__fish_seen_subcommand_from rm' -l preset -x -a 'dapo dpo dr-grpo grpo ppo rm sft tiers'
+complete -c rlctl -n '__fish_seen_subcommand_from rm' -l preset -x -a 'dapo dpo dr-grpo grpo ppo rm sft'
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l set -s s -x
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l output-dir -s o -r -F
@@ -560,15 +564,16 @@ complete -c rlctl -n '__fish_seen_subcommand_from rm' -l log -x -a 'console tens
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l ignore-memory-check
+complete -c rlctl -n '__fish_seen_subcommand_from rm' -l help-all
 complete -c rlctl -n '__fish_seen_subcommand_from rm' -l help -s h
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l model -s m -x -a 'DeepSeek-V3 Gemma-2-27B Gemma-2-2B Gemma-2-9B Llama-3.1-405B Llama-3.1-70B Llama-3.1-8B Llama-3.2-1B Llama-3.2-3B Mistral-7B Qwen/Qwen2-VL-2B-Instruct Qwen/Qwen2-VL-72B-Instruct Qwen/Qwen2-VL-7B-Instruct Qwen/Qwen2.5-0.5B Qwen/Qwen2.5-1.5B Qwen/Qwen2.5-14B Qwen/Qwen2.5-32B Qwen/Qwen2.5-3B Qwen/Qwen2.5-72B Qwen/Qwen2.5-7B Qwen/Qwen2.5-VL-32B-Instruct Qwen/Qwen2.5-VL-3B-Instruct Qwen/Qwen2.5-VL-72B-Instruct Qwen/Qwen2.5-VL-7B-Instruct Qwen/Qwen3-0.6B Qwen/Qwen3-1.7B Qwen/Qwen3-14B Qwen/Qwen3-30B-A3B Qwen/Qwen3-32B Qwen/Qwen3-4B Qwen/Qwen3-8B Qwen2-VL-2B Qwen2-VL-72B Qwen2-VL-7B Qwen2.5-0.5B Qwen2.5-1.5B Qwen2.5-14B Qwen2.5-32B Qwen2.5-3B Qwen2.5-72B Qwen2.5-7B Qwen2.5-VL-32B Qwen2.5-VL-3B Qwen2.5-VL-72B Qwen2.5-VL-7B Qwen3-0.6B Qwen3-1.7B Qwen3-14B Qwen3-30B-A3B Qwen3-32B Qwen3-4B Qwen3-8B deepseek-ai/DeepSeek-V3 google/gemma-2-27b google/gemma-2-2b google/gemma-2-9b meta-llama/Llama-3.1-405B meta-llama/Llama-3.1-70B meta-llama/Llama-3.1-8B meta-llama/Llama-3.2-1B meta-llama/Llama-3.2-3B mistralai/Mistral-7B-v0.3'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l data -s d -r -F
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l val-data -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l val-data -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l val-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l eval-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l eval-before -l no-eval-before
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l system-prompt -x
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l chat-template -x
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l chat-template -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l nodes -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l gpu -x -a 'A100-40GB A100-80GB A10G A800-80GB B200 H100-80GB H100-96GB H100-PCIe-80GB H20-96GB H200-141GB H800-80GB L4 L40S RTX-4090 RTX-A6000'
@@ -584,7 +589,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l partition -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l account -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l time -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l sbatch -x
-complete -c rlctl -n '__fish_seen_subcommand_from sft' -l preset -x -a 'dapo dpo dr-grpo grpo ppo rm sft tiers'
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l preset -x -a 'dapo dpo dr-grpo grpo ppo rm sft'
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l config -s c -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l set -s s -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l output-dir -s o -r -F
@@ -628,4 +633,5 @@ complete -c rlctl -n '__fish_seen_subcommand_from sft' -l log -x -a 'console ten
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l run-name -x
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l trust-remote-code
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l ignore-memory-check
+complete -c rlctl -n '__fish_seen_subcommand_from sft' -l help-all
 complete -c rlctl -n '__fish_seen_subcommand_from sft' -l help -s h

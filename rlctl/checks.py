@@ -33,24 +33,50 @@ IGNORE_MEMORY_FLAG = "--ignore-memory-check"
 def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_this_machine: bool = True) -> None:
     """Every check before launch, cheapest first; the first problem is a one-line UserError.
     ``on_this_machine=False`` (a job submitted to other machines, e.g. by SLURM): no local device check."""
-    from rlctl.preflight import check_footguns, check_image_processor, check_model_available, check_tokenizer
+    from rlctl.preflight import check_model_available
 
-    check_algorithm(cfg)
-    check_split(cfg, nproc=int(plan.nproc_per_node or 1), nodes=int(plan.nodes or 1))
     check_data_given(cfg)
-    check_reward_spec(cfg)
-    check_agent_files(cfg)
-    from rlctl.metrics import check_backends_installed
-
-    check_backends_installed(cfg.log.backends)
-    check_profile_env()
-    warnings = check_footguns(cfg, nproc=int(plan.nproc_per_node or 1), device=plan.device)
+    model = model_files(cfg.model.name)
+    warnings = check_settings(cfg, plan, model)
     check_memory(plan, ignore=ignore_memory_check)
     if on_this_machine:
         check_device(plan)
     if cfg.output_dir:
         check_run_dir(cfg, Path(cfg.output_dir), backend=plan.backend)
-    model = model_files(cfg.model.name)
+    if model is None and on_this_machine:
+        check_model_available(cfg.model.name, random_init=cfg.model.random_init)
+    check_data_rows(cfg, model)
+    for line in warnings:
+        print(line, file=sys.stderr, flush=True)
+
+
+def check_dry_run(cfg: RunConfig, plan) -> None:
+    """What ``--dry-run`` checks: every refusal of :func:`check_settings`, as the launch would; it plans
+    without the data's rows or a downloaded model, but the data files it names must exist and read."""
+    check_settings(cfg, plan, model_files(cfg.model.name))
+    if cfg.data.path:  # the files exist and read (their columns are checked by the real run)
+        from rlctl.data.io import first_rows
+
+        check_data_given(cfg)
+        for path in (cfg.data.path, cfg.data.val_path):
+            if path:
+                first_rows(path)
+
+
+def check_settings(cfg: RunConfig, plan, model: ModelFiles | None) -> list[str]:
+    """What a dry run and the launch both refuse (the settings, the files they name, a local model's own
+    files); the console warnings of the launch come back."""
+    from rlctl.metrics import check_backends_installed
+    from rlctl.preflight import check_footguns, check_image_processor, check_tokenizer
+
+    nproc = int(plan.nproc_per_node or 1)
+    check_algorithm(cfg)
+    check_split(cfg, nproc=nproc, nodes=int(plan.nodes or 1))
+    check_reward_spec(cfg)
+    check_agent_files(cfg)
+    check_backends_installed(cfg.log.backends)
+    check_profile_env()
+    warnings = check_footguns(cfg, nproc=nproc, device=plan.device)
     if model is not None:
         check_tokenizer(model.root)
         check_image_processor(model.root)
@@ -60,35 +86,8 @@ def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_thi
             from rlctl.rewards.model import classifier_architecture
 
             classifier_architecture(model.config.get("architectures"), cfg.model.name)
-    elif on_this_machine:
-        check_model_available(cfg.model.name, random_init=cfg.model.random_init)
-    check_data_rows(cfg, model)
     check_agent_template(cfg, model)
-    for line in warnings:
-        print(line, file=sys.stderr, flush=True)
-
-
-def check_dry_run(cfg: RunConfig) -> None:
-    """What ``--dry-run`` checks too: it plans without data or a downloaded model, but what the user
-    names must exist and read (a data file, a log backend's package, a local model's tokenizer)."""
-    from rlctl.metrics import check_backends_installed
-    from rlctl.preflight import check_footguns, check_image_processor, check_tokenizer
-
-    check_algorithm(cfg)
-    check_backends_installed(cfg.log.backends)
-    check_agent_files(cfg)
-    check_footguns(cfg, nproc=1, device="cpu")  # its refusals; the warnings come with the real run
-    model = model_files(cfg.model.name)
-    if model is not None:
-        check_tokenizer(model.root)
-        check_image_processor(model.root)
-    if cfg.data.path:  # the files exist and read (their columns are checked by the real run)
-        from rlctl.data.io import first_rows
-
-        check_data_given(cfg)
-        for path in (cfg.data.path, cfg.data.val_path):
-            if path:
-                first_rows(path)
+    return warnings
 
 
 def check_placement(plan: Plan) -> None:

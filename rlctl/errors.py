@@ -27,6 +27,17 @@ def did_you_mean(word: str, choices: Iterable[str], n: int = 3) -> str:
     return f" (did you mean {names}?)"
 
 
+def name_hint(word: str, names: Iterable[str], *, shown: int = 8) -> str:
+    """' (did you mean X?)' when a name is close, else what exists: ' (it has: a, b, c)' or ' (it has none)'."""
+    names = sorted(set(names))
+    close = did_you_mean(word, names)
+    if close:
+        return close
+    if not names:
+        return " (it has none)"
+    return f" (it has: {', '.join(names[:shown])}{', ...' if len(names) > shown else ''})"
+
+
 def one_line(text: object) -> str:
     """``text`` on one line: every run of whitespace, newlines included, becomes one space."""
     return " ".join(str(text).split())

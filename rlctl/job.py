@@ -51,7 +51,7 @@ def resolve_job(
 
     ``defaults``: a command's own defaults over the preset's (``rlctl estimate memory``: CUDA);
     ``environ``: inside a SLURM allocation, this node's place in it fills the options left out."""
-    from rlctl.config import build_config, dotted_to_nested, parse_set_options
+    from rlctl.config import build_config, check_no_effect, dotted_to_nested, flat_keys, parse_set_options
     from rlctl.plan import apply_plan, resolve_plan
     from rlctl.presets import method_layers
 
@@ -60,11 +60,12 @@ def resolve_job(
 
         options = allocation_options(options, environ)
     layers = method_layers(method, preset) + [dotted_to_nested(defaults or {})]
-    if config_file:
-        layers.append(_config_file_layer(config_file, method))
-    layers.append(dotted_to_nested({k: v for k, v in options.items() if v is not None}))
-    layers.append(parse_set_options(sets or []))
+    file_layer = _config_file_layer(config_file, method) if config_file else {}
+    named = {k: v for k, v in options.items() if v is not None}
+    set_layer = parse_set_options(sets or [])
+    layers += [file_layer, dotted_to_nested(named), set_layer]
     cfg = build_config(method, layers)
+    check_no_effect(cfg, named={**named, **flat_keys(set_layer)}, config_file=flat_keys(file_layer))
     if not cfg.model.name:
         raise UserError(
             f"no model given: pass --model (e.g. `rlctl {method} --model Qwen2.5-7B ...`) or set model.name in --config"
@@ -87,8 +88,9 @@ def _config_file_layer(path: str, method: str) -> dict:
 
 
 def ready_to_launch(job: Job, *, ignore_memory_check: bool = False, environ: Mapping[str, str] = os.environ):
-    """The config to launch: its run directory fixed, and every check before launch passed
-    (:func:`check_job`); a job submitted to SLURM skips the checks of this machine's devices."""
+    """The config to launch: its run directory fixed and owned by this process (its lock, held until the
+    launcher ends or the process exits), and every check before launch passed (:func:`check_job`); a job
+    submitted to SLURM skips the checks of this machine's devices."""
     cfg, plan = job.cfg, job.plan
     slurm = cfg.cluster.launcher == "slurm"
     if plan.nodes > 1 and not cfg.output_dir and not slurm and not environ.get("SLURM_JOB_ID"):
@@ -97,8 +99,30 @@ def ready_to_launch(job: Job, *, ignore_memory_check: bool = False, environ: Map
             f"on a filesystem all nodes share"
         )
     cfg = with_run_dir(cfg)
-    check_job(cfg, plan, ignore_memory_check=ignore_memory_check, on_this_machine=not slurm)
+    lock = lock_run_dir(cfg, plan, environ)
+    try:
+        check_job(cfg, plan, ignore_memory_check=ignore_memory_check, on_this_machine=not slurm)
+    except BaseException:
+        lock.release()  # a refused job leaves the directory as it was (a new one is removed)
+        raise
     return cfg
+
+
+def lock_run_dir(cfg: RunConfig, plan: Plan, environ: Mapping[str, str]):
+    """Own the run directory (:mod:`rlctl.runtime.run_lock`) before anything is written or read there
+    (``--resume``): a file or someone else's directory is refused first, then another live run's."""
+    import sys
+
+    from rlctl.preflight import check_output_dir
+    from rlctl.runtime.run_lock import job_key, take_run_dir
+
+    run_dir = Path(cfg.output_dir)
+    check_output_dir(run_dir, resume=bool(cfg.checkpoint.resume))
+    notes: list[str] = []
+    lock = take_run_dir(run_dir, job_key(plan.nodes, cfg.hardware, environ), notes=notes)
+    for line in notes:
+        print(line, file=sys.stderr, flush=True)
+    return lock
 
 
 def with_run_dir(cfg: RunConfig) -> RunConfig:

@@ -35,6 +35,7 @@ from rlctl.plan import apply_plan, save_plan
 from rlctl.runtime.errors import INTERRUPTED
 from rlctl.runtime.layout import RunPaths, has_checkpoint, interrupted_summary, write_json_atomic
 from rlctl.runtime.net import free_port
+from rlctl.terminal import inert
 
 if TYPE_CHECKING:
     from rlctl.plan import Plan
@@ -191,7 +192,7 @@ class _Progress:
                 msg = f"eval at step {rec.get('step')}: " + ", ".join(
                     f"{k} {v:.4g}" for k, v in rec.items() if isinstance(v, float) and k != "time"
                 )
-                self.console.print(msg)
+                self.console.print(inert(msg), markup=False, highlight=False)
                 continue
             if "step" not in rec:
                 continue
@@ -199,7 +200,7 @@ class _Progress:
             if isinstance(rec.get("warning"), str):  # e.g. reward calls that failed (rlctl.rewards.reward_warning)
                 from rich.markup import escape
 
-                self.console.print(f"[yellow]{escape(rec['warning'])}[/yellow]", soft_wrap=True, highlight=False)
+                self.console.print(f"[yellow]{escape(inert(rec['warning']))}[/yellow]", soft_wrap=True, highlight=False)
             if self.live:
                 self.bar.update(self.task, completed=rec["step"], total=rec.get("total_steps"), info=_describe(rec))
             else:
@@ -217,7 +218,7 @@ class _Progress:
                 continue
 
             def clip(text) -> str:
-                text = " ".join(str(text).split())
+                text = inert(" ".join(str(text).split()))  # a model's or a tool's bytes: shown, never obeyed
                 return escape(text if len(text) <= 160 else text[:157] + "...")
 
             reward, adv = rec.get("reward"), rec.get("advantage")
@@ -226,7 +227,9 @@ class _Progress:
                 f"advantage {adv if adv is None else f'{adv:.3g}'}[/dim]"
             )
             if rec.get("messages"):  # an agent run: the whole conversation, one line per message
-                turns = "".join(f"\n  {role + ':':<10} {clip(text)}" for role, text in conversation(rec["messages"]))
+                turns = "".join(
+                    f"\n  {clip(role) + ':':<10} {clip(text)}" for role, text in conversation(rec["messages"])
+                )
                 self.console.print(f"{head}{turns}", soft_wrap=True)
                 continue
             self.console.print(
@@ -249,6 +252,8 @@ def conversation(messages: list[dict]) -> list[tuple[str, str]]:
         role = str(m.get("role", "?"))
         if role == "system":
             continue
+        if m.get("dropped"):  # ran, but not appended: the policy never read it (no room left)
+            role += " (dropped)"
         text = str(m.get("content") or "")
         calls = [c.get("function", c) for c in m.get("tool_calls") or ()]
         text += " ".join(f" -> {c.get('name')}({json.dumps(c.get('arguments'))})" for c in calls)
@@ -273,32 +278,56 @@ def _worker_pids(torchrun_pid: int) -> list[int]:
 def launch_job(cfg: RunConfig, plan: Plan) -> int:
     """Run the job under torchrun on this node; return the exit status (0 ok, 130 interrupted).
 
-    The caller has checked the job (:func:`rlctl.checks.check_job`): the run directory is created here,
-    only now. A rank's failure comes back as one line (:func:`report_rank_errors`)."""
+    The caller has checked the job (:func:`rlctl.checks.check_job`): the run directory is owned here
+    (its lock, :mod:`rlctl.runtime.run_lock`, taken already by :func:`rlctl.job.ready_to_launch`) and
+    written only now. A rank's failure comes back as one line (:func:`report_rank_errors`); a job a rank
+    refuses (a UserError) before its first step leaves the directory as it was: a new one is removed."""
+    from rlctl.runtime.run_lock import job_key, take_run_dir
+
     run_dir = (Path(cfg.output_dir) if cfg.output_dir else default_run_dir(cfg)).absolute()
     paths = RunPaths(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    previous = _RunFiles(paths)  # put back when this job stops before its first step (a failed resume)
-    for stale in (paths.summary,):
-        stale.unlink(missing_ok=True)
+    lock = take_run_dir(run_dir, job_key(plan.nodes, cfg.hardware, os.environ))
+    refused = False
+    try:
+        previous = _RunFiles(paths)  # put back when this job stops before its first step
+        rc, progress, interrupted = _run_ranks(cfg, plan, paths, lock)
+        try:
+            return _report(rc, paths, progress, interrupted=interrupted)
+        except UserError:
+            refused = not previous.advanced()
+            raise
+        finally:
+            if rc != 0 and not previous.advanced():
+                previous.restore(refused=refused)
+    finally:
+        lock.release(remove_dir=refused)
+
+
+def _run_ranks(cfg: RunConfig, plan: Plan, paths: RunPaths, lock) -> tuple[int, _Progress, bool]:
+    """Write the run's config and plan, run torchrun with a progress bar until it exits: (exit status,
+    the progress, whether it was interrupted)."""
+    paths.summary.unlink(missing_ok=True)
     if paths.errors.is_dir():
         for stale in paths.errors.glob("rank_*.json"):
             stale.unlink()
     # the ranks read the resolved config: every \"auto\" the plan decides is filled in
-    cfg = apply_plan(dataclasses.replace(cfg, output_dir=str(run_dir)), plan)
+    cfg = apply_plan(dataclasses.replace(cfg, output_dir=str(paths.root)), plan)
     save_config(cfg, paths.config)
     save_plan(plan, paths.plan)
 
-    argv = build_command(cfg, plan, run_dir)
+    argv = build_command(cfg, plan, paths.root)
     env = job_env(plan, os.environ)
 
     progress = _Progress(f"{cfg.method} {model_slug(cfg.model.name)}")
-    progress.console.print(f"run directory: {run_dir}  (log: {paths.train_log})", soft_wrap=True)
+    progress.console.print(
+        f"run directory: {inert(str(paths.root))}  (log: {inert(str(paths.train_log))})", soft_wrap=True
+    )
     signals = {"count": 0}
     with open(paths.train_log, "a") as log:
         log.write(f"$ {' '.join(argv)}\n")
         log.flush()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        lock.add_pid(proc.pid)  # the lock holds while torchrun lives, even if this process is killed
 
         def on_signal(signum, frame):
             signals["count"] += 1
@@ -335,36 +364,49 @@ def launch_job(cfg: RunConfig, plan: Plan) -> int:
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
-    try:
-        return _report(proc.returncode, paths, progress, interrupted=signals["count"] > 0)
-    finally:
-        if proc.returncode != 0 and not previous.advanced():
-            previous.restore()
+    return proc.returncode, progress, signals["count"] > 0
 
 
 class _RunFiles:
     """A run directory's own files before a launch (config.yaml, plan.json, summary.json): a job that
     stops before its first step (a resume that fails on the ranks, a Ctrl-C during start-up) leaves
-    them as they were, so a finished run still reads as finished (train.log keeps the attempt's
-    output, errors/ its report)."""
+    them as they were, so a finished run still reads as finished; train.log keeps the attempt's
+    output and errors/ its report, except after a refusal (a rank's UserError), whose one line says it
+    all: then every file is as it was (train.log cut back, what the attempt added removed)."""
 
     def __init__(self, paths: RunPaths):
         self.paths = paths
         self.saved = {p: p.read_bytes() for p in (paths.config, paths.plan, paths.summary) if p.is_file()}
+        self.saved.update({p: p.read_bytes() for p in paths.errors.glob("rank_*.json")})
+        self.entries = set(os.listdir(paths.root))
+        self.log_size = paths.train_log.stat().st_size if paths.train_log.is_file() else 0
         self.metrics_size = paths.metrics.stat().st_size if paths.metrics.is_file() else 0
 
     def advanced(self) -> bool:
         """Whether the job logged a step (metrics.jsonl grew)."""
         return (self.paths.metrics.stat().st_size if self.paths.metrics.is_file() else 0) > self.metrics_size
 
-    def restore(self) -> None:
-        if not self.saved:
+    def restore(self, *, refused: bool = False) -> None:
+        if refused:
+            import shutil
+
+            from rlctl.runtime.run_lock import LOCK_NAME
+
+            for name in set(os.listdir(self.paths.root)) - self.entries - {LOCK_NAME}:
+                path = self.paths.root / name
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+            if self.paths.train_log.is_file():
+                os.truncate(self.paths.train_log, self.log_size)
+            for stale in self.paths.errors.glob("rank_*.json"):
+                stale.unlink()
+        elif not self.saved:
             return  # a new run directory: this attempt's files are all it has
         for path in (self.paths.config, self.paths.plan, self.paths.summary):
-            if path in self.saved:
-                path.write_bytes(self.saved[path])
-            else:
+            if path not in self.saved:
                 path.unlink(missing_ok=True)
+        for path, data in self.saved.items():
+            if refused or path.parent == self.paths.root:
+                path.write_bytes(data)
 
 
 def read_rank_errors(paths: RunPaths) -> list[dict]:
@@ -402,7 +444,7 @@ def _report(rc: int, paths: RunPaths, progress: _Progress, *, interrupted: bool 
             rank = cause.get("rank", "?")
             where = f"traceback in {paths.rank_error(rank)}; " if isinstance(rank, int) else ""
             console.print(
-                f"[red]internal error[/red] on rank {rank}: {escape(one_line(cause['message']))} "
+                f"[red]internal error[/red] on rank {escape(inert(rank))}: {escape(inert(one_line(cause['message'])))} "
                 f"({escape(where)}full log: {escape(str(paths.train_log))})",
                 highlight=False,
                 soft_wrap=True,
@@ -432,7 +474,7 @@ def _report(rc: int, paths: RunPaths, progress: _Progress, *, interrupted: bool 
     data = summary.get("data") or {}
     if data.get("bad"):
         reasons = "; ".join(f"{n} {r}" for r, n in data.get("reasons", {}).items())
-        console.print(f"skipped {data['bad']} of {data['total']} rows: {reasons}")
+        console.print(f"skipped {data['bad']} of {data['total']} rows: {inert(reasons)}", markup=False)
     console.print(f"done: {summary['step']} steps; checkpoint: {summary['checkpoint']}")
     if summary.get("hf"):
         console.print(f"Hugging Face model: {summary['hf']}")

@@ -19,7 +19,10 @@ from rlctl.config import RunConfig
 from rlctl.errors import UserError, os_error_text
 
 # What marks a directory as an rlctl run directory (rlctl.runtime.layout.RunPaths).
-RUN_MARKERS = ("config.yaml", "plan.json", "checkpoints", "train.log", "metrics.jsonl", "job.yaml", "summary.json")
+RUN_MARKERS = (
+    *("config.yaml", "plan.json", "checkpoints", "train.log", "metrics.jsonl", "job.yaml", "summary.json"),
+    ".lock",  # rlctl.runtime.run_lock.LOCK_NAME: a run that has just started
+)
 # Files of which one must be beside a model for AutoTokenizer to load it.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 # What a checkpoint's model must share with the model a run resumes it with (ModelSpec fields).

@@ -40,6 +40,11 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in presets_dir().glob("*.yaml"))
 
 
+def run_preset_names() -> list[str]:
+    """The presets ``--preset`` takes: those with run settings (``config``), not the planner's rules."""
+    return [name for name, doc in list_presets().items() if "config" in doc]
+
+
 def load_preset(name: str) -> dict:
     path = presets_dir() / f"{name}.yaml"
     if not path.is_file():

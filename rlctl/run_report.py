@@ -108,9 +108,18 @@ def summarize(run: Run) -> dict:
 
 # The panels of a report, in order: (panel, section, which metric keys it draws). The PNG draws one panel
 # each; the HTML report draws one chart per metric, under its section's heading.
+# The failure counters (flat at zero in a healthy run) come last but "other"; accuracy sits with the reward.
+FAILURE_COUNTERS = {
+    "reward/failed",
+    "reward/nonfinite",
+    "reward/errors",
+    "tool/errors",
+    "tool/timeouts",
+    "tool/malformed",
+}
 PANELS: list[tuple[str, str, Callable[[str], bool]]] = [
-    ("reward", "reward", lambda k: k == "reward" or (k.startswith("reward/") and k not in REWARD_BOOKKEEPING)),
-    ("reward spread", "reward", lambda k: k in REWARD_BOOKKEEPING and k != "reward/mean"),
+    ("reward", "reward", lambda k: k in ("reward", "acc") or (k.startswith("reward/") and k not in REWARD_BOOKKEEPING)),
+    ("reward spread", "reward", lambda k: k == "reward/std"),
     ("loss", "loss and KL", lambda k: k in ("loss", "pg/loss", "critic/value_loss")),
     ("KL", "loss and KL", lambda k: k in ("kl", "kl_loss", "pg/approx_kl")),
     ("entropy", "entropy", lambda k: k == "entropy"),
@@ -118,12 +127,13 @@ PANELS: list[tuple[str, str, Callable[[str], bool]]] = [
     ("lr", "optimizer", lambda k: k == "lr" or k.endswith("/lr")),
     ("clip fraction", "optimizer", lambda k: k.endswith("clip_frac")),
     ("response length", "lengths", lambda k: k.startswith("response_len/")),
-    ("truncated", "lengths", lambda k: k == "response/truncated"),
-    ("agent turns", "agent and tools", lambda k: k.startswith(("turns/", "tool/"))),
-    ("tokens/s", "throughput and timings", lambda k: k == "tokens_per_s"),
+    ("truncated", "lengths", lambda k: k.startswith("response/")),
+    ("agent turns", "agent and tools", lambda k: k.startswith(("turns/", "tool/")) and k not in FAILURE_COUNTERS),
+    ("tokens/s", "throughput and timings", lambda k: k in ("tokens_per_s", "tokens")),
     ("time", "throughput and timings", lambda k: k.startswith("time/")),
     ("memory", "memory", lambda k: k.startswith(("mem/", "memory/"))),
-    ("rollout", "rollout", lambda k: k.startswith("rollout/")),
+    ("rollout", "rollout", lambda k: k.startswith(("rollout/", "dynamic/", "offpolicy/"))),
+    ("failures", "failures", lambda k: k in FAILURE_COUNTERS),
 ]
 NOT_PLOTTED = {"step", "total_steps", "time", "epoch", "reward/mean"}  # the x axis, bookkeeping, duplicates
 EVAL_NOT_PLOTTED = {"step", "time", "time/eval"}
@@ -249,13 +259,18 @@ def _draw(ax, x: list[int], y: list[float], label: str, color: str, style: str, 
 
 
 def render_summary(console, s: dict) -> None:
-    """The summary as a rich table."""
+    """The summary as a rich table (names and keys from the run's files shown as text, inert: never markup
+    nor terminal controls)."""
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
+
+    from rlctl.terminal import inert
 
     def num(v, fmt: str = ".4g") -> str:
         return "-" if v is None else format(v, fmt)
 
-    table = Table(title=f"{s['run']} ({s['method']})", show_header=False)
+    table = Table(title=escape(inert(f"{s['run']} ({s['method']})")), show_header=False)
     table.add_column(style="bold")
     table.add_column()
     total = f" of {s['total_steps']}" if s.get("total_steps") else ""
@@ -264,12 +279,12 @@ def render_summary(console, s: dict) -> None:
     table.add_row("tokens/s", num(s["tokens_per_s"], ",.0f"))
     m = s["metric"]
     best = f"{num(s['best'])} at step {s['best_step']}" if s["best"] is not None else "-"
-    table.add_row(m, f"first {num(s['first'])}, last {num(s['last'])}, best {best}")
+    table.add_row(Text(inert(m)), f"first {num(s['first'])}, last {num(s['last'])}, best {best}")
     if s["nonfinite_steps"]:
         table.add_row(f"{m} not finite", f"at steps {', '.join(map(str, s['nonfinite_steps'][:10]))}")
     for e in s["evals"][-3:]:
         vals = ", ".join(f"{k} {num(v)}" for k, v in e.items() if k != "step" and not k.startswith("time"))
-        table.add_row(f"eval at step {e['step']}", vals)
+        table.add_row(f"eval at step {e['step']}", Text(inert(vals)))
     if not s["evals"]:
         table.add_row("eval", "none (give --val-data or --val-fraction)")
     table.add_row("checkpoints", ", ".join(Path(c).name for c in s["checkpoints"]) or "none")

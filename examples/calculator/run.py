@@ -50,7 +50,7 @@ FULL = Size(
     n_sft=400, n_heldout=200, sft_steps=200, sft_batch=32, grpo_steps=20, grpo_batch=16, grpo_n=8, hidden=128, layers=2
 )
 QUICK = Size(
-    n_sft=64, n_heldout=32, sft_steps=6, sft_batch=16, grpo_steps=2, grpo_batch=4, grpo_n=4, hidden=128, layers=2
+    n_sft=64, n_heldout=32, sft_steps=100, sft_batch=16, grpo_steps=2, grpo_batch=4, grpo_n=4, hidden=128, layers=2
 )
 SFT_LR, GRPO_LR = 3e-3, 1e-4
 MAX_TURNS = 2  # a call, then the answer

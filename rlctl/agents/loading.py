@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Any
 
 from rlctl.agents.verl_compat import BUNDLED_VERSION, install_shim
-from rlctl.errors import UserError, did_you_mean, one_line
+from rlctl.errors import UserError, name_hint, one_line
 from rlctl.usercode import import_user_file, import_user_module
 
 __all__ = [
@@ -120,7 +120,7 @@ def load_functions(spec: str) -> tuple[dict[str, Callable], str]:
     for name in (n.strip() for n in names.split(",") if n.strip()):
         fn = getattr(module, name, None)
         if not callable(fn):
-            raise UserError(f"tools file {path} has no function {name!r}{did_you_mean(name, public)}")
+            raise UserError(f"tools file {path} has no function {name!r}{name_hint(name, public)}")
         chosen[name] = fn
     return chosen, path
 
@@ -155,7 +155,7 @@ def load_class(spec: str, what: str, base_dirs: tuple[Path, ...] = ()) -> type:
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
         classes = [n for n, v in vars(module).items() if isinstance(v, type) and not n.startswith("_")]
-        raise UserError(f"{what}: {where} has no class {name!r}{did_you_mean(name, classes)}")
+        raise UserError(f"{what}: {where} has no class {name!r}{name_hint(name, classes)}")
     return cls
 
 

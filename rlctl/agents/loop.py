@@ -183,10 +183,10 @@ class AgentLoop:
             delta = render_delta(
                 self.tokenizer, t.messages[-1], appended, tools=self.spec.schemas, stop_ids=self.stop_ids
             )
-            t.messages += appended
             if len(t.token_ids) + len(delta) >= self.settings.max_response_len:  # no room left to answer
-                t.finish_reason = "length"
+                t.finish_reason, t.dropped = "length", appended  # never read by the policy: not in messages
                 continue
+            t.messages += appended
             t.add_context(delta)
             going.append(i)
         return going

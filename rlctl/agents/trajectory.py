@@ -36,6 +36,9 @@ class Trajectory:
     tool_timeouts: int = 0
     malformed: int = 0  # calls that could not be parsed (each ends the trajectory)
     rewards: dict[str, float] = field(default_factory=dict)  # the environment's named reward components
+    # tool / user turns that ran but were not appended (no room left under max_response_len): the policy
+    # never read them, so they are not in ``messages``; logs show them marked dropped (:meth:`logged_messages`)
+    dropped: list[dict] = field(default_factory=list)
 
     def add_sampled(self, token_ids: list[int], logprobs: list[float]) -> None:
         self.token_ids += token_ids
@@ -57,6 +60,10 @@ class Trajectory:
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+    def logged_messages(self) -> list[dict]:
+        """The conversation as logs show it: what the policy read, then the dropped turns marked ``dropped``."""
+        return [*self.messages, *({**m, "dropped": True} for m in self.dropped)]
 
     def tool_call_list(self) -> list[dict]:
         """Every tool call of the trajectory, in order ({"name", "arguments"})."""

@@ -57,7 +57,9 @@ _EXTRA_KEYS = (
 
 
 def spec_from_path(path: str | Path) -> ModelSpec:
-    """Read a local HF model directory (its config.json) or a config.json file."""
+    """Read a local HF model directory (its config.json) or a config.json file. The spec is named by the
+    path as given (messages name what the user typed, not the directory's last component)."""
+    typed = str(path)
     path = Path(path).expanduser()
     config_path = path / "config.json" if path.is_dir() else path
     if not config_path.is_file():
@@ -73,7 +75,7 @@ def spec_from_path(path: str | Path) -> ModelSpec:
             processor = json.loads(preprocessor.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise UserError(f"cannot read {preprocessor}: {e}; is it a transformers preprocessor_config.json?") from e
-    return spec_from_hf_config(config, source=str(path), name=config_path.parent.name, processor=processor)
+    return spec_from_hf_config(config, source=str(path), name=typed, processor=processor)
 
 
 def spec_from_hf_config(config: dict, *, source: str, name: str, processor: dict | None = None) -> ModelSpec:

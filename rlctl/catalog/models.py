@@ -309,7 +309,7 @@ def resolve_model(name_or_path: str) -> ModelSpec:
     HF model directory, or a config.json path."""
     path = Path(name_or_path).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix == ".json"):
-        return spec_from_path(path)
+        return spec_from_path(name_or_path)  # named as typed
     if name_or_path.startswith(("/", "./", "../", "~")):
         raise UserError(f"{name_or_path} does not exist; pass a HF model directory or a catalog name")
     spec = _index().get(_normalize(name_or_path))

@@ -77,7 +77,7 @@ def chat(
     from rlctl.evaluate.chat import ChatSession
     from rlctl.evaluate.run import pick_device
     from rlctl.evaluate.source import materialize
-    from rlctl.evaluate.text import inert
+    from rlctl.terminal import inert
 
     err = Console(stderr=True, soft_wrap=True, highlight=False)
     device, dtype = pick_device(device, dtype)
@@ -104,7 +104,7 @@ def _interactive(session, err) -> None:
     from rich.prompt import Prompt
 
     from rlctl.errors import UserError
-    from rlctl.evaluate.text import inert
+    from rlctl.terminal import inert
 
     out = Console(highlight=False)
     err.print(HELP_LINE, markup=False, style="dim")
@@ -137,7 +137,7 @@ def show_tool_turns(session, err) -> None:
     """The tool calls and results of the last reply (with --tools), before it, on stderr, made inert."""
     import json
 
-    from rlctl.evaluate.text import inert
+    from rlctl.terminal import inert
 
     for m in session.last_turn[:-1]:
         name = f" {m['name']}" if m.get("name") else ""

@@ -28,7 +28,11 @@ from rlctl.names import (
     choices,
 )
 
-FILE_OPTIONS = ("--config", "--data", "--output-dir", "--plugin")
+# options that take a path (completed with file names): a file, a directory, or FILE.py:NAME
+FILE_OPTIONS = (
+    *("--config", "--data", "--val-data", "--output-dir", "--plugin", "--chat-template"),
+    *("--tools", "--env", "--interaction", "--reward-model"),
+)
 
 
 @dataclass
@@ -45,13 +49,13 @@ def value_choices() -> dict[str, list[str]]:
     from rlctl.algos.preference import pref_loss_names
     from rlctl.algos.registry import adv_names
     from rlctl.catalog import list_gpus, list_models
-    from rlctl.presets import preset_names
+    from rlctl.presets import run_preset_names
     from rlctl.rewards.builtin import BUILTINS
 
     models = sorted({m.name for m in list_models()} | {m.hf_id for m in list_models()})
     return {
         "--model": models,
-        "--preset": preset_names(),
+        "--preset": run_preset_names(),  # not tiers.yaml: planner rules, which --preset refuses
         "--gpu": sorted(g.name for g in list_gpus()),
         "--device": list(choices(Device)),
         "--rollout": list(choices(RolloutEngine)),

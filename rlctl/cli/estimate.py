@@ -15,6 +15,7 @@ from typing import Any
 import typer
 
 from rlctl.cli.flags import ESTIMATE
+from rlctl.cli.help import FlagsCommand
 from rlctl.cli.options import command, to_options
 
 EXAMPLES = """
@@ -113,6 +114,6 @@ def run_estimate(v: dict[str, Any]) -> None:
         render_what_to_rent(console, rows)
 
 
-memory = app.command("memory", epilog=EXAMPLES)(
+memory = app.command("memory", epilog=EXAMPLES, cls=FlagsCommand)(
     command(ESTIMATE, run_estimate, doc=run_estimate.__doc__ or "", defaults_of=None)
 )

@@ -58,66 +58,73 @@ def _engine(rollout: str) -> str:
     return rollout
 
 
+# run_eval's longer options (their help texts), one name each
+_ModelOrRun = Annotated[
+    Path,
+    typer.Argument(help="A Hugging Face model dir, or a run dir (its hf/ export, else its latest checkpoint)."),
+]
+_Data = Annotated[
+    str,
+    typer.Option("--data", help="RL prompt rows (JSONL, Parquet, datasets dir): prompt + answer, or verl's schema."),
+]
+_Temperature = Annotated[
+    float | None, typer.Option("--temperature", help="0 is greedy (default with --n 1; else 1.0).")
+]
+_MaxNewTokens = Annotated[
+    int | None, typer.Option("--max-new-tokens", help="rollout.max_response_len (default: the run's, else 512).")
+]
+_MaxPromptLen = Annotated[
+    int | None, typer.Option("--max-prompt-len", help="Longer prompts are skipped (rollout.max_prompt_len).")
+]
+_Reward = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--reward", help="Reward spec NAME[:WEIGHT], repeatable (default: the run's, else auto by data_source)."
+    ),
+]
+_Device = Annotated[str | None, typer.Option("--device", help="cpu or cuda (default: cuda when there is one).")]
+_Dtype = Annotated[str | None, typer.Option("--dtype", help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu).")]
+_Tools = Annotated[
+    str | None,
+    typer.Option("--tools", help="Multi-turn with tools, as training: FILE.py, FILE.py:a,b or a verl tool YAML."),
+]
+_Env = Annotated[
+    str | None, typer.Option("--env", help="An environment class FILE.py:Class (multi-turn, as training).")
+]
+_Sets = Annotated[list[str] | None, typer.Option("--set", help="Any config key=value (data.*, reward.*, rollout.*).")]
+_Trust = Annotated[
+    bool, typer.Option("--trust-checkpoint", help="Unpickle a checkpoint's files fully (see rlctl convert).")
+]
+
+
 def run_eval(
-    model_or_run: Annotated[
-        Path,
-        typer.Argument(help="A Hugging Face model dir, or a run dir (its hf/ export, else its latest checkpoint)."),
-    ],
-    data: Annotated[
-        str,
-        typer.Option(
-            "--data", help="RL prompt rows (JSONL, Parquet, datasets dir): prompt + answer, or verl's schema."
-        ),
-    ],
+    model_or_run: _ModelOrRun,
+    data: _Data,
     n: Annotated[int, typer.Option("--n", help="Samples per prompt.")] = 1,
     k: Annotated[list[int] | None, typer.Option("--k", help="pass@k to report, repeatable (default: 1 and n).")] = None,
-    temperature: Annotated[
-        float | None, typer.Option("--temperature", help="0 is greedy (default with --n 1; else 1.0).")
-    ] = None,
+    temperature: _Temperature = None,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k", help="-1: off.")] = -1,
-    max_new_tokens: Annotated[
-        int | None, typer.Option("--max-new-tokens", help="rollout.max_response_len (default: the run's, else 512).")
-    ] = None,
-    max_prompt_len: Annotated[
-        int | None, typer.Option("--max-prompt-len", help="Longer prompts are skipped (rollout.max_prompt_len).")
-    ] = None,
-    reward: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--reward", help="Reward spec NAME[:WEIGHT], repeatable (default: the run's, else auto by data_source)."
-        ),
-    ] = None,
+    max_new_tokens: _MaxNewTokens = None,
+    max_prompt_len: _MaxPromptLen = None,
+    reward: _Reward = None,
     prompt_field: Annotated[str | None, typer.Option("--prompt-field")] = None,
     answer_field: Annotated[str | None, typer.Option("--answer-field")] = None,
     system_prompt: Annotated[str | None, typer.Option("--system-prompt")] = None,
     split: Annotated[str | None, typer.Option("--split", help="Split of a datasets dir or hub dataset.")] = None,
     rollout: Annotated[str, typer.Option("--rollout", help="Rollout engine: hf or vllm.")] = "hf",
-    device: Annotated[
-        str | None, typer.Option("--device", help="cpu or cuda (default: cuda when there is one).")
-    ] = None,
-    dtype: Annotated[
-        str | None, typer.Option("--dtype", help="fp32 | bf16 | fp16 (default: bf16 on cuda, fp32 on cpu).")
-    ] = None,
+    device: _Device = None,
+    dtype: _Dtype = None,
     tp: Annotated[int, typer.Option("--tp", help="vLLM tensor parallel size.")] = 1,
     mem_fraction: Annotated[float, typer.Option("--mem-fraction", help="vLLM's share of GPU memory.")] = 0.8,
     limit: Annotated[int, typer.Option("--limit", help="Only the first N usable prompts (0: all).")] = 0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    tools: Annotated[
-        str | None,
-        typer.Option("--tools", help="Multi-turn with tools, as training: FILE.py, FILE.py:a,b or a verl tool YAML."),
-    ] = None,
-    env: Annotated[
-        str | None, typer.Option("--env", help="An environment class FILE.py:Class (multi-turn, as training).")
-    ] = None,
-    sets: Annotated[
-        list[str] | None, typer.Option("--set", help="Any config key=value (data.*, reward.*, rollout.*).")
-    ] = None,
+    tools: _Tools = None,
+    env: _Env = None,
+    sets: _Sets = None,
     json_: Annotated[bool, typer.Option("--json", help="Print the summary as one JSON object.")] = False,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write one JSON line per sample here.")] = None,
-    trust: Annotated[
-        bool, typer.Option("--trust-checkpoint", help="Unpickle a checkpoint's files fully (see rlctl convert).")
-    ] = False,
+    trust: _Trust = False,
 ) -> None:
     """Score a model or a run on prompt rows with training's rewards: accuracy, mean reward, pass@k."""
     from rlctl.evaluate.settings import eval_config
@@ -160,7 +167,7 @@ def _run(source, cfg, settings, agent, device, dtype, trust, config_file, json_:
 
     from rlctl.evaluate.run import evaluate, pick_device
     from rlctl.evaluate.source import materialize
-    from rlctl.evaluate.text import inert
+    from rlctl.terminal import inert
 
     err = Console(stderr=True, soft_wrap=True, highlight=False)
 
@@ -188,7 +195,7 @@ def _table(metrics: dict):
     from rich.table import Table
     from rich.text import Text
 
-    from rlctl.evaluate.text import inert
+    from rlctl.terminal import inert
 
     title = Text(inert(f"eval: {metrics['model']} on {metrics['data']}"))
     table = Table(title=title, title_justify="left")

@@ -48,6 +48,18 @@ def _system_prompt(text: str) -> dict[str, object]:
     return {"data.system_prompt": text}
 
 
+# What `--help` of sft / grpo / ppo / estimate memory shows: the options a first run needs (by flag name);
+# `--help-all` shows every option.
+FIRST_RUN = frozenset(
+    {
+        *("model", "data", "gpus", "gpu", "nodes", "device", "nproc", "preset", "config_file", "sets", "output_dir"),
+        *("dry_run", "max_steps", "epochs", "lr", "batch_size", "max_len", "lora_rank", "resume", "method"),
+        *("n", "max_prompt_len", "max_response_len", "reward", "rollout", "tools", "what_to_rent", "as_json"),
+        *("loss", "beta"),  # dpo
+    }
+)
+
+
 @dataclass(frozen=True)
 class Flag:
     name: str  # the command's parameter

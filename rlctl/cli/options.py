@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from rlctl.cli.flags import FLAGS, Flag
+from rlctl.cli.flags import FIRST_RUN, FLAGS, Flag
 
 # shown instead of the raw default where the raw value means "decided elsewhere"
 SHOWN = {
@@ -85,7 +85,7 @@ def _parameter(flag: Flag, name: str, suffix: str) -> inspect.Parameter:
         *flag.names(),
         help=flag.help_for(name) + suffix,
         rich_help_panel=flag.panel_for(name),
-        hidden=bool(flag.alias_of),
+        hidden=bool(flag.alias_of) or flag.name not in FIRST_RUN,  # the rest: --help-all (rlctl.cli.help)
         show_default=flag.default not in (None, False),
     )
     return inspect.Parameter(
@@ -95,9 +95,17 @@ def _parameter(flag: Flag, name: str, suffix: str) -> inspect.Parameter:
 
 def command(name: str, run: Callable[[dict[str, Any]], None], *, doc: str, defaults_of: str | None) -> Callable:
     """The typer command ``name`` (sft, grpo, ppo or estimate): its flags' values go to ``run`` as one dict.
-    ``defaults_of``: the method whose defaults its --help shows (None: none shown)."""
+    ``defaults_of``: the method whose defaults its --help shows (None: none shown). Register it with
+    ``cls=rlctl.cli.help.FlagsCommand``: --help shows a first run's options, --help-all every one."""
+    from rlctl.cli.help import help_all_option
+
     shown = _defaults_shown(defaults_of)
     params = [_parameter(f, name, shown(f)) for f in flags_of(name)]
+    params.append(
+        inspect.Parameter(
+            "help_all", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[bool, help_all_option()]
+        )
+    )
 
     def cmd(**values: Any) -> None:
         run(values)

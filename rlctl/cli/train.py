@@ -100,7 +100,7 @@ def run_training(method: str, values: dict[str, Any]) -> None:
     check_placement(job.plan)
     dry_run, as_json = values["dry_run"], values["as_json"]
     if dry_run:
-        check_dry_run(job.cfg)  # what the user names must exist and read, even for a dry run
+        check_dry_run(job.cfg, job.plan)  # what the launch refuses, a dry run refuses
     if job.cfg.cluster.launcher == "slurm":
         return submit_slurm(job, dry_run=dry_run, as_json=as_json, ignore_memory_check=values["ignore_memory_check"])
     if dry_run:
@@ -134,7 +134,10 @@ def submit_slurm(job, *, dry_run: bool, as_json: bool, ignore_memory_check: bool
         raise UserError(JSON_NEEDS_DRY_RUN)
     cfg = ready_to_launch(job, ignore_memory_check=ignore_memory_check)
     run_dir = Path(cfg.output_dir)
+    from rlctl.runtime.run_lock import held
+
     script = write_job(cfg, plan, run_dir)
+    held(run_dir).release()  # the job's nodes take the lock when it starts
     job_id = submit(script)
     per_node = f"{plan.nproc_per_node} GPUs" if plan.device == "cuda" else f"{plan.nproc_per_node} processes"
     print(f"submitted batch job {job_id}: {plan.nodes} nodes x {per_node}; script: {script}")

@@ -381,11 +381,6 @@ def _validate_agent(cfg: RunConfig) -> None:
     a = cfg.agent
     if a.max_turns is not None and a.max_turns < 1:
         raise UserError(f"agent.max_turns must be at least 1, got {a.max_turns}")
-    if a.max_turns is not None and not agent_enabled(cfg):
-        raise UserError(
-            "--max-turns needs something to take turns with: pass --tools FILE.py, --env FILE.py:Class or "
-            "--interaction FILE"
-        )
     if a.tool_timeout_s <= 0:
         raise UserError(f"agent.tool_timeout_s must be > 0 seconds, got {a.tool_timeout_s}")
     if a.tool_max_chars < 1:
@@ -394,6 +389,43 @@ def _validate_agent(cfg: RunConfig) -> None:
         raise UserError(
             f"--tools / --env / --interaction are for grpo and ppo; {cfg.method} trains on the data's tool traces"
         )
+
+
+# A setting that would have no effect, and what it needs: the one rule for every such flag (issue 37). A
+# setting counts as given when an option or --set names it, or a --config file gives it a non-default value.
+NEEDS: dict[str, tuple[typing.Callable[[RunConfig], bool], str]] = {
+    "agent.max_turns": (
+        agent_enabled,
+        "--max-turns needs something to take turns with: pass --tools FILE.py, --env FILE.py:Class or "
+        "--interaction FILE",
+    ),
+    "rollout.max_staleness": (
+        lambda cfg: cfg.rollout.procs > 0,
+        "--max-staleness is how far the rollout processes may run behind the trainer, so it needs "
+        "--rollout-procs N (without it every step is synchronous); drop it or pass --rollout-procs",
+    ),
+}
+
+
+def flat_keys(nested: dict, prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 1e-5}} -> {"train.lr": 1e-5}."""
+    out: dict[str, Any] = {}
+    for key, value in nested.items():
+        if isinstance(value, dict) and value:
+            out.update(flat_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def check_no_effect(cfg: RunConfig, *, named: dict[str, Any], config_file: dict[str, Any]) -> None:
+    """Refuse a setting that would have no effect (:data:`NEEDS`): ``named`` by an option or --set, or set
+    to a non-default value by the --config file (a saved config.yaml holds every default)."""
+    defaults = RunConfig(method=cfg.method)
+    for key, (takes_effect, message) in NEEDS.items():
+        given = key in named or (key in config_file and config_file[key] != get_key(defaults, key))
+        if given and not takes_effect(cfg):
+            raise UserError(message)
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:

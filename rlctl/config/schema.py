@@ -261,7 +261,7 @@ class LogConfig:
     run_name: str = ""
     every: int = 1
     samples_every: int = 10  # write rollout samples to samples.jsonl every N steps (and at the last); 0 = never
-    samples: int = 4  # samples written each time (two are shown on the console)
+    samples: int = 4  # at least this many samples written each time, in whole groups of n (two shown on the console)
 
 
 @dataclass

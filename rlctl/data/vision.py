@@ -159,17 +159,43 @@ def decode_image(value, *, max_pixels: int, base_dir: Path | None = None):
             if not p.is_file():
                 raise BadImage(f"image file not found: {path}")
             data = p.read_bytes()
-        try:
-            image = Image.open(io.BytesIO(data))
-        except Exception:  # noqa: BLE001 (PIL raises several types for bad data)
-            raise BadImage("an image could not be decoded") from None
+        image = _open_image(data, max_pixels)
     width, height = image.size
     if max_pixels and width * height > max_pixels:
-        raise BadImage(f"an image has {width}x{height} pixels, more than data.max_image_pixels={max_pixels}")
+        raise BadImage(
+            f"an image has {width}x{height} pixels, more than data.max_image_pixels={max_pixels} "
+            f"(resize it, or raise the limit)"
+        )
     try:
         return image.convert("RGB")
     except Exception:  # noqa: BLE001 (truncated files fail when the pixels are read)
         raise BadImage("an image could not be decoded") from None
+
+
+def _open_image(data: bytes, max_pixels: int):
+    """The image's header read (its pixels are decoded later). PIL refuses a header of more than twice
+    its ``MAX_IMAGE_PIXELS`` (a decompression bomb) before anyone sees the size; ``data.max_image_pixels``
+    is rlctl's own limit on the same thing, so such an image is read again without PIL's, and its size is
+    what the bad-row reason names (a user looks for a corrupt file otherwise)."""
+    from PIL import Image
+
+    try:
+        return Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        if not max_pixels:
+            raise BadImage(
+                f"an image is larger than PIL's decompression-bomb limit of {2 * Image.MAX_IMAGE_PIXELS} pixels "
+                f"(resize it, or set data.max_image_pixels)"
+            ) from None
+    except Exception:  # noqa: BLE001 (PIL raises several types for bad data)
+        raise BadImage("an image could not be decoded") from None
+    saved, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # the header only: max_pixels is checked next
+    try:
+        return Image.open(io.BytesIO(data))
+    except Exception:  # noqa: BLE001
+        raise BadImage("an image could not be decoded") from None
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved
 
 
 def _image_source(value) -> tuple[bytes | None, str]:

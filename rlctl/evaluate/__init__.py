@@ -4,8 +4,8 @@
 * :mod:`rlctl.evaluate.source`: MODEL_OR_RUN -> a Hugging Face model directory (a run's ``hf/`` export,
   or its latest checkpoint converted as ``rlctl convert fsdp-to-hf`` would);
 * :mod:`rlctl.evaluate.run`: the data, rewards and prompt rendering of training, on a rollout engine;
-* :mod:`rlctl.evaluate.chat`: a chat session over a rollout engine;
-* :mod:`rlctl.evaluate.text`: model text made inert before it reaches a terminal.
+* :mod:`rlctl.evaluate.chat`: a chat session over a rollout engine (its text printed through
+  :func:`rlctl.terminal.inert`).
 
-Only :mod:`passk`, :mod:`source`'s checks and :mod:`text` are light; the rest import torch.
+Only :mod:`passk` and :mod:`source`'s checks are light; the rest import torch.
 """

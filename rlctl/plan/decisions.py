@@ -29,8 +29,8 @@ def why_not(est: MemoryEstimate) -> str:
         )
     elif est.settings.is_rl and est.kv_cache_sequences < kv_target(est.settings):
         problems.append(
-            f"the KV cache holds {est.kv_cache_sequences} sequences < {kv_target(est.settings)} "
-            "(an engine's share of the batch)"
+            f"the KV cache holds {est.kv_cache_sequences} sequences, fewer than the {kv_target(est.settings)} of "
+            "an engine's share of the batch"
         )
     if not est.host_fits:
         problems.append(
@@ -52,11 +52,22 @@ def explain_search(tier: str, result: SearchResult) -> list[Decision]:
     """Each option passed over, with its closest attempt and why it fell short; the backend when the
     winner's differs from the tier."""
     out = []
+    # the winner runs but falls short (its KV cache, the margin): the others are no rejects, only later choices
+    short = why_not(result.est) if result.est.fits else "fits"
+    first = result.option.label
+    if short != "fits":
+        why = f"no option is a good fit: {first}, the first in order of preference, falls short too ({short})"
+        out.append(Decision("search", first, why))
     for r in result.rejected:
         if r.option == result.option:
             continue
         tried = f" (the closest of {r.layouts} layouts)" if r.layouts > 1 else ""
         why = f"rejected {r.option.label}, {describe_layout(r.closest.settings)}{tried}: {why_not(r.closest)}"
+        if short != "fits":  # the winner falls short as well: say why it still comes first
+            why = (
+                f"passed over {r.option.label}, {describe_layout(r.closest.settings)}{tried}: short too "
+                f"({why_not(r.closest)}); {first} comes first in order of preference"
+            )
         out.append(Decision("rejected", r.option.label, why))
     backend = result.option.backend
     if backend != tier:
@@ -114,8 +125,8 @@ def sp_decision(job: Job, est: MemoryEstimate) -> Decision | None:
     why = (
         f"sp {s.sp} (Ulysses sequence parallelism): at sp 1 a {one.settings.tokens_per_micro_batch}-token micro "
         f"batch needs {_gib(one, 'activations')} GiB of activations and {_gib(one, 'logits')} GiB of logits per "
-        f"GPU, the update {one.phases['training'].total_bytes / GIB:.1f} GiB (the limit: {_limit(job) / GIB:.1f} "
-        f"GiB); sp {s.sp} splits each sequence over {s.sp} GPUs: activations {_gib(est, 'activations')} GiB, "
+        f"GPU, the update {one.phases['training'].total_bytes / GIB:.1f} GiB, over {rules.limit_text(job.memory)}; "
+        f"sp {s.sp} splits each sequence over {s.sp} GPUs: activations {_gib(est, 'activations')} GiB, "
         f"logits {_gib(est, 'logits')} GiB, all-to-all buffers {_gib(est, 'sp_all_to_all')} GiB, the update "
         f"{at.total_bytes / GIB:.1f} GiB"
     )
@@ -149,8 +160,8 @@ def _sp_not_enough(job: Job, one: MemoryEstimate) -> Decision | None:
         return None
     why = (
         f"sp 1: splitting each sequence over sp {sizes[-1]} GPUs (the most the heads and a node allow) would "
-        f"still need {top.phases['training'].total_bytes / GIB:.1f} GiB for the update (the limit: "
-        f"{_limit(job) / GIB:.1f} GiB): activations {_gib(one, 'activations')} -> {_gib(top, 'activations')} GiB, "
+        f"still need {top.phases['training'].total_bytes / GIB:.1f} GiB for the update, over "
+        f"{rules.limit_text(job.memory)}: activations {_gib(one, 'activations')} -> {_gib(top, 'activations')} GiB, "
         f"logits {_gib(one, 'logits')} -> {_gib(top, 'logits')} GiB"
     )
     return Decision("parallel.sp", 1, why)

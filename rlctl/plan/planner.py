@@ -134,6 +134,11 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
     )
     if job.spec.is_vl and cfg.method == "ppo":
         raise UserError("ppo trains a critic, which a vision-language model cannot be yet; use grpo (no critic)")
+    if job.spec.is_vl and cfg.rollout.procs:
+        raise UserError(
+            "--rollout-procs runs text models only (a vision-language model's images are not sent to the "
+            "rollout processes yet); drop --rollout-procs for this model"
+        )
     if job.is_rl:
         rules.check_rollout_engine_tp(job.engine, cfg.rollout.tp)
     return tier

@@ -32,7 +32,11 @@ def _comfortable(est: MemoryEstimate) -> bool:
 
 
 def _comfort_limit(job: Job) -> str:
-    return f"{(1 - rules.tiers()['memory']['comfort_fraction']) * job.memory / GIB:.1f} GiB"
+    return rules.limit_text(job.memory, "comfort")
+
+
+def _free(job: Job, est: MemoryEstimate) -> str:
+    return f"{(job.memory - est.phases['training'].total_bytes) / GIB:.1f} GiB of the GPU stay free"
 
 
 def _unshard_decision(job: Job, s: MemorySettings) -> Decision | None:
@@ -60,7 +64,10 @@ def _relax_checkpointing(job: Job, s: MemorySettings, decisions: list[Decision])
     off = estimate_memory(job.spec, job.gpu, replace(s, activation_checkpointing=False))
     need = off.phases["training"].total_bytes / GIB
     if _comfortable(off):
-        why = f"activation checkpointing off: the update fits comfortably without it ({need:.1f} GiB <= {limit})"
+        why = (
+            f"activation checkpointing off: without it the update needs {need:.1f} GiB, within {limit}; "
+            f"{_free(job, off)}"
+        )
         decisions.append(Decision("parallel.activation_checkpointing", False, why))
         return off.settings
     savers = s.backend == "fsdp" and job.device == "cuda" and job.cfg.parallel.selective_checkpointing is None
@@ -71,12 +78,12 @@ def _relax_checkpointing(job: Job, s: MemorySettings, decisions: list[Decision])
         if _comfortable(selective):
             why = (
                 f"selective activation checkpointing (the MLPs recomputed, attention kept): the update needs "
-                f"{selective.phases['training'].total_bytes / GIB:.1f} GiB (comfortable: <= {limit}); without "
-                f"checkpointing {need:.1f} GiB"
+                f"{selective.phases['training'].total_bytes / GIB:.1f} GiB, within {limit}; {_free(job, selective)}; "
+                f"without checkpointing {need:.1f} GiB"
             )
             decisions.append(Decision("parallel.selective_checkpointing", True, why))
             return selective.settings
-    why = f"activation checkpointing on: without it the update needs {need:.1f} GiB (comfortable: <= {limit})"
+    why = f"activation checkpointing on: without it the update needs {need:.1f} GiB, over {limit}"
     decisions.append(Decision("parallel.activation_checkpointing", True, why))
     return s
 
@@ -95,8 +102,15 @@ def _relax_micro_batch(job: Job, s: MemorySettings, decisions: list[Decision]) -
             chosen = c
             break
     why = (
-        f"micro batch {chosen}: the largest of {', '.join(map(str, mb['candidates']))} that fits comfortably, "
-        f"<= {per_gpu} {unit} per GPU per step and <= {mb['max_tokens']} tokens ({tokens} per {unit[:-1]})"
+        f"micro batch {chosen}: the largest of {', '.join(map(str, mb['candidates']))} within "
+        f"{_comfort_limit(job)}, <= {per_gpu} {unit} per GPU per step and <= {mb['max_tokens']} tokens "
+        f"({tokens} per {unit[:-1]})"
     )
+    if tokens > mb["max_tokens"]:  # one sequence (pair) is over the token target already: one at a time
+        one = unit[:-1]
+        why = (
+            f"micro batch 1: one {one} is {tokens} tokens, over the {mb['max_tokens']}-token target of a "
+            f"micro batch already, so one {one} at a time"
+        )
     decisions.append(Decision("train.micro_batch_size", chosen, why))
     return replace(s, micro_batch=chosen)

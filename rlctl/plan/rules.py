@@ -27,6 +27,18 @@ def tiers() -> dict:
     return load_preset("tiers")
 
 
+def limit_text(memory_bytes: float, kind: str = "margin") -> str:
+    """The two limits the planner's reasons quote, named the same way everywhere: ``margin`` (what fits:
+    the GPU less the safety margin) and ``comfort`` (what leaves room to trade memory for speed)."""
+    from rlctl.estimate.memory import GIB
+
+    share = tiers()["memory"]["margin_fraction" if kind == "margin" else "comfort_fraction"]
+    name = "the limit" if kind == "margin" else "the comfortable limit"
+    return (
+        f"{name} ({(1 - share) * memory_bytes / GIB:.1f} GiB, the GPU's {memory_bytes / GIB:.1f} GiB less {share:.0%})"
+    )
+
+
 def billions(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from rlctl.errors import UserError, did_you_mean
+from rlctl.errors import UserError, did_you_mean, name_hint
 from rlctl.rewards.builtin import BUILTINS
 from rlctl.usercode import import_user_file, import_user_module, is_file_spec
 
@@ -73,8 +73,7 @@ def _function(module: ModuleType, name: str, where: str) -> RewardFn:
     fn = getattr(module, name, None)
     if fn is None:
         functions = [n for n, f in vars(module).items() if inspect.isfunction(f) and not n.startswith("_")]
-        hint = did_you_mean(name, functions)
-        raise UserError(f"{where} has no function {name!r}{hint}; check the reward spec")
+        raise UserError(f"{where} has no function {name!r}{name_hint(name, functions)}; check the reward spec")
     if not callable(fn):
         raise UserError(f"{where}:{name} is a {type(fn).__name__}, not a function; check the reward spec")
     return fn

@@ -221,7 +221,7 @@ function sampleCard(s) {
   if (Array.isArray(s.messages) && s.messages.length) {
     for (const m of s.messages) {
       const msg = el("div", { class: `msg ${m.role}` });
-      msg.append(el("div", { class: "role" }, m.role + (m.name ? ` (${m.name})` : "")));
+      msg.append(el("div", { class: "role" }, m.role + (m.name ? ` (${m.name})` : "") + (m.dropped ? " - dropped: not read by the policy (no room left)" : "")));
       if (m.content) msg.append(el("pre", {}, typeof m.content === "string" ? m.content : JSON.stringify(m.content)));
       for (const call of m.tool_calls || []) msg.append(el("pre", { class: "tool-call" }, `→ ${JSON.stringify(call.function || call)}`));
       d.append(msg);

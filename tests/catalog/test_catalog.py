@@ -225,7 +225,7 @@ def test_resolve_a_config_saved_by_transformers(spec, tmp_path):
     from_dir = resolve_model(str(model_dir))
     from_file = resolve_model(str(model_dir / "config.json"))
     assert same_architecture(from_dir, spec) and same_architecture(from_file, spec)
-    assert from_dir.source == str(model_dir) and from_dir.name == spec.name
+    assert from_dir.source == str(model_dir) and from_dir.name == str(model_dir)  # the path typed (issue 37)
     assert count_params(from_dir) == count_params(spec)
 
 

@@ -85,7 +85,7 @@ def test_help_shows_each_methods_defaults():
 
     for method in ("sft", "grpo", "ppo"):
         cfg = build_config(method, method_layers(method, None))
-        r = run_cli(method, "--help", env={"COLUMNS": "250"})
+        r = run_cli(method, "--help-all", env={"COLUMNS": "250"})
         assert r.returncode == 0
         text = " ".join(r.stdout.split())
         assert f"Peak learning rate. (default: {cfg.train.lr})" in text, method

@@ -717,7 +717,7 @@ def test_cli_takes_the_training_commands_names_and_the_old_ones_hidden():
     assert str(clash.exception).count("\n") == 0 and "--micro-batch-size 2" in str(clash.exception)
     import re
 
-    help_text = re.sub(r"\x1b\[[0-9;]*m", "", _cli("--help").output)
+    help_text = re.sub(r"\x1b\[[0-9;]*m", "", _cli("--help-all").output)
     assert "--max-prompt-len" in help_text and "--micro-batch-size" in help_text
     assert not re.search(r"--prompt-len\b|--response-len\b|--micro-batch\b(?!-)", help_text)
 

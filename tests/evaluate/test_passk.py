@@ -40,9 +40,9 @@ def test_mean_over_prompts_and_bad_arguments():
 
 
 def test_inert_text():
-    from rlctl.evaluate.text import inert
+    from rlctl.terminal import inert
 
     raw = "ok\x1b]0;title\x07 \x1b[31mred\x9b2J\r\nnext\ttab"
     shown = inert(raw)
     assert not any(ord(ch) < 32 and ch not in "\n\t" or 0x7F <= ord(ch) <= 0x9F for ch in shown)
-    assert shown == "ok\\x1b]0;title\\x07 \\x1b[31mred\\x9b2J\\r\nnext\ttab"
+    assert shown == "ok\\x1b]0;title\\x07 \\x1b[31mred\\x9b2J\\x0d\nnext\ttab"

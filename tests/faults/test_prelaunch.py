@@ -119,17 +119,40 @@ def test_resume_with_another_engine_is_refused(finished_run):
 def test_a_resume_that_fails_on_the_ranks_leaves_the_finished_run_as_it_was(
     monkeypatch, capsys, tiny_model_dir, files, finished_run, tmp_path
 ):
-    """Compatible on paper, failing after launch (a rank's UserError): config.yaml, plan.json and
-    summary.json are the finished run's again; the attempt's output is in train.log and errors/."""
+    """Compatible on paper, refused after launch (a rank's UserError, e.g. a failing env.reset() or no
+    image that decodes): the directory is as it was, every file byte for byte (issue 37: train.log cut
+    back, errors/ and what the attempt added removed); the one line on the console says it all."""
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
-    own = {n: (run / n).read_bytes() for n in ("config.yaml", "plan.json", "summary.json")}
+    before = tree(run)
     monkeypatch.setenv("RLCTL_TEST_RECIPE", "tests.support.scripts.failing_rank")
     monkeypatch.setenv("FAIL_MODE", "user")
     args = ["sft", "--model", str(tiny_model_dir), "--data", str(files / "chat.jsonl"), "--device", "cpu"]
     code, text = rlctl(monkeypatch, capsys, *args, "--nproc", "2", "-o", str(run), "--resume", "auto")
     assert code == 2, text
-    assert {n: (run / n).read_bytes() for n in own} == own
+    assert tree(run) == before
+
+
+def test_a_refusal_on_the_ranks_leaves_no_new_run_directory(monkeypatch, capsys, tiny_model_dir, files, tmp_path):
+    run = tmp_path / "runs" / "new"
+    monkeypatch.setenv("RLCTL_TEST_RECIPE", "tests.support.scripts.failing_rank")
+    monkeypatch.setenv("FAIL_MODE", "user")
+    args = ["sft", "--model", str(tiny_model_dir), "--data", str(files / "chat.jsonl"), "--device", "cpu"]
+    code, text = rlctl(monkeypatch, capsys, *args, "--nproc", "2", "-o", str(run))
+    assert code == 2 and "data.answer_field" in text, text
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_vision_language_model_with_rollout_procs_is_refused_before_launch(
+    monkeypatch, capsys, tiny_vl_model_dir, files, tmp_path
+):
+    """Was refused by the trainer after launch (a run directory left behind); the planner knows it."""
+    out = tmp_path / "run"
+    args = ["grpo", "--model", str(tiny_vl_model_dir), "--data", str(files / "rl.jsonl"), *RL, "--nproc", "2"]
+    for extra in ([], ["--dry-run"]):
+        line = one_line_error(*rlctl(monkeypatch, capsys, *args, "--rollout-procs", "1", "-o", str(out), *extra))
+        assert "--rollout-procs runs text models only" in line and "drop --rollout-procs" in line, line
+        assert not out.exists()
 
 
 # ---------------------------------------------------------------------------------------------

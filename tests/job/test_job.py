@@ -138,10 +138,10 @@ def test_every_pre_launch_error_is_one_line_exit_2_and_leaves_no_run_dir(files, 
 
 
 def test_grpo_help_does_not_offer_gae():
-    r = run_cli("grpo", "--help", env={"COLUMNS": "200"})
+    r = run_cli("grpo", "--help-all", env={"COLUMNS": "200"})
     adv = next(ln for ln in r.stdout.splitlines() if "--adv" in ln)
     assert "gae" not in adv and "rloo" in adv
-    adv = next(ln for ln in run_cli("ppo", "--help", env={"COLUMNS": "200"}).stdout.splitlines() if "--adv" in ln)
+    adv = next(ln for ln in run_cli("ppo", "--help-all", env={"COLUMNS": "200"}).stdout.splitlines() if "--adv" in ln)
     assert "gae" in adv
 
 
@@ -163,6 +163,10 @@ def test_checks_take_well_under_a_second_in_process(files, tiny_model_dir, tmp_p
     start = time.perf_counter()
     ready_to_launch(resolve_job("grpo", options=opts))
     assert time.perf_counter() - start < 1.0
+    from rlctl.runtime.run_lock import LOCK_NAME, held
+
+    assert [p.name for p in (tmp_path / "run").iterdir()] == [LOCK_NAME]  # owned (issue 37), nothing written
+    held(tmp_path / "run").release()
     assert not (tmp_path / "run").exists()
 
 

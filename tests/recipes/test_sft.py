@@ -436,7 +436,7 @@ def test_bad_data_ends_in_one_line_error(tiny_model_dir, tmp_path):
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "too many bad rows" in line]
     assert len(errors) == 1 and errors[0].startswith("error: ") and "3 of 6 rows" in errors[0]
     assert "Traceback" not in proc.stdout + proc.stderr
-    assert json.loads((tmp_path / "run" / "errors" / "rank_0.json").read_text())["kind"] == "user"
+    assert not (tmp_path / "run").exists()  # refused on the ranks: no run directory left (issue 37)
 
 
 def test_bad_options_fail_before_launch(tiny_model_dir, chat_file, tmp_path):

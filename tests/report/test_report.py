@@ -51,7 +51,7 @@ def test_report_plots_exactly_the_metrics_and_the_reward_rises(run_dir):
         assert (line["x"], line["y"]) == ([r["step"] for r in train], [r[key] for r in train]), panel
         assert line["smoothed"] == pytest.approx(_ema([r[key] for r in train], 0.6)), panel
     assert plotted["eval"]["val/mean@4"] == {"x": [4, 8], "y": [e["val/mean@4"] for e in evals]}
-    for panel, key in [("grad norm", "grad_norm"), ("lr", "lr"), ("time", "time/update"), ("other", "tokens")]:
+    for panel, key in [("grad norm", "grad_norm"), ("lr", "lr"), ("time", "time/update"), ("tokens/s", "tokens")]:
         assert plotted[panel][key]["y"] == [r[key] for r in train], panel  # every logged metric is drawn
     rewards = plotted["reward"]["reward"]["y"]
     assert rewards[-1] > rewards[0] + 0.15  # the run learned: the curve rises

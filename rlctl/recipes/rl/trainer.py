@@ -303,17 +303,17 @@ class RLTrainer:
     # ------------------------------------------------------------------ samples.jsonl
 
     def write_samples(self, b: RolloutBatch, step: int) -> None:
-        """``log.samples`` of the step's samples ``b`` (rank 0's, spread over its prompts) into samples.jsonl:
-        prompt, response, reward, advantage (the mean over the response tokens), length, truncated."""
+        """Whole groups of the step's samples ``b`` (rank 0's: every sample of a prompt, so a GRPO group is
+        seen side by side; at least ``log.samples`` samples, the groups spread over its prompts) into
+        samples.jsonl: prompt, response, reward, advantage (the mean over the response tokens), length, truncated."""
         lg = self.cfg.log
         if not self.dist.is_main or not len(b):
             return
         import json
 
-        stride = max(1, len(b) // lg.samples)
         adv = (b.advantages * b.mask).sum(-1) / b.mask.sum(-1).clamp(min=1)
         with open(self.ctx.paths.samples, "a") as f:
-            for i in list(range(0, len(b), stride))[: lg.samples]:
+            for i in sample_rows([int(u) // b.n for u in b.uid.tolist()], lg.samples):
                 rec = {
                     "step": step,
                     "prompt": self.tokenizer.decode(b.prompts[i], skip_special_tokens=False),
@@ -328,7 +328,7 @@ class RLTrainer:
                     rec["rewards"] = b.reward_parts[i]
                 if b.trajectories:  # the whole conversation, with roles and tool calls
                     t = b.trajectories[i]
-                    rec.update(messages=t.messages, turns=t.turns, finish_reason=t.finish_reason)
+                    rec.update(messages=t.logged_messages(), turns=t.turns, finish_reason=t.finish_reason)
                     rec.setdefault("rewards", t.rewards)
                 f.write(json.dumps(rec) + "\n")
 
@@ -392,3 +392,14 @@ class RLTrainer:
         if s.evaluator is not s.source:
             s.evaluator.close()
         self.scorer.close()
+
+
+def sample_rows(groups: list[int], at_least: int) -> list[int]:
+    """The rows of whole groups (``groups[i]``: row i's prompt), at least ``at_least`` rows when there are,
+    the groups spread over the batch (in the batch's order)."""
+    order = list(dict.fromkeys(groups))
+    size = max(1, len(groups) // max(1, len(order)))
+    wanted = min(len(order), max(1, -(-at_least // size)))
+    stride = max(1, len(order) // wanted)
+    chosen = set(order[::stride][:wanted])
+    return [i for i, g in enumerate(groups) if g in chosen]
