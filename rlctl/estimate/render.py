@@ -19,6 +19,7 @@ LABELS = {
     "vision_activations": "vision tower activations",
     "logits": "logits (loss)",
     "reference_model": "reference model",
+    "teacher_model": "teacher model (distillation)",
     "reward_model": "reward model",
     "critic": "critic (idle)",
     "engine_weights": "engine weights",
