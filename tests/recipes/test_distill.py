@@ -17,14 +17,32 @@ from tests.support.rl import arith_rows, error_line, failure, rl_args, train_rec
 from tests.support.sft import write_jsonl
 
 
-def sharp_teacher(student_dir: Path, out: Path, *, seed: int = 1) -> Path:
-    """A tiny teacher with the student's tokenizer, other random weights and a larger init (a peaked
-    next-token distribution, unlike the near-uniform random student)."""
+def sharp_teacher(student_dir: Path, out: Path, *, seed: int = 1, steps: int = 40) -> Path:
+    """A tiny teacher with the student's tokenizer: another random init (``seed``) trained ``steps`` full-batch
+    Adam steps (plain torch) to answer the arithmetic prompts "The answer is N.", so its next-token
+    distribution is peaked where the random student's is near uniform."""
     from transformers import AutoTokenizer
 
     from rlctl.testing import save_tiny_model
 
-    save_tiny_model(out, AutoTokenizer.from_pretrained(str(student_dir)), seed=seed, initializer_range=0.3)
+    tok = AutoTokenizer.from_pretrained(str(student_dir))
+    model = save_tiny_model(out, tok, seed=seed)
+    rows = arith_rows(32, seed=seed)
+    chats = [
+        [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": f"The answer is {r['answer']}."}]
+        for r in rows
+    ]
+    batch = tok.apply_chat_template(chats, return_tensors="pt", padding=True, return_dict=True)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    torch.manual_seed(seed)
+    model.train()
+    for _ in range(steps):
+        loss = model(**batch, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(str(out), safe_serialization=True)
     return out
 
 
@@ -134,22 +152,26 @@ def reverse_kl(student_dir: Path, teacher_dir: Path, prompts: list[str], *, samp
 
 
 @pytest.mark.slow
-def test_distill_run_lowers_reverse_kl_to_the_teacher_on_held_out_prompts(tiny_model_dir, tmp_path):
-    teacher = sharp_teacher(tiny_model_dir, tmp_path / "teacher")
+def test_distill_run_lowers_reverse_kl_to_the_teacher_on_held_out_prompts(tmp_path):
+    """A random student (a 128-token vocabulary, so that its samples reach the teacher's likely tokens within a
+    few steps) distills a teacher trained to answer the prompts; 2 processes under torchrun."""
+    from rlctl.testing import build_tiny_model
+
+    student = build_tiny_model(tmp_path / "student", vocab_size=128)
+    teacher = sharp_teacher(student, tmp_path / "teacher")
     data = write_jsonl(tmp_path / "data.jsonl", arith_rows(16))
     run = tmp_path / "run"
-    args = rl_args(tiny_model_dir, data, run, "--rollout", "hf", "--max-steps", "8", "--teacher", str(teacher))
-    args[args.index("--n") + 1] = "4"
+    args = rl_args(student, data, run, "--rollout", "hf", "--max-steps", "16", "--teacher", str(teacher))
     args[args.index("--lr") + 1] = "3e-3"
     res = run_cli("grpo", *args, "--set", "train.seed=3")
     assert res.returncode == 0, failure(res, run)
     records = train_records(run)
     held_out = [r["prompt"] for r in arith_rows(6, seed=7)]
-    before = reverse_kl(tiny_model_dir, teacher, held_out)
+    before = reverse_kl(student, teacher, held_out)
     after = reverse_kl(run / "hf", teacher, held_out)
     kls = [round(r["distill/reverse_kl"], 3) for r in records]
     print(f"reverse KL to the teacher on held-out prompts: before {before:.3f}, after {after:.3f}; per step {kls}")
-    assert after < 0.7 * before, (before, after, kls)
+    assert after < 0.8 * before, (before, after, kls)
     assert kls[-1] < kls[0]
 
 
