@@ -83,6 +83,7 @@ def check_dry_run(cfg: RunConfig) -> None:
     if model is not None:
         check_tokenizer(model.root)
         check_image_processor(model.root)
+    check_teacher(cfg, model, on_this_machine=False)  # a local teacher's vocabulary; a hub one is not fetched
     if cfg.data.path:  # the files exist and read (their columns are checked by the real run)
         from rlctl.data.io import first_rows
 

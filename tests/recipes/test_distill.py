@@ -187,6 +187,8 @@ def test_teacher_with_another_vocabulary_is_refused_before_launch(tiny_model_dir
     line = error_line(res)
     assert f"--teacher {other} has a different vocabulary from --model {tiny_model_dir}" in line, res.stderr[-2000:]
     assert "Traceback" not in res.stderr and not (run / "metrics.jsonl").exists()
+    dry = run_cli("grpo", *rl_args(tiny_model_dir, data, run, "--teacher", str(other), "--dry-run"))
+    assert dry.returncode != 0 and "has a different vocabulary from --model" in error_line(dry), dry.stderr[-2000:]
 
 
 def test_teacher_weight_out_of_range_is_refused(tiny_model_dir, tmp_path):
