@@ -156,9 +156,7 @@ def _frozen_models(s: MemorySettings, stage, states: dict, critic_ratio: float) 
             critic_ratio
             * ((0 if weights_off else states["weights"]) + (0 if optimizer_off else states["optimizer_states"]))
         )
-    teacher = 0  # distillation: a frozen engine built like the reference (any LoRA), the teacher's own size
-    if s.is_rl and s.teacher_params and not weights_off:
-        teacher = math.ceil(cb * s.teacher_params / (s.fsdp_shards if s.backend == "fsdp" else s.tp * s.pp))
+    teacher = 0 if weights_off else s.teacher_bytes  # distillation: the teacher's own size, placed like the reference
     return {"reference_model": reference, "teacher_model": teacher, "reward_model": 0, "critic": idle_critic}
 
 

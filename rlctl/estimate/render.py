@@ -38,6 +38,7 @@ HOST_LABELS = {
     "offloaded_gradients": "offloaded gradients",
     "offloaded_optimizer": "offloaded optimizer states",
     "reference_model": "reference model (offloaded)",
+    "teacher_model": "teacher model (offloaded)",
     "critic": "critic (offloaded)",
     "engine_weights": "engine weights (asleep)",
     "checkpoint": "checkpoint (rank 0 loading)",
