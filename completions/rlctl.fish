@@ -231,6 +231,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subc
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout-tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l rollout-procs -l rollout-gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l mem-fraction -x
+complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l teacher -x
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l reward-model -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l backend -x -a 'fsdp megatron'
 complete -c rlctl -n '__fish_seen_subcommand_from estimate; and __fish_seen_subcommand_from memory' -l tp -x
@@ -347,6 +348,8 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout-procs -l roll
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-staleness -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward -x -a 'gsm8k gsm8k_flexible math exact format length'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l teacher -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l teacher-weight -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward-model -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l samples-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l tools -r -F

@@ -45,6 +45,8 @@ def check_job(cfg: RunConfig, plan, *, ignore_memory_check: bool = False, on_thi
         check_run_dir(cfg, Path(cfg.output_dir), backend=plan.backend)
     if model is None and on_this_machine:
         check_model_available(cfg.model.name, random_init=cfg.model.random_init)
+    if on_this_machine:
+        check_teacher(cfg, model, on_this_machine=True)  # a teacher named but not here or in the hub cache
     check_data_rows(cfg, model)
     for line in warnings:
         print(line, file=sys.stderr, flush=True)
@@ -87,6 +89,7 @@ def check_settings(cfg: RunConfig, plan, model: ModelFiles | None) -> list[str]:
 
             classifier_architecture(model.config.get("architectures"), cfg.model.name)
     check_agent_template(cfg, model)
+    check_teacher(cfg, model, on_this_machine=False)  # a local teacher's vocabulary; a hub one is not fetched
     return warnings
 
 
@@ -384,6 +387,47 @@ def check_context(cfg: RunConfig, model: ModelFiles) -> None:
             f"longer than the model's context of {ctx} tokens (max_position_embeddings in "
             f"{model.root / 'config.json'}); lower --max-prompt-len / --max-response-len to sum to {ctx} or less"
         )
+
+
+def check_teacher(cfg: RunConfig, model: ModelFiles | None, *, on_this_machine: bool) -> None:
+    """On-policy distillation: the teacher exists and has the student's vocabulary (compared from the local
+    tokenizer files of both; a model only on the hub is compared on the ranks)."""
+    name = cfg.algo.teacher
+    if not name or cfg.method not in RL_METHODS:
+        return
+    teacher = model_files(name)
+    if teacher is None:
+        if on_this_machine:
+            from rlctl.preflight import check_model_available
+
+            check_model_available(name, random_init=False)
+        return
+    from rlctl.config.algorithm import teacher_vocab_problem
+
+    student_vocab = tokenizer_vocab(model.root) if model is not None else None
+    teacher_vocab = tokenizer_vocab(teacher.root)
+    if student_vocab is None or teacher_vocab is None:
+        return
+    problem = teacher_vocab_problem(student_vocab, teacher_vocab, cfg.model.name, name)
+    if problem:
+        raise UserError(problem)
+
+
+def tokenizer_vocab(root: Path) -> dict[str, int] | None:
+    """token -> id of a local tokenizer (tokenizer.json's model vocab and added tokens, else vocab.json);
+    None when neither is there or readable."""
+    if (root / "tokenizer.json").is_file():
+        tok = _read_json(root / "tokenizer.json")
+        vocab = (tok.get("model") or {}).get("vocab")
+        if isinstance(vocab, list):  # Unigram: [[piece, score], ...] in id order
+            vocab = {piece[0]: i for i, piece in enumerate(vocab)}
+        if not isinstance(vocab, dict):
+            return None
+        added = {t["content"]: t["id"] for t in tok.get("added_tokens") or [] if isinstance(t, dict) and "id" in t}
+        return {**vocab, **added}
+    if (root / "vocab.json").is_file():
+        return _read_json(root / "vocab.json")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

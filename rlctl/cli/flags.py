@@ -271,6 +271,11 @@ FLAGS: tuple[Flag, ...] = (
       "NAME[:WEIGHT], repeatable (weighted sum): a built-in reward (docs/rewards.md; the shell completion "
       "lists them), file.py:fn, file.py:Class or module:fn. E.g. --reward gsm8k --reward format:0.2.",
       convert=_rewards),
+    F("teacher", "--teacher", "algo.teacher", RL_PANEL, frozenset({GRPO, ESTIMATE}),
+      "On-policy distillation (docs/distill.md): a frozen teacher with the student's tokenizer scores every "
+      "sampled token; the advantage is the teacher-minus-student log-prob gap (reverse KL)."),
+    F("teacher_weight", "--teacher-weight", "algo.teacher_weight", RL_PANEL, frozenset({GRPO}),
+      "With --teacher: advantage = w * (teacher - student log-prob) + (1 - w) * the task reward's (1 = distill only)."),
     F("reward_model", "--reward-model", "reward.model", RL_PANEL, RL_EST,
       "A sequence-classification reward model (HF directory), added as a reward component."),
     F("samples_every", "--samples-every", "log.samples_every", TRAINING, RL,

@@ -44,6 +44,7 @@ def check_algorithm(cfg: RunConfig) -> None:
     check_registered_names(cfg)
     check_correction(cfg)
     check_dapo(cfg)
+    check_distill(cfg)
     facts = ADV_ESTIMATORS[a.adv]
     if method == "grpo" and facts.needs_critic:
         others = " | ".join(name for name, e in ADV_ESTIMATORS.items() if not e.needs_critic)
@@ -75,6 +76,31 @@ def check_correction(cfg: RunConfig) -> None:
         raise UserError(f"algo.correction_lower={a.correction_lower} must be in (0, 1] (e.g. 0.5; unset: 1/U)")
     if a.correction_reject is not None and not a.correction_reject >= 1:
         raise UserError(f"algo.correction_reject={a.correction_reject} must be >= 1 (sequences outside [1/R, R] drop)")
+
+
+def check_distill(cfg: RunConfig) -> None:
+    """On-policy distillation: the teacher's weight mixes two advantages, so it is a share."""
+    a = cfg.algo
+    if not 0 <= a.teacher_weight <= 1:
+        raise UserError(
+            f"algo.teacher_weight={a.teacher_weight} must be in [0, 1] (1: distillation only, 0.5: half the task "
+            f"reward's advantage), e.g. --teacher-weight 1"
+        )
+    if a.teacher_weight != 1 and not a.teacher:
+        raise UserError("algo.teacher_weight is set without a teacher; pass --teacher MODEL (or drop --teacher-weight)")
+
+
+def teacher_vocab_problem(student: dict[str, int], teacher: dict[str, int], model: str, name: str) -> str | None:
+    """The one line refusing a teacher whose tokenizer maps tokens to other ids than the student's (token ->
+    id, added tokens included): it would score the student's ids as other tokens."""
+    if student == teacher:
+        return None
+    odd = sorted(set(student.items()) ^ set(teacher.items()), key=lambda kv: kv[1])
+    first = f"; first difference: token {odd[0][0]!r}" if odd else ""
+    return (
+        f"--teacher {name} has a different vocabulary from --model {model} ({len(teacher)} vs {len(student)} "
+        f"tokens{first}); the teacher scores the student's token ids: pick a teacher with the student's tokenizer"
+    )
 
 
 def check_dapo(cfg: RunConfig) -> None:

@@ -199,6 +199,11 @@ class AlgoConfig:
     dynamic_sampling: bool = False
     dynamic_max_rounds: int = 10  # rounds of rollout per step, the first included (verl's max_num_gen_batches)
     correction_reject: float | None = None  # R >= 1: drop sequences whose geometric-mean ratio is outside [1/R, R]
+    # on-policy distillation (rlctl.algos.distill, docs/distill.md): a frozen teacher (HF directory, catalog name
+    # or hub id, with the student's tokenizer) scores the sampled tokens; advantage = teacher_weight * (teacher -
+    # student log-prob) + (1 - teacher_weight) * the task reward's advantage
+    teacher: str | None = None
+    teacher_weight: float = 1.0
 
 
 @dataclass

@@ -239,6 +239,11 @@ def _rl_models_and_engine(gpu: GpuSpec, s: MemorySettings) -> list[str]:
             f"reference model: {s.dtype} weights sharded like the policy"
             + (", on the CPU" if s.idle_weights_offloaded else "")
         )
+    if s.teacher_params:
+        out.append(
+            f"teacher model (distillation): {s.teacher_params / 1e9:.2f}B frozen parameters in {s.dtype}, sharded like "
+            f"the policy" + (", on the CPU while idle" if s.idle_weights_offloaded else "")
+        )
     if s.has_critic:
         out.append(
             "critic: the policy's body with a value head, trained after the actor (its own activations are "

@@ -100,7 +100,14 @@ def host_phases(
                 else cb * (math.ceil(stage.dense_params / s.tp) + math.ceil(stage.expert_params / s.ep))
             )
         critic = math.ceil(critic_ratio * (sum(whole.values()) + sum(between.values()))) if s.has_critic else 0
-        common = {**whole, "reference_model": reference, "critic": critic, "processes": HOST_PROCESS_BYTES}
+        teacher = s.teacher_bytes if s.idle_weights_offloaded else 0
+        common = {
+            **whole,
+            "reference_model": reference,
+            "teacher_model": teacher,
+            "critic": critic,
+            "processes": HOST_PROCESS_BYTES,
+        }
         phases["training"].append(dict(common))
         phases["rollout"].append({**common, **{key: common.get(key, 0) + v for key, v in between.items()}})
         if s.backend == "fsdp":

@@ -156,7 +156,8 @@ def _frozen_models(s: MemorySettings, stage, states: dict, critic_ratio: float) 
             critic_ratio
             * ((0 if weights_off else states["weights"]) + (0 if optimizer_off else states["optimizer_states"]))
         )
-    return {"reference_model": reference, "reward_model": 0, "critic": idle_critic}  # (reward model: _stage_phases)
+    teacher = 0 if weights_off else s.teacher_bytes  # distillation: the teacher's own size, placed like the reference
+    return {"reference_model": reference, "teacher_model": teacher, "reward_model": 0, "critic": idle_critic}
 
 
 def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> MemoryEstimate:

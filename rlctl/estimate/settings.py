@@ -5,6 +5,7 @@ No torch import: the CLI estimates in milliseconds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -92,6 +93,7 @@ class MemorySettings:
     loss_chunk: int = 0  # tokens per chunk of the loss (0 = one unfused loss over the micro batch)
     reward_model: bool = False  # PPO/GRPO: a frozen reward model on the training GPUs
     reward_model_dtype: str = "fp32"  # reward.model_dtype: every rank holds a whole replica in it
+    teacher_params: int = 0  # on-policy distillation: the frozen teacher's parameters, held like the reference
     # vision-language models (text models ignore these)
     images: int = 1  # images per sample (in the prompt)
     image_pixels: int = 0  # pixels of each image after the processor (0 = its max_pixels: the most an image costs)
@@ -121,6 +123,18 @@ class MemorySettings:
         """A frozen reference model beside the trained one: RL with a KL term or dpo's per-step reference
         (``kl``); with LoRA the base with adapters off is the reference, no copy."""
         return self.kl and (self.is_rl or self.method == "dpo") and not self.lora_rank
+
+    @property
+    def teacher_bytes(self) -> int:
+        """The distillation teacher's weights on one GPU (or, offloaded, in host memory per process): a frozen
+        engine built like the reference, in the compute dtype, sharded like the policy (any LoRA)."""
+        if not self.is_rl or not self.teacher_params:
+            return 0
+        return math.ceil(
+            self.compute_bytes
+            * self.teacher_params
+            / (self.fsdp_shards if self.backend == "fsdp" else self.tp * self.pp)
+        )
 
     @property
     def scalar_head(self) -> bool:

@@ -352,6 +352,13 @@ def reference_kept(cfg: RunConfig) -> bool:
     return cfg.method in RL_METHODS and (cfg.algo.kl_coef > 0 or cfg.algo.kl_target > 0)
 
 
+def teacher_params(cfg: RunConfig) -> int:
+    """The parameters of the distillation teacher (``algo.teacher``), 0 without one."""
+    if not cfg.algo.teacher or cfg.method not in RL_METHODS:
+        return 0
+    return count_params(resolve_model(cfg.algo.teacher))
+
+
 def settings_for(job: Job, **kw) -> MemorySettings:
     """The memory settings of the job, with ``kw`` (the search's choices) on top."""
     c = job.cfg
@@ -379,6 +386,7 @@ def settings_for(job: Job, **kw) -> MemorySettings:
         micro_batch_tokens=c.train.max_tokens_per_micro_batch,
         reward_model=bool(c.reward.model) and c.method in RL_METHODS,
         reward_model_dtype={"bfloat16": "bf16", "float16": "fp16"}.get(c.reward.model_dtype, "fp32"),
+        teacher_params=teacher_params(c),
         # the FSDP engine's savers: as configured; None starts from the engine's default (the search may pick)
         selective_checkpointing=c.parallel.selective_checkpointing is True,
         offload_activations=c.parallel.offload_activations is True,

@@ -91,3 +91,21 @@ def test_tool_ppo_hf(agent_model_dir, tmp_path):
     assert res.returncode == 0, failure(res, run)
     records = _check(run, 2)
     assert all("critic/value_loss" in r for r in records)
+
+
+def test_tool_grpo_with_a_teacher_scores_the_multi_turn_rows(agent_model_dir, tmp_path):
+    """On-policy distillation in a tool-using run: the teacher (here a copy of the student, so the gap must be 0)
+    scores the same multi-turn rows as the trainer, tool results as context: its mean log-prob gap over the
+    sampled tokens is 0 within fp32 noise, and the tools really ran."""
+    import shutil
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(agent_model_dir, teacher)
+    run = tmp_path / "run"
+    res = run_cli(
+        "grpo",
+        *_args(agent_model_dir, tmp_path, run, 1, "--rollout", "hf", "--max-steps", "2", "--teacher", str(teacher)),
+    )
+    assert res.returncode == 0, failure(res, run)
+    records = _check(run, 2)
+    assert all(abs(r["distill/reverse_kl"]) < 1e-4 for r in records), [r["distill/reverse_kl"] for r in records]

@@ -27,6 +27,7 @@ from rlctl.recipes.rl.sampling import Sampling
 from rlctl.recipes.rl.scoring import RewardScorer
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.recipes.rl.stream import PromptStream
+from rlctl.recipes.rl.teacher import Teacher
 from rlctl.recipes.rl.update import single_step, update_actor, update_critic
 from rlctl.rewards import needs_answer
 from rlctl.rollout import RolloutSpec
@@ -108,6 +109,8 @@ class RLTrainer:
         spec = EngineSpec.from_config(cfg)
         self.actor = build_engine(spec, role="actor", total_steps=optimizer_steps, source=self.source)
         self.ref = build_engine(spec, role="ref", trainable=False, source=self.source) if a.kl_coef > 0 else None
+        # on-policy distillation (algo.teacher): a frozen teacher placed like the reference (rl.teacher)
+        self.teacher = Teacher.for_run(cfg, spec, self.tokenizer)
         critic_spec = spec.replace(optimizer=spec.optimizer.replace(lr=a.critic_lr))
         self.critic = (
             build_engine(critic_spec, role="critic", total_steps=optimizer_steps, source=self.source)
@@ -183,7 +186,7 @@ class RLTrainer:
     def old_logprobs(self, batch: RolloutBatch) -> Metrics:
         """The actor's log-probs before the update; compared with the rollout engine's. Skipped when the
         batch gets one optimizer step and no KL term reads them: the update's own forward gives them."""
-        if self.ref is None and single_step(batch, self.algo) and self.logprobs_checked:
+        if self.ref is None and self.teacher is None and single_step(batch, self.algo) and self.logprobs_checked:
             batch.old_logp = None
             return {}
         m: Metrics = {}
@@ -262,6 +265,8 @@ class RLTrainer:
         coef = self.kl_ctl.value if a.kl_in_reward and kl is not None else 0.0
         rewards = token_rewards(batch, coef, kl)
         batch.advantages, batch.returns = compute_advantages(batch, a, rewards, self.dp_group)
+        if self.teacher is not None:  # distillation: the teacher-student log-prob gap, mixed with the task's
+            m.update(self.teacher.apply(batch, a.temperature, self.budget, self.pad_id, self.dp_group))
         if self.cfg.algo.overlong_filter:
             m.update(self.filter_overlong(batch))
         if coef:

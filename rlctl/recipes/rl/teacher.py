@@ -1,0 +1,53 @@
+"""The teacher of on-policy distillation (``algo.teacher``, :mod:`rlctl.algos.distill`, docs/distill.md): a
+frozen engine built like the reference model (the same spec, so the same placement: colocated with the
+actor, sharded the same way, offloaded when the plan offloads idle weights), loaded from the teacher's
+weights. It scores the student's samples and turns the step's advantages into the distillation ones."""
+
+from __future__ import annotations
+
+from rlctl.algos.distill import distill_gap, mix_advantages
+from rlctl.config import RunConfig
+from rlctl.config.algorithm import teacher_vocab_problem
+from rlctl.engines import EngineSpec, build_engine
+from rlctl.engines.base import TrainEngine, load_tokenizer, model_source
+from rlctl.errors import UserError
+from rlctl.recipes.rl.batch import RolloutBatch
+from rlctl.recipes.rl.metrics import Metrics, timed
+from rlctl.recipes.rl.passes import compute_logprobs
+from rlctl.runtime.dist import global_sums
+
+
+class Teacher:
+    """The frozen teacher engine and the weight of its advantage (``algo.teacher_weight``)."""
+
+    def __init__(self, engine: TrainEngine, weight: float):
+        self.engine, self.weight = engine, weight
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, spec: EngineSpec, student_tokenizer) -> Teacher | None:
+        """The run's teacher (None without ``algo.teacher``): the reference model's spec with the teacher's weights."""
+        name = cfg.algo.teacher
+        if not name:
+            return None
+        source = model_source(name)
+        problem = teacher_vocab_problem(
+            student_tokenizer.get_vocab(), load_tokenizer(source).get_vocab(), cfg.model.name, name
+        )
+        if problem:  # the same check as before launch, for a teacher only on the hub
+            raise UserError(problem)
+        engine = build_engine(spec.replace(model=name, random_init=False), role="ref", trainable=False, source=source)
+        return cls(engine, cfg.algo.teacher_weight)
+
+    def apply(self, batch: RolloutBatch, temperature: float, budget: int, pad_id: int, group) -> Metrics:
+        """The teacher's log-probs of the sampled tokens; ``batch.advantages`` (the task reward's) becomes the
+        weighted mix with the gap to the student's log-probs (``batch.old_logp``, taken before the update)."""
+        m: Metrics = {}
+        with timed(m, "time/teacher"):
+            teacher_logp, _ = compute_logprobs(
+                self.engine, batch, temperature=temperature, budget=budget, pad_id=pad_id
+            )
+        gap = distill_gap(teacher_logp, batch.old_logp, batch.mask)
+        batch.advantages = mix_advantages(batch.advantages, gap, batch.mask, self.weight)
+        s = global_sums({"gap": gap.sum(), "tok": batch.mask.sum()}, batch.mask.device, group)
+        m["distill/reverse_kl"] = -s["gap"] / max(1.0, s["tok"])  # mean log p_student - log p_teacher per token
+        return m

@@ -1,0 +1,229 @@
+"""On-policy distillation (``rlctl grpo --teacher``): the advantage is the teacher-minus-student log-prob of
+each sampled token, checked against plain transformers forwards of both models; a tiny student run under
+torchrun lowers its reverse KL to the teacher on held-out prompts; a teacher with another vocabulary is
+refused before launch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.cli import run_cli
+from tests.support.rl import arith_rows, error_line, failure, rl_args, train_records
+from tests.support.sft import write_jsonl
+
+
+def sharp_teacher(student_dir: Path, out: Path, *, seed: int = 1, steps: int = 40) -> Path:
+    """A tiny teacher with the student's tokenizer: another random init (``seed``) trained ``steps`` full-batch
+    Adam steps (plain torch) to answer the arithmetic prompts "The answer is N.", so its next-token
+    distribution is peaked where the random student's is near uniform."""
+    from transformers import AutoTokenizer
+
+    from rlctl.testing import save_tiny_model
+
+    tok = AutoTokenizer.from_pretrained(str(student_dir))
+    model = save_tiny_model(out, tok, seed=seed)
+    rows = arith_rows(32, seed=seed)
+    chats = [
+        [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": f"The answer is {r['answer']}."}]
+        for r in rows
+    ]
+    batch = tok.apply_chat_template(chats, return_tensors="pt", padding=True, return_dict=True)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    torch.manual_seed(seed)
+    model.train()
+    for _ in range(steps):
+        loss = model(**batch, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def plain_logp(model_dir: Path, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        logits = model.eval()(input_ids=torch.tensor([prompt + response])).logits[0] / temperature
+    sel = logits[len(prompt) - 1 : len(prompt) + len(response) - 1]
+    return sel.log_softmax(-1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+def test_distill_advantage_is_teacher_minus_student_logp_of_plain_forwards(tiny_model_dir, tmp_path, process_group):
+    """The trainer's path (the actor's log-probs, the teacher engine, the mix) against plain HF forwards of the
+    two models; tokens with mask 0 (a tool turn in the middle of a row) get 0; weight 0.25 mixes in the task's."""
+    from rlctl.config import build_config, dotted_to_nested
+    from rlctl.engines.fsdp import FSDPEngine
+    from rlctl.recipes.rl.batch import RolloutBatch
+    from rlctl.recipes.rl.passes import compute_logprobs
+    from rlctl.recipes.rl.teacher import Teacher
+    from tests.support.sft import cpu_spec
+
+    teacher_dir = sharp_teacher(tiny_model_dir, tmp_path / "teacher")
+    prompts = [[5, 9, 33, 2], [7, 8, 100]]
+    responses = [[40, 41, 42, 43, 44], [50, 51, 52]]
+    masks = [[1, 1, 0, 0, 1], [1, 1, 1]]  # row 0: tokens 2-3 are a tool's (context, no loss)
+    b = RolloutBatch.build(
+        prompts,
+        responses,
+        [[0.0] * len(r) for r in responses],
+        [0, 1],
+        n=1,
+        batch_size=2,
+        mini_batch_size=0,
+        width=6,
+        loss_masks=masks,
+    )
+    task = torch.randn(2, 6, generator=torch.Generator().manual_seed(0)) * b.mask
+    for weight in (1.0, 0.25):
+        cfg = build_config(
+            "grpo",
+            [
+                dotted_to_nested(
+                    {
+                        "model.name": str(tiny_model_dir),
+                        "model.attn": "sdpa",
+                        "model.dtype": "fp32",
+                        "algo.teacher": str(teacher_dir),
+                        "algo.teacher_weight": weight,
+                    }
+                )
+            ],
+        )
+        spec = cpu_spec(cfg)
+        from transformers import AutoTokenizer
+
+        teacher = Teacher.for_run(cfg, spec, AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+        student = FSDPEngine(spec, role="ref", trainable=False)
+        b.old_logp, _ = compute_logprobs(student, b, temperature=0.7, budget=64, pad_id=0)
+        b.advantages = task.clone()
+        m = teacher.apply(b, 0.7, 64, 0, None)
+        gaps = []
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            gap = plain_logp(teacher_dir, p, r, 0.7) - plain_logp(tiny_model_dir, p, r, 0.7)
+            mask = torch.tensor(masks[i], dtype=torch.float32)
+            want = (weight * gap + (1 - weight) * task[i, : len(r)]) * mask
+            assert torch.allclose(b.advantages[i, : len(r)], want, atol=1e-5), (weight, i)
+            assert b.advantages[i, len(r) :].abs().sum() == 0
+            gaps.append(gap[mask > 0])
+        assert m["distill/reverse_kl"] == pytest.approx(-torch.cat(gaps).mean().item(), abs=1e-5)
+        assert abs(m["distill/reverse_kl"]) > 0.1  # the two models do differ
+
+
+def reverse_kl(student_dir: Path, teacher_dir: Path, prompts: list[str], *, samples: int = 4) -> float:
+    """Mean per-token KL(student || teacher) over the whole vocabulary, along responses the student samples
+    (temperature 1, 12 tokens) to ``prompts`` (plain transformers; the same seed before and after)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(student_dir))
+    s = AutoModelForCausalLM.from_pretrained(str(student_dir), dtype=torch.float32).eval()
+    t = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    total, count = 0.0, 0
+    for text in prompts:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        with torch.no_grad():
+            out = s.generate(
+                ids.repeat(samples, 1),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=12,
+                pad_token_id=tok.pad_token_id,
+            )
+            n = ids.shape[1]
+            ls = s(out).logits[:, n - 1 : -1].log_softmax(-1)
+            lt = t(out).logits[:, n - 1 : -1].log_softmax(-1)
+        kl = (ls.exp() * (ls - lt)).sum(-1)  # [samples, 12]
+        sampled = out[:, n:] != tok.pad_token_id
+        total += float((kl * sampled).sum())
+        count += int(sampled.sum())
+    return total / count
+
+
+@pytest.mark.slow
+def test_distill_run_lowers_reverse_kl_to_the_teacher_on_held_out_prompts(tmp_path):
+    """A random student (a 128-token vocabulary, so that its samples reach the teacher's likely tokens within a
+    few steps) distills a teacher trained to answer the prompts; 2 processes under torchrun."""
+    from rlctl.testing import build_tiny_model
+
+    student = build_tiny_model(tmp_path / "student", vocab_size=128)
+    teacher = sharp_teacher(student, tmp_path / "teacher")
+    data = write_jsonl(tmp_path / "data.jsonl", arith_rows(16))
+    run = tmp_path / "run"
+    args = rl_args(student, data, run, "--rollout", "hf", "--max-steps", "16", "--teacher", str(teacher))
+    args[args.index("--lr") + 1] = "3e-3"
+    res = run_cli("grpo", *args, "--set", "train.seed=3")
+    assert res.returncode == 0, failure(res, run)
+    records = train_records(run)
+    held_out = [r["prompt"] for r in arith_rows(6, seed=7)]
+    before = reverse_kl(student, teacher, held_out)
+    after = reverse_kl(run / "hf", teacher, held_out)
+    kls = [round(r["distill/reverse_kl"], 3) for r in records]
+    print(f"reverse KL to the teacher on held-out prompts: before {before:.3f}, after {after:.3f}; per step {kls}")
+    assert after < 0.8 * before, (before, after, kls)
+    assert kls[-1] < kls[0]
+
+
+def test_teacher_with_another_vocabulary_is_refused_before_launch(tiny_model_dir, tmp_path):
+    """A teacher whose tokenizer has other tokens: one line naming both models, before torchrun starts."""
+    from rlctl.testing import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", vocab_size=300)
+    data = write_jsonl(tmp_path / "data.jsonl", arith_rows(4))
+    run = tmp_path / "run"
+    res = run_cli("grpo", *rl_args(tiny_model_dir, data, run, "--teacher", str(other)))
+    assert res.returncode != 0
+    line = error_line(res)
+    assert f"--teacher {other} has a different vocabulary from --model {tiny_model_dir}" in line, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and not (run / "metrics.jsonl").exists()
+    dry = run_cli("grpo", *rl_args(tiny_model_dir, data, run, "--teacher", str(other), "--dry-run"))
+    assert dry.returncode != 0 and "has a different vocabulary from --model" in error_line(dry), dry.stderr[-2000:]
+
+
+def test_teacher_weight_out_of_range_is_refused(tiny_model_dir, tmp_path):
+    data = write_jsonl(tmp_path / "data.jsonl", arith_rows(4))
+    same = tmp_path / "same"
+    shutil.copytree(tiny_model_dir, same)
+    res = run_cli(
+        "grpo", *rl_args(tiny_model_dir, data, tmp_path / "run", "--teacher", str(same), "--teacher-weight", "1.5")
+    )
+    assert res.returncode != 0 and "algo.teacher_weight=1.5 must be in [0, 1]" in error_line(res), res.stderr[-2000:]
+
+
+def test_estimate_counts_the_teacher_like_a_reference_in_the_models_dtype():
+    from rlctl.catalog import count_params, resolve_model
+
+    def teacher_bytes(*extra: str) -> dict:
+        res = run_cli(
+            "estimate",
+            "memory",
+            "--model",
+            "Qwen2.5-0.5B",
+            "--method",
+            "grpo",
+            "--gpus",
+            "8",
+            "--gpu",
+            "H100",
+            "--json",
+            *extra,
+        )
+        assert res.returncode == 0, res.stderr[-2000:]
+        return json.loads(res.stdout)
+
+    base, distill = teacher_bytes(), teacher_bytes("--teacher", "Qwen2.5-7B")
+    parts = distill["phases"]["training"]["components"]
+    want = 2 * count_params(resolve_model("Qwen2.5-7B")) // 8  # bf16, sharded over 8 GPUs like the reference
+    assert abs(parts["teacher_model"] - want) <= 8
+    assert base["phases"]["training"]["components"].get("teacher_model", 0) == 0
