@@ -273,7 +273,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.run:
         run_commands(args.results, args.results.parent / ".bench-work")
-    docs = [json.loads(p.read_text()) for p in sorted(args.results.glob("*.json"))]
+    # the `rlctl bench` envelopes (they carry a "kind"); the scripts' own results (dapo_vs_grpo, dpo_vs_trl,
+    # offpolicy_vs_sync...) are rendered by hand in the page's hand-written part, with their commands
+    docs = [d for p in sorted(args.results.glob("*.json")) if "kind" in (d := json.loads(p.read_text()))]
     existing = args.out.read_text() if args.out.is_file() else None
     args.out.write_text(render_page(docs, existing))
     print(f"wrote {args.out} from {len(docs)} result(s)", file=sys.stderr)
