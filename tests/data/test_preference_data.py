@@ -155,3 +155,43 @@ def test_the_score_is_read_at_the_last_token_that_is_not_padding():
 
     assert score_position(np.array([5, 6, 7]), pad_id=0) == 2
     assert score_position(np.array([5, 6, 0, 0]), pad_id=0) == 1
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_a_pairs_shared_prompt_gives_the_log_probs_of_the_unshared_packing(
+    dense, tiny_model_dir, tmp_path, process_group
+):
+    """``share_prompt``: each pair's prompt once in the packed row (its chosen and rejected responses both attend
+    to it). Every sequence's summed log-prob equals the old packing's (each sequence whole, per-document
+    attention) and a plain forward of it alone, on both of the engine's paths: one masked sdpa call (short
+    rows on CPU) and the per-block calls; the row is shorter by each pair's prompt."""
+    from transformers import AutoTokenizer
+
+    from rlctl.data.pref_batches import shared_prompt, unit_micro_batches
+    from rlctl.engines import varlen
+    from rlctl.engines.fsdp import FSDPEngine
+    from rlctl.recipes.dpo import sequence_logps
+    from tests.support.sft import cpu_spec
+
+    cfg = _cfg(tiny_model_dir, write_jsonl(tmp_path / "p.jsonl", format_pairs(3)), **{"model.attn": "sdpa"})
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    units = build_pref_data(cfg, tok, paired=True, loss="x").train
+    engine = FSDPEngine(cpu_spec(cfg), role="ref", trainable=False)
+
+    def logps(share: bool) -> tuple[list[float], int]:
+        (mb,) = unit_micro_batches(
+            units, 0, 1, packing=True, budget=4096, pad_id=tok.pad_token_id, per_micro=3, share_prompt=share
+        )
+        (out,) = engine.forward_backward([mb], lambda o, m: (None, sequence_logps(o, m)), forward_only=True)
+        return out.tolist(), mb.input_ids.shape[1]
+
+    old, old_len = logps(False)
+    saved = varlen.DENSE_MAX_LEN
+    varlen.DENSE_MAX_LEN = 10**6 if dense else 0
+    try:
+        new, new_len = logps(True)
+    finally:
+        varlen.DENSE_MAX_LEN = saved
+    prompts = [shared_prompt(u.seqs) for u in units]
+    assert all(p > 0 for p in prompts) and new_len == old_len - sum(prompts)
+    assert new == pytest.approx(old, abs=1e-4)
