@@ -10,9 +10,9 @@ log-probs precomputed before training on both sides (rlctl's default; TRL's ``pr
 TRL in its conversational layout so that both render the same chat template. Two settings: the short task
 (sequences of ~40 tokens, ~26 of them the prompt: fixed costs and the prompt weigh most) and ``--long``
 (each response opens with ~250 tokens of worked sums, different in the chosen and the rejected one: the
-model's matmuls dominate, and the prompt is a tenth of a sequence); ``--max-len`` 128 and 512 on both sides.
-The runs alternate (rlctl, TRL,
-then TRL, rlctl, ...) so that a change in the machine's load hits both alike.
+model's matmuls dominate, and the prompt is a twentieth of a pair's tokens); ``--max-len`` 128 and 512 on
+both sides. The runs alternate (rlctl, TRL, then TRL, rlctl, ...) so that a change in the machine's load hits
+both alike.
 
 Measured, per side and round: tokens per CPU second of the training steps, the steadier figure on a shared
 machine. Each side runs twice, ``--steps`` and ``--short`` optimizer steps on the same data (the same start-up,

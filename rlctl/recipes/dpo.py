@@ -2,7 +2,9 @@
 
 The loss is ``pref.loss``, looked up in :mod:`rlctl.algos.preference` (sigmoid = DPO, ipo, hinge, robust,
 simpo, orpo, kto, or a plugin's). A pair's chosen and rejected sequences sit in one micro-batch (packed in one
-row, each attending only to itself); a sequence's log-prob is the sum of its response tokens' log-probs.
+row, each attending only to itself, their common prompt held once where the engine runs shared-prefix blocks:
+:func:`rlctl.data.pref_batches.collate_shared`); a sequence's log-prob is the sum of its response tokens'
+log-probs.
 
 The reference (for a loss that has one):
 

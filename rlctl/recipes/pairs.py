@@ -1,12 +1,12 @@
 """What `rlctl dpo` and `rlctl rm` share: a step over whole preference units (pairs, or KTO's rows).
 
-The step's global batch (``train.batch_size`` units, fixed by the step number alone: :class:`StepSampler`)
-is cut into micro-batches of whole units (a pair's chosen and rejected in the same one, packed in one row
-with per-document attention: :func:`rlctl.data.pref_batches.unit_micro_batches`) and dealt over the
-data-parallel replicas. A unit's loss is divided by the global number of units, so the update is the mean
-over the batch for any number of processes or micro-batches. Each micro-batch's loss function returns, beside
-its share of the loss, a vector of SUMS (the metrics' numerators), added over micro-batches and replicas and
-divided by the method's counts: the logged metrics are the whole batch's. The loop around the steps is
+The step's global batch (``train.batch_size`` units, fixed by the step number alone: :class:`StepSampler`) is
+cut into micro-batches of whole units (a pair's chosen and rejected in the same one, packed in one row with
+per-document attention, dpo's with the pair's prompt once: :func:`rlctl.data.pref_batches.unit_micro_batches`) and
+dealt over the data-parallel replicas. A unit's loss is divided by the global number of units, so the update is
+the mean over the batch for any number of processes or micro-batches. Each micro-batch's loss function returns,
+beside its share of the loss, a vector of SUMS (the metrics' numerators), added over micro-batches and replicas
+and divided by the method's counts: the logged metrics are the whole batch's. The loop around the steps is
 :func:`rlctl.runtime.fit.fit`, as for sft.
 """
 
