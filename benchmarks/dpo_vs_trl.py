@@ -1,14 +1,18 @@
 """Trained tokens per second: `rlctl dpo` against TRL's DPOTrainer, on this CPU, interleaved.
 
-    python benchmarks/dpo_vs_trl.py [--rounds 3] [--steps 12] [--batch-size 16] [--json OUT]
+    python benchmarks/dpo_vs_trl.py [--rounds 3] [--steps 12] [--batch-size 16] [--long] [--json OUT]
 
 Both train the same random Qwen2 (rlctl.testing.build_tiny_model with 4 layers of width 512, ~13M
 parameters) on the same preference pairs (the answer-format task of docs/dpo.md: the chosen answer has the
 ``#### N`` line the rejected one lacks), in fp32, one process with one thread each, the sigmoid loss with
 beta 0.1, the same learning rate and batch (``--batch-size`` pairs per optimizer step), the reference's
 log-probs precomputed before training on both sides (rlctl's default; TRL's ``precompute_ref_log_probs=True``),
-TRL in its conversational layout so that both render the same chat template. The runs alternate (rlctl, TRL,
-then TRL, rlctl, ...) so that a change in the machine's load hits both alike.
+TRL in its conversational layout so that both render the same chat template. Two settings: the short task
+(sequences of ~40 tokens, ~26 of them the prompt: fixed costs and the prompt weigh most) and ``--long``
+(each response opens with ~250 tokens of worked sums, different in the chosen and the rejected one: the
+model's matmuls dominate, and the prompt is a twentieth of a pair's tokens); ``--max-len`` 128 and 512 on
+both sides. The runs alternate (rlctl, TRL, then TRL, rlctl, ...) so that a change in the machine's load hits
+both alike.
 
 Measured, per side and round: tokens per CPU second of the training steps, the steadier figure on a shared
 machine. Each side runs twice, ``--steps`` and ``--short`` optimizer steps on the same data (the same start-up,
@@ -39,20 +43,42 @@ WARMUP = 2  # steps before the measured window (first-step allocations, lazy imp
 MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
 
 
-def pairs(n: int, seed: int = 0) -> list[dict]:
+LONG_TERMS = 35  # "a + b" terms of worked sums before a --long answer: ~250 tokens of this tokenizer
+
+
+def pairs(n: int, seed: int = 0, *, long: bool = False) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         a, b = rng.randrange(0, 100, 3), rng.randrange(0, 100, 7)
         s = a + b
+        work = [
+            "Working: " + " ".join(f"{rng.randrange(100)} + {rng.randrange(100)}" for _ in range(LONG_TERMS)) + ". "
+            if long
+            else ""
+            for _ in range(2)
+        ]
         rows.append(
             {
                 "prompt": f"What is {a} + {b}?",
-                "chosen": f"The answer is {s}. #### {s}",
-                "rejected": f"The answer is {s}.",
+                "chosen": f"{work[0]}The answer is {s}. #### {s}",
+                "rejected": f"{work[1]}The answer is {s}.",
             }
         )
     return rows
+
+
+def matmul_gflops(m: int = 1024, k: int = 512, n: int = 1408, reps: int = 20) -> float:
+    """This process's fp32 matmul throughput on one thread, GFLOP per CPU second (a shape of the model's MLP)."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    a @ b
+    start = time.process_time()
+    for _ in range(reps):
+        a @ b
+    return 2 * m * k * n * reps / (time.process_time() - start) / 1e9
 
 
 def env() -> dict:
@@ -72,10 +98,11 @@ def cpu_seconds(cmd: list[str]) -> float:
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def rlctl_run(model: Path, data: Path, work: Path, steps: int, batch: int) -> tuple[float, list[float], list[int]]:
+def rlctl_run(model: Path, data: Path, work: Path, steps: int, batch: int, max_len: int) -> tuple:
     run = work / f"rlctl-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "rlctl", "dpo", "--model", str(model), "--data", str(data), "--device", "cpu",
-           "--nproc", "1", "--batch-size", str(batch), "--max-len", "128", "--max-steps", str(steps), "--lr", "1e-4",
+           "--nproc", "1", "--batch-size", str(batch), "--max-len", str(max_len), "--max-steps", str(steps),
+           "--lr", "1e-4",
            "-o", str(run), "--set", "checkpoint.export_hf=false", "--set", "checkpoint.save_every=0"]  # fmt: skip
     cpu = cpu_seconds(cmd)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -83,10 +110,20 @@ def rlctl_run(model: Path, data: Path, work: Path, steps: int, batch: int) -> tu
     return cpu, [r["time"] for r in steps_], [r["tokens"] for r in steps_]
 
 
-def trl_run(model: Path, data: Path, work: Path, steps: int, batch: int) -> tuple[float, list[float], list[int]]:
+def trl_run(model: Path, data: Path, work: Path, steps: int, batch: int, max_len: int) -> tuple:
     out = work / f"trl-{time.monotonic_ns()}.json"
     cpu = cpu_seconds(
-        [sys.executable, __file__, "--trl-worker", str(model), str(data), str(steps), str(batch), str(out)]
+        [
+            sys.executable,
+            __file__,
+            "--trl-worker",
+            str(model),
+            str(data),
+            str(steps),
+            str(batch),
+            str(out),
+            str(max_len),
+        ]
     )
     doc = json.loads(out.read_text())
     return cpu, doc["stamps"], doc["tokens"]
@@ -94,16 +131,17 @@ def trl_run(model: Path, data: Path, work: Path, steps: int, batch: int) -> tupl
 
 def measure(run, model: Path, data: Path, work: Path, a) -> dict:
     """Both runs of one side: tokens per marginal CPU second, and the long run's tokens per wall second."""
-    cpu_long, stamps, tokens = run(model, data, work, a.steps, a.batch_size)
-    cpu_short, _, tokens_short = run(model, data, work, a.short, a.batch_size)
+    cpu_long, stamps, tokens = run(model, data, work, a.steps, a.batch_size, a.max_len)
+    cpu_short, _, tokens_short = run(model, data, work, a.short, a.batch_size, a.max_len)
     return {
         "tokens_per_cpu_s": (sum(tokens) - sum(tokens_short)) / (cpu_long - cpu_short),
         "tokens_per_s": window(stamps, tokens),
         "load": os.getloadavg()[0],
+        "matmul_gflops": matmul_gflops(),
     }
 
 
-def trl_worker(model_dir: str, data: str, steps: str, batch: str, out: str) -> None:
+def trl_worker(model_dir: str, data: str, steps: str, batch: str, out: str, max_len: str) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -125,7 +163,7 @@ def trl_worker(model_dir: str, data: str, steps: str, batch: str, out: str) -> N
 
     args = DPOConfig(
         output_dir=str(Path(out).parent / "trl-out"), per_device_train_batch_size=int(batch), max_steps=int(steps),
-        learning_rate=1e-4, logging_steps=1, report_to=[], use_cpu=True, max_length=128, bf16=False,
+        learning_rate=1e-4, logging_steps=1, report_to=[], use_cpu=True, max_length=int(max_len), bf16=False,
         save_strategy="no", beta=0.1, precompute_ref_log_probs=True, dataloader_num_workers=0,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -145,14 +183,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--short", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--long", action="store_true", help="~250-token responses (compute dominates)")
     p.add_argument("--json", default="")
     a = p.parse_args()
+    a.max_len = 512 if a.long else 128
     from rlctl.testing import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="dpo-vs-trl-"))
     model = build_tiny_model(work / "model", seed=0, **MODEL)
     data = work / "pairs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in pairs(a.steps * a.batch_size)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in pairs(a.steps * a.batch_size, long=a.long)))
     runs: dict[str, list[dict]] = {"rlctl": [], "trl": []}
     sides = {"rlctl": rlctl_run, "trl": trl_run}
     for k in range(a.rounds):
@@ -161,7 +201,7 @@ def main() -> None:
             runs[side].append(m)
             print(
                 f"round {k + 1} {side}: {m['tokens_per_cpu_s']:,.0f} tokens per CPU s, {m['tokens_per_s']:,.0f} "
-                f"tokens/s (load average {m['load']:.2f})",
+                f"tokens/s (load average {m['load']:.2f}, matmul {m['matmul_gflops']:.1f} GFLOP per CPU s)",
                 flush=True,
             )
     med = {
@@ -178,6 +218,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--trl-worker":
-        trl_worker(*sys.argv[2:7])
+        trl_worker(*sys.argv[2:8])
     else:
         main()

@@ -2,7 +2,9 @@
 
 The loss is ``pref.loss``, looked up in :mod:`rlctl.algos.preference` (sigmoid = DPO, ipo, hinge, robust,
 simpo, orpo, kto, or a plugin's). A pair's chosen and rejected sequences sit in one micro-batch (packed in one
-row, each attending only to itself); a sequence's log-prob is the sum of its response tokens' log-probs.
+row, each attending only to itself, their common prompt held once where the engine runs shared-prefix blocks:
+:func:`rlctl.data.pref_batches.collate_shared`); a sequence's log-prob is the sum of its response tokens'
+log-probs.
 
 The reference (for a loss that has one):
 
@@ -94,7 +96,8 @@ class Reference:
         out = torch.zeros(len(units), width, dtype=torch.float64, device=self.engine.device)
         bs = self.cfg.train.batch_size
         for k in range(0, len(units), bs):
-            micro = micro_batches(self.cfg, [Unit(_seqs(u)) for u in units[k : k + bs]], self.engine, self.pad_id)
+            units_k = [Unit(_seqs(u)) for u in units[k : k + bs]]
+            micro = micro_batches(self.cfg, units_k, self.engine, self.pad_id, share_prompt=True)
             for mb, logps in zip(micro, self.forward(micro)):
                 if isinstance(mb, UnitMicroBatch):
                     out[[k + i for i in mb.units]] = logps.view(len(mb.units), -1).double()
@@ -121,6 +124,7 @@ class DPOTrainer(UnitTrainer):
         "chosen_rows",
         "rejected_rows",
     )
+    SHARE_PROMPT = True  # a pair's prompt computed once (rlctl.data.pref_batches.collate_shared)
 
     def __init__(
         self, ctx: RunContext, engine: TrainEngine, data: PrefData, loss: PrefLoss, *, pad_id: int,

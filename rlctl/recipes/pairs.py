@@ -1,12 +1,12 @@
 """What `rlctl dpo` and `rlctl rm` share: a step over whole preference units (pairs, or KTO's rows).
 
-The step's global batch (``train.batch_size`` units, fixed by the step number alone: :class:`StepSampler`)
-is cut into micro-batches of whole units (a pair's chosen and rejected in the same one, packed in one row
-with per-document attention: :func:`rlctl.data.pref_batches.unit_micro_batches`) and dealt over the
-data-parallel replicas. A unit's loss is divided by the global number of units, so the update is the mean
-over the batch for any number of processes or micro-batches. Each micro-batch's loss function returns, beside
-its share of the loss, a vector of SUMS (the metrics' numerators), added over micro-batches and replicas and
-divided by the method's counts: the logged metrics are the whole batch's. The loop around the steps is
+The step's global batch (``train.batch_size`` units, fixed by the step number alone: :class:`StepSampler`) is
+cut into micro-batches of whole units (a pair's chosen and rejected in the same one, packed in one row with
+per-document attention, dpo's with the pair's prompt once: :func:`rlctl.data.pref_batches.unit_micro_batches`) and
+dealt over the data-parallel replicas. A unit's loss is divided by the global number of units, so the update is
+the mean over the batch for any number of processes or micro-batches. Each micro-batch's loss function returns,
+beside its share of the loss, a vector of SUMS (the metrics' numerators), added over micro-batches and replicas
+and divided by the method's counts: the logged metrics are the whole batch's. The loop around the steps is
 :func:`rlctl.runtime.fit.fit`, as for sft.
 """
 
@@ -25,12 +25,13 @@ from rlctl.runtime.dist import all_reduce_sum
 from rlctl.runtime.entry import RunContext
 
 
-def micro_batches(cfg, units: list[Unit], engine: TrainEngine, pad_id: int) -> list:
+def micro_batches(cfg, units: list[Unit], engine: TrainEngine, pad_id: int, *, share_prompt: bool = False) -> list:
     """This replica's micro-batches of ``units`` (whole units each; packed, at most
-    :func:`rlctl.config.algorithm.pair_budget` tokens), on the engine's device."""
+    :func:`rlctl.config.algorithm.pair_budget` tokens), on the engine's device; ``share_prompt``: a unit's
+    prompt once, where the engine runs shared-prefix blocks (:func:`rlctl.data.pref_batches.collate_shared`)."""
     micro = unit_micro_batches(
         units, engine.dp_rank, engine.dp_size, packing=cfg.data.packing, budget=pair_budget(cfg), pad_id=pad_id,
-        per_micro=cfg.train.micro_batch_size or 1,
+        per_micro=cfg.train.micro_batch_size or 1, share_prompt=share_prompt and engine.shares_prefix,
     )  # fmt: skip
     return [mb.to(engine.device) for mb in micro]
 
@@ -40,6 +41,7 @@ class UnitTrainer:
     share of the loss and its sums, named by :attr:`SUMS`) and :meth:`metrics` (the record from the sums)."""
 
     SUMS: tuple[str, ...] = ()
+    SHARE_PROMPT = False  # a unit's sequences hold their common prompt once (micro_batches)
 
     def __init__(self, ctx: RunContext, engine: TrainEngine, data: PrefData, *, pad_id: int):
         cfg = ctx.cfg
@@ -63,7 +65,7 @@ class UnitTrainer:
         return bool(self.data.val)
 
     def micro_batches(self, units: list[Unit]):
-        return micro_batches(self.ctx.cfg, units, self.engine, self.pad_id)
+        return micro_batches(self.ctx.cfg, units, self.engine, self.pad_id, share_prompt=self.SHARE_PROMPT)
 
     def sum_over_replicas(self, results: list[torch.Tensor]) -> dict[str, float]:
         local = torch.stack([r.double() for r in results]).sum(0).tolist() if results else [0.0] * len(self.SUMS)

@@ -155,3 +155,75 @@ def test_the_score_is_read_at_the_last_token_that_is_not_padding():
 
     assert score_position(np.array([5, 6, 7]), pad_id=0) == 2
     assert score_position(np.array([5, 6, 0, 0]), pad_id=0) == 1
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_a_pairs_shared_prompt_gives_the_log_probs_of_the_unshared_packing(
+    dense, tiny_model_dir, tmp_path, process_group
+):
+    """``share_prompt``: each pair's prompt once in the packed row (its chosen and rejected responses both attend
+    to it). Every sequence's summed log-prob equals the old packing's (each sequence whole, per-document
+    attention) and a plain forward of it alone, on both of the engine's paths: one masked sdpa call (short
+    rows on CPU) and the per-block calls; the row is shorter by each pair's prompt."""
+    from transformers import AutoTokenizer
+
+    from rlctl.data.pref_batches import shared_prompt, unit_micro_batches
+    from rlctl.engines import varlen
+    from rlctl.engines.fsdp import FSDPEngine
+    from rlctl.recipes.dpo import sequence_logps
+    from tests.support.sft import cpu_spec
+
+    cfg = _cfg(tiny_model_dir, write_jsonl(tmp_path / "p.jsonl", format_pairs(3)), **{"model.attn": "sdpa"})
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    units = build_pref_data(cfg, tok, paired=True, loss="x").train
+    engine = FSDPEngine(cpu_spec(cfg), role="ref", trainable=False)
+
+    def logps(share: bool) -> tuple[list[float], int]:
+        (mb,) = unit_micro_batches(
+            units, 0, 1, packing=True, budget=4096, pad_id=tok.pad_token_id, per_micro=3, share_prompt=share
+        )
+        (out,) = engine.forward_backward([mb], lambda o, m: (None, sequence_logps(o, m)), forward_only=True)
+        return out.tolist(), mb.input_ids.shape[1]
+
+    old, old_len = logps(False)
+    saved = varlen.DENSE_MAX_LEN
+    varlen.DENSE_MAX_LEN = 10**6 if dense else 0
+    try:
+        new, new_len = logps(True)
+    finally:
+        varlen.DENSE_MAX_LEN = saved
+    prompts = [shared_prompt(u.seqs) for u in units]
+    assert all(p > 0 for p in prompts) and new_len == old_len - sum(prompts)
+    assert new == pytest.approx(old, abs=1e-4)
+
+
+def test_a_pairs_shared_prompt_gives_the_gradients_of_the_unshared_packing(tiny_model_dir, tmp_path):
+    """The prompt held once gets the sum of both sequences' gradients: a weighted sum of the sequences'
+    log-probs has the same gradient on every parameter with the prompt shared as with each sequence whole."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlctl.data.pref_batches import unit_micro_batches
+    from rlctl.engines import varlen
+    from rlctl.recipes.dpo import sequence_logps
+
+    cfg = _cfg(tiny_model_dir, write_jsonl(tmp_path / "p.jsonl", format_pairs(2)))
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    units = build_pref_data(cfg, tok, paired=True, loss="x").train
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32, attn_implementation="sdpa")
+    varlen.install(hf.config)
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0])  # chosen and rejected of two pairs, apart
+
+    def grads(share: bool) -> list[torch.Tensor]:
+        (mb,) = unit_micro_batches(
+            units, 0, 1, packing=True, budget=4096, pad_id=tok.pad_token_id, per_micro=2, share_prompt=share
+        )
+        blocks = mb.blocks if share else varlen.blocks_from_positions(mb.position_ids)
+        kwargs = varlen.attention_kwargs(blocks, mb.input_ids)
+        hf.zero_grad()
+        out = hf(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **kwargs).logits
+        (sequence_logps(out, mb) * weights).sum().backward()
+        return [p.grad.clone() for p in hf.parameters()]
+
+    old, new = grads(False), grads(True)
+    assert max(float((a - b).abs().max() / (a.abs().max() + 1e-12)) for a, b in zip(old, new)) < 1e-4
+    assert all(float(g.abs().max()) > 0 for g in old[:3])  # the gradient reaches the embeddings and layers
