@@ -239,6 +239,7 @@ def test_a_verl_interaction_runs_with_a_newer_verl_installed(agent_model_dir, tm
     )
     data = write_jsonl(tmp_path / "data.jsonl", verl_rows(2, "openai/gsm8k"))
     base = ["--model", str(agent_model_dir), "--data", str(data), "--device", "cpu", "--dry-run"]
+    base += ["--max-prompt-len", "256", "--max-response-len", "128"]  # within the tiny model's 512 tokens
     env = {"PYTHONPATH": f"{site}:{tmp_path}"}
     res = run_cli("grpo", *base, "--interaction", str(config), env=env)
     assert res.returncode == 0, res.stderr[-2000:]

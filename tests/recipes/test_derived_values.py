@@ -13,9 +13,18 @@ from tests.support.cli import rlctl_in_process
 from tests.support.rl import arith_rows
 from tests.support.sft import chat_rows, write_jsonl
 
+# ChatML with Hermes-style tool calls, as Qwen2.5's template writes them
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for tc in m.tool_calls or [] %}<tool_call>\n{{ tc.function | tojson }}\n</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 
 def _resolved(monkeypatch, capsys, method: str, *args: str) -> dict:
-    code, out = rlctl_in_process(monkeypatch, capsys, method, *args, "--device", "cpu", "--dry-run", "--json")
+    # the tiny model's context is 512 tokens: --dry-run refuses what the launch refuses (issue 37)
+    lengths = ("--max-len", "256") if method == "sft" else ("--max-prompt-len", "128", "--max-response-len", "128")
+    code, out = rlctl_in_process(monkeypatch, capsys, method, *args, *lengths, "--device", "cpu", "--dry-run", "--json")
     assert code == 0, out
     return json.loads(out)["config"]
 
@@ -30,7 +39,10 @@ def test_agent_run_records_its_max_turns_and_mini_batch(
     data = write_jsonl(tmp_path / "data.jsonl", arith_rows(8))
     tools = tmp_path / "tools.py"
     tools.write_text(TOOLS_FILE)
+    template = tmp_path / "tools.jinja"  # the tiny model's own template has no tool-call format
+    template.write_text(TOOL_TEMPLATE)
     args = ("--model", str(tiny_model_dir), "--data", str(data), "--tools", str(tools), "--batch-size", "4")
+    args += ("--chat-template", str(template))
     cfg = _resolved(monkeypatch, capsys, "grpo", *args, *extra)
     assert (cfg["agent"]["max_turns"], cfg["algo"]["mini_batch_size"]) == (turns, mini)
 
