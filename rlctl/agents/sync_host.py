@@ -28,7 +28,7 @@ import threading
 from typing import Any
 
 from rlctl.agents.guard import Guarded
-from rlctl.rewards.worker import read_frame, write_frame
+from rlctl.rewards.worker import read_frame, stop_worker, write_frame
 
 __all__ = ["EpisodeHost", "SyncHost", "main", "warm"]
 
@@ -87,14 +87,7 @@ class SyncHost:
         return reply
 
     def kill(self) -> None:
-        if self.alive:
-            self.proc.kill()
-        self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            try:
-                pipe.close()
-            except OSError:
-                pass
+        stop_worker(self.proc)
 
 
 _idle: list[SyncHost] = []

@@ -104,6 +104,11 @@ class MicroBatch:
         return t[self.rows, : self.width]
 
 
+def steps_per_epoch(num_examples: int, batch_size: int) -> int:
+    """Optimizer steps in one pass over ``num_examples`` (a batch larger than the data is the whole data)."""
+    return math.ceil(num_examples / min(batch_size, num_examples))
+
+
 class StepSampler:
     """Which example indices form the global batch of optimizer step ``step`` (0-based)."""
 
@@ -114,7 +119,7 @@ class StepSampler:
         self.batch_size = min(batch_size, num_examples)
         self.seed = seed
         self.shuffle = shuffle
-        self.steps_per_epoch = math.ceil(self.n / self.batch_size)
+        self.steps_per_epoch = steps_per_epoch(self.n, batch_size)
         self._perm_epoch = -1
         self._perm: np.ndarray | None = None
 

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 
 from rlctl.algos.preference import PrefLoss, get_pref_loss
 from rlctl.algos.preference_losses import PrefInputs, kl_estimate
+from rlctl.config import total_steps
+from rlctl.data.packing import steps_per_epoch
 from rlctl.data.pref_batches import UnitMicroBatch
 from rlctl.data.preference import PrefData, Unit, build_pref_data
 from rlctl.data.sft import IGNORE, use_chat_template
@@ -246,10 +248,8 @@ def run(ctx: RunContext) -> None:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    batches = -(-len(data.train) // min(cfg.train.batch_size, len(data.train)))
-    engine = build_engine(
-        spec, role="actor", total_steps=cfg.train.max_steps or cfg.train.epochs * batches, source=source
-    )
+    steps = total_steps(cfg, steps_per_epoch(len(data.train), cfg.train.batch_size))
+    engine = build_engine(spec, role="actor", total_steps=steps, source=source)
     if loss.needs_ref and lora:  # the policy's base, adapters off
         ref = Reference(engine, cfg, pad_id=pad_id, lora=True)
         if cfg.pref.precompute_ref:

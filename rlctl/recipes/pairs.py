@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from rlctl.config import total_steps
 from rlctl.config.algorithm import pair_budget
 from rlctl.data.packing import StepSampler
 from rlctl.data.pref_batches import unit_micro_batches
@@ -50,7 +51,7 @@ class UnitTrainer:
 
     @property
     def total_steps(self) -> int:
-        return self.ctx.cfg.train.max_steps or self.ctx.cfg.train.epochs * self.sampler.steps_per_epoch
+        return total_steps(self.ctx.cfg, self.sampler.steps_per_epoch)
 
     @property
     def steps_per_epoch(self) -> int:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 
 from rlctl.algos.preference_losses import bradley_terry_loss
+from rlctl.config import total_steps
+from rlctl.data.packing import steps_per_epoch
 from rlctl.data.pref_batches import UnitMicroBatch
 from rlctl.data.preference import build_pref_data
 from rlctl.data.sft import use_chat_template
@@ -103,7 +105,7 @@ def run(ctx: RunContext) -> None:
     data = build_pref_data(cfg, tokenizer, paired=True, loss="rlctl rm", score_text=True)
     ctx.log(f"data: {data.report.summary()}; {len(data.train)} train / {len(data.val)} val pairs")
     spec = EngineSpec.from_config(cfg)
-    steps = cfg.train.max_steps or cfg.train.epochs * -(-len(data.train) // min(cfg.train.batch_size, len(data.train)))
+    steps = total_steps(cfg, steps_per_epoch(len(data.train), cfg.train.batch_size))
     engine = build_engine(spec, role="critic", total_steps=steps, source=source)
     engine.export_names = export_name
     trainer = RMTrainer(ctx, engine, data, pad_id=tokenizer.pad_token_id)

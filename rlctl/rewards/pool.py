@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from rlctl.rewards.worker import call, error_text, read_frame, write_frame
+from rlctl.rewards.worker import call, error_text, read_frame, stop_worker, write_frame
 from rlctl.runtime.signals import stop_requested
 
 __all__ = ["RewardPool", "Task", "call_with_timeout"]
@@ -121,13 +121,7 @@ class _Worker:
         write_frame(self.proc.stdin, task)
 
     def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            try:
-                pipe.close()
-            except OSError:
-                pass
+        stop_worker(self.proc)
 
 
 def _start(n: int) -> list[_Worker]:

@@ -35,6 +35,18 @@ def read_frame(inp: BinaryIO) -> Any:
     return pickle.loads(data)
 
 
+def stop_worker(proc) -> None:
+    """Kill a worker process (a ``subprocess.Popen`` speaking these frames), reap it and close its pipes."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        try:
+            pipe.close()
+        except OSError:
+            pass
+
+
 def error_text(exc: BaseException) -> str:
     """``"Type: message (file.py:LINE)"``: the failure of a reward call, with the line of the reward's
     own code that raised it (the innermost frame outside rlctl, the standard library and site-packages)."""
