@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -88,10 +89,45 @@ def reverse_kl(student_dir: Path, teacher_dir: Path, prompts: list[str]) -> floa
     return total / count
 
 
+def make_teacher(out: Path, student: Path, train: list[tuple[int, int]]) -> Path:
+    answers = [{"prompt": f"What is {x} + {y}?", "response": f"The answer is {x + y}."} for x, y in train]
+    rlctl("sft", "--model", str(student), "--data", str(write_jsonl(out / "answers.jsonl", answers)),
+          "--device", "cpu", "--nproc", "2", "--batch-size", "16", "--lr", "3e-3", "--max-steps", "40",
+          "--max-len", "64", "-o", str(out / "teacher"))  # fmt: skip
+    return out / "teacher" / "hf"
+
+
+def teacher_samples(teacher: Path, prompts: list[dict], seed: int) -> list[dict]:
+    """8 teacher samples per training prompt (temperature 1), decoded: SFT's data."""
+    tok, tm = load(teacher)
+    rows = []
+    for i, r in enumerate(prompts):
+        seqs, n = sample(tok, tm, r["prompt"], 8, seed=1000 * seed + 100 + i)
+        rows += [{"prompt": r["prompt"], "response": tok.decode(s[n:], skip_special_tokens=True)} for s in seqs]
+    return rows
+
+
+def train_both(out: Path, student: Path, teacher: Path, prompts: list[dict], lr: str, seed: int, a) -> dict:
+    """One distillation and one SFT run from the student at ``lr`` with ``seed`` (their sampling, data order
+    and the teacher's samples); their directories."""
+    run = out / f"lr{lr}-seed{seed}"
+    run.mkdir(parents=True, exist_ok=True)
+    common = ["--model", str(student), "--device", "cpu", "--nproc", str(a.nproc), "--lr", lr,
+              "--max-steps", str(a.steps), "--set", f"train.seed={seed}"]  # fmt: skip
+    rlctl("grpo", *common, "--teacher", str(teacher), "--data", str(write_jsonl(run / "prompts.jsonl", prompts)),
+          "--reward", "gsm8k", "--rollout", "hf", "--batch-size", "4", "--n", "8", "--max-prompt-len", "48",
+          "--max-response-len", "12", "-o", str(run / "distill"))  # fmt: skip
+    data = write_jsonl(run / "teacher_samples.jsonl", teacher_samples(teacher, prompts, seed))
+    rlctl("sft", *common, "--data", str(data), "--batch-size", "32", "--max-len", "64", "-o", str(run / "sft"))
+    return {"distill": run / "distill" / "hf", "sft": run / "sft" / "hf"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--lr", default="3e-3")
+    p.add_argument("--lrs", default="1e-3,3e-3,1e-2", help="comma-separated: each method at each")
+    p.add_argument("--seeds", default="0", help="comma-separated train.seed values, the same for both methods")
+    p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("/tmp/distill_vs_sft"))
     p.add_argument("--json", type=Path)
     a = p.parse_args()
@@ -102,91 +138,25 @@ def main() -> None:
     student = build_tiny_model(out / "student", vocab_size=128)
     train = sums(64, 0)
     held_out = [f"What is {x} + {y}?" for x, y in sums(6, 7)]
-    answers = [{"prompt": f"What is {x} + {y}?", "response": f"The answer is {x + y}."} for x, y in train]
     prompts = [{"prompt": f"What is {x} + {y}?", "answer": str(x + y)} for x, y in train]
-    rlctl(
-        "sft",
-        "--model",
-        str(student),
-        "--data",
-        str(write_jsonl(out / "answers.jsonl", answers)),
-        "--device",
-        "cpu",
-        "--nproc",
-        "2",
-        "--batch-size",
-        "16",
-        "--lr",
-        "3e-3",
-        "--max-steps",
-        "40",
-        "--max-len",
-        "64",
-        "-o",
-        str(out / "teacher"),
-    )
-    teacher = out / "teacher" / "hf"
-    tok, tm = load(teacher)
-    samples = []
-    for i, r in enumerate(prompts):
-        seqs, n = sample(tok, tm, r["prompt"], 8, seed=100 + i)
-        samples += [{"prompt": r["prompt"], "response": tok.decode(s[n:], skip_special_tokens=True)} for s in seqs]
-    common = [
-        "--model",
-        str(student),
-        "--device",
-        "cpu",
-        "--nproc",
-        "2",
-        "--lr",
-        a.lr,
-        "--max-steps",
-        str(a.steps),
-    ]
-    rlctl(
-        "grpo",
-        *common,
-        "--teacher",
-        str(teacher),
-        "--data",
-        str(write_jsonl(out / "prompts.jsonl", prompts)),
-        "--reward",
-        "gsm8k",
-        "--rollout",
-        "hf",
-        "--batch-size",
-        "4",
-        "--n",
-        "8",
-        "--max-prompt-len",
-        "48",
-        "--max-response-len",
-        "12",
-        "-o",
-        str(out / "distill"),
-    )
-    rlctl(
-        "sft",
-        *common,
-        "--data",
-        str(write_jsonl(out / "teacher_samples.jsonl", samples)),
-        "--batch-size",
-        "32",
-        "--max-len",
-        "64",
-        "-o",
-        str(out / "sft"),
-    )
-    seen = a.steps * 32
-    result = {
-        "samples_seen": seen,
-        "before": reverse_kl(student, teacher, held_out),
-        "distill": reverse_kl(out / "distill" / "hf", teacher, held_out),
-        "sft_on_teacher_samples": reverse_kl(out / "sft" / "hf", teacher, held_out),
+    teacher = make_teacher(out, student, train)
+    result: dict = {"samples_seen": a.steps * 32, "before": reverse_kl(student, teacher, held_out), "runs": []}
+    print(f"reverse KL to the teacher on {len(held_out)} held-out prompts, before: {result['before']:.3f}", flush=True)
+    for seed in [int(x) for x in a.seeds.split(",")]:
+        for lr in a.lrs.split(","):
+            dirs = train_both(out, student, teacher, prompts, lr, seed, a)
+            row = {"lr": lr, "seed": seed, **{k: reverse_kl(d, teacher, held_out) for k, d in dirs.items()}}
+            result["runs"].append(row)
+            print(f"lr {lr} seed {seed}: distill {row['distill']:.3f}, sft {row['sft']:.3f} (load average "
+                  f"{os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+    result["median"] = {
+        lr: {k: statistics.median(r[k] for r in result["runs"] if r["lr"] == lr) for k in ("distill", "sft")}
+        for lr in a.lrs.split(",")
     }
-    print(f"reverse KL to the teacher on {len(held_out)} held-out prompts after {seen} samples:")
-    for k in ("before", "distill", "sft_on_teacher_samples"):
-        print(f"  {k:24s} {result[k]:.3f}")
+    for k in ("distill", "sft"):
+        best = min(result["median"], key=lambda lr: result["median"][lr][k])
+        result[f"best_{k}"] = {"lr": best, "reverse_kl": result["median"][best][k]}
+        print(f"{k}: best median {result['median'][best][k]:.3f} at lr {best}")
     if a.json:
         a.json.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -46,26 +46,66 @@ MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_a
 LONG_TERMS = 35  # "a + b" terms of worked sums before a --long answer: ~250 tokens of this tokenizer
 
 
-def pairs(n: int, seed: int = 0, *, long: bool = False) -> list[dict]:
+TOKENS_PER_TERM = 7  # "a + b " in this tokenizer, about
+VARIED = dict(prompt=(40, 0.6), response=(120, 0.7))  # lognormal (median tokens, sigma) of --shape varied
+
+
+def terms(rng: random.Random, k: int) -> str:
+    return " ".join(f"{rng.randrange(100)} + {rng.randrange(100)}" for _ in range(k))
+
+
+def lognormal_terms(rng: random.Random, median: int, sigma: float, cap: int) -> int:
+    return min(cap, max(0, round(rng.lognormvariate(0.0, sigma) * median / TOKENS_PER_TERM)))
+
+
+def pairs(n: int, seed: int = 0, *, shape: str = "short") -> list[dict]:
+    """``short``: ~40-token sequences; ``long``: ~290 (~250 tokens of worked sums in each answer); ``varied``:
+    prompt and each answer lognormal in length (:data:`VARIED`), drawn apart, as real preference data are."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         a, b = rng.randrange(0, 100, 3), rng.randrange(0, 100, 7)
         s = a + b
-        work = [
-            "Working: " + " ".join(f"{rng.randrange(100)} + {rng.randrange(100)}" for _ in range(LONG_TERMS)) + ". "
-            if long
-            else ""
-            for _ in range(2)
-        ]
+        context, work = "", ["", ""]
+        if shape == "long":
+            work = [f"Working: {terms(rng, LONG_TERMS)}. " for _ in range(2)]
+        elif shape == "varied":  # at most ~200 + 2 x ~250 tokens: under --max-len 512 with the chat template
+            k = lognormal_terms(rng, *VARIED["prompt"], cap=28)
+            context = f"Given {terms(rng, k)}: " if k else ""
+            work = [f"Working: {terms(rng, lognormal_terms(rng, *VARIED['response'], cap=35))}. " for _ in range(2)]
         rows.append(
             {
-                "prompt": f"What is {a} + {b}?",
+                "prompt": f"{context}What is {a} + {b}?",
                 "chosen": f"{work[0]}The answer is {s}. #### {s}",
                 "rejected": f"{work[1]}The answer is {s}.",
             }
         )
     return rows
+
+
+def positions(model: Path, data: Path, batch: int, max_len: int, seed: int = 0) -> dict:
+    """Counted, not timed: per counted token (every chosen and rejected token, prompt included), the positions
+    each side's forward computes. rlctl: a pair's prompt once, each answer without its unlabelled closing
+    newline (rlctl.data.pref_batches.collate_shared); TRL: 2 x batch rows padded to the batch's longest (its
+    DataCollator; the batches drawn in a seeded random order, as its sampler draws them)."""
+    from transformers import AutoTokenizer
+
+    from rlctl.config import build_config, dotted_to_nested
+    from rlctl.data.pref_batches import answer_end, shared_prompt
+    from rlctl.data.preference import build_pref_data
+
+    cfg = build_config("dpo", [dotted_to_nested({"model.name": str(model), "data.path": str(data),
+                                                 "train.max_len": max_len, "data.val_fraction": 0.0})])  # fmt: skip
+    units = build_pref_data(cfg, AutoTokenizer.from_pretrained(str(model)), paired=True, loss="sigmoid").train
+    counted = sum(len(u) for u in units)
+    ours = sum(sum(answer_end(s) for s in u.seqs) - shared_prompt(u.seqs) for u in units)
+    order = list(range(len(units)))
+    random.Random(seed).shuffle(order)
+    theirs = sum(
+        2 * len(b) * max(len(s) for i in b for s in units[i].seqs)
+        for b in (order[k : k + batch] for k in range(0, len(order), batch))
+    )
+    return {"tokens_per_pair": counted / len(units), "rlctl": ours / counted, "trl": theirs / counted}
 
 
 def matmul_gflops(m: int = 1024, k: int = 512, n: int = 1408, reps: int = 20) -> float:
@@ -183,16 +223,22 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--short", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--long", action="store_true", help="~250-token responses (compute dominates)")
+    p.add_argument("--shape", choices=["short", "long", "varied"], default="short", help="the pairs' lengths")
     p.add_argument("--json", default="")
+    p.add_argument("--count-only", action="store_true", help="print the positions each side computes; no runs")
     a = p.parse_args()
-    a.max_len = 512 if a.long else 128
+    a.max_len = 128 if a.shape == "short" else 512
     from rlctl.testing import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="dpo-vs-trl-"))
     model = build_tiny_model(work / "model", seed=0, **MODEL)
     data = work / "pairs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in pairs(a.steps * a.batch_size, long=a.long)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in pairs(a.steps * a.batch_size, shape=a.shape)))
+    pos = positions(model, data, a.batch_size, a.max_len)
+    print(f"{pos['tokens_per_pair']:.0f} tokens per pair; positions computed per token: rlctl {pos['rlctl']:.3f}, "
+          f"TRL {pos['trl']:.3f} (x4/3 for its gradient checkpointing)", flush=True)  # fmt: skip
+    if a.count_only:
+        return
     runs: dict[str, list[dict]] = {"rlctl": [], "trl": []}
     sides = {"rlctl": rlctl_run, "trl": trl_run}
     for k in range(a.rounds):
@@ -212,7 +258,7 @@ def main() -> None:
     for k in ratio:
         print(f"median {k}: rlctl {med['rlctl'][k]:,.0f}, trl {med['trl'][k]:,.0f}, rlctl / trl {ratio[k]:.2f}")
     if a.json:
-        doc = {"runs": runs, "median": med, "ratio": ratio, "settings": vars(a), "model": MODEL}
+        doc = {"runs": runs, "median": med, "ratio": ratio, "positions": pos, "settings": vars(a), "model": MODEL}
         Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
 
 

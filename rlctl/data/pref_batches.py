@@ -8,7 +8,8 @@ sequences that open with the same prompt hold it once: the prompt (bar its last 
 each sequence's own first response token) is a document of its own, then each sequence's rest at the
 positions it has alone, attending to that prompt and causally to itself. Every response token sees exactly
 the keys it sees alone, so its log-prob is the same (the prompt's gradient is the sum of both sequences');
-the prompt's tokens are computed once, not once per sequence."""
+the prompt's tokens are computed once, not once per sequence. The tokens after a sequence's last labelled
+position (:func:`answer_end`) are left out: they change no log-prob."""
 
 from __future__ import annotations
 
@@ -56,6 +57,13 @@ def shared_prompt(seqs: Sequence[Example]) -> int:
     return int(np.cumprod(same).sum())  # the leading run
 
 
+def answer_end(s: Example) -> int:
+    """One past a sequence's last labelled position: the tokens after it (the chat template's closing newline)
+    predict nothing and no earlier token attends to them, so a forward may leave them out (0: no label)."""
+    labelled = np.flatnonzero(s.labels != IGNORE)
+    return int(labelled[-1]) + 1 if labelled.size else 0
+
+
 def collate_shared(units: Sequence[Unit], which: Sequence[int], pad_id: int) -> UnitMicroBatch:
     """One packed row of ``units``, each unit's shared prompt once (module docstring), with the ``blocks``
     (:data:`rlctl.engines.varlen.Block`) that say what attends to what."""
@@ -75,8 +83,9 @@ def collate_shared(units: Sequence[Unit], which: Sequence[int], pad_id: int) -> 
         if p:  # the prompt: a document of its own, in no sequence's sum (no labels)
             put(u.seqs[0].input_ids[:p], u.seqs[0].labels[:p], 0, -1, (at, at))
         for s in u.seqs:
-            own = put(s.input_ids[p:], s.labels[p:], p, k, (at, at + p))
-            score = score_position(s.input_ids, pad_id)
+            end = max(p + 1, answer_end(s) or len(s))
+            own = put(s.input_ids[p:end], s.labels[p:end], p, k, (at, at + p))
+            score = min(score_position(s.input_ids, pad_id), end - 1)
             last.append(own + score - p if score >= p else at + score)
             k += 1
 

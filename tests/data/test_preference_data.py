@@ -164,10 +164,11 @@ def test_a_pairs_shared_prompt_gives_the_log_probs_of_the_unshared_packing(
     """``share_prompt``: each pair's prompt once in the packed row (its chosen and rejected responses both attend
     to it). Every sequence's summed log-prob equals the old packing's (each sequence whole, per-document
     attention) and a plain forward of it alone, on both of the engine's paths: one masked sdpa call (short
-    rows on CPU) and the per-block calls; the row is shorter by each pair's prompt."""
+    rows on CPU) and the per-block calls; the row is shorter by each pair's prompt and each sequence's
+    unlabelled tail."""
     from transformers import AutoTokenizer
 
-    from rlctl.data.pref_batches import shared_prompt, unit_micro_batches
+    from rlctl.data.pref_batches import answer_end, shared_prompt, unit_micro_batches
     from rlctl.engines import varlen
     from rlctl.engines.fsdp import FSDPEngine
     from rlctl.recipes.dpo import sequence_logps
@@ -193,7 +194,9 @@ def test_a_pairs_shared_prompt_gives_the_log_probs_of_the_unshared_packing(
     finally:
         varlen.DENSE_MAX_LEN = saved
     prompts = [shared_prompt(u.seqs) for u in units]
-    assert all(p > 0 for p in prompts) and new_len == old_len - sum(prompts)
+    tails = [len(s) - answer_end(s) for u in units for s in u.seqs]  # the closing newline: no label
+    assert all(p > 0 for p in prompts) and all(t > 0 for t in tails)
+    assert new_len == old_len - sum(prompts) - sum(tails)
     assert new == pytest.approx(old, abs=1e-4)
 
 
