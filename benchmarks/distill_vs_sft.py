@@ -107,19 +107,29 @@ def teacher_samples(teacher: Path, prompts: list[dict], seed: int) -> list[dict]
     return rows
 
 
-def train_both(out: Path, student: Path, teacher: Path, prompts: list[dict], lr: str, seed: int, a) -> dict:
-    """One distillation and one SFT run from the student at ``lr`` with ``seed`` (their sampling, data order
-    and the teacher's samples); their directories."""
+METHODS = ("distill", "distill_baseline", "sft")  # distill_baseline: --set algo.teacher_baseline=true
+
+
+def train(out: Path, student: Path, teacher: Path, prompts: list[dict], lr: str, seed: int, a) -> dict:
+    """The ``--methods`` runs from the student at ``lr`` with ``seed`` (their sampling, data order and the
+    teacher's samples); their directories."""
     run = out / f"lr{lr}-seed{seed}"
     run.mkdir(parents=True, exist_ok=True)
     common = ["--model", str(student), "--device", "cpu", "--nproc", str(a.nproc), "--lr", lr,
               "--max-steps", str(a.steps), "--set", f"train.seed={seed}"]  # fmt: skip
-    rlctl("grpo", *common, "--teacher", str(teacher), "--data", str(write_jsonl(run / "prompts.jsonl", prompts)),
-          "--reward", "gsm8k", "--rollout", "hf", "--batch-size", "4", "--n", "8", "--max-prompt-len", "48",
-          "--max-response-len", "12", "-o", str(run / "distill"))  # fmt: skip
-    data = write_jsonl(run / "teacher_samples.jsonl", teacher_samples(teacher, prompts, seed))
-    rlctl("sft", *common, "--data", str(data), "--batch-size", "32", "--max-len", "64", "-o", str(run / "sft"))
-    return {"distill": run / "distill" / "hf", "sft": run / "sft" / "hf"}
+    dirs = {}
+    for method in a.methods:
+        if method == "sft":
+            data = write_jsonl(run / "teacher_samples.jsonl", teacher_samples(teacher, prompts, seed))
+            rlctl("sft", *common, "--data", str(data), "--batch-size", "32", "--max-len", "64", "-o", str(run / method))
+        else:
+            extra = ["--set", "algo.teacher_baseline=true"] if method == "distill_baseline" else []
+            rlctl("grpo", *common, *extra, "--teacher", str(teacher), "--data",
+                  str(write_jsonl(run / "prompts.jsonl", prompts)), "--reward", "gsm8k", "--rollout", "hf",
+                  "--batch-size", "4", "--n", "8", "--max-prompt-len", "48", "--max-response-len", "12",
+                  "-o", str(run / method))  # fmt: skip
+        dirs[method] = run / method / "hf"
+    return dirs
 
 
 def main() -> None:
@@ -128,9 +138,13 @@ def main() -> None:
     p.add_argument("--lrs", default="1e-3,3e-3,1e-2", help="comma-separated: each method at each")
     p.add_argument("--seeds", default="0", help="comma-separated train.seed values, the same for both methods")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--methods", default="distill,sft", help=f"comma-separated, of {', '.join(METHODS)}")
     p.add_argument("--out", type=Path, default=Path("/tmp/distill_vs_sft"))
     p.add_argument("--json", type=Path)
     a = p.parse_args()
+    a.methods = a.methods.split(",")
+    if set(a.methods) - set(METHODS):
+        raise SystemExit(f"--methods: each of {', '.join(METHODS)}")
     from rlctl.testing import build_tiny_model
 
     out = a.out
@@ -144,16 +158,16 @@ def main() -> None:
     print(f"reverse KL to the teacher on {len(held_out)} held-out prompts, before: {result['before']:.3f}", flush=True)
     for seed in [int(x) for x in a.seeds.split(",")]:
         for lr in a.lrs.split(","):
-            dirs = train_both(out, student, teacher, prompts, lr, seed, a)
+            dirs = train(out, student, teacher, prompts, lr, seed, a)
             row = {"lr": lr, "seed": seed, **{k: reverse_kl(d, teacher, held_out) for k, d in dirs.items()}}
             result["runs"].append(row)
-            print(f"lr {lr} seed {seed}: distill {row['distill']:.3f}, sft {row['sft']:.3f} (load average "
-                  f"{os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
+            got = ", ".join(f"{k} {row[k]:.3f}" for k in a.methods)
+            print(f"lr {lr} seed {seed}: {got} (load average {os.getloadavg()[0]:.1f})", flush=True)
     result["median"] = {
-        lr: {k: statistics.median(r[k] for r in result["runs"] if r["lr"] == lr) for k in ("distill", "sft")}
+        lr: {k: statistics.median(r[k] for r in result["runs"] if r["lr"] == lr) for k in a.methods}
         for lr in a.lrs.split(",")
     }
-    for k in ("distill", "sft"):
+    for k in a.methods:
         best = min(result["median"], key=lambda lr: result["median"][lr][k])
         result[f"best_{k}"] = {"lr": best, "reverse_kl": result["median"][best][k]}
         print(f"{k}: best median {result['median'][best][k]:.3f} at lr {best}")

@@ -86,6 +86,8 @@ def check_distill(cfg: RunConfig) -> None:
             f"algo.teacher_weight={a.teacher_weight} must be in [0, 1] (1: distillation only, 0.5: half the task "
             f"reward's advantage), e.g. --teacher-weight 1"
         )
+    if a.teacher_baseline and not a.teacher:
+        raise UserError("algo.teacher_baseline is set without a teacher; pass --teacher MODEL (or drop it)")
     if a.teacher_weight != 1 and not a.teacher:
         raise UserError("algo.teacher_weight is set without a teacher; pass --teacher MODEL (or drop --teacher-weight)")
 

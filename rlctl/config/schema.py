@@ -204,6 +204,7 @@ class AlgoConfig:
     # student log-prob) + (1 - teacher_weight) * the task reward's advantage
     teacher: str | None = None
     teacher_weight: float = 1.0
+    teacher_baseline: bool = False  # subtract the batch's mean gap from each token's (a constant baseline)
 
 
 @dataclass

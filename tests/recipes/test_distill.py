@@ -58,7 +58,8 @@ def plain_logp(model_dir: Path, prompt: list[int], response: list[int], temperat
 
 def test_distill_advantage_is_teacher_minus_student_logp_of_plain_forwards(tiny_model_dir, tmp_path, process_group):
     """The trainer's path (the actor's log-probs, the teacher engine, the mix) against plain HF forwards of the
-    two models; tokens with mask 0 (a tool turn in the middle of a row) get 0; weight 0.25 mixes in the task's."""
+    two models; tokens with mask 0 (a tool turn in the middle of a row) get 0; weight 0.25 mixes in the task's;
+    ``algo.teacher_baseline`` subtracts the mean gap over every sampled token of the batch."""
     from rlctl.config import build_config, dotted_to_nested
     from rlctl.engines.fsdp import FSDPEngine
     from rlctl.recipes.rl.batch import RolloutBatch
@@ -82,7 +83,7 @@ def test_distill_advantage_is_teacher_minus_student_logp_of_plain_forwards(tiny_
         loss_masks=masks,
     )
     task = torch.randn(2, 6, generator=torch.Generator().manual_seed(0)) * b.mask
-    for weight in (1.0, 0.25):
+    for weight, baseline in ((1.0, False), (0.25, False), (1.0, True)):
         cfg = build_config(
             "grpo",
             [
@@ -93,6 +94,7 @@ def test_distill_advantage_is_teacher_minus_student_logp_of_plain_forwards(tiny_
                         "model.dtype": "fp32",
                         "algo.teacher": str(teacher_dir),
                         "algo.teacher_weight": weight,
+                        "algo.teacher_baseline": baseline,
                     }
                 )
             ],
@@ -105,15 +107,17 @@ def test_distill_advantage_is_teacher_minus_student_logp_of_plain_forwards(tiny_
         b.old_logp, _ = compute_logprobs(student, b, temperature=0.7, budget=64, pad_id=0)
         b.advantages = task.clone()
         m = teacher.apply(b, 0.7, 64, 0, None)
-        gaps = []
-        for i, (p, r) in enumerate(zip(prompts, responses)):
-            gap = plain_logp(teacher_dir, p, r, 0.7) - plain_logp(tiny_model_dir, p, r, 0.7)
+        gaps = [
+            plain_logp(teacher_dir, p, r, 0.7) - plain_logp(tiny_model_dir, p, r, 0.7)
+            for p, r in zip(prompts, responses)
+        ]
+        mean = torch.cat([g[torch.tensor(k) > 0] for g, k in zip(gaps, masks)]).mean()
+        for i, (gap, r) in enumerate(zip(gaps, responses)):
             mask = torch.tensor(masks[i], dtype=torch.float32)
-            want = (weight * gap + (1 - weight) * task[i, : len(r)]) * mask
-            assert torch.allclose(b.advantages[i, : len(r)], want, atol=1e-5), (weight, i)
+            want = (weight * (gap - mean * baseline) + (1 - weight) * task[i, : len(r)]) * mask
+            assert torch.allclose(b.advantages[i, : len(r)], want, atol=1e-5), (weight, baseline, i)
             assert b.advantages[i, len(r) :].abs().sum() == 0
-            gaps.append(gap[mask > 0])
-        assert m["distill/reverse_kl"] == pytest.approx(-torch.cat(gaps).mean().item(), abs=1e-5)
+        assert m["distill/reverse_kl"] == pytest.approx(-mean.item(), abs=1e-5)
         assert abs(m["distill/reverse_kl"]) > 0.1  # the two models do differ
 
 

@@ -5,7 +5,7 @@ weights. It scores the student's samples and turns the step's advantages into th
 
 from __future__ import annotations
 
-from rlctl.algos.distill import distill_gap, mix_advantages
+from rlctl.algos.distill import centred, distill_gap, mix_advantages
 from rlctl.config import RunConfig
 from rlctl.config.algorithm import teacher_vocab_problem
 from rlctl.engines import EngineSpec, build_engine
@@ -18,10 +18,11 @@ from rlctl.runtime.dist import global_sums
 
 
 class Teacher:
-    """The frozen teacher engine and the weight of its advantage (``algo.teacher_weight``)."""
+    """The frozen teacher engine, the weight of its advantage (``algo.teacher_weight``) and whether the gap is
+    taken against the batch's mean (``algo.teacher_baseline``)."""
 
-    def __init__(self, engine: TrainEngine, weight: float):
-        self.engine, self.weight = engine, weight
+    def __init__(self, engine: TrainEngine, weight: float, baseline: bool = False):
+        self.engine, self.weight, self.baseline = engine, weight, baseline
 
     @classmethod
     def for_run(cls, cfg: RunConfig, spec: EngineSpec, student_tokenizer) -> Teacher | None:
@@ -36,7 +37,7 @@ class Teacher:
         if problem:  # the same check as before launch, for a teacher only on the hub
             raise UserError(problem)
         engine = build_engine(spec.replace(model=name, random_init=False), role="ref", trainable=False, source=source)
-        return cls(engine, cfg.algo.teacher_weight)
+        return cls(engine, cfg.algo.teacher_weight, cfg.algo.teacher_baseline)
 
     def apply(self, batch: RolloutBatch, temperature: float, budget: int, pad_id: int, group) -> Metrics:
         """The teacher's log-probs of the sampled tokens; ``batch.advantages`` (the task reward's) becomes the
@@ -47,7 +48,9 @@ class Teacher:
                 self.engine, batch, temperature=temperature, budget=budget, pad_id=pad_id
             )
         gap = distill_gap(teacher_logp, batch.old_logp, batch.mask)
-        batch.advantages = mix_advantages(batch.advantages, gap, batch.mask, self.weight)
         s = global_sums({"gap": gap.sum(), "tok": batch.mask.sum()}, batch.mask.device, group)
-        m["distill/reverse_kl"] = -s["gap"] / max(1.0, s["tok"])  # mean log p_student - log p_teacher per token
+        mean = s["gap"] / max(1.0, s["tok"])
+        m["distill/reverse_kl"] = -mean  # mean log p_student - log p_teacher per token
+        signal = centred(gap, batch.mask, mean) if self.baseline else gap
+        batch.advantages = mix_advantages(batch.advantages, signal, batch.mask, self.weight)
         return m
