@@ -110,7 +110,7 @@ def teacher_samples(teacher: Path, prompts: list[dict], seed: int) -> list[dict]
 METHODS = ("distill", "distill_baseline", "sft")  # distill_baseline: --set algo.teacher_baseline=true
 
 
-def train(out: Path, student: Path, teacher: Path, prompts: list[dict], lr: str, seed: int, a) -> dict:
+def train_methods(out: Path, student: Path, teacher: Path, prompts: list[dict], lr: str, seed: int, a) -> dict:
     """The ``--methods`` runs from the student at ``lr`` with ``seed`` (their sampling, data order and the
     teacher's samples); their directories."""
     run = out / f"lr{lr}-seed{seed}"
@@ -158,7 +158,7 @@ def main() -> None:
     print(f"reverse KL to the teacher on {len(held_out)} held-out prompts, before: {result['before']:.3f}", flush=True)
     for seed in [int(x) for x in a.seeds.split(",")]:
         for lr in a.lrs.split(","):
-            dirs = train(out, student, teacher, prompts, lr, seed, a)
+            dirs = train_methods(out, student, teacher, prompts, lr, seed, a)
             row = {"lr": lr, "seed": seed, **{k: reverse_kl(d, teacher, held_out) for k, d in dirs.items()}}
             result["runs"].append(row)
             got = ", ".join(f"{k} {row[k]:.3f}" for k in a.methods)
