@@ -138,6 +138,13 @@ def main() -> None:
     p.add_argument("--lrs", default="1e-3,3e-3,1e-2", help="comma-separated: each method at each")
     p.add_argument("--seeds", default="0", help="comma-separated train.seed values, the same for both methods")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument(
+        "--warm-steps",
+        type=int,
+        default=0,
+        help="first this many SFT steps (lr 3e-3) on teacher "
+        "samples: both methods start from that student (on-policy distillation's usual start)",
+    )
     p.add_argument("--methods", default="distill,sft", help=f"comma-separated, of {', '.join(METHODS)}")
     p.add_argument("--out", type=Path, default=Path("/tmp/distill_vs_sft"))
     p.add_argument("--json", type=Path)
@@ -154,6 +161,12 @@ def main() -> None:
     held_out = [f"What is {x} + {y}?" for x, y in sums(6, 7)]
     prompts = [{"prompt": f"What is {x} + {y}?", "answer": str(x + y)} for x, y in train]
     teacher = make_teacher(out, student, train)
+    if a.warm_steps:
+        data = write_jsonl(out / "warm_samples.jsonl", teacher_samples(teacher, prompts, seed=99))
+        rlctl("sft", "--model", str(student), "--data", str(data), "--device", "cpu", "--nproc", str(a.nproc),
+              "--lr", "3e-3", "--max-steps", str(a.warm_steps), "--batch-size", "32", "--max-len", "64",
+              "-o", str(out / "warm"))  # fmt: skip
+        student = out / "warm" / "hf"
     result: dict = {"samples_seen": a.steps * 32, "before": reverse_kl(student, teacher, held_out), "runs": []}
     print(f"reverse KL to the teacher on {len(held_out)} held-out prompts, before: {result['before']:.3f}", flush=True)
     for seed in [int(x) for x in a.seeds.split(",")]:
