@@ -1,7 +1,8 @@
 """Reverse KL to the teacher per training sample: on-policy distillation (`rlctl grpo --teacher`) against SFT on
 the teacher's own samples (`rlctl sft`), on this CPU.
 
-    python benchmarks/distill_vs_sft.py [--steps 16] [--out DIR] [--json OUT]
+    python benchmarks/distill_vs_sft.py [--steps 16] [--lrs 1e-3,3e-3,1e-2] [--seeds 0,1] [--nproc 2]
+        [--methods distill,sft] [--warm-steps N] [--out DIR] [--json OUT]
 
 The setup of docs/distill.md's CPU example: a random student with a 128-token vocabulary
 (rlctl.testing.build_tiny_model) and a teacher trained from it by `rlctl sft` to answer "What is a + b?" with
@@ -14,7 +15,11 @@ tokens at most), learning rate and steps, 2 processes each:
 
 Measured after each run: the reverse KL KL(student || teacher) on 6 held-out prompts (the full vocabulary's KL at
 each token the student samples: 4 samples of 12 tokens per prompt, temperature 1, the same seed), and before
-training. Lower after the same number of samples is better.
+training. Lower after the same number of samples is better. Each method runs at every ``--lrs`` with every
+``--seeds`` (``train.seed``, and the teacher samples SFT gets, the same for both methods); the table is the
+median over seeds per learning rate, and each method's best learning rate. ``--methods distill_baseline``:
+distillation with ``algo.teacher_baseline`` (the gap against the batch's mean). ``--warm-steps N``: both start
+from the student after N SFT steps on other teacher samples. Results and commands: docs/distill.md.
 """
 
 from __future__ import annotations
