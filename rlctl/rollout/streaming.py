@@ -149,7 +149,7 @@ class StreamingPool:
         seed = None if self.sampling.seed is None else self.sampling.seed + self.ticks * SEED_STRIDE
         out = self.engine.continue_generation([t.history for t in going], replace(self.sampling, seed=seed), budgets)
         self.ticks += 1
-        for t, sample, budget in zip(going, out, budgets, strict=True):
+        for t, sample in zip(going, out, strict=True):
             t.token_ids += sample.token_ids
             t.mask += [1] * len(sample.token_ids)
             t.logprobs += list(sample.logprobs)
