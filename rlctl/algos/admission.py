@@ -126,3 +126,29 @@ class Admission:
             out.append(self.version - g.started_at)
         self.version += 1
         return out
+
+
+def staleness_metrics(
+    staleness: list[int],
+    versions_per_trajectory: list[int],
+    *,
+    idle_trainer_s: float,
+    idle_rollout_s: float,
+    queue_groups: int,
+    max_staleness: int,
+) -> dict[str, float]:
+    """One update's ``async/*`` metrics: each trained group's staleness (mean, max, and the share at each
+    value 0..S as ``async/staleness_hist/k``), the weights versions per trajectory, the trainer's and the
+    rollout's idle seconds, and the completed groups waiting."""
+    n = max(1, len(staleness))
+    out = {
+        "async/staleness": sum(staleness) / n,
+        "async/staleness_max": float(max(staleness, default=0)),
+        "async/versions_per_trajectory": sum(versions_per_trajectory) / max(1, len(versions_per_trajectory)),
+        "async/idle_trainer_s": idle_trainer_s,
+        "async/idle_rollout_s": idle_rollout_s,
+        "async/queue_groups": float(queue_groups),
+    }
+    for k in range(max_staleness + 1):
+        out[f"async/staleness_hist/{k}"] = sum(s == k for s in staleness) / n
+    return out
