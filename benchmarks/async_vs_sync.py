@@ -279,7 +279,12 @@ def stream_rollout(model_dir, seed, steps, to_trainer, weights_q, staleness):
             groups = [finished.pop(i) for i in batch]
             trajs = [t for g in groups for t in g.trajectories]
             stale = [adm.version - g.started_at for g in groups]
-            meta = {"staleness": stale, "versions": [versions_per_trajectory(t) for t in trajs], "queue": adm.queued}
+            meta = {
+                "staleness": stale,
+                "versions": [versions_per_trajectory(t) for t in trajs],
+                "queue": adm.queued,
+                "latency": [g.completed_s - g.started_s for g in groups],
+            }
             to_trainer.put((sent, pack(trajs), meta))
             outstanding, sent = batch, sent + 1
             continue
@@ -374,6 +379,8 @@ def summarise(mode, r):
                 staleness_max=max(stale),
                 versions_per_trajectory=statistics.mean(v for m in r["meta"] for v in m["versions"]),
                 idle_trainer_s=sum(t[3] for t in steady) / len(steady),
+                group_latency_s=statistics.mean(x for m in r["meta"][WARMUP:] for x in m["latency"]),
+                queue_groups=statistics.mean(m["queue"] for m in r["meta"][WARMUP:]),
                 **(r["end"] or {}),
             )
     return out
@@ -399,7 +406,10 @@ def main() -> None:
         for mode in order:
             load = os.getloadavg()[0]
             r = summarise(mode, run(mode, model_dir, seed, args.steps, args.staleness))
-            rows.append({"round": rnd, "seed": seed, "mode": mode, "load": load, "steps": args.steps, **r})
+            rows.append(
+                {"round": rnd, "seed": seed, "mode": mode, "load": load, "steps": args.steps, **r}
+                | {"max_staleness": args.staleness}
+            )
             print(json.dumps(rows[-1]), flush=True)
     report = analyse(rows, modes)
     print(json.dumps(report, indent=1))
@@ -428,6 +438,8 @@ def analyse(rows, modes):
             sync_s=statistics.median(r["S"] for r in rows if r["mode"] != "sync2"),
             dp_update_s=med["sync2"]["U"],
             dp_rollout_s=med["sync2"]["R"],
+            group_latency_s=statistics.median(r["group_latency_s"] for r in st),
+            max_staleness=st[0]["max_staleness"],
         )
         pred = predict_step_s(parts)
         for a, b in (("stream", "sync2"), ("stream", "offpolicy"), ("offpolicy", "sync2")):

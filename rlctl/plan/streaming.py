@@ -8,10 +8,14 @@ Seconds per update of ``batch`` groups, 1 rollout + 1 trainer process against 2 
 - ``one-step-off = E[max(R_lock, U)] + S``: the rollout process runs the whole batch in lockstep while the
   trainer trains the previous one (``R_lock`` its rollout, ``U`` the update on one process, ``S`` the
   weight transfer); the pairing of independent draws is ignored here (docs/offpolicy.md keeps it);
-- ``stream = max(G, U + S)``: with enough groups in flight (admission ``batch x (S+1)``) tool latency and
-  the long tail hide behind other trajectories' generation, so the rollout process is busy generating,
-  ``G`` seconds of decoding a batch's tokens in chunks (``stream_generate_s``: its ticks, re-prefills
-  after each weight swap included), and the trainer needs ``U + S``; the slower sets the pace.
+- ``stream = max(G, U + S, Lat / (S_max + 1))``: the slowest of three limits. The rollout process
+  decodes a batch's tokens in chunks in ``G`` seconds (``stream_generate_s``: its busy time, re-prefills
+  after each weight swap included); the trainer needs ``U + S``; and admission keeps at most
+  ``batch x (S_max + 1)`` groups started but untrained, so by Little's law at most
+  ``batch x (S_max + 1) / Lat`` groups finish a second when a group takes ``Lat`` seconds from its start to
+  its last trajectory's end (``group_latency_s``: its turns, its tools' sleeps, its share of the engine).
+  Tool latency hides behind other trajectories' generation only while the pool is deep enough: raising
+  ``--max-staleness`` lifts the third limit until ``G`` or ``U + S`` binds.
 
 Streaming pays over one-step-off when ``R_lock`` (lockstep: tool waits and the longest turn) exceeds both
 ``G`` and ``U + S``: tool-heavy, long-tailed agent workloads. It does not when the update dominates
@@ -21,6 +25,7 @@ Torch-free: the planner and the benchmark (benchmarks/async_vs_sync.py) read it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from rlctl.plan.types import Decision
@@ -34,6 +39,8 @@ class StreamParts:
     sync_s: float  # S: the weight transfer after an update
     dp_update_s: float  # the 2-process run's update (half the batch each, with the all-reduce)
     dp_rollout_s: float  # the 2-process run's lockstep rollout of half the batch
+    group_latency_s: float  # Lat: a group's start to its last trajectory's end, in the streaming pool
+    max_staleness: int  # S_max: admission's bound
 
 
 def predict_step_s(p: StreamParts) -> dict[str, float]:
@@ -41,22 +48,33 @@ def predict_step_s(p: StreamParts) -> dict[str, float]:
     return {
         "sync2": p.dp_rollout_s + p.dp_update_s,
         "offpolicy": max(p.lockstep_rollout_s, p.update_s) + p.sync_s,
-        "stream": max(p.stream_generate_s, p.update_s + p.sync_s),
+        "stream": max(p.stream_generate_s, p.update_s + p.sync_s, p.group_latency_s / (p.max_staleness + 1)),
     }
 
 
-def streaming_decision(p: StreamParts, *, max_staleness: int) -> Decision:
+def needed_staleness(p: StreamParts) -> int:
+    """The least ``S_max`` whose latency limit ``Lat / (S_max + 1)`` is no slower than ``max(G, U + S)``."""
+    other = max(p.stream_generate_s, p.update_s + p.sync_s)
+    return max(0, math.ceil(p.group_latency_s / max(other, 1e-9)) - 1)
+
+
+def streaming_decision(p: StreamParts) -> Decision:
     """``rollout.mode``: stream when it is predicted 10% faster than both others, with the staleness it needs."""
     s = predict_step_s(p)
     best_other = min(s["sync2"], s["offpolicy"])
     pays = s["stream"] * 1.1 < best_other
-    bound = "trainer-bound" if p.update_s + p.sync_s >= p.stream_generate_s else "rollout-bound"
+    limits = {
+        "trainer-bound": p.update_s + p.sync_s,
+        "rollout-bound": p.stream_generate_s,
+        "latency-bound (raise --max-staleness)": p.group_latency_s / (p.max_staleness + 1),
+    }
+    bound = max(limits, key=limits.get)
     why = (
         f"streaming predicted {s['stream']:.2f} s/update ({bound}) against synchronous {s['sync2']:.2f} and "
         f"one-step-off {s['offpolicy']:.2f}: "
         + (
-            f"it pays (x{best_other / s['stream']:.2f}); --max-staleness {max(1, max_staleness)} keeps "
-            f"{max(1, max_staleness) + 1} batches in flight to hide tool latency"
+            f"it pays (x{best_other / s['stream']:.2f}) at --max-staleness {p.max_staleness}; the latency "
+            f"limit reaches the next one at --max-staleness {needed_staleness(p)}"
             if pays
             else "it does not pay (the update dominates, or lockstep turns cost little): keep rollout.mode=fixed"
         )

@@ -74,6 +74,7 @@ class StreamGroup:
     prompt: int  # the prompt's index in the run's data
     started_at: int  # the weights version when it started
     trajectories: list[StreamTrajectory]
+    started_s: float = field(default_factory=time.perf_counter)
     completed_s: float = 0.0
 
 
