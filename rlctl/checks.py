@@ -154,6 +154,10 @@ def check_split(cfg: RunConfig, *, nproc: int, nodes: int) -> None:
         raise UserError(f"rollout.max_staleness={r.max_staleness} must be >= 0 (0: synchronous; 1: one step behind)")
     if r.procs < 0:
         raise UserError(f"rollout.procs={r.procs} must be >= 0 (0: no split; N: N processes only generate)")
+    from rlctl.config.async_rules import stream_problem
+
+    if problem := stream_problem(cfg):
+        raise UserError(problem)
     if not r.procs:
         return
     total = nproc * nodes

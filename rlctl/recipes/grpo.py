@@ -13,6 +13,7 @@ from __future__ import annotations
 from rlctl.recipes.rl.batch import RolloutBatch
 from rlctl.recipes.rl.metrics import Metrics, merged
 from rlctl.recipes.rl.offpolicy import rollout_main
+from rlctl.recipes.rl.streaming import stream_rollout_main
 from rlctl.recipes.rl.trainer import RLTrainer
 from rlctl.runtime.entry import RunContext, recipe_main
 from rlctl.runtime.fit import fit
@@ -33,7 +34,8 @@ def train_step(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
 
 def run(ctx: RunContext) -> None:
     if ctx.dist.split is not None and ctx.dist.split.role == "rollout":
-        return rollout_main(ctx)  # a rollout process of a split run (rollout.procs)
+        # a rollout process of a split run (rollout.procs): the fixed schedule, or streaming (docs/async.md)
+        return (stream_rollout_main if ctx.cfg.rollout.mode == "stream" else rollout_main)(ctx)
     fit(ctx, RLTrainer(ctx, train_step, with_critic=False))
 
 

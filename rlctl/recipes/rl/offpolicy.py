@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from rlctl.config import RunConfig, save_every_steps
+from rlctl.recipes.rl.rollouts import PlannedPrompts
 from rlctl.runtime.dist import Split
 from rlctl.runtime.entry import RunContext
 
@@ -127,7 +128,7 @@ def receive_weights(split: Split, device: torch.device) -> Iterator[tuple[str, t
 # ---------------------------------------------------------------------------------------------------- trainer side
 
 
-class TrainerFeed:
+class TrainerFeed(PlannedPrompts):
     """A trainer's end, a :class:`~rlctl.recipes.rl.rollouts.SampleSource`: it receives each step's
     samples and sends the ``weights`` the rollout group needs over a run of ``total_steps``."""
 

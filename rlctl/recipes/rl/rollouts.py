@@ -45,6 +45,10 @@ class SampleSource(Protocol):
 
     stale: bool  # its samples may come from older weights (then the trainer's log-probs differ by design)
 
+    def indices(self, step: int, planned: list[int]) -> list[int]:
+        """Step ``step``'s prompts (dataset indices): the sampler's ``planned`` ones, or in a streaming run
+        (rlctl.recipes.rl.streaming) the groups the rollout process completed first."""
+
     def samples(self, shares: list[list[Prompt]], n: int, draw: int, metrics: Metrics) -> tuple[list, list]:
         """This rank's samples of ``shares`` (``n`` each) and the greedy ones remax needs (else [])."""
 
@@ -55,6 +59,25 @@ class SampleSource(Protocol):
         """The actor finished step ``step``'s update."""
 
     def close(self) -> None: ...
+
+    def state(self) -> dict:
+        """What a checkpoint keeps of it (a streaming run: the trained stream positions)."""
+
+    def restore(self, state: dict) -> None:
+        """A resumed run: what :meth:`state` saved."""
+
+
+class PlannedPrompts:
+    """The :class:`SampleSource` methods of a source that trains the sampler's prompts and keeps nothing."""
+
+    def indices(self, step: int, planned: list[int]) -> list[int]:
+        return planned
+
+    def state(self) -> dict:
+        return {}
+
+    def restore(self, state: dict) -> None:
+        pass
 
 
 def rollout_model_path(source, run_root: Path) -> str:
@@ -95,7 +118,7 @@ def prompt_images(prompts: list[Prompt]) -> list | None:
     return images if any(im is not None for im in images) else None
 
 
-class ColocatedRollout:
+class ColocatedRollout(PlannedPrompts):
     """This rank's rollout engine, beside its trainer: made now (``engine``) or at its first use
     (``make``), woken with the actor's weights when they moved, generating this rank's samples (or its
     multi-turn trajectories through ``agent_loop``)."""

@@ -69,7 +69,7 @@ class Sampling:
             with timed(m, "time/rollout"):
                 self.source.sleep()
             return batch, m
-        batch, generated = self.generate(self.stream.step(step), step)
+        batch, generated = self.generate(self.source.indices(step, self.stream.step(step)), step)
         with timed(generated, "time/rollout"):
             self.source.sleep()
         return batch, merged(generated, self.score(batch, step))

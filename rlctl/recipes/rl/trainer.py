@@ -27,6 +27,7 @@ from rlctl.recipes.rl.sampling import Sampling
 from rlctl.recipes.rl.scoring import RewardScorer
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.recipes.rl.stream import PromptStream
+from rlctl.recipes.rl.streaming import StreamFeed
 from rlctl.recipes.rl.teacher import Teacher
 from rlctl.recipes.rl.update import single_step, update_actor, update_critic
 from rlctl.rewards import needs_answer
@@ -146,10 +147,9 @@ class RLTrainer:
             make, self.weights, cfg, rank=d.rank, world_size=d.world_size, tp=tp, agent_loop=loop,
             needs_greedy=self.needs_greedy, engine=engine,
         )  # fmt: skip
+        feed = StreamFeed if cfg.rollout.mode == "stream" else TrainerFeed  # docs/async.md
         source = (
-            TrainerFeed(d.split, d.rank, cfg, self.weights, total_steps=self.total_steps, device=self.device)
-            if split
-            else own
+            feed(d.split, d.rank, cfg, self.weights, total_steps=self.total_steps, device=self.device) if split else own
         )
         return Sampling(
             cfg, self.data, self.stream, source, own, self.scorer, rank=d.rank, world_size=d.world_size,
@@ -376,10 +376,11 @@ class RLTrainer:
         }
 
     def state(self) -> dict:
-        return {"kl_coef": self.kl_ctl.value, "data_position": self.stream.cursor}
+        return {"kl_coef": self.kl_ctl.value, "data_position": self.stream.cursor, **self.sampling.source.state()}
 
     def load_state(self, state: dict) -> None:
         self.kl_ctl.value = float(state.get("kl_coef", self.kl_ctl.value))
+        self.sampling.source.restore(state)
         self.stream.restore(state.get("data_position"), int(state.get("step", 0)))
         self.sampling.evaluator.weights_unknown()  # the rollout engine still holds the initial weights
 
