@@ -231,8 +231,7 @@ def sync2_proc(rank, model_dir, seed, steps, port, out_q):
         engine.trainer_stepped()
         engine.ready(lambda: engine.update_weights(trainer.model.state_dict().items()))
         times.append((time.perf_counter() - began, upd, time.perf_counter() - ug - upd))
-    if rank == 0:
-        out_q.put({"times": times, "rewards": rewards, "gen": gen})
+    out_q.put({"rank": rank, "times": times, "rewards": rewards, "gen": gen})
     dist.destroy_process_group()
 
 
@@ -347,6 +346,10 @@ def run(mode, model_dir, seed, steps, staleness):
     for p in procs:
         p.start()
     result = out.get()
+    if mode == "sync2":  # rank 0's times; the rewards of both halves of the batch
+        other = out.get()
+        result, other = (result, other) if result["rank"] == 0 else (other, result)
+        result["rewards"] = [(a + b) / 2 for a, b in zip(result["rewards"], other["rewards"])]
     for p in procs:
         p.join(timeout=60)
         if p.is_alive():
