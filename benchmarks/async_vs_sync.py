@@ -421,7 +421,7 @@ def main() -> None:
 
 
 def analyse(rows, modes):
-    from rlctl.plan.streaming import StreamParts, predict_step_s
+    from rlctl.plan.streaming import StreamParts, predict_step_s, streaming_decision
 
     med = {
         m: {
@@ -450,6 +450,7 @@ def analyse(rows, modes):
             predicted = pred[b] / pred[a]
             out[f"{a}_over_{b}"] = {"measured": measured, "predicted": predicted, "error": predicted / measured - 1}
         out["parts"] = parts.__dict__
+        out["decision"] = streaming_decision(parts).to_dict()  # what the plan would say from these parts
     return out
 
 

@@ -26,7 +26,7 @@ Torch-free: the planner and the benchmark (benchmarks/async_vs_sync.py) read it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlctl.plan.types import Decision
 
@@ -59,24 +59,27 @@ def needed_staleness(p: StreamParts) -> int:
 
 
 def streaming_decision(p: StreamParts) -> Decision:
-    """``rollout.mode``: stream when it is predicted 10% faster than both others, with the staleness it needs."""
+    """``rollout.mode``: stream when it is predicted 10% faster than both others at the staleness asked, or
+    else at the staleness its latency limit needs (:func:`needed_staleness`), which the reason names."""
     s = predict_step_s(p)
     best_other = min(s["sync2"], s["offpolicy"])
-    pays = s["stream"] * 1.1 < best_other
+    at = p
+    if s["stream"] * 1.1 >= best_other and needed_staleness(p) > p.max_staleness:
+        at = replace(p, max_staleness=needed_staleness(p))  # the latency limit binds: more groups in flight
+    stream = predict_step_s(at)["stream"]
+    pays = stream * 1.1 < best_other
     limits = {
-        "trainer-bound": p.update_s + p.sync_s,
-        "rollout-bound": p.stream_generate_s,
-        "latency-bound (raise --max-staleness)": p.group_latency_s / (p.max_staleness + 1),
+        "trainer-bound": at.update_s + at.sync_s,
+        "rollout-bound": at.stream_generate_s,
+        "latency-bound": at.group_latency_s / (at.max_staleness + 1),
     }
     bound = max(limits, key=limits.get)
-    why = (
-        f"streaming predicted {s['stream']:.2f} s/update ({bound}) against synchronous {s['sync2']:.2f} and "
-        f"one-step-off {s['offpolicy']:.2f}: "
-        + (
-            f"it pays (x{best_other / s['stream']:.2f}) at --max-staleness {p.max_staleness}; the latency "
-            f"limit reaches the next one at --max-staleness {needed_staleness(p)}"
-            if pays
-            else "it does not pay (the update dominates, or lockstep turns cost little): keep rollout.mode=fixed"
-        )
+    head = (
+        f"streaming predicted {stream:.2f} s/update at --max-staleness {at.max_staleness} ({bound}) against "
+        f"synchronous {s['sync2']:.2f} and one-step-off {s['offpolicy']:.2f}: "
     )
-    return Decision("rollout.mode", "stream" if pays else "fixed", why)
+    if pays:
+        return Decision("rollout.mode", {"mode": "stream", "max_staleness": at.max_staleness},
+                        head + f"it pays (x{best_other / stream:.2f})")  # fmt: skip
+    why = head + "it does not pay (the update dominates, or lockstep turns cost little): keep rollout.mode=fixed"
+    return Decision("rollout.mode", {"mode": "fixed", "max_staleness": p.max_staleness}, why)
