@@ -158,7 +158,8 @@ class Trainer:
 
         torch.manual_seed(0)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        lr = float(os.environ.get("AVS_LR", LR))  # --lr (the spawned processes inherit the environment)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
 
     def loss(self, trajs, version: int):
         """Group-normalised advantages; the decoupled objective (prox = these weights, behaviour = the
@@ -365,6 +366,7 @@ def summarise(mode, r):
         "step_s": step_s,
         "throughput": BATCH * N / step_s,
         "reward": statistics.mean(r["rewards"]),
+        "rewards": r["rewards"],  # per update: the learning curve
         "U": statistics.median(t[1] for t in steady),
         "S": statistics.median(t[2] for t in steady),
     }
@@ -397,7 +399,9 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, default=2)
     ap.add_argument("--modes", default="sync2,offpolicy,stream")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--lr", type=float, default=LR)
     args = ap.parse_args()
+    os.environ["AVS_LR"] = str(args.lr)
     from rlctl.testing import build_tiny_model
 
     model_dir = build_tiny_model(Path(tempfile.mkdtemp(prefix="avs")) / "m", seed=0)
