@@ -192,8 +192,8 @@ class StreamRollout:
         self.sent, self.idle, self.works = start, 0.0, []
 
     def _prompt(self, k: int):
-        if len(self.position_of) >= (self.total - self.start) * self.batch + self.admission.capacity:
-            return None  # enough groups for every remaining update
+        """Group ``k``: the next untrained stream position (admission bounds how many run; the groups still
+        running when the trainers stop are dropped with the process, never trained or saved)."""
         pos = next(self.positions)
         self.position_of[k] = pos
         index = self.worker.stream.sampler.stream(pos, 1)[0]
