@@ -47,7 +47,7 @@ def test_stream_run_trains_with_bounded_staleness(tiny_model_dir, tmp_path):
     result = run_cli("grpo", *rl_args(tiny_model_dir, data, out, *args, "--rollout-mode", "stream"))
     assert result.returncode == 0, failure(result, out)
     recs = train_records(out)
-    assert [r["step"] for r in recs] == [0, 1, 2, 3]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
     assert all(0 <= r["async/staleness_max"] <= 1 for r in recs)
     assert recs[0]["async/staleness"] == 0.0  # the first batch: the initial weights, trained by update 0
     assert all(r["async/versions_per_trajectory"] >= 1 for r in recs)
@@ -73,5 +73,5 @@ def test_stream_run_resumed_trains_every_group_once(tiny_model_dir, tmp_path):
     assert resumed.returncode == 0, failure(resumed, out)
     final = json.loads((out / "checkpoints" / "step_000004" / "trainer_state.json").read_text())["stream_trained"]
     assert final["frontier"] + len(final["extra"]) == 8  # a position trained twice would count once
-    assert [r["step"] for r in train_records(out)] == [0, 1, 2, 3]
+    assert [r["step"] for r in train_records(out)] == [1, 2, 3, 4]
     assert all(r["async/staleness_max"] <= 2 for r in train_records(out))
