@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from rlctl.config import RunConfig, save_every_steps
+from rlctl.recipes.rl.inputs import RLInputs, build_inputs
 from rlctl.runtime.dist import Split
 from rlctl.runtime.entry import RunContext
 
@@ -204,28 +205,16 @@ class _timed:
 class RolloutWorker:
     """A rollout process: the run's prompts, sampler and rollout engine; generates for its trainers."""
 
-    def __init__(self, ctx: RunContext, dtype: str):
-        from rlctl.data.rl import build_rl_data
-        from rlctl.data.sft import use_chat_template
-        from rlctl.engines.base import load_tokenizer, model_source
-        from rlctl.recipes.rl.rollouts import rollout_model_path
-        from rlctl.recipes.rl.stream import PromptStream
+    def __init__(self, ctx: RunContext, inputs: RLInputs, dtype: str):
         from rlctl.rollout import RolloutSpec, make_rollout_engine
 
         cfg, d = ctx.cfg, ctx.dist
         self.cfg, self.split, self.device = cfg, d.split, d.device
-        source = model_source(cfg.model.name, random_init=cfg.model.random_init)
-        tokenizer = use_chat_template(load_tokenizer(source), cfg)
-        from rlctl.rewards import needs_answer
-
-        self.data = build_rl_data(
-            cfg, tokenizer, cache_dir=ctx.paths.data_cache, log=lambda _: None, answer_required=needs_answer(cfg)
-        )
-        self.stream = PromptStream(cfg, len(self.data.train))
+        self.data, self.stream = inputs.data, inputs.stream  # built as the trainers build theirs
         spec = RolloutSpec.from_config(cfg)
         self.engine = make_rollout_engine(
             spec.replace(
-                model_path=rollout_model_path(source, ctx.paths.root),  # random init: the trainers exported it
+                model_path=inputs.rollout_path,  # random init: the trainers exported it
                 device=f"cuda:{d.local_rank}" if d.device.type == "cuda" else "cpu",
                 dtype=dtype,
                 seed=spec.seed + self.split.global_rank,
@@ -262,7 +251,7 @@ def rollout_main(ctx: RunContext) -> None:
     kind, start, dtype = _broadcast_header(split, device)
     if kind == STOP:
         return
-    worker = RolloutWorker(ctx, DTYPES[dtype])
+    worker = RolloutWorker(ctx, build_inputs(ctx, log=lambda _: None), DTYPES[dtype])
     staleness, total = ctx.cfg.rollout.max_staleness, worker.stream.total_steps
     drains, version, pending = drain_points(ctx.cfg, start, total), None, []
     for step in range(start, total):

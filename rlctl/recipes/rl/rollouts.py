@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Protocol
 
 from rlctl.config import RunConfig
@@ -55,13 +54,6 @@ class SampleSource(Protocol):
         """The actor finished step ``step``'s update."""
 
     def close(self) -> None: ...
-
-
-def rollout_model_path(source, run_root: Path) -> str:
-    """The model every rollout engine loads first: the model's own files, or for a randomly initialised
-    model (no weights on disk) RUN/rollout_init, where the trainers export the actor's initial weights
-    before any rollout engine starts."""
-    return str(run_root / "rollout_init") if source.random_init else source.path
 
 
 def make_engine(cfg: RunConfig, dist, *, device, tp: int, path: str, dtype: str, evaluation_only: bool, log):
