@@ -15,7 +15,6 @@ from typing import Protocol
 from rlctl.config import RunConfig
 from rlctl.data.rl import Prompt
 from rlctl.errors import UserError
-from rlctl.recipes.rl.agent import run_agent
 from rlctl.recipes.rl.batch import sampling_params
 from rlctl.recipes.rl.metrics import Metrics, timed
 from rlctl.rollout import RolloutSpec
@@ -90,7 +89,7 @@ def prompt_images(prompts: list[Prompt]) -> list | None:
 class ColocatedRollout:
     """This rank's rollout engine, beside its trainer: made now (``engine``) or at its first use
     (``make``), woken with the actor's weights when they moved, generating this rank's samples (or its
-    multi-turn trajectories through ``agent_loop``)."""
+    multi-turn trajectories through ``turns``, rlctl.recipes.rl.turns)."""
 
     stale = False
 
@@ -103,13 +102,13 @@ class ColocatedRollout:
         rank: int,
         world_size: int,
         tp: int,
-        agent_loop=None,
+        turns,
         needs_greedy: bool = False,
         engine=None,
     ):
         self.make, self.weights, self.cfg, self.engine = make, weights, cfg, engine
         self.rank, self.world_size, self.tp = rank, world_size, tp
-        self.agent_loop, self.needs_greedy = agent_loop, needs_greedy
+        self.turns, self.needs_greedy = turns, needs_greedy  # rl.turns: SingleTurn | MultiTurn
         self.synced: int | None = 0  # the weights version the engine holds (None: unknown)
 
     @property
@@ -134,12 +133,10 @@ class ColocatedRollout:
         return samples, greedy
 
     def generate(self, shares: list[list[Prompt]], n: int, sampling) -> list:
-        """This rank's samples (:meth:`_group_generate`), or its multi-turn trajectories in agent runs."""
-        if self.agent_loop is None:
-            return self._group_generate(shares, n, sampling)
-        return run_agent(self.agent_loop, self.cfg, self.engine, shares[0], n, sampling)
+        """This rank's samples (:meth:`group_generate`), or its multi-turn trajectories in agent runs."""
+        return self.turns.generate(self, shares, n, sampling)
 
-    def _group_generate(self, shares: list[list[Prompt]], n: int, sampling) -> list:
+    def group_generate(self, shares: list[list[Prompt]], n: int, sampling) -> list:
         """Samples of this rank's prompts. ``shares[i]`` are the prompts of the i-th rank of this rank's
         rollout group (``rollout.tp`` consecutive ranks): a vLLM tensor-parallel group must generate the
         same requests on all its ranks, so the group generates every share and each rank keeps its own

@@ -15,7 +15,6 @@ from rlctl.engines import EngineSpec, build_engine
 from rlctl.engines.base import TrainEngine, write_model_meta
 from rlctl.errors import UserError
 from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
-from rlctl.recipes.rl.agent import make_agent_loop
 from rlctl.recipes.rl.batch import RolloutBatch, mask_truncated, token_budget
 from rlctl.recipes.rl.inputs import build_inputs
 from rlctl.recipes.rl.metrics import Metrics, merged, timed
@@ -26,6 +25,7 @@ from rlctl.recipes.rl.sampling import Sampling
 from rlctl.recipes.rl.scoring import RewardScorer
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.recipes.rl.teacher import Teacher
+from rlctl.recipes.rl.turns import make_turns
 from rlctl.recipes.rl.update import single_step, update_actor, update_critic
 from rlctl.rollout import RolloutSpec
 from rlctl.runtime.dist import all_gather_objects, barrier, global_sums
@@ -124,9 +124,9 @@ class RLTrainer:
             return make_engine(cfg, d, device=device, tp=tp, path=path, dtype=dtype, evaluation_only=split, log=ctx.log)
 
         engine = None if split else make()
-        loop = make_agent_loop(cfg, self.agent_spec, self.tokenizer, engine, tp)
+        turns = make_turns(cfg, self.agent_spec, self.tokenizer, engine, tp)  # single- or multi-turn, chosen once
         own = ColocatedRollout(
-            make, self.weights, cfg, rank=d.rank, world_size=d.world_size, tp=tp, agent_loop=loop,
+            make, self.weights, cfg, rank=d.rank, world_size=d.world_size, tp=tp, turns=turns,
             needs_greedy=self.needs_greedy, engine=engine,
         )  # fmt: skip
         source = (
@@ -136,7 +136,7 @@ class RLTrainer:
         )
         return Sampling(
             cfg, self.data, self.stream, source, own, self.scorer, rank=d.rank, world_size=d.world_size,
-            device=self.device, agent=loop is not None, needs_greedy=self.needs_greedy, log=ctx.log,
+            device=self.device, turns=turns, needs_greedy=self.needs_greedy, log=ctx.log,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ samples
@@ -314,10 +314,8 @@ class RLTrainer:
                 }
                 if len(b.reward_parts) == len(b):  # every component, unweighted: the automatic one, an environment's
                     rec["rewards"] = b.reward_parts[i]
-                if b.trajectories:  # the whole conversation, with roles and tool calls
-                    t = b.trajectories[i]
-                    rec.update(messages=t.logged_messages(), turns=t.turns, finish_reason=t.finish_reason)
-                    rec.setdefault("rewards", t.rewards)
+                for key, value in self.sampling.turns.logged(b.trajectories[i]).items():  # agent runs: the talk
+                    rec.setdefault(key, value)
                 f.write(json.dumps(rec) + "\n")
 
     # ------------------------------------------------------------------ what rlctl.runtime.fit needs
