@@ -13,8 +13,8 @@ from rlctl.data.rl import RLData, build_rl_data
 from rlctl.data.sft import use_chat_template
 from rlctl.engines.base import ModelSource, load_tokenizer, load_vision_processor, model_source
 from rlctl.errors import UserError
-from rlctl.recipes.rl.agent import load_agent
 from rlctl.recipes.rl.stream import PromptStream
+from rlctl.recipes.rl.turns import load_agent
 from rlctl.rewards import needs_answer
 from rlctl.runtime.entry import RunContext
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rlctl.recipes.rl.batch import RolloutBatch
+from rlctl.recipes.rl.inputs import build_inputs
 from rlctl.recipes.rl.metrics import Metrics, merged
 from rlctl.recipes.rl.offpolicy import rollout_main
 from rlctl.recipes.rl.trainer import RLTrainer
@@ -45,5 +46,6 @@ def rl_main(ctx: RunContext) -> None:
     """A rank of a GRPO or PPO run: a trainer under :func:`rlctl.runtime.fit.fit`, or a split run's rollout
     process (``rollout.procs``, :mod:`rlctl.recipes.rl.offpolicy`)."""
     if ctx.dist.split is not None and ctx.dist.split.role == "rollout":
-        return rollout_main(ctx)
-    fit(ctx, RLTrainer(ctx, rl_step, with_critic=METHODS[ctx.cfg.method].with_critic))
+        return rollout_main(ctx, lambda: build_inputs(ctx, log=lambda _: None))  # the trainers log the data
+    inputs = build_inputs(ctx, ctx.log)  # model source, tokenizer, tools, data, stream, rollout-init path
+    fit(ctx, RLTrainer(ctx, inputs, rl_step, with_critic=METHODS[ctx.cfg.method].with_critic))

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from rlctl.config import RunConfig, save_every_steps
-from rlctl.recipes.rl.inputs import RLInputs, build_inputs
+from rlctl.recipes.rl.inputs import RLInputs
 from rlctl.runtime.dist import Split
 from rlctl.runtime.entry import RunContext
 
@@ -244,14 +244,15 @@ class RolloutWorker:
         return works
 
 
-def rollout_main(ctx: RunContext) -> None:
-    """A rollout process's whole run: wait for the trainers' START, then generate every batch from the
-    weights :func:`weights_version` names, until the batches run out or the trainers say STOP."""
+def rollout_main(ctx: RunContext, inputs: Callable[[], RLInputs]) -> None:
+    """A rollout process's whole run: wait for the trainers' START, build the run's ``inputs`` (as the
+    trainers built theirs: the data cache is theirs by then), then generate every batch from the weights
+    :func:`weights_version` names, until the batches run out or the trainers say STOP."""
     split, device = ctx.dist.split, ctx.dist.device
     kind, start, dtype = _broadcast_header(split, device)
     if kind == STOP:
         return
-    worker = RolloutWorker(ctx, build_inputs(ctx, log=lambda _: None), DTYPES[dtype])
+    worker = RolloutWorker(ctx, inputs(), DTYPES[dtype])
     staleness, total = ctx.cfg.rollout.max_staleness, worker.stream.total_steps
     drains, version, pending = drain_points(ctx.cfg, start, total), None, []
     for step in range(start, total):

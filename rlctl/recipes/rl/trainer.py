@@ -16,7 +16,7 @@ from rlctl.engines.base import TrainEngine, write_model_meta
 from rlctl.errors import UserError
 from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
 from rlctl.recipes.rl.batch import RolloutBatch, mask_truncated, token_budget
-from rlctl.recipes.rl.inputs import build_inputs
+from rlctl.recipes.rl.inputs import RLInputs
 from rlctl.recipes.rl.metrics import Metrics, merged, timed
 from rlctl.recipes.rl.offpolicy import TrainerFeed
 from rlctl.recipes.rl.passes import compute_logprobs, compute_values
@@ -59,17 +59,17 @@ class RLTrainer:
     :class:`~rlctl.recipes.rl.sampling.Sampling` (the step's samples and validation, from the run's sample
     source: this rank's own rollout engine, or the rollout processes of a split run)."""
 
-    def __init__(self, ctx: RunContext, recipe_step: RecipeStep, *, with_critic: bool):
+    def __init__(self, ctx: RunContext, inputs: RLInputs, recipe_step: RecipeStep, *, with_critic: bool):
         cfg, d = ctx.cfg, ctx.dist
         self.ctx, self.cfg, self.dist = ctx, cfg, d
-        self.recipe_step = recipe_step  # the recipe's steps in order (rlctl.recipes.grpo / ppo)
+        self.recipe_step = recipe_step  # the step (rlctl.recipes.rl.main.rl_step)
         # an unknown name: a one-line error naming the registered ones; needs_greedy: remax's greedy baseline
         self.needs_greedy = get_adv_estimator(cfg.algo.adv).needs_greedy
         # the same check as before launch (rlctl.checks), for a run directory written by other means
         check_algorithm(cfg)
         self.algo = a = AlgoSpec.from_config(cfg)  # the typed algorithm every step reads
 
-        inputs = build_inputs(ctx, ctx.log)  # as a split run's rollout processes build them (rl.inputs)
+        # built once per process (rl.inputs), as a split run's rollout processes build theirs
         self.source, self.tokenizer, self.data = inputs.source, inputs.tokenizer, inputs.data
         self.agent_spec, self.vision, self.rollout_path = inputs.agent_spec, inputs.vision, inputs.rollout_path
         self.pad_id = self.tokenizer.pad_token_id
