@@ -64,7 +64,8 @@ def test_split_run_evaluation_engine_fits_beside_the_trainer(monkeypatch):
     d = SimpleNamespace(rank=0, world_size=6, local_rank=0, local_world_size=6)
     # a split run's trainer: its samples come from the rollout processes, its engine evaluates only
     device = torch.device("cuda", 0)
-    make_engine(cfg, d, device=device, tp=1, path="/model", dtype="bf16", evaluation_only=True, log=lambda line: None)
+    run_spec = RolloutSpec.from_config(cfg).replace(model_path="/model")  # as rlctl.recipes.rl.inputs builds it
+    make_engine(cfg, d, run_spec, device=device, dtype="bf16", evaluation_only=True, log=lambda line: None)
     (spec,) = built
     # what the trainer holds on its GPU while it evaluates, from the estimate's training phase
     parts = plan.estimate.phases["training"].components

@@ -1,6 +1,6 @@
 """What every process of an RL run builds from its config before it trains or generates: the model's
-source, tokenizer, tools and image processor, the prompts and their stream, and the path each rollout
-engine loads first. :func:`build_inputs` builds them once per process; the trainer
+source, tokenizer, tools and image processor, the prompts and their stream, and the rollout spec with
+the path each rollout engine loads first. :func:`build_inputs` builds them once per process; the trainer
 (:class:`~rlctl.recipes.rl.trainer.RLTrainer`) and a split run's rollout process
 (:class:`~rlctl.recipes.rl.offpolicy.RolloutWorker`) are given them, neither derives them again."""
 
@@ -16,6 +16,7 @@ from rlctl.errors import UserError
 from rlctl.recipes.rl.stream import PromptStream
 from rlctl.recipes.rl.turns import load_agent
 from rlctl.rewards import needs_answer
+from rlctl.rollout import RolloutSpec
 from rlctl.runtime.entry import RunContext
 
 
@@ -27,7 +28,8 @@ class RLInputs:
     vision: object | None  # a VL model's image processor
     data: RLData
     stream: PromptStream  # the step sampler and the data position
-    rollout_path: str  # what every rollout engine loads first (a random init: RUN/rollout_init)
+    # rollout.*, with model_path: what every rollout engine loads first (a random init: RUN/rollout_init)
+    rollout: RolloutSpec
 
 
 def build_inputs(ctx: RunContext, log: Callable[[str], None]) -> RLInputs:
@@ -51,4 +53,5 @@ def build_inputs(ctx: RunContext, log: Callable[[str], None]) -> RLInputs:
     )
     # the trainers export a random init's first weights there before any rollout engine starts
     path = str(ctx.paths.rollout_init) if source.random_init else source.path
-    return RLInputs(source, tokenizer, agent_spec, vision, data, PromptStream(cfg, len(data.train)), path)
+    rollout = RolloutSpec.from_config(cfg).replace(model_path=path)  # each process sets its device, dtype, seed
+    return RLInputs(source, tokenizer, agent_spec, vision, data, PromptStream(cfg, len(data.train)), rollout)

@@ -206,15 +206,14 @@ class RolloutWorker:
     """A rollout process: the run's prompts, sampler and rollout engine; generates for its trainers."""
 
     def __init__(self, ctx: RunContext, inputs: RLInputs, dtype: str):
-        from rlctl.rollout import RolloutSpec, make_rollout_engine
+        from rlctl.rollout import make_rollout_engine
 
         cfg, d = ctx.cfg, ctx.dist
         self.cfg, self.split, self.device = cfg, d.split, d.device
         self.data, self.stream = inputs.data, inputs.stream  # built as the trainers build theirs
-        spec = RolloutSpec.from_config(cfg)
+        spec = inputs.rollout  # its model_path: the trainers exported a random init there
         self.engine = make_rollout_engine(
             spec.replace(
-                model_path=inputs.rollout_path,  # random init: the trainers exported it
                 device=f"cuda:{d.local_rank}" if d.device.type == "cuda" else "cpu",
                 dtype=dtype,
                 seed=spec.seed + self.split.global_rank,

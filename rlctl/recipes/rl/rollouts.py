@@ -55,13 +55,13 @@ class SampleSource(Protocol):
     def close(self) -> None: ...
 
 
-def make_engine(cfg: RunConfig, dist, *, device, tp: int, path: str, dtype: str, evaluation_only: bool, log):
-    """This rank's rollout engine: the run's RolloutSpec with this rank's weights (``path``), device,
-    ``dtype`` and seed. ``evaluation_only``: a split run's trainer, on a GPU beside its training states."""
+def make_engine(cfg: RunConfig, dist, spec: RolloutSpec, *, device, dtype: str, evaluation_only: bool, log):
+    """This rank's rollout engine: the run's ``spec`` (rlctl.recipes.rl.inputs: its weights' path set) with
+    this rank's device, ``dtype`` and seed. ``evaluation_only``: a split run's trainer, on a GPU beside its
+    training states."""
     from rlctl.rollout import make_rollout_engine
 
-    spec = RolloutSpec.from_config(cfg)
-    beside = ""
+    tp, beside = spec.tp, ""
     if evaluation_only:
         spec = spec.replace(mem_fraction=cfg.rollout.eval_mem_fraction or spec.mem_fraction)
         beside = f", memory fraction {spec.mem_fraction:.2f} beside the trainer (rollout.eval_mem_fraction)"
@@ -70,7 +70,6 @@ def make_engine(cfg: RunConfig, dist, *, device, tp: int, path: str, dtype: str,
     check_rollout_in_node(tp, dist.local_world_size)
     engine = make_rollout_engine(
         spec.replace(
-            model_path=path,
             device=f"cuda:{dist.local_rank}" if device.type == "cuda" else "cpu",
             dtype=dtype,
             seed=spec.seed + dist.rank,

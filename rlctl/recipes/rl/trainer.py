@@ -27,7 +27,6 @@ from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.recipes.rl.teacher import Teacher
 from rlctl.recipes.rl.turns import make_turns
 from rlctl.recipes.rl.update import single_step, update_actor, update_critic
-from rlctl.rollout import RolloutSpec
 from rlctl.runtime.dist import all_gather_objects, barrier, global_sums
 from rlctl.runtime.entry import RunContext
 
@@ -71,7 +70,7 @@ class RLTrainer:
 
         # built once per process (rl.inputs), as a split run's rollout processes build theirs
         self.source, self.tokenizer, self.data = inputs.source, inputs.tokenizer, inputs.data
-        self.agent_spec, self.vision, self.rollout_path = inputs.agent_spec, inputs.vision, inputs.rollout_path
+        self.agent_spec, self.vision, self.rollout_spec = inputs.agent_spec, inputs.vision, inputs.rollout
         self.pad_id = self.tokenizer.pad_token_id
         ctx.log(f"data: {self.data.report.summary()}; {len(self.data.train)} train / {len(self.data.val)} val prompts")
         self.scorer = RewardScorer.for_run(cfg, self.data, self.tokenizer, d.device, ctx.log)
@@ -114,14 +113,14 @@ class RLTrainer:
         first evaluation only."""
         cfg, d, ctx = self.cfg, self.dist, self.ctx
         split = d.split is not None
-        tp = RolloutSpec.from_config(cfg).tp
-        path = self.rollout_path
+        spec = self.rollout_spec
+        tp = spec.tp
         if self.source.random_init:  # no weights on disk: the rollout engines start from the actor's (collective)
-            self.actor.export_hf(path, ctx.paths.model_meta)
+            self.actor.export_hf(spec.model_path, ctx.paths.model_meta)
 
         def make():
             dtype, device = self.weights.dtype, self.device
-            return make_engine(cfg, d, device=device, tp=tp, path=path, dtype=dtype, evaluation_only=split, log=ctx.log)
+            return make_engine(cfg, d, spec, device=device, dtype=dtype, evaluation_only=split, log=ctx.log)
 
         engine = None if split else make()
         turns = make_turns(cfg, self.agent_spec, self.tokenizer, engine, tp)  # single- or multi-turn, chosen once
