@@ -47,5 +47,5 @@ def rl_main(ctx: RunContext) -> None:
     process (``rollout.procs``, :mod:`rlctl.recipes.rl.offpolicy`)."""
     if ctx.dist.split is not None and ctx.dist.split.role == "rollout":
         return rollout_main(ctx, lambda: build_inputs(ctx, log=lambda _: None))  # the trainers log the data
-    inputs = build_inputs(ctx, ctx.log)  # model source, tokenizer, tools, data, stream, rollout-init path
+    inputs = build_inputs(ctx, ctx.log)  # model source, tokenizer, tools, data, stream, rollout spec
     fit(ctx, RLTrainer(ctx, inputs, rl_step, with_critic=METHODS[ctx.cfg.method].with_critic))
