@@ -3,8 +3,8 @@
 - :mod:`.main`: :func:`~.main.rl_main` and :func:`~.main.rl_step`, the one entry and step of GRPO and PPO
   (:data:`~.main.METHODS`: what differs between them, as data)
 - :mod:`.inputs`: :class:`~.inputs.RLInputs`, what a process builds once from the config (model source,
-  tokenizer, tools, prompts and their stream, the rollout spec with the rollout-init path) and hands to the trainer or the
-  rollout worker
+  tokenizer, tools, prompts and their stream, the rollout spec with the rollout-init path) and hands to the
+  trainer or the rollout worker
 - :mod:`.turns`: single-turn and multi-turn runs as two objects chosen once; every sample a trajectory
 - :mod:`.spec`: :class:`~.spec.AlgoSpec`, the algorithm read once from the resolved config
 - :mod:`.batch`: which prompts a rank takes, :class:`~.batch.RolloutBatch`, packed micro-batches
