@@ -90,7 +90,7 @@ def resolve(value: Any, timeout_s: float) -> Any:
         return future.result(timeout_s if timeout_s > 0 else None)
     except concurrent.futures.TimeoutError:
         future.cancel()
-        raise Overrun(f"took longer than {timeout_s:g} s") from None
+        raise Overrun(timeout_s) from None  # guarded() reports it as a timeout (Result.why says it)
 
 
 def error_text(exc: BaseException) -> str:
