@@ -17,6 +17,7 @@ flight at a checkpoint are never saved half-done and no group is lost.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from rlctl.recipes.rl.offpolicy import (
     DTYPES,
@@ -170,13 +171,13 @@ class Notices:
 class StreamRollout:
     """The rollout process of a streaming run (module docstring)."""
 
-    def __init__(self, ctx: RunContext, start: int, dtype: str, trained: Trained):
+    def __init__(self, ctx: RunContext, inputs, start: int, dtype: str, trained: Trained):
         from rlctl.algos.admission import Admission
         from rlctl.recipes.rl.batch import sampling_params
         from rlctl.rollout.streaming import PoolSettings, StreamingPool
 
         cfg, self.split, self.device = ctx.cfg, ctx.dist.split, ctx.dist.device
-        self.cfg, self.worker = cfg, RolloutWorker(ctx, dtype)
+        self.cfg, self.worker = cfg, RolloutWorker(ctx, inputs, dtype)
         stream = self.worker.stream
         self.batch, self.total, self.start = stream.batch_size, stream.total_steps, start
         self.admission = Admission(self.batch, cfg.rollout.max_staleness, version=start)
@@ -266,15 +267,16 @@ class StreamRollout:
                 self.idle += time.perf_counter() - began
 
 
-def stream_rollout_main(ctx: RunContext) -> None:
-    """A streaming run's rollout process: the trainers' START, the trained positions, the first weights,
-    then :meth:`StreamRollout.run` until the trainers' STOP."""
+def stream_rollout_main(ctx: RunContext, inputs: Callable) -> None:
+    """A streaming run's rollout process: the trainers' START, the run's ``inputs`` (built as the trainers
+    built theirs), the trained positions, the first weights, then :meth:`StreamRollout.run` until the
+    trainers' STOP."""
     split, device = ctx.dist.split, ctx.dist.device
     kind, start, dtype = _broadcast_header(split, device)
     if kind == STOP:
         return
     t = _broadcast_object(split, device)
-    roll = StreamRollout(ctx, start, DTYPES[dtype], Trained(int(t["frontier"]), set(t["extra"])))
+    roll = StreamRollout(ctx, inputs(), start, DTYPES[dtype], Trained(int(t["frontier"]), set(t["extra"])))
     kind, version, _ = _broadcast_header(split, device)
     if kind == STOP:
         return
