@@ -208,7 +208,7 @@ def test_lora_yields_merged_weights(tiny_model_dir, data_file, tmp_path):
     cfg = make_cfg(tiny_model_dir, data_file, tmp_path, lora__rank=4, lora__alpha=8, lora__targets="q_proj,v_proj")
     engine = make_engine(cfg, total_steps=1)
     assert engine.lora_info()["r"] == 4
-    trainable = [n for n, p in engine._state_module.named_parameters() if p.requires_grad]
+    trainable = [n for n, p in engine.parts.state.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     # peft initialises B to zero: give it values so the merge matters
     q = engine.model.model.layers[0].self_attn.q_proj
@@ -383,7 +383,7 @@ def test_lora_keeps_the_frozen_base_in_the_compute_dtype(tiny_model_dir, data_fi
 
     cfg = make_cfg(tiny_model_dir, data_file, tmp_path, lora__rank=4, lora__targets="q_proj,v_proj")
     engine = FSDPEngine(cpu_spec(cfg, dtype="bf16"), total_steps=1)
-    params = dict(engine._state_module.named_parameters())
+    params = dict(engine.parts.state.named_parameters())
     adapters = {n: p for n, p in params.items() if p.requires_grad}
     assert adapters and all("lora_" in n for n in adapters)
     assert {p.dtype for p in adapters.values()} == {torch.float32}
@@ -401,7 +401,7 @@ def test_lora_keeps_the_frozen_base_in_the_compute_dtype(tiny_model_dir, data_fi
     assert {p.dtype for p in adapters.values()} == {torch.float32}
     # on CPU without a forced dtype everything stays fp32
     plain = FSDPEngine(cpu_spec(cfg), total_steps=1)
-    assert {p.dtype for p in plain._state_module.parameters()} == {torch.float32}
+    assert {p.dtype for p in plain.parts.state.parameters()} == {torch.float32}
 
 
 class _RecordingEngine:
