@@ -80,7 +80,7 @@ class FSDPEngine(TrainEngine):
         source: ModelSource | None = None,
     ):
         self._setup(spec, role=role, trainable=trainable, total_steps=total_steps, source=source)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.world = dist.get_world_size()
         self.dims = self._parallel_dims(spec)
         self.compute_dtype = self._compute_dtype(spec)
         self.attn = self._attn(spec)
@@ -101,7 +101,8 @@ class FSDPEngine(TrainEngine):
         self.varlen = self.adapter.varlen(self.attn)
         flash = self.attn == "flash_attention_2"  # flash-attn's varlen kernel per document
         self.calls = ulysses.UlyssesCalls(self.dims, flash=flash) if self.dims.sp > 1 else PlainCalls()
-        self.parts = build_sharded_model(self._build_spec(spec), self._placement())
+        self.placement = self._placement()
+        self.parts = build_sharded_model(self._build_spec(spec), self.placement)
         self.model = self.parts.root
         self.optimizer = None
         if trainable:
@@ -199,8 +200,7 @@ class FSDPEngine(TrainEngine):
         stack = contextlib.ExitStack()
         if self.spec.offload_activations and self.trainable and torch.is_grad_enabled():
             stack.enter_context(HostActivations(self.device))
-        mixed = self.param_dtype == torch.float32 and self.compute_dtype != torch.float32
-        if not self.sharded and mixed:
+        if not self.sharded and self.placement.precision.mixed:
             stack.enter_context(torch.autocast(self.device.type, dtype=self.compute_dtype))
         return stack
 

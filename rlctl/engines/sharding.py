@@ -15,7 +15,9 @@ what to build (:class:`BuildSpec`: the adapter, weights, attention, LoRA) and wh
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,9 @@ from rlctl.engines.modules import _non_persistent_buffers
 from rlctl.engines.savers import checkpoint_mlp
 from rlctl.engines.spec import LoraSpec
 from rlctl.errors import UserError, did_you_mean
+
+if TYPE_CHECKING:
+    from rlctl.engines.base import ModelSource
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,7 @@ class BuildSpec:
     """What to build."""
 
     adapter: ModelAdapter
-    source: object  # rlctl.engines.base.ModelSource: where the weights come from
+    source: ModelSource  # where the weights come from
     hf_config: object  # the transformers config (the meta model shares it; rank 0's copy does not)
     attn: str
     lora: LoraSpec | None  # None: no adapters (full fine-tuning, or a frozen model)
@@ -72,7 +77,7 @@ class BuildSpec:
     seed: int  # random weights, LoRA's A, the value head
     activation_checkpointing: bool
     selective_checkpointing: bool
-    install_attention: object  # (hf config) -> None: the attention the engine calls with (PlainCalls, UlyssesCalls)
+    install_attention: Callable[[object], None]  # (hf config): the attention the engine calls with (its calls')
 
 
 @dataclass(frozen=True)
@@ -174,7 +179,7 @@ def _apply_fsdp(spec: BuildSpec, placement: Placement, parts: ModelParts) -> Non
     mesh = init_device_mesh(placement.device.type, (placement.dims.world,), mesh_dim_names=("dp",))
     precision = placement.precision
     mp = MixedPrecisionPolicy()
-    if placement.trainable and not precision.pure_bf16 and precision.compute != torch.float32:
+    if placement.trainable and precision.mixed:  # (pure bf16 and frozen models: one dtype throughout)
         mp = MixedPrecisionPolicy(param_dtype=precision.compute, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=True) if placement.offload else OffloadPolicy()
     for unit in units:
