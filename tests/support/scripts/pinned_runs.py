@@ -43,6 +43,25 @@ def grpo_packed(models, tmp, run):
     return "grpo", _rl(models["tiny"], tmp, run, "--max-steps", "3", "--kl-coef", "0.001", "--eval-every", "2")
 
 
+def grpo_unshared(models, tmp, run):
+    """Packed rows without shared prefixes: eager attention cannot run per-block masks (FSDPEngine.shares_prefix)."""
+    return "grpo", _rl(models["tiny"], tmp, run, "--max-steps", "2", "--set", "model.attn=eager")
+
+
+def grpo_vl(models, tmp, run):
+    """A tiny Qwen2-VL on pictures (examples/vlm_colors): images in the rollout, shared-prefix passes with sdpa."""
+    sys.path.insert(0, str(REPO / "examples" / "vlm_colors"))
+    import colors
+
+    data = colors.write_rl_parquet(tmp / "rl.parquet", colors.make_pictures(8, seed=3))
+    return "grpo", [
+        "--model", str(models["vl"]), "--data", str(data), "--output-dir", str(run), "--device", "cpu",
+        "--nproc", "2", "--batch-size", "4", "--n", "4", "--max-prompt-len", "128", "--max-response-len", "6",
+        "--lr", "1e-2", "--rollout", "hf", "--reward", f"{REWARDS}:digits", "--set", "model.attn=sdpa",
+        "--max-steps", "2", "--samples-every", "1", "--set", "checkpoint.export_hf=false",
+    ]  # fmt: skip
+
+
 def grpo_dynamic(models, tmp, run):
     args = _rl(models["tiny"], tmp, run, "--max-steps", "3", "--dynamic-sampling", "--set", "algo.dynamic_max_rounds=3")
     args[args.index("--reward") + 1] = f"{REWARDS}:digits_when_odd"
@@ -79,20 +98,6 @@ def ppo_sp_lora(models, tmp, run):
     """A PPO critic (its value head, values gathered over the SP group) and LoRA adapters on actor and critic."""
     extra = ("--max-steps", "2", "--n", "4", "--mini-batch-size", "2", "--sp", "2", "--lora-rank", "8")
     return "ppo", _rl(models["tiny"], tmp, run, *extra, "--set", "algo.critic_lr=5e-3")
-
-
-def grpo_vl(models, tmp, run):
-    """A tiny Qwen2-VL (its vision tower, mrope positions, shared-prefix rows with images) on 2 ranks."""
-    sys.path.insert(0, str(REPO / "examples" / "vlm_colors"))
-    import colors
-
-    data = colors.write_rl_parquet(tmp / "rl.parquet", colors.make_pictures(16, seed=3))
-    return "grpo", [
-        "--model", str(models["vl"]), "--data", str(data), "--output-dir", str(run), "--device", "cpu",
-        "--nproc", "2", "--batch-size", "4", "--n", "4", "--max-prompt-len", "128", "--max-response-len", "6",
-        "--lr", "1e-2", "--rollout", "hf", "--reward", f"{REWARDS}:digits", "--set", "model.attn=sdpa",
-        "--max-steps", "2", "--samples-every", "1", "--set", "checkpoint.export_hf=false",
-    ]  # fmt: skip
 
 
 def sft_vl_lora(models, tmp, run):
@@ -137,8 +142,8 @@ def sft(models, tmp, run):
 RUNS = {
     f.__name__: f
     for f in (
-        *(grpo_packed, grpo_dynamic, grpo_remax, grpo_split, grpo_split_random_init, ppo, grpo_tools, sft),
-        *(grpo_sp, ppo_sp_lora, grpo_vl, sft_vl_lora),
+        *(grpo_packed, grpo_unshared, grpo_vl, grpo_dynamic, grpo_remax, grpo_split, grpo_split_random_init),
+        *(ppo, grpo_tools, sft, grpo_sp, ppo_sp_lora, sft_vl_lora),
     )
 }
 
