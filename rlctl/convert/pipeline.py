@@ -8,6 +8,7 @@ verified; it may never be, contain or sit inside an input (convert never destroy
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -72,12 +73,11 @@ def convert_source(
     fold = layout.has_lora and not keep_adapter
     tensors = lora.merged_tensors(source, layout, spec) if fold else lora.base_tensors(source, layout)
 
-    def add_adapter(tmp: Path) -> None:
+    def add_adapter(tmp: Path) -> None:  # a kept LoRA goes beside the model before it is verified
         lora.write_adapter(tmp / "adapter", layout, spec, target)
 
-    def check(tmp: Path):
-        return _verify(tmp, source, layout, spec, meta_dir, adapter_dir, keep_adapter=keep_adapter, dtype=target)
-
+    kw = dict(source=source, layout=layout, spec=spec, meta_dir=meta_dir, adapter_dir=adapter_dir)
+    check = functools.partial(_verify, **kw, keep_adapter=keep_adapter, dtype=target)  # check(tmp): its verdict
     written = write_verified(
         out_dir,
         tensors,
