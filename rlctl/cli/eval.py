@@ -146,18 +146,24 @@ def run_eval(
         "rollout.max_response_len": max_new_tokens,
         "agent.tools": tools,
         "agent.env": env,
-        **({"reward.fn": reward[0]} if reward and len(reward) == 1 else {"reward.fns": reward} if reward else {}),
+        **_reward_option(reward),
     }
     cfg, config_file = eval_config(model_or_run, options, sets or [])
     from rlctl.evaluate.run import EvalSettings, check_rows
-
-    check_rows(cfg.data.path, cfg.data.split)
     from rlctl.evaluate.settings import load_tools
 
+    check_rows(cfg.data.path, cfg.data.split)
     agent = load_tools(cfg)  # None without --tools / --env
     settings = dict(n=n, ks=tuple(ks), temperature=temperature, top_p=top_p, top_k=top_k, engine=_engine(rollout))
     settings.update(tp=tp, mem_fraction=mem_fraction, limit=limit, seed=seed)
     _run(source, cfg, EvalSettings(**settings), agent, device, dtype, trust, config_file, json_, output)
+
+
+def _reward_option(reward: list[str] | None) -> dict:
+    """--reward as the config takes it: one function is reward.fn, several are reward.fns."""
+    if not reward:
+        return {}
+    return {"reward.fn": reward[0]} if len(reward) == 1 else {"reward.fns": reward}
 
 
 def _run(source, cfg, settings, agent, device, dtype, trust, config_file, json_: bool, output: Path | None) -> None:
