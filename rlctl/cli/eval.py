@@ -130,10 +130,7 @@ def run_eval(
     from rlctl.evaluate.settings import eval_config
     from rlctl.evaluate.source import check_source
 
-    if temperature is None:
-        temperature = 0.0 if n == 1 else 1.0
-    ks = sorted(set(k or [1, n]))
-    _check_sampling(n, ks, temperature)
+    ks, temperature = _sampling(n, k, temperature)
     _check_paths(data, output)
     source = check_source(model_or_run)
     options = {
@@ -157,6 +154,15 @@ def run_eval(
     settings = dict(n=n, ks=tuple(ks), temperature=temperature, top_p=top_p, top_k=top_k, engine=_engine(rollout))
     settings.update(tp=tp, mem_fraction=mem_fraction, limit=limit, seed=seed)
     _run(source, cfg, EvalSettings(**settings), agent, device, dtype, trust, config_file, json_, output)
+
+
+def _sampling(n: int, k: list[int] | None, temperature: float | None) -> tuple[list[int], float]:
+    """The pass@k list (default 1 and n) and the temperature (default greedy for one sample, else 1), checked."""
+    if temperature is None:
+        temperature = 0.0 if n == 1 else 1.0
+    ks = sorted(set(k or [1, n]))
+    _check_sampling(n, ks, temperature)
+    return ks, temperature
 
 
 def _reward_option(reward: list[str] | None) -> dict:

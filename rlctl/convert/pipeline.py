@@ -73,9 +73,7 @@ def convert_source(
     fold = layout.has_lora and not keep_adapter
     tensors = lora.merged_tensors(source, layout, spec) if fold else lora.base_tensors(source, layout)
 
-    def add_adapter(tmp: Path) -> None:  # a kept LoRA goes beside the model before it is verified
-        lora.write_adapter(tmp / "adapter", layout, spec, target)
-
+    add_adapter = functools.partial(_write_adapter, layout=layout, spec=spec, dtype=target)  # add_adapter(tmp)
     kw = dict(source=source, layout=layout, spec=spec, meta_dir=meta_dir, adapter_dir=adapter_dir)
     check = functools.partial(_verify, **kw, keep_adapter=keep_adapter, dtype=target)  # check(tmp): its verdict
     written = write_verified(
@@ -101,6 +99,11 @@ def convert_source(
         notes=list(notes or []),
         verdict=written.verdict,
     )
+
+
+def _write_adapter(tmp: Path, *, layout, spec, dtype) -> None:
+    """A kept LoRA adapter, written beside the model (in ``tmp/adapter``) before the model is verified."""
+    lora.write_adapter(tmp / "adapter", layout, spec, dtype)
 
 
 def _lora_spec(layout, adapter_dir: Path | None, *, keep_adapter: bool, where: str):
