@@ -183,7 +183,7 @@ def check_agent_files(cfg: RunConfig) -> None:
     a tool without a documented argument, a missing class or a bad verl YAML is one line before launch."""
     a = cfg.agent
     if cfg.method in ("grpo", "ppo") and (a.tools or a.env or a.interaction):
-        from rlctl.agents.tools import load_agent_spec
+        from rlctl.agents.spec import load_agent_spec
 
         load_agent_spec(tools=a.tools, env=a.env, interaction=a.interaction, timeout_s=a.tool_timeout_s)
 
@@ -195,7 +195,7 @@ def check_reward_source(cfg: RunConfig, rows: list[dict]) -> None:
     a = cfg.agent
     if cfg.method not in ("grpo", "ppo") or not (a.tools or a.env or a.interaction):
         return
-    from rlctl.agents.tools import load_agent_spec
+    from rlctl.agents.spec import load_agent_spec
     from rlctl.rewards.loader import default_for_data_source
     from rlctl.rewards.manager import env_weight
     from rlctl.rewards.spec import ENV_REWARDS, rule_specs
