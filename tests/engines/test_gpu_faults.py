@@ -515,6 +515,7 @@ def test_sequence_parallel_attention_takes_flash_attn_where_installed(monkeypatc
     import importlib.util
 
     from rlctl.engines import ulysses, varlen
+    from rlctl.engines.dims import sp_grid
     from rlctl.engines.fsdp import FSDPEngine
     from rlctl.engines.spec import EngineSpec
 
@@ -545,12 +546,12 @@ def test_sequence_parallel_attention_takes_flash_attn_where_installed(monkeypatc
         seen.update(out=out)
         return SimpleNamespace(logits=torch.zeros(1, len(kwargs["logits_to_keep"]), 5))
 
-    groups = ulysses.sp_groups(1, "cpu")
+    dims = sp_grid(1, "cpu")
     ids = torch.arange(8)[None]
     mb = SimpleNamespace(
         input_ids=ids, position_ids=ids, blocks=None, attention_mask=None, keep_cols=None, logit_index=None
     )
-    ulysses.forward(model, mb, groups, critic=False, flash=True)
+    ulysses.forward_logits(model, mb, dims, flash=True)
     assert calls and calls[0]["sequences"] == 1 and seen["out"].shape == (1, 8, 4, 16)
 
 
