@@ -346,6 +346,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout -x -a 'hf vll
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout-tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout-procs -l rollout-gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l max-staleness -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l rollout-mode -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward -x -a 'gsm8k gsm8k_flexible math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l teacher -x
@@ -449,6 +450,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout -x -a 'hf vllm
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout-tp -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout-procs -l rollout-gpus -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l max-staleness -x
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l rollout-mode -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward -x -a 'gsm8k gsm8k_flexible math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l reward-model -r -F

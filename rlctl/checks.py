@@ -154,6 +154,10 @@ def check_split(cfg: RunConfig, *, nproc: int, nodes: int) -> None:
         raise UserError(f"rollout.max_staleness={r.max_staleness} must be >= 0 (0: synchronous; 1: one step behind)")
     if r.procs < 0:
         raise UserError(f"rollout.procs={r.procs} must be >= 0 (0: no split; N: N processes only generate)")
+    from rlctl.config.async_rules import stream_problem
+
+    if problem := stream_problem(cfg):
+        raise UserError(problem)
     if not r.procs:
         return
     total = nproc * nodes
@@ -183,7 +187,7 @@ def check_agent_files(cfg: RunConfig) -> None:
     a tool without a documented argument, a missing class or a bad verl YAML is one line before launch."""
     a = cfg.agent
     if cfg.method in ("grpo", "ppo") and (a.tools or a.env or a.interaction):
-        from rlctl.agents.tools import load_agent_spec
+        from rlctl.agents.spec import load_agent_spec
 
         load_agent_spec(tools=a.tools, env=a.env, interaction=a.interaction, timeout_s=a.tool_timeout_s)
 
@@ -195,7 +199,7 @@ def check_reward_source(cfg: RunConfig, rows: list[dict]) -> None:
     a = cfg.agent
     if cfg.method not in ("grpo", "ppo") or not (a.tools or a.env or a.interaction):
         return
-    from rlctl.agents.tools import load_agent_spec
+    from rlctl.agents.spec import load_agent_spec
     from rlctl.rewards.loader import default_for_data_source
     from rlctl.rewards.manager import env_weight
     from rlctl.rewards.spec import ENV_REWARDS, rule_specs

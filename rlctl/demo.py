@@ -274,6 +274,21 @@ def prepare_out(out: Path) -> None:
 # The whole job
 
 
+class _Steps:
+    """Each step under a rule with its title, timed; a key met twice adds up (``times``)."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, title: str, key: str):
+        self.console.rule(f"[bold]{title}")
+        t0 = time.perf_counter()
+        yield
+        self.times[key] = self.times.get(key, 0.0) + time.perf_counter() - t0
+
+
 def run_demo(
     out: Path,
     *,
@@ -290,34 +305,15 @@ def run_demo(
     console = console or Console()
     size = QUICK if quick else FULL
     began = time.perf_counter()
-    times: dict[str, float] = {}
-
-    @contextmanager
-    def step(title: str, key: str):
-        console.rule(f"[bold]{title}")
-        t0 = time.perf_counter()
-        yield
-        times[key] = times.get(key, 0.0) + time.perf_counter() - t0
+    step = _Steps(console)
 
     prepare_out(out)
     base, data, sft_dir, grpo_dir = out / "base", out / "data", out / "sft", out / "grpo"
     with step("1/6  a tiny model from scratch", "model"):
-        n_params = build_model(base, size, seed)
-        console.print(
-            f"Qwen2 architecture, {size.layers} layers, hidden {size.hidden}, {n_params / 1e6:.2f}M "
-            f"parameters, random weights; tokenizer trained here, digits are single tokens ({base})"
-        )
+        _show_model(console, base, size, seed)
 
     with step("2/6  the task: two-digit addition", "data"):
-        train, heldout, slips = write_data(data, size, seed)
-        console.print(
-            f"{len(train)} training problems, {len(heldout)} held out (no overlap), e.g. "
-            f"'{heldout[0].question}' -> {heldout[0].answer}"
-        )
-        console.print(
-            f"SFT demonstrations by a sloppy teacher: {slips} of {len(train)} answers forget the carry "
-            f"(15 + 27 = 32); the GRPO reward checks the true sum (exact match)"
-        )
+        heldout = _show_data(console, data, size, seed)
 
     with step("3/6  rlctl sft: the answer format (and the teacher's habits)", "sft"):
         run_rlctl(console, "sft", sft_args(sft_dir, base, data / "sft.jsonl", size, nproc=nproc, seed=seed))
@@ -327,26 +323,39 @@ def run_demo(
         console.print(_accuracy_line("after SFT", before))
 
     with step(f"5/6  rlctl grpo --reward exact (rollout: {rollout})", "grpo"):
-        run_rlctl(
-            console,
-            "grpo",
-            grpo_args(
-                grpo_dir,
-                sft_dir / "hf",
-                data / "rl.jsonl",
-                size,
-                nproc=nproc,
-                seed=seed,
-                rollout=rollout,
-                val=data / "heldout.jsonl",
-            ),
-        )
+        rl_data, val = data / "rl.jsonl", data / "heldout.jsonl"
+        args = grpo_args(grpo_dir, sft_dir / "hf", rl_data, size, nproc=nproc, seed=seed, rollout=rollout, val=val)
+        run_rlctl(console, "grpo", args)
 
     with step("6/6  held-out accuracy after GRPO, and the exported model", "eval"):
         results = show_results(console, before, heldout, grpo_dir)
     total = time.perf_counter() - began
+    times = step.times
     console.print(f"total time {total / 60:.1f} min (" + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()) + ")")
     return {"before": before, **results, "times": times, "total_s": total}
+
+
+def _show_model(console: Console, base: Path, size: DemoSize, seed: int) -> None:
+    """Step 1: build the tiny model and say what it is."""
+    n_params = build_model(base, size, seed)
+    console.print(
+        f"Qwen2 architecture, {size.layers} layers, hidden {size.hidden}, {n_params / 1e6:.2f}M "
+        f"parameters, random weights; tokenizer trained here, digits are single tokens ({base})"
+    )
+
+
+def _show_data(console: Console, data: Path, size: DemoSize, seed: int) -> list[arith.Problem]:
+    """Step 2: write the task's data, say what it holds; return the held-out problems."""
+    train, heldout, slips = write_data(data, size, seed)
+    console.print(
+        f"{len(train)} training problems, {len(heldout)} held out (no overlap), e.g. "
+        f"'{heldout[0].question}' -> {heldout[0].answer}"
+    )
+    console.print(
+        f"SFT demonstrations by a sloppy teacher: {slips} of {len(train)} answers forget the carry "
+        f"(15 + 27 = 32); the GRPO reward checks the true sum (exact match)"
+    )
+    return heldout
 
 
 def show_results(console: Console, before: dict[str, float], heldout: list[arith.Problem], grpo_dir: Path) -> dict:

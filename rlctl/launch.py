@@ -322,33 +322,12 @@ def _run_ranks(cfg: RunConfig, plan: Plan, paths: RunPaths, lock) -> tuple[int, 
     progress.console.print(
         f"run directory: {inert(str(paths.root))}  (log: {inert(str(paths.train_log))})", soft_wrap=True
     )
-    signals = {"count": 0}
     with open(paths.train_log, "a") as log:
         log.write(f"$ {' '.join(argv)}\n")
         log.flush()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         lock.add_pid(proc.pid)  # the lock holds while torchrun lives, even if this process is killed
-
-        def on_signal(signum, frame):
-            signals["count"] += 1
-            workers = _worker_pids(proc.pid)
-            if signals["count"] == 1 and workers:
-                progress.console.print(
-                    "stopping: the ranks save a checkpoint first (Ctrl-C again to kill them)"
-                    if progress.last is not None
-                    else "stopping: the ranks stop before their first step ends (Ctrl-C again to kill them)"
-                )
-                for pid in workers:
-                    try:
-                        os.kill(pid, signal.SIGINT)
-                    except ProcessLookupError:
-                        pass
-            else:  # again, or before the ranks have started: stop everything
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM if signals["count"] <= 2 else signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
+        on_signal = _Stopper(proc, progress)
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         tail, samples = _MetricsTail(paths.metrics), _MetricsTail(paths.samples)
         tail.pos = paths.metrics.stat().st_size if paths.metrics.is_file() else 0
@@ -364,7 +343,36 @@ def _run_ranks(cfg: RunConfig, plan: Plan, paths: RunPaths, lock) -> tuple[int, 
         finally:
             for s, handler in old.items():
                 signal.signal(s, handler)
-    return proc.returncode, progress, signals["count"] > 0
+    return proc.returncode, progress, on_signal.count > 0
+
+
+class _Stopper:
+    """The run's SIGINT/SIGTERM handler: the first signal asks the ranks to stop (they save a checkpoint
+    first); another, or one before the ranks have started, stops torchrun's process group (SIGTERM, from
+    the third SIGKILL). ``count``: the signals received."""
+
+    def __init__(self, proc: subprocess.Popen, progress: _Progress) -> None:
+        self.proc, self.progress, self.count = proc, progress, 0
+
+    def __call__(self, signum, frame) -> None:
+        self.count += 1
+        workers = _worker_pids(self.proc.pid)
+        if self.count == 1 and workers:
+            self.progress.console.print(
+                "stopping: the ranks save a checkpoint first (Ctrl-C again to kill them)"
+                if self.progress.last is not None
+                else "stopping: the ranks stop before their first step ends (Ctrl-C again to kill them)"
+            )
+            for pid in workers:
+                try:
+                    os.kill(pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+        else:  # again, or before the ranks have started: stop everything
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM if self.count <= 2 else signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 class _RunFiles:

@@ -26,6 +26,7 @@ Device = Literal["cuda", "cpu"]  # hardware.device None: the plan decides (cuda 
 Launcher = Literal["torchrun", "slurm"]
 Backend = Literal["fsdp", "megatron"]  # parallel.backend None: the plan decides (by the model's size)
 RolloutEngine = Literal["hf", "vllm", "sglang"]  # rollout.engine None: the plan decides
+RolloutMode = Literal["fixed", "stream"]  # rollout.mode of a split run (docs/async.md)
 LossAgg = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LogBackend = Literal["console", "tensorboard", "wandb"]  # log.backends is a comma list of these
 KlKind = Literal["k1", "abs", "k2", "k3", "kl", "mse", "low_var_kl"]
@@ -51,6 +52,10 @@ MEANINGS: dict[Any, dict[str, str]] = {
     },
     Launcher: {"torchrun": "this node", "slurm": "write an sbatch script and submit it"},
     KlKind: {"kl": "= k1", "mse": "= k2", "low_var_kl": "= k3"},
+    RolloutMode: {
+        "fixed": "batch t from the weights after update t - S: reproducible",
+        "stream": "groups stream to the trainer as they finish, weights enter running trajectories",
+    },
     CorrectionMode: {
         "tis": "truncated importance weights min(w, U)",
         "mis": "masked importance weights: 0 outside [L, U] (IcePop)",

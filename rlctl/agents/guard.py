@@ -15,13 +15,48 @@ import inspect
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["Guarded", "error_text", "guarded", "resolve"]
+__all__ = ["Result", "error_text", "guarded", "resolve"]
 
 Status = Literal["ok", "error", "timeout", "busy"]
-Guarded = tuple[Status, Any]
-"""``("ok", value)``, ``("error", "Type: message")``, ``("timeout", None)`` or ``("busy", None)``."""
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a guarded call gave: ``ok`` (its ``value``), ``error`` (it raised: the exception's type and the
+    one-line ``error`` text, ``Type: message``), ``timeout`` (it ran over) or ``busy`` (not run: an earlier
+    call of the trajectory still holds its lock). :meth:`why` is a failure's one rendering as text."""
+
+    status: Status
+    value: Any = None
+    error_type: str = ""
+    error: str = ""
+
+    @classmethod
+    def raised(cls, error_type: str, error: str) -> Result:
+        return cls("error", error_type=error_type, error=error)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def message(self) -> str:
+        """The error without its leading ``Type: `` (what TRL and verl show of an exception)."""
+        if self.error == self.error_type:
+            return ""
+        return self.error.removeprefix(f"{self.error_type}: ")
+
+    def why(self, timeout_s: float) -> str:
+        """The failure in words: the error text, ``took longer than T s``, or that it was not run."""
+        if self.status == "error":
+            return self.error
+        if self.status == "busy":
+            return "was not run: an earlier call is still running"
+        return f"took longer than {timeout_s:g} s"
+
 
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_pid = 0
@@ -55,7 +90,7 @@ def resolve(value: Any, timeout_s: float) -> Any:
         return future.result(timeout_s if timeout_s > 0 else None)
     except concurrent.futures.TimeoutError:
         future.cancel()
-        raise Overrun(f"took longer than {timeout_s:g} s") from None
+        raise Overrun(timeout_s) from None  # guarded() reports it as a timeout (Result.why says it)
 
 
 def error_text(exc: BaseException) -> str:
@@ -63,24 +98,24 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
-def guarded(fn: Callable[[], Any], timeout_s: float, lock: threading.Lock | None = None) -> Guarded:
+def guarded(fn: Callable[[], Any], timeout_s: float, lock: threading.Lock | None = None) -> Result:
     """Run ``fn()`` (and await its result) in a daemon thread for at most ``timeout_s`` seconds (0: no limit).
 
     ``lock`` (one per trajectory) is taken without waiting: when it is held, by a call that ran over
     and is still running, the answer is ``("busy", None)`` at once.
     """
-    box: list[Guarded] = []
+    box: list[Result] = []
 
     def run() -> None:
         if lock is not None and not lock.acquire(blocking=False):
-            box.append(("busy", None))
+            box.append(Result("busy"))
             return
         try:
-            box.append(("ok", resolve(fn(), timeout_s)))
+            box.append(Result("ok", resolve(fn(), timeout_s)))
         except Overrun:
-            box.append(("timeout", None))
+            box.append(Result("timeout"))
         except BaseException as exc:  # noqa: BLE001 (any failure of a user's code is that call's error)
-            box.append(("error", error_text(exc)))
+            box.append(Result.raised(type(exc).__name__, error_text(exc)))
         finally:
             if lock is not None:
                 lock.release()
@@ -90,4 +125,4 @@ def guarded(fn: Callable[[], Any], timeout_s: float, lock: threading.Lock | None
     thread.join(timeout_s if timeout_s > 0 else None)
     if not box:
         thread.join(0.05)  # a coroutine cancelled right at the deadline reports itself
-    return box[0] if box else ("timeout", None)
+    return box[0] if box else Result("timeout")

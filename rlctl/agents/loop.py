@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rlctl.agents.parse import content_before_calls, parse_tool_calls
-from rlctl.agents.trajectory import Trajectory, assistant_message, render_delta
+from rlctl.agents.runner import run_calls as run_batch_calls
+from rlctl.agents.trajectory import ToolTurn, Trajectory, UserTurn, assistant_message, render_delta
 
 SEED_STRIDE = 7_919  # each later turn samples with seed + turn * SEED_STRIDE
 
@@ -59,10 +60,8 @@ class AgentLoop:
     """Runs the trajectories of one batch of prompts on a rollout engine."""
 
     def __init__(self, spec: Any, tokenizer: Any, settings: LoopSettings, stop_ids: set[int], run_calls=None):
-        if run_calls is None:
-            from rlctl.agents.tools import run_calls
         self.spec, self.tokenizer, self.settings = spec, tokenizer, settings
-        self.stop_ids, self.run_calls = set(stop_ids), run_calls
+        self.stop_ids, self.run_calls = set(stop_ids), run_calls or run_batch_calls
 
     def run(self, engine, prompts: list[AgentPrompt], n: int, sampling) -> list[Trajectory]:
         """``n`` trajectories per prompt, prompt-major (as ``engine.generate`` orders samples)."""
@@ -72,20 +71,19 @@ class AgentLoop:
         try:
             trajs = [self._start(prompts[i // n], ep, i // n) for i, ep in enumerate(episodes)]
             self._first_turn(engine, trajs, n, sampling)
-            wants: dict[int, tuple[str, Any]] = {}  # what each going trajectory appends next: tools or a user reply
-            active = [i for i in range(len(trajs)) if self._read_turn(trajs[i], episodes[i], wants, i)]
+            active = [i for i in range(len(trajs)) if self._read_turn(trajs[i], episodes[i])]
             turn = 1
             while active:
                 if turn == self.settings.max_turns:  # it would go on: ends on its last sampled turn
                     for i in active:
                         trajs[i].finish_reason = "max_turns"
                     break
-                active = self._append_results(trajs, episodes, active, wants)
+                active = self._append_results(trajs, episodes, active)
                 if not active:
                     break
                 self._next_turn(engine, [trajs[i] for i in active], sampling, turn)
                 turn += 1
-                active = [i for i in active if self._read_turn(trajs[i], episodes[i], wants, i)]
+                active = [i for i in active if self._read_turn(trajs[i], episodes[i])]
             for t, ep in zip(trajs, episodes):
                 t.rewards.update(_episode_reward(ep))
             return trajs
@@ -124,14 +122,14 @@ class AgentLoop:
             t.add_sampled(s.token_ids, s.logprobs)
             t.finish_reason = s.finish_reason
 
-    def _read_turn(self, t: Trajectory, episode, wants: dict, i: int) -> bool:
-        """Read the turn just sampled into the conversation; whether the trajectory goes on (``wants[i]``:
+    def _read_turn(self, t: Trajectory, episode) -> bool:
+        """Read the turn just sampled into the conversation; whether the trajectory goes on (``t.pending``:
         its tool calls, or the simulated user's reply)."""
         turn_ids = t.token_ids[len(t.token_ids) - self._last_turn_len(t) :]
         text = self.tokenizer.decode(turn_ids, skip_special_tokens=True)
         calls, malformed = parse_tool_calls(text, self.settings.style, self.tokenizer)
         t.messages.append(assistant_message(content_before_calls(text, self.settings.style), calls))
-        wants.pop(i, None)
+        t.pending = None
         if t.finish_reason == "length":
             return False
         if malformed:
@@ -139,12 +137,12 @@ class AgentLoop:
             t.finish_reason = "malformed"
             return False
         if calls:
-            wants[i] = ("tools", calls)
+            t.pending = ToolTurn(tuple(calls))
             return True
         done, reply = episode.user_turn(t.messages)
         if done or reply is None:
             return False
-        wants[i] = ("user", reply)
+        t.pending = UserTurn(reply)
         return True
 
     @staticmethod
@@ -155,10 +153,10 @@ class AgentLoop:
             start -= 1
         return end - start
 
-    def _append_results(self, trajs: list[Trajectory], episodes: list, active: list[int], wants: dict) -> list[int]:
+    def _append_results(self, trajs: list[Trajectory], episodes: list, active: list[int]) -> list[int]:
         """Run every pending tool call of the batch (in parallel), append the tool or user messages as
         tokens; the trajectories that go on."""
-        pending = [(episodes[i], c) for i in active if wants[i][0] == "tools" for c in wants[i][1]]
+        pending = [(episodes[i], c) for i in active if isinstance(p := trajs[i].pending, ToolTurn) for c in p.calls]
         outcomes = iter(
             self.run_calls(pending, timeout_s=self.settings.tool_timeout_s, max_chars=self.settings.tool_max_chars)
             if pending
@@ -167,10 +165,9 @@ class AgentLoop:
         going = []
         for i in active:
             t = trajs[i]
-            kind, what = wants[i]
-            if kind == "tools":
+            if isinstance(t.pending, ToolTurn):
                 appended = []
-                for call in what:
+                for call in t.pending.calls:
                     o = next(outcomes)
                     t.tool_calls += 1
                     t.tool_errors += o.status in ("error", "unknown_tool")
@@ -179,10 +176,12 @@ class AgentLoop:
                         t.rewards["tool"] = t.rewards.get("tool", 0.0) + float(o.reward)
                     appended.append({"role": "tool", "name": call.name, "tool_call_id": call.id, "content": o.content})
             else:
-                appended = [{"role": "user", "content": what}]
+                assert isinstance(t.pending, UserTurn)
+                appended = [{"role": "user", "content": t.pending.reply}]
             delta = render_delta(
                 self.tokenizer, t.messages[-1], appended, tools=self.spec.schemas, stop_ids=self.stop_ids
             )
+            t.pending = None
             if len(t.token_ids) + len(delta) >= self.settings.max_response_len:  # no room left to answer
                 t.finish_reason, t.dropped = "length", appended  # never read by the policy: not in messages
                 continue

@@ -14,74 +14,16 @@ import inspect
 import json
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rlctl.agents.calls import Tool, tool_text
 from rlctl.agents.guard import guarded
 from rlctl.errors import UserError
 
 if TYPE_CHECKING:
-    from rlctl.agents.tools import Episode
+    from rlctl.agents.episode import Episode
 
-__all__ = [
-    "EnvClass",
-    "Functions",
-    "Interactions",
-    "Tool",
-    "VerlTools",
-    "error_content",
-    "extra_info",
-    "result_text",
-    "tool_text",
-]
-
-
-@dataclass(frozen=True)
-class Tool:
-    """One tool of one trajectory: ``run(arguments)`` (may return an awaitable), ``interpret(value) ->
-    (text, step reward)``, and the signature that checks the arguments (None: the tool checks them); or
-    ``hosted(arguments, timeout_s)``, a sync-host call whose value is already text. ``style``: whose text
-    its results and errors take (:func:`result_text`, :func:`error_content`)."""
-
-    run: Callable[[dict], Any] | None
-    interpret: Callable[[Any], tuple[str, float]] | None
-    signature: inspect.Signature | None = None
-    style: str = "rlctl"
-    hosted: Callable[[dict, float], Any] | None = None
-
-
-def result_text(value: Any, style: str) -> str:
-    """A tool's value as the model sees it: TRL's ``str(result)``, else :func:`tool_text` (JSON)."""
-    return str(value) if style == "trl" else tool_text(value)
-
-
-def error_content(style: str, name: str, kind: str, message: str) -> str:
-    """What the model sees of a failed call ``name`` (``kind``: the exception's type): TRL's
-    ``str({"error": message})``, verl's ``Error executing tool 'name': message``, or rlctl's
-    ``Error: Type: message``."""
-    if style == "trl":
-        return str({"error": message})
-    if style == "verl":
-        return f"Error executing tool '{name}': {message}"
-    return f"Error: {kind}: {message}" if kind else f"Error: {message}"
-
-
-def tool_text(value: Any) -> str:
-    """What the model sees of a tool's return value: text as is, verl's ToolResponse by its text,
-    anything else as JSON (or its str)."""
-    if isinstance(value, str):
-        return value
-    if value is None:
-        return ""
-    text = getattr(value, "text", None)
-    if isinstance(text, str) or (text is None and type(value).__name__ == "ToolResponse"):
-        return text or ""
-    if isinstance(value, dict) and set(value) <= {"text", "image", "video"} and "text" in value:
-        return str(value["text"] or "")
-    try:
-        return json.dumps(value, ensure_ascii=False, default=str)
-    except (TypeError, ValueError):
-        return str(value)
+__all__ = ["EnvClass", "Functions", "Interactions", "VerlTools", "extra_info"]
 
 
 def _verl_step(value: Any) -> tuple[str, float]:
@@ -119,13 +61,14 @@ class Functions:
 
     def attach(self, episode: Episode, row: dict) -> None:
         host = episode.sync_host()
-        status, value = host.add(("functions", self.where if not self.chosen else f"{self.where}:{self.chosen}"))
-        if status != "ok":
-            raise UserError(f"tools file {self.where} failed to load in its worker process: {value[1]}")
+        loaded = host.add(("functions", self.where if not self.chosen else f"{self.where}:{self.chosen}"))
+        if not loaded.ok:
+            why = loaded.why(episode.timeout_s)
+            raise UserError(f"tools file {self.where} failed to load in its worker process: {why}")
         style = episode.style_for("trl")
         for name, fn in self.functions.items():
-            episode._tools[name] = Tool(
-                None, None, _signature(fn), style, functools.partial(host.call, name, style=style)
+            episode.add_tool(
+                name, Tool(None, None, _signature(fn), style, functools.partial(host.call, name, style=style))
             )
 
     def describe(self) -> str:
@@ -145,10 +88,11 @@ class EnvClass:
         """The environment lives in the trajectory's worker process (rlctl.agents.sync_host): constructed,
         reset, its methods and get_reward called there, on that process's main thread, as TRL does."""
         host = episode.sync_host()
-        status, value = host.add(("env", self.spec, row))
-        if status != "ok":
-            why = value[1] if status == "error" else f"took longer than {episode.timeout_s:g} s"
+        reset = host.add(("env", self.spec, row))
+        if not reset.ok:
+            why = reset.why(episode.timeout_s)
             raise UserError(f"environment {self.cls.__name__}() / reset() failed: {why}; fix {self.where}")
+        value = reset.value
         if value is not None and not isinstance(value, str):
             raise UserError(
                 f"environment {self.cls.__name__}.reset() returned {type(value).__name__}; return a str or None"
@@ -160,9 +104,9 @@ class EnvClass:
             bound = not isinstance(inspect.getattr_static(self.cls, name), (staticmethod, classmethod))
             if sig is not None and bound:  # without self
                 sig = sig.replace(parameters=list(sig.parameters.values())[1:])
-            episode._tools[name] = Tool(None, None, sig, style, functools.partial(host.call, name, style=style))
+            episode.add_tool(name, Tool(None, None, sig, style, functools.partial(host.call, name, style=style)))
         if self.has_reward:
-            episode._rewards.append(("env", host.reward))
+            episode.add_reward("env", host.reward)
 
     def describe(self) -> str:
         return f"environment {self.cls.__name__} from {self.where} ({', '.join(self.names) or 'no tools'})"
@@ -189,26 +133,26 @@ class VerlTools:
             style = episode.style_for("verl")
             if self.lifecycle == "call":
                 run = functools.partial(_verl_call, tool, dict(kw.get("create_kwargs") or {}), agent_data)
-                episode._tools[name] = Tool(run, _verl_step, style=style)
+                episode.add_tool(name, Tool(run, _verl_step, style=style))
             else:
                 self._attach_instance(episode, name, tool, kw, style)
 
     def _attach_instance(self, episode: Episode, name: str, tool: Any, kw: dict, style: str) -> None:
         create_kw = dict(kw.get("create_kwargs") or {})
         instance = f"rlctl-{uuid.uuid4().hex}"
-        status, value = guarded(lambda t=tool, i=instance, c=create_kw: t.create(i, **c), episode.timeout_s)
-        if status != "ok":
-            why = value if status == "error" else f"took longer than {episode.timeout_s:g} s"
+        created = guarded(lambda t=tool, i=instance, c=create_kw: t.create(i, **c), episode.timeout_s)
+        if not created.ok:
+            why = created.why(episode.timeout_s)
             raise UserError(f"verl tool {name}: create() failed: {why}; fix its class in {self.where}")
-        instance = _instance_id(value) or instance
+        instance = _instance_id(created.value) or instance
         execute_kw = dict(kw.get("execute_kwargs") or {})
-        episode._tools[name] = Tool(
-            lambda args, t=tool, i=instance, e=execute_kw: t.execute(i, args, **e), _verl_step, style=style
+        episode.add_tool(
+            name, Tool(lambda args, t=tool, i=instance, e=execute_kw: t.execute(i, args, **e), _verl_step, style=style)
         )
         reward_kw = dict(kw.get("calc_reward_kwargs") or {})
-        episode._rewards.append((name, lambda t=tool, i=instance, r=reward_kw: t.calc_reward(i, **r)))
+        episode.add_reward(name, lambda t=tool, i=instance, r=reward_kw: t.calc_reward(i, **r))
         release_kw = dict(kw.get("release_kwargs") or {})
-        episode._closers.append(lambda t=tool, i=instance, r=release_kw: t.release(i, **r))
+        episode.add_closer(lambda t=tool, i=instance, r=release_kw: t.release(i, **r))
 
     def describe(self) -> str:
         return f"{len(self.names)} verl tool(s) from {self.where} ({', '.join(self.names)})"
@@ -285,16 +229,16 @@ class Interactions:
         if obj is None:
             raise UserError(f"interaction {name!r} (extra_info.interaction_kwargs.name) is not in {self.where}")
         instance = f"rlctl-{uuid.uuid4().hex}"
-        status, value = guarded(lambda: obj.start_interaction(instance, **kwargs), episode.timeout_s)
-        if status != "ok":
-            why = value if status == "error" else f"took longer than {episode.timeout_s:g} s"
+        started = guarded(lambda: obj.start_interaction(instance, **kwargs), episode.timeout_s)
+        if not started.ok:
+            why = started.why(episode.timeout_s)
             raise UserError(f"interaction {name}: start_interaction() failed: {why}; fix {self.where}")
-        instance = value if isinstance(value, str) and value else instance
-        episode._interaction = lambda messages: obj.generate_response(instance, messages, **kwargs)
-        episode._rewards.append(("interaction", lambda: episode.turn_scores[-1] if episode.turn_scores else 0.0))
+        instance = started.value if isinstance(started.value, str) and started.value else instance
+        episode.set_interaction(lambda messages: obj.generate_response(instance, messages, **kwargs))
+        episode.add_reward("interaction", lambda: episode.turn_scores[-1] if episode.turn_scores else 0.0)
         finalize = obj.finalize_interaction
         takes_args = any(p.kind != p.VAR_KEYWORD for p in inspect.signature(finalize).parameters.values())
-        episode._closers.append(lambda: finalize(instance) if takes_args else finalize())
+        episode.add_closer(lambda: finalize(instance) if takes_args else finalize())
 
     def describe(self) -> str:
         return f"interaction {', '.join(self.objects)} from {self.where}"

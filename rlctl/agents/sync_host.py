@@ -12,8 +12,9 @@ main-thread-only APIs work in them: ``signal.alarm`` (TRL's own SQL example time
   in it has lost that environment, and its later calls and reward are errors saying so;
 * processes are reused by later trajectories once a trajectory ends (:func:`warm` starts a batch's at once).
 
-Only text crosses the pipe: the tool's value is made text in the worker (:func:`rlctl.agents.sources.
-result_text`, in the run's ``agent.tool_results`` style), errors as ``(type, message)``.
+Only text crosses the pipe: the tool's value is made text in the worker (:func:`rlctl.agents.calls.
+result_text`, in the run's ``agent.tool_results`` style), errors as ``(type, "Type: message")``; the
+trajectory's side turns each reply into a :class:`rlctl.agents.guard.Result`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import sys
 import threading
 from typing import Any
 
-from rlctl.agents.guard import Guarded
+from rlctl.agents.guard import Result, error_text
 from rlctl.rewards.worker import read_frame, stop_worker, write_frame
 
 __all__ = ["EpisodeHost", "SyncHost", "main", "warm"]
@@ -71,20 +72,21 @@ class SyncHost:
         except (EOFError, OSError):
             return None
 
-    def ask(self, request: tuple, timeout_s: float) -> Guarded:
-        """``("ok", value)``, ``("error", (type, message))`` or ``("timeout", None)`` (the process killed)."""
+    def ask(self, request: tuple, timeout_s: float) -> Result:
+        """The worker's reply: ok, an error, or a timeout (the process killed)."""
         try:
             write_frame(self.proc.stdin, request)
         except (BrokenPipeError, OSError):
-            return "error", ("RuntimeError", "the tool worker process died")
+            return Result.raised("RuntimeError", "the tool worker process died")
         reply = self._read(timeout_s)
         if reply is None:
             timed_out = self.alive
             self.kill()
             if timed_out:
-                return "timeout", None
-            return "error", ("RuntimeError", f"the tool worker process died (exit code {self.proc.returncode})")
-        return reply
+                return Result("timeout")
+            return Result.raised("RuntimeError", f"the tool worker process died (exit code {self.proc.returncode})")
+        status, value = reply
+        return Result("ok", value) if status == "ok" else Result.raised(*value)
 
     def kill(self) -> None:
         stop_worker(self.proc)
@@ -117,7 +119,7 @@ def _lease() -> SyncHost:
 
 
 def _give_back(host: SyncHost, timeout_s: float) -> None:
-    if host.alive and host.ask(("reset",), timeout_s)[0] == "ok":
+    if host.alive and host.ask(("reset",), timeout_s).ok:
         with _idle_lock:
             _idle.append(host)
     else:
@@ -135,35 +137,35 @@ class EpisodeHost:
         self.lost = False  # its environment died with a killed process
         self.stateful = False
 
-    def add(self, request: tuple) -> Guarded:
+    def add(self, request: tuple) -> Result:
         """Run a setup request now (leasing a process) and keep it for a fresh process after a timeout."""
         self.setup.append(request)
         self.stateful = self.stateful or request[0] == "env"
         return self._ask(request)
 
-    def _ask(self, request: tuple, timeout_s: float | None = None) -> Guarded:
+    def _ask(self, request: tuple, timeout_s: float | None = None) -> Result:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if self.lost:
-            return "error", ("RuntimeError", LOST)
+            return Result.raised("RuntimeError", LOST)
         if self.host is None or not self.host.alive:
             try:
                 self.host = _lease()
             except RuntimeError as exc:
-                return "error", ("RuntimeError", str(exc))
+                return Result.raised("RuntimeError", str(exc))
             for earlier in self.setup:
                 if earlier is not request:
-                    status, value = self.host.ask(earlier, self.timeout_s)
-                    if status != "ok":
-                        return status, value
-        status, value = self.host.ask(request, timeout_s)
-        if status == "timeout" and self.stateful:
+                    replayed = self.host.ask(earlier, self.timeout_s)
+                    if not replayed.ok:
+                        return replayed
+        result = self.host.ask(request, timeout_s)
+        if result.status == "timeout" and self.stateful:
             self.lost = True
-        return status, value
+        return result
 
-    def call(self, name: str, arguments: dict, timeout_s: float, *, style: str) -> Guarded:
+    def call(self, name: str, arguments: dict, timeout_s: float, *, style: str) -> Result:
         return self._ask(("call", name, arguments, style), timeout_s)
 
-    def reward(self) -> Guarded:
+    def reward(self) -> Result:
         return self._ask(("reward",))
 
     def close(self) -> None:
@@ -190,8 +192,8 @@ class _Worker:
         return self.loop.run_until_complete(value) if inspect.isawaitable(value) else value
 
     def handle(self, request: tuple) -> Any:
+        from rlctl.agents.calls import result_text
         from rlctl.agents.loading import call_with_row, env_tool_names, load_class, load_functions
-        from rlctl.agents.sources import result_text
 
         op = request[0]
         if op == "functions":
@@ -236,12 +238,13 @@ def main() -> None:
         except EOFError:
             return
         try:
-            reply: Guarded = ("ok", worker.handle(request))
+            reply: tuple = ("ok", worker.handle(request))
         except BaseException as exc:  # noqa: BLE001 (any failure of a user's tool is that call's error)
-            from rlctl.usercode import error_text
+            from rlctl.usercode import error_text as located
 
-            message = error_text(exc) if request[0] != "call" else " ".join(str(exc).split())
-            reply = ("error", (type(exc).__name__, message))
+            # a setup's error names the line of the user's file that raised it; a call's, as a tool shows it
+            text = located(exc) if request[0] != "call" else error_text(exc)
+            reply = ("error", (type(exc).__name__, text))
         try:
             write_frame(proto_out, reply)
         except Exception as exc:  # noqa: BLE001 (a value that does not pickle)

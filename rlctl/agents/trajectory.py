@@ -12,11 +12,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlctl.agents.calls import ToolCall
+
 FINISH_REASONS = ("stop", "length", "max_turns", "malformed")
 
 
 class TemplateDeltaError(ValueError):
     """The chat template renders a conversation's prefix differently once messages are appended."""
+
+
+@dataclass(frozen=True)
+class ToolTurn:
+    """What a going trajectory appends next: the results of the tool calls its last turn made."""
+
+    calls: tuple[ToolCall, ...]
+
+
+@dataclass(frozen=True)
+class UserTurn:
+    """What a going trajectory appends next: the simulated user's reply (a verl interaction)."""
+
+    reply: str
 
 
 @dataclass
@@ -39,6 +55,7 @@ class Trajectory:
     # tool / user turns that ran but were not appended (no room left under max_response_len): the policy
     # never read them, so they are not in ``messages``; logs show them marked dropped (:meth:`logged_messages`)
     dropped: list[dict] = field(default_factory=list)
+    pending: ToolTurn | UserTurn | None = None  # what it appends next while it goes on (the loop's)
 
     def add_sampled(self, token_ids: list[int], logprobs: list[float]) -> None:
         self.token_ids += token_ids
@@ -75,7 +92,7 @@ class Trajectory:
         ]
 
 
-def assistant_message(content: str, calls: list) -> dict:
+def assistant_message(content: str, calls: list[ToolCall]) -> dict:
     """The assistant's turn as an OpenAI/HF chat message (``tool_calls`` when it called tools)."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:

@@ -2,8 +2,8 @@
 
 - :mod:`rlctl.algos.advantages`: GRPO, RLOO, REINFORCE++, GAE; :mod:`rlctl.algos.estimators`: the same
   in the registry's signature on the global batch.
-- :mod:`rlctl.algos.losses`: loss aggregation (with the data-parallel contract), PPO / GSPO policy
-  losses, clipped value loss.
+- :mod:`rlctl.algos.losses`: loss aggregation (with the data-parallel contract), the context every policy
+  loss receives (``PolicyLossContext``), PPO / GSPO policy losses, clipped value loss.
 - :mod:`rlctl.algos.correction`: rollout-mismatch importance weights (TIS / MIS, rejection, metrics).
 - :mod:`rlctl.algos.kl`: KL estimators, KL coefficient controllers, entropy.
 - :mod:`rlctl.algos.logprobs`: chosen-token log-probabilities from logits, memory-aware.
@@ -25,7 +25,7 @@ _FROM = {
     "correction": ("is_weights",),
     "kl": ("KL_KINDS", "AdaptiveKLController", "FixedKLController", "entropy_from_logits", "kl_estimate"),
     "logprobs": ("logprobs_from_logits",),
-    "losses": ("AGG_MODES", "aggregate", "gspo_policy_loss", "ppo_policy_loss", "value_loss"),
+    "losses": ("AGG_MODES", "PolicyLossContext", "aggregate", "gspo_policy_loss", "ppo_policy_loss", "value_loss"),
     "masked": ("masked_mean", "masked_sum", "masked_var", "masked_whiten"),
     "registry": (
         "ADV_ESTIMATORS",

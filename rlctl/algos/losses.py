@@ -25,13 +25,15 @@ Then ``sum over pieces of loss(piece)`` equals ``loss(whole batch)`` exactly, fo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from rlctl.algos.masked import masked_count, masked_mean, masked_sum, zero_masked
 from rlctl.names import LossAgg, choices
 
-__all__ = ["AGG_MODES", "aggregate", "gspo_policy_loss", "ppo_policy_loss", "value_loss"]
+__all__ = ["AGG_MODES", "PolicyLossContext", "aggregate", "gspo_policy_loss", "ppo_policy_loss", "value_loss"]
 
 AGG_MODES = choices(LossAgg)
 LOG_RATIO_CLAMP = 20.0
@@ -111,6 +113,44 @@ def _at_least_one(count: Count, like: Tensor) -> Tensor:
     return torch.as_tensor(count, dtype=dtype, device=like.device).clamp(min=1)
 
 
+@dataclass(frozen=True)
+class PolicyLossContext:
+    """What every policy loss receives, one micro-batch's: ``fn(ctx) -> (loss, metrics)``.
+
+    ``logp`` / ``old_logp`` / ``mask`` are ``[B, T]``; ``advantages`` ``[B, T]`` or ``[B]`` (one per
+    sequence). The clip settings and ``agg`` are the resolved ones (the user's keys, else the loss's
+    registered defaults); ``norm_len``, ``global_tokens`` and ``global_seqs`` the data-parallel denominators
+    (module docstring); ``is_weights`` the rollout-correction weights (None: off). A loss's own knobs
+    (``tau_pos``...) are its keyword arguments, with their defaults."""
+
+    logp: Tensor
+    old_logp: Tensor
+    advantages: Tensor
+    mask: Tensor
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    agg: str = "token-mean"
+    norm_len: int | None = None
+    global_tokens: Count | None = None
+    global_seqs: Count | None = None
+    is_weights: Tensor | None = None
+
+    def reduce(self, per_token: Tensor) -> Tensor:
+        """The loss's scalar: ``per_token`` :func:`weigh`-ed by ``is_weights``, then :func:`aggregate`-d."""
+        return reduce_policy_loss(
+            per_token, self.mask, self.agg, self.norm_len, self.global_tokens, self.global_seqs, self.is_weights
+        )
+
+    def approx_kl(self) -> Tensor:
+        return approx_kl(self.logp, self.old_logp, self.mask)
+
+    def token_inputs(self) -> tuple[Tensor, Tensor]:
+        """(per-token advantages, clamped log-ratio), both zero on padding."""
+        log_ratio = (self.logp - self.old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return token_inputs(self.advantages, log_ratio, self.mask)
+
+
 def _clipped_surrogate(
     log_ratio: Tensor,
     advantages: Tensor,
@@ -138,21 +178,7 @@ def _clipped_surrogate(
     return loss, metrics
 
 
-def ppo_policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = 3.0,
-    agg: str = "token-mean",
-    norm_len: int | None = None,
-    global_tokens: Count | None = None,
-    global_seqs: Count | None = None,
-    is_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def ppo_policy_loss(ctx: PolicyLossContext) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped policy loss with token-level ratios.
 
     ``ratio = exp(clamp(logp - old_logp, -20, 20))``; per token
@@ -162,27 +188,15 @@ def ppo_policy_loss(
     Returns ``(aggregate(L), metrics)`` with metrics ``clip_frac``,
     ``dual_clip_frac`` and ``approx_kl = mean(old_logp - logp)`` over valid tokens.
     """
-    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    per_token, metrics = _clipped_surrogate(log_ratio, advantages, mask, clip_low, clip_high, dual_clip)
-    metrics["approx_kl"] = approx_kl(logp, old_logp, mask)
-    return reduce_policy_loss(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), metrics
+    log_ratio = (ctx.logp - ctx.old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    per_token, metrics = _clipped_surrogate(
+        log_ratio, ctx.advantages, ctx.mask, ctx.clip_low, ctx.clip_high, ctx.dual_clip
+    )
+    metrics["approx_kl"] = ctx.approx_kl()
+    return ctx.reduce(per_token), metrics
 
 
-def gspo_policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-    dual_clip: float | None = None,
-    agg: str = "seq-mean-token-mean",
-    norm_len: int | None = None,
-    global_tokens: Count | None = None,
-    global_seqs: Count | None = None,
-    is_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def gspo_policy_loss(ctx: PolicyLossContext) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO policy loss: a clipped *sequence-level* ratio (Zheng et al. 2025, "GSPO-token" form).
 
     ``log s_b = mean_t(logp - old_logp)`` over valid tokens (clamped to +-20); each token uses
@@ -190,11 +204,14 @@ def gspo_policy_loss(
     ``s_b * grad logp_t``. Then the same clipped objective as :func:`ppo_policy_loss`, with the
     paper's small clip ranges and ``seq-mean-token-mean`` aggregation by default.
     """
-    seq_log_ratio = masked_mean(logp - old_logp, mask, dim=-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    logp = ctx.logp
+    seq_log_ratio = masked_mean(logp - ctx.old_logp, ctx.mask, dim=-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach()
-    per_token, metrics = _clipped_surrogate(log_ratio, advantages, mask, clip_low, clip_high, dual_clip)
-    metrics["approx_kl"] = approx_kl(logp, old_logp, mask)
-    return reduce_policy_loss(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), metrics
+    per_token, metrics = _clipped_surrogate(
+        log_ratio, ctx.advantages, ctx.mask, ctx.clip_low, ctx.clip_high, ctx.dual_clip
+    )
+    metrics["approx_kl"] = ctx.approx_kl()
+    return ctx.reduce(per_token), metrics
 
 
 def value_loss(

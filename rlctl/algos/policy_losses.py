@@ -1,5 +1,5 @@
 """More of verl's policy losses, under verl's names (``algo.policy_loss``): cispo, gpg, geo_mean (GMPO),
-clip_cov, kl_cov, sapo. Same signature as :func:`rlctl.algos.losses.ppo_policy_loss`; every loss returns
+clip_cov, kl_cov, sapo. Each takes one :class:`rlctl.algos.losses.PolicyLossContext`; every loss returns
 the metrics ``clip_frac``, ``dual_clip_frac`` and ``approx_kl = mean(old_logp - logp)`` the trainer logs
 (0 where the loss has no such notion). A loss's own knobs (``tau_pos``, ``clip_cov_ratio``...) are keyword
 arguments with the paper's / verl's defaults. ``is_weights`` (rollout correction) multiply the per-token
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rlctl.algos.losses import LOG_RATIO_CLAMP, Count, approx_kl, reduce_policy_loss, token_inputs
+from rlctl.algos.losses import PolicyLossContext
 from rlctl.algos.masked import masked_mean, zero_masked
 
 __all__ = [
@@ -25,129 +25,65 @@ __all__ = [
 ]
 
 
-def _prepare(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """(per-token advantages, clamped log-ratio), both zero on padding."""
-    return token_inputs(advantages, (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), mask)
-
-
-def _metrics(logp: Tensor, old_logp: Tensor, mask: Tensor, clip_frac: Tensor | None = None) -> dict[str, Tensor]:
-    zero = torch.zeros((), device=logp.device)
+def _metrics(ctx: PolicyLossContext, clip_frac: Tensor | None = None) -> dict[str, Tensor]:
+    zero = torch.zeros((), device=ctx.logp.device)
     return {
         "clip_frac": zero if clip_frac is None else clip_frac.detach(),
         "dual_clip_frac": zero,
-        "approx_kl": approx_kl(logp, old_logp, mask),
+        "approx_kl": ctx.approx_kl(),
     }
 
 
-def cispo_policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_low: float = 10.0,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    agg: str = "token-mean",
-    norm_len: int | None = None,
-    global_tokens: Count | None = None,
-    global_seqs: Count | None = None,
-    is_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def cispo_policy_loss(ctx: PolicyLossContext) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, 2025): ``L = -sg(clamp(ratio, 1-clip_low, 1+clip_high)) * A * logp``: the clipped
     IS weight, stopped, on the REINFORCE term, so clipped tokens still get a gradient. ``clip_frac``: share of
     tokens whose ratio was clipped."""
-    adv, log_ratio = _prepare(logp, old_logp, advantages, mask)
+    adv, log_ratio = ctx.token_inputs()
     ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    per_token = -clipped.detach() * adv * zero_masked(logp, mask)
-    m = _metrics(logp, old_logp, mask, masked_mean((ratio != clipped).float(), mask))
-    return reduce_policy_loss(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), m
+    clipped = ratio.clamp(1.0 - ctx.clip_low, 1.0 + ctx.clip_high)
+    per_token = -clipped.detach() * adv * zero_masked(ctx.logp, ctx.mask)
+    return ctx.reduce(per_token), _metrics(ctx, masked_mean((ratio != clipped).float(), ctx.mask))
 
 
-def gpg_policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    agg: str = "token-mean",
-    norm_len: int | None = None,
-    global_tokens: Count | None = None,
-    global_seqs: Count | None = None,
-    is_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def gpg_policy_loss(ctx: PolicyLossContext) -> tuple[Tensor, dict[str, Tensor]]:
     """GPG (Chu et al. 2025): ``L = -A * logp``, plain policy gradient, no ratio and no clip (the clip
     settings are ignored)."""
-    adv, _ = _prepare(logp, old_logp, advantages, mask)
-    per_token = -adv * zero_masked(logp, mask)
-    m = _metrics(logp, old_logp, mask)
-    return reduce_policy_loss(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), m
+    adv, _ = ctx.token_inputs()
+    per_token = -adv * zero_masked(ctx.logp, ctx.mask)
+    return ctx.reduce(per_token), _metrics(ctx)
 
 
-def geo_mean_policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_low: float = 0.4,
-    clip_high: float = 0.4,
-    dual_clip: float | None = None,
-    agg: str = "seq-mean-token-mean",
-    norm_len: int | None = None,
-    global_tokens: Count | None = None,
-    global_seqs: Count | None = None,
-    is_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def geo_mean_policy_loss(ctx: PolicyLossContext) -> tuple[Tensor, dict[str, Tensor]]:
     """GMPO (Zhao et al. 2025, arXiv 2507.20673): the geometric mean of the token ratios, clipped in log
     space. With ``sgn = sign(A_t)``: ``l_t = sgn * min(sgn * lr_t, sgn * clamp(lr_t, -clip_low, clip_high))``,
     ``ratio_b = exp(mean_t l_t)``, ``A_b = mean_t A_t``, ``L_b = -A_b * ratio_b``; the loss is the mean over
     sequences (``sum_b L_b / N_seqs``, whatever ``agg`` says). ``clip_frac``: share of tokens whose log-ratio
     left the range."""
-    adv, log_ratio = _prepare(logp, old_logp, advantages, mask)
+    adv, log_ratio = ctx.token_inputs()
+    mask = ctx.mask
     sgn = torch.sign(adv)
-    clamped = log_ratio.clamp(-clip_low, clip_high)
+    clamped = log_ratio.clamp(-ctx.clip_low, ctx.clip_high)
     kept = sgn * torch.minimum(sgn * log_ratio, sgn * clamped)
     ratio = torch.exp(masked_mean(kept, mask, dim=-1))
     per_seq = -masked_mean(adv, mask, dim=-1) * ratio
-    if is_weights is not None:  # verl: the geometric mean of the token weights, per sequence
-        per_seq = per_seq * torch.exp(masked_mean(torch.log(is_weights.detach() + 1e-10), mask, dim=-1))
-    n_seqs = per_seq.shape[0] if global_seqs is None else global_seqs
+    if ctx.is_weights is not None:  # verl: the geometric mean of the token weights, per sequence
+        per_seq = per_seq * torch.exp(masked_mean(torch.log(ctx.is_weights.detach() + 1e-10), mask, dim=-1))
+    n_seqs = per_seq.shape[0] if ctx.global_seqs is None else ctx.global_seqs
     loss = per_seq.sum() / torch.as_tensor(n_seqs, dtype=per_seq.dtype, device=per_seq.device).clamp(min=1)
-    m = _metrics(logp, old_logp, mask, masked_mean((log_ratio != clamped).float(), mask))
-    return loss, m
+    return loss, _metrics(ctx, masked_mean((log_ratio != clamped).float(), mask))
 
 
 def sapo_policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    agg: str = "seq-mean-token-mean",
-    norm_len: int | None = None,
-    global_tokens: Count | None = None,
-    global_seqs: Count | None = None,
-    is_weights: Tensor | None = None,
-    tau_pos: float = 1.0,
-    tau_neg: float = 1.05,
+    ctx: PolicyLossContext, *, tau_pos: float = 1.0, tau_neg: float = 1.05
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO (Gao et al. 2025, arXiv 2511.20347): a soft gate in place of the hard clip,
     ``L = -A * sigmoid(tau (ratio - 1)) * 4 / tau`` with ``tau = tau_pos`` where ``A > 0``, else ``tau_neg``
     (the clip settings are ignored)."""
-    adv, log_ratio = _prepare(logp, old_logp, advantages, mask)
+    adv, log_ratio = ctx.token_inputs()
     ratio = torch.exp(log_ratio)
     tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
     per_token = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv
-    m = _metrics(logp, old_logp, mask)
-    return reduce_policy_loss(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), m
+    return ctx.reduce(per_token), _metrics(ctx)
 
 
 def _centred_cov(adv: Tensor, logp: Tensor, valid: Tensor) -> Tensor:
@@ -157,19 +93,8 @@ def _centred_cov(adv: Tensor, logp: Tensor, valid: Tensor) -> Tensor:
 
 
 def clip_cov_policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
+    ctx: PolicyLossContext,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    agg: str = "token-mean",
-    norm_len: int | None = None,
-    global_tokens: Count | None = None,
-    global_seqs: Count | None = None,
-    is_weights: Tensor | None = None,
     clip_cov_ratio: float = 2e-4,
     clip_cov_lb: float = 1.0,
     clip_cov_ub: float = 5.0,
@@ -179,12 +104,12 @@ def clip_cov_policy_loss(
     ``max(1, int(clip_cov_ratio * N_tokens))`` tokens drawn at random among those the clip did not already
     clip whose covariance ``(A - mean A)(logp - mean logp)`` lies in ``(clip_cov_lb, clip_cov_ub)``.
     ``clip_frac``: share of tokens cut this way (verl's metric)."""
-    adv, log_ratio = _prepare(logp, old_logp, advantages, mask)
-    valid = mask.bool()
+    adv, log_ratio = ctx.token_inputs()
+    valid = ctx.mask.bool()
     ratio = torch.exp(log_ratio)
     unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    cov = _centred_cov(adv, logp, valid)
+    clipped = -adv * ratio.clamp(1.0 - ctx.clip_low, 1.0 + ctx.clip_high)
+    cov = _centred_cov(adv, ctx.logp, valid)
     candidate = valid & ~(clipped > unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
     idx = torch.nonzero(candidate)
     n_cut = max(int(clip_cov_ratio * int(valid.sum())), 1)
@@ -192,37 +117,21 @@ def clip_cov_policy_loss(
     keep = torch.ones_like(adv)
     keep[idx[perm, 0], idx[perm, 1]] = 0.0
     per_token = torch.maximum(unclipped, clipped) * keep
-    m = _metrics(logp, old_logp, mask, masked_mean((keep == 0).float(), mask))
-    return reduce_policy_loss(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), m
+    return ctx.reduce(per_token), _metrics(ctx, masked_mean((keep == 0).float(), ctx.mask))
 
 
 def kl_cov_policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    agg: str = "token-mean",
-    norm_len: int | None = None,
-    global_tokens: Count | None = None,
-    global_seqs: Count | None = None,
-    is_weights: Tensor | None = None,
-    kl_cov_ratio: float = 2e-4,
-    ppo_kl_coef: float = 0.1,
+    ctx: PolicyLossContext, *, kl_cov_ratio: float = 2e-4, ppo_kl_coef: float = 0.1
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """KL-Cov (Cui et al. 2025, arXiv 2505.22617): the unclipped ``-A * ratio`` on every token, plus
     ``ppo_kl_coef * |logp - old_logp|`` on the ``max(1, int(kl_cov_ratio * N_tokens))`` tokens with the
     largest covariance ``(A - mean A)(logp - mean logp)`` (the clip settings are ignored). ``clip_frac``:
     share of tokens penalised."""
-    adv, log_ratio = _prepare(logp, old_logp, advantages, mask)
-    valid = mask.bool()
+    adv, log_ratio = ctx.token_inputs()
+    valid = ctx.mask.bool()
     per_token = -adv * torch.exp(log_ratio)
-    cov = _centred_cov(adv, logp, valid).masked_fill(~valid, -torch.inf).reshape(-1)
+    cov = _centred_cov(adv, ctx.logp, valid).masked_fill(~valid, -torch.inf).reshape(-1)
     k = max(1, int(int(valid.sum()) * kl_cov_ratio))
     penalised = torch.zeros_like(cov).scatter_(0, cov.topk(k).indices, 1.0).reshape(adv.shape)
     per_token = per_token + penalised * ppo_kl_coef * log_ratio.abs()
-    m = _metrics(logp, old_logp, mask, masked_mean(penalised, mask))
-    return reduce_policy_loss(per_token, mask, agg, norm_len, global_tokens, global_seqs, is_weights), m
+    return ctx.reduce(per_token), _metrics(ctx, masked_mean(penalised, ctx.mask))

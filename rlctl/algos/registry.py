@@ -21,16 +21,21 @@ consecutive rows per prompt)::
 (plus ``reward_baselines [B]``, the score of each row's prompt's greedy response, for an estimator
 registered with ``needs_greedy``: remax.)
 
-Every policy loss: ``fn(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip, agg,
-norm_len, global_tokens, global_seqs) -> (loss, metrics)``.
+Every policy loss: ``fn(ctx) -> (loss, metrics)`` on one :class:`rlctl.algos.losses.PolicyLossContext`
+(log-probs, advantages, mask, the resolved clip settings and aggregation, the denominators, the rollout
+correction's weights). A plugin written for the older keyword form, ``fn(logp, old_logp, advantages, mask, *,
+clip_low, clip_high, dual_clip, agg, norm_len, global_tokens, global_seqs[, is_weights])``, is told apart
+by its parameters when it registers and called that way (:func:`call_style`); any other form is refused.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from rlctl.errors import UserError, did_you_mean
 from rlctl.names import LossAgg, choices
@@ -64,6 +69,38 @@ class AdvEstimator:
         return _load(self.target)
 
 
+CallStyle = Literal["context", "keywords"]
+
+
+def call_style(fn: Callable[..., Any], name: str) -> CallStyle:
+    """How a policy loss takes its inputs, from its parameters: one positional (``fn(ctx)``), or the older
+    four positional tensors with the settings as keywords. Anything else is a one-line :class:`UserError`."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return "context"  # a builtin or C function: called as documented
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in params if p.kind in positional and p.default is p.empty]
+    takes_rest = any(p.kind is p.VAR_POSITIONAL for p in params)
+    if len(required) == 1 or (not required and takes_rest):
+        return "context"
+    if len(required) == 4:
+        return "keywords"
+    raise UserError(
+        f"policy loss {name!r} ({_where(fn)}) takes {len(required)} positional parameter(s) "
+        f"({', '.join(required) or 'none'}); write it as fn(ctx) on rlctl.algos.losses.PolicyLossContext "
+        "(docs/plugins.md)"
+    )
+
+
+def _keywords_call(fn: Callable[..., Any], ctx: Any, **knobs: Any) -> Any:
+    """A keyword-form loss called as before: the four tensors, the settings, ``is_weights`` only when on."""
+    settings = {k: getattr(ctx, k) for k in ("clip_low", "clip_high", "dual_clip", "agg")}
+    denoms = {k: getattr(ctx, k) for k in ("global_tokens", "global_seqs", "norm_len")}
+    weights = {} if ctx.is_weights is None else {"is_weights": ctx.is_weights}
+    return fn(ctx.logp, ctx.old_logp, ctx.advantages, ctx.mask, **settings, **denoms, **weights, **knobs)
+
+
 @dataclass(frozen=True)
 class PolicyLoss:
     name: str
@@ -72,10 +109,14 @@ class PolicyLoss:
     clip_high: float
     dual_clip: float | None
     agg: str
+    style: CallStyle | None = None  # a callable's, told at registration; a "module:function"'s, on first use
 
     @property
     def fn(self) -> Callable[..., Any]:
-        return _load(self.target)
+        """The loss as ``fn(ctx, **knobs)``, whichever form it was written in."""
+        fn = _load(self.target)
+        style = self.style or call_style(fn, self.name)
+        return fn if style == "context" else functools.partial(_keywords_call, fn)
 
 
 @dataclass(frozen=True)
@@ -140,7 +181,8 @@ def register_policy_loss(
         )
 
     def wrap(fn: Target) -> Target:
-        _add(POLICY_LOSSES, "algo.policy_loss", PolicyLoss(name, fn, clip_low, clip_high, dual_clip, agg))
+        style = call_style(fn, name) if callable(fn) else None
+        _add(POLICY_LOSSES, "algo.policy_loss", PolicyLoss(name, fn, clip_low, clip_high, dual_clip, agg, style))
         return fn
 
     return wrap

@@ -365,25 +365,9 @@ def compare_rollout(model: BenchModel, s: CompareSettings, log) -> dict:
 
 
 def compare_training(method: str, model: BenchModel, s: CompareSettings, work: Path, log) -> dict:
-    from rlctl.bench.train import TrainSettings, is_rank, prepare_job, run_job, write_data
+    from rlctl.bench.train import is_rank, prepare_job, run_job, write_data
 
-    is_rl = method != "sft"
-    ts = TrainSettings(
-        method=method,
-        steps=s.steps,
-        device=s.device,
-        nproc=1,
-        seed=s.seed,
-        seq_len=s.seq_len,
-        lengths=s.lengths,
-        batch_size=s.prompts if is_rl else s.batch_size,
-        n=s.n,
-        prompt_len=s.prompt_len,
-        max_tokens=s.max_tokens,
-        rollout=s.engine,
-        micro_batch_size=0,  # the plan's choice, as a user gets it
-        sets=["parallel.activation_checkpointing=false"] + (["algo.kl_coef=0"] if is_rl else []),
-    )
+    ts = _train_settings(method, s)
     data = write_spread_chats(model, s, work) if method == "sft" and s.lengths == "spread" else None
     data = data or write_data(model.path, ts, work)
     spec = {
@@ -416,11 +400,40 @@ def compare_training(method: str, model: BenchModel, s: CompareSettings, work: P
                 runs[side].append(out["steps"])
                 rss[side].append(out["peak_rss_bytes"])
     row = {"work": method, **{side: _side(runs[side], rss[side]) for side in sides}}
-    row["ratio_tokens_per_s"] = _ratio(row["rlctl"]["tokens_per_s"], row[s.peer]["tokens_per_s"])
-    row["ratio_tokens_per_cpu_s"] = _ratio(row["rlctl"]["tokens_per_cpu_s"], row[s.peer]["tokens_per_cpu_s"])
-    row["ratio_step_s"] = _ratio(row["rlctl"]["step_s"], row[s.peer]["step_s"])
-    if f"{s.peer}_packing" in row:
-        packed = row[f"{s.peer}_packing"]
+    return _with_ratios(row, s.peer)
+
+
+def _train_settings(method: str, s: CompareSettings):
+    """rlctl's side of the comparison as a bench train job: one process, the plan's micro-batch, no
+    activation checkpointing and (RL) no KL term, as the peer runs it."""
+    from rlctl.bench.train import TrainSettings
+
+    is_rl = method != "sft"
+    return TrainSettings(
+        method=method,
+        steps=s.steps,
+        device=s.device,
+        nproc=1,
+        seed=s.seed,
+        seq_len=s.seq_len,
+        lengths=s.lengths,
+        batch_size=s.prompts if is_rl else s.batch_size,
+        n=s.n,
+        prompt_len=s.prompt_len,
+        max_tokens=s.max_tokens,
+        rollout=s.engine,
+        micro_batch_size=0,  # the plan's choice, as a user gets it
+        sets=["parallel.activation_checkpointing=false"] + (["algo.kl_coef=0"] if is_rl else []),
+    )
+
+
+def _with_ratios(row: dict, peer: str) -> dict:
+    """``row`` with rlctl's throughput and step time over the peer's (and over the peer's with packing)."""
+    row["ratio_tokens_per_s"] = _ratio(row["rlctl"]["tokens_per_s"], row[peer]["tokens_per_s"])
+    row["ratio_tokens_per_cpu_s"] = _ratio(row["rlctl"]["tokens_per_cpu_s"], row[peer]["tokens_per_cpu_s"])
+    row["ratio_step_s"] = _ratio(row["rlctl"]["step_s"], row[peer]["step_s"])
+    if f"{peer}_packing" in row:
+        packed = row[f"{peer}_packing"]
         row["ratio_tokens_per_s_packing"] = _ratio(row["rlctl"]["tokens_per_s"], packed["tokens_per_s"])
         row["ratio_tokens_per_cpu_s_packing"] = _ratio(row["rlctl"]["tokens_per_cpu_s"], packed["tokens_per_cpu_s"])
     return row

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ..errors import UserError
 from .spec import ModelSpec, VisionSpec
@@ -121,33 +123,43 @@ def spec_from_hf_config(config: dict, *, source: str, name: str, processor: dict
         extra={k: config[k] for k in _EXTRA_KEYS if k in config},
     )
     if arch == "qwen3_moe":
-        if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
-            raise UserError(
-                f"{source}: qwen3_moe with decoder_sparse_step != 1 or mlp_only_layers is not "
-                "supported (every layer must be MoE)"
-            )
-        fields.update(
-            num_experts=need("num_experts", "num_local_experts"),  # transformers 5 saves the latter
-            experts_per_token=need("num_experts_per_tok"),
-            expert_intermediate_size=need("moe_intermediate_size"),
-        )
+        fields.update(_qwen3_moe_fields(config, need, source))
     if arch == "deepseek_v3":
-        nope, rope_dim = need("qk_nope_head_dim"), need("qk_rope_head_dim")
-        fields.update(
-            head_dim=nope + rope_dim,
-            num_experts=need("n_routed_experts"),
-            experts_per_token=need("num_experts_per_tok"),
-            shared_experts=config.get("n_shared_experts") or 0,
-            expert_intermediate_size=need("moe_intermediate_size"),
-            first_dense_layers=config.get("first_k_dense_replace") or 0,
-            q_lora_rank=config.get("q_lora_rank") or 0,
-            kv_lora_rank=need("kv_lora_rank"),
-            qk_nope_head_dim=nope,
-            qk_rope_head_dim=rope_dim,
-            v_head_dim=need("v_head_dim"),
-            mtp_layers=config.get("num_nextn_predict_layers") or 0,
-        )
+        fields.update(_deepseek_v3_fields(config, need))
     return ModelSpec(**fields)
+
+
+def _qwen3_moe_fields(config: dict, need: Callable[..., Any], source: str) -> dict:
+    """The expert fields of a qwen3_moe config, whose every layer must be MoE."""
+    if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+        raise UserError(
+            f"{source}: qwen3_moe with decoder_sparse_step != 1 or mlp_only_layers is not "
+            "supported (every layer must be MoE)"
+        )
+    return dict(
+        num_experts=need("num_experts", "num_local_experts"),  # transformers 5 saves the latter
+        experts_per_token=need("num_experts_per_tok"),
+        expert_intermediate_size=need("moe_intermediate_size"),
+    )
+
+
+def _deepseek_v3_fields(config: dict, need: Callable[..., Any]) -> dict:
+    """The expert and latent-attention (MLA) fields of a deepseek_v3 config."""
+    nope, rope_dim = need("qk_nope_head_dim"), need("qk_rope_head_dim")
+    return dict(
+        head_dim=nope + rope_dim,
+        num_experts=need("n_routed_experts"),
+        experts_per_token=need("num_experts_per_tok"),
+        shared_experts=config.get("n_shared_experts") or 0,
+        expert_intermediate_size=need("moe_intermediate_size"),
+        first_dense_layers=config.get("first_k_dense_replace") or 0,
+        q_lora_rank=config.get("q_lora_rank") or 0,
+        kv_lora_rank=need("kv_lora_rank"),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=need("v_head_dim"),
+        mtp_layers=config.get("num_nextn_predict_layers") or 0,
+    )
 
 
 def _vision_from_config(arch: str, vc: dict, processor: dict) -> VisionSpec:

@@ -66,6 +66,25 @@ Lengths = Annotated[
     ),
 ]
 
+SeqLen = Annotated[int, typer.Option("--seq-len", help="sft: tokens per sequence.")]
+# bench train's options of the training job itself
+TrainSteps = Annotated[
+    int, typer.Option("--steps", help="Optimizer steps (the first is a warm-up, left out of the medians).")
+]
+TrainBatch = Annotated[
+    int, typer.Option("--batch-size", help="Sequences (sft) or prompts (RL) per step (default 8 / 4).")
+]
+MicroBatch = Annotated[int, typer.Option("--micro-batch-size", help="Sequences per forward (default: the plan's).")]
+Sets = Annotated[
+    list[str] | None, typer.Option("--set", "-s", help="key=value passed to the job's config, repeatable.")
+]
+OutputDir = Annotated[
+    str | None,
+    typer.Option(
+        "--output-dir", "-o", help="Keep the data and the run here (default: a temporary directory, removed)."
+    ),
+]
+
 
 def _log():
     from rich.console import Console
@@ -170,13 +189,9 @@ def train(
     gpus: Annotated[int, typer.Option("--gpus", help="GPUs in total (0 = every visible GPU).")] = 0,
     gpu: Annotated[str, typer.Option("--gpu", help="GPU type for the plan and the MFU peak (default: detected).")] = "",
     nproc: Annotated[int, typer.Option("--nproc", help="Processes (default: GPUs, or 1 on CPU).")] = 0,
-    steps: Annotated[
-        int, typer.Option("--steps", help="Optimizer steps (the first is a warm-up, left out of the medians).")
-    ] = 3,
-    batch_size: Annotated[
-        int, typer.Option("--batch-size", help="Sequences (sft) or prompts (RL) per step (default 8 / 4).")
-    ] = 0,
-    seq_len: Annotated[int, typer.Option("--seq-len", help="sft: tokens per sequence.")] = 128,
+    steps: TrainSteps = 3,
+    batch_size: TrainBatch = 0,
+    seq_len: SeqLen = 128,
     lengths: Lengths = "fixed",
     n: Annotated[int, typer.Option("--n", help="RL: samples per prompt.")] = 4,
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="RL: tokens per prompt (about).")] = 32,
@@ -184,19 +199,10 @@ def train(
     rollout: Annotated[
         str | None, typer.Option("--rollout", help=f"RL: {describe(names.RolloutEngine)} (default: the plan's).")
     ] = None,
-    micro_batch_size: Annotated[
-        int, typer.Option("--micro-batch-size", help="Sequences per forward (default: the plan's).")
-    ] = 0,
+    micro_batch_size: MicroBatch = 0,
     lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank (0 = full fine-tuning).")] = 0,
-    set_: Annotated[
-        list[str] | None, typer.Option("--set", "-s", help="key=value passed to the job's config, repeatable.")
-    ] = None,
-    output_dir: Annotated[
-        str | None,
-        typer.Option(
-            "--output-dir", "-o", help="Keep the data and the run here (default: a temporary directory, removed)."
-        ),
-    ] = None,
+    set_: Sets = None,
+    output_dir: OutputDir = None,
     seed: Seed = 0,
     json_: Json = False,
     plot: Plot = None,
@@ -269,7 +275,7 @@ def compare(
     prompt_len: Annotated[int, typer.Option("--prompt-len", help="Tokens per prompt (about).")] = 32,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens per response.")] = 32,
     batch_size: Annotated[int, typer.Option("--batch-size", help="sft: sequences per step.")] = 8,
-    seq_len: Annotated[int, typer.Option("--seq-len", help="sft: tokens per sequence.")] = 128,
+    seq_len: SeqLen = 128,
     lengths: Lengths = "fixed",
     seed: Seed = 0,
     json_: Json = False,

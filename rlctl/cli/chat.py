@@ -60,17 +60,12 @@ def chat(
 ) -> None:
     """Chat with a model (its chat template, the history kept); --prompt for a single reply."""
     from rlctl.cli.eval import _engine
-    from rlctl.errors import UserError
+    from rlctl.evaluate.settings import chat_tools
     from rlctl.evaluate.source import check_source
 
     source = check_source(model_or_run)
     engine = _engine(rollout)
-    if prompt is not None and not prompt.strip():
-        raise UserError("--prompt is empty; give the message text")
-    if max_new_tokens < 1 or max_model_len <= max_new_tokens:
-        raise UserError(f"need 1 <= --max-new-tokens < --max-model-len, got {max_new_tokens} and {max_model_len}")
-    from rlctl.evaluate.settings import chat_tools
-
+    _check_message(prompt, max_new_tokens, max_model_len)
     agent = chat_tools(tools or "", max_turns, max_new_tokens)  # a bad tools file fails before the model loads
     from rich.console import Console
 
@@ -87,15 +82,32 @@ def chat(
             max_new_tokens=max_new_tokens, max_model_len=max_model_len, system=system_prompt, seed=seed,
             tools=agent,
         )  # fmt: skip
-        try:
-            if prompt is not None:
-                answer = session.reply(prompt)
-                show_tool_turns(session, err)
-                typer.echo(inert(answer))
-            else:
-                _interactive(session, err)
-        finally:
-            session.close()
+        _converse(session, prompt, err)
+
+
+def _check_message(prompt: str | None, max_new_tokens: int, max_model_len: int) -> None:
+    """--prompt, when given, has text; a reply has room in the conversation."""
+    from rlctl.errors import UserError
+
+    if prompt is not None and not prompt.strip():
+        raise UserError("--prompt is empty; give the message text")
+    if max_new_tokens < 1 or max_model_len <= max_new_tokens:
+        raise UserError(f"need 1 <= --max-new-tokens < --max-model-len, got {max_new_tokens} and {max_model_len}")
+
+
+def _converse(session, prompt: str | None, err) -> None:
+    """One reply to --prompt (its tool turns on stderr), else the interactive loop; the session closed after."""
+    from rlctl.terminal import inert
+
+    try:
+        if prompt is not None:
+            answer = session.reply(prompt)
+            show_tool_turns(session, err)
+            typer.echo(inert(answer))
+        else:
+            _interactive(session, err)
+    finally:
+        session.close()
 
 
 def _interactive(session, err) -> None:

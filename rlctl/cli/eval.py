@@ -130,10 +130,7 @@ def run_eval(
     from rlctl.evaluate.settings import eval_config
     from rlctl.evaluate.source import check_source
 
-    if temperature is None:
-        temperature = 0.0 if n == 1 else 1.0
-    ks = sorted(set(k or [1, n]))
-    _check_sampling(n, ks, temperature)
+    ks, temperature = _sampling(n, k, temperature)
     _check_paths(data, output)
     source = check_source(model_or_run)
     options = {
@@ -146,18 +143,33 @@ def run_eval(
         "rollout.max_response_len": max_new_tokens,
         "agent.tools": tools,
         "agent.env": env,
-        **({"reward.fn": reward[0]} if reward and len(reward) == 1 else {"reward.fns": reward} if reward else {}),
+        **_reward_option(reward),
     }
     cfg, config_file = eval_config(model_or_run, options, sets or [])
     from rlctl.evaluate.run import EvalSettings, check_rows
-
-    check_rows(cfg.data.path, cfg.data.split)
     from rlctl.evaluate.settings import load_tools
 
+    check_rows(cfg.data.path, cfg.data.split)
     agent = load_tools(cfg)  # None without --tools / --env
     settings = dict(n=n, ks=tuple(ks), temperature=temperature, top_p=top_p, top_k=top_k, engine=_engine(rollout))
     settings.update(tp=tp, mem_fraction=mem_fraction, limit=limit, seed=seed)
     _run(source, cfg, EvalSettings(**settings), agent, device, dtype, trust, config_file, json_, output)
+
+
+def _sampling(n: int, k: list[int] | None, temperature: float | None) -> tuple[list[int], float]:
+    """The pass@k list (default 1 and n) and the temperature (default greedy for one sample, else 1), checked."""
+    if temperature is None:
+        temperature = 0.0 if n == 1 else 1.0
+    ks = sorted(set(k or [1, n]))
+    _check_sampling(n, ks, temperature)
+    return ks, temperature
+
+
+def _reward_option(reward: list[str] | None) -> dict:
+    """--reward as the config takes it: one function is reward.fn, several are reward.fns."""
+    if not reward:
+        return {}
+    return {"reward.fn": reward[0]} if len(reward) == 1 else {"reward.fns": reward}
 
 
 def _run(source, cfg, settings, agent, device, dtype, trust, config_file, json_: bool, output: Path | None) -> None:

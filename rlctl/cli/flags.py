@@ -265,6 +265,8 @@ FLAGS: tuple[Flag, ...] = (
       "batch behind (docs/offpolicy.md); 0: every process does both in turn."),
     F("max_staleness", "--max-staleness", "rollout.max_staleness", RL_PANEL, RL,
       "With --rollout-procs: the updates a batch's weights may lag (0: synchronous)."),
+    F("rollout_mode", "--rollout-mode", "rollout.mode", RL_PANEL, RL,
+      f"With --rollout-procs: {describe(names.RolloutMode)} (docs/async.md)."),
     F("mem_fraction", "--mem-fraction", "rollout.mem_fraction", RL_PANEL, RL_EST,
       "vLLM gpu_memory_utilization / SGLang mem_fraction_static (default: the plan's).", shown=False),
     F("reward", "--reward", "reward.fns", RL_PANEL, RL,

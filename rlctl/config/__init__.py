@@ -63,21 +63,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is typing.Literal:
         return _choice(value, typing.get_args(tp), key)
     if origin in (typing.Union, types.UnionType):
-        if set(typing.get_args(tp)) == {bool, type(None)}:
-            return _bool_or_none(value, key)
-        if type(None) in typing.get_args(tp) and is_auto(value):
-            return None
-        errors = []
-        for arg in typing.get_args(tp):
-            if arg is type(None):
-                if value is None:
-                    return None
-                continue
-            try:
-                return _coerce(value, arg, key)
-            except UserError as e:
-                errors.append(str(e))
-        raise UserError(errors[0] if errors else f"{key}: cannot be {value!r}")
+        return _union(value, tp, key)
     if origin is list:
         (item_tp,) = typing.get_args(tp) or (Any,)
         if isinstance(value, str):
@@ -87,43 +73,75 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return [_coerce(v, item_tp, key) for v in value]
     if tp is Any:
         return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
-            return value.lower() in ("true", "yes", "1", "on")
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        raise UserError(f"{key} must be true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise UserError(f"{key} must be an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                pass
-        raise UserError(f"{key} must be an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, bool):
-            raise UserError(f"{key} must be a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise UserError(f"{key} must be a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise UserError(f"{key} must be a string, got {value!r}")
+    if tp in _SCALARS:
+        return _SCALARS[tp](value, key)
     raise UserError(f"{key}: unsupported type {_type_name(tp)}")
+
+
+def _union(value: Any, tp: Any, key: str) -> Any:
+    """``bool | None`` its own way; otherwise the first member type that takes the value (None for "auto")."""
+    if set(typing.get_args(tp)) == {bool, type(None)}:
+        return _bool_or_none(value, key)
+    if type(None) in typing.get_args(tp) and is_auto(value):
+        return None
+    errors = []
+    for arg in typing.get_args(tp):
+        if arg is type(None):
+            if value is None:
+                return None
+            continue
+        try:
+            return _coerce(value, arg, key)
+        except UserError as e:
+            errors.append(str(e))
+    raise UserError(errors[0] if errors else f"{key}: cannot be {value!r}")
+
+
+def _to_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
+        return value.lower() in ("true", "yes", "1", "on")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise UserError(f"{key} must be true or false, got {value!r}")
+
+
+def _to_int(value: Any, key: str) -> int:
+    if isinstance(value, bool):
+        raise UserError(f"{key} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.replace("_", ""))
+        except ValueError:
+            pass
+    raise UserError(f"{key} must be an integer, got {value!r}")
+
+
+def _to_float(value: Any, key: str) -> float:
+    if isinstance(value, bool):
+        raise UserError(f"{key} must be a number, got {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise UserError(f"{key} must be a number, got {value!r}")
+
+
+def _to_str(value: Any, key: str) -> str:
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise UserError(f"{key} must be a string, got {value!r}")
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
 
 
 def is_auto(value: Any) -> bool:
@@ -361,20 +379,10 @@ def validate(cfg: RunConfig) -> None:
     _validate_agent(cfg)
 
 
-DEFAULT_MAX_TURNS = 8  # agent.max_turns when tools, an environment or an interaction are given
-
-
 def agent_enabled(cfg: RunConfig) -> bool:
     """Whether the run is multi-turn: tools, an environment or an interaction given."""
     a = cfg.agent
     return bool(a.tools or a.env or a.interaction)
-
-
-def max_turns(cfg: RunConfig) -> int:
-    """Assistant turns per trajectory: agent.max_turns, else 8 for agent runs (1 otherwise)."""
-    if cfg.agent.max_turns is not None:
-        return cfg.agent.max_turns
-    return DEFAULT_MAX_TURNS if agent_enabled(cfg) else 1
 
 
 def _validate_agent(cfg: RunConfig) -> None:

@@ -8,6 +8,7 @@ verified; it may never be, contain or sit inside an input (convert never destroy
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -72,12 +73,9 @@ def convert_source(
     fold = layout.has_lora and not keep_adapter
     tensors = lora.merged_tensors(source, layout, spec) if fold else lora.base_tensors(source, layout)
 
-    def add_adapter(tmp: Path) -> None:
-        lora.write_adapter(tmp / "adapter", layout, spec, target)
-
-    def check(tmp: Path):
-        return _verify(tmp, source, layout, spec, meta_dir, adapter_dir, keep_adapter=keep_adapter, dtype=target)
-
+    add_adapter = functools.partial(_write_adapter, layout=layout, spec=spec, dtype=target)  # add_adapter(tmp)
+    kw = dict(source=source, layout=layout, spec=spec, meta_dir=meta_dir, adapter_dir=adapter_dir)
+    check = functools.partial(_verify, **kw, keep_adapter=keep_adapter, dtype=target)  # check(tmp): its verdict
     written = write_verified(
         out_dir,
         tensors,
@@ -101,6 +99,11 @@ def convert_source(
         notes=list(notes or []),
         verdict=written.verdict,
     )
+
+
+def _write_adapter(tmp: Path, *, layout, spec, dtype) -> None:
+    """A kept LoRA adapter, written beside the model (in ``tmp/adapter``) before the model is verified."""
+    lora.write_adapter(tmp / "adapter", layout, spec, dtype)
 
 
 def _lora_spec(layout, adapter_dir: Path | None, *, keep_adapter: bool, where: str):

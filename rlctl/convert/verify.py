@@ -150,6 +150,37 @@ def verify_model(
     arch = Architecture.from_dir(out_dir)
     out = SafetensorsSource(out_dir)
     out_names = set(out.keys())
+    seen, state = _check_tensors(verdict, out, out_names, arch, expected, rounding=rounding, keep=reference is None)
+    extra = sorted(out_names - seen)
+    verdict.add(
+        "names", not extra, "no tensor beyond the source" if not extra else f"not in the source: {', '.join(extra[:3])}"
+    )
+    if dtype is not None:
+        wrong = [k for k in out_names if out.dtype(k).is_floating_point and out.dtype(k) != dtype]
+        declared = config_dtype(config)
+        ok = not wrong and declared in (None, dtype)
+        verdict.add(
+            "dtype",
+            ok,
+            f"{dtype_name(dtype)}" if ok else f"{len(wrong)} tensor(s) not {dtype_name(dtype)}; config says {declared}",
+        )
+    _check_logits(verdict, out_dir, reference if reference is not None else state, adapter, n_inputs, seq_len, rounding)
+    return verdict
+
+
+def _check_tensors(
+    verdict: Verdict,
+    out,
+    out_names: set[str],
+    arch: Architecture,
+    expected: Iterable[tuple[str, torch.Tensor]],
+    *,
+    rounding: bool,
+    keep: bool,
+) -> tuple[set[str], dict[str, torch.Tensor]]:
+    """The "tensors" check: each expected tensor is in the output (by its name or the architecture's alias)
+    with its shape and its values (equal, or within dtype rounding). Returns the names seen and, with
+    ``keep``, the expected tensors as the logits reference's state."""
     state: dict[str, torch.Tensor] = {}
     seen: set[str] = set()
     bad: list[str] = []
@@ -172,26 +203,12 @@ def verify_model(
         ok = bool(_ulp_close(got, ref).all()) if rounding and got.is_floating_point() else torch.equal(got, ref_cast)
         if not ok:
             bad.append(f"{name} differs")
-        if target == name and reference is None:
+        if target == name and keep:
             state[name] = ref_cast.float() if ref_cast.is_floating_point() else ref_cast
     rule = "within dtype rounding of peft's merge" if rounding else "equal to the source"
     detail = f"{count} tensors {rule}; max |diff| {worst:.3g}"
     verdict.add("tensors", not bad, detail if not bad else f"{len(bad)} bad: {', '.join(bad[:3])}")
-    extra = sorted(out_names - seen)
-    verdict.add(
-        "names", not extra, "no tensor beyond the source" if not extra else f"not in the source: {', '.join(extra[:3])}"
-    )
-    if dtype is not None:
-        wrong = [k for k in out_names if out.dtype(k).is_floating_point and out.dtype(k) != dtype]
-        declared = config_dtype(config)
-        ok = not wrong and declared in (None, dtype)
-        verdict.add(
-            "dtype",
-            ok,
-            f"{dtype_name(dtype)}" if ok else f"{len(wrong)} tensor(s) not {dtype_name(dtype)}; config says {declared}",
-        )
-    _check_logits(verdict, out_dir, reference if reference is not None else state, adapter, n_inputs, seq_len, rounding)
-    return verdict
+    return seen, state
 
 
 def _check_logits(

@@ -190,20 +190,14 @@ def read_prompts(
     """Every usable prompt of a data source (rendered through ``datasets.map``, cached in ``cache_dir``
     and done once: :func:`rlctl.data.mapped.map_rows`), and the report of what was skipped. ``vision``: a
     VL model's VisionProcessor; the prompts' images are processed once and cached with the token ids."""
-    from dataclasses import asdict
-
-    from rlctl.data.mapped import cache_key, map_rows, source_stamp, tokenizer_stamp
+    from rlctl.data.mapped import map_rows
 
     rows = read_rows(path, split=split)
     report = DataReport(total=len(rows))
     for reason in rows.unreadable:
         report.bad[reason] += 1
-    if answer_required and rows.rows and not any(_ground_truth(r, cfg.data.answer_field)[0] for r in rows.rows):
-        fields = sorted({k for r in rows.rows[:20] for k in r})
-        raise UserError(
-            f"{path}: no row has an answer field '{cfg.data.answer_field}' (nor verl's reward_model.ground_truth); "
-            f"the rows have {', '.join(fields)}: name the answer with --set data.answer_field=FIELD"
-        )
+    if answer_required:
+        _require_answers(path, rows.rows, cfg.data.answer_field)
 
     base_dir = data_dir(path)
 
@@ -222,17 +216,7 @@ def read_prompts(
             columns["pixel_values"] = np.zeros(0, np.float32)
         return {**out, **columns}
 
-    key = cache_key(
-        kind="rl",
-        source=source_stamp(path),
-        split=split,
-        data=asdict(cfg.data),
-        max_prompt_len=cfg.rollout.max_prompt_len,
-        tokenizer=tokenizer_stamp(tokenizer),
-        **({"tools": tools} if tools else {}),
-        **({"vision": vision.stamp()} if vision is not None else {}),
-        **({} if answer_required else {"answer_required": False}),
-    )
+    key = _cache_key(path, split, cfg, tokenizer, tools, vision, answer_required)
     features = {"token_ids": "int32 list", "bad": "string"} | (PIXEL_FEATURES if vision is not None else {})
     prompts = []
     outs = map_rows(rows.rows, render, cache_dir=cache_dir, key=key, desc="prompts", features=features, log=log)
@@ -244,6 +228,35 @@ def read_prompts(
             p.pixel_values, p.image_grid_thw = pixels_from_columns(out)
             prompts.append(p)
     return prompts, report
+
+
+def _require_answers(path: str, rows: list[dict], answer_field: str) -> None:
+    """Some row of a source that needs answers has one (a source where none has is a misnamed field)."""
+    if rows and not any(_ground_truth(r, answer_field)[0] for r in rows):
+        fields = sorted({k for r in rows[:20] for k in r})
+        raise UserError(
+            f"{path}: no row has an answer field '{answer_field}' (nor verl's reward_model.ground_truth); "
+            f"the rows have {', '.join(fields)}: name the answer with --set data.answer_field=FIELD"
+        )
+
+
+def _cache_key(path: str, split: str, cfg: RunConfig, tokenizer, tools, vision, answer_required: bool) -> str:
+    """The rendered prompts' cache key: everything the rendering reads (the source, the settings, the tokenizer)."""
+    from dataclasses import asdict
+
+    from rlctl.data.mapped import cache_key, source_stamp, tokenizer_stamp
+
+    return cache_key(
+        kind="rl",
+        source=source_stamp(path),
+        split=split,
+        data=asdict(cfg.data),
+        max_prompt_len=cfg.rollout.max_prompt_len,
+        tokenizer=tokenizer_stamp(tokenizer),
+        **({"tools": tools} if tools else {}),
+        **({"vision": vision.stamp()} if vision is not None else {}),
+        **({} if answer_required else {"answer_required": False}),
+    )
 
 
 def _environment_tasks(cfg: RunConfig, tokenizer, tools: list[dict] | None) -> RLData:

@@ -1,7 +1,12 @@
 """The FSDP2 training engine shared by sft, grpo and ppo.
 
-How a model is built: :mod:`rlctl.engines.sharding` (on meta, LoRA, ``fully_shard`` per decoder layer,
-the shards filled from rank 0's weights).
+The engine composes three parts chosen once: a model adapter (:mod:`rlctl.engines.adapters`: a causal LM,
+:class:`~rlctl.engines.modules.CriticAdapter` or :class:`~rlctl.engines.vision.VisionAdapter`) that builds,
+calls and names the model; the parallel dimensions (:class:`rlctl.engines.dims.ParallelDims`, sp 1 the
+trivial grid) with how the model is called over them (:class:`~rlctl.engines.adapters.PlainCalls` or
+:class:`~rlctl.engines.ulysses.UlyssesCalls`); and the sharded model itself,
+:func:`rlctl.engines.sharding.build_sharded_model` (on meta, LoRA, ``fully_shard`` per decoder layer, the
+shards filled from rank 0's weights).
 
 Precision: trained parameters (the master weights) and optimizer states are fp32; on GPU the
 forward and backward run in bf16 and gradients are reduced in fp32 (``MixedPrecisionPolicy``); on
@@ -12,10 +17,7 @@ trained and kept in fp32).
 Gradients are SUMMED over ranks (see :mod:`rlctl.engines.base`), clipped by their global norm,
 and AdamW steps with a linear warmup then cosine decay to ``min_lr_ratio`` of the peak.
 
-Critic (PPO): ``role="critic"`` builds :class:`CriticModel`, the architecture's backbone
-(``AutoModel``, the CausalLM without its lm_head) plus ``value_head = Linear(hidden, 1)``;
-``forward`` returns values ``[B, T]`` in fp32. Its state keys are the CausalLM's ``model.*`` keys
-plus ``value_head.weight``/``value_head.bias``.
+Critic (PPO): ``role="critic"`` builds :class:`~rlctl.engines.modules.CriticModel` (values ``[B, T]`` in fp32).
 """
 
 from __future__ import annotations
@@ -38,22 +40,22 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from rlctl.data.packing import MicroBatch
 from rlctl.data.vision import is_vision_config
-from rlctl.engines import ulysses, varlen
-from rlctl.engines.base import ModelSource, TrainEngine, full_logits
-from rlctl.engines.modules import _full
+from rlctl.engines import ulysses
+from rlctl.engines.adapters import CallContext, ModelAdapter, PlainCalls
+from rlctl.engines.base import ModelSource, TrainEngine
+from rlctl.engines.dims import ParallelDims, parallel_dims
+from rlctl.engines.modules import CriticAdapter, _full
 from rlctl.engines.savers import HostActivations
-from rlctl.engines.sharding import ShardedModel
+from rlctl.engines.sharding import BuildSpec, Placement, Precision, build_sharded_model
 from rlctl.engines.spec import EngineSpec
-from rlctl.engines.vision import dummy_tower, vision_kwargs
-from rlctl.engines.vision_prefix import shared_rope_position_ids
+from rlctl.engines.vision import VisionAdapter
 from rlctl.errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-class FSDPEngine(ShardedModel, TrainEngine):
+class FSDPEngine(TrainEngine):
     """One model sharded with FSDP2 over all ranks, with its optimizer (when trainable).
 
     Args:
@@ -78,8 +80,8 @@ class FSDPEngine(ShardedModel, TrainEngine):
         source: ModelSource | None = None,
     ):
         self._setup(spec, role=role, trainable=trainable, total_steps=total_steps, source=source)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.sp = self._sp_groups(spec)
+        self.world = dist.get_world_size()
+        self.dims = self._parallel_dims(spec)
         self.compute_dtype = self._compute_dtype(spec)
         self.attn = self._attn(spec)
         self.offload = self.device.type == "cuda" and (spec.offload_params or spec.offload_optimizer)
@@ -94,21 +96,19 @@ class FSDPEngine(ShardedModel, TrainEngine):
         if self.vision and role == "critic":
             raise UserError("a vision-language model cannot be a PPO critic yet; train it with grpo (no critic)")
 
-        with torch.device("meta"):
-            self.model, self._state_module = self._build(self.hf_config)
+        self.adapter = choose_adapter(role, vision=self.vision)
         # packed rows split per document (rlctl.engines.varlen); VL models: transformers' packed masks instead
-        self.varlen = self.attn == "sdpa" and not self.vision
-        if self.sp is not None:  # Ulysses around the per-document attention (rlctl.engines.ulysses)
-            ulysses.install(self._hf_model().config)
-        elif self.varlen:
-            varlen.install(self._hf_model().config)
-        self._apply_fsdp(spec.activation_checkpointing, spec.selective_checkpointing)
-        self._materialize()
+        self.varlen = self.adapter.varlen(self.attn)
+        flash = self.attn == "flash_attention_2"  # flash-attn's varlen kernel per document
+        self.calls = ulysses.UlyssesCalls(self.dims, flash=flash) if self.dims.sp > 1 else PlainCalls()
+        self.placement = self._placement()
+        self.parts = build_sharded_model(self._build_spec(spec), self.placement)
+        self.model = self.parts.root
         self.optimizer = None
         if trainable:
             self._build_optimizer()
         else:
-            self._state_module.requires_grad_(False)
+            self.parts.state.requires_grad_(False)
         self.train(trainable)
 
     # ------------------------------------------------------------------ setup
@@ -137,17 +137,17 @@ class FSDPEngine(ShardedModel, TrainEngine):
             raise UserError("parameter/optimizer offload is FSDP2's CPUOffloadPolicy: keep parallel.shard on for it")
         return spec.shard
 
-    def _sp_groups(self, spec: EngineSpec) -> ulysses.SPGroups | None:
-        """The (dp, sp) groups of Ulysses sequence parallelism (None: sp 1)."""
+    def _parallel_dims(self, spec: EngineSpec) -> ParallelDims:
+        """The (dp, sp) grid of Ulysses sequence parallelism (sp 1: every rank a replica)."""
         if spec.sp == 1:
-            return None
+            return parallel_dims(1, self.device.type)
         c = self.hf_config
         if is_vision_config(c):
             raise UserError(
                 f"parallel.sp={spec.sp}: a vision-language model is not split by sequence; use parallel.sp=1"
             )
         ulysses.check(spec.sp, self.world, c.num_attention_heads, getattr(c, "num_key_value_heads", None) or 1)
-        return ulysses.sp_groups(spec.sp, self.device.type)
+        return parallel_dims(spec.sp, self.device.type)
 
     def _attn(self, spec: EngineSpec) -> str:
         attn = spec.attn  # None unless the user chose (the plan's attn is a forecast, not an order)
@@ -160,6 +160,24 @@ class FSDPEngine(ShardedModel, TrainEngine):
         if attn == "flash_attention_2" and (self.device.type != "cuda" or not has_flash):
             raise UserError("model.attn=flash_attention_2 needs a GPU and the flash-attn package; use model.attn=sdpa")
         return attn
+
+    def _build_spec(self, spec: EngineSpec) -> BuildSpec:
+        return BuildSpec(
+            adapter=self.adapter,
+            source=self.source,
+            hf_config=self.hf_config,
+            attn=self.attn,
+            lora=spec.lora if self.lora_rank else None,
+            train_vision=spec.train_vision,
+            seed=spec.seed,
+            activation_checkpointing=spec.activation_checkpointing,
+            selective_checkpointing=spec.selective_checkpointing,
+            install_attention=lambda config: self.calls.install(config, varlen_ok=self.varlen),
+        )
+
+    def _placement(self) -> Placement:
+        precision = Precision(self.compute_dtype, self.param_dtype, self.frozen_dtype, self.pure_bf16)
+        return Placement(self.device, self.dims, self.sharded, self.offload, self.trainable, precision)
 
     def _build_optimizer(self) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -182,97 +200,53 @@ class FSDPEngine(ShardedModel, TrainEngine):
         stack = contextlib.ExitStack()
         if self.spec.offload_activations and self.trainable and torch.is_grad_enabled():
             stack.enter_context(HostActivations(self.device))
-        mixed = self.param_dtype == torch.float32 and self.compute_dtype != torch.float32
-        if not self.sharded and mixed:
+        if not self.sharded and self.placement.precision.mixed:
             stack.enter_context(torch.autocast(self.device.type, dtype=self.compute_dtype))
         return stack
 
+    def _context(self) -> CallContext:
+        return CallContext(self.device, self.varlen, self.sharded and self.world > 1, self._memory_context)
+
     def forward(self, input_ids, position_ids, attention_mask=None) -> torch.Tensor:
-        if self.sp is not None:
-            return full_logits(self.forward_micro(MicroBatch(input_ids, position_ids, input_ids, attention_mask)))
-        with self._memory_context():
-            if self.role == "critic":
-                return self.model(input_ids, position_ids=position_ids, attention_mask=attention_mask)
-            return self.model(
-                input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
-            ).logits
+        return self.calls.forward(self.adapter, self.model, input_ids, position_ids, attention_mask, self._context())
 
     def forward_micro(self, mb) -> torch.Tensor:
-        """One micro-batch's output, with as little wasted work as the layout allows: packed rows (and
-        shared-prefix rows) attend per document (:mod:`rlctl.engines.varlen`, with sdpa), and an RL
-        micro-batch's logits are computed only where the loss reads them (``logits_to_keep``)."""
-        if self.vision:
-            return self._forward_vision(mb)
-        if self.sp is not None:  # each rank its shard of the sequence (rlctl.engines.ulysses)
-            with self._memory_context():
-                flash = self.attn == "flash_attention_2"  # flash-attn's varlen kernel per document
-                return ulysses.forward(self.model, mb, self.sp, critic=self.role == "critic", flash=flash)
-        blocks, mask = mb.blocks, mb.attention_mask
-        kwargs = {"attention_mask": mask}
-        if blocks is not None:  # shared-prefix rows: a call per block, or one masked call (short rows, eager)
-            kwargs = varlen.attention_kwargs(blocks, mb.input_ids, split=self.varlen)
-        elif mask is None and self.varlen:  # packed rows: one call per document
-            blocks = varlen.blocks_from_positions(mb.position_ids)
-            if varlen.worth_splitting(blocks, mb.input_ids.shape[0]):
-                kwargs = {"attention_mask": varlen.placeholder_mask(self.device), "rlctl_blocks": blocks}
-        with self._memory_context():
-            if self.role == "critic":
-                return self.model(mb.input_ids, position_ids=mb.position_ids, **kwargs)
-            keep = mb.keep_cols if mb.keep_cols is not None else mb.logit_index
-            if keep is not None:
-                kwargs["logits_to_keep"] = keep
-            return self.model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **kwargs).logits
-
-    def _forward_vision(self, mb) -> torch.Tensor:
-        """A VL model's logits for one micro-batch: its pixels and multimodal rope positions
-        (:mod:`rlctl.engines.vision`); packed rows give their text positions too, for per-document masks;
-        shared-prefix rows (GRPO) their blocks' dense mask and positions (:mod:`rlctl.engines.vision_prefix`)."""
-        hf = self._hf_model()
-        if mb.blocks is not None:  # each group's prompt (its images too) once, then its responses
-            kwargs = varlen.attention_kwargs(mb.blocks, mb.input_ids, split=False)
-            kwargs["position_ids"] = shared_rope_position_ids(hf, mb)
-            if mb.pixel_values is not None:
-                kwargs.update(pixel_values=mb.pixel_values, image_grid_thw=mb.image_grid_thw)
-        else:
-            kwargs = vision_kwargs(hf, mb, packed_text=mb.attention_mask is None)
-            kwargs["attention_mask"] = mb.attention_mask
-        keep = mb.keep_cols if mb.keep_cols is not None else mb.logit_index
-        if keep is not None:
-            kwargs["logits_to_keep"] = keep
-        dummy = mb.pixel_values is None and self.sharded and self.world > 1  # every rank gathers the tower
-        with self._memory_context(), dummy_tower(hf) if dummy else contextlib.nullcontext():
-            return self.model(input_ids=mb.input_ids, use_cache=False, **kwargs).logits
+        """One micro-batch's output, with as little wasted work as the layout allows (the adapter's
+        :meth:`~rlctl.engines.adapters.ModelAdapter.forward_micro`): packed and shared-prefix rows attend
+        per document, and an RL micro-batch's logits are computed only where the loss reads them
+        (``logits_to_keep``); under sp, each rank its shard of the sequence (:mod:`rlctl.engines.ulysses`)."""
+        return self.calls.forward_micro(self.adapter, self.model, mb, self._context())
 
     @property
     def shares_prefix(self) -> bool:
         """Shared-prefix micro-batches run where packed rows attend per block (sdpa through
         :mod:`rlctl.engines.varlen`); eager attention would add their boolean mask instead of applying
         it, and flash-attention's varlen kernels cannot take it: those keep the packed rows. VL models (varlen
-        off) run them with sdpa and the blocks' dense mask."""
-        return self.role != "critic" and (self.varlen or (self.vision and self.attn == "sdpa"))
+        off) run them with sdpa and the blocks' dense mask; a critic never (its values cover every position)."""
+        return self.adapter.shares_prefix(varlen=self.varlen, attn=self.attn)
 
-    # ------------------------------------------------------------------ data-parallel coordinates (sp > 1)
+    # ------------------------------------------------------------------ data-parallel coordinates
 
     @property
     def dp_rank(self) -> int:
-        return dist.get_rank() if self.sp is None else self.sp.dp_rank
+        return self.dims.dp_rank
 
     @property
     def dp_size(self) -> int:
-        return dist.get_world_size() if self.sp is None else self.sp.dp_size
+        return self.dims.dp
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
-        return None if self.sp is None else self.sp.dp_group
+        return self.dims.dp_group
 
     @property
     def mp_size(self) -> int:
         """The SP ranks split each sequence of the micro-batches they share."""
-        return 1 if self.sp is None else self.sp.size
+        return self.dims.sp
 
     @property
     def mp_group(self) -> dist.ProcessGroup | None:
-        return None if self.sp is None else self.sp.group
+        return self.dims.sp_group
 
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
         if not self.trainable:
@@ -305,17 +279,17 @@ class FSDPEngine(ShardedModel, TrainEngine):
 
     def state_dict(self) -> dict:
         self._reshard()
-        state = {"model": get_model_state_dict(self._state_module)}
+        state = {"model": get_model_state_dict(self.parts.state)}
         if self.trainable:
-            state["optim"] = get_optimizer_state_dict(self._state_module, self.optimizer)
+            state["optim"] = get_optimizer_state_dict(self.parts.state, self.optimizer)
             state["scheduler"] = {"step": self.global_step}
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self._reshard()
-        set_model_state_dict(self._state_module, state["model"])
+        set_model_state_dict(self.parts.state, state["model"])
         if self.trainable and "optim" in state:
-            set_optimizer_state_dict(self._state_module, self.optimizer, state["optim"])
+            set_optimizer_state_dict(self.parts.state, self.optimizer, state["optim"])
             for group in self.optimizer.param_groups:  # checkpoints from before fused AdamW say fused=None
                 group["fused"] = True
             self.global_step = int(state["scheduler"]["step"])
@@ -323,8 +297,7 @@ class FSDPEngine(ShardedModel, TrainEngine):
     def lora_info(self) -> dict | None:
         if not self.lora_rank:
             return None
-        peft_model = self._state_module.model if self.role == "critic" else self._state_module
-        cfg = peft_model.peft_config["default"].to_dict()
+        cfg = self.adapter.lora_host(self.parts.state).peft_config["default"].to_dict()
         return {
             k: (sorted(v) if isinstance(v, set) else v)
             for k, v in cfg.items()
@@ -332,8 +305,7 @@ class FSDPEngine(ShardedModel, TrainEngine):
         }
 
     def save_lora_config(self, out_dir: str | Path) -> None:
-        peft_model = self._state_module.model if self.role == "critic" else self._state_module
-        peft_model.peft_config["default"].save_pretrained(str(out_dir))
+        self.adapter.lora_host(self.parts.state).peft_config["default"].save_pretrained(str(out_dir))
 
     # ------------------------------------------------------------------ full weights
 
@@ -370,8 +342,12 @@ class FSDPEngine(ShardedModel, TrainEngine):
             for name, child in module.named_children():
                 yield from walk(child, f"{prefix}{name}.")
 
-        if self.role == "critic":  # CriticModel.model may be peft's wrapper: walk the backbone itself
-            yield from walk(self._hf_model(), "model.")
-            yield from walk(self.model.value_head, "value_head.")
-        else:
-            yield from walk(self.model, "")
+        for module, prefix in self.adapter.export_modules(self.model):  # a critic: its backbone, its value head
+            yield from walk(module, prefix)
+
+
+def choose_adapter(role: str, *, vision: bool) -> ModelAdapter:
+    """The model adapter of a role: a critic's value model, a VL model, or a causal LM."""
+    if role == "critic":
+        return CriticAdapter()
+    return VisionAdapter() if vision else ModelAdapter()

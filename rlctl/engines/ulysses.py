@@ -1,11 +1,11 @@
 """Ulysses sequence parallelism for the FSDP engine (``parallel.sp``, DeepSpeed-Ulysses, arXiv 2309.14509).
 
-The ranks form a ``(dp, sp)`` grid: the ``sp`` consecutive ranks of an SP group split each sequence
-of the micro-batches they share, the ranks with the same place in their SP groups are the
-data-parallel replicas. FSDP2 still shards the weights over every rank (dp x sp flattened, as verl
-does): the layout of the weights, and so every checkpoint, does not depend on ``sp``.
+The ranks form a ``(dp, sp)`` grid (:class:`rlctl.engines.dims.ParallelDims`): the ``sp`` consecutive
+ranks of an SP group split each sequence of the micro-batches they share, the ranks with the same place
+in their SP groups are the data-parallel replicas. FSDP2 still shards the weights over every rank
+(dp x sp flattened, as verl does): the layout of the weights, and so every checkpoint, does not depend on ``sp``.
 
-One forward of a micro-batch ``[B, T]`` (:func:`forward`):
+One forward of a micro-batch ``[B, T]`` (:class:`UlyssesCalls`, chosen once by the engine when sp > 1):
 
 * each rank takes columns ``r*Tl : (r+1)*Tl`` of the rows (``Tl = ceil(T / sp)``, the last padded),
   with the positions of the whole sequence (RoPE sees the true positions);
@@ -36,46 +36,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rlctl.data.packing import MicroBatch
 from rlctl.engines import varlen
+from rlctl.engines.dims import ParallelDims
 from rlctl.errors import UserError
 
 NAME = "rlctl_ulysses"
-
-
-@dataclass(frozen=True)
-class SPGroups:
-    """This rank's place in the ``(dp, sp)`` grid and the process groups of its row and column."""
-
-    size: int  # ranks per SP group
-    rank: int  # this rank's place in its SP group
-    group: dist.ProcessGroup  # the SP group: consecutive ranks that split one sequence
-    dp_group: dist.ProcessGroup  # the ranks at the same place of every SP group (one per replica)
-    dp_rank: int
-    dp_size: int
-
-
-_GROUPS: dict[tuple[str, int], SPGroups] = {}
-
-
-def sp_groups(sp: int, device_type: str) -> SPGroups:
-    """The groups of ``sp`` (built once per process; collective the first time). They are process groups
-    of their own, never the default one, so attention's all-to-all does not queue behind FSDP2's
-    all-gathers (on the default group)."""
-    key = (device_type, sp)
-    if key not in _GROUPS:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        rows = [list(range(k * sp, (k + 1) * sp)) for k in range(world // sp)]
-        columns = [list(range(j, world, sp)) for j in range(sp)]
-        made = {tuple(ranks): dist.new_group(ranks) for ranks in rows + columns}  # every rank, in one order
-        _GROUPS[key] = SPGroups(
-            size=sp,
-            rank=rank % sp,
-            group=made[tuple(rows[rank // sp])],
-            dp_group=made[tuple(columns[rank % sp])],
-            dp_rank=rank // sp,
-            dp_size=world // sp,
-        )
-    return _GROUPS[key]
 
 
 def check(sp: int, world: int, heads: int, kv_heads: int) -> None:
@@ -152,14 +118,14 @@ class _GatherSeq(torch.autograd.Function):
 
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, rlctl_sp=None, **kwargs):
-    """transformers' attention signature. Given ``rlctl_sp`` (the :class:`SPGroups`; the engine passes
+    """transformers' attention signature. Given ``rlctl_sp`` (the :class:`ParallelDims`; the engine passes
     it with ``rlctl_blocks`` in full-sequence coordinates), the Ulysses trade around
     :func:`rlctl.engines.varlen.attention`; without, that attention as it is (e.g. generation)."""
     if rlctl_sp is None:
         return varlen.attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if kwargs.get("rlctl_blocks") is None:
         raise RuntimeError("sequence-parallel attention needs the blocks of the whole sequence (rlctl_blocks)")
-    g, sp = rlctl_sp.group, rlctl_sp.size
+    g, sp = rlctl_sp.sp_group, rlctl_sp.sp
     kv = key.shape[1]
     if kv < sp:  # each KV head repeated for the ranks that hold its query heads
         key, value = key.repeat_interleave(sp // kv, dim=1), value.repeat_interleave(sp // kv, dim=1)
@@ -205,7 +171,7 @@ class ShardedLogits:
     local: torch.Tensor  # [B, n, V]: the logits at the columns this rank owns, in their order
     owner: torch.Tensor  # [K] the SP rank that owns each column
     local_col: torch.Tensor  # [K] the column's place among its owner's
-    groups: SPGroups
+    dims: ParallelDims
 
     def sum(self) -> torch.Tensor:
         """A dummy micro-batch's zero loss (``output.sum() * 0``) reaches the whole model."""
@@ -215,22 +181,24 @@ class ShardedLogits:
         """``fn(logits [M', V], labels [M']) -> [M']`` tensor(s) (or None) at the entries ``flat`` of the ``[B, K]``
         grid (``labels`` [M] their labels): computed by each entry's owner, gathered in ``flat``'s order.
         The gather's backward hands each rank the gradient of its own entries."""
-        g, k_all = self.groups, self.owner.numel()
+        g, k_all = self.dims, self.owner.numel()
         b, k = torch.div(flat, k_all, rounding_mode="floor"), flat % k_all
         own = self.owner[k]
-        mine = own == g.rank
+        mine = own == g.sp_rank
         rows = self.local.flatten(0, 1)[b[mine] * self.local.shape[1] + self.local_col[k[mine]]]
         outs = fn(rows, labels[mine])
-        sizes = torch.bincount(own, minlength=g.size).tolist()
+        sizes = torch.bincount(own, minlength=g.sp).tolist()
         back = torch.argsort(torch.argsort(own, stable=True))
         outs = outs if isinstance(outs, tuple) else (outs,)
-        return tuple(None if o is None else _GatherSeq.apply(o[None], g.group, g.rank, sizes)[0][back] for o in outs)
+        return tuple(
+            None if o is None else _GatherSeq.apply(o[None], g.sp_group, g.sp_rank, sizes)[0][back] for o in outs
+        )
 
     def full(self) -> torch.Tensor:
         """The logits ``[B, K, V]`` of every kept column, gathered (as without sp)."""
-        g = self.groups
-        sizes = torch.bincount(self.owner, minlength=g.size).tolist()
-        gathered = _GatherSeq.apply(self.local, g.group, g.rank, sizes)  # by owner
+        g = self.dims
+        sizes = torch.bincount(self.owner, minlength=g.sp).tolist()
+        gathered = _GatherSeq.apply(self.local, g.sp_group, g.sp_rank, sizes)  # by owner
         return gathered[:, torch.argsort(torch.argsort(self.owner, stable=True))]
 
 
@@ -243,11 +211,19 @@ def _owners(keep: torch.Tensor, local: int, sp: int) -> tuple[torch.Tensor, torc
     return owner, place - starts[owner]
 
 
-def forward(model, mb, groups: SPGroups, *, critic: bool, flash: bool = False) -> torch.Tensor | ShardedLogits:
-    """The model's output for micro-batch ``mb``: an actor's :class:`ShardedLogits` at ``mb.keep_cols`` /
-    ``mb.logit_index`` (every column when neither), or a critic's values ``[B, T]``, gathered. ``flash``:
-    attention per document with flash-attn's varlen kernel (:func:`rlctl.engines.varlen.attention`)."""
-    sp, r = groups.size, groups.rank
+@dataclass(frozen=True)
+class _Shard:
+    """This rank's columns of a micro-batch, padded to ``sp`` equal shards, and the attention's inputs."""
+
+    ids: torch.Tensor  # [B, Tl]
+    pos: torch.Tensor  # [B, Tl]: the positions in the whole sequence
+    local: int  # Tl
+    length: int  # T
+    kwargs: dict
+
+
+def _shard(mb, dims: ParallelDims, flash: bool) -> _Shard:
+    sp, r = dims.sp, dims.sp_rank
     length = mb.input_ids.shape[1]
     local = math.ceil(length / sp)
     pad = local * sp - length
@@ -257,18 +233,48 @@ def forward(model, mb, groups: SPGroups, *, critic: bool, flash: bool = False) -
     kwargs = {
         "attention_mask": varlen.placeholder_mask(ids.device),
         "rlctl_blocks": blocks_of(mb),
-        "rlctl_sp": groups,
+        "rlctl_sp": dims,
         "rlctl_flash": flash,
     }
-    if critic:
-        values = model(ids[:, cols], position_ids=pos[:, cols], **kwargs)
-        return _GatherSeq.apply(values, groups.group, r, [local] * sp)[:, :length]
+    return _Shard(ids[:, cols], pos[:, cols], local, length, kwargs)
+
+
+def forward_values(model, mb, dims: ParallelDims, *, flash: bool = False) -> torch.Tensor:
+    """A critic's values ``[B, T]`` for micro-batch ``mb``, gathered over the SP group. ``flash``: attention
+    per document with flash-attn's varlen kernel (:func:`rlctl.engines.varlen.attention`)."""
+    s = _shard(mb, dims, flash)
+    values = model(s.ids, position_ids=s.pos, **s.kwargs)
+    return _GatherSeq.apply(values, dims.sp_group, dims.sp_rank, [s.local] * dims.sp)[:, : s.length]
+
+
+def forward_logits(model, mb, dims: ParallelDims, *, flash: bool = False) -> ShardedLogits:
+    """An actor's :class:`ShardedLogits` for micro-batch ``mb`` at ``mb.keep_cols`` / ``mb.logit_index``
+    (every column when neither)."""
+    s = _shard(mb, dims, flash)
     keep = mb.keep_cols if mb.keep_cols is not None else mb.logit_index
     if keep is None:
-        keep = torch.arange(length, device=ids.device)
-    owner, local_col = _owners(keep, local, sp)
-    mine = keep[owner == r] - r * local
-    logits = model(
-        input_ids=ids[:, cols], position_ids=pos[:, cols], use_cache=False, logits_to_keep=mine, **kwargs
-    ).logits
-    return ShardedLogits(logits, owner, local_col, groups)
+        keep = torch.arange(s.length, device=mb.input_ids.device)
+    owner, local_col = _owners(keep, s.local, dims.sp)
+    mine = keep[owner == dims.sp_rank] - dims.sp_rank * s.local
+    logits = model(input_ids=s.ids, position_ids=s.pos, use_cache=False, logits_to_keep=mine, **s.kwargs).logits
+    return ShardedLogits(logits, owner, local_col, dims)
+
+
+class UlyssesCalls:
+    """How the engine calls its model when sp > 1: :func:`attention` installed, each micro-batch's sequence
+    split over the SP group (the adapter's :meth:`~rlctl.engines.adapters.ModelAdapter.sp_forward`)."""
+
+    def __init__(self, dims: ParallelDims, *, flash: bool):
+        self.dims, self.flash = dims, flash  # flash: flash-attn's varlen kernel per document
+
+    def install(self, config, *, varlen_ok: bool) -> None:
+        install(config)
+
+    def forward_micro(self, adapter, root, mb, ctx) -> torch.Tensor | ShardedLogits:
+        with ctx.memory():
+            return adapter.sp_forward(root, mb, self.dims, flash=self.flash)
+
+    def forward(self, adapter, root, input_ids, position_ids, attention_mask, ctx) -> torch.Tensor:
+        mb = MicroBatch(input_ids, position_ids, input_ids, attention_mask)
+        out = self.forward_micro(adapter, root, mb, ctx)
+        return out.full() if isinstance(out, ShardedLogits) else out

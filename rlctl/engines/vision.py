@@ -13,6 +13,11 @@ FSDP2: the vision tower is one unit of its own (its blocks are small; one all-ga
 rank must run it in every forward, images or not, at the same point, or the ranks' collectives diverge: a
 micro-batch without images runs it on a one-patch dummy image whose output enters the input embeddings
 times zero (:func:`dummy_tower`).
+
+:class:`VisionAdapter` is how the FSDP engine builds and calls a VL model (``AutoModelForImageTextToText``):
+the tower frozen unless ``--train-vision``, LoRA on the language model's linear layers, no per-document
+attention through :mod:`rlctl.engines.varlen` (transformers' packed masks instead), shared-prefix rows
+(GRPO) with their blocks' dense mask and positions (:mod:`rlctl.engines.vision_prefix`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ import contextlib
 
 import torch
 from torch import nn
+
+from rlctl.engines import varlen
+from rlctl.engines.adapters import CallContext, ModelAdapter
+from rlctl.engines.spec import LoraSpec
+from rlctl.engines.vision_prefix import shared_rope_position_ids
 
 VISION_TOWER_NAMES = ("visual", "vision_tower", "vision_model")
 
@@ -147,3 +157,53 @@ def dummy_tower(model: nn.Module):
         yield
     finally:
         handle.remove()
+
+
+class VisionAdapter(ModelAdapter):
+    """A vision-language model (actor or reference): its output is logits, its inputs carry images."""
+
+    kind = "vision-language model"
+
+    def auto_class(self):
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+
+    def finish(self, model: nn.Module, config, *, train_vision: bool, param_dtype, pretrained: bool) -> nn.Module:
+        if not train_vision:
+            vision_tower(model).requires_grad_(False)  # frozen unless --train-vision
+        return model
+
+    def lora_targets(self, model: nn.Module, lora: LoraSpec, *, train_vision: bool):
+        if lora.target_modules == "all-linear":  # the language model's layers (the tower's when trained)
+            return language_linear_names(model, with_vision=train_vision)
+        return lora.target_modules
+
+    def tower(self, hf: nn.Module) -> nn.Module | None:
+        return vision_tower(hf)
+
+    def varlen(self, attn: str) -> bool:
+        return False  # transformers' packed masks from the text positions
+
+    def shares_prefix(self, *, varlen: bool, attn: str) -> bool:
+        return attn == "sdpa"  # the blocks' dense mask
+
+    def forward_micro(self, root, mb, ctx: CallContext) -> torch.Tensor:
+        """A VL model's logits for one micro-batch: its pixels and multimodal rope positions; packed rows give
+        their text positions too, for per-document masks; shared-prefix rows their blocks' dense mask and
+        positions (each group's prompt, its images too, once, then its responses)."""
+        hf = self.hf_model(root)
+        if mb.blocks is not None:
+            kwargs = varlen.attention_kwargs(mb.blocks, mb.input_ids, split=False)
+            kwargs["position_ids"] = shared_rope_position_ids(hf, mb)
+            if mb.pixel_values is not None:
+                kwargs.update(pixel_values=mb.pixel_values, image_grid_thw=mb.image_grid_thw)
+        else:
+            kwargs = vision_kwargs(hf, mb, packed_text=mb.attention_mask is None)
+            kwargs["attention_mask"] = mb.attention_mask
+        keep = mb.keep_cols if mb.keep_cols is not None else mb.logit_index
+        if keep is not None:
+            kwargs["logits_to_keep"] = keep
+        dummy = mb.pixel_values is None and ctx.gather_everywhere  # every rank gathers the tower
+        with ctx.memory(), dummy_tower(hf) if dummy else contextlib.nullcontext():
+            return root(input_ids=mb.input_ids, use_cache=False, **kwargs).logits

@@ -167,14 +167,8 @@ def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> Memory
     cuda = s.device == "cuda"
     context = CUDA_CONTEXT_BYTES if cuda else 0
     stages = job_stages(model, s)
-    if s.lora_rank:
-        trainable = lora_params(model, s.lora_rank, s.lora_targets, vision=s.train_vision)
-    else:
-        trainable = count_params(model) - (0 if s.train_vision else vision_params(model))
     critic_ratio = critic_params(model) / count_params(model)
-
-    if s.scalar_head:  # rm: the body and a scalar head are trained, not the output head
-        trainable = math.ceil(trainable * critic_ratio)
+    trainable = _trainable_params(model, s, critic_ratio)
     train_phases, rollout_phases, stage_states = [], [], []
     for stage in stages:
         states = model_states(model, s, stage)
@@ -220,6 +214,17 @@ def estimate_memory(model: ModelSpec, gpu: GpuSpec, s: MemorySettings) -> Memory
         est.host_memory_bytes = host_memory_per_node(gpu, s)
     est.assumptions = assumptions(model, gpu, s, est)
     return est
+
+
+def _trainable_params(model: ModelSpec, s: MemorySettings, critic_ratio: float) -> int:
+    """The parameters the job trains: LoRA's, or the model's (its vision tower only when trained)."""
+    if s.lora_rank:
+        trainable = lora_params(model, s.lora_rank, s.lora_targets, vision=s.train_vision)
+    else:
+        trainable = count_params(model) - (0 if s.train_vision else vision_params(model))
+    if s.scalar_head:  # rm: the body and a scalar head are trained, not the output head
+        trainable = math.ceil(trainable * critic_ratio)
+    return trainable
 
 
 def _awake_while_training(s: MemorySettings, engine: dict[str, int]) -> dict[str, int]:

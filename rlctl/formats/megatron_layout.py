@@ -251,21 +251,60 @@ def megatron_to_hf(
 def _megatron_to_hf(
     get_shard_tensor: ShardSource, cfg: MegatronLayoutConfig, tp: int, pp: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    d, h = cfg.head_dim, cfg.hidden_size
+    shards = _Shards(get_shard_tensor, cfg, tp)
+    yield "model.embed_tokens.weight", shards.vocab(0, "embedding.word_embeddings.weight")
     per_stage = cfg.num_layers // pp
-    q_per_group = cfg.num_heads // cfg.num_kv_heads
-    groups = cfg.num_kv_heads // tp
+    for g_layer in range(cfg.num_layers):
+        stage, local = divmod(g_layer, per_stage)
+        yield from _layer_to_hf(shards, stage, f"decoder.layers.{local}.", _hf_layer(g_layer))
+    yield "model.norm.weight", shards.one(pp - 1, "decoder.final_layernorm.weight", (cfg.hidden_size,))
+    if not cfg.tied_embeddings:
+        yield "lm_head.weight", shards.vocab(pp - 1, "output_layer.weight")
+
+
+def _layer_to_hf(shards: _Shards, stage: int, mg: str, hf: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """One decoder layer's HF tensors, from its Megatron tensors (prefix ``mg``) on pipeline stage ``stage``."""
+    cfg, tp = shards.cfg, shards.tp
+    d, h = cfg.head_dim, cfg.hidden_size
+    qkv_rows = cfg.num_kv_heads // tp * (cfg.num_heads // cfg.num_kv_heads + 2) * d
     ffn = cfg.ffn_hidden_size // tp
+    yield hf + "input_layernorm.weight", shards.one(stage, mg + "self_attention.linear_qkv.layer_norm_weight", (h,))
+    q, k, v = shards.split_qkv(shards.gather(stage, mg + "self_attention.linear_qkv.weight", 0, (qkv_rows, h)))
+    yield from ((hf + f"self_attn.{n}_proj.weight", x) for n, x in zip("qkv", (q, k, v)))
+    if cfg.qkv_bias:
+        q, k, v = shards.split_qkv(shards.gather(stage, mg + "self_attention.linear_qkv.bias", 0, (qkv_rows,)))
+        yield from ((hf + f"self_attn.{n}_proj.bias", x) for n, x in zip("qkv", (q, k, v)))
+    if cfg.qk_norm:
+        yield hf + "self_attn.q_norm.weight", shards.one(stage, mg + "self_attention.q_layernorm.weight", (d,))
+        yield hf + "self_attn.k_norm.weight", shards.one(stage, mg + "self_attention.k_layernorm.weight", (d,))
+    yield (
+        hf + "self_attn.o_proj.weight",
+        shards.gather(stage, mg + "self_attention.linear_proj.weight", 1, (h, cfg.num_heads * d // tp)),
+    )
+    yield hf + "post_attention_layernorm.weight", shards.one(stage, mg + "mlp.linear_fc1.layer_norm_weight", (h,))
+    fc1 = shards.parts(stage, mg + "mlp.linear_fc1.weight", (2 * ffn, h))
+    yield hf + "mlp.gate_proj.weight", torch.cat([x[:ffn] for x in fc1])
+    yield hf + "mlp.up_proj.weight", torch.cat([x[ffn:] for x in fc1])
+    yield hf + "mlp.down_proj.weight", shards.gather(stage, mg + "mlp.linear_fc2.weight", 1, (h, ffn))
 
-    def gather(pp_rank: int, name: str, dim: int, shape: tuple[int, ...]) -> torch.Tensor:
-        parts = [
-            _expect(get_shard_tensor(t, pp_rank, name)[:], shape, f"{name} (tp {t}, pp {pp_rank})") for t in range(tp)
-        ]
-        return torch.cat(parts, dim=dim)
 
-    def vocab(pp_rank: int, name: str) -> torch.Tensor:
-        parts = [get_shard_tensor(t, pp_rank, name)[:] for t in range(tp)]
-        full = torch.cat(parts)
+class _Shards:
+    """A Megatron checkpoint's tensors by name and pipeline stage: tp shards joined, every shape checked."""
+
+    def __init__(self, get_shard_tensor: ShardSource, cfg: MegatronLayoutConfig, tp: int) -> None:
+        self.get, self.cfg, self.tp = get_shard_tensor, cfg, tp
+
+    def parts(self, pp_rank: int, name: str, shape: tuple[int, ...]) -> list[torch.Tensor]:
+        """Each tp rank's shard of ``name``, each of ``shape``."""
+        return [_expect(self.get(t, pp_rank, name)[:], shape, f"{name} (tp {t}, pp {pp_rank})") for t in range(self.tp)]
+
+    def gather(self, pp_rank: int, name: str, dim: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.cat(self.parts(pp_rank, name, shape), dim=dim)
+
+    def vocab(self, pp_rank: int, name: str) -> torch.Tensor:
+        """An embedding or output layer, joined over tp and its padding rows dropped."""
+        cfg, h = self.cfg, self.cfg.hidden_size
+        full = torch.cat([self.get(t, pp_rank, name)[:] for t in range(self.tp)])
         if full.shape[0] < cfg.vocab_size or full.shape[1:] != (h,):
             raise UserError(
                 f"Megatron tensor {name} has shape {tuple(full.shape)} after joining tp, expected at "
@@ -273,45 +312,14 @@ def _megatron_to_hf(
             )
         return full[: cfg.vocab_size].clone()
 
-    def one(pp_rank: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return _expect(get_shard_tensor(0, pp_rank, name)[:], shape, f"{name} (pp {pp_rank})")
+    def one(self, pp_rank: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor every tp rank holds whole (a norm): tp rank 0's."""
+        return _expect(self.get(0, pp_rank, name)[:], shape, f"{name} (pp {pp_rank})")
 
-    def split_qkv(fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        rest = fused.shape[1:]
+    def split_qkv(self, fused: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Megatron's fused QKV (grouped by kv head: its queries, then k, then v) as HF's q, k and v."""
+        cfg = self.cfg
+        q_per_group, d, rest = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, fused.shape[1:]
         g = fused.reshape(cfg.num_kv_heads, (q_per_group + 2) * d, *rest)
         q, k, v = g.split([q_per_group * d, d, d], dim=1)
         return tuple(x.reshape(-1, *rest).clone() for x in (q, k, v))
-
-    yield "model.embed_tokens.weight", vocab(0, "embedding.word_embeddings.weight")
-    qkv_rows = groups * (q_per_group + 2) * d
-    for g_layer in range(cfg.num_layers):
-        stage, local = divmod(g_layer, per_stage)
-        mg, hf = f"decoder.layers.{local}.", _hf_layer(g_layer)
-        yield hf + "input_layernorm.weight", one(stage, mg + "self_attention.linear_qkv.layer_norm_weight", (h,))
-        q, k, v = split_qkv(gather(stage, mg + "self_attention.linear_qkv.weight", 0, (qkv_rows, h)))
-        yield from ((hf + f"self_attn.{n}_proj.weight", x) for n, x in zip("qkv", (q, k, v)))
-        if cfg.qkv_bias:
-            q, k, v = split_qkv(gather(stage, mg + "self_attention.linear_qkv.bias", 0, (qkv_rows,)))
-            yield from ((hf + f"self_attn.{n}_proj.bias", x) for n, x in zip("qkv", (q, k, v)))
-        if cfg.qk_norm:
-            yield hf + "self_attn.q_norm.weight", one(stage, mg + "self_attention.q_layernorm.weight", (d,))
-            yield hf + "self_attn.k_norm.weight", one(stage, mg + "self_attention.k_layernorm.weight", (d,))
-        yield (
-            hf + "self_attn.o_proj.weight",
-            gather(stage, mg + "self_attention.linear_proj.weight", 1, (h, cfg.num_heads * d // tp)),
-        )
-        yield hf + "post_attention_layernorm.weight", one(stage, mg + "mlp.linear_fc1.layer_norm_weight", (h,))
-        fc1 = [
-            _expect(
-                get_shard_tensor(t, stage, mg + "mlp.linear_fc1.weight")[:],
-                (2 * ffn, h),
-                f"{mg}mlp.linear_fc1.weight (tp {t}, pp {stage})",
-            )
-            for t in range(tp)
-        ]
-        yield hf + "mlp.gate_proj.weight", torch.cat([x[:ffn] for x in fc1])
-        yield hf + "mlp.up_proj.weight", torch.cat([x[ffn:] for x in fc1])
-        yield hf + "mlp.down_proj.weight", gather(stage, mg + "mlp.linear_fc2.weight", 1, (h, ffn))
-    yield "model.norm.weight", one(pp - 1, "decoder.final_layernorm.weight", (h,))
-    if not cfg.tied_embeddings:
-        yield "lm_head.weight", vocab(pp - 1, "output_layer.weight")

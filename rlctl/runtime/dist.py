@@ -33,6 +33,7 @@ class Split:
     global_rank: int
     bridge: dist.ProcessGroup
     sync: dist.ProcessGroup | None
+    store: dist.Store | None = None  # torchrun's store (streaming runs poll their notices on it)
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ def init_split(device: torch.device, rollout_procs: int, local_rank: int, timeou
         else:
             sync = dist.ProcessGroupGloo(sync_store, sync_rank, rollout_procs + 1, timeout)
     _UNREGISTERED.extend(g for g in (sync, bridge) if g is not None)  # in the order destroy_all ends them
-    split = Split(role, trainers, rollout_procs, rank, bridge, sync)
+    split = Split(role, trainers, rollout_procs, rank, bridge, sync, dist.PrefixStore("rlctl/notice", store))
     os.environ.update(RANK=str(group_rank), WORLD_SIZE=str(group_size))  # libraries that read them see the group
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
     return Dist(group_rank, group_size, local_rank, device, min(local_world, group_size), split)

@@ -185,28 +185,42 @@ def fit(ctx: RunContext, trainer: Trainer) -> str:
     profiler.close()
     hf_dir = None
     if not interrupted:
-        if trainer.has_eval and (not every or step % every):
-            metrics.log(trainer.evaluate(step))
-        if saved is None or saved.name != step_name(step):
-            saved = checkpoint(ctx, trainer, step)
-        if cfg.checkpoint.export_hf:
-            dtype = config_dtype(json.loads((paths.model_meta / "config.json").read_text()))
-            hf_dir = main.export_hf(paths.hf, paths.model_meta, dtype=dtype)
+        saved, hf_dir = _finish(ctx, trainer, main, metrics, step, saved)
     metrics.close()
     trainer.close()
     status = "interrupted" if interrupted else "completed"
     if d.is_main:
-        summary = {
-            "status": status,
-            "step": step,
-            "total_steps": total,
-            "checkpoint": str(saved) if saved else None,
-            "hf": str(hf_dir) if hf_dir else None,
-            **trainer.summary(),
-        }
-        write_json_atomic(paths.summary, summary)
+        write_json_atomic(paths.summary, _summary(trainer, status, step, total, saved, hf_dir))
     barrier()
     return status
+
+
+def _finish(ctx: RunContext, trainer: Trainer, main: TrainEngine, metrics: MetricsLogger, step: int, saved):
+    """The end of a completed run: the last evaluation (unless it just ran), the last step's checkpoint
+    (unless it was just saved) and the HF export; returns the checkpoint and the HF directory (or None)."""
+    cfg, paths = ctx.cfg, ctx.paths
+    every = cfg.train.eval_every
+    if trainer.has_eval and (not every or step % every):
+        metrics.log(trainer.evaluate(step))
+    if saved is None or saved.name != step_name(step):
+        saved = checkpoint(ctx, trainer, step)
+    hf_dir = None
+    if cfg.checkpoint.export_hf:
+        dtype = config_dtype(json.loads((paths.model_meta / "config.json").read_text()))
+        hf_dir = main.export_hf(paths.hf, paths.model_meta, dtype=dtype)
+    return saved, hf_dir
+
+
+def _summary(trainer: Trainer, status: str, step: int, total: int, saved, hf_dir) -> dict:
+    """summary.json: how the run ended, where its checkpoint and HF export are, and the trainer's own lines."""
+    return {
+        "status": status,
+        "step": step,
+        "total_steps": total,
+        "checkpoint": str(saved) if saved else None,
+        "hf": str(hf_dir) if hf_dir else None,
+        **trainer.summary(),
+    }
 
 
 def cuda_memory_peaks(device) -> dict[str, int]:

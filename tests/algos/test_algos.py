@@ -32,6 +32,7 @@ from rlctl.algos import (
     rloo,
     value_loss,
 )
+from tests.support.losses import loss_ctx
 
 GARBAGE = float("nan")
 
@@ -232,7 +233,7 @@ def test_ppo_loss_by_hand():
     #   r=0.5, A=+1: max(-0.5, -0.8) = -0.5
     #   r=0.5, A=-1: max(0.5, 0.8) = 0.8     (clipped); dual clip min(3, 0.8) = 0.8
     #   r=5.0, A=-1: max(5.0, 1.2) = 5.0;    dual clip min(3, 5.0) = 3.0
-    loss, metrics = ppo_policy_loss(logp.requires_grad_(True), old, adv, mask)
+    loss, metrics = ppo_policy_loss(loss_ctx("ppo", logp.requires_grad_(True), old, adv, mask))
     close(loss, (-1.2 - 0.5 + 0.8 + 3.0) / 4)
     close(metrics["clip_frac"], 2 / 4)
     close(metrics["dual_clip_frac"], 1 / 4)
@@ -241,20 +242,20 @@ def test_ppo_loss_by_hand():
     # only the unclipped token moves: d(-A r)/d logp = -A r = -0.5, over 4 tokens
     close(logp.grad, [[0.0, -0.5 / 4, 0.0], [0.0, 0.0, 0.0]])
 
-    no_dual, m2 = ppo_policy_loss(logp.detach(), old, adv, mask, dual_clip=None)
+    no_dual, m2 = ppo_policy_loss(loss_ctx("ppo", logp.detach(), old, adv, mask, dual_clip=None))
     close(no_dual, (-1.2 - 0.5 + 0.8 + 5.0) / 4)
     close(m2["dual_clip_frac"], 0.0)
-    higher, _ = ppo_policy_loss(logp.detach(), old, adv, mask, clip_high=0.28)
+    higher, _ = ppo_policy_loss(loss_ctx("ppo", logp.detach(), old, adv, mask, clip_high=0.28))
     close(higher, (-1.28 - 0.5 + 0.8 + 3.0) / 4)
-    seq, _ = ppo_policy_loss(logp.detach(), old, adv, mask, agg="seq-mean-token-mean")
+    seq, _ = ppo_policy_loss(loss_ctx("ppo", logp.detach(), old, adv, mask, agg="seq-mean-token-mean"))
     close(seq, ((-1.2 - 0.5 + 0.8) / 3 + 3.0) / 2)
 
 
 def test_ppo_sequence_advantages_broadcast():
     logp, old, _, mask = _ppo_example()
     per_seq = torch.tensor([1.0, -1.0])
-    a, _ = ppo_policy_loss(logp, old, per_seq, mask)
-    b, _ = ppo_policy_loss(logp, old, per_seq[:, None].expand(2, 3), mask)
+    a, _ = ppo_policy_loss(loss_ctx("ppo", logp, old, per_seq, mask))
+    b, _ = ppo_policy_loss(loss_ctx("ppo", logp, old, per_seq[:, None].expand(2, 3), mask))
     close(a, b)
 
 
@@ -262,18 +263,18 @@ def test_ppo_log_ratio_is_clamped():
     old = torch.zeros(1, 2)
     logp = torch.tensor([[30.0, -30.0]])
     adv = torch.tensor([[-1.0, 1.0]])
-    loss, _ = ppo_policy_loss(logp, old, adv, torch.tensor([[1, 0]]), dual_clip=None)
+    loss, _ = ppo_policy_loss(loss_ctx("ppo", logp, old, adv, torch.tensor([[1, 0]]), dual_clip=None))
     close(loss, math.exp(20.0), tol=1e-5)  # exp(30) would be 1e13
-    loss, _ = ppo_policy_loss(logp, old, adv, torch.tensor([[0, 1]]), dual_clip=None)
+    loss, _ = ppo_policy_loss(loss_ctx("ppo", logp, old, adv, torch.tensor([[0, 1]]), dual_clip=None))
     close(loss, -math.exp(-20.0))  # A > 0: max(-exp(-20), -0.8), a low ratio is not clipped
-    loss, _ = ppo_policy_loss(logp, old, adv, torch.tensor([[1, 0]]))
+    loss, _ = ppo_policy_loss(loss_ctx("ppo", logp, old, adv, torch.tensor([[1, 0]])))
     close(loss, 3.0)
 
 
 def test_dual_clip_must_exceed_one():
     logp, old, adv, mask = _ppo_example()
     with pytest.raises(ValueError, match="dual_clip"):
-        ppo_policy_loss(logp, old, adv, mask, dual_clip=1.0)
+        ppo_policy_loss(loss_ctx("ppo", logp, old, adv, mask, dual_clip=1.0))
 
 
 # ---------------------------------------------------------------------------- GSPO
@@ -286,7 +287,7 @@ def test_gspo_sequence_ratio_and_straight_through_gradient():
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
     s0, s1 = math.exp((0.1 + 0.3) / 2), math.exp(-0.2 / 1)  # sequence ratios from mean log-ratios
     logp = (old + delta).requires_grad_(True)
-    loss, metrics = gspo_policy_loss(logp, old, adv, mask, clip_low=0.5, clip_high=0.5)
+    loss, metrics = gspo_policy_loss(loss_ctx("gspo", logp, old, adv, mask, clip_low=0.5, clip_high=0.5))
     # unclipped: seq-mean-token-mean of -A s = (-(+1) s0 + -(-1) s1) / 2
     close(loss, (-s0 + s1) / 2, tol=1e-12)
     close(metrics["clip_frac"], 0.0)
@@ -304,7 +305,7 @@ def test_gspo_sequence_ratio_and_straight_through_gradient():
 def test_gspo_default_clip_range_is_tiny():
     old = torch.zeros(1, 2)
     logp = torch.tensor([[0.1, 0.3]], requires_grad=True)
-    loss, metrics = gspo_policy_loss(logp, old, torch.tensor([1.0]), torch.ones(1, 2))
+    loss, metrics = gspo_policy_loss(loss_ctx("gspo", logp, old, torch.tensor([1.0]), torch.ones(1, 2)))
     close(loss, -(1 + 4e-4))  # s = exp(0.2) is clipped to 1 + 4e-4
     close(metrics["clip_frac"], 1.0)
     loss.backward()
@@ -471,8 +472,8 @@ def test_a_registered_policy_loss_is_selected_by_name():
     from rlctl.algos import POLICY_LOSSES, register_policy_loss, resolve_policy_loss
 
     @register_policy_loss("test_plain_pg", clip_low=0.0, clip_high=0.0, dual_clip=None, agg="seq-mean-token-sum")
-    def plain_pg(logp, old_logp, advantages, mask, **kw):
-        return -(advantages * logp * mask).sum(), {}
+    def plain_pg(ctx):
+        return -(ctx.advantages * ctx.logp * ctx.mask).sum(), {}
 
     try:
         s = resolve_policy_loss("test_plain_pg", clip_low=None, clip_high=None, dual_clip=None, agg=None)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rlctl.algos.correction import is_weights, parse_threshold
+from tests.support.losses import loss_ctx
 
 
 def close(actual, expected, tol=1e-6):
@@ -201,7 +202,7 @@ def test_the_weights_multiply_the_per_token_loss_before_aggregation(name):
     kw = {"agg": "seq-mean-token-sum"}  # linear in the per-token loss: sum_b sum_t L w / B
     # the loss with weights = the sum of the single-token losses (one token kept at a time), weighted
     torch.manual_seed(0)
-    weighted, _ = fn(logp, old, adv, mask, is_weights=w, **kw)
+    weighted, _ = fn(loss_ctx(name, logp, old, adv, mask, is_weights=w, **kw))
     total = 0.0
     for b in range(3):
         for t in range(4):
@@ -209,12 +210,12 @@ def test_the_weights_multiply_the_per_token_loss_before_aggregation(name):
                 one = torch.zeros(3, 4, dtype=torch.float64)
                 one[b, t] = w[b, t]
                 torch.manual_seed(0)
-                total += float(fn(logp, old, adv, mask, is_weights=one, **kw)[0])
+                total += float(fn(loss_ctx(name, logp, old, adv, mask, is_weights=one, **kw))[0])
     close(weighted, total)
     torch.manual_seed(0)
-    plain, _ = fn(logp, old, adv, mask, **kw)
+    plain, _ = fn(loss_ctx(name, logp, old, adv, mask, **kw))
     torch.manual_seed(0)
-    ones, _ = fn(logp, old, adv, mask, is_weights=torch.ones(3, 4, dtype=torch.float64), **kw)
+    ones, _ = fn(loss_ctx(name, logp, old, adv, mask, is_weights=torch.ones(3, 4, dtype=torch.float64), **kw))
     close(plain, ones)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlctl.algos.losses import PolicyLossContext
 from rlctl.algos.registry import ADV_ESTIMATORS, POLICY_LOSSES, register_adv_est, register_policy_loss
 from rlctl.config import build_config
 from rlctl.errors import UserError
@@ -29,8 +30,8 @@ from rlctl.algos.registry import register_policy_loss
 
 
 @register_policy_loss("{name}", clip_low=0.2, clip_high=0.2, dual_clip=None, agg="seq-mean-token-sum")
-def zero_pg(logp, old_logp, advantages, mask, **kw):
-    loss, metrics = ppo_policy_loss(logp, old_logp, advantages, mask, **kw)
+def zero_pg(ctx):
+    loss, metrics = ppo_policy_loss(ctx)
     marks = os.environ.get("ZERO_PG_MARKS")
     if marks:
         Path(marks, "rank" + os.environ.get("RANK", "0")).touch()
@@ -79,13 +80,80 @@ def test_a_plugin_file_registers_a_loss_the_config_accepts(plugin_file, tmp_path
         torch.ones(1, 2),
         torch.ones(1, 2),
     )
-    got, metrics = loss.loss.fn(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean")
-    _, want = ppo_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean")
+    ctx = PolicyLossContext(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, dual_clip=None, agg="token-mean")
+    got, metrics = loss.loss.fn(ctx)
+    _, want = ppo_policy_loss(ctx)
     assert got.item() == 0.0 and metrics.keys() == want.keys()
     # a second config in the same process (the CLI and then the planner, a rank loading config.yaml)
     # imports the file once: no "registered twice"
     again = build_config("grpo", [{"plugins": [str(path)], "algo": {"policy_loss": name}}])
     assert again.algo.policy_loss == name
+
+
+# a batch of 2 sequences: 3 valid tokens of 4, advantages per sequence
+LOGP = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]])
+OLD = torch.tensor([[-1.5, -2.0], [-0.5, -2.0]])
+ADV = torch.tensor([1.0, -2.0])
+MASK = torch.tensor([[1, 1], [1, 0]])
+
+
+def _registered(name, fn):
+    register_policy_loss(name, clip_low=0.1, clip_high=0.3, dual_clip=None, agg="token-mean")(fn)
+    return POLICY_LOSSES.pop(name)  # the entry, as the recipe gets it; the name freed again
+
+
+def test_a_plugin_in_the_older_keyword_form_is_adapted():
+    """docs/plugins.md's vanilla_pg as it was written before the context: four tensors, keyword settings."""
+    seen = []
+
+    def vanilla_pg(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip, agg, **denoms):
+        seen.append({"clip_low": clip_low, "clip_high": clip_high, "dual_clip": dual_clip, "agg": agg, **denoms})
+        from rlctl.algos.losses import aggregate
+
+        loss = aggregate(-advantages.unsqueeze(-1) * logp, mask, agg, **denoms)
+        return loss, {"clip_frac": loss.detach() * 0, "approx_kl": loss.detach() * 0}
+
+    entry = _registered("test_old_vanilla_pg", vanilla_pg)
+    assert entry.style == "keywords"
+    ctx = PolicyLossContext(LOGP, OLD, ADV, MASK, clip_low=0.1, clip_high=0.3, agg="token-mean", global_tokens=6)
+    loss, _ = entry.fn(ctx)
+    by_hand = -(1.0 * -1.0 + 1.0 * -2.0 + -2.0 * -0.5) / 6  # -sum(A * logp) over the valid tokens / 6
+    assert loss.item() == pytest.approx(by_hand)
+    # it receives the keywords the recipe passed before: is_weights only when rollout correction is on
+    assert seen[0] == {
+        "clip_low": 0.1,
+        "clip_high": 0.3,
+        "dual_clip": None,
+        "agg": "token-mean",
+        "global_tokens": 6,
+        "global_seqs": None,
+        "norm_len": None,
+    }
+
+
+def test_a_plugin_taking_the_context_gets_it_with_its_own_knobs():
+    def scaled_pg(ctx, *, scale=2.0):
+        per_token = -ctx.advantages.unsqueeze(-1) * ctx.logp * scale
+        return ctx.reduce(per_token), {"clip_frac": ctx.approx_kl() * 0, "approx_kl": ctx.approx_kl()}
+
+    entry = _registered("test_scaled_pg", scaled_pg)
+    assert entry.style == "context" and entry.fn is scaled_pg
+    loss, m = entry.fn(PolicyLossContext(LOGP, OLD, ADV, MASK), scale=3.0)
+    assert loss.item() == pytest.approx(-3.0 * (1.0 * -1.0 + 1.0 * -2.0 + -2.0 * -0.5) / 3)
+    assert m["approx_kl"].item() == pytest.approx((-0.5 + 0.0 + 0.0) / 3)  # mean(old - logp), valid tokens
+
+
+def test_a_plugin_of_neither_form_is_refused_in_one_line():
+    def two(logp, old_logp):
+        return logp, {}
+
+    with pytest.raises(UserError) as e:
+        register_policy_loss("test_two", clip_low=0.1, clip_high=0.1, dual_clip=None, agg="token-mean")(two)
+    assert "\n" not in str(e.value)
+    assert "policy loss 'test_two'" in str(e.value) and "takes 2 positional parameter(s) (logp, old_logp)" in str(
+        e.value
+    )
+    assert "write it as fn(ctx)" in str(e.value) and "test_two" not in POLICY_LOSSES
 
 
 def test_a_plugin_module_registers_an_estimator_with_its_facts(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rlctl.algos import estimators as est
+from rlctl.algos.losses import PolicyLossContext
 from rlctl.algos.registry import get_adv_estimator, get_policy_loss, resolve_policy_loss
 
 
@@ -51,9 +52,8 @@ def _tokens():
 def _call(name, **kw):
     logp, old, adv = _batch()
     pl = resolve_policy_loss(name, clip_low=None, clip_high=None, dual_clip=None, agg=None)
-    loss, m = pl.loss.fn(
-        logp, old, adv, MASK, clip_low=pl.clip_low, clip_high=pl.clip_high, dual_clip=pl.dual_clip, agg=pl.agg, **kw
-    )
+    settings = {"clip_low": pl.clip_low, "clip_high": pl.clip_high, "dual_clip": pl.dual_clip, "agg": pl.agg}
+    loss, m = pl.loss.fn(PolicyLossContext(logp, old, adv, MASK, **settings), **kw)
     loss.backward()
     assert set(m) >= {"clip_frac", "dual_clip_frac", "approx_kl"}
     close(m["approx_kl"], -sum(x[4] for x in _tokens()) / 5)

@@ -45,6 +45,48 @@ def hf_model(path):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
+def test_the_builder_is_a_function_of_what_and_where(tiny_model_dir):
+    """build_sharded_model needs no engine: a critic built from a BuildSpec and a Placement over the trivial
+    (sp 1) grid holds the HF backbone's weights under the critic's names, and its values are its value head
+    on the plain backbone's hidden states (the head drawn from the seed on rank 0)."""
+    from transformers import AutoModel
+
+    from rlctl.engines.base import model_source
+    from rlctl.engines.dims import parallel_dims
+    from rlctl.engines.modules import CriticAdapter
+    from rlctl.engines.sharding import BuildSpec, Placement, Precision, build_sharded_model
+
+    dims = parallel_dims(1, "cpu")
+    assert (dims.dp, dims.dp_rank, dims.sp, dims.sp_group, dims.dp_group) == (1, 0, 1, None, None)
+    source = model_source(str(tiny_model_dir))
+    installed = []
+    spec = BuildSpec(
+        adapter=CriticAdapter(),
+        source=source,
+        hf_config=source.load_config(),
+        attn="sdpa",
+        lora=None,
+        train_vision=False,
+        seed=3,
+        activation_checkpointing=False,
+        selective_checkpointing=False,
+        install_attention=installed.append,
+    )
+    fp32 = torch.float32
+    placement = Placement(torch.device("cpu"), dims, True, False, True, Precision(fp32, fp32, fp32, False))
+    parts = build_sharded_model(spec, placement)
+    assert parts.state is parts.root and parts.hf is parts.root.model and installed == [parts.hf.config]
+    backbone = AutoModel.from_pretrained(str(tiny_model_dir), dtype=fp32, attn_implementation="sdpa").eval()
+    ids = torch.randint(0, backbone.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        values = parts.root(ids)
+        hidden = backbone(input_ids=ids).last_hidden_state
+        head = {k: v.full_tensor() for k, v in parts.root.value_head.state_dict().items()}
+    want = hidden @ head["weight"].T + head["bias"]
+    assert (values - want[..., 0]).abs().max().item() <= 1e-5
+    assert head["bias"].abs().max() == 0 and head["weight"].abs().max() > 0
+
+
 def test_lr_schedule_by_hand():
     from rlctl.engines.schedule import lr_factor
 
@@ -208,7 +250,7 @@ def test_lora_yields_merged_weights(tiny_model_dir, data_file, tmp_path):
     cfg = make_cfg(tiny_model_dir, data_file, tmp_path, lora__rank=4, lora__alpha=8, lora__targets="q_proj,v_proj")
     engine = make_engine(cfg, total_steps=1)
     assert engine.lora_info()["r"] == 4
-    trainable = [n for n, p in engine._state_module.named_parameters() if p.requires_grad]
+    trainable = [n for n, p in engine.parts.state.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     # peft initialises B to zero: give it values so the merge matters
     q = engine.model.model.layers[0].self_attn.q_proj
@@ -383,7 +425,7 @@ def test_lora_keeps_the_frozen_base_in_the_compute_dtype(tiny_model_dir, data_fi
 
     cfg = make_cfg(tiny_model_dir, data_file, tmp_path, lora__rank=4, lora__targets="q_proj,v_proj")
     engine = FSDPEngine(cpu_spec(cfg, dtype="bf16"), total_steps=1)
-    params = dict(engine._state_module.named_parameters())
+    params = dict(engine.parts.state.named_parameters())
     adapters = {n: p for n, p in params.items() if p.requires_grad}
     assert adapters and all("lora_" in n for n in adapters)
     assert {p.dtype for p in adapters.values()} == {torch.float32}
@@ -401,7 +443,7 @@ def test_lora_keeps_the_frozen_base_in_the_compute_dtype(tiny_model_dir, data_fi
     assert {p.dtype for p in adapters.values()} == {torch.float32}
     # on CPU without a forced dtype everything stays fp32
     plain = FSDPEngine(cpu_spec(cfg), total_steps=1)
-    assert {p.dtype for p in plain._state_module.parameters()} == {torch.float32}
+    assert {p.dtype for p in plain.parts.state.parameters()} == {torch.float32}
 
 
 class _RecordingEngine:

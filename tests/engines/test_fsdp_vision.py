@@ -109,7 +109,7 @@ def test_vision_tower_is_frozen_by_default_and_its_own_unit(vl):
 
     _, cfg, examples = vl
     engine = _engine(cfg)
-    tower = vision_tower(engine._hf_model())
+    tower = vision_tower(engine.parts.hf)
     assert isinstance(tower, FSDPModule) and not any(isinstance(b, FSDPModule) for b in tower.blocks)
     assert not any(p.requires_grad for p in tower.parameters())
     before = {n: p.full_tensor().clone() for n, p in engine.model.named_parameters()}
@@ -123,7 +123,7 @@ def test_vision_tower_is_frozen_by_default_and_its_own_unit(vl):
     assert any("language_model" in n for n in changed)
 
     trained = _engine(cfg, train_vision=True)
-    assert all(p.requires_grad for p in vision_tower(trained._hf_model()).parameters())
+    assert all(p.requires_grad for p in vision_tower(trained.parts.hf).parameters())
 
 
 def test_lora_targets_the_language_model_only_unless_the_tower_is_trained(vl):

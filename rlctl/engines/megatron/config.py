@@ -89,12 +89,9 @@ def transformer_config(
     recompute: bool = False,
 ):
     """megatron-core's ``TransformerConfig`` for an HF Qwen2/Qwen2.5/Qwen3/Llama/Mistral config."""
-    import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layout = MegatronLayoutConfig.from_hf_config(hf)
-    bf16 = dtype == torch.bfloat16
-    te = cuda and have_transformer_engine()
     kwargs: dict[str, Any] = {}
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -102,6 +99,33 @@ def transformer_config(
     if stages[-1] != stages[0]:  # pp does not divide the layers: even stages, then a shorter last one
         kwargs["num_layers_in_last_pipeline_stage"] = stages[-1]
     return TransformerConfig(
+        **_architecture(hf, layout),
+        # always: megatron-core marks TP-split weights (``tensor_model_parallel``) only while initialising
+        # them, and without the mark the grad norm (and so clipping) counts one TP rank's shard only
+        perform_initialization=True,
+        use_cpu_initialization=not cuda,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # rlctl's contract: per-rank losses are shares of one global loss; gradients are summed.
+        calculate_per_token_loss=True,
+        variable_seq_lengths=True,  # micro-batches of any length through the pipeline
+        moe_token_dispatcher_type="alltoall",  # (no experts here; the default one rejects variable lengths)
+        **_fusions(cuda),
+        **kwargs,
+    )
+
+
+def _architecture(hf: Mapping[str, Any], layout: MegatronLayoutConfig) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields that describe the architecture (a Llama-style decoder)."""
+    import torch.nn.functional as F
+
+    return dict(
         num_layers=layout.num_layers,
         hidden_size=layout.hidden_size,
         num_attention_heads=layout.num_heads,
@@ -118,30 +142,19 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=float(hf.get("attention_dropout", 0.0) or 0.0),
         init_method_std=float(hf.get("initializer_range", 0.02)),
-        # always: megatron-core marks TP-split weights (``tensor_model_parallel``) only while initialising
-        # them, and without the mark the grad norm (and so clipping) counts one TP rank's shard only
-        perform_initialization=True,
-        use_cpu_initialization=not cuda,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        context_parallel_size=cp,
-        expert_model_parallel_size=ep,
-        sequence_parallel=sequence_parallel and tp > 1,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=bf16,
-        # rlctl's contract: per-rank losses are shares of one global loss; gradients are summed.
-        calculate_per_token_loss=True,
-        variable_seq_lengths=True,  # micro-batches of any length through the pipeline
-        moe_token_dispatcher_type="alltoall",  # (no experts here; the default one rejects variable lengths)
-        # fused kernels exist on GPU only (Transformer Engine / apex / torch.jit on CUDA)
+    )
+
+
+def _fusions(cuda: bool) -> dict[str, Any]:
+    """Fused kernels exist on GPU only (Transformer Engine / apex / torch.jit on CUDA)."""
+    te = cuda and have_transformer_engine()
+    return dict(
         apply_rope_fusion=te,
         masked_softmax_fusion=te,
         bias_activation_fusion=cuda,
         bias_dropout_fusion=cuda,
         persist_layer_norm=te,  # apex/TE's persistent norm kernel; the local spec's torch norm asserts it off
         gradient_accumulation_fusion=False,
-        **kwargs,
     )
 
 

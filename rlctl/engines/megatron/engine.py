@@ -76,12 +76,28 @@ class MegatronEngine(TrainEngine):
         if spec.dtype not in mconfig.DTYPES:
             raise UserError(f"the megatron engine trains in bf16 or fp32, not {spec.dtype}; set model.dtype=bf16")
         self.compute_dtype = mconfig.DTYPES[spec.dtype]
-        self.tp, self.pp, cp, ep = spec.tp, spec.pp, spec.cp, spec.ep
+        self.tp, self.pp = spec.tp, spec.pp
         self.sequence_parallel = spec.sequence_parallel and self.tp > 1
-
         hf = self.hf_config.to_dict()
+        self._check_layout(spec, hf)
+
+        init_model_parallel(self.tp, self.pp, spec.cp, spec.ep, seed=spec.seed, cuda=self.cuda)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.gpt = self._build_gpt(spec, hf)
+        self.optimizer = None
+        self.model: torch.nn.Module = self.gpt
+        if trainable:
+            self._wrap_ddp_and_optimizer()
+        else:
+            self.gpt.requires_grad_(False)
+        self.train(trainable)
+
+    def _check_layout(self, spec: EngineSpec, hf: dict) -> None:
+        """The model's layout against tp / pp / cp / ep, its rope and sliding window; the CUDA setting TP needs."""
         self.layout = mconfig.layout_config(hf, self.tp)
-        check_megatron_layout(self.layout, world=dist.get_world_size(), tp=self.tp, pp=self.pp, cp=cp, ep=ep)
+        world = dist.get_world_size()
+        check_megatron_layout(self.layout, world=world, tp=self.tp, pp=self.pp, cp=spec.cp, ep=spec.ep)
         mconfig.rope(hf)
         mconfig.check_sliding_window(hf, spec.max_seq_len)
         if self.cuda and (self.tp > 1 or self.sequence_parallel) and os.environ.get(CUDA_MAX_CONNECTIONS) != "1":
@@ -92,33 +108,26 @@ class MegatronEngine(TrainEngine):
                 flush=True,
             )
 
-        init_model_parallel(self.tp, self.pp, cp, ep, seed=spec.seed, cuda=self.cuda)
-        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    def _build_gpt(self, spec: EngineSpec, hf: dict) -> torch.nn.Module:
+        """megatron-core's GPTModel of this rank's stage and TP shard, with the HF weights (unless random)."""
         self.config = mconfig.transformer_config(
             hf,
             tp=self.tp,
             pp=self.pp,
-            cp=cp,
-            ep=ep,
+            cp=spec.cp,
+            ep=spec.ep,
             sequence_parallel=self.sequence_parallel,
             dtype=self.compute_dtype,
             cuda=self.cuda,
-            recompute=trainable and spec.activation_checkpointing,
+            recompute=self.trainable and spec.activation_checkpointing,
         )
         torch.manual_seed(spec.seed)
-        self.gpt = build_gpt_model(hf, self.config, tp=self.tp, cuda=self.cuda)
+        gpt = build_gpt_model(hf, self.config, tp=self.tp, cuda=self.cuda)
         if self.cuda:
-            self.gpt.cuda(self.device)
+            gpt.cuda(self.device)
         if not self.source.random_init:
-            self._load_hf()
-        self.optimizer = None
-        self.model: torch.nn.Module = self.gpt
-        if trainable:
-            self._wrap_ddp_and_optimizer()
-        else:
-            self.gpt.requires_grad_(False)
-        self.train(trainable)
+            self._load_hf(gpt)
+        return gpt
 
     # ------------------------------------------------------------------ setup
 
@@ -146,11 +155,11 @@ class MegatronEngine(TrainEngine):
                 "or set parallel.offload_optimizer=false"
             )
 
-    def _load_hf(self) -> None:
+    def _load_hf(self, gpt: torch.nn.Module) -> None:
         from rlctl.formats.safetensors import HFSafetensors
 
         load_hf_weights(
-            self.gpt,
+            gpt,
             HFSafetensors(Path(self.source.path)),
             self.layout,
             tp=self.tp,

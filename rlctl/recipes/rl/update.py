@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rlctl.algos import (
+    PolicyLossContext,
     aggregate,
     entropy_from_logits,
     kl_estimate,
@@ -144,17 +145,10 @@ def policy_loss_fn(batch: RolloutBatch, algo: AlgoSpec, denoms: dict, kl_loss_co
         # one optimizer step per batch: the policy before the update is this forward's own (no extra pass)
         old_logp = logp.detach() if batch.old_logp is None else mb.take(batch.old_logp)
         weights, corr_stats = correction_weights(algo, old_logp, mb.take(batch.rollout_logp), mask)
+        advantages = mb.take(batch.advantages)
+        settings = {"clip_low": pl.clip_low, "clip_high": pl.clip_high, "dual_clip": pl.dual_clip, "agg": pl.agg}
         loss, m = pl.loss.fn(
-            logp,
-            old_logp,
-            mb.take(batch.advantages),
-            mask,
-            clip_low=pl.clip_low,
-            clip_high=pl.clip_high,
-            dual_clip=pl.dual_clip,
-            agg=pl.agg,
-            **denoms,
-            **({} if weights is None else {"is_weights": weights}),
+            PolicyLossContext(logp, old_logp, advantages, mask, **settings, **denoms, is_weights=weights)
         )
         n_tok = mask.sum()
         stats = {

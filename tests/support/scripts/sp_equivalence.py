@@ -160,7 +160,7 @@ def main(model_dir: str, out: str, ckpt: str) -> None:
     results["steps"] = (engine.global_step, fresh.global_step)
     results["optim"] = optimizer_difference(engine, fresh)
     random = FSDPEngine(cpu_spec(model=model_dir, sp=2, random_init=True), role="actor")
-    results["attn"] = all_gather_objects(random._hf_model().config._attn_implementation)  # every rank's
+    results["attn"] = all_gather_objects(random.parts.hf.config._attn_implementation)  # every rank's
     if d.rank == 0:
         torch.save(results, out)
     torch.distributed.destroy_process_group()
