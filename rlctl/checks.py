@@ -23,6 +23,7 @@ from rlctl.config import RunConfig, val_split
 from rlctl.config.algorithm import check_algorithm
 from rlctl.errors import UserError
 from rlctl.names import PAIR_METHODS, RL_METHODS
+from rlctl.support import SPLIT_RULES, JobFacts, refuse
 
 if TYPE_CHECKING:
     from rlctl.plan import Plan
@@ -148,34 +149,8 @@ def check_reward_spec(cfg: RunConfig) -> None:
 
 
 def check_split(cfg: RunConfig, *, nproc: int, nodes: int) -> None:
-    """One-step-off-policy (``rollout.procs``, docs/offpolicy.md): what the split supports."""
-    r, flag = cfg.rollout, "--rollout-procs"
-    if r.max_staleness < 0:
-        raise UserError(f"rollout.max_staleness={r.max_staleness} must be >= 0 (0: synchronous; 1: one step behind)")
-    if r.procs < 0:
-        raise UserError(f"rollout.procs={r.procs} must be >= 0 (0: no split; N: N processes only generate)")
-    if not r.procs:
-        return
-    total = nproc * nodes
-    problem = None
-    if cfg.method not in ("grpo",):
-        problem = f"{cfg.method} is not supported with {flag} (only grpo: {cfg.method} " + (
-            "has no rollout)" if cfg.method not in RL_METHODS else "trains a critic, not split yet)"
-        )
-    elif total < 2:
-        problem = f"{flag} {r.procs} needs at least 2 processes (1 to generate, 1 to train): add --nproc 2"
-    elif r.procs >= total:
-        problem = f"{flag} {r.procs} leaves no trainer among the {total} processes: use at most {total - 1}"
-    elif nodes > 1:
-        problem = f"{flag} runs on one node ({nodes} given): use --nodes 1"
-    elif cfg.agent.tools or cfg.agent.env or cfg.agent.interaction:
-        problem = f"{flag} does not run multi-turn agents yet (--tools / --env / --interaction): drop one of them"
-    elif r.tp > 1:
-        problem = f"{flag} runs one rollout engine per process (rollout.tp={r.tp}): use --rollout-tp 1"
-    elif cfg.parallel.backend == "megatron":
-        problem = f"{flag} trains with the FSDP engine only (backend megatron): use --backend fsdp"
-    if problem:
-        raise UserError(problem)
+    """One-step-off-policy (``rollout.procs``, docs/offpolicy.md): what the split supports (rlctl.support)."""
+    refuse(JobFacts.of(cfg, world=nproc * nodes, nodes=nodes), *SPLIT_RULES)
 
 
 def check_agent_files(cfg: RunConfig) -> None:

@@ -10,6 +10,7 @@ from rlctl.algos.preference import PREF_LOSSES
 from rlctl.algos.registry import ADV_ESTIMATORS, POLICY_LOSSES
 from rlctl.errors import UserError, did_you_mean
 from rlctl.names import PAIR_METHODS, RL_METHODS
+from rlctl.support import JobFacts, refuse
 
 if TYPE_CHECKING:
     from rlctl.config.schema import RunConfig
@@ -57,12 +58,7 @@ def check_algorithm(cfg: RunConfig) -> None:
         )
     if facts.needs_groups and n < 2:
         raise UserError(f"--adv {a.adv} compares the samples of a prompt; set rollout.n >= 2 (e.g. --n 8)")
-    if cfg.rollout.procs and (facts.needs_greedy or a.dynamic_sampling):
-        what = "algo.dynamic_sampling" if a.dynamic_sampling else f"--adv {a.adv}"
-        raise UserError(
-            f"{what} does not run with rollout.procs={cfg.rollout.procs} (one-step-off-policy: the rollout "
-            f"processes generate one batch per step, sampled only); set rollout.procs=0"
-        )
+    refuse(JobFacts.of(cfg), "split_sampling")
 
 
 def check_correction(cfg: RunConfig) -> None:

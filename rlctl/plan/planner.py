@@ -21,6 +21,7 @@ this same planner at other sizes; :func:`apply_plan` fills a config from a plan.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 from rlctl.catalog import active_params
 from rlctl.config import RunConfig, agent_enabled, max_turns
@@ -43,6 +44,7 @@ from rlctl.plan.inputs import Job, LocalEnv, resolve_job
 from rlctl.plan.relax import relax
 from rlctl.plan.search import SearchResult, eval_fraction, margin_ok, options_for, search
 from rlctl.plan.types import Decision, Plan, Verdict
+from rlctl.support import SP_RULES, refuse
 
 
 def plan_config(cfg: RunConfig, local: LocalEnv, *, host_memory_bytes: int = 0) -> Plan:
@@ -129,16 +131,11 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         rollout_tp=cfg.rollout.tp,
         is_rl=job.is_rl,
     )
-    rules.check_sp(
-        job.spec, backend=tier, sp=p.sp, world=job.world, attn=cfg.model.attn, rollout_procs=cfg.rollout.procs
-    )
+    facts = replace(job.facts, backend=tier)
+    refuse(facts, *SP_RULES)
     if job.spec.is_vl and cfg.method == "ppo":
         raise UserError("ppo trains a critic, which a vision-language model cannot be yet; use grpo (no critic)")
-    if job.spec.is_vl and cfg.rollout.procs:
-        raise UserError(
-            "--rollout-procs runs text models only (a vision-language model's images are not sent to the "
-            "rollout processes yet); drop --rollout-procs for this model"
-        )
+    refuse(facts, "split_vision")
     if job.is_rl:
         rules.check_rollout_engine_tp(job.engine, cfg.rollout.tp)
     return tier

@@ -1,0 +1,338 @@
+"""What runs with what: every rule once, over one record of a job (:class:`JobFacts`).
+
+Each rule is a pure function of the facts returning a :class:`Problem` (the one-line message and its fix)
+or None. The planner, the estimator, the pre-launch checks and the ranks' guards build the facts they
+have and ask the rules by name (:func:`refuse`, :func:`problems`); none restates a rule's condition
+(``tests/layout/test_rules_once.py`` greps for copies). Torch-free; imports only layer-0 facts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from rlctl.catalog import parallel
+from rlctl.errors import UserError
+from rlctl.names import RL_METHODS
+
+if TYPE_CHECKING:
+    from rlctl.catalog.spec import ModelSpec
+    from rlctl.config import RunConfig
+
+SPLIT_FLAG = "--rollout-procs"
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """A job as the rules see it. Each caller fills what it knows; the rules it asks read only those."""
+
+    method: str = "grpo"
+    world: int = 1  # processes in total (a split run's trainers and rollout processes)
+    nodes: int = 1
+    backend: str | None = "fsdp"  # None: not chosen (yet)
+    dtype: str | None = "bf16"
+    precision: str = "mixed"  # mixed | bf16 (pure bf16)
+    shard: bool = True  # FSDP2 wrappers; False: the plain module
+    sp: int = 1
+    attn: str | None = None  # as configured (None: the plan's or the engine's choice)
+    rollout_procs: int = 0
+    rollout_tp: int = 0  # as configured (0: the plan's)
+    max_staleness: int = 1
+    agent: bool = False  # --tools / --env / --interaction
+    sampling_only: str = ""  # what needs more than sampled rollouts ("algo.dynamic_sampling", "--adv remax")
+    model: str = ""
+    vision: bool = False  # a vision-language model
+    heads: int = 0  # attention heads (0: unknown)
+    kv_heads: int | None = None  # None: MLA, or unknown
+
+    @classmethod
+    def of(cls, cfg: RunConfig, *, world: int = 1, nodes: int = 1, spec: ModelSpec | None = None, **kw) -> JobFacts:
+        """The facts of a configuration on ``world`` processes over ``nodes`` nodes (``spec``: its model);
+        ``kw`` overrides (e.g. the planner's backend)."""
+        from rlctl.algos.registry import ADV_ESTIMATORS
+
+        a, r = cfg.algo, cfg.rollout
+        greedy = cfg.method in RL_METHODS and a.adv in ADV_ESTIMATORS and ADV_ESTIMATORS[a.adv].needs_greedy
+        facts = {
+            **dict(method=cfg.method, world=world, nodes=nodes, backend=cfg.parallel.backend),
+            **dict(dtype=cfg.model.dtype, precision=cfg.train.precision, shard=cfg.parallel.shard is not False),
+            **dict(sp=cfg.parallel.sp or 1, attn=cfg.model.attn, rollout_procs=r.procs, rollout_tp=r.tp),
+            **dict(
+                max_staleness=r.max_staleness, agent=bool(cfg.agent.tools or cfg.agent.env or cfg.agent.interaction)
+            ),
+            "sampling_only": "algo.dynamic_sampling" if a.dynamic_sampling else f"--adv {a.adv}" if greedy else "",
+            **(model_facts(spec) if spec is not None else {"model": cfg.model.name}),
+        }
+        return cls(**{**facts, **kw})
+
+
+def model_facts(spec: ModelSpec) -> dict:
+    """What the rules read of a model: its name, whether it takes images, its heads."""
+    kv = None if spec.uses_mla else spec.num_kv_heads
+    return dict(model=spec.name, vision=spec.is_vl, heads=spec.num_heads, kv_heads=kv)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One rule broken: what is wrong and the fix, printed as one line ``message{sep}fix``."""
+
+    rule: str
+    message: str
+    fix: str
+    sep: str = "; "
+
+    def __str__(self) -> str:
+        return f"{self.message}{self.sep}{self.fix}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    check: Callable[[JobFacts], Problem | None]
+    # regular expressions over the code of every other module (docstrings dropped, as ast.unparse writes it)
+    # that would restate the rule's condition (tests/layout/test_rules_once.py)
+    restated: tuple[str, ...] = ()
+
+
+RULES: dict[str, Rule] = {}
+
+
+def rule(*restated: str):
+    def register(check: Callable[[JobFacts], Problem | None]):
+        name = check.__name__
+        RULES[name] = Rule(name, check, restated)
+        return check
+
+    return register
+
+
+def problems(facts: JobFacts, *names: str) -> list[Problem]:
+    """The problems of ``facts`` under the rules ``names``, in that order."""
+    out = [RULES[n].check(facts) for n in names]
+    return [p for p in out if p is not None]
+
+
+def refuse(facts: JobFacts, *names: str) -> None:
+    """The first rule of ``names`` that ``facts`` break, as a one-line UserError."""
+    found = problems(facts, *names)
+    if found:
+        raise UserError(str(found[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Precision and sharding (the FSDP engine and the estimator)
+
+
+@rule(r"precision\s*==\s*'bf16'.*dtype\s*!=", r"pure_bf16\s+and\s+.*dtype\s*!=", r"dtype\s*!=\s*'bf16'.*precision")
+def pure_bf16_dtype(f: JobFacts) -> Problem | None:
+    if f.precision == "bf16" and f.dtype != "bf16":
+        return Problem(
+            "pure_bf16_dtype",
+            f"train.precision=bf16 (pure bf16) needs model.dtype=bf16, not {f.dtype}",
+            "set model.dtype=bf16 or train.precision=mixed",
+        )
+    return None
+
+
+@rule(r"not\s+[\w.]*shard\s+and\s+[\w.]*(gpus|world)\s*>\s*1")
+def no_shard_one_gpu(f: JobFacts) -> Problem | None:
+    if not f.shard and f.world > 1:
+        return Problem(
+            "no_shard_one_gpu", f"shard=false (a plain module, no FSDP) runs on one GPU, not {f.world}", "keep sharding"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Ulysses sequence parallelism (parallel.sp)
+
+
+@rule(r"sp\s*[!>]=?\s*1?.*backend\s*!=\s*'fsdp'", r"backend\s*!=\s*'fsdp'.*\bsp\b")
+def sp_backend(f: JobFacts) -> Problem | None:
+    if f.sp > 1 and f.backend not in (None, "fsdp"):
+        return Problem("sp_backend", f"parallel.sp={f.sp} is the FSDP engine's", "Megatron splits sequences with --cp")
+    return None
+
+
+@rule(r"\bsp\b.*attn\s+not\s+in", r"attn\s+not\s+in\s*\(None,\s*'sdpa'\)")
+def sp_attn(f: JobFacts) -> Problem | None:
+    if f.sp > 1 and f.attn not in (None, "sdpa"):
+        return Problem(
+            "sp_attn", f"parallel.sp={f.sp} runs attention per document with sdpa, not {f.attn}", "set model.attn=sdpa"
+        )
+    return None
+
+
+@rule(r"(is_vl|vision\w*)\b.*\bsp\b\s*(>|!=)", r"\bsp\b\s*(>|!=)\s*1.*(is_vl|is_vision)")
+def sp_vision(f: JobFacts) -> Problem | None:
+    if f.sp > 1 and f.vision:
+        return Problem(
+            "sp_vision",
+            f"parallel.sp={f.sp}: {f.model} is a vision-language model, whose image tokens and 3-D positions are not "
+            "split by sequence",
+            "use parallel.sp=1",
+        )
+    return None
+
+
+@rule(r"(?<!def )sp_problem\(")
+def sp_size(f: JobFacts) -> Problem | None:
+    """The SP size divides the ranks and the attention heads (KV heads: divide or are divided)."""
+    problem = parallel.sp_problem(f.sp, f.world, f.heads, f.kv_heads) if f.sp > 1 else None
+    if problem:
+        ok = ", ".join(
+            str(d) for d in parallel.divisors(f.world) if not parallel.sp_problem(d, f.world, f.heads, f.kv_heads)
+        )
+        return Problem("sp_size", f"parallel.sp={f.sp}: {problem} ({f.model} on {f.world} ranks)", f"valid sp: {ok}")
+    return None
+
+
+#: what keeps a job at sp 1 whatever the sizes (the planner then tries no other)
+SP_REFUSALS = ("split_sp", "sp_attn", "sp_vision")
+#: every SP rule, in the order a configured sp is checked
+SP_RULES = ("split_sp", "sp_backend", "sp_attn", "sp_vision", "sp_size")
+
+
+# ---------------------------------------------------------------------------------------------
+# One-step-off-policy: the split (rollout.procs)
+
+
+@rule(r"max_staleness\s*<\s*0", r"procs\s*<\s*0")
+def split_values(f: JobFacts) -> Problem | None:
+    if f.max_staleness < 0:
+        return Problem(
+            "split_values",
+            f"rollout.max_staleness={f.max_staleness} must be >= 0",
+            "(0: synchronous; 1: one step behind)",
+            " ",
+        )
+    if f.rollout_procs < 0:
+        return Problem(
+            "split_values",
+            f"rollout.procs={f.rollout_procs} must be >= 0",
+            "(0: no split; N: N processes only generate)",
+            " ",
+        )
+    return None
+
+
+@rule(r"procs.*method\s+not\s+in\s*\('grpo',?\)", r"method\s*(!=|not in).*grpo.*procs")
+def split_method(f: JobFacts) -> Problem | None:
+    if f.rollout_procs and f.method != "grpo":
+        why = "has no rollout)" if f.method not in RL_METHODS else "trains a critic, not split yet)"
+        return Problem(
+            "split_method", f"{f.method} is not supported with {SPLIT_FLAG}", f"(only grpo: {f.method} {why}", " "
+        )
+    return None
+
+
+@rule(r"procs\s*>=\s*\w+", r"\w+\s*<=\s*[\w.]*procs", r"0\s*<\s*[\w.]*procs\s*<")
+def split_trainer(f: JobFacts) -> Problem | None:
+    if f.rollout_procs and f.world < 2:
+        return Problem(
+            "split_trainer",
+            f"{SPLIT_FLAG} {f.rollout_procs} needs at least 2 processes (1 to generate, 1 to train)",
+            "add --nproc 2",
+            ": ",
+        )
+    if f.rollout_procs and f.rollout_procs >= f.world:
+        return Problem(
+            "split_trainer",
+            f"{SPLIT_FLAG} {f.rollout_procs} leaves no trainer among the {f.world} processes",
+            f"use at most {f.world - 1}",
+            ": ",
+        )
+    return None
+
+
+@rule(r"procs.*nodes\s*>\s*1")
+def split_nodes(f: JobFacts) -> Problem | None:
+    if f.rollout_procs and f.nodes > 1:
+        return Problem("split_nodes", f"{SPLIT_FLAG} runs on one node ({f.nodes} given)", "use --nodes 1", ": ")
+    return None
+
+
+@rule(r"procs.*(agent|tools)", r"(agent_spec|tools).*split")
+def split_agents(f: JobFacts) -> Problem | None:
+    if f.rollout_procs and f.agent:
+        return Problem(
+            "split_agents",
+            f"{SPLIT_FLAG} does not run multi-turn agents yet (--tools / --env / --interaction)",
+            "drop one of them",
+            ": ",
+        )
+    return None
+
+
+@rule(r"procs.*\.tp\s*>\s*1")
+def split_rollout_tp(f: JobFacts) -> Problem | None:
+    if f.rollout_procs and f.rollout_tp > 1:
+        return Problem(
+            "split_rollout_tp",
+            f"{SPLIT_FLAG} runs one rollout engine per process (rollout.tp={f.rollout_tp})",
+            "use --rollout-tp 1",
+            ": ",
+        )
+    return None
+
+
+@rule(r"procs.*backend\s*==\s*'megatron'")
+def split_megatron(f: JobFacts) -> Problem | None:
+    if f.rollout_procs and f.backend == "megatron":
+        return Problem(
+            "split_megatron",
+            f"{SPLIT_FLAG} trains with the FSDP engine only (backend megatron)",
+            "use --backend fsdp",
+            ": ",
+        )
+    return None
+
+
+@rule(r"procs.*\bsp\b\s*(>|!=)", r"\bsp\b.*rollout\.procs\s*(and|or|\))", r"if\s+[\w.]*rollout\.procs\s*:\s*return")
+def split_sp(f: JobFacts) -> Problem | None:
+    if f.rollout_procs and f.sp > 1:
+        return Problem(
+            "split_sp",
+            f"parallel.sp={f.sp} with rollout.procs={f.rollout_procs} (one-step-off-policy) has not been built or "
+            "tested",
+            "use one of them",
+        )
+    return None
+
+
+@rule(r"(is_vl|vision\w*)\b.*(procs|split\s+is\s+not\s+None)", r"procs.*is_vl")
+def split_vision(f: JobFacts) -> Problem | None:
+    if f.rollout_procs and f.vision:
+        return Problem(
+            "split_vision",
+            f"{SPLIT_FLAG} runs text models only (a vision-language model's images are not sent to the rollout "
+            "processes yet)",
+            f"drop {SPLIT_FLAG} for this model",
+        )
+    return None
+
+
+@rule(r"procs\s+and\s+\(?.*(needs_greedy|dynamic_sampling)")
+def split_sampling(f: JobFacts) -> Problem | None:
+    if f.rollout_procs and f.sampling_only:
+        return Problem(
+            "split_sampling",
+            f"{f.sampling_only} does not run with rollout.procs={f.rollout_procs} (one-step-off-policy: the rollout "
+            "processes generate one batch per step, sampled only)",
+            "set rollout.procs=0",
+        )
+    return None
+
+
+#: what a split run supports, in the order the pre-launch check asks (the planner asks split_sp, split_vision
+#: and the algorithm check split_sampling earlier)
+SPLIT_RULES = (
+    "split_values",
+    "split_method",
+    "split_trainer",
+    "split_nodes",
+    "split_agents",
+    "split_rollout_tp",
+    "split_megatron",
+)
