@@ -144,6 +144,15 @@ def no_shard_one_gpu(f: JobFacts) -> Problem | None:
     return None
 
 
+@rule(r"is_vl\s+and\s+[\w.]*method\s*==\s*'ppo'", r"vision\s+and\s+role\s*==\s*'critic'")
+def critic_vision(f: JobFacts) -> Problem | None:
+    if f.method == "ppo" and f.vision:
+        return Problem(
+            "critic_vision", "ppo trains a critic, which a vision-language model cannot be yet", "use grpo (no critic)"
+        )
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # Ulysses sequence parallelism (parallel.sp)
 

@@ -37,7 +37,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlctl.engines import varlen
-from rlctl.errors import UserError
 
 NAME = "rlctl_ulysses"
 
@@ -76,15 +75,6 @@ def sp_groups(sp: int, device_type: str) -> SPGroups:
             dp_size=world // sp,
         )
     return _GROUPS[key]
-
-
-def check(sp: int, world: int, heads: int, kv_heads: int) -> None:
-    """On the ranks, what the planner checked before launch (a config written by hand skips it)."""
-    from rlctl.catalog.parallel import sp_problem
-
-    problem = sp_problem(sp, world, heads, kv_heads)
-    if problem:
-        raise UserError(f"parallel.sp={sp}: {problem}; choose an sp that divides both")
 
 
 # ---------------------------------------------------------------------------------------------

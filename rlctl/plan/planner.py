@@ -133,9 +133,7 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
     )
     facts = replace(job.facts, backend=tier)
     refuse(facts, *SP_RULES)
-    if job.spec.is_vl and cfg.method == "ppo":
-        raise UserError("ppo trains a critic, which a vision-language model cannot be yet; use grpo (no critic)")
-    refuse(facts, "split_vision")
+    refuse(facts, "critic_vision", "split_vision")
     if job.is_rl:
         rules.check_rollout_engine_tp(job.engine, cfg.rollout.tp)
     return tier

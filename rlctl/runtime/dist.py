@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from rlctl.errors import UserError
 from rlctl.runtime.net import free_port
+from rlctl.support import JobFacts, refuse
 
 
 @dataclass(frozen=True)
@@ -90,9 +91,8 @@ def init_split(device: torch.device, rollout_procs: int, local_rank: int, timeou
     torchrun's one store. Every group waits ``timeout``: the rollout processes wait on ``sync`` through a
     whole update, the trainers on ``bridge`` through a whole rollout."""
     store, rank, world = next(dist.rendezvous("env://"))
+    refuse(JobFacts(rollout_procs=rollout_procs, world=world), "split_trainer")
     trainers = world - rollout_procs
-    if trainers < 1:
-        raise UserError(f"rollout.procs={rollout_procs} leaves no trainer among {world} processes; use fewer")
     role = "train" if rank < trainers else "rollout"
     group_rank, group_size = (rank, trainers) if role == "train" else (rank - trainers, rollout_procs)
     dist.init_process_group(

@@ -20,7 +20,7 @@ MAX_LINES = 500
 
 # low -> high; a part may import parts of its own layer's index or lower
 LAYERS: list[set[str]] = [
-    {"errors", "terminal", "names", "catalog", "algos", "presets", "testing", "usercode"},
+    {"errors", "terminal", "names", "catalog", "algos", "presets", "testing", "usercode", "support"},
     {"config", "formats", "metrics"},
     {"data", "estimate"},
     {"plan"},

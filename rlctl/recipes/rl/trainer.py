@@ -33,6 +33,7 @@ from rlctl.rewards import needs_answer
 from rlctl.rollout import RolloutSpec
 from rlctl.runtime.dist import all_gather_objects, barrier, global_sums
 from rlctl.runtime.entry import RunContext
+from rlctl.support import JobFacts, refuse
 
 LOGPROB_DIFF_WARN = 0.1  # mean |rollout - trainer| log-prob above this: the engines disagree
 # step 0: mean |rollout - trainer| log-prob beyond what the dtype explains refuses to start
@@ -79,8 +80,7 @@ class RLTrainer:
         self.vision = load_vision_processor(self.source, self.tokenizer)  # a VL model's image processor, or None
         if self.vision is not None and self.agent_spec is not None:
             raise UserError("multi-turn agent runs take text models only; a vision-language model runs single-turn")
-        if self.vision is not None and d.split is not None:
-            raise UserError("--rollout-procs runs text models only (a vision-language model's images are not sent)")
+        refuse(JobFacts(rollout_procs=cfg.rollout.procs, vision=self.vision is not None), "split_vision")
         self.data = build_rl_data(
             cfg,
             self.tokenizer,
