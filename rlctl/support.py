@@ -124,7 +124,11 @@ def refuse(facts: JobFacts, *names: str) -> None:
 # Precision and sharding (the FSDP engine and the estimator)
 
 
-@rule(r"precision\s*==\s*'bf16'.*dtype\s*!=", r"pure_bf16\s+and\s+.*dtype\s*!=", r"dtype\s*!=\s*'bf16'.*precision")
+@rule(
+    r"(precision\s*==\s*'bf16'|pure_bf16).{0,60}dtype\s*!=\s*'bf16'",
+    r"dtype\s*!=\s*'bf16'.{0,60}pure bf16",
+    r"pure bf16\)? (training )?needs",
+)
 def pure_bf16_dtype(f: JobFacts) -> Problem | None:
     if f.precision == "bf16" and f.dtype != "bf16":
         return Problem(
@@ -135,7 +139,7 @@ def pure_bf16_dtype(f: JobFacts) -> Problem | None:
     return None
 
 
-@rule(r"not\s+[\w.]*shard\s+and\s+[\w.]*(gpus|world)\s*>\s*1")
+@rule(r"not\s+[\w.]*shard\s+and\s+[\w.]*(gpus|world)\s*>\s*1", r"runs on one GPU, not|plain module on one device")
 def no_shard_one_gpu(f: JobFacts) -> Problem | None:
     if not f.shard and f.world > 1:
         return Problem(
@@ -144,7 +148,11 @@ def no_shard_one_gpu(f: JobFacts) -> Problem | None:
     return None
 
 
-@rule(r"is_vl\s+and\s+[\w.]*method\s*==\s*'ppo'", r"vision\s+and\s+role\s*==\s*'critic'")
+@rule(
+    r"is_vl\s+and\s+[\w.]*method\s*==\s*'ppo'",
+    r"vision\s+and\s+role\s*==\s*'critic'",
+    r"cannot be a PPO critic|critic, which a vision",
+)
 def critic_vision(f: JobFacts) -> Problem | None:
     if f.method == "ppo" and f.vision:
         return Problem(
@@ -157,14 +165,14 @@ def critic_vision(f: JobFacts) -> Problem | None:
 # Ulysses sequence parallelism (parallel.sp)
 
 
-@rule(r"sp\s*[!>]=?\s*1?.*backend\s*!=\s*'fsdp'", r"backend\s*!=\s*'fsdp'.*\bsp\b")
+@rule(r"\bsp\b.{0,60}backend\s*!=\s*'fsdp'", r"backend\s*!=\s*'fsdp'.{0,60}\bsp\b", r"is the (FSDP|fsdp) engine's;")
 def sp_backend(f: JobFacts) -> Problem | None:
     if f.sp > 1 and f.backend not in (None, "fsdp"):
         return Problem("sp_backend", f"parallel.sp={f.sp} is the FSDP engine's", "Megatron splits sequences with --cp")
     return None
 
 
-@rule(r"\bsp\b.*attn\s+not\s+in", r"attn\s+not\s+in\s*\(None,\s*'sdpa'\)")
+@rule(r"\bsp\b.{0,60}attn\s+not\s+in\s*\(None,\s*'sdpa'\)", r"attn\s+not\s+in\s*\(None,\s*'sdpa'\).{0,60}\b(sp|Ulysses)\b")
 def sp_attn(f: JobFacts) -> Problem | None:
     if f.sp > 1 and f.attn not in (None, "sdpa"):
         return Problem(
@@ -173,7 +181,7 @@ def sp_attn(f: JobFacts) -> Problem | None:
     return None
 
 
-@rule(r"(is_vl|vision\w*)\b.*\bsp\b\s*(>|!=)", r"\bsp\b\s*(>|!=)\s*1.*(is_vl|is_vision)")
+@rule(r"(is_vl|is_vision\w*|vision)\b.{0,60}\bsp\b", r"\bsp\b.{0,60}(is_vl|is_vision)", r"not split by sequence|3-D positions")
 def sp_vision(f: JobFacts) -> Problem | None:
     if f.sp > 1 and f.vision:
         return Problem(
@@ -185,7 +193,7 @@ def sp_vision(f: JobFacts) -> Problem | None:
     return None
 
 
-@rule(r"(?<!def )sp_problem\(")
+@rule(r"(?<!def )\bsp_problem\(")
 def sp_size(f: JobFacts) -> Problem | None:
     """The SP size divides the ranks and the attention heads (KV heads: divide or are divided)."""
     problem = parallel.sp_problem(f.sp, f.world, f.heads, f.kv_heads) if f.sp > 1 else None
@@ -226,7 +234,7 @@ def split_values(f: JobFacts) -> Problem | None:
     return None
 
 
-@rule(r"procs.*method\s+not\s+in\s*\('grpo',?\)", r"method\s*(!=|not in).*grpo.*procs")
+@rule(r"method\s+not\s+in\s*\('grpo',?\)", r"is not supported with \S*rollout-procs")
 def split_method(f: JobFacts) -> Problem | None:
     if f.rollout_procs and f.method != "grpo":
         why = "has no rollout)" if f.method not in RL_METHODS else "trains a critic, not split yet)"
@@ -236,7 +244,7 @@ def split_method(f: JobFacts) -> Problem | None:
     return None
 
 
-@rule(r"procs\s*>=\s*\w+", r"\w+\s*<=\s*[\w.]*procs", r"0\s*<\s*[\w.]*procs\s*<")
+@rule(r"procs\s*>=", r"<=\s*[\w.]*procs\b", r"0\s*<\s*[\w.]*procs\s*<", r"leaves no trainer")
 def split_trainer(f: JobFacts) -> Problem | None:
     if f.rollout_procs and f.world < 2:
         return Problem(
@@ -255,14 +263,14 @@ def split_trainer(f: JobFacts) -> Problem | None:
     return None
 
 
-@rule(r"procs.*nodes\s*>\s*1")
+@rule(r"procs.{0,60}nodes\s*>\s*1", r"runs on one node")
 def split_nodes(f: JobFacts) -> Problem | None:
     if f.rollout_procs and f.nodes > 1:
         return Problem("split_nodes", f"{SPLIT_FLAG} runs on one node ({f.nodes} given)", "use --nodes 1", ": ")
     return None
 
 
-@rule(r"procs.*(agent|tools)", r"(agent_spec|tools).*split")
+@rule(r"procs.{0,60}(agent|tools|interaction)", r"does not run multi-turn agents")
 def split_agents(f: JobFacts) -> Problem | None:
     if f.rollout_procs and f.agent:
         return Problem(
@@ -274,7 +282,7 @@ def split_agents(f: JobFacts) -> Problem | None:
     return None
 
 
-@rule(r"procs.*\.tp\s*>\s*1")
+@rule(r"procs.{0,60}\.tp\s*>\s*1", r"one rollout engine per process")
 def split_rollout_tp(f: JobFacts) -> Problem | None:
     if f.rollout_procs and f.rollout_tp > 1:
         return Problem(
@@ -286,7 +294,7 @@ def split_rollout_tp(f: JobFacts) -> Problem | None:
     return None
 
 
-@rule(r"procs.*backend\s*==\s*'megatron'")
+@rule(r"procs.{0,60}backend\s*==\s*'megatron'", r"trains with the FSDP engine only")
 def split_megatron(f: JobFacts) -> Problem | None:
     if f.rollout_procs and f.backend == "megatron":
         return Problem(
@@ -298,7 +306,7 @@ def split_megatron(f: JobFacts) -> Problem | None:
     return None
 
 
-@rule(r"procs.*\bsp\b\s*(>|!=)", r"\bsp\b.*rollout\.procs\s*(and|or|\))", r"if\s+[\w.]*rollout\.procs\s*:\s*return")
+@rule(r"procs.{0,60}\bsp\b", r"\bsp\b.{0,60}\bprocs\b", r"has not been built or tested|runs without sequence parallelism")
 def split_sp(f: JobFacts) -> Problem | None:
     if f.rollout_procs and f.sp > 1:
         return Problem(
@@ -310,7 +318,7 @@ def split_sp(f: JobFacts) -> Problem | None:
     return None
 
 
-@rule(r"(is_vl|vision\w*)\b.*(procs|split\s+is\s+not\s+None)", r"procs.*is_vl")
+@rule(r"(is_vl|vision)\b.{0,60}(procs|split\b)", r"procs.{0,60}is_vl", r"runs text models only")
 def split_vision(f: JobFacts) -> Problem | None:
     if f.rollout_procs and f.vision:
         return Problem(
@@ -322,7 +330,7 @@ def split_vision(f: JobFacts) -> Problem | None:
     return None
 
 
-@rule(r"procs\s+and\s+\(?.*(needs_greedy|dynamic_sampling)")
+@rule(r"procs.{0,60}(needs_greedy|dynamic_sampling)", r"generate one batch per step, sampled only")
 def split_sampling(f: JobFacts) -> Problem | None:
     if f.rollout_procs and f.sampling_only:
         return Problem(
