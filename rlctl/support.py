@@ -172,7 +172,9 @@ def sp_backend(f: JobFacts) -> Problem | None:
     return None
 
 
-@rule(r"\bsp\b.{0,60}attn\s+not\s+in\s*\(None,\s*'sdpa'\)", r"attn\s+not\s+in\s*\(None,\s*'sdpa'\).{0,60}\b(sp|Ulysses)\b")
+@rule(
+    r"\bsp\b.{0,60}attn\s+not\s+in\s*\(None,\s*'sdpa'\)", r"attn\s+not\s+in\s*\(None,\s*'sdpa'\).{0,60}\b(sp|Ulysses)\b"
+)
 def sp_attn(f: JobFacts) -> Problem | None:
     if f.sp > 1 and f.attn not in (None, "sdpa"):
         return Problem(
@@ -181,7 +183,11 @@ def sp_attn(f: JobFacts) -> Problem | None:
     return None
 
 
-@rule(r"(is_vl|is_vision\w*|vision)\b.{0,60}\bsp\b", r"\bsp\b.{0,60}(is_vl|is_vision)", r"not split by sequence|3-D positions")
+@rule(
+    r"(is_vl|is_vision\w*|vision)\b.{0,60}\bsp\b",
+    r"\bsp\b.{0,60}(is_vl|is_vision)",
+    r"not split by sequence|3-D positions",
+)
 def sp_vision(f: JobFacts) -> Problem | None:
     if f.sp > 1 and f.vision:
         return Problem(
@@ -306,7 +312,9 @@ def split_megatron(f: JobFacts) -> Problem | None:
     return None
 
 
-@rule(r"procs.{0,60}\bsp\b", r"\bsp\b.{0,60}\bprocs\b", r"has not been built or tested|runs without sequence parallelism")
+@rule(
+    r"procs.{0,60}\bsp\b", r"\bsp\b.{0,60}\bprocs\b", r"has not been built or tested|runs without sequence parallelism"
+)
 def split_sp(f: JobFacts) -> Problem | None:
     if f.rollout_procs and f.sp > 1:
         return Problem(
