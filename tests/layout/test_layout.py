@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"runtime"},
     {"engines", "rollout", "rewards", "agents"},
     {"recipes"},
-    {"launch", "job", "checks", "slurm", "preflight"},
+    {"launch", "job", "checks", "modelfiles", "datacheck", "slurm"},
     {"convert"},
     {"bench", "demo", "run_report", "viewer", "evaluate"},
     {"cli", "__main__"},
