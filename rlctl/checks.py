@@ -294,11 +294,7 @@ def _check_same_model(model: str, checkpoint: Path, saved_model: str | None) -> 
 
 def check_footguns(cfg: RunConfig, *, nproc: int, device: str) -> list[str]:
     """Refuse what cannot learn; return the console warnings of what probably is a mistake."""
-    if cfg.method == "grpo" and float(cfg.rollout.temperature) == 0.0 and int(cfg.rollout.n) > 1:
-        raise UserError(
-            "--temperature 0 with grpo: the n responses to a prompt are all the same greedy one, so every "
-            "advantage is 0 and nothing is learned; sample with --temperature 1.0 (0.6 or more)"
-        )
+    refuse(JobFacts.of(cfg), "greedy_groups")
     if cfg.method in ("grpo", "ppo") and cfg.reward.model:
         check_reward_model(Path(str(cfg.reward.model)).expanduser())
     warnings = []

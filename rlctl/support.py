@@ -40,6 +40,8 @@ class JobFacts:
     rollout_tp: int = 0  # as configured (0: the plan's)
     max_staleness: int = 1
     agent: bool = False  # --tools / --env / --interaction
+    temperature: float = 1.0  # rollout.temperature
+    samples: int = 1  # rollout.n: samples per prompt
     sampling_only: str = ""  # what needs more than sampled rollouts ("algo.dynamic_sampling", "--adv remax")
     model: str = ""
     vision: bool = False  # a vision-language model
@@ -157,6 +159,19 @@ def critic_vision(f: JobFacts) -> Problem | None:
     if f.method == "ppo" and f.vision:
         return Problem(
             "critic_vision", "ppo trains a critic, which a vision-language model cannot be yet", "use grpo (no critic)"
+        )
+    return None
+
+
+@rule(r"'grpo'.{0,60}temperature\)?\s*==\s*0", r"temperature 0 with grpo")
+def greedy_groups(f: JobFacts) -> Problem | None:
+    """GRPO compares the samples of a prompt: greedy ones are all the same, every advantage 0."""
+    if f.method == "grpo" and f.temperature == 0.0 and f.samples > 1:
+        return Problem(
+            "greedy_groups",
+            "--temperature 0 with grpo: the n responses to a prompt are all the same greedy one, so every "
+            "advantage is 0 and nothing is learned",
+            "sample with --temperature 1.0 (0.6 or more)",
         )
     return None
 

@@ -44,7 +44,7 @@ from rlctl.plan.inputs import Job, LocalEnv, resolve_job
 from rlctl.plan.relax import relax
 from rlctl.plan.search import SearchResult, eval_fraction, margin_ok, options_for, search
 from rlctl.plan.types import Decision, Plan, Verdict
-from rlctl.support import SP_RULES, refuse
+from rlctl.support import SP_RULES, problems, refuse
 
 
 def plan_config(cfg: RunConfig, local: LocalEnv, *, host_memory_bytes: int = 0) -> Plan:
@@ -116,7 +116,7 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         if tier == "megatron" and job.device == "cpu":
             raise UserError("parallel.backend=megatron needs CUDA GPUs; on CPU use fsdp")
     tier = backend_the_engine_runs(job, tier, decisions)
-    if p.backend is None and tier == "megatron" and (p.sp or 1) > 1:
+    if p.backend is None and problems(replace(job.facts, backend=tier), "sp_backend"):
         why = f"backend fsdp: parallel.sp={p.sp} is the FSDP engine's Ulysses sequence parallelism"
         decisions.append(Decision("parallel.backend", "fsdp", why))
         tier = "fsdp"

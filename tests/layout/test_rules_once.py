@@ -86,6 +86,10 @@ COPIES = {
         if self.vision and role == "critic":
             raise UserError("a vision-language model cannot be a PPO critic yet; train it with grpo (no critic)")
     """,
+    "greedy_groups": """
+        if cfg.method == "grpo" and float(cfg.rollout.temperature) == 0.0 and int(cfg.rollout.n) > 1:
+            raise UserError("--temperature 0 with grpo: ...")
+    """,
     "sp_backend": """
         if self.backend != "fsdp":
             raise UserError(f"sp {self.sp}: Ulysses sequence parallelism is the fsdp engine's; Megatron uses --cp")
