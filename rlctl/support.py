@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from rlctl.catalog import parallel
 from rlctl.errors import UserError
-from rlctl.names import RL_METHODS
+from rlctl.names import PAIR_METHODS, RL_METHODS
 
 if TYPE_CHECKING:
     from rlctl.catalog.spec import ModelSpec
@@ -34,6 +34,10 @@ class JobFacts:
     dtype: str | None = "bf16"
     precision: str = "mixed"  # mixed | bf16 (pure bf16)
     shard: bool = True  # FSDP2 wrappers; False: the plain module
+    tp: int = 0  # Megatron's sizes as configured (0: the plan's)
+    pp: int = 0
+    ep: int = 0
+    lora: bool = False
     sp: int = 1
     attn: str | None = None  # as configured (None: the plan's or the engine's choice)
     rollout_procs: int = 0
@@ -59,10 +63,10 @@ class JobFacts:
         facts = {
             **dict(method=cfg.method, world=world, nodes=nodes, backend=cfg.parallel.backend),
             **dict(dtype=cfg.model.dtype, precision=cfg.train.precision, shard=cfg.parallel.shard is not False),
+            **dict(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep, lora=cfg.lora.rank > 0),
             **dict(sp=cfg.parallel.sp or 1, attn=cfg.model.attn, rollout_procs=r.procs, rollout_tp=r.tp),
-            **dict(
-                max_staleness=r.max_staleness, agent=bool(cfg.agent.tools or cfg.agent.env or cfg.agent.interaction)
-            ),
+            **dict(max_staleness=r.max_staleness, temperature=float(r.temperature), samples=int(r.n)),
+            "agent": bool(cfg.agent.tools or cfg.agent.env or cfg.agent.interaction),
             "sampling_only": "algo.dynamic_sampling" if a.dynamic_sampling else f"--adv {a.adv}" if greedy else "",
             **(model_facts(spec) if spec is not None else {"model": cfg.model.name}),
         }
@@ -120,6 +124,38 @@ def refuse(facts: JobFacts, *names: str) -> None:
     found = problems(facts, *names)
     if found:
         raise UserError(str(found[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The Megatron engine
+
+
+def megatron_gap(f: JobFacts) -> str | None:
+    """What of this job rlctl's Megatron engine does not run yet (None: it runs all of it)."""
+    if f.vision:
+        return "a vision-language model"
+    if f.method == "ppo":
+        return "a PPO critic"
+    if f.method in PAIR_METHODS:
+        return f"rlctl {f.method}"
+    return "LoRA" if f.lora else None
+
+
+@rule(r"needs the Megatron engine, which", r"runs on the FSDP engine:", r"Megatron engine trains text models only")
+def megatron_forced(f: JobFacts) -> Problem | None:
+    """A job the Megatron engine cannot run, with Megatron or its sizes configured (unset, the planner takes
+    FSDP2 and says so)."""
+    missing = megatron_gap(f)
+    sizes = (("tp", f.tp), ("pp", f.pp), ("ep", f.ep))
+    forced = ["parallel.backend=megatron"] * (f.backend == "megatron")
+    forced += [f"parallel.{k}={v}" for k, v in sizes if v > 1]
+    if missing and forced:
+        return Problem(
+            "megatron_forced",
+            f"{', '.join(forced)} needs the Megatron engine, which does not run {missing} yet",
+            "use parallel.backend=fsdp (tp = pp = ep = 1)",
+        )
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

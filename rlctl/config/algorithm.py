@@ -121,8 +121,7 @@ def check_preference(cfg: RunConfig) -> None:
     """`rlctl dpo` / `rlctl rm`: the loss's settings in range, and the engine that runs them."""
     p = cfg.pref
     check_registered_names(cfg)
-    if cfg.parallel.backend == "megatron":
-        raise UserError(f"rlctl {cfg.method} runs on the FSDP engine: use --backend fsdp (or leave it to the plan)")
+    refuse(JobFacts.of(cfg), "megatron_forced")
     if p.beta is not None and p.beta <= 0:
         raise UserError(f"pref.beta={p.beta} must be > 0 (e.g. --beta 0.1), or unset for the loss's default")
     if not 0 <= p.label_smoothing < 0.5:

@@ -223,11 +223,7 @@ class MemorySettings:
                 "the megatron engine has no pure-bf16, selective-checkpointing, activation-offload or no-shard "
                 "option in rlctl: use --backend fsdp for them"
             )
-        if spec.is_vl and self.backend == "megatron":
-            raise UserError(
-                f"{spec.name} is a vision-language model: rlctl's Megatron engine trains text models only; "
-                "use --backend fsdp"
-            )
+        refuse(JobFacts(backend=self.backend, vision=spec.is_vl), "megatron_forced")  # what it knows: the model
         self._check_ranges()
         if self.gpus % (self.tp * self.pp * self.cp):
             raise UserError(f"{self.gpus} GPUs do not split into tp {self.tp} x pp {self.pp} x cp {self.cp}")

@@ -27,7 +27,6 @@ from rlctl.catalog import active_params
 from rlctl.config import RunConfig, agent_enabled, max_turns
 from rlctl.errors import UserError
 from rlctl.estimate.memory import MemoryEstimate
-from rlctl.names import PAIR_METHODS
 from rlctl.plan import rules
 from rlctl.plan.decisions import (
     backend_warnings,
@@ -44,7 +43,7 @@ from rlctl.plan.inputs import Job, LocalEnv, resolve_job
 from rlctl.plan.relax import relax
 from rlctl.plan.search import SearchResult, eval_fraction, margin_ok, options_for, search
 from rlctl.plan.types import Decision, Plan, Verdict
-from rlctl.support import SP_RULES, problems, refuse
+from rlctl.support import SP_RULES, megatron_gap, problems, refuse
 
 
 def plan_config(cfg: RunConfig, local: LocalEnv, *, host_memory_bytes: int = 0) -> Plan:
@@ -143,31 +142,10 @@ def backend_the_engine_runs(job: Job, tier: str, decisions: list[Decision]) -> s
     """The backend, after what rlctl's Megatron engine cannot run yet: a PPO critic and LoRA go to FSDP2
     (with offload when needed, as the search decides); a Megatron backend or Megatron-only sizes set
     in the config are a UserError there."""
-    c = job.cfg
-    missing = (
-        "a vision-language model"
-        if job.spec.is_vl
-        else "a PPO critic"
-        if c.method == "ppo"
-        else f"rlctl {c.method}"
-        if c.method in PAIR_METHODS
-        else "LoRA"
-        if c.lora.rank
-        else None
-    )
+    missing = megatron_gap(job.facts)
     if tier != "megatron" or missing is None:
         return tier
-    p = c.parallel
-    forced = [
-        f"parallel.{k}={v}"
-        for k, v in (("backend", p.backend), ("tp", p.tp), ("pp", p.pp), ("ep", p.ep))
-        if (k == "backend" and v == "megatron") or (k != "backend" and v > 1)
-    ]
-    if forced:
-        raise UserError(
-            f"{', '.join(forced)} needs the Megatron engine, which does not run {missing} yet; "
-            f"use parallel.backend=fsdp (tp = pp = ep = 1)"
-        )
+    refuse(job.facts, "megatron_forced")  # Megatron or its sizes configured
     decisions.append(
         Decision("parallel.backend", "fsdp", f"backend fsdp: the Megatron engine does not run {missing} yet: FSDP2")
     )

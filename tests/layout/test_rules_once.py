@@ -86,6 +86,10 @@ COPIES = {
         if self.vision and role == "critic":
             raise UserError("a vision-language model cannot be a PPO critic yet; train it with grpo (no critic)")
     """,
+    "megatron_forced": """
+        if cfg.parallel.backend == "megatron":
+            raise UserError(f"rlctl {cfg.method} runs on the FSDP engine: use --backend fsdp (or leave it to the plan)")
+    """,
     "greedy_groups": """
         if cfg.method == "grpo" and float(cfg.rollout.temperature) == 0.0 and int(cfg.rollout.n) > 1:
             raise UserError("--temperature 0 with grpo: ...")
