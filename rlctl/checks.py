@@ -109,10 +109,9 @@ def check_settings(cfg: RunConfig, plan, model: ModelFiles | None) -> list[str]:
 
 def check_placement(plan: Plan) -> None:
     """Where the ranks go (checked for a dry run too): a vLLM/SGLang engine's tensor parallel stays inside one node."""
-    if plan.nodes > 1 and plan.rollout in ("vllm", "sglang") and plan.rollout_tp > 1:
-        from rlctl.runtime.dist import check_rollout_in_node  # (imports torch: only for multi-node RL)
-
-        check_rollout_in_node(plan.rollout_tp, plan.nproc_per_node)
+    if plan.nodes > 1 and plan.rollout in ("vllm", "sglang"):
+        facts = JobFacts(rollout_tp=plan.rollout_tp, world=plan.nproc_per_node * plan.nodes, nodes=plan.nodes)
+        refuse(facts, "rollout_tp_node")
 
 
 # ---------------------------------------------------------------------------------------------

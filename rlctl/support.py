@@ -401,6 +401,20 @@ def split_sampling(f: JobFacts) -> Problem | None:
     return None
 
 
+@rule(r"%\s*[\w.]*tp\b.{0,60}across nodes", r"would split a rollout engine across nodes")
+def rollout_tp_node(f: JobFacts) -> Problem | None:
+    """A vLLM/SGLang engine runs tensor parallel inside one node, never across: its ranks are consecutive
+    (torchrun numbers a node's processes consecutively), so its tp divides the processes of a node."""
+    per_node = f.world // max(f.nodes, 1)
+    if f.rollout_tp > 1 and per_node % f.rollout_tp:
+        return Problem(
+            "rollout_tp_node",
+            f"rollout.tp={f.rollout_tp} would split a rollout engine across nodes ({per_node} processes per node)",
+            f"tensor parallel stays inside a node: use a rollout.tp that divides {per_node} (--set rollout.tp=N)",
+        )
+    return None
+
+
 #: what a split run supports, in the order the pre-launch check asks (the planner asks split_sp, split_vision
 #: and the algorithm check split_sampling earlier)
 SPLIT_RULES = (

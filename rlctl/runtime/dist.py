@@ -146,13 +146,8 @@ def process_group_backend(device_type: str) -> str:
 
 
 def check_rollout_in_node(tp: int, per_node: int) -> None:
-    """A vLLM/SGLang engine runs tensor parallel inside one node, never across: its ranks are consecutive
-    (torchrun numbers a node's processes consecutively), so ``tp`` must divide the processes of a node."""
-    if tp > 1 and per_node % tp:
-        raise UserError(
-            f"rollout.tp={tp} would split a rollout engine across nodes ({per_node} processes per node); "
-            f"tensor parallel stays inside a node: use a rollout.tp that divides {per_node} (--set rollout.tp=N)"
-        )
+    """On the ranks: a rollout engine's tensor parallel stays inside a node (rlctl.support.rollout_tp_node)."""
+    refuse(JobFacts(rollout_tp=tp, world=per_node), "rollout_tp_node")
 
 
 def _alone(group: dist.ProcessGroup | None) -> bool:

@@ -109,6 +109,10 @@ COPIES = {
     "sp_size": """
         problem = sp_problem(self.sp, self.gpus, spec.num_heads, None)
     """,
+    "rollout_tp_node": """
+        if tp > 1 and per_node % tp:
+            raise UserError(f"rollout.tp={tp} would split a rollout engine across nodes ({per_node} per node)")
+    """,
     "split_values": """
         if r.procs < 0:
             raise UserError(f"rollout.procs={r.procs} must be >= 0 (0: no split; N: N processes only generate)")
@@ -162,7 +166,7 @@ def test_a_copy_put_back_is_found(tmp_path):
         copy = tmp_path / "engines" / "copy.py"
         copy.parent.mkdir(exist_ok=True)
         copy.write_text(
-            "def guard(self, cfg, spec, c, d, r, job, role, flag, nodes, facts, a):\n"
+            "def guard(self, cfg, spec, c, d, r, job, role, flag, nodes, facts, a, tp, per_node):\n"
             + textwrap.indent(textwrap.dedent(code), "    ")
         )
         names = {line.split(":")[0] for line in restatements(tmp_path)}
