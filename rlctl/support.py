@@ -37,6 +37,7 @@ class JobFacts:
     tp: int = 0  # Megatron's sizes as configured (0: the plan's)
     pp: int = 0
     ep: int = 0
+    cp: int = 1
     lora: bool = False
     sp: int = 1
     attn: str | None = None  # as configured (None: the plan's or the engine's choice)
@@ -63,7 +64,8 @@ class JobFacts:
         facts = {
             **dict(method=cfg.method, world=world, nodes=nodes, backend=cfg.parallel.backend),
             **dict(dtype=cfg.model.dtype, precision=cfg.train.precision, shard=cfg.parallel.shard is not False),
-            **dict(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep, lora=cfg.lora.rank > 0),
+            **dict(tp=cfg.parallel.tp, pp=cfg.parallel.pp, ep=cfg.parallel.ep, cp=cfg.parallel.cp),
+            "lora": cfg.lora.rank > 0,
             **dict(sp=cfg.parallel.sp or 1, attn=cfg.model.attn, rollout_procs=r.procs, rollout_tp=r.tp),
             **dict(max_staleness=r.max_staleness, temperature=float(r.temperature), samples=int(r.n)),
             "agent": bool(cfg.agent.tools or cfg.agent.env or cfg.agent.interaction),
@@ -154,6 +156,26 @@ def megatron_forced(f: JobFacts) -> Problem | None:
             "megatron_forced",
             f"{', '.join(forced)} needs the Megatron engine, which does not run {missing} yet",
             "use parallel.backend=fsdp (tp = pp = ep = 1)",
+        )
+    return None
+
+
+@rule(
+    r"backend\s*==\s*'fsdp'.{0,60}\(\s*[\w.]*tp,\s*[\w.]*pp",
+    r"fsdp shards over all GPUs",
+    r"no tensor, pipeline, expert",
+)
+def fsdp_layout(f: JobFacts) -> Problem | None:
+    """The FSDP engine shards over every GPU: no tensor, pipeline, expert or context parallelism."""
+    sizes = {"tp": f.tp, "pp": f.pp, "ep": f.ep, "cp": f.cp}
+    over = [(k, v) for k, v in sizes.items() if v > 1]
+    if f.backend == "fsdp" and over:
+        key, value = over[0]
+        return Problem(
+            "fsdp_layout",
+            f"parallel.{key}={value} needs parallel.backend=megatron",
+            "the fsdp engine has no tensor, pipeline, expert or context parallelism (FSDP+TP is not built): set it "
+            "to 1, or for long sequences use Ulysses sequence parallelism (--sp)",
         )
     return None
 

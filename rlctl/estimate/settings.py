@@ -227,13 +227,7 @@ class MemorySettings:
         self._check_ranges()
         if self.gpus % (self.tp * self.pp * self.cp):
             raise UserError(f"{self.gpus} GPUs do not split into tp {self.tp} x pp {self.pp} x cp {self.cp}")
-        if self.backend == "fsdp" and (self.tp, self.pp, self.ep, self.cp) != (1, 1, 1, 1):
-            raise UserError(
-                "the fsdp engine has no tensor, pipeline, expert or context parallelism (FSDP+TP is not built): "
-                "tp, pp, ep and cp must be 1; for long sequences use Ulysses sequence parallelism (--sp), or "
-                "--backend megatron"
-            )
-        refuse(self.facts(spec), "sp_backend", "sp_vision", "sp_size")
+        refuse(self.facts(spec), "fsdp_layout", "sp_backend", "sp_vision", "sp_size")
         self._check_layout(spec)
 
     def _check_ranges(self) -> None:
@@ -269,7 +263,8 @@ class MemorySettings:
         """These settings as the rules of :mod:`rlctl.support` see them (``gpus``: the trainers)."""
         return JobFacts(
             **dict(method=self.method, world=self.gpus, nodes=self.nodes, backend=self.backend, dtype=self.dtype),
-            **dict(precision=self.precision, shard=self.shard, sp=self.sp, **model_facts(spec)),
+            **dict(precision=self.precision, shard=self.shard, sp=self.sp, tp=self.tp, pp=self.pp, ep=self.ep),
+            **dict(cp=self.cp, **model_facts(spec)),
         )
 
 

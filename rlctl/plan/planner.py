@@ -119,9 +119,10 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         why = f"backend fsdp: parallel.sp={p.sp} is the FSDP engine's Ulysses sequence parallelism"
         decisions.append(Decision("parallel.backend", "fsdp", why))
         tier = "fsdp"
+    facts = replace(job.facts, backend=tier)
+    refuse(facts, "fsdp_layout")
     rules.check_overrides(
         job.spec,
-        backend=tier,
         tp=p.tp,
         pp=p.pp,
         ep=p.ep,
@@ -130,7 +131,6 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         rollout_tp=cfg.rollout.tp,
         is_rl=job.is_rl,
     )
-    facts = replace(job.facts, backend=tier)
     refuse(facts, *SP_RULES)
     refuse(facts, "critic_vision", "split_vision")
     if job.is_rl:

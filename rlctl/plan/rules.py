@@ -120,15 +120,9 @@ def rollout_tp_problem(spec: ModelSpec, tp: int) -> str | None:
 
 
 def check_overrides(
-    spec: ModelSpec, *, backend: str, tp: int, pp: int, ep: int, cp: int, world: int, rollout_tp: int, is_rl: bool
+    spec: ModelSpec, *, tp: int, pp: int, ep: int, cp: int, world: int, rollout_tp: int, is_rl: bool
 ) -> None:
     """Validate the parallel sizes a user set (0 = not set); UserError names the valid values."""
-    if backend == "fsdp":
-        for key, value in (("parallel.tp", tp), ("parallel.pp", pp), ("parallel.ep", ep)):
-            if value > 1:
-                raise UserError(
-                    f"{key}={value} needs parallel.backend=megatron; fsdp shards over all GPUs (tp = pp = ep = 1)"
-                )
     if tp:
         problem = tp_problem(spec, tp)
         if problem:

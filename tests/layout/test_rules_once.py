@@ -90,6 +90,10 @@ COPIES = {
         if cfg.parallel.backend == "megatron":
             raise UserError(f"rlctl {cfg.method} runs on the FSDP engine: use --backend fsdp (or leave it to the plan)")
     """,
+    "fsdp_layout": """
+        if self.backend == "fsdp" and (self.tp, self.pp, self.ep, self.cp) != (1, 1, 1, 1):
+            raise UserError("the fsdp engine has no tensor, pipeline, expert or context parallelism")
+    """,
     "greedy_groups": """
         if cfg.method == "grpo" and float(cfg.rollout.temperature) == 0.0 and int(cfg.rollout.n) > 1:
             raise UserError("--temperature 0 with grpo: ...")
