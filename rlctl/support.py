@@ -107,6 +107,8 @@ RULES: dict[str, Rule] = {}
 
 
 def rule(*restated: str):
+    """Put the decorated check in :data:`RULES` under its name, with the patterns of a copy of it."""
+
     def register(check: Callable[[JobFacts], Problem | None]):
         name = check.__name__
         RULES[name] = Rule(name, check, restated)
