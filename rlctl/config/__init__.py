@@ -361,20 +361,10 @@ def validate(cfg: RunConfig) -> None:
     _validate_agent(cfg)
 
 
-DEFAULT_MAX_TURNS = 8  # agent.max_turns when tools, an environment or an interaction are given
-
-
 def agent_enabled(cfg: RunConfig) -> bool:
     """Whether the run is multi-turn: tools, an environment or an interaction given."""
     a = cfg.agent
     return bool(a.tools or a.env or a.interaction)
-
-
-def max_turns(cfg: RunConfig) -> int:
-    """Assistant turns per trajectory: agent.max_turns, else 8 for agent runs (1 otherwise)."""
-    if cfg.agent.max_turns is not None:
-        return cfg.agent.max_turns
-    return DEFAULT_MAX_TURNS if agent_enabled(cfg) else 1
 
 
 def _validate_agent(cfg: RunConfig) -> None:

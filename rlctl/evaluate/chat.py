@@ -5,7 +5,7 @@ exactly as training renders a prompt (:func:`rlctl.data.rl.render_prompt`), samp
 rollout engine and keeps it in the history; :meth:`ChatSession.reset` forgets the history.
 
 With ``tools`` (what ``--tools`` takes in training) a turn is one trajectory of training's agent loop
-(:mod:`rlctl.recipes.rl.agent`): the model may call tools, their results are appended, and it goes on
+(:mod:`rlctl.recipes.rl.turns`): the model may call tools, their results are appended, and it goes on
 until it answers without a call (or ``max_turns``); every message of the turn joins the history.
 """
 
@@ -41,7 +41,7 @@ class ChatSession:
         self.last_turn: list[dict] = []  # the messages of the last reply (with tools: calls and results too)
         self.agent, self.loop = None, None
         if tools is not None:  # (cfg, spec) of rlctl.evaluate.settings.chat_tools
-            from rlctl.recipes.rl.agent import make_agent_loop
+            from rlctl.recipes.rl.turns import make_agent_loop
 
             cfg, self.agent = tools
             self.loop = make_agent_loop(cfg, self.agent, self.tokenizer, self.engine, 1)

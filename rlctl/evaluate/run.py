@@ -118,7 +118,7 @@ def sample_rows(samples: list, picked: list, prompt_ids: list, scores: list[floa
 
 def _generate(model_dir: Path, cfg: RunConfig, s: EvalSettings, prompts: list, tokenizer, agent, log) -> list:
     """The samples (prompt-major): the engine's, or the agent loop's trajectories when ``agent``."""
-    from rlctl.recipes.rl.agent import make_agent_loop, run_agent
+    from rlctl.recipes.rl.turns import make_agent_loop, run_agent
     from rlctl.rollout import RolloutSpec, SamplingParams
 
     r = cfg.rollout

@@ -60,7 +60,7 @@ def eval_config(model_or_run: Path, options: dict[str, object], sets: list[str])
 def load_tools(cfg: RunConfig):
     """The agent spec (tools / environment) of ``cfg``, loaded before any model (torch-free; a bad path or
     function is a one-line UserError), or None without tools."""
-    from rlctl.recipes.rl.agent import load_agent
+    from rlctl.recipes.rl.turns import load_agent
 
     return load_agent(cfg)
 

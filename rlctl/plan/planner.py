@@ -24,7 +24,7 @@ import copy
 from dataclasses import replace
 
 from rlctl.catalog import active_params
-from rlctl.config import RunConfig, agent_enabled, max_turns
+from rlctl.config import RunConfig, agent_enabled
 from rlctl.errors import UserError
 from rlctl.estimate.memory import MemoryEstimate
 from rlctl.plan import rules
@@ -241,13 +241,16 @@ def apply_plan(cfg: RunConfig, plan: Plan) -> RunConfig:
     return out
 
 
+DEFAULT_MAX_TURNS = 8  # agent.max_turns of a run with tools, an environment or an interaction
+
+
 def write_derived(cfg: RunConfig) -> None:
     """The settings whose default depends on other settings, written once into the resolved ``cfg``
     (its readers take them from there): ``agent.max_turns`` of an agent run (8 when not given), and an RL
     run's ``algo.mini_batch_size`` (0, the whole batch: ``train.batch_size``; never more than it). The
     recipes still cap the mini-batch by the prompts the data has (rlctl.recipes.rl.stream)."""
-    if agent_enabled(cfg):
-        cfg.agent.max_turns = max_turns(cfg)
+    if agent_enabled(cfg) and cfg.agent.max_turns is None:
+        cfg.agent.max_turns = DEFAULT_MAX_TURNS
     if cfg.method in ("grpo", "ppo"):
         a, batch = cfg.algo, cfg.train.batch_size
         a.mini_batch_size = min(a.mini_batch_size or batch, batch)

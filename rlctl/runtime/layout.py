@@ -84,6 +84,11 @@ class RunPaths:
         return self.root / "samples.jsonl"
 
     @property
+    def rollout_init(self) -> Path:
+        """A randomly initialised model's first weights, exported by the RL trainers for the rollout engines."""
+        return self.root / "rollout_init"
+
+    @property
     def report_png(self) -> Path:
         return self.root / "report.png"
 

@@ -64,7 +64,8 @@ def test_split_run_evaluation_engine_fits_beside_the_trainer(monkeypatch):
     d = SimpleNamespace(rank=0, world_size=6, local_rank=0, local_world_size=6)
     # a split run's trainer: its samples come from the rollout processes, its engine evaluates only
     device = torch.device("cuda", 0)
-    make_engine(cfg, d, device=device, tp=1, path="/model", dtype="bf16", evaluation_only=True, log=lambda line: None)
+    run_spec = RolloutSpec.from_config(cfg).replace(model_path="/model")  # as rlctl.recipes.rl.inputs builds it
+    make_engine(cfg, d, run_spec, device=device, dtype="bf16", evaluation_only=True, log=lambda line: None)
     (spec,) = built
     # what the trainer holds on its GPU while it evaluates, from the estimate's training phase
     parts = plan.estimate.phases["training"].components
@@ -206,6 +207,7 @@ def _sampling_part(*, val_n: int):
     from rlctl.recipes.rl.rollouts import ActorWeights, ColocatedRollout
     from rlctl.recipes.rl.sampling import Sampling
     from rlctl.recipes.rl.stream import PromptStream
+    from rlctl.recipes.rl.turns import SingleTurn
 
     sets = {
         "train.batch_size": 2,
@@ -225,7 +227,7 @@ def _sampling_part(*, val_n: int):
             return iter([("w", torch.zeros(2)), ("b", torch.zeros(1))])
 
     class Scorer:  # FAKE: every sample scores 0, so no group varies
-        def score_batch(self, batch, step):
+        def score_batch(self, batch, step, turns):
             return torch.zeros(len(batch)), {"reward/mean": 0.0}
 
         def score(self, prompt_ids, token_ids, prompts, step, trajectories):
@@ -235,10 +237,11 @@ def _sampling_part(*, val_n: int):
     data = SimpleNamespace(train=prompts, val=prompts[:3])
     weights = ActorWeights(Actor(), "fp32")
     engine = _VLLMLike.make()
-    own = ColocatedRollout(lambda: None, weights, cfg, rank=0, world_size=1, tp=1, engine=engine)
+    turns = SingleTurn()
+    own = ColocatedRollout(lambda: None, weights, cfg, rank=0, world_size=1, tp=1, turns=turns, engine=engine)
     sampling = Sampling(
         cfg, data, PromptStream(cfg, len(prompts)), own, own, Scorer(), rank=0, world_size=1,
-        device=torch.device("cpu"), agent=False, needs_greedy=False, log=lambda line: None,
+        device=torch.device("cpu"), turns=turns, needs_greedy=False, log=lambda line: None,
     )  # fmt: skip
     return sampling, weights, engine, gathers
 

@@ -1,5 +1,11 @@
 """What the GRPO and PPO recipes share, by concern:
 
+- :mod:`.main`: :func:`~.main.rl_main` and :func:`~.main.rl_step`, the one entry and step of GRPO and PPO
+  (:data:`~.main.METHODS`: what differs between them, as data)
+- :mod:`.inputs`: :class:`~.inputs.RLInputs`, what a process builds once from the config (model source,
+  tokenizer, tools, prompts and their stream, the rollout spec with the rollout-init path) and hands to the
+  trainer or the rollout worker
+- :mod:`.turns`: single-turn and multi-turn runs as two objects chosen once; every sample a trajectory
 - :mod:`.spec`: :class:`~.spec.AlgoSpec`, the algorithm read once from the resolved config
 - :mod:`.batch`: which prompts a rank takes, :class:`~.batch.RolloutBatch`, packed micro-batches
 - :mod:`.passes`: forward log-probs (and entropy) and the critic's values
@@ -20,7 +26,7 @@
 - :mod:`.trainer`: :class:`~.trainer.RLTrainer`, the run's state and its steps; the outer loop is
   :func:`rlctl.runtime.fit.fit`
 
-One RL step (the recipes spell it out in order; every step returns its metrics, which
+One RL step (:func:`~.main.rl_step` spells it out in order; every step returns its metrics, which
 :func:`~.metrics.merged` joins into the step's record)::
 
     batch, m = rl.sample(step)    # prompts -> n samples each (the sample source: every rank's colocated

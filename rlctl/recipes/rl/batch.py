@@ -57,7 +57,7 @@ class RolloutBatch:
     rollout_logp: torch.Tensor  # the rollout engine's log-probs
     truncated: torch.Tensor  # [b] bool: stopped by the length budget
     meta: list[Prompt] = field(default_factory=list)  # the prompt of each sample (reward arguments)
-    trajectories: list = field(default_factory=list)  # agent runs: each sample's rlctl.agents Trajectory
+    trajectories: list = field(default_factory=list)  # each sample's rlctl.agents Trajectory (rl.turns)
     greedy: list = field(default_factory=list)  # needs_greedy estimators: the greedy sample of each row's prompt
     baselines: torch.Tensor | None = None  # [b] the score of greedy[i] (remax's baseline)
     reward_parts: list = field(default_factory=list)  # each sample's reward components, unweighted (samples.jsonl)

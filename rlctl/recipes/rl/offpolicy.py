@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from rlctl.config import RunConfig, save_every_steps
+from rlctl.recipes.rl.inputs import RLInputs
 from rlctl.runtime.dist import Split
 from rlctl.runtime.entry import RunContext
 
@@ -204,28 +205,15 @@ class _timed:
 class RolloutWorker:
     """A rollout process: the run's prompts, sampler and rollout engine; generates for its trainers."""
 
-    def __init__(self, ctx: RunContext, dtype: str):
-        from rlctl.data.rl import build_rl_data
-        from rlctl.data.sft import use_chat_template
-        from rlctl.engines.base import load_tokenizer, model_source
-        from rlctl.recipes.rl.rollouts import rollout_model_path
-        from rlctl.recipes.rl.stream import PromptStream
-        from rlctl.rollout import RolloutSpec, make_rollout_engine
+    def __init__(self, ctx: RunContext, inputs: RLInputs, dtype: str):
+        from rlctl.rollout import make_rollout_engine
 
         cfg, d = ctx.cfg, ctx.dist
         self.cfg, self.split, self.device = cfg, d.split, d.device
-        source = model_source(cfg.model.name, random_init=cfg.model.random_init)
-        tokenizer = use_chat_template(load_tokenizer(source), cfg)
-        from rlctl.rewards import needs_answer
-
-        self.data = build_rl_data(
-            cfg, tokenizer, cache_dir=ctx.paths.data_cache, log=lambda _: None, answer_required=needs_answer(cfg)
-        )
-        self.stream = PromptStream(cfg, len(self.data.train))
-        spec = RolloutSpec.from_config(cfg)
+        self.data, self.stream = inputs.data, inputs.stream  # built as the trainers build theirs
+        spec = inputs.rollout  # its model_path: the trainers exported a random init there
         self.engine = make_rollout_engine(
             spec.replace(
-                model_path=rollout_model_path(source, ctx.paths.root),  # random init: the trainers exported it
                 device=f"cuda:{d.local_rank}" if d.device.type == "cuda" else "cpu",
                 dtype=dtype,
                 seed=spec.seed + self.split.global_rank,
@@ -255,14 +243,15 @@ class RolloutWorker:
         return works
 
 
-def rollout_main(ctx: RunContext) -> None:
-    """A rollout process's whole run: wait for the trainers' START, then generate every batch from the
-    weights :func:`weights_version` names, until the batches run out or the trainers say STOP."""
+def rollout_main(ctx: RunContext, inputs: Callable[[], RLInputs]) -> None:
+    """A rollout process's whole run: wait for the trainers' START, build the run's ``inputs`` (as the
+    trainers built theirs: the data cache is theirs by then), then generate every batch from the weights
+    :func:`weights_version` names, until the batches run out or the trainers say STOP."""
     split, device = ctx.dist.split, ctx.dist.device
     kind, start, dtype = _broadcast_header(split, device)
     if kind == STOP:
         return
-    worker = RolloutWorker(ctx, DTYPES[dtype])
+    worker = RolloutWorker(ctx, inputs(), DTYPES[dtype])
     staleness, total = ctx.cfg.rollout.max_staleness, worker.stream.total_steps
     drains, version, pending = drain_points(ctx.cfg, start, total), None, []
     for step in range(start, total):

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Protocol
 
 from rlctl.config import RunConfig
 from rlctl.data.rl import Prompt
 from rlctl.errors import UserError
-from rlctl.recipes.rl.agent import run_agent
 from rlctl.recipes.rl.batch import sampling_params
 from rlctl.recipes.rl.metrics import Metrics, timed
 from rlctl.rollout import RolloutSpec
@@ -57,20 +55,13 @@ class SampleSource(Protocol):
     def close(self) -> None: ...
 
 
-def rollout_model_path(source, run_root: Path) -> str:
-    """The model every rollout engine loads first: the model's own files, or for a randomly initialised
-    model (no weights on disk) RUN/rollout_init, where the trainers export the actor's initial weights
-    before any rollout engine starts."""
-    return str(run_root / "rollout_init") if source.random_init else source.path
-
-
-def make_engine(cfg: RunConfig, dist, *, device, tp: int, path: str, dtype: str, evaluation_only: bool, log):
-    """This rank's rollout engine: the run's RolloutSpec with this rank's weights (``path``), device,
-    ``dtype`` and seed. ``evaluation_only``: a split run's trainer, on a GPU beside its training states."""
+def make_engine(cfg: RunConfig, dist, spec: RolloutSpec, *, device, dtype: str, evaluation_only: bool, log):
+    """This rank's rollout engine: the run's ``spec`` (rlctl.recipes.rl.inputs: its weights' path set) with
+    this rank's device, ``dtype`` and seed. ``evaluation_only``: a split run's trainer, on a GPU beside its
+    training states."""
     from rlctl.rollout import make_rollout_engine
 
-    spec = RolloutSpec.from_config(cfg)
-    beside = ""
+    tp, beside = spec.tp, ""
     if evaluation_only:
         spec = spec.replace(mem_fraction=cfg.rollout.eval_mem_fraction or spec.mem_fraction)
         beside = f", memory fraction {spec.mem_fraction:.2f} beside the trainer (rollout.eval_mem_fraction)"
@@ -79,7 +70,6 @@ def make_engine(cfg: RunConfig, dist, *, device, tp: int, path: str, dtype: str,
     check_rollout_in_node(tp, dist.local_world_size)
     engine = make_rollout_engine(
         spec.replace(
-            model_path=path,
             device=f"cuda:{dist.local_rank}" if device.type == "cuda" else "cpu",
             dtype=dtype,
             seed=spec.seed + dist.rank,
@@ -98,7 +88,7 @@ def prompt_images(prompts: list[Prompt]) -> list | None:
 class ColocatedRollout:
     """This rank's rollout engine, beside its trainer: made now (``engine``) or at its first use
     (``make``), woken with the actor's weights when they moved, generating this rank's samples (or its
-    multi-turn trajectories through ``agent_loop``)."""
+    multi-turn trajectories through ``turns``, rlctl.recipes.rl.turns)."""
 
     stale = False
 
@@ -111,13 +101,13 @@ class ColocatedRollout:
         rank: int,
         world_size: int,
         tp: int,
-        agent_loop=None,
+        turns,
         needs_greedy: bool = False,
         engine=None,
     ):
         self.make, self.weights, self.cfg, self.engine = make, weights, cfg, engine
         self.rank, self.world_size, self.tp = rank, world_size, tp
-        self.agent_loop, self.needs_greedy = agent_loop, needs_greedy
+        self.turns, self.needs_greedy = turns, needs_greedy  # rl.turns: SingleTurn | MultiTurn
         self.synced: int | None = 0  # the weights version the engine holds (None: unknown)
 
     @property
@@ -142,12 +132,10 @@ class ColocatedRollout:
         return samples, greedy
 
     def generate(self, shares: list[list[Prompt]], n: int, sampling) -> list:
-        """This rank's samples (:meth:`_group_generate`), or its multi-turn trajectories in agent runs."""
-        if self.agent_loop is None:
-            return self._group_generate(shares, n, sampling)
-        return run_agent(self.agent_loop, self.cfg, self.engine, shares[0], n, sampling)
+        """This rank's samples (:meth:`group_generate`), or its multi-turn trajectories in agent runs."""
+        return self.turns.generate(self, shares, n, sampling)
 
-    def _group_generate(self, shares: list[list[Prompt]], n: int, sampling) -> list:
+    def group_generate(self, shares: list[list[Prompt]], n: int, sampling) -> list:
         """Samples of this rank's prompts. ``shares[i]`` are the prompts of the i-th rank of this rank's
         rollout group (``rollout.tp`` consecutive ranks): a vLLM tensor-parallel group must generate the
         same requests on all its ranks, so the group generates every share and each rank keeps its own

@@ -19,6 +19,7 @@ from rlctl.recipes.rl.metrics import Metrics, merged, timed
 from rlctl.recipes.rl.rollouts import ColocatedRollout, SampleSource
 from rlctl.recipes.rl.scoring import RewardScorer, score_greedy
 from rlctl.recipes.rl.stream import PromptStream
+from rlctl.recipes.rl.turns import MultiTurn, SingleTurn
 from rlctl.runtime.dist import global_sums
 
 
@@ -39,13 +40,13 @@ class Sampling:
         rank: int,
         world_size: int,
         device: torch.device,
-        agent: bool,
+        turns: SingleTurn | MultiTurn,
         needs_greedy: bool,
         log: Callable[[str], None],
     ):
         self.cfg, self.data, self.stream, self.source, self.evaluator = cfg, data, stream, source, evaluator
         self.scorer, self.rank, self.world_size, self.device = scorer, rank, world_size, device
-        self.agent, self.needs_greedy, self.log = agent, needs_greedy, log
+        self.turns, self.needs_greedy, self.log = turns, needs_greedy, log  # turns: rl.turns, chosen once
 
     def sample(self, step: int) -> tuple[RolloutBatch, Metrics]:
         """This rank's scored samples of step ``step``: the sampler's next batch generated and scored, or
@@ -88,28 +89,29 @@ class Sampling:
         positions, prompts = positions_of(self.rank), shares[self.rank - first]
         m = {"time/weight_sync": 0.0}  # stays 0 when the weights are current (first step, after an eval)
         samples, greedy = self.source.samples(shares, n, draw, m)
+        trajs = self.turns.trajectories(samples, prompts)  # a single-turn sample: a trajectory of one turn
         seen: dict[int, int] = {}
         uid = []
-        for s in samples:
-            j = seen.get(s.prompt_index, 0)
-            seen[s.prompt_index] = j + 1
-            uid.append(positions[s.prompt_index] * n + j)
-        agent = self.agent
+        for t in trajs:
+            j = seen.get(t.prompt_index, 0)
+            seen[t.prompt_index] = j + 1
+            uid.append(positions[t.prompt_index] * n + j)
         batch = RolloutBatch.build(
-            [s.prompt_ids if agent else prompts[s.prompt_index].token_ids for s in samples],
-            [s.token_ids for s in samples],
-            [s.logprobs for s in samples],
+            [t.prompt_ids for t in trajs],
+            [t.token_ids for t in trajs],
+            [t.logprobs for t in trajs],
             uid,
             n=n,
             batch_size=len(indices),
             mini_batch_size=mini,
             width=self.cfg.rollout.max_response_len,
-            truncated=[s.finish_reason == "length" for s in samples],
-            meta=[prompts[s.prompt_index] for s in samples],
+            truncated=[t.truncated for t in trajs],
+            meta=[prompts[t.prompt_index] for t in trajs],
             device=self.device,
-            loss_masks=[s.mask for s in samples] if agent else None,
-            trajectories=samples if agent else None,
+            loss_masks=[t.mask for t in trajs],
+            trajectories=trajs,
         )
+        greedy = self.turns.trajectories(greedy, prompts)
         by_prompt = {g.prompt_index: g for g in greedy}
         batch.greedy = [by_prompt[s.prompt_index] for s in samples] if greedy else []
         return batch, m
@@ -117,14 +119,14 @@ class Sampling:
     def score(self, batch: RolloutBatch, step: int) -> Metrics:
         """Score this rank's samples (before the trainer pools them, so sums run over every rank): reward
         and response-length metrics."""
-        batch.scores, metrics = self.scorer.score_batch(batch, step)
+        batch.scores, metrics = self.scorer.score_batch(batch, step, self.turns)
         penalty = self.overlong(batch.mask.sum(-1))
         if penalty is not None:
             batch.scores = batch.scores + penalty.to(batch.scores.dtype)
             s = global_sums({"p": penalty.sum(), "n": float(len(penalty))}, self.device)  # before pool: every rank
             metrics["reward/overlong_penalty"] = s["p"] / max(1.0, s["n"])
         if self.needs_greedy:
-            metrics.update(score_greedy(self.scorer, batch, step, self.overlong))
+            metrics.update(score_greedy(self.scorer, batch, step, self.overlong, self.turns))
         return metrics
 
     def overlong(self, lengths: torch.Tensor) -> torch.Tensor | None:
@@ -150,16 +152,15 @@ class Sampling:
     def _eval_score(self, step: int, samples: list, mine: list[Prompt]):
         """Scores of validation samples: (their scores, their prompt indices, the global reward metrics,
         this rank's prompt count)."""
-        picked = [mine[s.prompt_index] for s in samples]
-        agent = self.agent
+        trajs = self.turns.trajectories(samples, mine)
         scores, metrics = self.scorer.score(
-            [s.prompt_ids if agent else p.token_ids for s, p in zip(samples, picked)],
-            [s.token_ids for s in samples],
-            picked,
+            [t.prompt_ids for t in trajs],
+            [t.token_ids for t in trajs],
+            [mine[t.prompt_index] for t in trajs],
             step,
-            samples if agent else None,
+            self.turns.for_reward(trajs),
         )
-        return scores.tolist(), [s.prompt_index for s in samples], metrics, len(mine)
+        return scores.tolist(), [t.prompt_index for t in trajs], metrics, len(mine)
 
     def evaluate(self, step: int) -> dict:
         """Validation: one sample per prompt at rollout.val_temperature (0: greedy) -> ``val/reward/mean``

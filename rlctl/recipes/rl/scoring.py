@@ -59,31 +59,30 @@ class RewardScorer:
             out["warning"] = warning  # type: ignore[assignment] (in the step's record: the launcher prints it)
         return torch.tensor(result.scores, dtype=torch.float32, device=self.device), out
 
-    def score_batch(self, batch: RolloutBatch, step: int) -> tuple[torch.Tensor, dict[str, float]]:
+    def score_batch(self, batch: RolloutBatch, step: int, turns) -> tuple[torch.Tensor, dict[str, float]]:
         """This rank's samples of a training step (scored before pooling, so sums run over every rank):
-        their scores, and the reward and response-length metrics (collective)."""
+        their scores, and the reward, response-length and (``turns``, rl.turns) turn metrics (collective)."""
         batch.reward_parts = []
-        scores, metrics = self.score(
-            batch.prompts, batch.responses, batch.meta, step, batch.trajectories, batch.reward_parts
-        )
+        trajs = turns.for_reward(batch.trajectories)
+        scores, metrics = self.score(batch.prompts, batch.responses, batch.meta, step, trajs, batch.reward_parts)
         for key in ("reward/failed", "reward/nonfinite"):
             self.totals[key] = self.totals.get(key, 0) + int(metrics[key])
-        out = {**metrics, **response_metrics(batch, self.device)}
-        if batch.trajectories:
-            out.update(agent_metrics(batch.trajectories, self.device))
-        return scores, out
+        return scores, {
+            **metrics,
+            **response_metrics(batch, self.device),
+            **turns.metrics(batch.trajectories, self.device),
+        }
 
     def close(self) -> None:
         self.manager.close()
 
 
 def score_greedy(
-    scorer: RewardScorer, batch: RolloutBatch, step: int, shaping: Callable[[torch.Tensor], torch.Tensor | None]
+    scorer: RewardScorer, batch: RolloutBatch, step: int, shaping: Callable[[torch.Tensor], torch.Tensor | None], turns
 ) -> dict[str, float]:
     """``batch.baselines``: the score of each row's prompt's greedy response (``batch.greedy``; scored once
     per prompt, then ``shaping``'s length penalty as the samples get it), for remax (collective).
     ``reward/greedy_baseline``: their mean over every rank (the overlong penalty included, when on)."""
-    agent = bool(batch.trajectories)
     keys = (batch.uid // batch.n).tolist()
     first: dict[int, int] = {}
     for i, k in enumerate(keys):
@@ -91,13 +90,13 @@ def score_greedy(
     rows = list(first.values())
     greedy = [batch.greedy[i] for i in rows]
     scores, _ = scorer.score(
-        [g.prompt_ids if agent else batch.prompts[i] for g, i in zip(greedy, rows)],
+        [g.prompt_ids for g in greedy],
         [g.token_ids for g in greedy],
         [batch.meta[i] for i in rows],
         step,
-        greedy if agent else None,
+        turns.for_reward(greedy),
     )
-    lengths = [float(sum(g.mask)) if agent else float(len(g.token_ids)) for g in greedy]
+    lengths = [float(sum(g.mask)) for g in greedy]  # sampled tokens: a tool turn's are not the policy's
     penalty = shaping(torch.tensor(lengths, device=scores.device))
     if penalty is not None:
         scores = scores + penalty.to(scores.dtype)

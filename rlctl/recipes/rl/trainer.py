@@ -11,29 +11,24 @@ import torch
 
 from rlctl.algos import AdaptiveKLController, FixedKLController, get_adv_estimator, kl_estimate
 from rlctl.config.algorithm import check_algorithm
-from rlctl.data.rl import build_rl_data
-from rlctl.data.sft import use_chat_template
 from rlctl.engines import EngineSpec, build_engine
-from rlctl.engines.base import TrainEngine, load_tokenizer, load_vision_processor, model_source, write_model_meta
+from rlctl.engines.base import TrainEngine, write_model_meta
 from rlctl.errors import UserError
 from rlctl.recipes.rl.advantages import compute_advantages, token_rewards
-from rlctl.recipes.rl.agent import load_agent, make_agent_loop
 from rlctl.recipes.rl.batch import RolloutBatch, mask_truncated, token_budget
+from rlctl.recipes.rl.inputs import RLInputs
 from rlctl.recipes.rl.metrics import Metrics, merged, timed
 from rlctl.recipes.rl.offpolicy import TrainerFeed
 from rlctl.recipes.rl.passes import compute_logprobs, compute_values
-from rlctl.recipes.rl.rollouts import ActorWeights, ColocatedRollout, make_engine, rollout_model_path
+from rlctl.recipes.rl.rollouts import ActorWeights, ColocatedRollout, make_engine
 from rlctl.recipes.rl.sampling import Sampling
 from rlctl.recipes.rl.scoring import RewardScorer
 from rlctl.recipes.rl.spec import AlgoSpec
-from rlctl.recipes.rl.stream import PromptStream
 from rlctl.recipes.rl.teacher import Teacher
+from rlctl.recipes.rl.turns import make_turns
 from rlctl.recipes.rl.update import single_step, update_actor, update_critic
-from rlctl.rewards import needs_answer
-from rlctl.rollout import RolloutSpec
 from rlctl.runtime.dist import all_gather_objects, barrier, global_sums
 from rlctl.runtime.entry import RunContext
-from rlctl.support import JobFacts, refuse
 
 LOGPROB_DIFF_WARN = 0.1  # mean |rollout - trainer| log-prob above this: the engines disagree
 # step 0: mean |rollout - trainer| log-prob beyond what the dtype explains refuses to start
@@ -63,36 +58,23 @@ class RLTrainer:
     :class:`~rlctl.recipes.rl.sampling.Sampling` (the step's samples and validation, from the run's sample
     source: this rank's own rollout engine, or the rollout processes of a split run)."""
 
-    def __init__(self, ctx: RunContext, recipe_step: RecipeStep, *, with_critic: bool):
+    def __init__(self, ctx: RunContext, inputs: RLInputs, recipe_step: RecipeStep, *, with_critic: bool):
         cfg, d = ctx.cfg, ctx.dist
         self.ctx, self.cfg, self.dist = ctx, cfg, d
-        self.recipe_step = recipe_step  # the recipe's steps in order (rlctl.recipes.grpo / ppo)
+        self.recipe_step = recipe_step  # the step (rlctl.recipes.rl.main.rl_step)
         # an unknown name: a one-line error naming the registered ones; needs_greedy: remax's greedy baseline
         self.needs_greedy = get_adv_estimator(cfg.algo.adv).needs_greedy
         # the same check as before launch (rlctl.checks), for a run directory written by other means
         check_algorithm(cfg)
         self.algo = a = AlgoSpec.from_config(cfg)  # the typed algorithm every step reads
 
-        self.source = model_source(cfg.model.name, random_init=cfg.model.random_init)
-        self.tokenizer = use_chat_template(load_tokenizer(self.source), cfg)
+        # built once per process (rl.inputs), as a split run's rollout processes build theirs
+        self.source, self.tokenizer, self.data = inputs.source, inputs.tokenizer, inputs.data
+        self.agent_spec, self.vision, self.rollout_spec = inputs.agent_spec, inputs.vision, inputs.rollout
         self.pad_id = self.tokenizer.pad_token_id
-        self.agent_spec = load_agent(cfg)  # tools / environment / interaction (None: single-turn)
-        self.vision = load_vision_processor(self.source, self.tokenizer)  # a VL model's image processor, or None
-        if self.vision is not None and self.agent_spec is not None:
-            raise UserError("multi-turn agent runs take text models only; a vision-language model runs single-turn")
-        refuse(JobFacts(rollout_procs=cfg.rollout.procs, vision=self.vision is not None), "split_vision")
-        self.data = build_rl_data(
-            cfg,
-            self.tokenizer,
-            cache_dir=ctx.paths.data_cache,
-            log=ctx.log,
-            tools=self.agent_spec.schemas if self.agent_spec is not None else None,
-            vision=self.vision,
-            answer_required=needs_answer(cfg),
-        )
         ctx.log(f"data: {self.data.report.summary()}; {len(self.data.train)} train / {len(self.data.val)} val prompts")
         self.scorer = RewardScorer.for_run(cfg, self.data, self.tokenizer, d.device, ctx.log)
-        self.stream = PromptStream(cfg, len(self.data.train))  # the step sampler and the data position
+        self.stream = inputs.stream  # the step sampler and the data position
         self.total_steps = self.stream.total_steps
         optimizer_steps = self.stream.optimizer_steps(a.ppo_epochs)
         self.budget = token_budget(cfg)
@@ -131,19 +113,19 @@ class RLTrainer:
         first evaluation only."""
         cfg, d, ctx = self.cfg, self.dist, self.ctx
         split = d.split is not None
-        tp = RolloutSpec.from_config(cfg).tp
-        path = rollout_model_path(self.source, ctx.paths.root)
+        spec = self.rollout_spec
+        tp = spec.tp
         if self.source.random_init:  # no weights on disk: the rollout engines start from the actor's (collective)
-            self.actor.export_hf(path, ctx.paths.model_meta)
+            self.actor.export_hf(spec.model_path, ctx.paths.model_meta)
 
         def make():
             dtype, device = self.weights.dtype, self.device
-            return make_engine(cfg, d, device=device, tp=tp, path=path, dtype=dtype, evaluation_only=split, log=ctx.log)
+            return make_engine(cfg, d, spec, device=device, dtype=dtype, evaluation_only=split, log=ctx.log)
 
         engine = None if split else make()
-        loop = make_agent_loop(cfg, self.agent_spec, self.tokenizer, engine, tp)
+        turns = make_turns(cfg, self.agent_spec, self.tokenizer, engine, tp)  # single- or multi-turn, chosen once
         own = ColocatedRollout(
-            make, self.weights, cfg, rank=d.rank, world_size=d.world_size, tp=tp, agent_loop=loop,
+            make, self.weights, cfg, rank=d.rank, world_size=d.world_size, tp=tp, turns=turns,
             needs_greedy=self.needs_greedy, engine=engine,
         )  # fmt: skip
         source = (
@@ -153,7 +135,7 @@ class RLTrainer:
         )
         return Sampling(
             cfg, self.data, self.stream, source, own, self.scorer, rank=d.rank, world_size=d.world_size,
-            device=self.device, agent=loop is not None, needs_greedy=self.needs_greedy, log=ctx.log,
+            device=self.device, turns=turns, needs_greedy=self.needs_greedy, log=ctx.log,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ samples
@@ -331,10 +313,8 @@ class RLTrainer:
                 }
                 if len(b.reward_parts) == len(b):  # every component, unweighted: the automatic one, an environment's
                     rec["rewards"] = b.reward_parts[i]
-                if b.trajectories:  # the whole conversation, with roles and tool calls
-                    t = b.trajectories[i]
-                    rec.update(messages=t.logged_messages(), turns=t.turns, finish_reason=t.finish_reason)
-                    rec.setdefault("rewards", t.rewards)
+                for key, value in self.sampling.turns.logged(b.trajectories[i]).items():  # agent runs: the talk
+                    rec.setdefault(key, value)
                 f.write(json.dumps(rec) + "\n")
 
     # ------------------------------------------------------------------ what rlctl.runtime.fit needs

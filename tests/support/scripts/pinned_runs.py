@@ -43,6 +43,25 @@ def grpo_packed(models, tmp, run):
     return "grpo", _rl(models["tiny"], tmp, run, "--max-steps", "3", "--kl-coef", "0.001", "--eval-every", "2")
 
 
+def grpo_unshared(models, tmp, run):
+    """Packed rows without shared prefixes: eager attention cannot run per-block masks (FSDPEngine.shares_prefix)."""
+    return "grpo", _rl(models["tiny"], tmp, run, "--max-steps", "2", "--set", "model.attn=eager")
+
+
+def grpo_vl(models, tmp, run):
+    """A tiny Qwen2-VL on pictures (examples/vlm_colors): images in the rollout, shared-prefix passes with sdpa."""
+    sys.path.insert(0, str(REPO / "examples" / "vlm_colors"))
+    import colors
+
+    data = colors.write_rl_parquet(tmp / "rl.parquet", colors.make_pictures(8, seed=3))
+    return "grpo", [
+        "--model", str(models["vl"]), "--data", str(data), "--output-dir", str(run), "--device", "cpu",
+        "--nproc", "2", "--batch-size", "4", "--n", "4", "--max-prompt-len", "128", "--max-response-len", "6",
+        "--lr", "1e-2", "--rollout", "hf", "--reward", f"{REWARDS}:digits", "--set", "model.attn=sdpa",
+        "--max-steps", "2", "--samples-every", "1", "--set", "checkpoint.export_hf=false",
+    ]  # fmt: skip
+
+
 def grpo_dynamic(models, tmp, run):
     args = _rl(models["tiny"], tmp, run, "--max-steps", "3", "--dynamic-sampling", "--set", "algo.dynamic_max_rounds=3")
     args[args.index("--reward") + 1] = f"{REWARDS}:digits_when_odd"
@@ -98,7 +117,8 @@ def sft(models, tmp, run):
 
 RUNS = {
     f.__name__: f
-    for f in (grpo_packed, grpo_dynamic, grpo_remax, grpo_split, grpo_split_random_init, ppo, grpo_tools, sft)
+    for f in (grpo_packed, grpo_unshared, grpo_vl, grpo_dynamic, grpo_remax, grpo_split, grpo_split_random_init)
+    + (ppo, grpo_tools, sft)
 }
 
 
@@ -111,6 +131,10 @@ def models(tmp: Path, names: list[str]) -> dict[str, Path]:
 
         out["agent"] = build_tiny_model(tmp / "agent", seed=0, tools=True)
         _memorize(out["agent"])
+    if "grpo_vl" in names:
+        from rlctl.testing import build_tiny_vl_model
+
+        out["vl"] = build_tiny_vl_model(tmp / "vl", seed=0)
     return out
 
 
