@@ -16,10 +16,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlctl.checks import check_job, check_remote_code, model_files
+from rlctl.checks import check_job
 from rlctl.config import RunConfig
 from rlctl.config.algorithm import check_algorithm
 from rlctl.errors import UserError
+from rlctl.modelfiles import check_remote_code, model_files
 
 if TYPE_CHECKING:
     from rlctl.plan import Plan
@@ -113,7 +114,7 @@ def lock_run_dir(cfg: RunConfig, plan: Plan, environ: Mapping[str, str]):
     (``--resume``): a file or someone else's directory is refused first, then another live run's."""
     import sys
 
-    from rlctl.preflight import check_output_dir
+    from rlctl.checks import check_output_dir
     from rlctl.runtime.run_lock import job_key, take_run_dir
 
     run_dir = Path(cfg.output_dir)

@@ -50,8 +50,8 @@ class Admission:
     _untrained: dict[int, GroupState] = field(default_factory=dict)  # started, not yet trained (start order)
 
     def __post_init__(self) -> None:
-        if self.batch < 1 or self.max_staleness < 0:
-            raise ValueError(f"admission: batch >= 1, max_staleness >= 0 (got {self.batch}, {self.max_staleness})")
+        if self.batch < 1:  # max_staleness >= 0 is the config's rule (rlctl.support, split_values)
+            raise ValueError(f"admission: batch >= 1 (got {self.batch})")
 
     @property
     def capacity(self) -> int:

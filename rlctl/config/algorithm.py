@@ -10,6 +10,7 @@ from rlctl.algos.preference import PREF_LOSSES
 from rlctl.algos.registry import ADV_ESTIMATORS, POLICY_LOSSES
 from rlctl.errors import UserError, did_you_mean
 from rlctl.names import PAIR_METHODS, RL_METHODS
+from rlctl.support import JobFacts, refuse
 
 if TYPE_CHECKING:
     from rlctl.config.schema import RunConfig
@@ -57,12 +58,7 @@ def check_algorithm(cfg: RunConfig) -> None:
         )
     if facts.needs_groups and n < 2:
         raise UserError(f"--adv {a.adv} compares the samples of a prompt; set rollout.n >= 2 (e.g. --n 8)")
-    if cfg.rollout.procs and (facts.needs_greedy or a.dynamic_sampling):
-        what = "algo.dynamic_sampling" if a.dynamic_sampling else f"--adv {a.adv}"
-        raise UserError(
-            f"{what} does not run with rollout.procs={cfg.rollout.procs} (one-step-off-policy: the rollout "
-            f"processes generate one batch per step, sampled only); set rollout.procs=0"
-        )
+    refuse(JobFacts.of(cfg), "split_sampling")
 
 
 def check_correction(cfg: RunConfig) -> None:
@@ -127,8 +123,7 @@ def check_preference(cfg: RunConfig) -> None:
     """`rlctl dpo` / `rlctl rm`: the loss's settings in range, and the engine that runs them."""
     p = cfg.pref
     check_registered_names(cfg)
-    if cfg.parallel.backend == "megatron":
-        raise UserError(f"rlctl {cfg.method} runs on the FSDP engine: use --backend fsdp (or leave it to the plan)")
+    refuse(JobFacts.of(cfg), "megatron_forced")
     if p.beta is not None and p.beta <= 0:
         raise UserError(f"pref.beta={p.beta} must be > 0 (e.g. --beta 0.1), or unset for the loss's default")
     if not 0 <= p.label_smoothing < 0.5:

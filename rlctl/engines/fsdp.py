@@ -51,6 +51,7 @@ from rlctl.engines.sharding import BuildSpec, Placement, Precision, build_sharde
 from rlctl.engines.spec import EngineSpec
 from rlctl.engines.vision import VisionAdapter
 from rlctl.errors import UserError
+from rlctl.support import JobFacts, refuse
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -93,8 +94,7 @@ class FSDPEngine(TrainEngine):
         self.frozen_dtype = self.compute_dtype if frozen else torch.float32  # the base
         self.sharded = self._sharded(spec)
         self.vision = is_vision_config(self.hf_config)  # a VL model (rlctl.engines.vision)
-        if self.vision and role == "critic":
-            raise UserError("a vision-language model cannot be a PPO critic yet; train it with grpo (no critic)")
+        refuse(JobFacts(method="ppo" if role == "critic" else "grpo", vision=self.vision), "critic_vision")
 
         self.adapter = choose_adapter(role, vision=self.vision)
         # packed rows split per document (rlctl.engines.varlen); VL models: transformers' packed masks instead
@@ -121,18 +121,11 @@ class FSDPEngine(TrainEngine):
 
     def _pure_bf16(self, spec: EngineSpec) -> bool:
         """bf16 weights, gradients and AdamW states (8 bytes/param, not 16); accuracy caveat in savers.py."""
-        if spec.precision != "bf16":
-            return False
-        if spec.dtype != "bf16":
-            raise UserError(f"train.precision=bf16 (pure bf16) needs model.dtype=bf16, not {spec.dtype}")
-        return self.trainable
+        refuse(JobFacts(precision=spec.precision, dtype=spec.dtype), "pure_bf16_dtype")
+        return spec.precision == "bf16" and self.trainable
 
     def _sharded(self, spec: EngineSpec) -> bool:
-        if not spec.shard and self.world > 1:
-            raise UserError(
-                f"parallel.shard=false runs the plain module on one device, not {self.world}; "
-                f"remove parallel.shard=false or use one GPU"
-            )
+        refuse(JobFacts(shard=spec.shard, world=self.world), "no_shard_one_gpu")
         if not spec.shard and self.offload:
             raise UserError("parameter/optimizer offload is FSDP2's CPUOffloadPolicy: keep parallel.shard on for it")
         return spec.shard
@@ -142,11 +135,9 @@ class FSDPEngine(TrainEngine):
         if spec.sp == 1:
             return parallel_dims(1, self.device.type)
         c = self.hf_config
-        if is_vision_config(c):
-            raise UserError(
-                f"parallel.sp={spec.sp}: a vision-language model is not split by sequence; use parallel.sp=1"
-            )
-        ulysses.check(spec.sp, self.world, c.num_attention_heads, getattr(c, "num_key_value_heads", None) or 1)
+        heads = dict(heads=c.num_attention_heads, kv_heads=getattr(c, "num_key_value_heads", None) or 1)
+        facts = JobFacts(sp=spec.sp, world=self.world, model=spec.model, vision=is_vision_config(c), **heads)
+        refuse(facts, "sp_vision", "sp_size")
         return parallel_dims(spec.sp, self.device.type)
 
     def _attn(self, spec: EngineSpec) -> str:

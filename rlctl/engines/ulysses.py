@@ -39,18 +39,8 @@ import torch.nn.functional as F
 from rlctl.data.packing import MicroBatch
 from rlctl.engines import varlen
 from rlctl.engines.dims import ParallelDims
-from rlctl.errors import UserError
 
 NAME = "rlctl_ulysses"
-
-
-def check(sp: int, world: int, heads: int, kv_heads: int) -> None:
-    """On the ranks, what the planner checked before launch (a config written by hand skips it)."""
-    from rlctl.catalog.parallel import sp_problem
-
-    problem = sp_problem(sp, world, heads, kv_heads)
-    if problem:
-        raise UserError(f"parallel.sp={sp}: {problem}; choose an sp that divides both")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from rlctl import names
 from rlctl.catalog import pipeline_split
-from rlctl.catalog.parallel import sp_problem
 from rlctl.catalog.spec import ModelSpec
 from rlctl.errors import UserError
+from rlctl.support import JobFacts, model_facts, refuse
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = GIB  # CUDA context, cuBLAS workspaces, NCCL buffers: outside torch's allocator
@@ -209,25 +209,13 @@ class MemorySettings:
         return self.gpus
 
     def check(self, spec: ModelSpec) -> None:
-        """Reject impossible settings with a one-line UserError."""
-        choices = {
-            "method": METHODS,
-            "backend": BACKENDS,
-            "dtype": tuple(DTYPE_BYTES),
-            "device": DEVICES,
-            "reward_model_dtype": tuple(DTYPE_BYTES),
-        }
-        for key, allowed in choices.items():
+        """Reject impossible settings with a one-line UserError (what runs with what: :mod:`rlctl.support`)."""
+        choices = {"method": METHODS, "backend": BACKENDS, "dtype": tuple(DTYPE_BYTES), "device": DEVICES}
+        choices |= {"reward_model_dtype": tuple(DTYPE_BYTES), **({"rollout": ENGINES} if self.is_rl else {})}
+        for key, allowed in {**choices, "precision": PRECISIONS}.items():
             if getattr(self, key) not in allowed:
                 raise UserError(f"{key}={getattr(self, key)!r} is not one of {', '.join(allowed)}")
-        if self.is_rl and self.rollout not in ENGINES:
-            raise UserError(f"rollout={self.rollout!r} is not one of {', '.join(ENGINES)}")
-        if self.precision not in PRECISIONS:
-            raise UserError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if self.pure_bf16 and self.dtype != "bf16":
-            raise UserError(f"pure bf16 training needs dtype bf16, got {self.dtype}")
-        if not self.shard and self.gpus > 1:
-            raise UserError(f"shard=false (a plain module, no FSDP) runs on one GPU, not {self.gpus}; keep sharding")
+        refuse(self.facts(spec), "pure_bf16_dtype", "no_shard_one_gpu")
         if self.backend == "megatron" and (
             self.pure_bf16 or self.offload_activations or self.selective_checkpointing or not self.shard
         ):
@@ -235,47 +223,33 @@ class MemorySettings:
                 "the megatron engine has no pure-bf16, selective-checkpointing, activation-offload or no-shard "
                 "option in rlctl: use --backend fsdp for them"
             )
-        if spec.is_vl and self.backend == "megatron":
-            raise UserError(
-                f"{spec.name} is a vision-language model: rlctl's Megatron engine trains text models only; "
-                "use --backend fsdp"
-            )
+        refuse(JobFacts(backend=self.backend, vision=spec.is_vl), "megatron_forced")  # what it knows: the model
+        self._check_ranges()
+        if self.gpus % (self.tp * self.pp * self.cp):
+            raise UserError(f"{self.gpus} GPUs do not split into tp {self.tp} x pp {self.pp} x cp {self.cp}")
+        refuse(self.facts(spec), "fsdp_layout", "sp_backend", "sp_vision", "sp_size")
+        self._check_layout(spec)
+
+    def _check_ranges(self) -> None:
         if self.images < 0 or self.image_pixels < 0:
             raise UserError("images and image_pixels must be positive (image_pixels 0 = the processor's max_pixels)")
         if self.micro_batch_tokens < 0 or self.loss_chunk < 0:
             raise UserError("micro_batch_tokens and loss_chunk must be positive (0 = off)")
         if self.optimizer != "adamw":
             raise UserError(f"optimizer={self.optimizer!r}: the estimator models AdamW only")
-        for key in (
-            "gpus",
-            "nodes",
-            "micro_batch",
-            "tp",
-            "pp",
-            "cp",
-            "ep",
-            "sp",
-            "rollout_tp",
-            "rollout_n",
-            "rollout_batch",
-        ):
+        for key in ("gpus", "nodes", "micro_batch", "tp", "pp", "cp", "ep", "sp", "rollout_tp", "rollout_n"):
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be at least 1, got {getattr(self, key)}")
+        if self.rollout_batch < 1:
+            raise UserError(f"rollout_batch must be at least 1, got {self.rollout_batch}")
         if self.gpus % self.nodes:
             raise UserError(f"{self.gpus} GPUs do not split evenly over {self.nodes} nodes")
         if self.host_memory_bytes < 0:
             raise UserError(
                 f"host_memory_bytes must be positive (0 = the GPU type's typical node), got {self.host_memory_bytes}"
             )
-        if self.gpus % (self.tp * self.pp * self.cp):
-            raise UserError(f"{self.gpus} GPUs do not split into tp {self.tp} x pp {self.pp} x cp {self.cp}")
-        if self.backend == "fsdp" and (self.tp, self.pp, self.ep, self.cp) != (1, 1, 1, 1):
-            raise UserError(
-                "the fsdp engine has no tensor, pipeline, expert or context parallelism (FSDP+TP is not built): "
-                "tp, pp, ep and cp must be 1; for long sequences use Ulysses sequence parallelism (--sp), or "
-                "--backend megatron"
-            )
-        self._check_sp(spec)
+
+    def _check_layout(self, spec: ModelSpec) -> None:
         if self.pp > 1 and pipeline_split(spec.num_layers, self.pp) is None:
             raise UserError(f"pp {self.pp} cannot split {spec.num_layers} layers")
         if self.ep > 1 and (not spec.is_moe or spec.num_experts % self.ep or (self.gpus // self.pp) % self.ep):
@@ -285,17 +259,13 @@ class MemorySettings:
         if self.is_rl and self.rollout != "hf" and self.device == "cuda" and not 0 < self.mem_fraction < 1:
             raise UserError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
 
-    def _check_sp(self, spec: ModelSpec) -> None:
-        """Ulysses SP: the FSDP engine's, over GPUs that divide the world and the attention heads."""
-        if self.sp == 1:
-            return
-        if self.backend != "fsdp":
-            raise UserError(f"sp {self.sp}: Ulysses sequence parallelism is the fsdp engine's; Megatron uses --cp")
-        if spec.is_vl:
-            raise UserError(f"sp {self.sp}: Ulysses sequence parallelism does not split a VL model's images; sp 1")
-        problem = sp_problem(self.sp, self.gpus, spec.num_heads, None if spec.uses_mla else spec.num_kv_heads)
-        if problem:
-            raise UserError(f"sp {self.sp}: {problem} ({spec.name} on {self.gpus} GPUs)")
+    def facts(self, spec: ModelSpec) -> JobFacts:
+        """These settings as the rules of :mod:`rlctl.support` see them (``gpus``: the trainers)."""
+        return JobFacts(
+            **dict(method=self.method, world=self.gpus, nodes=self.nodes, backend=self.backend, dtype=self.dtype),
+            **dict(precision=self.precision, shard=self.shard, sp=self.sp, tp=self.tp, pp=self.pp, ep=self.ep),
+            **dict(cp=self.cp, **model_facts(spec)),
+        )
 
 
 def with_images(spec: ModelSpec, s: MemorySettings) -> MemorySettings:

@@ -9,7 +9,7 @@ from dataclasses import replace
 from rlctl.estimate.memory import GIB, MemoryEstimate, MemorySettings, estimate_memory
 from rlctl.estimate.settings import ALLOCATOR_SLACK
 from rlctl.plan import rules
-from rlctl.plan.inputs import OPTIONAL_PACKAGES, Job, LocalEnv
+from rlctl.plan.inputs import OPTIONAL_PACKAGES, FlashMissing, Job, LocalEnv
 from rlctl.plan.search import SearchResult, _sp_sizes, _update_ok, kv_target
 from rlctl.plan.types import Decision
 
@@ -177,7 +177,7 @@ def sp_attention(job: Job, sp: int) -> None:
         else d
         for d in job.later
     ]
-    job.warnings[:] = [w for w in job.warnings if not w.startswith("flash-attn is not installed here")]
+    job.warnings[:] = [w for w in job.warnings if not isinstance(w, FlashMissing)]
 
 
 def offload_decisions(job: Job, s: MemorySettings) -> list[Decision]:

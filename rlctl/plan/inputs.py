@@ -25,6 +25,7 @@ from rlctl.estimate.memory import GIB, MemorySettings
 from rlctl.names import RL_METHODS
 from rlctl.plan import rules
 from rlctl.plan.types import Decision
+from rlctl.support import JobFacts, problems
 
 # ---------------------------------------------------------------------------------------------
 # The local machine
@@ -97,6 +98,12 @@ class Job:
     decisions: list[Decision] = field(default_factory=list)  # model, device, GPU
     later: list[Decision] = field(default_factory=list)  # dtype, attention, engine: explained after the layout
     warnings: list[str] = field(default_factory=list)
+    split: int = 0  # processes that only generate (rollout.procs as planned; see _split)
+
+    @property
+    def facts(self) -> JobFacts:
+        """The job as the rules of :mod:`rlctl.support` see it (the backend as configured)."""
+        return JobFacts.of(self.cfg, world=self.world, nodes=self.nodes, spec=self.spec)
 
     @property
     def is_rl(self) -> bool:
@@ -112,6 +119,11 @@ class Job:
         if self.is_rl:
             return max(1, (c.algo.mini_batch_size or c.train.batch_size) * c.rollout.n // dp)
         return max(1, c.train.batch_size // dp)  # sft: sequences; dpo / rm: pairs (kto: rows)
+
+
+class FlashMissing(str):
+    """The warning that flash-attn is not installed here: a plan whose attention becomes sdpa (Ulysses SP,
+    :func:`rlctl.plan.decisions.sp_attention`) drops it by its type."""
 
 
 @dataclass
@@ -157,7 +169,20 @@ def resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) -> 
         decisions,
         later,
         warnings,
+        _split(cfg, where.world, decisions),
     )
+
+
+def _split(cfg: RunConfig, world: int, decisions: list[Decision]) -> int:
+    """The processes that only generate (``rollout.procs``). A split that leaves no trainer is planned
+    without one, and the plan says so (the pre-launch check refuses it: rlctl.support.split_trainer)."""
+    procs = max(cfg.rollout.procs, 0)  # a negative one is refused before launch (split_values)
+    found = problems(JobFacts(rollout_procs=procs, world=world), "split_trainer")
+    if found:
+        why = f"rollout split: none planned: {found[0]} (refused before launch)"
+        decisions.append(Decision("rollout.procs", {"rollout": 0, "train": world}, why))
+        return 0
+    return procs
 
 
 def _device(cfg: RunConfig, local: LocalEnv, decisions: list[Decision]) -> str:
@@ -279,8 +304,10 @@ def _dtype_and_attn(
         later.append(Decision("model.attn", attn, f"attn {attn}: {how}"))
     if attn == "flash_attention_2" and "flash_attn" not in local.installed:
         warnings.append(
-            f"flash-attn is not installed here: pip install '{OPTIONAL_PACKAGES['flash_attn']}' on the machines "
-            "that run the job, or set model.attn=sdpa"
+            FlashMissing(
+                f"flash-attn is not installed here: pip install '{OPTIONAL_PACKAGES['flash_attn']}' on the machines "
+                "that run the job, or set model.attn=sdpa"
+            )
         )
     return dtype, attn
 
@@ -362,11 +389,10 @@ def teacher_params(cfg: RunConfig) -> int:
 def settings_for(job: Job, **kw) -> MemorySettings:
     """The memory settings of the job, with ``kw`` (the search's choices) on top."""
     c = job.cfg
-    split = c.rollout.procs if 0 < c.rollout.procs < job.world else 0  # more is refused before launch
     base = MemorySettings(
         method=c.method,
-        gpus=job.world - split,  # the trainers
-        rollout_procs=split,
+        gpus=job.world - job.split,  # the trainers
+        rollout_procs=job.split,
         nodes=job.nodes,
         device=job.device,
         dtype=job.dtype,

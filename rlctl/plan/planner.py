@@ -21,12 +21,12 @@ this same planner at other sizes; :func:`apply_plan` fills a config from a plan.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 from rlctl.catalog import active_params
 from rlctl.config import RunConfig, agent_enabled
 from rlctl.errors import UserError
 from rlctl.estimate.memory import MemoryEstimate
-from rlctl.names import PAIR_METHODS
 from rlctl.plan import rules
 from rlctl.plan.decisions import (
     backend_warnings,
@@ -43,6 +43,7 @@ from rlctl.plan.inputs import Job, LocalEnv, resolve_job
 from rlctl.plan.relax import relax
 from rlctl.plan.search import SearchResult, eval_fraction, margin_ok, options_for, search
 from rlctl.plan.types import Decision, Plan, Verdict
+from rlctl.support import SP_RULES, megatron_gap, problems, refuse
 
 
 def plan_config(cfg: RunConfig, local: LocalEnv, *, host_memory_bytes: int = 0) -> Plan:
@@ -114,13 +115,14 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         if tier == "megatron" and job.device == "cpu":
             raise UserError("parallel.backend=megatron needs CUDA GPUs; on CPU use fsdp")
     tier = backend_the_engine_runs(job, tier, decisions)
-    if p.backend is None and tier == "megatron" and (p.sp or 1) > 1:
+    if p.backend is None and problems(replace(job.facts, backend=tier), "sp_backend"):
         why = f"backend fsdp: parallel.sp={p.sp} is the FSDP engine's Ulysses sequence parallelism"
         decisions.append(Decision("parallel.backend", "fsdp", why))
         tier = "fsdp"
+    facts = replace(job.facts, backend=tier)
+    refuse(facts, "fsdp_layout")
     rules.check_overrides(
         job.spec,
-        backend=tier,
         tp=p.tp,
         pp=p.pp,
         ep=p.ep,
@@ -129,16 +131,8 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         rollout_tp=cfg.rollout.tp,
         is_rl=job.is_rl,
     )
-    rules.check_sp(
-        job.spec, backend=tier, sp=p.sp, world=job.world, attn=cfg.model.attn, rollout_procs=cfg.rollout.procs
-    )
-    if job.spec.is_vl and cfg.method == "ppo":
-        raise UserError("ppo trains a critic, which a vision-language model cannot be yet; use grpo (no critic)")
-    if job.spec.is_vl and cfg.rollout.procs:
-        raise UserError(
-            "--rollout-procs runs text models only (a vision-language model's images are not sent to the "
-            "rollout processes yet); drop --rollout-procs for this model"
-        )
+    refuse(facts, *SP_RULES)
+    refuse(facts, "critic_vision", "split_vision")
     if job.is_rl:
         rules.check_rollout_engine_tp(job.engine, cfg.rollout.tp)
     return tier
@@ -148,31 +142,10 @@ def backend_the_engine_runs(job: Job, tier: str, decisions: list[Decision]) -> s
     """The backend, after what rlctl's Megatron engine cannot run yet: a PPO critic and LoRA go to FSDP2
     (with offload when needed, as the search decides); a Megatron backend or Megatron-only sizes set
     in the config are a UserError there."""
-    c = job.cfg
-    missing = (
-        "a vision-language model"
-        if job.spec.is_vl
-        else "a PPO critic"
-        if c.method == "ppo"
-        else f"rlctl {c.method}"
-        if c.method in PAIR_METHODS
-        else "LoRA"
-        if c.lora.rank
-        else None
-    )
+    missing = megatron_gap(job.facts)
     if tier != "megatron" or missing is None:
         return tier
-    p = c.parallel
-    forced = [
-        f"parallel.{k}={v}"
-        for k, v in (("backend", p.backend), ("tp", p.tp), ("pp", p.pp), ("ep", p.ep))
-        if (k == "backend" and v == "megatron") or (k != "backend" and v > 1)
-    ]
-    if forced:
-        raise UserError(
-            f"{', '.join(forced)} needs the Megatron engine, which does not run {missing} yet; "
-            f"use parallel.backend=fsdp (tp = pp = ep = 1)"
-        )
+    refuse(job.facts, "megatron_forced")  # Megatron or its sizes configured
     decisions.append(
         Decision("parallel.backend", "fsdp", f"backend fsdp: the Megatron engine does not run {missing} yet: FSDP2")
     )

@@ -7,14 +7,15 @@ docs/presets.md explains them.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 from rlctl.catalog import parallel, pipeline_split
 from rlctl.catalog.count import vision_params
 from rlctl.catalog.spec import ModelSpec
-from rlctl.config import RunConfig
 from rlctl.errors import UserError
 from rlctl.plan.types import Decision
+from rlctl.support import SP_REFUSALS, JobFacts, problems
 
 POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -99,57 +100,13 @@ def valid_tps(spec: ModelSpec, limit: int) -> list[int]:
     return [t for t in range(1, limit + 1) if tp_problem(spec, t) is None]
 
 
-def check_sp(
-    spec: ModelSpec, *, backend: str, sp: int | None, world: int, attn: str | None = None, rollout_procs: int = 0
-) -> None:
-    """Validate the Ulysses sequence-parallel size a user set (None: not set); UserError names the valid sizes."""
-    if sp is None or sp == 1:
-        return
-    if rollout_procs:
-        raise UserError(
-            f"parallel.sp={sp} with rollout.procs={rollout_procs} (one-step-off-policy) has not been built or "
-            "tested; use one of them"
-        )
-    if backend != "fsdp":
-        raise UserError(f"parallel.sp={sp} is the FSDP engine's; Megatron splits sequences with --cp")
-    if attn not in (None, "sdpa"):
-        raise UserError(f"parallel.sp={sp} runs attention per document with sdpa, not {attn}; set model.attn=sdpa")
-    if spec.is_vl:
-        raise UserError(
-            f"parallel.sp={sp}: {spec.name} is a vision-language model, whose image tokens and 3-D positions "
-            "are not split by sequence; use parallel.sp=1"
-        )
-    kv = None if spec.uses_mla else spec.num_kv_heads
-    problem = parallel.sp_problem(sp, world, spec.num_heads, kv)
-    if problem:
-        ok = ", ".join(
-            str(d) for d in parallel.divisors(world) if not parallel.sp_problem(d, world, spec.num_heads, kv)
-        )
-        raise UserError(f"parallel.sp={sp}: {problem} ({spec.name} on {world} ranks); valid sp: {ok}")
-
-
-def sp_sizes(spec: ModelSpec, *, world: int, per_node: int, refused: str | None = None) -> list[int]:
+def sp_sizes(facts: JobFacts, *, per_node: int) -> list[int]:
     """Ulysses SP sizes the planner tries, smallest first: 1, then the powers of two up to a node's GPUs
-    (the all-to-all of every layer stays on the node's links) that split the ranks and the heads;
-    only 1 when the job's settings cannot run with SP (``refused``) or the model takes images."""
-    if refused is not None or spec.is_vl:
+    (the all-to-all of every layer stays on the node's links) that split the ranks and the heads
+    (rlctl.support.sp_size); only 1 when the job cannot run with SP at all (rlctl.support.SP_REFUSALS)."""
+    if problems(replace(facts, sp=2), *SP_REFUSALS):
         return [1]
-    kv = None if spec.uses_mla else spec.num_kv_heads
-    return [
-        sp
-        for sp in POWERS_OF_TWO
-        if sp <= per_node and (sp == 1 or parallel.sp_problem(sp, world, spec.num_heads, kv) is None)
-    ]
-
-
-def sp_refusal(cfg: RunConfig) -> str | None:
-    """Why this job cannot run with Ulysses SP on the FSDP engine (what rlctl.engines.ulysses refuses);
-    None when it can. The planner then keeps sp 1."""
-    if cfg.model.attn not in (None, "sdpa"):
-        return f"model.attn={cfg.model.attn}: Ulysses sequence parallelism runs attention with sdpa per document"
-    if cfg.rollout.procs:
-        return f"rollout.procs={cfg.rollout.procs}: one-step-off-policy runs without sequence parallelism"
-    return None
+    return [sp for sp in POWERS_OF_TWO if sp <= per_node and not problems(replace(facts, sp=sp), "sp_size")]
 
 
 def rollout_tp_problem(spec: ModelSpec, tp: int) -> str | None:
@@ -163,15 +120,9 @@ def rollout_tp_problem(spec: ModelSpec, tp: int) -> str | None:
 
 
 def check_overrides(
-    spec: ModelSpec, *, backend: str, tp: int, pp: int, ep: int, cp: int, world: int, rollout_tp: int, is_rl: bool
+    spec: ModelSpec, *, tp: int, pp: int, ep: int, cp: int, world: int, rollout_tp: int, is_rl: bool
 ) -> None:
     """Validate the parallel sizes a user set (0 = not set); UserError names the valid values."""
-    if backend == "fsdp":
-        for key, value in (("parallel.tp", tp), ("parallel.pp", pp), ("parallel.ep", ep)):
-            if value > 1:
-                raise UserError(
-                    f"{key}={value} needs parallel.backend=megatron; fsdp shards over all GPUs (tp = pp = ep = 1)"
-                )
     if tp:
         problem = tp_problem(spec, tp)
         if problem:

@@ -164,7 +164,7 @@ def _sp_sizes(job: Job) -> list[int]:
     sp = job.cfg.parallel.sp
     if sp is not None:
         return [sp]
-    return rules.sp_sizes(job.spec, world=job.world, per_node=job.nproc, refused=rules.sp_refusal(job.cfg))
+    return rules.sp_sizes(job.facts, per_node=job.nproc)
 
 
 def _rollout_tps(job: Job) -> list[int]:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from rlctl.errors import UserError
 from rlctl.runtime.net import free_port
+from rlctl.support import JobFacts, refuse
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,8 @@ def init_split(device: torch.device, rollout_procs: int, local_rank: int, timeou
     torchrun's one store. Every group waits ``timeout``: the rollout processes wait on ``sync`` through a
     whole update, the trainers on ``bridge`` through a whole rollout."""
     store, rank, world = next(dist.rendezvous("env://"))
+    refuse(JobFacts(rollout_procs=rollout_procs, world=world), "split_trainer")
     trainers = world - rollout_procs
-    if trainers < 1:
-        raise UserError(f"rollout.procs={rollout_procs} leaves no trainer among {world} processes; use fewer")
     role = "train" if rank < trainers else "rollout"
     group_rank, group_size = (rank, trainers) if role == "train" else (rank - trainers, rollout_procs)
     dist.init_process_group(
@@ -147,13 +147,8 @@ def process_group_backend(device_type: str) -> str:
 
 
 def check_rollout_in_node(tp: int, per_node: int) -> None:
-    """A vLLM/SGLang engine runs tensor parallel inside one node, never across: its ranks are consecutive
-    (torchrun numbers a node's processes consecutively), so ``tp`` must divide the processes of a node."""
-    if tp > 1 and per_node % tp:
-        raise UserError(
-            f"rollout.tp={tp} would split a rollout engine across nodes ({per_node} processes per node); "
-            f"tensor parallel stays inside a node: use a rollout.tp that divides {per_node} (--set rollout.tp=N)"
-        )
+    """On the ranks: a rollout engine's tensor parallel stays inside a node (rlctl.support.rollout_tp_node)."""
+    refuse(JobFacts(rollout_tp=tp, world=per_node), "rollout_tp_node")
 
 
 def _alone(group: dist.ProcessGroup | None) -> bool:

@@ -65,7 +65,7 @@ def test_estimate_counts_dpos_reference_and_the_reward_models_head(monkeypatch, 
         (["--loss", "sigmod"], "pref.loss='sigmod' is not valid (did you mean sigmoid"),
         (["--beta", "0"], "pref.beta=0.0 must be > 0"),
         (["--label-smoothing", "0.5"], "pref.label_smoothing=0.5 must be in [0, 0.5)"),
-        (["--backend", "megatron"], "rlctl dpo runs on the FSDP engine"),
+        (["--backend", "megatron"], "needs the Megatron engine, which does not run rlctl dpo yet"),
     ],
 )
 def test_bad_settings_are_one_line(args, problem, pairs, monkeypatch, capsys):

@@ -28,7 +28,7 @@ def test_pure_bf16_keeps_8_bytes_per_parameter():
     mixed, pure = train(est(method="sft", gpus=8)), train(est(method="sft", gpus=8, precision="bf16"))
     assert (mixed["weights"], mixed["gradients"], mixed["optimizer_states"]) == (4 * P7 // 8, 4 * P7 // 8, P7)
     assert (pure["weights"], pure["gradients"], pure["optimizer_states"]) == (2 * P7 // 8, 2 * P7 // 8, P7 // 2)
-    with pytest.raises(UserError, match="needs dtype bf16"):
+    with pytest.raises(UserError, match=r"needs model.dtype=bf16, not fp32; set model.dtype=bf16"):
         est(method="sft", precision="bf16", dtype="fp32")
     with pytest.raises(UserError, match="megatron engine has no pure-bf16"):
         est(method="sft", gpus=8, backend="megatron", precision="bf16")

@@ -72,11 +72,13 @@ def test_all_to_all_buffers_by_hand():
 
 
 def test_sp_settings_that_cannot_run_are_one_line_errors():
-    with pytest.raises(UserError, match=r"sp 8: 8 does not divide the 28 attention heads \(Qwen2.5-7B on 8 GPUs\)"):
+    with pytest.raises(
+        UserError, match=r"parallel.sp=8: 8 does not divide the 28 attention heads \(Qwen2.5-7B on 8 ranks\)"
+    ):
         train(**LONG, sp=8)
-    with pytest.raises(UserError, match="sp 3: 3 does not divide the 8 ranks"):
+    with pytest.raises(UserError, match="parallel.sp=3: 3 does not divide the 8 ranks"):
         train(**LONG, sp=3)
-    with pytest.raises(UserError, match="Ulysses sequence parallelism is the fsdp engine's; Megatron uses --cp"):
+    with pytest.raises(UserError, match="parallel.sp=2 is the FSDP engine's; Megatron splits sequences with --cp"):
         train(**LONG, sp=2, backend="megatron", tp=2)
     with pytest.raises(UserError, match=r"context parallelism.*use Ulysses sequence parallelism \(--sp\)"):
         train(**LONG, cp=2)

@@ -107,9 +107,9 @@ def test_resume_with_an_incompatible_job_names_both_sides_before_launch(
 
 def test_resume_with_another_engine_is_refused(finished_run):
     """(Megatron needs CUDA, so the CLI cannot plan it here: the check itself, on the job's planned engine.)"""
+    from rlctl.checks import check_resume_compatible
     from rlctl.config import load_config
     from rlctl.errors import UserError
-    from rlctl.preflight import check_resume_compatible
 
     cfg = load_config(finished_run / "config.yaml")
     with pytest.raises(UserError, match=r"fsdp engine, this job plans megatron.*parallel.backend=fsdp"):

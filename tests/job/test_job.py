@@ -171,8 +171,8 @@ def test_checks_take_well_under_a_second_in_process(files, tiny_model_dir, tmp_p
 
 
 def test_trust_remote_code_lets_the_remote_check_pass(files):
-    from rlctl.checks import check_remote_code, model_files
     from rlctl.config import build_config
+    from rlctl.modelfiles import check_remote_code, model_files
 
     model = model_files(str(files / "remote"))
     cfg = build_config("sft", [{"model": {"name": str(files / "remote")}}])

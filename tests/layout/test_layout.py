@@ -20,14 +20,14 @@ MAX_LINES = 500
 
 # low -> high; a part may import parts of its own layer's index or lower
 LAYERS: list[set[str]] = [
-    {"errors", "terminal", "names", "catalog", "algos", "presets", "testing", "usercode"},
+    {"errors", "terminal", "names", "catalog", "algos", "presets", "testing", "usercode", "support"},
     {"config", "formats", "metrics"},
     {"data", "estimate"},
     {"plan"},
     {"runtime"},
     {"engines", "rollout", "rewards", "agents"},
     {"recipes"},
-    {"launch", "job", "checks", "slurm", "preflight"},
+    {"launch", "job", "checks", "modelfiles", "datacheck", "slurm"},
     {"convert"},
     {"bench", "demo", "run_report", "viewer", "evaluate"},
     {"cli", "__main__"},

@@ -18,6 +18,7 @@ from rlctl.recipes.rl.turns import load_agent
 from rlctl.rewards import needs_answer
 from rlctl.rollout import RolloutSpec
 from rlctl.runtime.entry import RunContext
+from rlctl.support import JobFacts, refuse
 
 
 @dataclass
@@ -40,8 +41,7 @@ def build_inputs(ctx: RunContext, log: Callable[[str], None]) -> RLInputs:
     vision = load_vision_processor(source, tokenizer)
     if vision is not None and agent_spec is not None:
         raise UserError("multi-turn agent runs take text models only; a vision-language model runs single-turn")
-    if vision is not None and ctx.dist.split is not None:
-        raise UserError("--rollout-procs runs text models only (a vision-language model's images are not sent)")
+    refuse(JobFacts(rollout_procs=cfg.rollout.procs, vision=vision is not None), "split_vision")
     data = build_rl_data(
         cfg,
         tokenizer,
