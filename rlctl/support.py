@@ -46,7 +46,6 @@ class JobFacts:
     max_staleness: int = 1
     rollout_mode: str = "fixed"  # fixed | stream (docs/async.md)
     stream_chunk: int = 32  # tokens between a stream's weight checks
-    dynamic_sampling: bool = False
     agent: bool = False  # --tools / --env / --interaction
     temperature: float = 1.0  # rollout.temperature
     samples: int = 1  # rollout.n: samples per prompt
@@ -71,7 +70,7 @@ class JobFacts:
             "lora": cfg.lora.rank > 0,
             **dict(sp=cfg.parallel.sp or 1, attn=cfg.model.attn, rollout_procs=r.procs, rollout_tp=r.tp),
             **dict(max_staleness=r.max_staleness, temperature=float(r.temperature), samples=int(r.n)),
-            **dict(rollout_mode=r.mode, stream_chunk=r.stream_chunk, dynamic_sampling=bool(a.dynamic_sampling)),
+            **dict(rollout_mode=r.mode, stream_chunk=r.stream_chunk),
             "agent": bool(cfg.agent.tools or cfg.agent.env or cfg.agent.interaction),
             "sampling_only": "algo.dynamic_sampling" if a.dynamic_sampling else f"--adv {a.adv}" if greedy else "",
             **(model_facts(spec) if spec is not None else {"model": cfg.model.name}),
@@ -447,7 +446,7 @@ def rollout_tp_node(f: JobFacts) -> Problem | None:
 # Streaming RL (rollout.mode = "stream", docs/async.md)
 
 
-@rule(r"mode\s*(!=|==)\s*'stream'.*procs", r"stream_chunk\s*<\s*1", r"stream trains every group")
+@rule(r"mode\s*(!=|==)\s*'stream'.*procs", r"stream_chunk\s*<\s*1")
 def split_stream(f: JobFacts) -> Problem | None:
     if f.rollout_mode != "stream":
         return None
@@ -464,9 +463,7 @@ def split_stream(f: JobFacts) -> Problem | None:
     if f.stream_chunk < 1:
         why = f"rollout.stream_chunk={f.stream_chunk} must be >= 1"
         return Problem("split_stream", why, "(tokens between weight checks; 32 by default)", " ")
-    if f.dynamic_sampling:
-        return Problem("split_stream", f"{flag} trains every group that finishes", "drop DAPO's dynamic sampling", "; ")
-    return None
+    return None  # dynamic sampling needs every group of a step at once: split_sampling refuses it with any split
 
 
 #: what a split run supports, in the order the pre-launch check asks (the planner asks split_sp, split_vision

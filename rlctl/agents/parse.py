@@ -26,7 +26,7 @@ _HERMES = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
 def _tool_call(name: object, arguments: object, index: int):
     """A ToolCall, or None when the name or the arguments are not usable."""
-    from rlctl.agents.tools import ToolCall
+    from rlctl.agents.calls import ToolCall
 
     if isinstance(arguments, str):  # some models emit the arguments as a JSON string
         try:

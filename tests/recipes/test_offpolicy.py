@@ -43,6 +43,14 @@ def test_stale_batches_get_the_rollout_correction_by_default():
         (("--nproc", "1", "--rollout-procs", "1"), "needs at least 2 processes"),
         (("--nproc", "2", "--rollout-procs", "2"), "leaves no trainer among the 2 processes"),
         (("--nproc", "2", "--rollout-procs", "1", "--max-staleness", "-1"), "rollout.max_staleness=-1 must be >= 0"),
+        # streaming (docs/async.md): rlctl.support's split_stream, and split_sampling for dynamic sampling
+        (("--nproc", "2", "--rollout-mode", "stream"), "streams from rollout processes: add --rollout-procs 1"),
+        (("--nproc", "3", "--rollout-procs", "2", "--rollout-mode", "stream"), "runs one rollout process"),
+        (("--nproc", "2", "--rollout-procs", "1", "--rollout-mode", "streaming"), "rollout.mode"),
+        (
+            ("--nproc", "2", "--rollout-procs", "1", "--rollout-mode", "stream", "--set", "algo.dynamic_sampling=true"),
+            "algo.dynamic_sampling does not run with rollout.procs=1",
+        ),
     ],
 )
 def test_refusals_before_launch(monkeypatch, capsys, tiny_model_dir, tmp_path, extra, expected):

@@ -1,30 +1,14 @@
 """Streaming RL in a real split run (``--rollout-mode stream``, rlctl.recipes.rl.streaming): torchrun, gloo,
-1 rollout + 1 trainer process, the tiny model on CPU; its refusals before launch; and the checkpoint rule:
-a resumed run trains every group exactly once (in-flight groups at the checkpoint regenerated)."""
+1 rollout + 1 trainer process, the tiny model on CPU; and the checkpoint rule: a resumed run trains every group
+exactly once (in-flight groups at the checkpoint regenerated). Its refusals: tests/recipes/test_offpolicy.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.support.cli import one_line_error, rlctl_in_process, run_cli
+from tests.support.cli import run_cli
 from tests.support.rl import arith_rows, failure, rl_args, train_records
 from tests.support.sft import write_jsonl
-
-
-@pytest.mark.parametrize(
-    ("extra", "expected"),
-    [
-        (("--nproc", "2", "--rollout-mode", "stream"), "streams from rollout processes: add --rollout-procs 1"),
-        (("--nproc", "3", "--rollout-procs", "2", "--rollout-mode", "stream"), "runs one rollout process"),
-        (("--nproc", "2", "--rollout-procs", "1", "--rollout-mode", "streaming"), "rollout.mode"),
-    ],
-)
-def test_refusals_before_launch(monkeypatch, capsys, tiny_model_dir, tmp_path, extra, expected):
-    data = write_jsonl(tmp_path / "data.jsonl", arith_rows(8))
-    args = ["grpo", "--model", str(tiny_model_dir), "--data", str(data), "--device", "cpu", *extra]
-    line = one_line_error(*rlctl_in_process(monkeypatch, capsys, *args, "-o", str(tmp_path / "run")))
-    assert expected in line, line
-    assert not (tmp_path / "run").exists()
 
 
 def test_trained_positions_state():

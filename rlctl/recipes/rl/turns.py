@@ -23,7 +23,7 @@ def load_agent(cfg: RunConfig):
     """The run's :class:`rlctl.agents.tools.AgentSpec`, or None for a single-turn run."""
     if not agent_enabled(cfg):
         return None
-    from rlctl.agents.tools import load_agent_spec
+    from rlctl.agents.spec import load_agent_spec
 
     a = cfg.agent
     return load_agent_spec(
