@@ -33,6 +33,7 @@ KlKind = Literal["k1", "abs", "k2", "k3", "kl", "mse", "low_var_kl"]
 CorrectionMode = Literal["none", "tis", "mis"]  # algo.rollout_correction (docs/algos.md)
 CorrectionLevel = Literal["token", "sequence"]
 VerlToolLifecycle = Literal["call", "trajectory"]  # agent.verl_tool_lifecycle (rlctl.agents.sources.VerlTools)
+DistillSignal = Literal["sampled", "full"]  # algo.distill: the sampled token's gap, or the vocabulary's reverse KL
 ToolResults = Literal["trl", "verl", "rlctl"]  # agent.tool_results None: each tool source its peer's (docs/agents.md)
 # Open sets, not Literals: the names registered in rlctl.algos.registry (the built-ins and any plugin's)
 AdvName = str

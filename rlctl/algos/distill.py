@@ -36,3 +36,16 @@ def mix_advantages(task: torch.Tensor, gap: torch.Tensor, mask: torch.Tensor, we
     if weight == 1.0:
         return gap * mask
     return (weight * gap + (1.0 - weight) * task.float()) * mask
+
+
+def full_reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[N]`` exact reverse KL over the vocabulary at each position, ``sum_v p_s(v) (log p_s(v) - log p_t(v))``
+    (``algo.distill=full``), both softmaxes at ``temperature``, in fp32. The gradient flows through the student's
+    softmax only (the teacher's logits are detached). A teacher with more embedding rows than the student (padding
+    rows, e.g. Qwen2.5-7B's 152064 vs 1.5B's 151936) is read over the student's vocabulary."""
+    v = student_logits.shape[-1]
+    if teacher_logits.shape[-1] < v:
+        raise ValueError(f"the teacher has {teacher_logits.shape[-1]} logits per position, the student {v}")
+    log_s = torch.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_t = torch.log_softmax(teacher_logits[..., :v].detach().float() / temperature, dim=-1)
+    return (log_s.exp() * (log_s - log_t)).sum(-1)

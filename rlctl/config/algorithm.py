@@ -86,6 +86,12 @@ def check_distill(cfg: RunConfig) -> None:
         raise UserError("algo.teacher_baseline is set without a teacher; pass --teacher MODEL (or drop it)")
     if a.teacher_weight != 1 and not a.teacher:
         raise UserError("algo.teacher_weight is set without a teacher; pass --teacher MODEL (or drop --teacher-weight)")
+    if a.distill == "full" and not a.teacher:
+        raise UserError("algo.distill=full is set without a teacher; pass --teacher MODEL (or drop it)")
+    if a.distill == "full" and a.teacher_baseline:
+        raise UserError("algo.teacher_baseline is for algo.distill=sampled (full has no sampled gap); drop one")
+    if a.distill == "full" and cfg.parallel.backend == "megatron":
+        raise UserError("algo.distill=full runs on the FSDP engine only; use --backend fsdp or algo.distill=sampled")
 
 
 def teacher_vocab_problem(student: dict[str, int], teacher: dict[str, int], model: str, name: str) -> str | None:

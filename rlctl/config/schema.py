@@ -19,6 +19,7 @@ from rlctl.names import (
     CorrectionMode,
     DataFormat,
     Device,
+    DistillSignal,
     Dtype,
     KlKind,
     Launcher,
@@ -210,6 +211,10 @@ class AlgoConfig:
     teacher: str | None = None
     teacher_weight: float = 1.0
     teacher_baseline: bool = False  # subtract the batch's mean gap from each token's (a constant baseline)
+    # what the student learns from at each position it sampled: "sampled" the sampled token's log-prob gap as a
+    # policy-gradient advantage; "full" the exact reverse KL over the vocabulary, sum_v p_s (log p_s - log p_t),
+    # as a loss
+    distill: DistillSignal = "sampled"
 
 
 @dataclass

@@ -121,6 +121,91 @@ def test_distill_advantage_is_teacher_minus_student_logp_of_plain_forwards(tiny_
         assert abs(m["distill/reverse_kl"]) > 0.1  # the two models do differ
 
 
+def plain_full_kl_loss(student, teacher_dir: Path, prompts, responses, masks, temperature: float) -> torch.Tensor:
+    """The independent computation of ``algo.distill=full``: ``sum_v p_s(v) (log p_s(v) - log p_t(v))`` at each
+    position that predicts a response token of mask 1, from plain transformers forwards (one row at a time, no
+    packing), averaged over those tokens (token-mean)."""
+    from transformers import AutoModelForCausalLM
+
+    teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32, attn_implementation="eager")
+    total, count = torch.zeros(()), 0
+    for p, r, k in zip(prompts, responses, masks):
+        ids = torch.tensor([p + r])
+        span = slice(len(p) - 1, len(p) + len(r) - 1)
+        log_s = (student(input_ids=ids).logits[0, span] / temperature).log_softmax(-1)
+        with torch.no_grad():
+            log_t = (teacher.eval()(input_ids=ids).logits[0, span] / temperature).log_softmax(-1)
+        kl = (log_s.exp() * (log_s - log_t)).sum(-1)
+        total, count = total + (kl * torch.tensor(k, dtype=torch.float32)).sum(), count + sum(k)
+    return total / count
+
+
+def test_full_distill_loss_and_gradient_equal_plain_reverse_kl_over_the_vocabulary(
+    tiny_model_dir, tmp_path, process_group
+):
+    """``algo.distill=full``: the actor update's loss and its gradient (packed micro-batches of the FSDP engine,
+    the teacher engine forwarded per micro-batch) equal the token-mean exact reverse KL at the sampled positions
+    of plain transformers forwards, tokens with mask 0 (a tool turn) excluded (fp32, 1e-5)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlctl.config import build_config, dotted_to_nested
+    from rlctl.engines.fsdp import FSDPEngine
+    from rlctl.recipes.rl.batch import RolloutBatch, micro_batches
+    from rlctl.recipes.rl.spec import AlgoSpec
+    from rlctl.recipes.rl.teacher import Teacher
+    from rlctl.recipes.rl.update import policy_loss_fn
+    from tests.support.sft import cpu_spec
+
+    teacher_dir = sharp_teacher(tiny_model_dir, tmp_path / "teacher")
+    prompts, responses = [[5, 9, 33, 2], [7, 8, 100]], [[40, 41, 42, 43, 44], [50, 51, 52]]
+    masks = [[1, 1, 0, 0, 1], [1, 1, 1]]
+    b = RolloutBatch.build(
+        prompts,
+        responses,
+        [[0.0] * len(r) for r in responses],
+        [0, 1],
+        n=1,
+        batch_size=2,
+        mini_batch_size=0,
+        width=6,
+        loss_masks=masks,
+    )
+    settings = {
+        "model.name": str(tiny_model_dir),
+        "model.attn": "sdpa",
+        "model.dtype": "fp32",
+        "algo.teacher": str(teacher_dir),
+        "algo.distill": "full",
+        "rollout.temperature": 0.7,
+    }
+    cfg = build_config("grpo", [dotted_to_nested(settings)])
+    spec = cpu_spec(cfg)
+    teacher = Teacher.for_run(cfg, spec, AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+    student = FSDPEngine(spec, role="actor", trainable=True)
+    b.advantages = torch.randn(2, 6) * b.mask
+    assert teacher.apply(b, 0.7, 64, 0, None) == {} and b.advantages.abs().sum() == 0  # weight 1: no task share
+    algo = AlgoSpec.from_config(cfg)
+    b.old_logp, b.rollout_logp = torch.zeros_like(b.mask), torch.zeros_like(b.mask)
+    tokens = float(b.mask.sum())
+    loss_fn = policy_loss_fn(
+        b, algo, {"global_tokens": tokens, "global_seqs": 2.0, "norm_len": algo.norm_len}, 0.0, teacher.in_loss
+    )
+    micro = micro_batches(b, [0, 1], budget=64, pad_id=0, device=b.mask.device)
+    (out,) = student.forward_backward(micro, loss_fn)
+    got = {n: p.grad.full_tensor().clone() for n, p in student.model.named_parameters()}
+
+    plain = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32, attn_implementation="eager")
+    want_loss = plain_full_kl_loss(plain, teacher_dir, prompts, responses, masks, 0.7)
+    want_loss.backward()
+    assert out["distill/reverse_kl"].item() / tokens == pytest.approx(want_loss.item(), abs=1e-5)
+    assert want_loss.item() > 0.1  # the two models do differ
+    want = dict(plain.named_parameters())
+    for name, g in got.items():
+        key = name if name in want else name.replace("_orig_mod.", "")
+        assert torch.allclose(g, want[key].grad, atol=1e-5), name
+    assert sum(g.abs().sum() for g in got.values()) > 0
+
+
 def reverse_kl(student_dir: Path, teacher_dir: Path, prompts: list[str], *, samples: int = 4) -> float:
     """Mean per-token KL(student || teacher) over the whole vocabulary, along responses the student samples
     (temperature 1, 12 tokens) to ``prompts`` (plain transformers; the same seed before and after)."""

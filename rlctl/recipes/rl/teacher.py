@@ -5,6 +5,8 @@ weights. It scores the student's samples and turns the step's advantages into th
 
 from __future__ import annotations
 
+import torch
+
 from rlctl.algos.distill import centred, distill_gap, mix_advantages
 from rlctl.config import RunConfig
 from rlctl.config.algorithm import teacher_vocab_problem
@@ -21,8 +23,8 @@ class Teacher:
     """The frozen teacher engine, the weight of its advantage (``algo.teacher_weight``) and whether the gap is
     taken against the batch's mean (``algo.teacher_baseline``)."""
 
-    def __init__(self, engine: TrainEngine, weight: float, baseline: bool = False):
-        self.engine, self.weight, self.baseline = engine, weight, baseline
+    def __init__(self, engine: TrainEngine, weight: float, baseline: bool = False, full: bool = False):
+        self.engine, self.weight, self.baseline, self.full = engine, weight, baseline, full
 
     @classmethod
     def for_run(cls, cfg: RunConfig, spec: EngineSpec, student_tokenizer) -> Teacher | None:
@@ -37,11 +39,20 @@ class Teacher:
         if problem:  # the same check as before launch, for a teacher only on the hub
             raise UserError(problem)
         engine = build_engine(spec.replace(model=name, random_init=False), role="ref", trainable=False, source=source)
-        return cls(engine, cfg.algo.teacher_weight, cfg.algo.teacher_baseline)
+        return cls(engine, cfg.algo.teacher_weight, cfg.algo.teacher_baseline, cfg.algo.distill == "full")
+
+    @property
+    def in_loss(self):
+        """``algo.distill=full``: (engine, weight) for the actor's loss (``update.full_distill_loss``)."""
+        return (self.engine, self.weight) if self.full else None
 
     def apply(self, batch: RolloutBatch, temperature: float, budget: int, pad_id: int, group) -> Metrics:
         """The teacher's log-probs of the sampled tokens; ``batch.advantages`` (the task reward's) becomes the
         weighted mix with the gap to the student's log-probs (``batch.old_logp``, taken before the update)."""
+        if self.full:  # the teacher is read in the update; the task's advantage keeps its share
+            zero = torch.zeros_like(batch.mask)
+            batch.advantages = mix_advantages(batch.advantages, zero, batch.mask, self.weight)
+            return {}
         m: Metrics = {}
         with timed(m, "time/teacher"):
             teacher_logp, _ = compute_logprobs(

@@ -273,7 +273,13 @@ class RLTrainer:
         with timed(m, "time/update"):
             m.update(
                 update_actor(
-                    self.actor, batch, self.algo, budget=self.budget, pad_id=self.pad_id, kl_loss_coef=kl_loss_coef
+                    self.actor,
+                    batch,
+                    self.algo,
+                    budget=self.budget,
+                    pad_id=self.pad_id,
+                    kl_loss_coef=kl_loss_coef,
+                    teacher=self.teacher.in_loss if self.teacher is not None else None,
                 )
             )
         if batch.old_logp is None:  # the log-prob pass was skipped: the update measured the difference

@@ -21,12 +21,16 @@ from rlctl.algos import (
     logprobs_from_logits,
     value_loss,
 )
+from rlctl.algos.distill import full_reverse_kl
 from rlctl.config import RunConfig
 from rlctl.data.packing import MicroBatch
 from rlctl.engines.base import LossFn, TrainEngine, response_tokens
 from rlctl.recipes.rl.batch import RolloutBatch, can_share_prefix, micro_batches
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.runtime.dist import all_reduce_sum, global_sums
+
+#: ``algo.distill=full``: the teacher engine and its weight (``algo.teacher_weight``)
+FullTeacher = tuple[TrainEngine, float]
 
 
 class Sums:
@@ -119,10 +123,27 @@ def _corr_keys(algo: AlgoSpec) -> tuple[str, ...]:
     return tuple(f"corr/{k}" for k in (*CORRECTION_METRICS, done, "is_seq_rejected"))
 
 
-def policy_loss_fn(batch: RolloutBatch, algo: AlgoSpec, denoms: dict, kl_loss_coef: float) -> LossFn:
+def full_distill_loss(
+    teacher: FullTeacher, logits, mb: MicroBatch, mask: torch.Tensor, algo: AlgoSpec, denoms: dict
+) -> tuple[torch.Tensor, dict]:
+    """``algo.distill=full``: the teacher's forward of this micro-batch only (its logits at the response
+    positions, no gradient), the exact reverse KL over the vocabulary at each sampled position, aggregated like
+    the policy loss over the loss mask; times the teacher's weight. Metric: the KL summed over the tokens."""
+    engine, weight = teacher
+    with torch.no_grad():
+        t_logits = mb.at_response(engine.forward_micro(mb))
+    kl = mb.to_matrix(full_reverse_kl(mb.at_response(logits), t_logits, algo.temperature))
+    loss = aggregate(kl, mask, algo.policy.agg, **denoms)
+    return weight * loss, {"distill/reverse_kl": (kl.detach() * mask).sum()}
+
+
+def policy_loss_fn(
+    batch: RolloutBatch, algo: AlgoSpec, denoms: dict, kl_loss_coef: float, teacher: FullTeacher | None = None
+) -> LossFn:
     """The engine's ``loss_fn`` for one mini-batch of the actor update:
     ``pg + kl_loss_coef * agg(kl(logp, ref)) - entropy_coef * agg(entropy)``, every term aggregated with
-    the mini-batch's global token / sequence counts (``denoms``); returns the loss and its metrics."""
+    the mini-batch's global token / sequence counts (``denoms``); returns the loss and its metrics. With
+    ``teacher`` (``algo.distill=full``) the weighted full-vocabulary reverse KL to the teacher is added."""
     a, temperature, pl = algo, algo.temperature, algo.policy
 
     def per_token(sel: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -138,6 +159,9 @@ def policy_loss_fn(batch: RolloutBatch, algo: AlgoSpec, denoms: dict, kl_loss_co
 
     def loss_fn(logits: torch.Tensor, mb: MicroBatch):
         if mb.dummy:
+            if teacher is not None:  # the teacher's forward is collective too
+                with torch.no_grad():
+                    teacher[0].forward_micro(mb)
             return logits.sum() * 0.0, {}  # a backward pass keeps this replica in the collectives
         mask = mb.take(batch.mask)
         flat, entropy, bonus = response_tokens(logits, mb, per_token)  # at the positions that predict responses
@@ -166,6 +190,9 @@ def policy_loss_fn(batch: RolloutBatch, algo: AlgoSpec, denoms: dict, kl_loss_co
             stats["kl_loss"] = kl_loss.detach()
         if a.entropy_coef:
             loss = loss - a.entropy_coef * aggregate(mb.to_matrix(bonus), mask, pl.agg, **denoms)
+        if teacher is not None:
+            term, distill_stats = full_distill_loss(teacher, logits, mb, mask, algo, denoms)
+            loss, stats = loss + term, {**stats, **distill_stats}
         return loss, stats
 
     return loss_fn
@@ -193,6 +220,7 @@ def update_actor(
     pad_id: int,
     kl_loss_coef: float = 0.0,
     share_prefix: bool | None = None,
+    teacher: FullTeacher | None = None,
 ) -> dict[str, float]:
     """The policy update (loss: :func:`policy_loss_fn`). Without ``batch.old_logp`` (allowed only for
     :func:`single_step` batches) the old log-probs are the update's own, and it reports what the log-prob
@@ -205,8 +233,17 @@ def update_actor(
         engine,
         batch,
         algo,
-        lambda denoms: policy_loss_fn(batch, algo, denoms, kl_loss_coef),
-        ("pg/loss", "pg/clip_frac", "pg/approx_kl", "kl_loss", "logprob_diff", "entropy", *_corr_keys(algo)),
+        lambda denoms: policy_loss_fn(batch, algo, denoms, kl_loss_coef, teacher),
+        (
+            "pg/loss",
+            "pg/clip_frac",
+            "pg/approx_kl",
+            "kl_loss",
+            "logprob_diff",
+            "entropy",
+            "distill/reverse_kl",
+            *_corr_keys(algo),
+        ),
         budget=budget,
         pad_id=pad_id,
         share_prefix=share_prefix,
@@ -222,6 +259,8 @@ def update_actor(
         out["kl_loss"] = s["kl_loss"] / steps
     for key in _corr_keys(algo):
         out[key] = s[key] / max(1.0, s["tokens"])
+    if teacher is not None:  # the mean exact reverse KL per token over the update's passes
+        out["distill/reverse_kl"] = s["distill/reverse_kl"] / max(1.0, s["tokens"])
     if batch.old_logp is None:
         out["rollout/logprob_diff"] = s["logprob_diff"] / max(1.0, s["tokens"])
         out["entropy"] = s["entropy"] / max(1.0, s["tokens"])
