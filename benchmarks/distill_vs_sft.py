@@ -18,8 +18,10 @@ each token the student samples: 4 samples of 12 tokens per prompt, temperature 1
 training. Lower after the same number of samples is better. Each method runs at every ``--lrs`` with every
 ``--seeds`` (``train.seed``, and the teacher samples SFT gets, the same for both methods); the table is the
 median over seeds per learning rate, and each method's best learning rate. ``--methods distill_baseline``:
-distillation with ``algo.teacher_baseline`` (the gap against the batch's mean). ``--warm-steps N``: both start
-from the student after N SFT steps on other teacher samples. Results and commands: docs/distill.md.
+distillation with ``algo.teacher_baseline`` (the gap against the batch's mean); ``distill_full``: with
+``algo.distill=full`` (the exact reverse KL over the vocabulary at each sampled position, as the loss).
+``--warm-steps N``: both start from the student after N SFT steps on other teacher samples. Results and
+commands: docs/distill.md.
 """
 
 from __future__ import annotations
@@ -112,7 +114,10 @@ def teacher_samples(teacher: Path, prompts: list[dict], seed: int) -> list[dict]
     return rows
 
 
-METHODS = ("distill", "distill_baseline", "sft")  # distill_baseline: --set algo.teacher_baseline=true
+# distill_baseline: --set algo.teacher_baseline=true; distill_full: --set algo.distill=full (the exact reverse KL
+# over the vocabulary at each sampled position, as the loss)
+METHODS = ("distill", "distill_baseline", "distill_full", "sft")
+EXTRA = {"distill_baseline": ["--set", "algo.teacher_baseline=true"], "distill_full": ["--set", "algo.distill=full"]}
 
 
 def train_methods(out: Path, student: Path, teacher: Path, prompts: list[dict], lr: str, seed: int, a) -> dict:
@@ -128,8 +133,7 @@ def train_methods(out: Path, student: Path, teacher: Path, prompts: list[dict], 
             data = write_jsonl(run / "teacher_samples.jsonl", teacher_samples(teacher, prompts, seed))
             rlctl("sft", *common, "--data", str(data), "--batch-size", "32", "--max-len", "64", "-o", str(run / method))
         else:
-            extra = ["--set", "algo.teacher_baseline=true"] if method == "distill_baseline" else []
-            rlctl("grpo", *common, *extra, "--teacher", str(teacher), "--data",
+            rlctl("grpo", *common, *EXTRA.get(method, []), "--teacher", str(teacher), "--data",
                   str(write_jsonl(run / "prompts.jsonl", prompts)), "--reward", "gsm8k", "--rollout", "hf",
                   "--batch-size", "4", "--n", "8", "--max-prompt-len", "48", "--max-response-len", "12",
                   "-o", str(run / method))  # fmt: skip

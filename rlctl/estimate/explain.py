@@ -244,6 +244,11 @@ def _rl_models_and_engine(gpu: GpuSpec, s: MemorySettings) -> list[str]:
             f"teacher model (distillation): {s.teacher_params / 1e9:.2f}B frozen parameters in {s.dtype}, sharded like "
             f"the policy" + (", on the CPU while idle" if s.idle_weights_offloaded else "")
         )
+        if s.teacher_logits:
+            out.append(
+                "algo.distill=full: the teacher's logits at one micro batch's response positions (compute dtype, "
+                "12 bytes more per value for the fp32 log-softmaxes of the reverse KL), counted with the logits"
+            )
     if s.has_critic:
         out.append(
             "critic: the policy's body with a value head, trained after the actor (its own activations are "

@@ -288,6 +288,9 @@ def vision_activation_bytes(spec: ModelSpec, s: MemorySettings) -> int:
     return v.depth * block
 
 
+TEACHER_LOGIT_BYTES = 12  # algo.distill=full, per teacher logit beyond the compute dtype (see teacher_logits_bytes)
+
+
 def logit_tokens(s: MemorySettings) -> int:
     """Positions whose logits the loss needs on one GPU. SFT, and RL on Megatron (its output layer runs on
     every position of its unpacked rows): every token of the GPU's share. RL on FSDP (or with a chunked
@@ -311,9 +314,20 @@ def logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
     chunk's backward before the next chunk): one chunk's logits, fp32 upcast, log-softmax and
     gradient. Vocabulary-parallel under TP."""
     vocab = math.ceil(spec.vocab_size / s.tp)
+    teacher = teacher_logits_bytes(spec, s)
     if s.loss_chunk:
-        return min(s.loss_chunk, logit_tokens(s)) * vocab * (s.compute_bytes + CHUNK_LOGIT_BYTES)
-    return logit_tokens(s) * vocab * (2 * s.compute_bytes + LOGIT_EXTRA_BYTES)
+        return min(s.loss_chunk, logit_tokens(s)) * vocab * (s.compute_bytes + CHUNK_LOGIT_BYTES) + teacher
+    return logit_tokens(s) * vocab * (2 * s.compute_bytes + LOGIT_EXTRA_BYTES) + teacher
+
+
+def teacher_logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
+    """``algo.distill=full``: the teacher's logits at one micro batch's response positions (compute dtype, no
+    gradient; the whole micro batch at once, not chunked by ``loss_chunk``), its fp32 log-softmax, and the
+    student's fp32 softmax and log-ratio saved for the full-vocabulary reverse KL's backward: 12 bytes per value
+    beside the compute dtype. 0 otherwise."""
+    if not (s.teacher_logits and s.teacher_params and s.is_rl):
+        return 0
+    return logit_tokens(s) * spec.vocab_size * (s.compute_bytes + TEACHER_LOGIT_BYTES)
 
 
 def critic_params(spec: ModelSpec) -> int:

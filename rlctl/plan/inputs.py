@@ -413,6 +413,7 @@ def settings_for(job: Job, **kw) -> MemorySettings:
         reward_model=bool(c.reward.model) and c.method in RL_METHODS,
         reward_model_dtype={"bfloat16": "bf16", "float16": "fp16"}.get(c.reward.model_dtype, "fp32"),
         teacher_params=teacher_params(c),
+        teacher_logits=c.algo.distill == "full",
         # the FSDP engine's savers: as configured; None starts from the engine's default (the search may pick)
         selective_checkpointing=c.parallel.selective_checkpointing is True,
         offload_activations=c.parallel.offload_activations is True,

@@ -316,3 +316,41 @@ def test_estimate_counts_the_teacher_like_a_reference_in_the_models_dtype():
     want = 2 * count_params(resolve_model("Qwen2.5-7B")) // 8  # bf16, sharded over 8 GPUs like the reference
     assert abs(parts["teacher_model"] - want) <= 8
     assert base["phases"]["training"]["components"].get("teacher_model", 0) == 0
+
+
+def test_estimate_counts_the_full_distill_teachers_logits_of_one_micro_batch():
+    """``algo.distill=full``: the training phase's logits grow by the teacher's logits of one micro batch's
+    response positions: tokens x vocabulary x (2 bytes bf16 + 12 fp32)."""
+    from rlctl.catalog import resolve_gpu, resolve_model
+    from rlctl.estimate.memory import estimate_memory
+    from rlctl.estimate.settings import MemorySettings
+    from rlctl.estimate.training import logit_tokens
+
+    kw = dict(method="grpo", gpus=8, dtype="bf16", response_len=2048, teacher_params=7_000_000_000)
+    model, gpu = resolve_model("Qwen2.5-0.5B"), resolve_gpu("H100")
+    sampled, full = MemorySettings(**kw), MemorySettings(**kw, teacher_logits=True)
+    grow = (
+        estimate_memory(model, gpu, full).phases["training"].components["logits"]
+        - estimate_memory(model, gpu, sampled).phases["training"].components["logits"]
+    )
+    assert grow == logit_tokens(full) * model.vocab_size * (2 + 12) and grow > 0
+    assert MemorySettings(**{**kw, "teacher_params": 0}, teacher_logits=True).teacher_bytes == 0
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"algo.distill": "full"}, "algo.distill=full is set without a teacher"),
+        ({"algo.distill": "full", "algo.teacher": "t", "algo.teacher_baseline": True}, "algo.teacher_baseline is for"),
+        ({"algo.distill": "full", "algo.teacher": "t", "parallel.backend": "megatron"}, "FSDP engine only"),
+        ({"algo.distill": "vocab"}, "algo.distill"),
+    ],
+)
+def test_full_distill_settings_are_checked_in_one_line(settings, message):
+    from rlctl.config import build_config, dotted_to_nested
+    from rlctl.config.algorithm import check_algorithm
+    from rlctl.errors import UserError
+
+    with pytest.raises(UserError, match=message) as err:
+        check_algorithm(build_config("grpo", [dotted_to_nested({"model.name": "Qwen2.5-0.5B", **settings})]))
+    assert "\n" not in str(err.value)
