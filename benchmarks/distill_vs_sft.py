@@ -37,6 +37,13 @@ from pathlib import Path
 
 import torch
 
+# --task: "answer" (the teacher answers "The answer is N.": 12 characters sampled, near-deterministic) or "long"
+# (the teacher writes "N:" then 8 words drawn at random from 6, 4 such answers per prompt: 40 characters sampled,
+# an uncertain choice at every word boundary, so the student's own states drift from the teacher's)
+TASK = {"answer": {"resp": 12, "max_len": "64"}, "long": {"resp": 40, "max_len": "128"}}
+WORDS = ("red", "blue", "green", "cat", "dog", "sun")
+RESP = {"len": 12, "max_len": "64", "task": "answer"}
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 
@@ -74,7 +81,7 @@ def sample(tok, model, text: str, k: int, seed: int) -> tuple[torch.Tensor, int]
             temperature=1.0,
             top_k=0,
             top_p=1.0,
-            max_new_tokens=12,
+            max_new_tokens=RESP["len"],
             pad_token_id=tok.pad_token_id,
         )
     return out, ids.shape[1]
@@ -98,9 +105,16 @@ def reverse_kl(student_dir: Path, teacher_dir: Path, prompts: list[str]) -> floa
 
 def make_teacher(out: Path, student: Path, train: list[tuple[int, int]]) -> Path:
     answers = [{"prompt": f"What is {x} + {y}?", "response": f"The answer is {x + y}."} for x, y in train]
+    if RESP["task"] == "long":
+        rng = random.Random(5)
+        answers = [
+            {"prompt": f"What is {x} + {y}?", "response": f"{x + y}: " + " ".join(rng.choices(WORDS, k=8))}
+            for x, y in train
+            for _ in range(4)
+        ]
     rlctl("sft", "--model", str(student), "--data", str(write_jsonl(out / "answers.jsonl", answers)),
           "--device", "cpu", "--nproc", "2", "--batch-size", "16", "--lr", "3e-3", "--max-steps", "40",
-          "--max-len", "64", "-o", str(out / "teacher"))  # fmt: skip
+          "--max-len", RESP["max_len"], "-o", str(out / "teacher"))  # fmt: skip
     return out / "teacher" / "hf"
 
 
@@ -131,11 +145,12 @@ def train_methods(out: Path, student: Path, teacher: Path, prompts: list[dict], 
     for method in a.methods:
         if method == "sft":
             data = write_jsonl(run / "teacher_samples.jsonl", teacher_samples(teacher, prompts, seed))
-            rlctl("sft", *common, "--data", str(data), "--batch-size", "32", "--max-len", "64", "-o", str(run / method))
+            rlctl("sft", *common, "--data", str(data), "--batch-size", "32", "--max-len", RESP["max_len"],
+                  "-o", str(run / method))  # fmt: skip
         else:
             rlctl("grpo", *common, *EXTRA.get(method, []), "--teacher", str(teacher), "--data",
                   str(write_jsonl(run / "prompts.jsonl", prompts)), "--reward", "gsm8k", "--rollout", "hf",
-                  "--batch-size", "4", "--n", "8", "--max-prompt-len", "48", "--max-response-len", "12",
+                  "--batch-size", "4", "--n", "8", "--max-prompt-len", "48", "--max-response-len", str(RESP["len"]),
                   "-o", str(run / method))  # fmt: skip
         dirs[method] = run / method / "hf"
     return dirs
@@ -155,10 +170,12 @@ def main() -> None:
         "samples: both methods start from that student (on-policy distillation's usual start)",
     )
     p.add_argument("--methods", default="distill,sft", help=f"comma-separated, of {', '.join(METHODS)}")
+    p.add_argument("--task", choices=sorted(TASK), default="answer", help="the teacher's task (see TASK)")
     p.add_argument("--out", type=Path, default=Path("/tmp/distill_vs_sft"))
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     a.methods = a.methods.split(",")
+    RESP.update(len=TASK[a.task]["resp"], max_len=TASK[a.task]["max_len"], task=a.task)
     if set(a.methods) - set(METHODS):
         raise SystemExit(f"--methods: each of {', '.join(METHODS)}")
     from rlctl.testing import build_tiny_model
@@ -173,7 +190,7 @@ def main() -> None:
     if a.warm_steps:
         data = write_jsonl(out / "warm_samples.jsonl", teacher_samples(teacher, prompts, seed=99))
         rlctl("sft", "--model", str(student), "--data", str(data), "--device", "cpu", "--nproc", str(a.nproc),
-              "--lr", "3e-3", "--max-steps", str(a.warm_steps), "--batch-size", "32", "--max-len", "64",
+              "--lr", "3e-3", "--max-steps", str(a.warm_steps), "--batch-size", "32", "--max-len", RESP["max_len"],
               "-o", str(out / "warm"))  # fmt: skip
         student = out / "warm" / "hf"
     result: dict = {"samples_seen": a.steps * 32, "before": reverse_kl(student, teacher, held_out), "runs": []}
