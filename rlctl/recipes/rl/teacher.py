@@ -38,6 +38,8 @@ class Teacher:
         )
         if problem:  # the same check as before launch, for a teacher only on the hub
             raise UserError(problem)
+        if cfg.algo.distill == "full" and (spec.sp > 1 or spec.backend != "fsdp"):  # where the plan chose them
+            raise UserError(f"algo.distill=full runs on the FSDP engine without sp ({spec.backend}, sp={spec.sp})")
         engine = build_engine(spec.replace(model=name, random_init=False), role="ref", trainable=False, source=source)
         return cls(engine, cfg.algo.teacher_weight, cfg.algo.teacher_baseline, cfg.algo.distill == "full")
 
