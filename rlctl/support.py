@@ -47,6 +47,7 @@ class JobFacts:
     rollout_mode: str = "fixed"  # fixed | stream (docs/async.md)
     stream_chunk: int = 32  # tokens between a stream's weight checks
     agent: bool = False  # --tools / --env / --interaction
+    distill: str = "sampled"  # algo.distill: sampled | full
     temperature: float = 1.0  # rollout.temperature
     samples: int = 1  # rollout.n: samples per prompt
     sampling_only: str = ""  # what needs more than sampled rollouts ("algo.dynamic_sampling", "--adv remax")
@@ -72,6 +73,7 @@ class JobFacts:
             **dict(max_staleness=r.max_staleness, temperature=float(r.temperature), samples=int(r.n)),
             **dict(rollout_mode=r.mode, stream_chunk=r.stream_chunk),
             "agent": bool(cfg.agent.tools or cfg.agent.env or cfg.agent.interaction),
+            "distill": a.distill,
             "sampling_only": "algo.dynamic_sampling" if a.dynamic_sampling else f"--adv {a.adv}" if greedy else "",
             **(model_facts(spec) if spec is not None else {"model": cfg.model.name}),
         }
@@ -235,6 +237,24 @@ def greedy_groups(f: JobFacts) -> Problem | None:
             "--temperature 0 with grpo: the n responses to a prompt are all the same greedy one, so every "
             "advantage is 0 and nothing is learned",
             "sample with --temperature 1.0 (0.6 or more)",
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# on-policy distillation (algo.distill, docs/distill.md)
+
+
+@rule(r"distill\s*==\s*'full'.{0,80}\b(sp|backend)\b")
+def distill_full_engine(f: JobFacts) -> Problem | None:
+    """The full-vocabulary reverse KL reads the teacher's and the student's whole logits in the FSDP engine's loss:
+    not Megatron's, not Ulysses' sharded logits."""
+    if f.distill == "full" and (f.sp > 1 or f.backend == "megatron"):
+        where = f"parallel.sp={f.sp}" if f.sp > 1 else "the Megatron backend"
+        return Problem(
+            "distill_full_engine",
+            f"algo.distill=full does not run on {where} yet",
+            "use --backend fsdp --sp 1, or algo.distill=sampled",
         )
     return None
 

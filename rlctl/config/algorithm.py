@@ -90,10 +90,7 @@ def check_distill(cfg: RunConfig) -> None:
         raise UserError("algo.distill=full is set without a teacher; pass --teacher MODEL (or drop it)")
     if a.distill == "full" and a.teacher_baseline:
         raise UserError("algo.teacher_baseline is for algo.distill=sampled (full has no sampled gap); drop one")
-    if a.distill == "full" and (cfg.parallel.sp or 1) > 1:
-        raise UserError(f"algo.distill=full does not run under parallel.sp={cfg.parallel.sp} yet; use --sp 1")
-    if a.distill == "full" and cfg.parallel.backend == "megatron":
-        raise UserError("algo.distill=full runs on the FSDP engine only; use --backend fsdp or algo.distill=sampled")
+    refuse(JobFacts.of(cfg), "distill_full_engine")
 
 
 def teacher_vocab_problem(student: dict[str, int], teacher: dict[str, int], model: str, name: str) -> str | None:

@@ -98,6 +98,10 @@ COPIES = {
         if cfg.method == "grpo" and float(cfg.rollout.temperature) == 0.0 and int(cfg.rollout.n) > 1:
             raise UserError("--temperature 0 with grpo: ...")
     """,
+    "distill_full_engine": """
+        if cfg.algo.distill == "full" and (spec.sp > 1 or spec.backend != "fsdp"):
+            raise UserError(f"algo.distill=full runs on the FSDP engine without sp ({spec.backend}, sp={spec.sp})")
+    """,
     "sp_backend": """
         if self.backend != "fsdp":
             raise UserError(f"sp {self.sp}: Ulysses sequence parallelism is the fsdp engine's; Megatron uses --cp")

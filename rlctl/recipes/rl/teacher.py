@@ -17,6 +17,7 @@ from rlctl.recipes.rl.batch import RolloutBatch
 from rlctl.recipes.rl.metrics import Metrics, timed
 from rlctl.recipes.rl.passes import compute_logprobs
 from rlctl.runtime.dist import global_sums
+from rlctl.support import JobFacts, refuse
 
 
 class Teacher:
@@ -38,8 +39,8 @@ class Teacher:
         )
         if problem:  # the same check as before launch, for a teacher only on the hub
             raise UserError(problem)
-        if cfg.algo.distill == "full" and (spec.sp > 1 or spec.backend != "fsdp"):  # where the plan chose them
-            raise UserError(f"algo.distill=full runs on the FSDP engine without sp ({spec.backend}, sp={spec.sp})")
+        # where the plan chose them
+        refuse(JobFacts(distill=cfg.algo.distill, sp=spec.sp, backend=spec.backend), "distill_full_engine")
         engine = build_engine(spec.replace(model=name, random_init=False), role="ref", trainable=False, source=source)
         return cls(engine, cfg.algo.teacher_weight, cfg.algo.teacher_baseline, cfg.algo.distill == "full")
 
