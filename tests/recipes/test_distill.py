@@ -342,7 +342,10 @@ def test_estimate_counts_the_full_distill_teachers_logits_of_one_micro_batch():
     [
         ({"algo.distill": "full"}, "algo.distill=full is set without a teacher"),
         ({"algo.distill": "full", "algo.teacher": "t", "algo.teacher_baseline": True}, "algo.teacher_baseline is for"),
-        ({"algo.distill": "full", "algo.teacher": "t", "parallel.backend": "megatron"}, "does not run on the Megatron backend"),
+        (
+            {"algo.distill": "full", "algo.teacher": "t", "parallel.backend": "megatron"},
+            "does not run on the Megatron backend",
+        ),
         ({"algo.distill": "vocab"}, "algo.distill"),
     ],
 )
