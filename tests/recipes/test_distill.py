@@ -357,3 +357,21 @@ def test_full_distill_settings_are_checked_in_one_line(settings, message):
     with pytest.raises(UserError, match=message) as err:
         check_algorithm(build_config("grpo", [dotted_to_nested({"model.name": "Qwen2.5-0.5B", **settings})]))
     assert "\n" not in str(err.value)
+
+
+def test_full_reverse_kl_equals_trls_gkd_loss_at_beta_1():
+    """``full_reverse_kl`` against TRL's ``GKDTrainer.generalized_jsd_loss`` at ``beta=1`` (its reverse KL),
+    summed over the same positions, with a temperature; the teacher's padding rows beyond the student's vocabulary
+    are dropped first (TRL reads equal vocabularies)."""
+    pytest.importorskip("trl", reason="trl is not installed (pip install 'rlctl[bench]'): not compared to TRL")
+    from trl.experimental.gkd import GKDTrainer
+
+    from rlctl.algos.distill import full_reverse_kl
+
+    g = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(7, 11, generator=g, dtype=torch.float64), torch.randn(7, 13, generator=g) * 3
+    ours = full_reverse_kl(student, teacher, 0.7).sum()
+    trl = GKDTrainer.generalized_jsd_loss(
+        student[None].float(), teacher[None, :, :11], beta=1.0, temperature=0.7, reduction="sum"
+    )
+    assert ours.item() == pytest.approx(trl.item(), rel=1e-5)
