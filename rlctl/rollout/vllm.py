@@ -213,8 +213,11 @@ class VLLMRolloutEngine(RolloutEngine):
         self._llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
         )
-        if self.kv_state == KVState.RESIDENT:  # (sleep already reset it)
-            self._llm.reset_prefix_cache()
+        # Every cached block was computed by the old weights: a later request (a stream's continuation, a
+        # prompt seen before) would reuse them. vLLM resets only when no request holds a block (offline
+        # LLM: none runs between generate calls) and says so with False: stale keys would then be reused.
+        if self.kv_state == KVState.RESIDENT and not self._llm.reset_prefix_cache():  # (sleep already reset it)
+            raise RuntimeError("vLLM kept its prefix cache after a weight update: a request still holds blocks")
 
     def _release(self, tags: tuple[str, ...]) -> None:
         # level 2: weights and KV cache discarded (level 1 would keep a host copy of weights that the
