@@ -22,7 +22,9 @@ How the pieces map onto vLLM (checked against vLLM 0.32):
   ``LogitsProcessor`` classes and runs custom processors before temperature.
 * Weight updates go through the worker's ``reload_weights`` (vLLM's in-place reload, which re-runs
   the per-layer post-load processing, e.g. the CPU backend's weight packing), then the prefix cache
-  is reset.
+  is reset; vLLM refuses the reset while a request holds blocks (``v1/core/block_pool.py``), and the
+  update then raises rather than let the old weights' cached keys serve the next request (streaming
+  resubmits each trajectory's prefix every tick, docs/async.md).
 * vLLM writes to ``os.environ`` while it starts (``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``, ...); we
   restore the caller's environment afterwards. Its shutdown destroys torch's default process group,
   which belongs to the trainer when colocated, so :meth:`close` keeps it.
