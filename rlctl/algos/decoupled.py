@@ -38,7 +38,7 @@ def behaviour_weights(prox_logp: Tensor, behav_logp: Tensor, mask: Tensor, cap: 
     """(``w``: ``pi_prox / pi_behav`` per token, detached, 0 on padding and above ``cap``; ``over``: the tokens
     above ``cap``)."""
     valid = mask.bool()
-    log_w = torch.where(valid, (prox_logp - behav_logp).detach(), torch.zeros((), dtype=prox_logp.dtype))
+    log_w = torch.where(valid, (prox_logp - behav_logp).detach(), prox_logp.new_zeros(()))
     w = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     over = valid & (w > cap) if cap is not None else torch.zeros_like(valid)
     return torch.where(over | ~valid, torch.zeros_like(w), w), over
