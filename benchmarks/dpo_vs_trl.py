@@ -147,6 +147,51 @@ def flops(pos: dict, vocab: int) -> dict:
     }
 
 
+def head_step(model: Path, data: Path, batch: int, max_len: int, reps: int) -> dict:
+    """In this process, one thread: a step's micro-batch (``batch`` pairs packed in one row, prompts shared, as
+    rlctl's packing holds them) through a forward and backward of the summed log-probs, the LM head at the
+    labelled columns only (``keep_cols``, what rlctl dpo runs) against every column (before), alternating;
+    CPU seconds per pass, median over ``reps``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlctl.config import build_config, dotted_to_nested
+    from rlctl.data.pref_batches import unit_micro_batches
+    from rlctl.data.preference import build_pref_data
+    from rlctl.engines import varlen
+    from rlctl.recipes.dpo import sequence_logps
+
+    torch.set_num_threads(1)
+    cfg = build_config("dpo", [dotted_to_nested({"model.name": str(model), "data.path": str(data),
+                                                 "train.max_len": max_len, "data.val_fraction": 0.0})])  # fmt: skip
+    tok = AutoTokenizer.from_pretrained(str(model))
+    units = build_pref_data(cfg, tok, paired=True, loss="sigmoid").train[:batch]
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32, attn_implementation="sdpa")
+    varlen.install(hf.config)
+
+    def one(keep: bool) -> float:
+        (mb,) = unit_micro_batches(units, 0, 1, packing=True, budget=10**7, pad_id=tok.pad_token_id,
+                                   per_micro=batch, share_prompt=True, keep_labelled=keep)  # fmt: skip
+        kwargs = varlen.attention_kwargs(mb.blocks, mb.input_ids)
+        if keep:
+            kwargs["logits_to_keep"] = mb.keep_cols
+        start = time.process_time()
+        out = hf(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **kwargs).logits
+        sequence_logps(out, mb).sum().backward()
+        hf.zero_grad()
+        return time.process_time() - start
+
+    one(True), one(False)  # warm-up
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(reps):
+        for keep in (True, False) if r % 2 == 0 else (False, True):
+            times[keep].append(one(keep))
+    tokens = sum(len(u) for u in units)
+    med = {keep: statistics.median(t) for keep, t in times.items()}
+    return {"tokens": tokens, "cpu_s_every_column": med[False], "cpu_s_labelled": med[True],
+            "speedup": med[False] / med[True], "times": {str(k): v for k, v in times.items()}}  # fmt: skip
+
+
 def matmul_gflops(m: int = 1024, k: int = 512, n: int = 1408, reps: int = 20) -> float:
     """This process's fp32 matmul throughput on one thread, GFLOP per CPU second (a shape of the model's MLP)."""
     import torch
@@ -266,6 +311,9 @@ def main() -> None:
     p.add_argument("--shape", choices=["short", "long", "varied"], default="short", help="the pairs' lengths")
     p.add_argument("--vocab", type=int, default=512, help="the model's vocabulary rows (the tokenizer: 512)")
     p.add_argument("--base", default="", help="also time rlctl from this source tree (e.g. the commit before a change)")
+    p.add_argument("--head-step", type=int, default=0, metavar="REPS",
+                   help="time REPS forward+backward passes of a step in this process, the LM head at the labelled "
+                   "columns only against every column (head_step); no runs")  # fmt: skip
     p.add_argument("--json", default="")
     p.add_argument("--count-only", action="store_true", help="print the positions each side computes; no runs")
     a = p.parse_args()
@@ -286,6 +334,17 @@ def main() -> None:
           f"rlctl {fl['rlctl']:.1f} (head everywhere: {fl['rlctl_head_everywhere']:.1f}), TRL {fl['trl']:.1f}, "
           f"ratio x{fl['trl'] / fl['rlctl']:.2f} (head everywhere: x{fl['trl'] / fl['rlctl_head_everywhere']:.2f})",
           flush=True)  # fmt: skip
+    if a.head_step:
+        h = head_step(model, data, a.batch_size, a.max_len, a.head_step)
+        counted = fl["rlctl_head_everywhere"] / fl["rlctl"]
+        print(f"a step's forward+backward ({h['tokens']} tokens), CPU s: LM head at every column "
+              f"{h['cpu_s_every_column']:.3f}, at the labelled columns {h['cpu_s_labelled']:.3f}: x{h['speedup']:.2f} "
+              f"(counted x{counted:.2f}; load average {os.getloadavg()[0]:.2f})")  # fmt: skip
+        if a.json:
+            Path(a.json).write_text(
+                json.dumps({"head_step": h, "positions": pos, "flops": fl, "settings": vars(a)}, indent=2) + "\n"
+            )
+        return
     if a.count_only:
         return
     sides = {"rlctl": rlctl_run, "trl": trl_run}
