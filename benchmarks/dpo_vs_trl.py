@@ -27,7 +27,8 @@ table gives each side's median over rounds and the ratios rlctl / TRL (above 1: 
 ``--vocab V``: the same layers with a vocabulary of V rows (the tokenizer's 512 tokens and unused rows, as a
 real model's embedding is wider than its tokenizer): the LM head weighs as in a real model's (V 32768: 16.8M
 of 28.0M matmul weights). Printed before the runs: the matmul FLOPs each side does per counted token
-(:func:`flops`), the count the measured ratio is set against.
+(:func:`flops`), the count the measured ratio is set against. ``--head-step REPS``: no runs; this change's
+own gain in one process instead (:func:`head_step`), steadier than two runs' difference on a loaded machine.
 """
 
 from __future__ import annotations
