@@ -46,7 +46,6 @@ class JobFacts:
     max_staleness: int = 1
     rollout_mode: str = "fixed"  # fixed | stream (docs/async.md)
     stream_chunk: int = 32  # tokens between a stream's weight checks
-    agent: bool = False  # --tools / --env / --interaction
     temperature: float = 1.0  # rollout.temperature
     samples: int = 1  # rollout.n: samples per prompt
     sampling_only: str = ""  # what needs more than sampled rollouts ("algo.dynamic_sampling", "--adv remax")
@@ -74,7 +73,6 @@ class JobFacts:
             **dict(sp=cfg.parallel.sp or 1, attn=cfg.model.attn, rollout_procs=r.procs, rollout_tp=r.tp),
             **dict(max_staleness=r.max_staleness, temperature=float(r.temperature), samples=int(r.n)),
             **dict(rollout_mode=r.mode, stream_chunk=r.stream_chunk),
-            "agent": bool(cfg.agent.tools or cfg.agent.env or cfg.agent.interaction),
             "sampling_only": "algo.dynamic_sampling" if a.dynamic_sampling else f"--adv {a.adv}" if greedy else "",
             "behaviour_loss": a.policy_loss if loss is not None and loss.weighs_behaviour else "",
             "correction": a.rollout_correction,
@@ -372,18 +370,6 @@ def split_nodes(f: JobFacts) -> Problem | None:
     return None
 
 
-@rule(r"procs.{0,60}(agent|tools|interaction)", r"does not run multi-turn agents")
-def split_agents(f: JobFacts) -> Problem | None:
-    if f.rollout_procs and f.agent:
-        return Problem(
-            "split_agents",
-            f"{SPLIT_FLAG} does not run multi-turn agents yet (--tools / --env / --interaction)",
-            "drop one of them",
-            ": ",
-        )
-    return None
-
-
 @rule(r"procs.{0,60}\.tp\s*>\s*1", r"one rollout engine per process")
 def split_rollout_tp(f: JobFacts) -> Problem | None:
     if f.rollout_procs and f.rollout_tp > 1:
@@ -492,7 +478,6 @@ SPLIT_RULES = (
     "split_method",
     "split_trainer",
     "split_nodes",
-    "split_agents",
     "split_rollout_tp",
     "split_megatron",
 )

@@ -49,6 +49,9 @@ class Episode(Protocol):
 
     def reward(self) -> float: ...
 
+    # optional: ``prompt_ids``, the trajectory's own prompt when it differs from its group's (an agent
+    # environment's reset may append to the prompt: rlctl.agents.loop.TurnByTurn)
+
 
 @dataclass
 class StreamTrajectory:
@@ -123,7 +126,7 @@ class StreamingPool:
                 return
             prompt, ids, episodes = got
             index = self.admission.start()
-            trajs = [StreamTrajectory(index, list(ids), ep) for ep in episodes]
+            trajs = [StreamTrajectory(index, list(getattr(ep, "prompt_ids", None) or ids), ep) for ep in episodes]
             self.running[index] = StreamGroup(index, prompt, self.version, trajs)
 
     def _generating_slots(self) -> int:

@@ -136,10 +136,6 @@ COPIES = {
         if nodes > 1:
             problem = f"{flag} runs on one node ({nodes} given): use --nodes 1"
     """,
-    "split_agents": """
-        if cfg.rollout.procs and (cfg.agent.tools or cfg.agent.env):
-            problem = "no split with agents"
-    """,
     "split_rollout_tp": """
         if r.tp > 1:
             problem = f"{flag} runs one rollout engine per process (rollout.tp={r.tp}): use --rollout-tp 1"
