@@ -54,6 +54,8 @@ class JobFacts:
     vision: bool = False  # a vision-language model
     heads: int = 0  # attention heads (0: unknown)
     kv_heads: int | None = None  # None: MLA, or unknown
+    layers: int = 0  # decoder layers (0: unknown)
+    experts: int = 0  # a MoE model's routed experts (0: dense)
 
     @classmethod
     def of(cls, cfg: RunConfig, *, world: int = 1, nodes: int = 1, spec: ModelSpec | None = None, **kw) -> JobFacts:
@@ -79,9 +81,16 @@ class JobFacts:
 
 
 def model_facts(spec: ModelSpec) -> dict:
-    """What the rules read of a model: its name, whether it takes images, its heads."""
+    """What the rules read of a model: its name, whether it takes images, its heads, layers and experts."""
     kv = None if spec.uses_mla else spec.num_kv_heads
-    return dict(model=spec.name, vision=spec.is_vl, heads=spec.num_heads, kv_heads=kv)
+    return dict(
+        model=spec.name,
+        vision=spec.is_vl,
+        heads=spec.num_heads,
+        kv_heads=kv,
+        layers=spec.num_layers,
+        experts=spec.num_experts,
+    )
 
 
 @dataclass(frozen=True)
@@ -185,6 +194,38 @@ def fsdp_layout(f: JobFacts) -> Problem | None:
     return None
 
 
+@rule(r"pipeline_split\([^()]*\)\s+is\s+None", r"cannot split the .{0,40}layers")
+def megatron_pp(f: JobFacts) -> Problem | None:
+    """Pipeline stages hold whole layers: even stages, only the last may hold fewer (``pp`` 0: the plan's)."""
+    if f.pp > 1 and f.layers and parallel.pipeline_split(f.layers, f.pp) is None:
+        of = f" of {f.model}" if f.model else ""
+        return Problem(
+            "megatron_pp",
+            f"parallel.pp={f.pp} cannot split the {f.layers} layers{of} into even stages (only the last may be "
+            "lighter)",
+            f"valid pp: {', '.join(map(str, parallel.valid_pps(f.layers)))}",
+        )
+    return None
+
+
+@rule(r"num_experts\s*%\s*[\w.]*\bep\b", r"is dense; expert parallelism", r"GPUs per (pipeline )?stage")
+def megatron_ep(f: JobFacts) -> Problem | None:
+    """Expert parallelism splits a MoE model's experts, inside each pipeline stage's GPUs (``ep`` 0: the plan's)."""
+    if f.ep <= 1:
+        return None
+    if not f.experts:
+        return Problem("megatron_ep", f"parallel.ep={f.ep}: {f.model} is dense", "expert parallelism needs a MoE model")
+    per_stage = f.world // max(f.pp, 1)
+    if f.experts % f.ep or per_stage % f.ep:
+        ok = ", ".join(str(e) for e in parallel.POWERS_OF_TWO if f.experts % e == 0 and per_stage % e == 0)
+        return Problem(
+            "megatron_ep",
+            f"parallel.ep={f.ep} must divide the {f.experts} experts and the {per_stage} GPUs per pipeline stage",
+            f"valid ep: {ok}",
+        )
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # Precision and sharding (the FSDP engine and the estimator)
 
@@ -222,6 +263,23 @@ def critic_vision(f: JobFacts) -> Problem | None:
     if f.method == "ppo" and f.vision:
         return Problem(
             "critic_vision", "ppo trains a critic, which a vision-language model cannot be yet", "use grpo (no critic)"
+        )
+    return None
+
+
+@rule(
+    r"(is_vl|vision)\b[^,;]{0,30}\s+and\s+[\w.]*agent",
+    r"\bagent\w*[^,;]{0,30}\s+and\s+[\w.]*(is_vl|vision)\b",
+    r"take text models only",
+)
+def agent_vision(f: JobFacts) -> Problem | None:
+    """The agent loop's turns are text: a vision-language model's images are not carried across turns yet."""
+    if f.agent and f.vision:
+        return Problem(
+            "agent_vision",
+            f"multi-turn agent runs (--tools / --env / --interaction) take text models only: {f.model} is a "
+            "vision-language model, which runs single-turn",
+            "drop the agent options for this model",
         )
     return None
 

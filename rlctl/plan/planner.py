@@ -132,7 +132,7 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         is_rl=job.is_rl,
     )
     refuse(facts, *SP_RULES)
-    refuse(facts, "critic_vision", "split_vision")
+    refuse(facts, "critic_vision", "agent_vision", "split_vision")
     if job.is_rl:
         rules.check_rollout_engine_tp(job.engine, cfg.rollout.tp)
     return tier

@@ -90,6 +90,18 @@ COPIES = {
         if cfg.parallel.backend == "megatron":
             raise UserError(f"rlctl {cfg.method} runs on the FSDP engine: use --backend fsdp (or leave it to the plan)")
     """,
+    "megatron_pp": """
+        if self.pp > 1 and pipeline_split(spec.num_layers, self.pp) is None:
+            raise UserError(f"pp {self.pp} cannot split {spec.num_layers} layers")
+    """,
+    "megatron_ep": """
+        if self.ep > 1 and (not spec.is_moe or spec.num_experts % self.ep or (self.gpus // self.pp) % self.ep):
+            raise UserError(f"ep {self.ep} must divide the experts ({spec.num_experts}) and the GPUs per stage")
+    """,
+    "agent_vision": """
+        if vision is not None and agent_spec is not None:
+            raise UserError("multi-turn agent runs take text models only; a vision-language model runs single-turn")
+    """,
     "fsdp_layout": """
         if self.backend == "fsdp" and (self.tp, self.pp, self.ep, self.cp) != (1, 1, 1, 1):
             raise UserError("the fsdp engine has no tensor, pipeline, expert or context parallelism")
