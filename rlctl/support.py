@@ -312,9 +312,14 @@ def sp_backend(f: JobFacts) -> Problem | None:
     r"\bsp\b.{0,60}attn\s+not\s+in\s*\(None,\s*'sdpa'\)", r"attn\s+not\s+in\s*\(None,\s*'sdpa'\).{0,60}\b(sp|Ulysses)\b"
 )
 def sp_attn(f: JobFacts) -> Problem | None:
-    if f.sp > 1 and f.attn not in (None, "sdpa"):
+    """Under SP rlctl's own attention runs inside the all-to-alls, per document over the whole sequence
+    (rlctl.engines.ulysses): flash-attn's varlen kernel (flash_attention_2, or unset on a GPU where
+    flash-attn is installed) or sdpa. transformers' eager attention is not one of them."""
+    if f.sp > 1 and f.attn not in (None, "sdpa", "flash_attention_2"):
         return Problem(
-            "sp_attn", f"parallel.sp={f.sp} runs attention per document with sdpa, not {f.attn}", "set model.attn=sdpa"
+            "sp_attn",
+            f"parallel.sp={f.sp} runs attention per document with flash-attn's varlen kernel or sdpa, not {f.attn}",
+            "set model.attn=flash_attention_2 or sdpa (or leave it unset)",
         )
     return None
 
