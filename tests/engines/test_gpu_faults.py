@@ -7,6 +7,7 @@ labelled FAKE, and, where the library is installed, calls the library's own func
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -527,6 +528,12 @@ def test_sequence_parallel_attention_takes_flash_attn_where_installed(monkeypatc
     for attn in (None, "flash_attention_2"):
         assert FSDPEngine._attn(cuda, EngineSpec(sp=2, attn=attn)) == "flash_attention_2"
     assert FSDPEngine._attn(SimpleNamespace(device=torch.device("cpu")), EngineSpec(sp=2)) == "sdpa"
+    from rlctl.errors import UserError
+    from rlctl.support import JobFacts, problems
+
+    (eager,) = problems(JobFacts(sp=2, attn="eager"), "sp_attn")  # the planner's rule, asked by the engine too
+    with pytest.raises(UserError, match=f"^{re.escape(str(eager))}$"):
+        FSDPEngine._attn(cuda, EngineSpec(sp=2, attn="eager"))
 
     calls = []
     monkeypatch.setattr(varlen, "flash_varlen", lambda: _fake_flash_varlen(calls))
