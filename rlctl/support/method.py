@@ -1,4 +1,5 @@
-"""What a method runs with: a PPO critic, multi-turn agents and GRPO's sampled groups, by the model and the sampling."""
+"""What a method runs with: a PPO critic, multi-turn agents and GRPO's sampled groups, by the model and the
+sampling; a policy loss with a rollout correction."""
 
 from __future__ import annotations
 
@@ -44,5 +45,18 @@ def greedy_groups(f: JobFacts) -> Problem | None:
             "--temperature 0 with grpo: the n responses to a prompt are all the same greedy one, so every "
             "advantage is 0 and nothing is learned",
             "sample with --temperature 1.0 (0.6 or more)",
+        )
+    return None
+
+
+@rule(r"weighs_behaviour.{0,80}rollout_correction\s*in", r"would weigh each token twice")
+def behaviour_weighed_twice(f: JobFacts) -> Problem | None:
+    """Decoupled PPO weighs each token by proximal / behaviour, the ratio the rollout correction weighs by."""
+    if f.behaviour_loss and f.correction in ("tis", "mis"):
+        return Problem(
+            "behaviour_weighed_twice",
+            f"--policy-loss {f.behaviour_loss} weighs each token by proximal / behaviour itself; "
+            f"algo.rollout_correction={f.correction} would weigh each token twice",
+            "drop algo.rollout_correction (unset or none), or use --policy-loss ppo with it",
         )
     return None

@@ -67,18 +67,6 @@ def split_nodes(f: JobFacts) -> Problem | None:
     return None
 
 
-@rule(r"procs.{0,60}(agent|tools|interaction)", r"does not run multi-turn agents")
-def split_agents(f: JobFacts) -> Problem | None:
-    if f.rollout_procs and f.agent:
-        return Problem(
-            "split_agents",
-            f"{SPLIT_FLAG} does not run multi-turn agents yet (--tools / --env / --interaction)",
-            "drop one of them",
-            ": ",
-        )
-    return None
-
-
 @rule(r"procs.{0,60}\.tp\s*>\s*1", r"one rollout engine per process")
 def split_rollout_tp(f: JobFacts) -> Problem | None:
     if f.rollout_procs and f.rollout_tp > 1:
@@ -187,7 +175,6 @@ SPLIT_RULES = (
     "split_method",
     "split_trainer",
     "split_nodes",
-    "split_agents",
     "split_rollout_tp",
     "split_megatron",
 )

@@ -149,10 +149,6 @@ COPIES = {
         if nodes > 1:
             problem = f"{flag} runs on one node ({nodes} given): use --nodes 1"
     """,
-    "split_agents": """
-        if cfg.rollout.procs and (cfg.agent.tools or cfg.agent.env):
-            problem = "no split with agents"
-    """,
     "split_rollout_tp": """
         if r.tp > 1:
             problem = f"{flag} runs one rollout engine per process (rollout.tp={r.tp}): use --rollout-tp 1"
@@ -168,6 +164,10 @@ COPIES = {
     "split_vision": """
         if self.vision is not None and d.split is not None:
             raise UserError("--rollout-procs runs text models only (a vision-language model's images are not sent)")
+    """,
+    "behaviour_weighed_twice": """
+        if facts.weighs_behaviour and a.rollout_correction in ("tis", "mis"):
+            raise UserError("decoupled and a rollout correction: each token weighted twice")
     """,
     "split_sampling": """
         if cfg.rollout.procs and (facts.needs_greedy or a.dynamic_sampling):
