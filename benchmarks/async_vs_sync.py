@@ -2,7 +2,7 @@
 
     python benchmarks/async_vs_sync.py [--rounds 3] [--steps 10] [--seeds 0,1] [--out FILE.json]
 
-A harness, not the ``rlctl grpo`` CLI run (the CLI's split refuses agents today, docs/async.md): the
+A harness, not the ``rlctl grpo`` CLI run (that is ``benchmarks/async_vs_sync_cli.py``): the
 parts are rlctl's own (the hf rollout engine, :class:`rlctl.rollout.streaming.StreamingPool`,
 :class:`rlctl.algos.admission.Admission`, the decoupled objective), the trainer a plain AdamW update of
 the tiny Qwen2 (rlctl.testing) on 2 processes of this 2-core machine.

@@ -74,7 +74,7 @@ export PYTHONUNBUFFERED=1
 STEP_TABLE=(
     "grpo-fsdp-hf|torch|150|train|grpo|--rollout hf|parallel.shard=true algo.kl_coef=0.001"
     "sft-offload|torch|100|train|sft||parallel.shard=true parallel.offload_params=true parallel.offload_optimizer=true"
-    "grpo-tools-hf|torch|120|cmd|PY examples/calculator/run.py --quick --nproc 1 --device cuda --out WORKDIR"
+    "grpo-tools-hf|torch|180|cmd|PY examples/calculator/run.py --quick --nproc 1 --device cuda --out WORKDIR"
     "vl-sft-grpo|torch|120|cmd|PY examples/vlm_colors/run.py --quick --nproc 1 --device cuda --out WORKDIR"
     "sft-pure-bf16-savers|torch|100|train|sft||parallel.shard=true train.precision=bf16 parallel.selective_checkpointing=true parallel.offload_activations=true"
     "sft-lora|peft|90|train|sft||parallel.shard=true lora.rank=16"

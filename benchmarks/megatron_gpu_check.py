@@ -26,8 +26,9 @@ Then the recipes end to end through the CLI (:func:`cli_checks`): ``rlctl sft`` 
 --rollout hf`` with ``--set parallel.backend=megatron --set parallel.tp=2`` (tp=1 on one GPU), each
 beside the same command on FSDP, 6 steps in bf16.
 
-Prints one line per check and a JSON summary; exit status 1 when a check fails. This script has NOT
-been run yet (it was written in sessions without a GPU); see docs/megatron.md.
+Prints one line per check and a JSON summary; exit status 1 when a check fails. On one H200
+(2026-11-28, docs/gpu.md) the tp1 x pp1 checks and the first CLI run passed; the other CLI runs and every
+layout with more than one GPU have not run yet.
 """
 
 from __future__ import annotations

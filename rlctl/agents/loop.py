@@ -162,33 +162,85 @@ class AgentLoop:
             if pending
             else []
         )
-        going = []
-        for i in active:
-            t = trajs[i]
-            if isinstance(t.pending, ToolTurn):
-                appended = []
-                for call in t.pending.calls:
-                    o = next(outcomes)
-                    t.tool_calls += 1
-                    t.tool_errors += o.status in ("error", "unknown_tool")
-                    t.tool_timeouts += o.status == "timeout"
-                    if o.reward:
-                        t.rewards["tool"] = t.rewards.get("tool", 0.0) + float(o.reward)
-                    appended.append({"role": "tool", "name": call.name, "tool_call_id": call.id, "content": o.content})
-            else:
-                assert isinstance(t.pending, UserTurn)
-                appended = [{"role": "user", "content": t.pending.reply}]
-            delta = render_delta(
-                self.tokenizer, t.messages[-1], appended, tools=self.spec.schemas, stop_ids=self.stop_ids
-            )
-            t.pending = None
-            if len(t.token_ids) + len(delta) >= self.settings.max_response_len:  # no room left to answer
-                t.finish_reason, t.dropped = "length", appended  # never read by the policy: not in messages
-                continue
-            t.messages += appended
-            t.add_context(delta)
-            going.append(i)
-        return going
+        return [i for i in active if self._append(trajs[i], outcomes)]
+
+    def _append(self, t: Trajectory, outcomes) -> bool:
+        """Append ``t``'s pending tool results (the next of ``outcomes``, in call order) or user reply as
+        tokens; whether it goes on (False: no room left under max_response_len, then nothing is appended)."""
+        if isinstance(t.pending, ToolTurn):
+            appended = []
+            for call in t.pending.calls:
+                o = next(outcomes)
+                t.tool_calls += 1
+                t.tool_errors += o.status in ("error", "unknown_tool")
+                t.tool_timeouts += o.status == "timeout"
+                if o.reward:
+                    t.rewards["tool"] = t.rewards.get("tool", 0.0) + float(o.reward)
+                appended.append({"role": "tool", "name": call.name, "tool_call_id": call.id, "content": o.content})
+        else:
+            assert isinstance(t.pending, UserTurn)
+            appended = [{"role": "user", "content": t.pending.reply}]
+        delta = render_delta(self.tokenizer, t.messages[-1], appended, tools=self.spec.schemas, stop_ids=self.stop_ids)
+        t.pending = None
+        if len(t.token_ids) + len(delta) >= self.settings.max_response_len:  # no room left to answer
+            t.finish_reason, t.dropped = "length", appended  # never read by the policy: not in messages
+            return False
+        t.messages += appended
+        t.add_context(delta)
+        return True
+
+
+class TurnByTurn:
+    """One trajectory of ``loop`` driven turn by turn from outside: the streaming pool's episode
+    (:class:`rlctl.rollout.streaming.Episode`), which samples each turn itself, in chunks, beside the other
+    trajectories, and calls :meth:`after_turn` in a worker thread when a turn ends (its tool calls then run
+    while the others generate). The turns are read, the calls run and the results rendered exactly as
+    :meth:`AgentLoop.run` does; :meth:`finish` gives the :class:`Trajectory` the trainer scores."""
+
+    def __init__(self, loop: AgentLoop, prompt: AgentPrompt, episode, index: int):
+        self.loop, self.episode = loop, episode
+        self.traj = loop._start(prompt, episode, index)
+        self.prompt_ids = self.traj.prompt_ids  # an environment's reset may have appended to the prompt
+
+    def after_turn(self, turn_ids: list[int]) -> list[int] | None:
+        """The tokens to append after the turn just sampled (tool results or the user's reply, and the next
+        generation prompt), or None when the trajectory ends."""
+        t, s = self.traj, self.loop.settings
+        t.add_sampled(turn_ids, [0.0] * len(turn_ids))  # the pool keeps the log-probs (finish)
+        t.finish_reason = "stop"
+        if not self.loop._read_turn(t, self.episode):
+            return None
+        if t.turns >= s.max_turns:  # it would go on: ends on its last sampled turn
+            t.finish_reason = "max_turns"
+            return None
+        outcomes = []
+        if isinstance(t.pending, ToolTurn):
+            calls = [(self.episode, c) for c in t.pending.calls]
+            outcomes = self.loop.run_calls(calls, timeout_s=s.tool_timeout_s, max_chars=s.tool_max_chars)
+        before = len(t.token_ids)
+        if not self.loop._append(t, iter(outcomes)):
+            return None
+        return t.token_ids[before:]
+
+    def reward(self) -> float:
+        return 0.0  # the trainers score the trajectory (finish: the environment's components)
+
+    def finish(self, token_ids: list[int], mask: list[int], logprobs: list[float], truncated: bool) -> Trajectory:
+        """The trajectory as the pool sampled it (``truncated``: it ran out of tokens inside a turn), with
+        the environment's reward components; the episode is closed."""
+        t = self.traj
+        if truncated and len(token_ids) > len(t.token_ids):  # the last turn, cut by max_response_len
+            t.add_sampled(token_ids[len(t.token_ids) :], [0.0] * (len(token_ids) - len(t.token_ids)))
+            t.finish_reason = "length"
+            self.loop._read_turn(t, self.episode)
+        if t.token_ids != token_ids or t.mask != mask:
+            raise RuntimeError("streaming agent: the pool's tokens differ from the trajectory's")
+        t.logprobs = [float(x) for x in logprobs]
+        try:
+            t.rewards.update(_episode_reward(self.episode))
+        finally:
+            self.episode.close()
+        return t
 
 
 def _episode_reward(episode) -> dict[str, float]:

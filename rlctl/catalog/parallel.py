@@ -8,6 +8,9 @@ arithmetic, no torch.
 
 from __future__ import annotations
 
+#: the sizes the planner tries (and names as valid) for parallel dimensions that split by powers of two
+POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
 
 def tp_problem(tp: int, heads: int, kv_heads: int | None = None, ffn: int | None = None) -> str | None:
     """Why ``tp`` cannot split the attention heads, the KV heads (None: not split, e.g. MLA) or the

@@ -142,9 +142,7 @@ class FSDPEngine(TrainEngine):
 
     def _attn(self, spec: EngineSpec) -> str:
         attn = spec.attn  # None unless the user chose (the plan's attn is a forecast, not an order)
-        if spec.sp > 1 and attn not in (None, "sdpa", "flash_attention_2"):
-            # rlctl's per-document attention runs inside the all-to-alls: flash-attn's varlen kernel or sdpa
-            raise UserError(f"parallel.sp={spec.sp} runs attention per document; set model.attn=sdpa")
+        refuse(JobFacts(sp=spec.sp, attn=attn), "sp_attn")
         has_flash = importlib.util.find_spec("flash_attn") is not None
         if attn is None:
             return "flash_attention_2" if self.device.type == "cuda" and has_flash else "sdpa"

@@ -215,7 +215,8 @@ def attention(
                 out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask, scale=scaling, dropout_p=dropout)
             outs.append(out.transpose(1, 2)[b.valid])  # [real queries, H, d]
             where.append(b.q_valid)
-    flat = q.new_zeros(batch * length, heads, dim).index_copy(0, torch.cat(where), torch.cat(outs))
+    out = torch.cat(outs)  # the kernels' dtype (under autocast, bf16 from float32 q)
+    flat = out.new_zeros(batch * length, heads, dim).index_copy(0, torch.cat(where), out)
     return flat.view(batch, length, heads, dim), None
 
 

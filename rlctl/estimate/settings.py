@@ -10,7 +10,6 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields, replace
 
 from rlctl import names
-from rlctl.catalog import pipeline_split
 from rlctl.catalog.spec import ModelSpec
 from rlctl.errors import UserError
 from rlctl.support import JobFacts, model_facts, refuse
@@ -251,10 +250,7 @@ class MemorySettings:
             )
 
     def _check_layout(self, spec: ModelSpec) -> None:
-        if self.pp > 1 and pipeline_split(spec.num_layers, self.pp) is None:
-            raise UserError(f"pp {self.pp} cannot split {spec.num_layers} layers")
-        if self.ep > 1 and (not spec.is_moe or spec.num_experts % self.ep or (self.gpus // self.pp) % self.ep):
-            raise UserError(f"ep {self.ep} must divide the experts ({spec.num_experts}) and the GPUs per stage")
+        refuse(self.facts(spec), "megatron_pp", "megatron_ep")
         if self.is_rl and self.gpus % self.rollout_tp:
             raise UserError(f"rollout tp {self.rollout_tp} must divide the {self.gpus} GPUs")
         if self.is_rl and self.rollout != "hf" and self.device == "cuda" and not 0 < self.mem_fraction < 1:

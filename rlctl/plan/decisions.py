@@ -9,7 +9,7 @@ from dataclasses import replace
 from rlctl.estimate.memory import GIB, MemoryEstimate, MemorySettings, estimate_memory
 from rlctl.estimate.settings import ALLOCATOR_SLACK
 from rlctl.plan import rules
-from rlctl.plan.inputs import OPTIONAL_PACKAGES, FlashMissing, Job, LocalEnv
+from rlctl.plan.inputs import OPTIONAL_PACKAGES, Job, LocalEnv
 from rlctl.plan.search import SearchResult, _sp_sizes, _update_ok, kv_target
 from rlctl.plan.types import Decision
 
@@ -165,19 +165,6 @@ def _sp_not_enough(job: Job, one: MemoryEstimate) -> Decision | None:
         f"logits {_gib(one, 'logits')} -> {_gib(top, 'logits')} GiB"
     )
     return Decision("parallel.sp", 1, why)
-
-
-def sp_attention(job: Job, sp: int) -> None:
-    """Ulysses SP runs attention with sdpa per document (rlctl.engines.ulysses): the plan's attention, its
-    reason, and no flash-attn warning."""
-    job.attn = "sdpa"
-    job.later = [
-        Decision("model.attn", "sdpa", f"attn sdpa: Ulysses sequence parallelism (sp {sp}) runs sdpa per document")
-        if d.key == "model.attn"
-        else d
-        for d in job.later
-    ]
-    job.warnings[:] = [w for w in job.warnings if not isinstance(w, FlashMissing)]
 
 
 def offload_decisions(job: Job, s: MemorySettings) -> list[Decision]:

@@ -121,11 +121,6 @@ class Job:
         return max(1, c.train.batch_size // dp)  # sft: sequences; dpo / rm: pairs (kto: rows)
 
 
-class FlashMissing(str):
-    """The warning that flash-attn is not installed here: a plan whose attention becomes sdpa (Ulysses SP,
-    :func:`rlctl.plan.decisions.sp_attention`) drops it by its type."""
-
-
 @dataclass
 class _Processes:
     """Where the job runs: the device, its memory per process, and how many processes on how many nodes."""
@@ -304,10 +299,8 @@ def _dtype_and_attn(
         later.append(Decision("model.attn", attn, f"attn {attn}: {how}"))
     if attn == "flash_attention_2" and "flash_attn" not in local.installed:
         warnings.append(
-            FlashMissing(
-                f"flash-attn is not installed here: pip install '{OPTIONAL_PACKAGES['flash_attn']}' on the machines "
-                "that run the job, or set model.attn=sdpa"
-            )
+            f"flash-attn is not installed here: pip install '{OPTIONAL_PACKAGES['flash_attn']}' on the machines "
+            "that run the job, or set model.attn=sdpa"
         )
     return dtype, attn
 

@@ -35,7 +35,6 @@ from rlctl.plan.decisions import (
     layout_decision,
     offload_decisions,
     rollout_decisions,
-    sp_attention,
     sp_decision,
     split_decision,
 )
@@ -75,8 +74,6 @@ def plan_with_search(cfg: RunConfig, local: LocalEnv, *, host_memory_bytes: int 
         est = relax(job, est, decisions)
     if job.is_rl:
         rollout_decisions(job, est, result.kv_short, decisions, warnings)
-    if est.settings.sp > 1:
-        sp_attention(job, est.settings.sp)
     eval_frac = eval_fraction(job, est)
     if est.settings.rollout_procs:
         decisions.append(split_decision(job, est.settings))
@@ -132,7 +129,7 @@ def choose_backend(job: Job, decisions: list[Decision]) -> str:
         is_rl=job.is_rl,
     )
     refuse(facts, *SP_RULES)
-    refuse(facts, "critic_vision", "split_vision")
+    refuse(facts, "critic_vision", "agent_vision", "split_vision")
     if job.is_rl:
         rules.check_rollout_engine_tp(job.engine, cfg.rollout.tp)
     return tier

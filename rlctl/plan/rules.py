@@ -15,9 +15,9 @@ from rlctl.catalog.count import vision_params
 from rlctl.catalog.spec import ModelSpec
 from rlctl.errors import UserError
 from rlctl.plan.types import Decision
-from rlctl.support import SP_REFUSALS, JobFacts, problems
+from rlctl.support import SP_REFUSALS, JobFacts, model_facts, problems, refuse
 
-POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+POWERS_OF_TWO = parallel.POWERS_OF_TWO
 
 
 @lru_cache(maxsize=1)
@@ -128,13 +128,8 @@ def check_overrides(
         if problem:
             ok = ", ".join(str(t) for t in valid_tps(spec, 16))
             raise UserError(f"parallel.tp={tp}: {problem} of {spec.name}; valid tp: {ok}")
-    if pp:
-        if pipeline_split(spec.num_layers, pp) is None:
-            ok = ", ".join(map(str, parallel.valid_pps(spec.num_layers)))
-            raise UserError(
-                f"parallel.pp={pp} cannot split the {spec.num_layers} layers of {spec.name} into even stages "
-                f"(only the last may be lighter); valid pp: {ok}"
-            )
+    sizes = JobFacts(pp=pp, ep=ep, world=world, **model_facts(spec))
+    refuse(sizes, "megatron_pp")
     unit = (tp or 1) * (pp or 1) * cp
     if world % unit:
         ok = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
@@ -142,16 +137,7 @@ def check_overrides(
             f"{world} GPUs cannot be split into tp {tp or 1} x pp {pp or 1} x cp {cp} = {unit}; "
             f"tp x pp x cp must divide the GPU count ({ok})"
         )
-    if ep > 1:
-        if not spec.is_moe:
-            raise UserError(f"parallel.ep={ep}: {spec.name} is dense; expert parallelism needs a MoE model")
-        per_stage = world // (pp or 1)
-        if spec.num_experts % ep or per_stage % ep:
-            ok = ", ".join(str(e) for e in POWERS_OF_TWO if spec.num_experts % e == 0 and per_stage % e == 0)
-            raise UserError(
-                f"parallel.ep={ep} must divide the {spec.num_experts} experts and the {per_stage} GPUs "
-                f"per pipeline stage; valid ep: {ok}"
-            )
+    refuse(sizes, "megatron_ep")
     if is_rl and rollout_tp:
         problem = rollout_tp_problem(spec, rollout_tp) or (
             None if world % rollout_tp == 0 else f"{rollout_tp} does not divide the {world} GPUs"

@@ -351,3 +351,45 @@ def test_environment_prompt_suffix_goes_into_each_trajectorys_prompt(engine, tok
         assert t.prompt_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
         assert t.messages[0] == user
     assert rec.calls[0][0] == "continue" and rec.calls[0][1] == [t.prompt_ids for t in trajs]
+
+
+def test_the_streaming_pool_runs_the_loop_turn_by_turn_as_the_loop_does(engine, tokenizer):
+    """rlctl.agents.loop.TurnByTurn in the streaming pool (chunks of 5 tokens, tool calls in the pool's
+    threads, several groups in flight): greedy, every trajectory is the one AgentLoop.run samples in
+    lockstep: the same tokens, loss mask (0 on the tool turns), conversation, tool counts and environment
+    rewards; the behaviour log-probs are the pool's, 0 on the tool tokens."""
+    from rlctl.agents.loop import TurnByTurn
+    from rlctl.algos.admission import Admission
+    from rlctl.rollout import SamplingParams
+    from rlctl.rollout.streaming import PoolSettings, StreamingPool
+
+    greedy = SamplingParams(max_tokens=120, temperature=0.0, seed=3)
+    want = _loop(tokenizer, AddSpec()).run(engine, [_prompt(tokenizer)], 2, greedy)
+    spec, loop = AddSpec(), _loop(tokenizer, AddSpec())
+    loop.spec = spec
+
+    def prompts(k):
+        return None if k >= 3 else (k, _prompt(tokenizer).token_ids, [
+            TurnByTurn(loop, _prompt(tokenizer), spec.open({}), 0) for _ in range(2)])  # fmt: skip
+
+    adm = Admission(batch=1, max_staleness=2)
+    pool = StreamingPool(engine, adm, PoolSettings(2, 5, 120, 4, slots=8), greedy, prompts)
+    done = []
+    while len(done) < 3:
+        if (batch := adm.next_batch()) is not None:
+            adm.train(batch)
+        done += pool.step()
+    pool.close()
+    got = [
+        t.episode.finish(t.token_ids, t.mask, t.logprobs, t.finish_reason == "length")
+        for g in done
+        for t in g.trajectories
+    ]
+    assert all(ep.closed for ep in spec.episodes) and want[0].tool_calls == 1
+    for t in got:
+        w = want[0]
+        assert (t.token_ids, t.mask, t.messages) == (w.token_ids, w.mask, w.messages)
+        assert (t.turns, t.tool_calls, t.finish_reason) == (w.turns, w.tool_calls, w.finish_reason)
+        assert t.rewards == w.rewards
+        assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.mask) if not m)
+        assert t.logprobs == pytest.approx(w.logprobs, abs=1e-4)

@@ -7,6 +7,7 @@ labelled FAKE, and, where the library is installed, calls the library's own func
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -527,6 +528,12 @@ def test_sequence_parallel_attention_takes_flash_attn_where_installed(monkeypatc
     for attn in (None, "flash_attention_2"):
         assert FSDPEngine._attn(cuda, EngineSpec(sp=2, attn=attn)) == "flash_attention_2"
     assert FSDPEngine._attn(SimpleNamespace(device=torch.device("cpu")), EngineSpec(sp=2)) == "sdpa"
+    from rlctl.errors import UserError
+    from rlctl.support import JobFacts, problems
+
+    (eager,) = problems(JobFacts(sp=2, attn="eager"), "sp_attn")  # the planner's rule, asked by the engine too
+    with pytest.raises(UserError, match=f"^{re.escape(str(eager))}$"):
+        FSDPEngine._attn(cuda, EngineSpec(sp=2, attn="eager"))
 
     calls = []
     monkeypatch.setattr(varlen, "flash_varlen", lambda: _fake_flash_varlen(calls))
@@ -553,6 +560,57 @@ def test_sequence_parallel_attention_takes_flash_attn_where_installed(monkeypatc
     )
     ulysses.forward_logits(model, mb, dims, flash=True)
     assert calls and calls[0]["sequences"] == 1 and seen["out"].shape == (1, 8, 4, 16)
+
+
+def _sp_flash_rank(rank: int, init: str, kv_heads: int) -> None:
+    """One of 2 gloo ranks: the Ulysses attention of its half of two rows (packed documents; a prompt and
+    three responses sharing it), forward and backward, through the FAKE flash kernel and through sdpa."""
+    import torch.distributed as dist
+
+    from rlctl.engines import ulysses, varlen
+    from rlctl.engines.dims import sp_grid
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    calls: list = []
+    varlen.flash_varlen = lambda: _fake_flash_varlen(calls)  # FAKE: flash-attn needs CUDA
+    dims = sp_grid(2, "cpu")
+    docs, _ = _packed_blocks([5, 9, 7])
+    shared, length = _packed_blocks([4, 5, 6], prefix=6)
+    blocks = docs + [(1, *b[1:]) for b in shared]  # row 1: the prompt and its responses
+    g = torch.Generator().manual_seed(kv_heads)
+    q, k, v = (torch.randn(2, h, 22, 16, generator=g) for h in (4, kv_heads, kv_heads))  # 21 tokens, padded
+    grad_out = torch.randn(2, 22, 4, 16, generator=g)
+    full = [x[:, :, :length].clone().requires_grad_() for x in (q, k, v)]
+    want = _by_hand(*full, blocks, 0.25)  # every block alone on one process
+    (want * grad_out[:, :length]).sum().backward()
+    cols = slice(rank * 11, (rank + 1) * 11)
+    for flash in (True, False):
+        mine = [x[:, :, cols].clone().requires_grad_() for x in (q, k, v)]
+        out, _ = ulysses.attention(
+            None, *mine, None, scaling=0.25, rlctl_sp=dims, rlctl_blocks=blocks, rlctl_flash=flash
+        )
+        (out * grad_out[:, cols]).sum().backward()
+        pieces = [torch.empty_like(out) for _ in range(2)]
+        dist.all_gather(pieces, out.detach())
+        torch.testing.assert_close(torch.cat(pieces, 1)[:, :length], want.detach(), rtol=1e-5, atol=1e-6)
+        for got, ref in zip(mine, full):
+            ref_grad = torch.nn.functional.pad(ref.grad, (0, 0, 0, 22 - length))[:, :, cols]
+            torch.testing.assert_close(got.grad, ref_grad, rtol=1e-4, atol=1e-5)
+        assert bool(calls) == flash  # the flash call: one per forward, over both rows' blocks, 2 of the 4 heads
+        assert not calls or calls[0] == {"sequences": len(blocks), "max_q": 9, "max_k": 12, "causal": True}
+        calls.clear()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_sequence_parallel_flash_attention_equals_each_document_alone(kv_heads, tmp_path):
+    """model.attn=flash_attention_2 with --sp (rlctl.support.sp_attn allows it): after the all-to-all each of
+    2 ranks holds the whole sequence for half the heads, and flash-attn's varlen kernel gets the per-document
+    layout of the whole micro-batch (cu_seqlens from rlctl_blocks, not the shard's position_ids): outputs
+    and the q, k, v gradients of each rank's half equal every document computed alone on one process, as
+    the sdpa path does. 2 KV heads (one per rank) and 1 (repeated for both). (FAKE: the kernel, flash-attn's
+    documented semantics in torch; the all-to-alls are gloo's.)"""
+    torch.multiprocessing.spawn(_sp_flash_rank, args=(f"file://{tmp_path / 'init'}", kv_heads), nprocs=2, join=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -156,6 +156,44 @@ def _batch(device: str):
     )
 
 
+@pytest.mark.parametrize("arm", ["cpu-autocast", "cuda-autocast-sdpa"])
+def test_per_document_attention_under_bf16_autocast(monkeypatch, arm):
+    """On CUDA the policy's forward runs under bf16 autocast with float32 weights: q, k, v are float32 and
+    sdpa returns bf16. The blocks' outputs were copied into ``q.new_zeros`` (float32) with ``index_copy``:
+    CUDA autocast leaves index_copy alone and it refuses mixed dtypes, so the first GPU run of grpo-tools-hf
+    failed there (G4, docs/gpu.md). The zeros now take the kernels' dtype. Two arms: CPU autocast (sdpa
+    returns bf16, but CPU autocast promotes index_copy to float32, so the old code returned float32), and
+    sdpa FAKED as CUDA autocast runs it (inputs cast to bf16; no autocast around index_copy: the old code
+    raised the GPU run's error). Each document's attention computed alone with sdpa in bf16; padding zero."""
+    from rlctl.engines import varlen
+
+    real_sdpa = F.scaled_dot_product_attention
+    if arm == "cuda-autocast-sdpa":  # FAKE: what CUDA autocast does to sdpa's float32 inputs
+        bf16 = lambda *a, **kw: real_sdpa(*(x.bfloat16() for x in a), **kw)  # noqa: E731
+        monkeypatch.setattr(varlen.F, "scaled_dot_product_attention", bf16)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 14, 16, generator=g, requires_grad=True) for h in (4, 2, 2))
+    # row 0: two packed documents, then padding; row 1: a prompt and two responses that share it
+    blocks = [(0, 0, 5, 0, 0), (0, 5, 11, 0, 0), (1, 0, 4, 0, 0), (1, 4, 9, 0, 4), (1, 9, 14, 0, 4)]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=arm == "cpu-autocast"):
+        out, _ = varlen.attention(None, q, k, v, None, scaling=0.25, rlctl_blocks=blocks)
+    want = torch.zeros(2, 14, 4, 16, dtype=torch.bfloat16)
+    kk, vv = (x.detach().bfloat16().repeat_interleave(2, 1) for x in (k, v))
+    for row, start, end, p0, p1 in blocks:  # each document alone: its prompt (if any), then causal
+        keys = torch.cat([kk[row, :, p0:p1], kk[row, :, start:end]], 1)
+        values = torch.cat([vv[row, :, p0:p1], vv[row, :, start:end]], 1)
+        n = end - start
+        allowed = torch.ones(n, p1 - p0 + n, dtype=torch.bool)
+        allowed[:, p1 - p0 :] = torch.ones(n, n, dtype=torch.bool).tril()
+        query = q.detach().bfloat16()[row, :, start:end]
+        want[row, start:end] = real_sdpa(query, keys, values, attn_mask=allowed, scale=0.25).transpose(0, 1)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    assert not out[0, 11:].any()  # padding
+    out.float().sum().backward()
+    assert q.grad is not None and q.grad.dtype == torch.float32 and q.grad.abs().sum() > 0
+
+
 def test_the_rollout_batch_is_built_on_cuda():
     """FakeTensorMode (torch's fake tensors: "cuda" tensors with shapes and devices, no data): every tensor of a
     batch built for "cuda" is there, and a CPU tensor mixed in raises, as on a GPU."""

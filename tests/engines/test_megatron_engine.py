@@ -156,7 +156,7 @@ def test_layout_errors_name_what_would_work():
     cfg = _layout()
     with pytest.raises(UserError, match=r"tp=4: 4 does not divide the 2 KV heads .* valid tp: 1, 2"):
         check_megatron_layout(cfg, world=4, tp=4, pp=1)
-    with pytest.raises(UserError, match=r"pp=3 cannot split the model's 4 layers .*; valid pp: 1, 2, 4$"):
+    with pytest.raises(UserError, match=r"pp=3 cannot split the 4 layers .*; valid pp: 1, 2, 4$"):
         check_megatron_layout(cfg, world=3, tp=1, pp=3)
     with pytest.raises(UserError, match=r"ep=2: expert parallelism needs a MoE model"):
         check_megatron_layout(cfg, world=2, tp=1, pp=1, ep=2)
@@ -174,7 +174,7 @@ def test_pipeline_stages_put_the_remainder_on_a_shorter_last_stage():
     assert pipeline_stages(61, 16) == [4] * 15 + [1]  # 61 = 15 x 4 + 1
     assert pipeline_stages(64, 4) == [16] * 4 and pipeline_stages(5, 2) == [3, 2]
     assert layer_stages(5, 2) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
-    with pytest.raises(UserError, match=r"pp=4 cannot split the model's 6 layers.*valid pp: 1, 2, 3, 6$"):
+    with pytest.raises(UserError, match=r"pp=4 cannot split the 6 layers.*valid pp: 1, 2, 3, 6$"):
         pipeline_stages(6, 4)  # 2+2+2+0 leaves a stage empty, 1+1+1+3 makes the last stage longer
 
 

@@ -596,7 +596,8 @@ def test_fp32_on_cpu_has_no_cuda_context():
         (dict(method="kto"), "method"),
         (dict(gpus=2, backend="fsdp", tp=2), "fsdp"),
         (dict(gpus=6, backend="megatron", tp=4), "do not split"),
-        (dict(gpus=8, backend="megatron", pp=8), "pp 8"),
+        (dict(gpus=8, backend="megatron", pp=8), r"parallel.pp=8 cannot split the 28 layers of .*; valid pp: 1, 2"),
+        (dict(gpus=8, backend="megatron", ep=2), r"parallel.ep=2: .* is dense; expert parallelism needs a MoE"),
         (dict(gpus=8, rollout_tp=3), "rollout tp"),
     ],
 )

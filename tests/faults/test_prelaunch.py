@@ -155,6 +155,22 @@ def test_a_vision_language_model_with_rollout_procs_is_refused_before_launch(
         assert not out.exists()
 
 
+def test_a_vision_language_model_with_agent_tools_is_refused_before_launch(
+    monkeypatch, capsys, tiny_vl_model_dir, files, tmp_path
+):
+    """Was refused on the ranks after launch (rlctl.support.agent_vision, asked there too); the planner
+    knows the model is VL from its config."""
+    from tests.agents.conftest import TOOLS_FILE
+
+    tools, out = tmp_path / "tools.py", tmp_path / "run"
+    tools.write_text(TOOLS_FILE)
+    args = ["grpo", "--model", str(tiny_vl_model_dir), "--data", str(files / "rl.jsonl"), *RL, "--tools", str(tools)]
+    for extra in ([], ["--dry-run"]):
+        line = one_line_error(*rlctl(monkeypatch, capsys, *args, "-o", str(out), *extra))
+        assert "multi-turn agent runs (--tools / --env / --interaction) take text models only" in line, line
+        assert "drop the agent options" in line and not out.exists(), line
+
+
 # ---------------------------------------------------------------------------------------------
 # 5: file-system errors: one line, exit 2, for every command that writes
 

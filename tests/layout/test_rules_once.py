@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import ast
 import re
+import shutil
 import textwrap
 from pathlib import Path
 
 from rlctl.support import RULES
 
 PACKAGE = Path(__file__).resolve().parents[2] / "rlctl"
-HOME = {"support.py"}  # where the rules live
+HOME = "support"  # the package where the rules live
 ASKS = re.compile(r"\b(JobFacts|refuse|problems)\(")  # a statement that builds the facts or asks the table
 COMPOUND = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.FunctionDef, ast.ClassDef)
 
@@ -48,10 +49,10 @@ def units(source: str) -> list[str]:
 
 
 def restatements(root: Path) -> list[str]:
-    """``rule: module: code`` for every piece of code under ``root`` (but rlctl/support.py) that restates a rule."""
+    """``rule: module: code`` for every piece of code under ``root`` (but rlctl/support/) that restates a rule."""
     found = []
     for path in sorted(root.rglob("*.py")):
-        if path.relative_to(root).as_posix() in HOME:
+        if path.relative_to(root).parts[0] == HOME:
             continue
         for unit in units(path.read_text()):
             if ASKS.search(unit):
@@ -69,7 +70,7 @@ def test_every_rule_says_what_a_copy_looks_like():
 
 def test_no_module_restates_a_rule():
     found = restatements(PACKAGE)
-    assert not found, "restated outside rlctl/support.py (ask the rule instead):\n" + "\n".join(found)
+    assert not found, "restated outside rlctl/support/ (ask the rule instead):\n" + "\n".join(found)
 
 
 # The copies this table replaced, as they stood (one per rule): each is found again if someone re-adds it.
@@ -89,6 +90,18 @@ COPIES = {
     "megatron_forced": """
         if cfg.parallel.backend == "megatron":
             raise UserError(f"rlctl {cfg.method} runs on the FSDP engine: use --backend fsdp (or leave it to the plan)")
+    """,
+    "megatron_pp": """
+        if self.pp > 1 and pipeline_split(spec.num_layers, self.pp) is None:
+            raise UserError(f"pp {self.pp} cannot split {spec.num_layers} layers")
+    """,
+    "megatron_ep": """
+        if self.ep > 1 and (not spec.is_moe or spec.num_experts % self.ep or (self.gpus // self.pp) % self.ep):
+            raise UserError(f"ep {self.ep} must divide the experts ({spec.num_experts}) and the GPUs per stage")
+    """,
+    "agent_vision": """
+        if vision is not None and agent_spec is not None:
+            raise UserError("multi-turn agent runs take text models only; a vision-language model runs single-turn")
     """,
     "fsdp_layout": """
         if self.backend == "fsdp" and (self.tp, self.pp, self.ep, self.cp) != (1, 1, 1, 1):
@@ -140,10 +153,6 @@ COPIES = {
         if nodes > 1:
             problem = f"{flag} runs on one node ({nodes} given): use --nodes 1"
     """,
-    "split_agents": """
-        if cfg.rollout.procs and (cfg.agent.tools or cfg.agent.env):
-            problem = "no split with agents"
-    """,
     "split_rollout_tp": """
         if r.tp > 1:
             problem = f"{flag} runs one rollout engine per process (rollout.tp={r.tp}): use --rollout-tp 1"
@@ -160,6 +169,10 @@ COPIES = {
         if self.vision is not None and d.split is not None:
             raise UserError("--rollout-procs runs text models only (a vision-language model's images are not sent)")
     """,
+    "behaviour_weighed_twice": """
+        if facts.weighs_behaviour and a.rollout_correction in ("tis", "mis"):
+            raise UserError("decoupled and a rollout correction: each token weighted twice")
+    """,
     "split_sampling": """
         if cfg.rollout.procs and (facts.needs_greedy or a.dynamic_sampling):
             raise UserError("not with a split")
@@ -171,7 +184,7 @@ def test_a_copy_put_back_is_found(tmp_path):
     """Each rule's old copy, written into a module of a tree like rlctl's, is found and named; the tree
     without it is clean."""
     assert set(COPIES) == set(RULES), set(RULES) ^ set(COPIES)
-    (tmp_path / "support.py").write_text((PACKAGE / "support.py").read_text())  # the home itself is skipped
+    shutil.copytree(PACKAGE / HOME, tmp_path / HOME)  # the home itself is skipped
     (tmp_path / "plain.py").write_text("def f(x):\n    '''procs >= sp'''\n    return x\n")  # docstrings are prose
     assert restatements(tmp_path) == []
     for name, code in COPIES.items():

@@ -264,7 +264,7 @@ def test_overrides_are_honoured():
         ({"parallel": {"backend": "megatron", "sp": 2}}, r"parallel.sp=2 is the FSDP engine's; Megatron .* --cp$"),
         (
             {"model": {"name": "Qwen2.5-7B", "attn": "eager"}, "parallel": {"sp": 2}},
-            r"with sdpa, not eager; set model.attn=sdpa$",
+            r"varlen kernel or sdpa, not eager; set model.attn=flash_attention_2 or sdpa \(or leave it unset\)$",
         ),
         ({"parallel": {"sp": 2}, "rollout": {"procs": 2}}, r"parallel.sp=2 with rollout.procs=2 \(one-step"),
         ({"model": {"name": "Qwen2-VL-7B"}, "parallel": {"sp": 2}}, r"parallel.sp=2: Qwen2-VL-7B is a vision-language"),

@@ -37,8 +37,9 @@ def test_a_32k_response_is_planned_with_the_smallest_sp_that_fits_and_says_why()
     assert (p.backend, p.sp, p.dp, p.fits) == ("fsdp", 2, 4, True)
     assert not (p.offload_params or p.offload_optimizer or p.offload_activations)  # SP before any offload
     assert p.estimate.settings.sp == 2 and p.decided("parallel")["sp"] == 2
-    assert p.attn == "sdpa" and p.decided("model.attn") == "sdpa"  # the engine's attention under SP
-    assert not any("flash-attn" in w for w in p.warnings)
+    # under SP the engine runs flash-attn's varlen kernel per document where installed (else sdpa), as at sp 1
+    assert p.attn == "flash_attention_2" and p.decided("model.attn") == "flash_attention_2"
+    assert any(w.startswith("flash-attn is not installed here") for w in p.warnings)  # LAPTOP has none
     # the numbers in the reason are the estimator's at sp 1 and at sp 2; sp 1 does not fit with the margin
     one = training("Qwen2.5-7B", replace(p.estimate.settings, sp=1))
     assert one.total_bytes > 0.95 * resolve_gpu("H100-80GB").memory_bytes
@@ -89,7 +90,11 @@ def test_a_configured_sp_is_kept_and_checked():
     assert big.decided("parallel.backend") == "fsdp"
     assert any(r.startswith("backend fsdp: parallel.sp=2 is the FSDP engine's Ulysses") for r in big.reasons)
     flash = plan(QWEN_32K, model={"name": "Qwen2.5-7B", "attn": "flash_attention_2"})
-    assert flash.sp == 1  # the planner does not pick SP where the engine cannot run it
+    assert (flash.sp, flash.attn) == (2, "flash_attention_2")  # the engine runs flash-attn's kernel under SP
+    eager = plan(QWEN_32K, model={"name": "Qwen2.5-7B", "attn": "eager"})
+    assert eager.sp == 1  # the planner does not pick SP where the engine cannot run it (rlctl.support.sp_attn)
+    with pytest.raises(UserError, match=re.escape("parallel.sp=2 runs attention per document with flash-attn's")):
+        plan(QWEN_32K, model={"name": "Qwen2.5-7B", "attn": "eager"}, parallel={"sp": 2})
     vl = resolve_plan(
         cfg_for("sft", model={"name": "Qwen2.5-VL-7B"}, hardware=H100, train={"max_len": 65536}), local=LAPTOP
     )

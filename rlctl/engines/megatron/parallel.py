@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlctl.catalog.parallel import divisors, pipeline_split, tp_problem, valid_pps, valid_tps, world_problem
+from rlctl.catalog.parallel import divisors, pipeline_split, tp_problem, valid_tps, world_problem
 from rlctl.errors import UserError
+from rlctl.support import JobFacts, refuse
 
 #: CUDA_DEVICE_MAX_CONNECTIONS=1 makes the GPU run kernels in launch order, which megatron-core's
 #: overlap of TP / sequence-parallel communication with compute relies on.
@@ -80,14 +81,8 @@ def pipeline_stages(num_layers: int, pp: int) -> list[int]:
     """Decoder layers of each pipeline stage: even stages, or (when pp does not divide the layers) even
     stages and a last one with fewer, megatron-core's ``num_layers_in_last_pipeline_stage`` (61 layers
     in 16 stages: 15 x 4 + 1). UserError naming the valid pp when there is no such split."""
-    split = pipeline_split(num_layers, pp)
-    if split is None:
-        valid = valid_pps(num_layers)
-        raise UserError(
-            f"pp={pp} cannot split the model's {num_layers} layers into pipeline stages (even stages, "
-            f"the last may hold fewer); valid pp: {', '.join(map(str, valid))}"
-        )
-    return split
+    refuse(JobFacts(pp=pp, layers=num_layers), "megatron_pp")
+    return pipeline_split(num_layers, pp)
 
 
 def layer_stages(num_layers: int, pp: int) -> list[tuple[int, int]]:

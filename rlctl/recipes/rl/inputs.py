@@ -7,12 +7,11 @@ the path each rollout engine loads first. :func:`build_inputs` builds them once 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlctl.data.rl import RLData, build_rl_data
 from rlctl.data.sft import use_chat_template
 from rlctl.engines.base import ModelSource, load_tokenizer, load_vision_processor, model_source
-from rlctl.errors import UserError
 from rlctl.recipes.rl.stream import PromptStream
 from rlctl.recipes.rl.turns import load_agent
 from rlctl.rewards import needs_answer
@@ -39,9 +38,8 @@ def build_inputs(ctx: RunContext, log: Callable[[str], None]) -> RLInputs:
     tokenizer = use_chat_template(load_tokenizer(source), cfg)
     agent_spec = load_agent(cfg)
     vision = load_vision_processor(source, tokenizer)
-    if vision is not None and agent_spec is not None:
-        raise UserError("multi-turn agent runs take text models only; a vision-language model runs single-turn")
-    refuse(JobFacts(rollout_procs=cfg.rollout.procs, vision=vision is not None), "split_vision")
+    facts = JobFacts(model=cfg.model.name, vision=vision is not None, agent=agent_spec is not None)
+    refuse(replace(facts, rollout_procs=cfg.rollout.procs), "agent_vision", "split_vision")
     data = build_rl_data(
         cfg,
         tokenizer,

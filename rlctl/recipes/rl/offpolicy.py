@@ -35,6 +35,7 @@ import torch.distributed as dist
 from rlctl.config import RunConfig, save_every_steps
 from rlctl.recipes.rl.inputs import RLInputs
 from rlctl.recipes.rl.rollouts import PlannedPrompts
+from rlctl.recipes.rl.turns import make_agent_loop, run_agent
 from rlctl.runtime.dist import Split
 from rlctl.runtime.entry import RunContext
 
@@ -221,6 +222,16 @@ class RolloutWorker:
             )
         )
         self.mine = [i for i in range(self.split.trainers) if i % self.split.rollouts == d.rank]
+        # an agent run (--tools / --env / --interaction): the multi-turn loop over this process's engine
+        self.agent_spec = inputs.agent_spec
+        self.loop = make_agent_loop(cfg, inputs.agent_spec, inputs.tokenizer, self.engine, spec.tp)
+
+    def trajectories(self, prompts: list, sampling) -> list:
+        """``rollout.n`` samples of each of ``prompts`` (data rows): the engine's, or in an agent run the
+        loop's multi-turn trajectories (as a colocated run's rl.turns generates them)."""
+        if self.loop is not None:
+            return run_agent(self.loop, self.cfg, self.engine, prompts, self.cfg.rollout.n, sampling)
+        return self.engine.generate([p.token_ids for p in prompts], self.cfg.rollout.n, sampling) if prompts else []
 
     def load(self) -> None:
         """The weights trainer 0 broadcasts now."""
@@ -235,10 +246,10 @@ class RolloutWorker:
         works = []
         for i in self.mine:
             positions = rank_positions(len(indices), self.stream.mini_batch_size, i, trainers)
-            prompts = [self.data.train[indices[p]].token_ids for p in positions]
+            prompts = [self.data.train[indices[p]] for p in positions]
             sampling = sampling_params(self.cfg, step, i, trainers, temperature=self.cfg.rollout.temperature)
             began = time.perf_counter()
-            samples = self.engine.generate(prompts, self.cfg.rollout.n, sampling) if prompts else []
+            samples = self.trajectories(prompts, sampling)
             msg = {"step": step, "version": version, "samples": samples, "seconds": time.perf_counter() - began}
             works.append(send_object(self.split, msg, i))
         return works

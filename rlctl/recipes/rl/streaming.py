@@ -183,10 +183,13 @@ class StreamRollout:
         self.admission = Admission(self.batch, cfg.rollout.max_staleness, version=start)
         self.positions = trained.untrained()
         self.position_of: dict[int, int] = {}  # group index -> stream position
-        r = cfg.rollout
-        settings = PoolSettings(r.n, r.stream_chunk, r.max_response_len, 1, slots=max(64, r.n))
+        r, loop = cfg.rollout, self.worker.loop
+        turns = loop.settings.max_turns if loop is not None else 1
+        settings = PoolSettings(r.n, r.stream_chunk, r.max_response_len, turns, slots=max(64, r.n))
         sampling = sampling_params(cfg, start, 0, 1, temperature=r.temperature)
-        self.pool = StreamingPool(self.worker.engine, self.admission, settings, sampling, self._prompt)
+        # a thread per trajectory that may wait on a tool at once: every admitted one
+        tools = min(256, max(8, self.batch * (cfg.rollout.max_staleness + 1) * r.n))
+        self.pool = StreamingPool(self.worker.engine, self.admission, settings, sampling, self._prompt, tools=tools)
         self.pool.version = start
         self.finished: dict = {}
         self.outstanding: list[int] | None = None
@@ -198,7 +201,32 @@ class StreamRollout:
         pos = next(self.positions)
         self.position_of[k] = pos
         index = self.worker.stream.sampler.stream(pos, 1)[0]
-        return index, self.worker.data.train[index].token_ids, [OneTurn() for _ in range(self.cfg.rollout.n)]
+        prompt, n = self.worker.data.train[index], self.cfg.rollout.n
+        return index, prompt.token_ids, self._episodes(prompt, n)
+
+    def _episodes(self, prompt, n: int) -> list:
+        """A group's ``n`` episodes: single-turn, or the agent loop's trajectories turn by turn (their tool
+        calls run in the pool's threads while the others generate)."""
+        if self.worker.loop is None:
+            return [OneTurn() for _ in range(n)]
+        from rlctl.agents.loop import TurnByTurn
+        from rlctl.recipes.rl.turns import agent_prompt
+
+        spec, ask = self.worker.agent_spec, agent_prompt(self.cfg, prompt)
+        spec.prepare(n)
+        return [TurnByTurn(self.worker.loop, ask, spec.open(prompt.row), 0) for _ in range(n)]
+
+    def _sample(self, t, j: int):
+        """A finished trajectory as the trainers take it: the engine's sample (single-turn) or the agent
+        loop's :class:`~rlctl.agents.trajectory.Trajectory`; ``j`` its prompt among a trainer's."""
+        from rlctl.rollout.base import Sample
+
+        truncated = t.finish_reason == "length"
+        if isinstance(t.episode, OneTurn):
+            return Sample(j, t.token_ids, t.logprobs, "length" if truncated else "stop")
+        traj = t.episode.finish(t.token_ids, t.mask, t.logprobs, truncated)
+        traj.prompt_index = j
+        return traj
 
     def take_weights(self) -> None:
         """The weights trainer 0 broadcasts now: the batch sent is trained; running trajectories go on
@@ -215,7 +243,6 @@ class StreamRollout:
         """Send each trainer its share of the batch ``batch`` (group indices, oldest first)."""
         from rlctl.algos.admission import staleness_metrics
         from rlctl.recipes.rl.batch import rank_positions
-        from rlctl.rollout.base import Sample
         from rlctl.rollout.streaming import versions_per_trajectory
 
         groups = [self.finished.pop(i) for i in batch]
@@ -235,11 +262,7 @@ class StreamRollout:
         mini = self.worker.stream.mini_batch_size
         for i in range(trainers):
             mine = rank_positions(len(groups), mini, i, trainers)
-            samples = [
-                Sample(j, t.token_ids, t.logprobs, t.finish_reason if t.finish_reason == "length" else "stop")
-                for j, p in enumerate(mine)
-                for t in groups[p].trajectories
-            ]
+            samples = [self._sample(t, j) for j, p in enumerate(mine) for t in groups[p].trajectories]
             msg = {"step": self.sent, "indices": indices, "positions": positions, "samples": samples}
             self.works.append(send_object(self.split, msg | {"metrics": metrics}, i))
         self.outstanding, self.sent = batch, self.sent + 1
@@ -257,10 +280,12 @@ class StreamRollout:
                 if (batch := self.admission.next_batch()) is not None:
                     self.dispatch(batch)
                     continue
-            ticks = self.pool.ticks
-            for g in self.pool.step():
+            ticks, done = self.pool.ticks, self.pool.step()
+            for g in done:
                 self.finished[g.index] = g
-            if self.pool.ticks == ticks and not self.pool.running:  # nothing to generate: wait for the trainers
+            # nothing completed (groups whose last tool call just ended complete without a tick: they may
+            # make a batch), nothing to generate: wait for the trainers
+            if not done and self.pool.ticks == ticks and not self.pool.running:
                 began = time.perf_counter()
                 while not notices.ready():
                     time.sleep(0.002)

@@ -67,15 +67,18 @@ def make_agent_loop(cfg: RunConfig, spec, tokenizer, rollout, rollout_tp: int):
     return AgentLoop(spec, tokenizer, settings, stop_ids)
 
 
-def run_agent(loop, cfg: RunConfig, engine, prompts: list[Prompt], n: int, sampling) -> list:
-    """The ``n`` trajectories of each of ``prompts`` (prompt-major; ``prompt_index`` into ``prompts``)."""
+def agent_prompt(cfg: RunConfig, prompt: Prompt):
+    """``prompt`` as the agent loop takes it (:class:`rlctl.agents.loop.AgentPrompt`): ids, messages, row."""
     from rlctl.agents.loop import AgentPrompt
 
     d = cfg.data
-    agent_prompts = [
-        AgentPrompt(p.token_ids, prompt_messages(p.row[d.prompt_field], d.prompt_field, d.system_prompt), p.row)
-        for p in prompts
-    ]
+    messages = prompt_messages(prompt.row[d.prompt_field], d.prompt_field, d.system_prompt)
+    return AgentPrompt(prompt.token_ids, messages, prompt.row)
+
+
+def run_agent(loop, cfg: RunConfig, engine, prompts: list[Prompt], n: int, sampling) -> list:
+    """The ``n`` trajectories of each of ``prompts`` (prompt-major; ``prompt_index`` into ``prompts``)."""
+    agent_prompts = [agent_prompt(cfg, p) for p in prompts]
     return loop.run(engine, agent_prompts, n, sampling) if agent_prompts else []
 
 

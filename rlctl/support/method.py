@@ -1,0 +1,80 @@
+"""What a method runs with: a PPO critic, multi-turn agents and GRPO's sampled groups, by the model and the
+sampling; a policy loss with a rollout correction; on-policy distillation's full-vocabulary loss by the engine."""
+
+from __future__ import annotations
+
+from rlctl.support.table import JobFacts, Problem, rule
+
+
+@rule(
+    r"is_vl\s+and\s+[\w.]*method\s*==\s*'ppo'",
+    r"vision\s+and\s+role\s*==\s*'critic'",
+    r"cannot be a PPO critic|critic, which a vision",
+)
+def critic_vision(f: JobFacts) -> Problem | None:
+    if f.method == "ppo" and f.vision:
+        return Problem(
+            "critic_vision", "ppo trains a critic, which a vision-language model cannot be yet", "use grpo (no critic)"
+        )
+    return None
+
+
+@rule(
+    r"(is_vl|vision)\b[^,;]{0,30}\s+and\s+[\w.]*agent",
+    r"\bagent\w*[^,;]{0,30}\s+and\s+[\w.]*(is_vl|vision)\b",
+    r"take text models only",
+)
+def agent_vision(f: JobFacts) -> Problem | None:
+    """The agent loop's turns are text: a vision-language model's images are not carried across turns yet."""
+    if f.agent and f.vision:
+        return Problem(
+            "agent_vision",
+            f"multi-turn agent runs (--tools / --env / --interaction) take text models only: {f.model} is a "
+            "vision-language model, which runs single-turn",
+            "drop the agent options for this model",
+        )
+    return None
+
+
+@rule(r"'grpo'.{0,60}temperature\)?\s*==\s*0", r"temperature 0 with grpo")
+def greedy_groups(f: JobFacts) -> Problem | None:
+    """GRPO compares the samples of a prompt: greedy ones are all the same, every advantage 0."""
+    if f.method == "grpo" and f.temperature == 0.0 and f.samples > 1:
+        return Problem(
+            "greedy_groups",
+            "--temperature 0 with grpo: the n responses to a prompt are all the same greedy one, so every "
+            "advantage is 0 and nothing is learned",
+            "sample with --temperature 1.0 (0.6 or more)",
+        )
+    return None
+
+
+@rule(r"weighs_behaviour.{0,80}rollout_correction\s*in", r"would weigh each token twice")
+def behaviour_weighed_twice(f: JobFacts) -> Problem | None:
+    """Decoupled PPO weighs each token by proximal / behaviour, the ratio the rollout correction weighs by."""
+    if f.behaviour_loss and f.correction in ("tis", "mis"):
+        return Problem(
+            "behaviour_weighed_twice",
+            f"--policy-loss {f.behaviour_loss} weighs each token by proximal / behaviour itself; "
+            f"algo.rollout_correction={f.correction} would weigh each token twice",
+            "drop algo.rollout_correction (unset or none), or use --policy-loss ppo with it",
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# on-policy distillation (algo.distill, docs/distill.md)
+
+
+@rule(r"distill\s*==\s*'full'.{0,80}\b(sp|backend)\b")
+def distill_full_engine(f: JobFacts) -> Problem | None:
+    """The full-vocabulary reverse KL reads the teacher's and the student's whole logits in the FSDP engine's loss:
+    not Megatron's, not Ulysses' sharded logits."""
+    if f.distill == "full" and (f.sp > 1 or f.backend == "megatron"):
+        where = f"parallel.sp={f.sp}" if f.sp > 1 else "the Megatron backend"
+        return Problem(
+            "distill_full_engine",
+            f"algo.distill=full does not run on {where} yet",
+            "use --backend fsdp --sp 1, or algo.distill=sampled",
+        )
+    return None
