@@ -336,6 +336,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l kl-kind -x -a 'k1 abs
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l entropy-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l critic-lr -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l adv -x -a 'grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg remax'
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l policy-loss -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l loss-agg -x -a 'token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l clip-high -x
@@ -440,6 +441,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l kl-kind -x -a 'k1 abs 
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l entropy-coef -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l critic-lr -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l adv -x -a 'grpo rloo reinforce_pp gae grpo_passk reinforce_plus_plus_baseline opo gpg remax'
+complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l policy-loss -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l loss-agg -x -a 'token-mean seq-mean-token-sum seq-mean-token-mean seq-mean-token-sum-norm'
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-low -x
 complete -c rlctl -n '__fish_seen_subcommand_from ppo' -l clip-high -x

@@ -50,6 +50,8 @@ class JobFacts:
     temperature: float = 1.0  # rollout.temperature
     samples: int = 1  # rollout.n: samples per prompt
     sampling_only: str = ""  # what needs more than sampled rollouts ("algo.dynamic_sampling", "--adv remax")
+    behaviour_loss: str = ""  # a policy loss that weighs tokens by proximal / behaviour itself (decoupled), or ""
+    correction: str | None = None  # algo.rollout_correction as configured (None: the default)
     model: str = ""
     vision: bool = False  # a vision-language model
     heads: int = 0  # attention heads (0: unknown)
@@ -59,10 +61,11 @@ class JobFacts:
     def of(cls, cfg: RunConfig, *, world: int = 1, nodes: int = 1, spec: ModelSpec | None = None, **kw) -> JobFacts:
         """The facts of a configuration on ``world`` processes over ``nodes`` nodes (``spec``: its model);
         ``kw`` overrides (e.g. the planner's backend)."""
-        from rlctl.algos.registry import ADV_ESTIMATORS
+        from rlctl.algos.registry import ADV_ESTIMATORS, POLICY_LOSSES
 
         a, r = cfg.algo, cfg.rollout
         greedy = cfg.method in RL_METHODS and a.adv in ADV_ESTIMATORS and ADV_ESTIMATORS[a.adv].needs_greedy
+        loss = POLICY_LOSSES.get(a.policy_loss)
         facts = {
             **dict(method=cfg.method, world=world, nodes=nodes, backend=cfg.parallel.backend),
             **dict(dtype=cfg.model.dtype, precision=cfg.train.precision, shard=cfg.parallel.shard is not False),
@@ -73,6 +76,8 @@ class JobFacts:
             **dict(rollout_mode=r.mode, stream_chunk=r.stream_chunk),
             "agent": bool(cfg.agent.tools or cfg.agent.env or cfg.agent.interaction),
             "sampling_only": "algo.dynamic_sampling" if a.dynamic_sampling else f"--adv {a.adv}" if greedy else "",
+            "behaviour_loss": a.policy_loss if loss is not None and loss.weighs_behaviour else "",
+            "correction": a.rollout_correction,
             **(model_facts(spec) if spec is not None else {"model": cfg.model.name}),
         }
         return cls(**{**facts, **kw})
@@ -235,6 +240,19 @@ def greedy_groups(f: JobFacts) -> Problem | None:
             "--temperature 0 with grpo: the n responses to a prompt are all the same greedy one, so every "
             "advantage is 0 and nothing is learned",
             "sample with --temperature 1.0 (0.6 or more)",
+        )
+    return None
+
+
+@rule(r"weighs_behaviour.{0,80}rollout_correction\s*in", r"would weigh each token twice")
+def behaviour_weighed_twice(f: JobFacts) -> Problem | None:
+    """Decoupled PPO weighs each token by proximal / behaviour, the ratio the rollout correction weighs by."""
+    if f.behaviour_loss and f.correction in ("tis", "mis"):
+        return Problem(
+            "behaviour_weighed_twice",
+            f"--policy-loss {f.behaviour_loss} weighs each token by proximal / behaviour itself; "
+            f"algo.rollout_correction={f.correction} would weigh each token twice",
+            "drop algo.rollout_correction (unset or none), or use --policy-loss ppo with it",
         )
     return None
 

@@ -120,8 +120,9 @@ class PolicyLossContext:
     ``logp`` / ``old_logp`` / ``mask`` are ``[B, T]``; ``advantages`` ``[B, T]`` or ``[B]`` (one per
     sequence). The clip settings and ``agg`` are the resolved ones (the user's keys, else the loss's
     registered defaults); ``norm_len``, ``global_tokens`` and ``global_seqs`` the data-parallel denominators
-    (module docstring); ``is_weights`` the rollout-correction weights (None: off). A loss's own knobs
-    (``tau_pos``...) are its keyword arguments, with their defaults."""
+    (module docstring); ``is_weights`` the rollout-correction weights (None: off); ``behav_logp`` the rollout
+    engine's log-probs of the sampled tokens (the behaviour policy's; None where the caller has none). A loss's
+    own knobs (``tau_pos``...) are its keyword arguments, with their defaults."""
 
     logp: Tensor
     old_logp: Tensor
@@ -135,6 +136,7 @@ class PolicyLossContext:
     global_tokens: Count | None = None
     global_seqs: Count | None = None
     is_weights: Tensor | None = None
+    behav_logp: Tensor | None = None
 
     def reduce(self, per_token: Tensor) -> Tensor:
         """The loss's scalar: ``per_token`` :func:`weigh`-ed by ``is_weights``, then :func:`aggregate`-d."""

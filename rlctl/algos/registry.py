@@ -23,9 +23,10 @@ registered with ``needs_greedy``: remax.)
 
 Every policy loss: ``fn(ctx) -> (loss, metrics)`` on one :class:`rlctl.algos.losses.PolicyLossContext`
 (log-probs, advantages, mask, the resolved clip settings and aggregation, the denominators, the rollout
-correction's weights). A plugin written for the older keyword form, ``fn(logp, old_logp, advantages, mask, *,
-clip_low, clip_high, dual_clip, agg, norm_len, global_tokens, global_seqs[, is_weights])``, is told apart
-by its parameters when it registers and called that way (:func:`call_style`); any other form is refused.
+correction's weights, the behaviour log-probs). A plugin written for the older keyword form,
+``fn(logp, old_logp, advantages, mask, *, clip_low, clip_high, dual_clip, agg, norm_len, global_tokens,
+global_seqs[, is_weights])``, is told apart by its parameters when it registers and called that way
+(:func:`call_style`); any other form is refused.
 """
 
 from __future__ import annotations
@@ -110,6 +111,10 @@ class PolicyLoss:
     dual_clip: float | None
     agg: str
     style: CallStyle | None = None  # a callable's, told at registration; a "module:function"'s, on first use
+    # the loss weighs each token by proximal / behaviour itself (ctx.behav_logp: decoupled PPO), so the rollout
+    # correction, which weighs by the same ratio, stays off (rlctl.support.behaviour_weighed_twice)
+    weighs_behaviour: bool = False
+    metrics: tuple[str, ...] = ()  # the loss's own per-token-mean metrics, logged as pg/<name>
 
     @property
     def fn(self) -> Callable[..., Any]:
@@ -170,10 +175,19 @@ def register_adv_est(
 
 
 def register_policy_loss(
-    name: str, *, clip_low: float, clip_high: float, dual_clip: float | None, agg: str
+    name: str,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    agg: str,
+    weighs_behaviour: bool = False,
+    metrics: tuple[str, ...] = (),
 ) -> Callable:
     """Decorator: register a policy loss under ``name`` (the value of ``algo.policy_loss``) with its
-    defaults; ``agg`` is one of :data:`rlctl.names.LossAgg`."""
+    defaults; ``agg`` is one of :data:`rlctl.names.LossAgg`. ``weighs_behaviour``: the loss weighs tokens by
+    proximal / behaviour log-probs itself (the rollout correction is then off); ``metrics``: names of the
+    token means it returns besides ``clip_frac`` and ``approx_kl``, logged as ``pg/<name>``."""
     if agg not in choices(LossAgg):
         raise UserError(
             f"policy loss {name!r}: agg={agg!r} is not valid{did_you_mean(agg, choices(LossAgg))}; "
@@ -182,7 +196,8 @@ def register_policy_loss(
 
     def wrap(fn: Target) -> Target:
         style = call_style(fn, name) if callable(fn) else None
-        _add(POLICY_LOSSES, "algo.policy_loss", PolicyLoss(name, fn, clip_low, clip_high, dual_clip, agg, style))
+        entry = PolicyLoss(name, fn, clip_low, clip_high, dual_clip, agg, style, weighs_behaviour, tuple(metrics))
+        _add(POLICY_LOSSES, "algo.policy_loss", entry)
         return fn
 
     return wrap
@@ -261,6 +276,17 @@ register_policy_loss("kl_cov", clip_low=0.2, clip_high=0.2, dual_clip=None, agg=
 register_policy_loss("sapo", clip_low=0.2, clip_high=0.2, dual_clip=None, agg="seq-mean-token-mean")(
     f"{_PL}:sapo_policy_loss"
 )
+# streaming RL (docs/async.md): AReaL's decoupled PPO, clipped against the proximal policy, weighted by
+# proximal / behaviour
+register_policy_loss(
+    "decoupled",
+    clip_low=0.2,
+    clip_high=0.2,
+    dual_clip=None,
+    agg="token-mean",
+    weighs_behaviour=True,
+    metrics=("behav_w_mean", "behav_w_masked"),
+)("rlctl.algos.decoupled:decoupled_policy_loss")
 register_adv_est("grpo_passk", needs_groups=True)("rlctl.algos.estimators:grpo_passk_advantages")
 register_adv_est("reinforce_plus_plus_baseline", needs_groups=True)(
     "rlctl.algos.estimators:reinforce_pp_baseline_advantages"

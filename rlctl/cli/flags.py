@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from rlctl import names
 from rlctl.algos.preference import pref_loss_names
-from rlctl.algos.registry import adv_names
+from rlctl.algos.registry import adv_names, policy_loss_names
 from rlctl.names import describe
 
 SFT, GRPO, PPO, DPO, RM, ESTIMATE = "sft", "grpo", "ppo", "dpo", "rm", "estimate"
@@ -242,6 +242,8 @@ FLAGS: tuple[Flag, ...] = (
       "Learning rate of the critic (ppo)."),
     F("adv", "--adv", "algo.adv", RL_PANEL, RL,
       {GRPO: f"{' | '.join(adv_names(needs_critic=False))}.", PPO: f"{' | '.join(adv_names())}."}),
+    F("policy_loss", "--policy-loss", "algo.policy_loss", RL_PANEL, RL,
+      f"{' | '.join(policy_loss_names())} (decoupled: AReaL's, for --rollout-mode stream; docs/async.md)."),
     F("loss_agg", "--loss-agg", "algo.loss_agg", RL_PANEL, RL,
       f"{describe(names.LossAgg)}."),
     F("clip_low", "--clip-low", "algo.clip_low", RL_PANEL, RL,

@@ -58,7 +58,7 @@ def check_algorithm(cfg: RunConfig) -> None:
         )
     if facts.needs_groups and n < 2:
         raise UserError(f"--adv {a.adv} compares the samples of a prompt; set rollout.n >= 2 (e.g. --n 8)")
-    refuse(JobFacts.of(cfg), "split_sampling")
+    refuse(JobFacts.of(cfg), "split_sampling", "behaviour_weighed_twice")
 
 
 def check_correction(cfg: RunConfig) -> None:

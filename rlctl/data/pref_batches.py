@@ -9,7 +9,11 @@ each sequence's own first response token) is a document of its own, then each se
 positions it has alone, attending to that prompt and causally to itself. Every response token sees exactly
 the keys it sees alone, so its log-prob is the same (the prompt's gradient is the sum of both sequences');
 the prompt's tokens are computed once, not once per sequence. The tokens after a sequence's last labelled
-position (:func:`answer_end`) are left out: they change no log-prob."""
+position (:func:`answer_end`) are left out: they change no log-prob.
+
+With ``keep_labelled`` (dpo's log-probs), a micro-batch's ``keep_cols`` are the columns that carry a label
+(:func:`labelled_columns`): the engine computes the LM head (and the loss its log-softmax) there only, as for
+an RL micro-batch (``logits_to_keep``); the prompt's positions, bar the last, run no head."""
 
 from __future__ import annotations
 
@@ -64,6 +68,14 @@ def answer_end(s: Example) -> int:
     return int(labelled[-1]) + 1 if labelled.size else 0
 
 
+def labelled_columns(labels: torch.Tensor) -> torch.Tensor:
+    """The columns of ``labels`` ``[B, T]`` where some row has a label (``labels[:, t]`` is the token that
+    position ``t`` predicts, already shifted): the only ones whose logits a log-prob reads (at least one, so
+    that the head stays in the graph)."""
+    cols = torch.nonzero((labels != IGNORE).any(0)).flatten()
+    return cols if cols.numel() else torch.zeros(1, dtype=torch.long)
+
+
 def collate_shared(units: Sequence[Unit], which: Sequence[int], pad_id: int) -> UnitMicroBatch:
     """One packed row of ``units``, each unit's shared prompt once (module docstring), with the ``blocks``
     (:data:`rlctl.engines.varlen.Block`) that say what attends to what."""
@@ -100,8 +112,21 @@ def collate_shared(units: Sequence[Unit], which: Sequence[int], pad_id: int) -> 
 
 
 def collate_units(
-    units: Sequence[Unit], which: Sequence[int], *, packing: bool, pad_id: int, share_prompt: bool = False
+    units: Sequence[Unit],
+    which: Sequence[int],
+    *,
+    packing: bool,
+    pad_id: int,
+    share_prompt: bool = False,
+    keep_labelled: bool = False,
 ) -> UnitMicroBatch:
+    mb = _collate(units, which, packing=packing, pad_id=pad_id, share_prompt=share_prompt)
+    if keep_labelled:
+        mb.keep_cols = labelled_columns(mb.labels)
+    return mb
+
+
+def _collate(units: Sequence[Unit], which: Sequence[int], *, packing: bool, pad_id: int, share_prompt: bool):
     if packing and share_prompt:
         return collate_shared(units, which, pad_id)
     seqs = [s for u in units for s in u.seqs]
@@ -131,10 +156,12 @@ def unit_micro_batches(
     pad_id: int,
     per_micro: int,
     share_prompt: bool = False,
+    keep_labelled: bool = False,
 ) -> list[MicroBatch]:
     """This rank's micro-batches of ``units`` (a step's batch): whole units each, ``ceil(groups / world)`` on
     every rank (dummies where a rank is short: FSDP's collectives need the same count); ``share_prompt``: each
-    unit's prompt once where packed (:func:`collate_shared`)."""
+    unit's prompt once where packed (:func:`collate_shared`); ``keep_labelled``: the logits at the labelled
+    columns only (:func:`labelled_columns`)."""
     groups = group_micro_batches([len(u) for u in units], packing=packing, budget=budget, micro_batch_size=per_micro)
     out: list[MicroBatch] = []
     for k in range(max(1, math.ceil(len(groups) / world))):
@@ -142,8 +169,13 @@ def unit_micro_batches(
         if g < len(groups):
             out.append(
                 collate_units(
-                    [units[i] for i in groups[g]], groups[g], packing=packing, pad_id=pad_id, share_prompt=share_prompt
-                )
+                    [units[i] for i in groups[g]],
+                    groups[g],
+                    packing=packing,
+                    pad_id=pad_id,
+                    share_prompt=share_prompt,
+                    keep_labelled=keep_labelled,
+                )  # fmt: skip
             )
         else:
             out.append(dummy_micro_batch(pad_id))

@@ -46,15 +46,23 @@ from rlctl.runtime.fit import fit
 
 def sequence_logps(output, mb) -> torch.Tensor:
     """Each sequence's summed log-prob of its labelled tokens ``[S]`` (0 for a dummy micro-batch, kept in the
-    graph so that every rank runs a backward)."""
+    graph so that every rank runs a backward). Where ``mb.keep_cols`` is set the engine computed the logits at
+    those columns only (the labelled ones, :func:`rlctl.data.pref_batches.labelled_columns`): their labels
+    and sequences are read at the same columns."""
+    labels, seq_of = mb.labels, getattr(mb, "seq_of_token", None)
+    if isinstance(mb, UnitMicroBatch) and mb.keep_cols is not None:
+        cols = mb.keep_cols
+        labels, seq_of = labels[:, cols], seq_of.view(mb.labels.shape)[:, cols].reshape(-1)
+        if isinstance(output, torch.Tensor) and output.shape[1] != cols.numel():  # an engine that kept every column
+            output = output[:, cols]
     tokens = position_tokens(
-        output, mb.labels, lambda rows, lab: -F.cross_entropy(rows.float(), lab, reduction="none", ignore_index=IGNORE)
+        output, labels, lambda rows, lab: -F.cross_entropy(rows.float(), lab, reduction="none", ignore_index=IGNORE)
     )
     if not isinstance(mb, UnitMicroBatch):
         return tokens.sum()[None] * 0.0
-    keep = mb.seq_of_token >= 0
+    keep = seq_of >= 0
     out = torch.zeros(len(mb.seq_len), dtype=tokens.dtype, device=tokens.device)
-    return out.index_add(0, mb.seq_of_token[keep], tokens[keep])
+    return out.index_add(0, seq_of[keep], tokens[keep])
 
 
 @contextlib.contextmanager
@@ -99,7 +107,7 @@ class Reference:
         bs = self.cfg.train.batch_size
         for k in range(0, len(units), bs):
             units_k = [Unit(_seqs(u)) for u in units[k : k + bs]]
-            micro = micro_batches(self.cfg, units_k, self.engine, self.pad_id, share_prompt=True)
+            micro = micro_batches(self.cfg, units_k, self.engine, self.pad_id, share_prompt=True, keep_labelled=True)
             for mb, logps in zip(micro, self.forward(micro)):
                 if isinstance(mb, UnitMicroBatch):
                     out[[k + i for i in mb.units]] = logps.view(len(mb.units), -1).double()
@@ -127,6 +135,7 @@ class DPOTrainer(UnitTrainer):
         "rejected_rows",
     )
     SHARE_PROMPT = True  # a pair's prompt computed once (rlctl.data.pref_batches.collate_shared)
+    KEEP_LABELLED = True  # the LM head and its log-softmax at the answer positions only
 
     def __init__(
         self, ctx: RunContext, engine: TrainEngine, data: PrefData, loss: PrefLoss, *, pad_id: int,

@@ -26,13 +26,17 @@ from rlctl.runtime.dist import all_reduce_sum
 from rlctl.runtime.entry import RunContext
 
 
-def micro_batches(cfg, units: list[Unit], engine: TrainEngine, pad_id: int, *, share_prompt: bool = False) -> list:
+def micro_batches(
+    cfg, units: list[Unit], engine: TrainEngine, pad_id: int, *, share_prompt: bool = False, keep_labelled: bool = False
+) -> list:
     """This replica's micro-batches of ``units`` (whole units each; packed, at most
     :func:`rlctl.config.algorithm.pair_budget` tokens), on the engine's device; ``share_prompt``: a unit's
-    prompt once, where the engine runs shared-prefix blocks (:func:`rlctl.data.pref_batches.collate_shared`)."""
+    prompt once, where the engine runs shared-prefix blocks (:func:`rlctl.data.pref_batches.collate_shared`);
+    ``keep_labelled``: the LM head at the labelled positions only (a language model's log-probs, not a score)."""
     micro = unit_micro_batches(
         units, engine.dp_rank, engine.dp_size, packing=cfg.data.packing, budget=pair_budget(cfg), pad_id=pad_id,
         per_micro=cfg.train.micro_batch_size or 1, share_prompt=share_prompt and engine.shares_prefix,
+        keep_labelled=keep_labelled,
     )  # fmt: skip
     return [mb.to(engine.device) for mb in micro]
 
@@ -43,6 +47,7 @@ class UnitTrainer:
 
     SUMS: tuple[str, ...] = ()
     SHARE_PROMPT = False  # a unit's sequences hold their common prompt once (micro_batches)
+    KEEP_LABELLED = False  # the logits at the labelled positions only (micro_batches)
 
     def __init__(self, ctx: RunContext, engine: TrainEngine, data: PrefData, *, pad_id: int):
         cfg = ctx.cfg
@@ -66,7 +71,14 @@ class UnitTrainer:
         return bool(self.data.val)
 
     def micro_batches(self, units: list[Unit]):
-        return micro_batches(self.ctx.cfg, units, self.engine, self.pad_id, share_prompt=self.SHARE_PROMPT)
+        return micro_batches(
+            self.ctx.cfg,
+            units,
+            self.engine,
+            self.pad_id,
+            share_prompt=self.SHARE_PROMPT,
+            keep_labelled=self.KEEP_LABELLED,
+        )
 
     def sum_over_replicas(self, results: list[torch.Tensor]) -> dict[str, float]:
         local = torch.stack([r.double() for r in results]).sum(0).tolist() if results else [0.0] * len(self.SUMS)

@@ -8,7 +8,9 @@ boundary; the calls into SGLang follow its documented offline-engine API:
 * ``Engine.generate(input_ids=..., sampling_params=..., return_logprob=True)`` returns one dict
   per request with ``meta_info["output_token_logprobs"]`` (``(logprob, token_id, text)`` per
   generated token, the stop token included) and ``meta_info["finish_reason"]["type"]``;
-* ``Engine.update_weights_from_tensor(named_tensors, flush_cache=...)`` and ``Engine.flush_cache()``;
+* ``Engine.update_weights_from_tensor(named_tensors, flush_cache=...)`` and ``Engine.flush_cache()``
+  (which does nothing while a request is queued or running and answers ``success=False``: the adapter
+  raises then, ``Scheduler.flush_cache``);
   from 0.5.23 the updates must run inside a session, ``begin_weight_update()`` ...
   ``end_weight_update()`` (the scheduler refuses them otherwise,
   ``managers/scheduler_components/weight_updater.py``); 0.5.20 has no such methods. The adapter opens a
@@ -163,7 +165,7 @@ class SGLangRolloutEngine(RolloutEngine):
             if session:
                 _raise_unless_ok(self._engine.end_weight_update())
         if self.kv_state == KVState.RESIDENT:  # (a released KV cache holds nothing; waking it flushes)
-            self._engine.flush_cache()
+            _raise_unless_flushed(self._engine.flush_cache())
 
     def _release(self, tags: tuple[str, ...]) -> None:
         self._engine.release_memory_occupation(tags=list(tags))
@@ -171,7 +173,7 @@ class SGLangRolloutEngine(RolloutEngine):
     def _resume(self, tags: tuple[str, ...]) -> None:
         self._engine.resume_memory_occupation(tags=list(tags))
         if "kv_cache" in tags:  # nothing cached from before the sleep (or the last sync) may be reused
-            self._engine.flush_cache()
+            _raise_unless_flushed(self._engine.flush_cache())
 
     def close(self) -> None:
         if self._engine is not None:
@@ -278,3 +280,12 @@ def _raise_unless_ok(result: Any) -> None:
     """SGLang answers weight updates with (success, message)."""
     if isinstance(result, tuple) and result and result[0] is False:
         raise RuntimeError(f"SGLang rejected the weight update: {result[1] if len(result) > 1 else ''}")
+
+
+def _raise_unless_flushed(result: Any) -> None:
+    """SGLang's ``flush_cache`` does nothing while a request is queued or running and answers
+    ``FlushCacheReqOutput(success=False)`` (``Scheduler.flush_cache``: "Cache not flushed because there are
+    pending requests"); the radix cache would then serve keys and values of the old weights."""
+    ok = result.success if hasattr(result, "success") else result is not False
+    if not ok:
+        raise RuntimeError(f"SGLang kept its radix cache after a weight update: {getattr(result, 'message', '')}")

@@ -22,8 +22,10 @@ no policy's forward reproduces, so the recorded log-prob would not be any policy
 weights would be wrong by an unknown amount (PipelineRL keeps them and accepts that; AReaL and verl's
 partial rollout recompute). The hf engine keeps each trajectory's keys and values between ticks inside a
 session (:meth:`~rlctl.rollout.base.RolloutEngine.start_session`) and the pool ends the session at every
-swap, so the first tick after it prefills each trajectory with the new weights. vLLM / SGLang: the same
-by aborting and resubmitting with the prefix; their prefix caches are reset by their weight update.
+swap, so the first tick after it prefills each trajectory with the new weights. vLLM / SGLang: every tick
+resubmits each trajectory's prefix as a new request (what verl's partial rollout does after an abort); their
+prefix caches serve the prefix within a version and are reset by their weight update, which raises if the
+engine refuses the reset (tests/rollout/test_streaming_vllm.py runs a real vLLM; docs/async.md).
 """
 
 from __future__ import annotations

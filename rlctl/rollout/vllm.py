@@ -22,7 +22,9 @@ How the pieces map onto vLLM (checked against vLLM 0.32):
   ``LogitsProcessor`` classes and runs custom processors before temperature.
 * Weight updates go through the worker's ``reload_weights`` (vLLM's in-place reload, which re-runs
   the per-layer post-load processing, e.g. the CPU backend's weight packing), then the prefix cache
-  is reset.
+  is reset; vLLM refuses the reset while a request holds blocks (``v1/core/block_pool.py``), and the
+  update then raises rather than let the old weights' cached keys serve the next request (streaming
+  resubmits each trajectory's prefix every tick, docs/async.md).
 * vLLM writes to ``os.environ`` while it starts (``LD_PRELOAD``, ``LOCAL_WORLD_SIZE``, ...); we
   restore the caller's environment afterwards. Its shutdown destroys torch's default process group,
   which belongs to the trainer when colocated, so :meth:`close` keeps it.
@@ -213,8 +215,11 @@ class VLLMRolloutEngine(RolloutEngine):
         self._llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": iter(named_tensors), "is_checkpoint_format": True}
         )
-        if self.kv_state == KVState.RESIDENT:  # (sleep already reset it)
-            self._llm.reset_prefix_cache()
+        # Every cached block was computed by the old weights: a later request (a stream's continuation, a
+        # prompt seen before) would reuse them. vLLM resets only when no request holds a block (offline
+        # LLM: none runs between generate calls) and says so with False: stale keys would then be reused.
+        if self.kv_state == KVState.RESIDENT and not self._llm.reset_prefix_cache():  # (sleep already reset it)
+            raise RuntimeError("vLLM kept its prefix cache after a weight update: a request still holds blocks")
 
     def _release(self, tags: tuple[str, ...]) -> None:
         # level 2: weights and KV cache discarded (level 1 would keep a host copy of weights that the

@@ -45,3 +45,79 @@ def test_staleness_metrics():
     m = staleness_metrics([0, 1, 1, 2], [1, 2], idle_trainer_s=0.5, idle_rollout_s=0.0, queue_groups=3, max_staleness=2)
     assert m["async/staleness"] == 1.0 and m["async/staleness_max"] == 2.0
     assert m["async/staleness_hist/1"] == 0.5 and m["async/versions_per_trajectory"] == 1.5
+
+
+def areal_loss(lp, prox, behav, adv, mask, *, eps=0.2, eps_high=0.28, c_clip=3.0, cap=5.0):
+    """AReaL's ppo_actor_loss_fn (decoupled: proximal_logprobs given), written token by token in plain Python:
+    ratio against the proximal policy, PPO clip, dual clip min(pg, sign(A) c A), the behaviour weight
+    exp(prox - behav) zeroed above the cap, then the sum over loss-mask tokens / their count."""
+    total, count = 0.0, 0
+    for i in range(len(lp)):
+        for j in range(len(lp[i])):
+            if not mask[i][j]:
+                continue
+            a = adv[i][j]
+            r = math.exp(lp[i][j] - prox[i][j])
+            pg = max(-a * r, -a * min(max(r, 1 - eps), 1 + eps_high))
+            pg = min(pg, math.copysign(1.0, a) * c_clip * a)
+            w = math.exp(prox[i][j] - behav[i][j])
+            total += (0.0 if w > cap else w) * pg
+            count += 1
+    return total / count
+
+
+def test_registered_loss_is_areals_formula_aggregated():
+    """algo.policy_loss=decoupled through the registry, on fixed tensors: the scalar equals AReaL's loss by
+    hand (token-mean over the mask, dual clip 3, clip-higher 0.28), and the gradient flows through logp only."""
+    from rlctl.algos import PolicyLossContext, get_policy_loss
+
+    g = torch.Generator().manual_seed(1)
+    lp = (torch.randn(3, 6, generator=g, dtype=torch.float64) * 0.6).requires_grad_()
+    prox, behav = (torch.randn(3, 6, generator=g, dtype=torch.float64) * 0.8 for _ in range(2))
+    adv = torch.randn(3, 6, generator=g, dtype=torch.float64) * 2
+    mask = torch.ones(3, 6)
+    mask[1, 4:] = 0
+    ctx = PolicyLossContext(
+        lp, prox, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip=3.0, agg="token-mean", behav_logp=behav
+    )
+    loss, m = get_policy_loss("decoupled").fn(ctx)
+    want = areal_loss(lp.tolist(), prox.tolist(), behav.tolist(), adv.tolist(), mask.tolist(), eps_high=0.28)
+    assert math.isclose(loss.item(), want, rel_tol=1e-12)
+    assert 0 < m["behav_w_masked"] < 1 and m["dual_clip_frac"] > 0  # the draw reaches the cap and the dual clip
+    loss.backward()
+    assert lp.grad is not None and prox.grad is None and behav.grad is None
+
+
+def test_registered_loss_with_fresh_samples_is_ppo():
+    """behaviour = proximal: every weight is 1, and the loss equals the ppo loss with the same settings."""
+    from rlctl.algos import PolicyLossContext, get_policy_loss
+
+    g = torch.Generator().manual_seed(2)
+    lp, old = (torch.randn(2, 5, generator=g) for _ in range(2))
+    adv, mask = torch.randn(2, 5, generator=g), torch.ones(2, 5)
+    kw = dict(clip_low=0.2, clip_high=0.2, dual_clip=3.0, agg="seq-mean-token-mean")
+    ours, m = get_policy_loss("decoupled").fn(PolicyLossContext(lp, old, adv, mask, **kw, behav_logp=old))
+    ppo, _ = get_policy_loss("ppo").fn(PolicyLossContext(lp, old, adv, mask, **kw))
+    assert torch.allclose(ours, ppo) and m["behav_w_mean"] == 1.0
+
+
+def test_decoupled_needs_behaviour_and_turns_the_default_correction_off():
+    """Without behav_logp: a one-line error. The rollout correction's default (tis for stale batches) is off
+    for decoupled; an explicit one is refused before launch (each token would be weighted twice)."""
+    import pytest
+
+    from rlctl.algos import PolicyLossContext, get_policy_loss
+    from rlctl.algos.correction import correction_for
+    from rlctl.errors import UserError
+    from rlctl.support import JobFacts, refuse
+
+    t = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="behav_logp"):
+        get_policy_loss("decoupled").fn(PolicyLossContext(t, t, t, torch.ones(1, 2)))
+    kw = dict(level="token", upper=2.0, lower=None, reject=None, off_policy=True)
+    assert correction_for(None, "hf", **kw) is not None
+    assert correction_for(None, "vllm", **kw, loss_weighs_behaviour=True) is None
+    refuse(JobFacts(behaviour_loss="decoupled", correction="none"), "behaviour_weighed_twice")
+    refuse(JobFacts(behaviour_loss="", correction="tis"), "behaviour_weighed_twice")
+    with pytest.raises(UserError, match="would weigh each token twice; drop algo.rollout_correction"):
+        refuse(JobFacts(behaviour_loss="decoupled", correction="mis"), "behaviour_weighed_twice")

@@ -114,10 +114,11 @@ def test_pairs_tokenize_like_sft_and_kto_rows_get_mismatched_kl_rows(tiny_model_
     assert [u.label for u in kto.train] == [True, False, True]
 
 
-@pytest.mark.parametrize("packing", [True, False])
-def test_packed_pairs_give_each_sequences_own_logps(packing, tiny_model_dir, tmp_path, process_group):
+@pytest.mark.parametrize("packing, keep", [(True, False), (False, False), (True, True), (False, True)])
+def test_packed_pairs_give_each_sequences_own_logps(packing, keep, tiny_model_dir, tmp_path, process_group):
     """A micro-batch of two pairs, packed in one row (or padded, one row each): every sequence's summed response
-    log-prob equals a plain forward of that sequence alone (per-document attention, positions restarting at 0)."""
+    log-prob equals a plain forward of that sequence alone (per-document attention, positions restarting at 0),
+    also through the engine with the LM head at the labelled columns only (``keep``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlctl.data.pref_batches import unit_micro_batches
@@ -128,8 +129,11 @@ def test_packed_pairs_give_each_sequences_own_logps(packing, tiny_model_dir, tmp
     cfg = _cfg(tiny_model_dir, write_jsonl(tmp_path / "p.jsonl", format_pairs(2)), **{"model.attn": "sdpa"})
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     units = build_pref_data(cfg, tok, paired=True, loss="x").train
-    (mb,) = unit_micro_batches(units, 0, 1, packing=packing, budget=1024, pad_id=tok.pad_token_id, per_micro=2)
+    (mb,) = unit_micro_batches(
+        units, 0, 1, packing=packing, budget=1024, pad_id=tok.pad_token_id, per_micro=2, keep_labelled=keep
+    )
     assert mb.input_ids.shape[0] == (1 if packing else 4) and mb.units == [0, 1]  # both pairs in one micro-batch
+    assert (mb.keep_cols is not None) == keep
     engine = FSDPEngine(cpu_spec(cfg), role="ref", trainable=False)
     (packed,) = engine.forward_backward([mb], lambda out, m: (None, sequence_logps(out, m)), forward_only=True)
 
@@ -230,3 +234,86 @@ def test_a_pairs_shared_prompt_gives_the_gradients_of_the_unshared_packing(tiny_
     old, new = grads(False), grads(True)
     assert max(float((a - b).abs().max() / (a.abs().max() + 1e-12)) for a, b in zip(old, new)) < 1e-4
     assert all(float(g.abs().max()) > 0 for g in old[:3])  # the gradient reaches the embeddings and layers
+
+
+def _keep_units(kind: str, tok, tiny_model_dir, tmp_path) -> list:
+    """Three pairs, or three KTO rows each with its mismatched KL row (as the reference pass holds them)."""
+    from rlctl.data.preference import Unit
+
+    if kind == "pairs":
+        cfg = _cfg(tiny_model_dir, write_jsonl(tmp_path / "p.jsonl", format_pairs(3)))
+        return build_pref_data(cfg, tok, paired=True, loss="x").train
+    rows = [
+        {"prompt": f"What is {i} + 4?", "completion": f"The answer is {i + 4}.", "label": i % 2 == 0} for i in range(3)
+    ]
+    kto = build_pref_data(_cfg(tiny_model_dir, write_jsonl(tmp_path / "k.jsonl", rows)), tok, paired=False, loss="k")
+    return [Unit((u.seqs[0], u.kl_seq)) for u in kto.train]
+
+
+@pytest.mark.parametrize(
+    "kind, layout", [("pairs", "shared"), ("pairs", "packed"), ("pairs", "padded"), ("kto", "shared")]
+)
+def test_the_lm_head_at_the_labelled_columns_only_gives_the_full_logits_log_probs_loss_and_gradients(
+    kind, layout, tiny_model_dir, tmp_path
+):
+    """``keep_labelled``: the model's LM head runs at the labelled columns only (``logits_to_keep``; the label
+    of position t is token t+1, so the last prompt token is kept and the last answer token is not). Each
+    sequence's log-prob, the DPO loss and every parameter's gradient equal the full logits' (fp32), and a plain
+    forward of each sequence alone; the kept columns one off give other log-probs (what an off-by-one would)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlctl.algos.preference import get_pref_loss
+    from rlctl.algos.preference_losses import PrefInputs
+    from rlctl.data.pref_batches import unit_micro_batches
+    from rlctl.engines import varlen
+    from rlctl.recipes.dpo import sequence_logps
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    units = _keep_units(kind, tok, tiny_model_dir, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32, attn_implementation="sdpa")
+    varlen.install(hf.config)
+    head_rows = []
+    hf.lm_head.register_forward_hook(lambda m, args, out: head_rows.append(args[0].shape[:2]))
+
+    def run(keep: bool, shift: int = 0):
+        (mb,) = unit_micro_batches(
+            units, 0, 1, packing=layout != "padded", budget=4096, pad_id=tok.pad_token_id, per_micro=3,
+            share_prompt=layout == "shared", keep_labelled=keep,
+        )  # fmt: skip
+        kwargs = {"attention_mask": mb.attention_mask}
+        if mb.blocks is not None:
+            kwargs = varlen.attention_kwargs(mb.blocks, mb.input_ids)
+        elif layout == "packed":
+            kwargs = varlen.attention_kwargs(varlen.blocks_from_positions(mb.position_ids), mb.input_ids)
+        if keep:
+            mb.keep_cols = (mb.keep_cols + shift).clamp(max=mb.input_ids.shape[1] - 1)
+            kwargs["logits_to_keep"] = mb.keep_cols
+        hf.zero_grad()
+        out = hf(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False, **kwargs).logits
+        logps = sequence_logps(out, mb)
+        k = len(logps) // 2
+        ref = torch.linspace(-30.0, -10.0, 2 * k)
+        b = PrefInputs(logps[0::2], logps[1::2], mb.seq_len[0::2], mb.seq_len[1::2], ref[0::2], ref[1::2])
+        loss = get_pref_loss("sigmoid").fn(b, beta=0.1, label_smoothing=0.0, gamma=0.0)[0].sum()
+        loss.backward()
+        return logps.detach(), loss.detach(), [p.grad.clone() for p in hf.parameters()], mb
+
+    full_logps, full_loss, full_grads, mb_full = run(False)
+    logps, loss, grads, mb = run(True)
+    width, kept = mb.input_ids.shape[1], mb.keep_cols.numel()
+    assert head_rows[0][1] == width and head_rows[1][1] == kept < width  # the head ran at the kept columns only
+    assert torch.equal(mb.keep_cols, torch.nonzero((mb.labels >= 0).any(0)).flatten())
+    assert logps.tolist() == pytest.approx(full_logps.tolist(), abs=1e-5)
+    assert float(loss) == pytest.approx(float(full_loss), abs=1e-5)
+    assert max(float((a - b).abs().max() / (a.abs().max() + 1e-12)) for a, b in zip(full_grads, grads)) < 1e-5
+
+    alone = []
+    for seq in [s for i in mb.units for s in units[i].seqs]:  # in the micro-batch's order
+        ids, labels = torch.as_tensor(seq.input_ids[None]), torch.as_tensor(seq.labels, dtype=torch.long)
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(ids.long()).logits[0].float(), -1)
+        alone.append(float(logp[labels >= 0].gather(1, labels[labels >= 0][:, None]).sum()))
+    assert logps.tolist() == pytest.approx(alone, abs=1e-4)
+    for shift in (-1, 1):  # the columns one off: the log-probs of other positions' logits
+        off = run(True, shift)[0]
+        assert (off - full_logps).abs().max() > 0.1

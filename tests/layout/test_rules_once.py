@@ -156,6 +156,10 @@ COPIES = {
         if self.vision is not None and d.split is not None:
             raise UserError("--rollout-procs runs text models only (a vision-language model's images are not sent)")
     """,
+    "behaviour_weighed_twice": """
+        if facts.weighs_behaviour and a.rollout_correction in ("tis", "mis"):
+            raise UserError("decoupled and a rollout correction: each token weighted twice")
+    """,
     "split_sampling": """
         if cfg.rollout.procs and (facts.needs_greedy or a.dynamic_sampling):
             raise UserError("not with a split")

@@ -51,6 +51,11 @@ def test_stale_batches_get_the_rollout_correction_by_default():
             ("--nproc", "2", "--rollout-procs", "1", "--rollout-mode", "stream", "--set", "algo.dynamic_sampling=true"),
             "algo.dynamic_sampling does not run with rollout.procs=1",
         ),
+        (  # decoupled PPO weighs by proximal / behaviour itself: rlctl.support's behaviour_weighed_twice
+            ("--nproc", "2", "--rollout-procs", "1", "--policy-loss", "decoupled")
+            + ("--set", "algo.rollout_correction=tis"),
+            "--policy-loss decoupled weighs each token by proximal / behaviour itself",
+        ),
     ],
 )
 def test_refusals_before_launch(monkeypatch, capsys, tiny_model_dir, tmp_path, extra, expected):

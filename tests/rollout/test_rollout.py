@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
@@ -910,3 +911,49 @@ def test_vllm_sync_loads_every_weight(vllm_engine, model_a, model_b):
             assert min(e.logprob for e in top20) >= want.topk(20).values[-1].item() - VLLM_LOGPROB_TOLERANCE
     finally:
         vllm_engine.update_weights(_hf_weights(model_a))
+
+
+def test_sglang_streaming_pool_flushes_at_a_swap_and_resubmits_the_prefix(fake_sglang, model_a, monkeypatch):
+    """FAKE sglang.Engine boundary (FakeSGLang0523, above; says nothing about SGLang itself): the streaming pool
+    (rlctl.rollout.streaming) on the SGLang adapter. At a swap the weights go in one update session and the
+    radix cache is flushed BEFORE the next tick, which resubmits each running trajectory's prompt + sampled ids;
+    every token keeps the version that sampled it and SGLang's log-prob."""
+    import rlctl.rollout.sglang as adapter
+    from rlctl.algos.admission import Admission
+    from rlctl.rollout.streaming import PoolSettings, StreamingPool
+
+    class OneTurn:
+        def after_turn(self, turn_ids):
+            return None
+
+        def reward(self):
+            return 1.0
+
+    monkeypatch.setattr(adapter, "_import_engine_class", lambda: FakeSGLang0523)
+    spec = RolloutSpec(engine="sglang", model_path=str(model_a), device="cpu", dtype="float32", max_model_len=64)
+    engine = make_rollout_engine(spec)
+    fake = fake_sglang.instances[0]
+    pool = StreamingPool(
+        engine,
+        Admission(batch=1, max_staleness=1),
+        PoolSettings(n=2, chunk=3, max_response_len=6, max_turns=1, slots=4),
+        SamplingParams(temperature=1.0),
+        lambda k: (k, [10, 11, 12], [OneTurn(), OneTurn()]) if k < 1 else None,
+    )
+    done = pool.step()  # request 0 hits its budget (3 of 6), request 1 stops
+    before = len(fake.calls)
+    pool.set_weights(1, [("w", torch.zeros(2))])
+    assert fake.calls[before:] == [("begin",), ("update", ["w"], False), ("end",), ("flush_cache",)]
+    while not done:
+        done += pool.step()
+    resubmitted = [c[1] for c in fake.calls[before:] if c[0] == "generate"]
+    assert resubmitted == [[[10, 11, 12, 10, 7, 9]]]  # the running trajectory: prompt + its sampled ids
+    first, second = done[0].trajectories
+    assert first.token_ids == [10, 7, 9, 10, 7, 9] and first.versions == [0, 0, 0, 1, 1, 1]
+    assert first.logprobs == [-0.5, -1.5, -2.5, -0.5, -1.5, -2.5] and first.finish_reason == "length"
+    assert second.versions == [0, 0, 0] and second.finish_reason == "stop"
+    pool.close()
+    # SGLang answers success=False when a request still runs (its flush then did nothing): the update raises
+    fake.flush_cache = lambda: SimpleNamespace(success=False, message="Cache not flushed: pending requests")
+    with pytest.raises(RuntimeError, match="kept its radix cache after a weight update"):
+        engine.update_weights([("w", torch.zeros(2))])

@@ -43,13 +43,13 @@ class AlgoSpec:
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> AlgoSpec:
-        a = cfg.algo
+        a, policy = cfg.algo, policy_settings(cfg)
         return cls(
             adv=a.adv,
             norm_by_std=a.norm_by_std,
             gamma=a.gamma,
             lam=a.lam,
-            policy=policy_settings(cfg),
+            policy=policy,
             ppo_epochs=a.ppo_epochs,
             mini_batch_size=a.mini_batch_size,
             kl_coef=a.kl_coef,
@@ -70,6 +70,7 @@ class AlgoSpec:
                 lower=a.correction_lower,
                 reject=a.correction_reject,
                 off_policy=cfg.rollout.procs > 0 and cfg.rollout.max_staleness > 0,  # rlctl.recipes.rl.offpolicy
+                loss_weighs_behaviour=policy.loss.weighs_behaviour,
             ),
         )
 

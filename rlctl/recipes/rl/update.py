@@ -119,6 +119,11 @@ def _corr_keys(algo: AlgoSpec) -> tuple[str, ...]:
     return tuple(f"corr/{k}" for k in (*CORRECTION_METRICS, done, "is_seq_rejected"))
 
 
+def _loss_keys(algo: AlgoSpec) -> tuple[str, ...]:
+    """The policy loss's token-mean metrics logged as ``pg/<name>``: every loss's two and its own."""
+    return ("clip_frac", "approx_kl", *algo.policy.loss.metrics)
+
+
 def policy_loss_fn(batch: RolloutBatch, algo: AlgoSpec, denoms: dict, kl_loss_coef: float) -> LossFn:
     """The engine's ``loss_fn`` for one mini-batch of the actor update:
     ``pg + kl_loss_coef * agg(kl(logp, ref)) - entropy_coef * agg(entropy)``, every term aggregated with
@@ -144,19 +149,17 @@ def policy_loss_fn(batch: RolloutBatch, algo: AlgoSpec, denoms: dict, kl_loss_co
         logp = mb.to_matrix(flat)
         # one optimizer step per batch: the policy before the update is this forward's own (no extra pass)
         old_logp = logp.detach() if batch.old_logp is None else mb.take(batch.old_logp)
-        weights, corr_stats = correction_weights(algo, old_logp, mb.take(batch.rollout_logp), mask)
+        behav_logp = mb.take(batch.rollout_logp)
+        weights, corr_stats = correction_weights(algo, old_logp, behav_logp, mask)
         advantages = mb.take(batch.advantages)
         settings = {"clip_low": pl.clip_low, "clip_high": pl.clip_high, "dual_clip": pl.dual_clip, "agg": pl.agg}
         loss, m = pl.loss.fn(
-            PolicyLossContext(logp, old_logp, advantages, mask, **settings, **denoms, is_weights=weights)
+            PolicyLossContext(
+                logp, old_logp, advantages, mask, **settings, **denoms, is_weights=weights, behav_logp=behav_logp
+            )
         )
         n_tok = mask.sum()
-        stats = {
-            "pg/loss": loss.detach(),
-            "pg/clip_frac": m["clip_frac"] * n_tok,
-            "pg/approx_kl": m["approx_kl"] * n_tok,
-            **corr_stats,
-        }
+        stats = {"pg/loss": loss.detach(), **{f"pg/{k}": m[k] * n_tok for k in _loss_keys(algo)}, **corr_stats}
         if batch.old_logp is None:  # what the skipped log-prob pass reported
             stats["logprob_diff"] = ((logp.detach() - mb.take(batch.rollout_logp)).abs() * mask).sum()
             stats["entropy"] = (mb.to_matrix(entropy) * mask).sum()
@@ -206,7 +209,7 @@ def update_actor(
         batch,
         algo,
         lambda denoms: policy_loss_fn(batch, algo, denoms, kl_loss_coef),
-        ("pg/loss", "pg/clip_frac", "pg/approx_kl", "kl_loss", "logprob_diff", "entropy", *_corr_keys(algo)),
+        ("pg/loss", *(f"pg/{k}" for k in _loss_keys(algo)), "kl_loss", "logprob_diff", "entropy", *_corr_keys(algo)),
         budget=budget,
         pad_id=pad_id,
         share_prefix=share_prefix,
@@ -215,8 +218,7 @@ def update_actor(
     out = {
         "pg/loss": s["pg/loss"] / steps,
         "grad_norm": sum(grad_norms) / steps,
-        "pg/clip_frac": s["pg/clip_frac"] / max(1.0, s["tokens"]),
-        "pg/approx_kl": s["pg/approx_kl"] / max(1.0, s["tokens"]),
+        **{f"pg/{k}": s[f"pg/{k}"] / max(1.0, s["tokens"]) for k in _loss_keys(algo)},
     }
     if kl_loss_coef:
         out["kl_loss"] = s["kl_loss"] / steps
