@@ -31,11 +31,15 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# two pytest-xdist workers, whole files to one worker (a module's fixtures are built once): CI has 2 cores, and
+# a test spends much of its time in one-core work (imports, torchrun start-up, one rank); TEST_WORKERS=0 runs serially
+TEST_WORKERS ?= 2
+
 test: lint
-	$(BIN)/python -m pytest -q --timeout=900 --durations=25
+	$(BIN)/python -m pytest -q --timeout=900 --durations=25 -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 demo: $(STAMP)
 	$(BIN)/python -m rlctl.demo

@@ -106,7 +106,8 @@ def test_compare_overlays_two_runs(run_dir, tmp_path):
     assert r.returncode == 0, r.stderr
     reward = json.loads(out.with_suffix(".json").read_text())["panels"]["reward"]
     assert reward["other: reward"]["y"] == [y / 2 for y in reward["grpo_tiny: reward"]["y"]]
-    assert "grpo_tiny" in r.stdout and "other" in r.stdout
+    said = "".join(r.stdout.split())  # the console wraps long paths (a pytest-xdist worker's tmp path is longer)
+    assert "grpo_tiny" in said and "other" in said
     assert not (run_dir / "report.png").exists()  # the run's own report is not overwritten
     fig_colors = {}
     from rlctl.run_report import load_run, plot
