@@ -250,9 +250,9 @@ class MemorySettings:
             )
 
     def _check_layout(self, spec: ModelSpec) -> None:
-        refuse(self.facts(spec), "megatron_pp", "megatron_ep")
-        if self.is_rl and self.gpus % self.rollout_tp:
-            raise UserError(f"rollout tp {self.rollout_tp} must divide the {self.gpus} GPUs")
+        refuse(self.facts(spec), "megatron_pp", "megatron_grid", "megatron_ep")
+        if self.is_rl:
+            refuse(JobFacts(world=self.gpus, rollout_tp=self.rollout_tp), "rollout_tp_world")
         if self.is_rl and self.rollout != "hf" and self.device == "cuda" and not 0 < self.mem_fraction < 1:
             raise UserError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
 

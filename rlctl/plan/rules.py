@@ -128,25 +128,16 @@ def check_overrides(
         if problem:
             ok = ", ".join(str(t) for t in valid_tps(spec, 16))
             raise UserError(f"parallel.tp={tp}: {problem} of {spec.name}; valid tp: {ok}")
-    sizes = JobFacts(pp=pp, ep=ep, world=world, **model_facts(spec))
-    refuse(sizes, "megatron_pp")
-    unit = (tp or 1) * (pp or 1) * cp
-    if world % unit:
-        ok = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
-        raise UserError(
-            f"{world} GPUs cannot be split into tp {tp or 1} x pp {pp or 1} x cp {cp} = {unit}; "
-            f"tp x pp x cp must divide the GPU count ({ok})"
-        )
-    refuse(sizes, "megatron_ep")
+    sizes = JobFacts(tp=tp, pp=pp, ep=ep, cp=cp, world=world, rollout_tp=rollout_tp, **model_facts(spec))
+    refuse(sizes, "megatron_pp", "megatron_grid", "megatron_ep")
     if is_rl and rollout_tp:
-        problem = rollout_tp_problem(spec, rollout_tp) or (
-            None if world % rollout_tp == 0 else f"{rollout_tp} does not divide the {world} GPUs"
-        )
+        problem = rollout_tp_problem(spec, rollout_tp)
         if problem:
             ok = ", ".join(
                 str(t) for t in POWERS_OF_TWO if t <= world and world % t == 0 and not rollout_tp_problem(spec, t)
             )
             raise UserError(f"rollout.tp={rollout_tp}: {problem}; valid rollout tp: {ok}")
+        refuse(sizes, "rollout_tp_world")
 
 
 def check_rollout_engine_tp(engine: str, rollout_tp: int) -> None:

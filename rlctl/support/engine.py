@@ -73,6 +73,21 @@ def megatron_pp(f: JobFacts) -> Problem | None:
     return None
 
 
+@rule(r"world_problem\(", r"cannot be split into tp", r"tp x pp x cp must divide")
+def megatron_grid(f: JobFacts) -> Problem | None:
+    """Megatron's ranks hold whole tp x pp x cp model replicas: the product divides the GPUs (sizes 0: 1)."""
+    tp, pp = f.tp or 1, f.pp or 1
+    if parallel.world_problem(f.world, tp, pp, f.cp):
+        unit = tp * pp * f.cp
+        ok = ", ".join(str(d) for d in range(1, f.world + 1) if f.world % d == 0)
+        return Problem(
+            "megatron_grid",
+            f"{f.world} GPUs cannot be split into tp {tp} x pp {pp} x cp {f.cp} = {unit}",
+            f"tp x pp x cp must divide the GPU count ({ok})",
+        )
+    return None
+
+
 @rule(r"num_experts\s*%\s*[\w.]*\bep\b", r"is dense; expert parallelism", r"GPUs per (pipeline )?stage")
 def megatron_ep(f: JobFacts) -> Problem | None:
     """Expert parallelism splits a MoE model's experts, inside each pipeline stage's GPUs (``ep`` 0: the plan's)."""

@@ -3,6 +3,7 @@ tensor parallelism may go."""
 
 from __future__ import annotations
 
+from rlctl.catalog import parallel
 from rlctl.names import RL_METHODS
 from rlctl.support.table import JobFacts, Problem, rule
 
@@ -125,6 +126,19 @@ def split_sampling(f: JobFacts) -> Problem | None:
             f"{f.sampling_only} does not run with rollout.procs={f.rollout_procs} (one-step-off-policy: the rollout "
             "processes generate one batch per step, sampled only)",
             "set rollout.procs=0",
+        )
+    return None
+
+
+@rule(r"%\s*[\w.]*rollout_tp\b", r"rollout tp .{0,40}must divide", r"does not divide the .{0,20}GPUs")
+def rollout_tp_world(f: JobFacts) -> Problem | None:
+    """Each rollout engine spans rollout.tp GPUs: the engines tile the GPUs (``rollout_tp`` 0: the plan's)."""
+    if f.rollout_tp > 1 and f.world % f.rollout_tp:
+        ok = ", ".join(str(t) for t in parallel.POWERS_OF_TWO if t <= f.world and f.world % t == 0)
+        return Problem(
+            "rollout_tp_world",
+            f"rollout.tp={f.rollout_tp} does not divide the {f.world} GPUs",
+            f"valid rollout tp: {ok}",
         )
     return None
 

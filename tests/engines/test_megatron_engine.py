@@ -93,7 +93,7 @@ def test_rank_layout_with_context_parallel_and_deep_pipeline():
 
 
 def test_rank_layout_rejects_a_split_that_does_not_divide():
-    with pytest.raises(UserError, match=r"6 processes cannot be split into tp 4 x pp 1 x cp 1.*1, 2, 3, 6"):
+    with pytest.raises(UserError, match=r"6 GPUs cannot be split into tp 4 x pp 1 x cp 1 = 4.*1, 2, 3, 6"):
         rank_layout(6, tp=4, pp=1)
     with pytest.raises(ValueError):
         rank_coords(8, 8, 2, 2)
@@ -162,7 +162,7 @@ def test_layout_errors_name_what_would_work():
         check_megatron_layout(cfg, world=2, tp=1, pp=1, ep=2)
     with pytest.raises(UserError, match=r"cp=2: context parallelism is not supported .* use cp=1"):
         check_megatron_layout(cfg, world=2, tp=1, pp=1, cp=2)
-    with pytest.raises(UserError, match=r"3 processes cannot be split into tp 2"):
+    with pytest.raises(UserError, match=r"3 GPUs cannot be split into tp 2"):
         check_megatron_layout(cfg, world=3, tp=2, pp=1)
     check_megatron_layout(cfg, world=8, tp=2, pp=2)
     check_megatron_layout(_layout(num_hidden_layers=5), world=2, tp=1, pp=2)  # 3 + 2 layers

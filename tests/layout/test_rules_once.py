@@ -99,6 +99,15 @@ COPIES = {
         if self.ep > 1 and (not spec.is_moe or spec.num_experts % self.ep or (self.gpus // self.pp) % self.ep):
             raise UserError(f"ep {self.ep} must divide the experts ({spec.num_experts}) and the GPUs per stage")
     """,
+    "megatron_grid": """
+        problem = world_problem(world, tp, pp, cp)
+        if problem:
+            raise UserError(f"{world} processes cannot be split into tp {tp} x pp {pp} x cp {cp}: {problem}")
+    """,
+    "rollout_tp_world": """
+        if self.is_rl and self.gpus % self.rollout_tp:
+            raise UserError(f"rollout tp {self.rollout_tp} must divide the {self.gpus} GPUs")
+    """,
     "agent_vision": """
         if vision is not None and agent_spec is not None:
             raise UserError("multi-turn agent runs take text models only; a vision-language model runs single-turn")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlctl.catalog.parallel import divisors, pipeline_split, tp_problem, valid_tps, world_problem
+from rlctl.catalog.parallel import pipeline_split, tp_problem, valid_tps
 from rlctl.errors import UserError
 from rlctl.support import JobFacts, refuse
 
@@ -38,12 +38,9 @@ def rank_coords(rank: int, world: int, tp: int, pp: int, cp: int = 1) -> dict[st
 
 
 def data_parallel_size(world: int, tp: int, pp: int, cp: int = 1) -> int:
-    problem = world_problem(world, tp, pp, cp)
-    if problem:
-        raise UserError(
-            f"{world} processes cannot be split into tp {tp} x pp {pp} x cp {cp}: {problem}; "
-            f"tp x pp x cp must divide the process count (one of {', '.join(map(str, divisors(max(world, 1))))})"
-        )
+    if min(world, tp, pp, cp) < 1:
+        raise UserError(f"world, tp, pp and cp must be >= 1 (got world={world} tp={tp} pp={pp} cp={cp})")
+    refuse(JobFacts(world=world, tp=tp, pp=pp, cp=cp), "megatron_grid")
     return world // (tp * pp * cp)
 
 
