@@ -13,6 +13,7 @@ from rlctl.estimate.memory import MemoryEstimate, MemorySettings, estimate_memor
 from rlctl.plan import rules
 from rlctl.plan.inputs import Job, settings_for
 from rlctl.plan.types import Plan
+from rlctl.support import JobFacts, problems
 
 
 def gpu_margin_ok(est: MemoryEstimate) -> bool:
@@ -123,7 +124,11 @@ def options_for(job: Job, tier: str) -> list[Option]:
     if p.backend is not None:
         backends = [p.backend]
     elif tier == "megatron" and job.device == "cuda" and max(p.tp, p.pp, p.ep) <= 1:
-        backends = ["megatron", "fsdp"]
+        # a split run's trainers are FSDP2's (rlctl.support's split_megatron): Megatron is no option there
+        split = job.cfg.rollout.procs
+        backends = [
+            b for b in ("megatron", "fsdp") if not problems(JobFacts(rollout_procs=split, backend=b), "split_megatron")
+        ]
     else:
         backends = [tier]
     options = [Option(b, *level) for b in backends for level in _offload_levels(job, b)]

@@ -64,6 +64,17 @@ def test_qwen32b_uses_megatron_tensor_parallel():
     assert p.fits
 
 
+def test_a_split_run_of_a_moe_model_plans_fsdp_not_megatron():
+    """A split run trains with FSDP2 only (split_megatron): the MoE model's Megatron option is not tried (it
+    used to be, and its expert sizes over all 8 processes refused the run: ep 8 vs the 6 trainers)."""
+    hw = {"gpus": 8, "gpu": "H100-80GB"}
+    colocated = plan_for("grpo", model={"name": "Qwen3-30B-A3B"}, hardware=hw)
+    split = plan_for("grpo", model={"name": "Qwen3-30B-A3B"}, hardware=hw, rollout={"procs": 2})
+    assert any("rejected megatron" in r for r in colocated.reasons)  # tried, and did not fit
+    assert split.backend == "fsdp" and split.ep == 1 and split.fits
+    assert not any("rejected megatron" in r for r in split.reasons)
+
+
 def test_qwen72b_sft_on_8_h100_offloads_the_megatron_optimizer():
     cfg = cfg_for("sft", model={"name": "Qwen2.5-72B"}, hardware={"gpus": 8, "gpu": "H100-80GB"})
     p = resolve_plan(cfg, local=LAPTOP)
