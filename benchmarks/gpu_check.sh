@@ -143,9 +143,14 @@ rank_errors() {  # rank_errors DIR: the tracebacks the ranks of every run under 
     done
 }
 
-reap() {  # ranks and engines a killed step left behind (torchrun runs in its own session)
-    pkill -9 -f 'rlctl\.recipes\.' 2>/dev/null
-    pkill -9 -f 'torch\.distributed\.run' 2>/dev/null
+reap() {  # ranks and engines a killed step left behind (torchrun runs in its own session): only this check's,
+    # the processes whose command line names its work folder (every step's run directory is under it), never
+    # another job's ranks on the same machine (a fixed string: nothing in the path is read as a pattern)
+    [ -n "$WORK" ] || return 0
+    local pid
+    for pid in $(grep -lsF -- "$WORK/" /proc/[0-9]*/cmdline 2>/dev/null | cut -d/ -f3); do
+        [ "$pid" = "$$" ] || kill -9 "$pid" 2>/dev/null
+    done
     sleep 1
 }
 

@@ -152,10 +152,19 @@ def test_the_real_path_under_a_budget_writes_one_json_naming_every_step(kit, tmp
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHON")}
     env.update(PATH=f"{fakebin}:/usr/bin:/bin", OUT=str(out), OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--budget", "60", "--kit", str(kit)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+    # another job's ranks on the same machine (here: a process named like one): the check's clean-up after
+    # each step must leave them alone (it once killed every torch.distributed.run / rlctl.recipes process)
+    other = subprocess.Popen(
+        ["bash", "-c", "exec -a 'python -m torch.distributed.run -m rlctl.recipes.grpo --run-dir /elsewhere' sleep 300"]
+    )
+    try:
+        proc = subprocess.run(
+            ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), "--budget", "60", "--kit", str(kit)],
+            capture_output=True, text=True, env=env, timeout=300,
+        )  # fmt: skip
+        assert other.poll() is None, "the check killed another job's process"
+    finally:
+        other.kill()
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # no step can pass without a GPU
     assert "[kit ] installing" in proc.stdout
     files = sorted(p.name for p in out.iterdir())
