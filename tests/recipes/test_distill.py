@@ -56,32 +56,31 @@ def plain_logp(model_dir: Path, prompt: list[int], response: list[int], temperat
     return sel.log_softmax(-1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
 
 
+def tool_batch():
+    """Two rows of a rollout batch; row 0's tokens 2-3 are a tool's (context, loss mask 0)."""
+    from rlctl.recipes.rl.batch import RolloutBatch
+
+    prompts, responses = [[5, 9, 33, 2], [7, 8, 100]], [[40, 41, 42, 43, 44], [50, 51, 52]]
+    masks = [[1, 1, 0, 0, 1], [1, 1, 1]]
+    zeros = [[0.0] * len(r) for r in responses]
+    b = RolloutBatch.build(
+        prompts, responses, zeros, [0, 1], n=1, batch_size=2, mini_batch_size=0, width=6, loss_masks=masks
+    )
+    return prompts, responses, masks, b
+
+
 def test_distill_advantage_is_teacher_minus_student_logp_of_plain_forwards(tiny_model_dir, tmp_path, process_group):
     """The trainer's path (the actor's log-probs, the teacher engine, the mix) against plain HF forwards of the
     two models; tokens with mask 0 (a tool turn in the middle of a row) get 0; weight 0.25 mixes in the task's;
     ``algo.teacher_baseline`` subtracts the mean gap over every sampled token of the batch."""
     from rlctl.config import build_config, dotted_to_nested
     from rlctl.engines.fsdp import FSDPEngine
-    from rlctl.recipes.rl.batch import RolloutBatch
     from rlctl.recipes.rl.passes import compute_logprobs
     from rlctl.recipes.rl.teacher import Teacher
     from tests.support.sft import cpu_spec
 
     teacher_dir = sharp_teacher(tiny_model_dir, tmp_path / "teacher")
-    prompts = [[5, 9, 33, 2], [7, 8, 100]]
-    responses = [[40, 41, 42, 43, 44], [50, 51, 52]]
-    masks = [[1, 1, 0, 0, 1], [1, 1, 1]]  # row 0: tokens 2-3 are a tool's (context, no loss)
-    b = RolloutBatch.build(
-        prompts,
-        responses,
-        [[0.0] * len(r) for r in responses],
-        [0, 1],
-        n=1,
-        batch_size=2,
-        mini_batch_size=0,
-        width=6,
-        loss_masks=masks,
-    )
+    prompts, responses, masks, b = tool_batch()
     task = torch.randn(2, 6, generator=torch.Generator().manual_seed(0)) * b.mask
     for weight, baseline in ((1.0, False), (0.25, False), (1.0, True)):
         cfg = build_config(
@@ -150,26 +149,14 @@ def test_full_distill_loss_and_gradient_equal_plain_reverse_kl_over_the_vocabula
 
     from rlctl.config import build_config, dotted_to_nested
     from rlctl.engines.fsdp import FSDPEngine
-    from rlctl.recipes.rl.batch import RolloutBatch, micro_batches
+    from rlctl.recipes.rl.batch import micro_batches
     from rlctl.recipes.rl.spec import AlgoSpec
     from rlctl.recipes.rl.teacher import Teacher
     from rlctl.recipes.rl.update import policy_loss_fn
     from tests.support.sft import cpu_spec
 
     teacher_dir = sharp_teacher(tiny_model_dir, tmp_path / "teacher")
-    prompts, responses = [[5, 9, 33, 2], [7, 8, 100]], [[40, 41, 42, 43, 44], [50, 51, 52]]
-    masks = [[1, 1, 0, 0, 1], [1, 1, 1]]
-    b = RolloutBatch.build(
-        prompts,
-        responses,
-        [[0.0] * len(r) for r in responses],
-        [0, 1],
-        n=1,
-        batch_size=2,
-        mini_batch_size=0,
-        width=6,
-        loss_masks=masks,
-    )
+    prompts, responses, masks, b = tool_batch()
     settings = {
         "model.name": str(tiny_model_dir),
         "model.attn": "sdpa",

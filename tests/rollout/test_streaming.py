@@ -76,6 +76,18 @@ def forward_logprobs(model, prompt, tokens, temperature):
     return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(1)
 
 
+def swap_pool(engine, prompts) -> StreamingPool:
+    """Two groups of two trajectories, 4 tokens a tick, 16 in all, no stop: every trajectory spans a swap made
+    after the first tick."""
+    return StreamingPool(
+        engine,
+        Admission(batch=2, max_staleness=1),
+        PoolSettings(n=2, chunk=4, max_response_len=16, max_turns=1, slots=8),
+        SamplingParams(temperature=0.9, seed=5, stop_token_ids=[]),
+        lambda k: (k, prompts[k], [OneTurn(), OneTurn()]) if k < 2 else None,
+    )
+
+
 def run_with_swap(model_dir, *, keep_kv: bool):
     from transformers import AutoModelForCausalLM
 
@@ -84,13 +96,7 @@ def run_with_swap(model_dir, *, keep_kv: bool):
     v1 = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     v1.load_state_dict(perturbed(v0, 0.05, 0))
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
-    pool = StreamingPool(
-        engine,
-        Admission(batch=2, max_staleness=1),
-        PoolSettings(n=2, chunk=4, max_response_len=16, max_turns=1, slots=8),
-        SamplingParams(temperature=0.9, seed=5, stop_token_ids=[]),  # no stop: every trajectory spans the swap
-        lambda k: (k, prompts[k], [OneTurn(), OneTurn()]) if k < 2 else None,
-    )
+    pool = swap_pool(engine, prompts)
     done = pool.step()  # tick 0: 4 tokens each with version 0
     new = v1.state_dict()
     if keep_kv:  # the wrong way: the old keys and values stay in the session

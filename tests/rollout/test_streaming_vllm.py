@@ -22,12 +22,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 
-from rlctl.algos.admission import Admission
 from rlctl.rollout import RolloutSpec, make_rollout_engine
-from rlctl.rollout.base import SamplingParams
-from rlctl.rollout.streaming import PoolSettings, StreamingPool, versions_per_trajectory
+from rlctl.rollout.streaming import versions_per_trajectory
 from rlctl.testing import build_tiny_model
-from tests.rollout.test_streaming import OneTurn, max_error, perturbed
+from tests.rollout.test_streaming import max_error, perturbed, swap_pool
 
 TOLERANCE = 1e-4
 
@@ -52,13 +50,7 @@ def setup(tmp_path_factory):
 def run_with_swap(engine, models, prompts):
     """Two groups of two, 4 tokens with version 0, then the swap, then 12 tokens with version 1."""
     engine.update_weights(models[0].state_dict().items())  # whatever an earlier test left, version 0 again
-    pool = StreamingPool(
-        engine,
-        Admission(batch=2, max_staleness=1),
-        PoolSettings(n=2, chunk=4, max_response_len=16, max_turns=1, slots=8),
-        SamplingParams(temperature=0.9, seed=5, stop_token_ids=[]),  # no stop: every trajectory spans the swap
-        lambda k: (k, prompts[k], [OneTurn(), OneTurn()]) if k < 2 else None,
-    )
+    pool = swap_pool(engine, prompts)
     done = pool.step()
     pool.set_weights(1, models[1].state_dict().items())
     while len(done) < 2:
