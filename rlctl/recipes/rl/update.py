@@ -177,7 +177,7 @@ def policy_loss_fn(
         weights, corr_stats = correction_weights(algo, old_logp, behav_logp, mask)
         advantages = mb.take(batch.advantages)
         settings = {"clip_low": pl.clip_low, "clip_high": pl.clip_high, "dual_clip": pl.dual_clip, "agg": pl.agg}
-        loss, m = pl.loss.fn(
+        loss, m = pl.call(
             PolicyLossContext(
                 logp, old_logp, advantages, mask, **settings, **denoms, is_weights=weights, behav_logp=behav_logp
             )
