@@ -112,26 +112,28 @@ def test_refusals():
 # ------------------------------------------------------------------ several producers (--rollout-procs N)
 
 
-def simulate_producers(batch, staleness, updates, seed, *, producers=2, naive=False, slots=8):
+def simulate_producers(batch, staleness, updates, seed, *, producers=2, naive=False, slots=8, first=0):
     """``producers`` rollout processes, each with its own pool of at most ``slots`` running groups and its own
     view of the weights version (each learns of an update after a random delay of its own). Shared: the
     sequence of group indices, claimed in order by whichever producer starts a group next under the global
-    rule :func:`admits` on the producer's own version, and one keeper :class:`Admission` that registers every
+    rule (:class:`ProducerView`) on the producer's own version, and one keeper :class:`Admission` that registers every
     start (with the producer's version) and completion and names each batch. ``naive``: each producer runs the
     single-process code alone (its own Admission and cap over its own groups) and the trainer trains whichever
-    producer's batch is ready first. Records, independently of the Admission: each group's producer, the
+    producer's batch is ready first. ``first``: a resumed run's first version (group indices count from 0 again).
+    Records, independently of the Admission: each group's producer, the
     version its producer held when it started, the update(s) that trained it."""
-    from rlctl.algos.admission import admits
+    from rlctl.algos.admission import ProducerView
 
     rng = random.Random(seed)
-    keeper = Admission(batch, staleness)
-    local = [Admission(batch, staleness) for _ in range(producers)]  # naive only
+    keeper = Admission(batch, staleness, version=first)
+    local = [Admission(batch, staleness, version=first) for _ in range(producers)]  # naive only
     naive_ids: list[dict[int, int]] = [{} for _ in range(producers)]  # naive: local index -> global id
-    view = [0] * producers  # the weights version each producer holds
+    views = [ProducerView(batch, staleness, first) for _ in range(producers)]  # each producer's rule
+    view = [first] * producers  # the weights version each producer holds (recorded here, independently)
     running = [0] * producers
-    now, events, version, busy_until = 0.0, [], 0, 0.0
+    now, events, version, busy_until = 0.0, [], first, 0.0
     start_version, owner, trained_at = {}, {}, {}
-    while version < updates:
+    while version < first + updates:
         for p in rng.sample(range(producers), producers):  # who claims first: random
             while running[p] < slots:
                 if naive:
@@ -140,7 +142,8 @@ def simulate_producers(batch, staleness, updates, seed, *, producers=2, naive=Fa
                     g = len(start_version)
                     naive_ids[p][local[p].start()] = g
                 else:
-                    if not admits(len(keeper.groups), view[p], batch, staleness):
+                    views[p].version = view[p]
+                    if not views[p].admits(len(keeper.groups)):
                         break
                     g = keeper.register(view[p])
                 start_version[g], owner[g] = view[p], p
@@ -181,10 +184,14 @@ def simulate_producers(batch, staleness, updates, seed, *, producers=2, naive=Fa
     return start_version, owner, trained_at, keeper
 
 
-@pytest.mark.parametrize("producers,batch,staleness", [(2, 1, 0), (2, 4, 1), (3, 3, 2), (2, 2, 0), (4, 8, 4)])
-def test_several_producers_keep_the_global_bound(producers, batch, staleness):
+@pytest.mark.parametrize(
+    "producers,batch,staleness,first",
+    [(2, 1, 0, 0), (2, 4, 1, 0), (3, 3, 2, 0), (2, 2, 0, 0), (4, 8, 4, 0), (2, 2, 2, 3)],
+)
+def test_several_producers_keep_the_global_bound(producers, batch, staleness, first):
+    """... and a resumed run (``first`` 3: its group indices count from 0 at version 3)."""
     for seed in range(30):
-        start, owner, trained, keeper = simulate_producers(batch, staleness, 25, seed, producers=producers)
+        start, owner, trained, keeper = simulate_producers(batch, staleness, 25, seed, producers=producers, first=first)
         assert all(len(v) == 1 for v in trained.values()), "a group trained twice"
         worst = max(trained[g][0] - start[g] for g in trained)
         assert worst <= staleness, (seed, worst)
