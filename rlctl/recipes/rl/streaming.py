@@ -147,9 +147,9 @@ class Keeper:
 
     def _catch_up(self) -> None:
         adm, keys = self.admission, self.keys
+        done = keys.count("nc")  # first: each of these groups was claimed (counted in g) before it completed
         for k in range(len(adm.groups), keys.count("g")):  # started: its version is posted right after the claim
             adm.register(int(keys.take(f"s{k}")))
-        done = keys.count("nc")
         for i in range(self.read, done):  # the i-th completion: its key is set right after the count
             adm.complete(int(keys.store.get(f"c{i}")))
         self.read = done
