@@ -163,18 +163,17 @@ def rollout_tp_node(f: JobFacts) -> Problem | None:
 
 @rule(r"mode\s*(!=|==)\s*'stream'.*procs", r"stream_chunk\s*<\s*1", r"several rollout processes stream")
 def split_stream(f: JobFacts) -> Problem | None:
-    """Stream mode: rollout processes, any number of them on the hf engine single-turn (one global admission,
-    rlctl.recipes.rl.streaming); vLLM / SGLang and agents with one (several not run yet)."""
+    """Stream mode: rollout processes, any number of them on the hf engine, single- or multi-turn (one global
+    admission, rlctl.recipes.rl.streaming); vLLM / SGLang with one (several not run yet)."""
     if f.rollout_mode != "stream":
         return None
     flag = "--rollout-mode stream"
     if not f.rollout_procs:
         return Problem("split_stream", f"{flag} streams from rollout processes", "add --rollout-procs 1", ": ")
-    if f.rollout_procs > 1 and (f.rollout_engine != "hf" or f.agent):
-        what = "an agent (--tools / --env / --interaction)" if f.agent else f"--rollout {f.rollout_engine}"
+    if f.rollout_procs > 1 and f.rollout_engine != "hf":
         return Problem(
             "split_stream",
-            f"several rollout processes stream with the hf engine, single-turn, only ({what}, {SPLIT_FLAG} "
+            f"several rollout processes stream with the hf engine only (--rollout {f.rollout_engine}, {SPLIT_FLAG} "
             f"{f.rollout_procs})",
             "use --rollout-procs 1 or --rollout hf",
             ": ",

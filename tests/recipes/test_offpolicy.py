@@ -47,7 +47,7 @@ def test_stale_batches_get_the_rollout_correction_by_default():
         (("--nproc", "2", "--rollout-mode", "stream"), "streams from rollout processes: add --rollout-procs 1"),
         (
             ("--nproc", "3", "--rollout-procs", "2", "--rollout-mode", "stream", "--rollout", "vllm"),
-            "several rollout processes stream with the hf engine, single-turn, only (--rollout vllm",
+            "several rollout processes stream with the hf engine only (--rollout vllm",
         ),
         (("--nproc", "2", "--rollout-procs", "1", "--rollout-mode", "streaming"), "rollout.mode"),
         (
