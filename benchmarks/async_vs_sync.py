@@ -284,6 +284,8 @@ def stream_rollout(model_dir, seed, steps, to_trainer, weights_q, staleness):
                 "versions": [versions_per_trajectory(t) for t in trajs],
                 "queue": adm.queued,
                 "latency": [g.completed_s - g.started_s for g in groups],
+                "tool_s": [t.episode.tool_s for t in trajs],
+                "calls": [t.episode.calls for t in trajs],
             }
             to_trainer.put((sent, pack(trajs), meta))
             outstanding, sent = batch, sent + 1
@@ -303,7 +305,8 @@ def stream_rollout(model_dir, seed, steps, to_trainer, weights_q, staleness):
             tick_s += time.perf_counter() - t0
     wall = time.perf_counter() - began_run
     busy = wall - idle - pool.idle_s  # generating, bookkeeping, taking weights: not waiting
-    to_trainer.put(("end", {"idle_rollout_s": idle + pool.idle_s, "tick_s": tick_s, "busy_s": busy}))
+    end = {"idle_rollout_s": idle + pool.idle_s, "tick_s": tick_s, "busy_s": busy, "ticks": pool.ticks}
+    to_trainer.put(("end", end))
     pool.close()
 
 
@@ -369,6 +372,7 @@ def summarise(mode, r):
         "rewards": r["rewards"],  # per update: the learning curve
         "U": statistics.median(t[1] for t in steady),
         "S": statistics.median(t[2] for t in steady),
+        "step_times": [t[0] for t in r["times"]],  # every update's seconds, warm-up included
     }
     if mode == "sync2":
         out["R"] = statistics.median(r["gen"][WARMUP:])
@@ -386,6 +390,9 @@ def summarise(mode, r):
                 idle_trainer_s=sum(t[3] for t in steady) / len(steady),
                 group_latency_s=statistics.mean(x for m in r["meta"][WARMUP:] for x in m["latency"]),
                 queue_groups=statistics.mean(m["queue"] for m in r["meta"][WARMUP:]),
+                latencies=[m["latency"] for m in r["meta"]],  # each update's groups, start to last token
+                tool_s=statistics.mean(x for m in r["meta"] for x in m["tool_s"]),  # per trajectory
+                calls=statistics.mean(x for m in r["meta"] for x in m["calls"]),
                 **(r["end"] or {}),
             )
     return out
