@@ -306,6 +306,7 @@ def stream_rollout(model_dir, seed, steps, to_trainer, weights_q, staleness):
     wall = time.perf_counter() - began_run
     busy = wall - idle - pool.idle_s  # generating, bookkeeping, taking weights: not waiting
     end = {"idle_rollout_s": idle + pool.idle_s, "tick_s": tick_s, "busy_s": busy, "ticks": pool.ticks}
+    end["groups_started"] = len(adm.groups)
     to_trainer.put(("end", end))
     pool.close()
 
@@ -366,7 +367,8 @@ def summarise(mode, r):
     steady = r["times"][WARMUP:]
     step_s = statistics.median(t[0] for t in steady)
     out = {
-        "step_s": step_s,
+        "step_s": step_s,  # the median update (what runs 1-3 reported)
+        "mean_step_s": statistics.mean(t[0] for t in steady),  # steady wall time per update: throughput
         "throughput": BATCH * N / step_s,
         "reward": statistics.mean(r["rewards"]),
         "rewards": r["rewards"],  # per update: the learning curve
@@ -427,42 +429,92 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     report = analyse(rows, modes)
     print(json.dumps(report, indent=1))
+    print_misses(report)
     if args.out:
         Path(args.out).write_text(json.dumps({"rows": rows, "report": report}, indent=1))
 
 
-def analyse(rows, modes):
-    from rlctl.plan.streaming import StreamParts, predict_step_s, streaming_decision
+CALLS_PMF = [
+    (1 - q) * q**c if c < MAX_TURNS - 1 else q**c for q in [TOOL_CALLS / (1 + TOOL_CALLS)] for c in range(MAX_TURNS)
+]  # Tool's geometric number of calls, capped
 
-    med = {
-        m: {
-            k: statistics.median(r[k] for r in rows if r["mode"] == m)
-            for k in ("step_s", "reward", "U", "R")
-            if all(k in r for r in rows if r["mode"] == m)
-        }
-        for m in modes
-    }
+
+def stream_latencies(st):
+    """The stream runs' group latencies after warm-up (recorded since run 4); for a file that holds only
+    each run's mean (runs 1-3), a sample of the workload's model (rlctl.plan.streaming.workload_latencies:
+    CALLS_PMF, TOOL_S) whose decode seconds per turn give the measured median of those means."""
+    if all("latencies" in r for r in st):
+        return tuple(x for r in st for b in r["latencies"][WARMUP:] for x in b), "recorded"
+    from rlctl.plan.streaming import turn_s_for, workload_latencies
+
+    mean = statistics.median(r["group_latency_s"] for r in st)
+    turn_s = turn_s_for(mean, N, CALLS_PMF, TOOL_S)
+    return workload_latencies(N, CALLS_PMF, TOOL_S, turn_s), f"workload model, {turn_s:.3f} s/turn from the mean {mean:.2f} s"
+
+
+def stream_parts(rows):
+    """The cost model's inputs, each measured in the runs (medians over rounds)."""
+    from rlctl.plan.streaming import StreamParts
+
+    def med(mode, key):
+        return statistics.median(r[key] for r in rows if r["mode"] == mode)
+
+    st = [r for r in rows if r["mode"] == "stream"]
+    lat, source = stream_latencies(st)
+    split = [r for r in rows if r["mode"] != "sync2"]
+    parts = StreamParts(
+        lockstep_rollout_s=med("offpolicy", "R"),
+        # busy seconds per batch started: admission starts (steps + S) batches' groups in a run (recorded since run 4)
+        stream_generate_s=statistics.median(
+            r["busy_s"] * BATCH / r.get("groups_started", (r["steps"] + r["max_staleness"]) * BATCH) for r in st
+        ),
+        update_s=statistics.median(r["U"] for r in split),
+        sync_s=statistics.median(r["S"] for r in split),
+        dp_update_s=med("sync2", "U"),
+        dp_rollout_s=med("sync2", "R"),
+        group_latencies=lat,
+        max_staleness=st[0]["max_staleness"],
+        batch=BATCH,
+    )
+    return parts, source
+
+
+def analyse(rows, modes):
+    """Medians per mode, and each ratio measured against the cost model's prediction: the measured ratio
+    of the median updates (``step_s``, all runs) and, where recorded, of the steady mean (throughput)."""
+    from rlctl.plan.streaming import predict_step_s, stream_limits, streaming_decision
+
+    keys = ("step_s", "mean_step_s", "reward", "U", "R")
+    med = {m: {k: statistics.median(r[k] for r in rows if r["mode"] == m) for k in keys if all(k in r for r in rows if r["mode"] == m)} for m in modes}  # fmt: skip
     out = {"medians": med}
     if {"sync2", "offpolicy", "stream"} <= set(modes):
-        st = [r for r in rows if r["mode"] == "stream"]
-        parts = StreamParts(
-            lockstep_rollout_s=med["offpolicy"]["R"],
-            stream_generate_s=statistics.median(r["busy_s"] / r["steps"] for r in st),
-            update_s=med["offpolicy"]["U"],
-            sync_s=statistics.median(r["S"] for r in rows if r["mode"] != "sync2"),
-            dp_update_s=med["sync2"]["U"],
-            dp_rollout_s=med["sync2"]["R"],
-            group_latency_s=statistics.median(r["group_latency_s"] for r in st),
-            max_staleness=st[0]["max_staleness"],
-        )
+        parts, source = stream_parts(rows)
         pred = predict_step_s(parts)
         for a, b in (("stream", "sync2"), ("stream", "offpolicy"), ("offpolicy", "sync2")):
-            measured = med[b]["step_s"] / med[a]["step_s"]
-            predicted = pred[b] / pred[a]
-            out[f"{a}_over_{b}"] = {"measured": measured, "predicted": predicted, "error": predicted / measured - 1}
-        out["parts"] = parts.__dict__
+            row = {"predicted": pred[b] / pred[a]}
+            for stat in ("step_s", "mean_step_s"):
+                if stat in med[a] and stat in med[b]:
+                    row[f"measured_{stat}"] = med[b][stat] / med[a][stat]
+                    row[f"miss_{stat}"] = row["predicted"] / row[f"measured_{stat}"] - 1
+            out[f"{a}_over_{b}"] = row
+        out["predicted_s"] = pred
+        out["stream_limits"] = stream_limits(parts)
+        out["parts"] = {k: v for k, v in parts.__dict__.items() if k != "group_latencies"}
+        out["parts"]["group_latencies"] = f"{len(parts.group_latencies)} ({source}), mean {statistics.fmean(parts.group_latencies):.3f} s"
         out["decision"] = streaming_decision(parts).to_dict()  # what the plan would say from these parts
     return out
+
+
+def print_misses(report):
+    """One line per ratio: predicted, measured (median updates; steady mean where recorded), the miss."""
+    for name, r in report.items():
+        if isinstance(r, dict) and "predicted" in r:
+            got = "; ".join(
+                f"measured {r[f'measured_{s}']:.2f}x ({s}), miss {100 * r[f'miss_{s}']:+.0f}%"
+                for s in ("mean_step_s", "step_s")
+                if f"measured_{s}" in r
+            )
+            print(f"{name}: predicted {r['predicted']:.2f}x; {got}")
 
 
 if __name__ == "__main__":
