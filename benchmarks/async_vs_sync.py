@@ -374,14 +374,18 @@ def summarise(mode, r):
         "rewards": r["rewards"],  # per update: the learning curve
         "U": statistics.median(t[1] for t in steady),
         "S": statistics.median(t[2] for t in steady),
+        "U_mean": statistics.mean(t[1] for t in steady),  # the means add up to mean_step_s (since run 4)
+        "S_mean": statistics.mean(t[2] for t in steady),
         "step_times": [t[0] for t in r["times"]],  # every update's seconds, warm-up included
     }
     if mode == "sync2":
         out["R"] = statistics.median(r["gen"][WARMUP:])
+        out["R_mean"] = statistics.mean(r["gen"][WARMUP:])
     else:
         out["wait"] = statistics.median(t[3] for t in steady)
         if mode == "offpolicy":
             out["R"] = statistics.median(m["rollout_s"] for m in r["meta"][WARMUP:])
+            out["R_mean"] = statistics.mean(m["rollout_s"] for m in r["meta"][WARMUP:])
             out["gen_s"] = statistics.median(m["gen_s"] for m in r["meta"][WARMUP:])
         else:
             stale = [s for m in r["meta"] for s in m["staleness"]]
@@ -449,59 +453,78 @@ def stream_latencies(st):
 
     mean = statistics.median(r["group_latency_s"] for r in st)
     turn_s = turn_s_for(mean, N, CALLS_PMF, TOOL_S)
-    return workload_latencies(N, CALLS_PMF, TOOL_S, turn_s), f"workload model, {turn_s:.3f} s/turn from the mean {mean:.2f} s"
+    source = f"workload model, {turn_s:.3f} s/turn from the mean {mean:.2f} s"
+    return workload_latencies(N, CALLS_PMF, TOOL_S, turn_s), source
 
 
 def stream_parts(rows):
-    """The cost model's inputs, each measured in the runs (medians over rounds)."""
+    """The cost model's inputs from one round's runs, each measured there: the steady means where recorded
+    (since run 4), else the medians over updates (runs 1-3)."""
     from rlctl.plan.streaming import StreamParts
 
-    def med(mode, key):
-        return statistics.median(r[key] for r in rows if r["mode"] == mode)
+    def part(mode, key):
+        return statistics.median(r.get(f"{key}_mean", r[key]) for r in rows if r["mode"] == mode)
 
     st = [r for r in rows if r["mode"] == "stream"]
     lat, source = stream_latencies(st)
-    split = [r for r in rows if r["mode"] != "sync2"]
-    parts = StreamParts(
-        lockstep_rollout_s=med("offpolicy", "R"),
-        # busy seconds per batch started: admission starts (steps + S) batches' groups in a run (recorded since run 4)
-        stream_generate_s=statistics.median(
-            r["busy_s"] * BATCH / r.get("groups_started", (r["steps"] + r["max_staleness"]) * BATCH) for r in st
-        ),
-        update_s=statistics.median(r["U"] for r in split),
-        sync_s=statistics.median(r["S"] for r in split),
-        dp_update_s=med("sync2", "U"),
-        dp_rollout_s=med("sync2", "R"),
+    # busy seconds per batch of groups started (recorded since run 4; before, admission's (steps + S) batches)
+    started = [r.get("groups_started", (r["steps"] + r["max_staleness"]) * BATCH) / BATCH for r in st]
+    return StreamParts(
+        lockstep_rollout_s=part("offpolicy", "R"),
+        stream_generate_s=statistics.median(r["busy_s"] / b for r, b in zip(st, started)),
+        update_s=statistics.median(r.get("U_mean", r["U"]) for r in rows if r["mode"] != "sync2"),
+        sync_s=statistics.median(r.get("S_mean", r["S"]) for r in rows if r["mode"] != "sync2"),
+        dp_update_s=part("sync2", "U") + part("sync2", "S"),  # S: sync2's weight load into its engine
+        dp_rollout_s=sync2_rollout(rows),
         group_latencies=lat,
         max_staleness=st[0]["max_staleness"],
         batch=BATCH,
-    )
-    return parts, source
+    ), source
+
+
+def sync2_rollout(rows):
+    """sync2's rollout per update, rank 0's (its update includes the all-reduce's wait for rank 1's
+    rollout, so per update rollout + update + weight load is the step exactly): the steady mean where
+    recorded; runs 1-3 recorded medians, which do not add (rank 0's median update is mostly its own short
+    one), so there it is the median step less the median update and load."""
+    sync = [r for r in rows if r["mode"] == "sync2"]
+    if all("R_mean" in r for r in sync):
+        return statistics.median(r["R_mean"] for r in sync)
+    return statistics.median(r["step_s"] - r["U"] - r["S"] for r in sync)
 
 
 def analyse(rows, modes):
-    """Medians per mode, and each ratio measured against the cost model's prediction: the measured ratio
-    of the median updates (``step_s``, all runs) and, where recorded, of the steady mean (throughput)."""
+    """Medians per mode, and each ratio measured against the cost model's prediction: each round's parts
+    predict that round's seconds per update, the medians over rounds give the predicted ratio; measured,
+    the ratio of the median updates (``step_s``, all runs) and, where recorded, of the steady means
+    (``mean_step_s``: wall time per update, i.e. throughput, since run 4)."""
     from rlctl.plan.streaming import predict_step_s, stream_limits, streaming_decision
 
     keys = ("step_s", "mean_step_s", "reward", "U", "R")
-    med = {m: {k: statistics.median(r[k] for r in rows if r["mode"] == m) for k in keys if all(k in r for r in rows if r["mode"] == m)} for m in modes}  # fmt: skip
+    med = {}
+    for m in modes:
+        mine = [r for r in rows if r["mode"] == m]
+        med[m] = {k: statistics.median(r[k] for r in mine) for k in keys if all(k in r for r in mine)}
     out = {"medians": med}
-    if {"sync2", "offpolicy", "stream"} <= set(modes):
-        parts, source = stream_parts(rows)
-        pred = predict_step_s(parts)
-        for a, b in (("stream", "sync2"), ("stream", "offpolicy"), ("offpolicy", "sync2")):
-            row = {"predicted": pred[b] / pred[a]}
-            for stat in ("step_s", "mean_step_s"):
-                if stat in med[a] and stat in med[b]:
-                    row[f"measured_{stat}"] = med[b][stat] / med[a][stat]
-                    row[f"miss_{stat}"] = row["predicted"] / row[f"measured_{stat}"] - 1
-            out[f"{a}_over_{b}"] = row
-        out["predicted_s"] = pred
-        out["stream_limits"] = stream_limits(parts)
-        out["parts"] = {k: v for k, v in parts.__dict__.items() if k != "group_latencies"}
-        out["parts"]["group_latencies"] = f"{len(parts.group_latencies)} ({source}), mean {statistics.fmean(parts.group_latencies):.3f} s"
-        out["decision"] = streaming_decision(parts).to_dict()  # what the plan would say from these parts
+    if not {"sync2", "offpolicy", "stream"} <= set(modes):
+        return out
+    rounds = [stream_parts([r for r in rows if r["round"] == k]) for k in sorted({r["round"] for r in rows})]
+    preds = [predict_step_s(p) for p, _ in rounds]
+    pred = {m: statistics.median(p[m] for p in preds) for m in ("sync2", "offpolicy", "stream")}
+    for a, b in (("stream", "sync2"), ("stream", "offpolicy"), ("offpolicy", "sync2")):
+        row = {"predicted": pred[b] / pred[a]}
+        for stat in ("mean_step_s", "step_s"):
+            if stat in med[a] and stat in med[b]:
+                row[f"measured_{stat}"] = med[b][stat] / med[a][stat]
+                row[f"miss_{stat}"] = row["predicted"] / row[f"measured_{stat}"] - 1
+        out[f"{a}_over_{b}"] = row
+    out["predicted_s"] = pred
+    parts, source = sorted(rounds, key=lambda ps: predict_step_s(ps[0])["stream"])[(len(rounds) - 1) // 2]
+    out["stream_limits"] = stream_limits(parts)  # of the round whose stream prediction is the median
+    out["parts"] = {k: v for k, v in parts.__dict__.items() if k != "group_latencies"}
+    lat = parts.group_latencies
+    out["parts"]["group_latencies"] = f"{len(lat)} ({source}), mean {statistics.fmean(lat):.3f} s"
+    out["decision"] = streaming_decision(parts).to_dict()  # what the plan would say from these parts
     return out
 
 

@@ -137,7 +137,8 @@ def turn_s_for(mean_latency_s: float, n: int, calls_pmf: list[float], tool_s: fl
     lo, hi = 0.0, mean_latency_s
     for _ in range(40):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if statistics.fmean(workload_latencies(n, calls_pmf, tool_s, mid)) < mean_latency_s else (lo, mid)
+        below = statistics.fmean(workload_latencies(n, calls_pmf, tool_s, mid)) < mean_latency_s
+        lo, hi = (mid, hi) if below else (lo, mid)
     return (lo + hi) / 2
 
 

@@ -11,10 +11,10 @@ from rlctl.plan.streaming import (
     admission_interval_s,
     needed_staleness,
     predict_step_s,
+    streaming_decision,
     turn_s_for,
     workload_latencies,
 )
-from rlctl.plan.streaming import streaming_decision
 
 
 def parts(**kw) -> StreamParts:
