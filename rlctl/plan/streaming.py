@@ -135,7 +135,7 @@ def turn_s_for(mean_latency_s: float, n: int, calls_pmf: list[float], tool_s: fl
     """The decode seconds per turn at which :func:`workload_latencies` has the measured mean group latency
     (for a run that recorded the mean only: the decoding's share of a group's latency)."""
     lo, hi = 0.0, mean_latency_s
-    for _ in range(40):
+    for _ in range(30):
         mid = (lo + hi) / 2
         below = statistics.fmean(workload_latencies(n, calls_pmf, tool_s, mid)) < mean_latency_s
         lo, hi = (mid, hi) if below else (lo, mid)
