@@ -22,9 +22,12 @@ Columns, interleaved (every column once per round, in a rotating order), each ``
 * ``stream``: 1 rollout + 1 trainer process: a pool of in-flight trajectories (chunks of CHUNK tokens,
   tools in threads beside generation), admission ``--max-staleness``, in-flight weight updates.
 
-Throughput: trained trajectories per second over the steps after WARMUP (median over rounds). Reward per
-trajectory: the mean over a run's trained trajectories, paired by seed across columns. The cost model
-(rlctl.plan.streaming) predicts each ratio from parts measured in the runs: see docs/async.md.
+Seconds per update, over the updates after WARMUP: ``mean_step_s`` (their wall time per update, i.e.
+throughput; since run 4) and ``step_s`` (the median update, all runs; a stream's updates come in bursts,
+so its median lies below its mean); medians over rounds. Reward per trajectory: the mean over a run's
+trained trajectories, paired by seed across columns. The cost model (rlctl.plan.streaming) predicts each
+ratio from parts measured in the same round (``stream_parts``), never fitted to a ratio; the report
+prints predicted against measured for each ratio and the miss in % (docs/async.md).
 """
 
 from __future__ import annotations
@@ -386,6 +389,7 @@ def summarise(mode, r):
         if mode == "offpolicy":
             out["R"] = statistics.median(m["rollout_s"] for m in r["meta"][WARMUP:])
             out["R_mean"] = statistics.mean(m["rollout_s"] for m in r["meta"][WARMUP:])
+            out["rollout_times"] = [m["rollout_s"] for m in r["meta"]]  # every batch's, warm-up included
             out["gen_s"] = statistics.median(m["gen_s"] for m in r["meta"][WARMUP:])
         else:
             stale = [s for m in r["meta"] for s in m["staleness"]]
@@ -470,7 +474,9 @@ def stream_parts(rows):
     # busy seconds per batch of groups started (recorded since run 4; before, admission's (steps + S) batches)
     started = [r.get("groups_started", (r["steps"] + r["max_staleness"]) * BATCH) / BATCH for r in st]
     return StreamParts(
-        lockstep_rollout_s=part("offpolicy", "R"),
+        # the median batch: the rollout runs one batch ahead, so its first steady batch ran beside the
+        # trainer's warm-up and a mean over its batches is not the trainer's steady window's
+        lockstep_rollout_s=statistics.median(r["R"] for r in rows if r["mode"] == "offpolicy"),
         stream_generate_s=statistics.median(r["busy_s"] / b for r, b in zip(st, started)),
         update_s=statistics.median(r.get("U_mean", r["U"]) for r in rows if r["mode"] != "sync2"),
         sync_s=statistics.median(r.get("S_mean", r["S"]) for r in rows if r["mode"] != "sync2"),

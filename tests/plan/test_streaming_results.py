@@ -53,8 +53,8 @@ def test_prediction_within_20_percent_of_each_measured_ratio(path):
             "latencies, no lockstep rollout apart from its update, no decode busy time)"
         )
     report = harness().analyse(data["rows"], MODES)
+    # the model predicts the mean seconds per update (throughput): recorded since run 4; runs 1-3 recorded
+    # the median update only, so there it is checked against the median
+    stat = "mean_step_s" if "measured_mean_step_s" in report[RATIOS[0]] else "step_s"
     for name in RATIOS:
-        r = report[name]
-        for stat in ("step_s", "mean_step_s"):  # mean_step_s: recorded since run 4
-            if f"measured_{stat}" in r:
-                assert abs(r[f"miss_{stat}"]) <= 0.20, (name, stat, r)
+        assert abs(report[name][f"miss_{stat}"]) <= 0.20, (name, stat, report[name])
