@@ -40,7 +40,8 @@ class Teacher:
         if problem:  # the same check as before launch, for a teacher only on the hub
             raise UserError(problem)
         # where the plan chose them
-        refuse(JobFacts(distill=cfg.algo.distill, sp=spec.sp, backend=spec.backend), "distill_full_engine")
+        facts = JobFacts(distill=cfg.algo.distill, sp=spec.sp, backend=spec.backend, pp=spec.pp, cp=spec.cp)
+        refuse(facts, "distill_full_engine")
         engine = build_engine(spec.replace(model=name, random_init=False), role="ref", trainable=False, source=source)
         return cls(engine, cfg.algo.teacher_weight, cfg.algo.teacher_baseline, cfg.algo.distill == "full")
 
