@@ -1,5 +1,5 @@
 """What a method runs with: a PPO critic, multi-turn agents and GRPO's sampled groups, by the model and the
-sampling; a policy loss with a rollout correction; on-policy distillation's full-vocabulary loss by the engine's layout."""
+sampling; a policy loss with a rollout correction; on-policy distillation's full-vocabulary loss by the layout."""
 
 from __future__ import annotations
 
