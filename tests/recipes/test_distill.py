@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -386,6 +387,24 @@ def test_estimate_counts_the_full_distill_teachers_logits_of_one_micro_batch():
     )
     assert grow == logit_tokens(full) * model.vocab_size * (2 + 12) and grow > 0
     assert MemorySettings(**{**kw, "teacher_params": 0}, teacher_logits=True).teacher_bytes == 0
+
+
+@pytest.mark.parametrize(("layout", "vocab_split"), [({"backend": "megatron", "tp": 2}, 2), ({"sp": 2}, 1)])
+def test_estimate_counts_the_teachers_logits_of_this_gpus_shard(layout, vocab_split):
+    """Megatron tp 2: each GPU holds the teacher's logits of its half of the vocabulary (never gathered), at
+    every position (Megatron's output layer runs on all); Ulysses sp 2: the response positions of its sequence
+    shard, whole vocabulary. Both below the unsplit run's."""
+    from rlctl.catalog import resolve_model
+    from rlctl.estimate.settings import MemorySettings
+    from rlctl.estimate.training import logit_tokens, teacher_logits_bytes
+
+    kw = dict(method="grpo", gpus=8, dtype="bf16", response_len=2048, teacher_params=7_000_000_000)
+    model = resolve_model("Qwen2.5-0.5B")
+    split = MemorySettings(**kw, **layout, teacher_logits=True)
+    want = logit_tokens(split) * math.ceil(model.vocab_size / vocab_split) * (2 + 12)
+    assert teacher_logits_bytes(model, split) == want > 0
+    whole = MemorySettings(**kw, backend=layout.get("backend", "fsdp"), teacher_logits=True)
+    assert teacher_logits_bytes(model, split) < teacher_logits_bytes(model, whole)
 
 
 @pytest.mark.parametrize(

@@ -139,13 +139,14 @@ def full_distill_loss(
     (:func:`~rlctl.algos.distill.vocab_parallel_reverse_kl`)."""
     engine, weight = teacher
     shard = engine.vocab_shard(logits.shape[-1]) if isinstance(logits, torch.Tensor) else None
-    with torch.no_grad():
-        t_out = engine.forward_micro(mb) if shard is None else engine.forward_vocab_shard(mb)
     if shard is None:
+        with torch.no_grad():
+            t_out = engine.forward_micro(mb)
         flat = response_pairs(logits, t_out, mb, lambda s, t: full_reverse_kl(s, t, algo.temperature))
     else:  # this rank's vocabulary columns of the student's logits (gathered by the engine for the policy loss)
-        cols = slice(shard.start, shard.start + shard.width)
-        student, t_logits = mb.at_response(logits)[:, cols], mb.at_response(t_out)[:, : shard.width]
+        with torch.no_grad():  # (the teacher's every position is dropped here, its response positions kept)
+            t_logits = mb.at_response(engine.forward_vocab_shard(mb))[:, : shard.width]
+        student = mb.at_response(logits)[:, shard.start : shard.start + shard.width]
         flat = vocab_parallel_reverse_kl(student, t_logits, algo.temperature, shard.group)
     kl = mb.to_matrix(flat)
     loss = aggregate(kl, mask, algo.policy.agg, **denoms)
