@@ -19,8 +19,9 @@ engine at tp x pp in {2x2 (4 processes), 2x1, 1x2 (also 3 + 2 layers), 1x1 with 
 And the recipes on the engine (training: DDP, the distributed optimizer, checkpoints with optimizer
 state): ``rlctl sft``'s recipe at tp2, stopped, resumed at pp2 (2 + 1 layers), and ``rlctl grpo``'s
 recipe (hf rollout) at tp2 follow FSDP runs of the same configs step by step, also with on-policy
-distillation's full-vocabulary loss (``algo.distill=full``: the teacher's logits vocab-parallel). And bf16 (what GPU runs
-use): training at pp2, its checkpoint's per-parameter optimizer state, loading it, converting it.
+distillation's full-vocabulary loss (``algo.distill=full``: the teacher's logits vocab-parallel).
+And bf16 (what GPU runs use): training at pp2, its checkpoint's per-parameter optimizer state, loading it,
+converting it.
 
 The worker processes replace a few CUDA calls (tests/support/scripts/megatron_cpu_patches.py); the
 pytest process itself never imports those patches. What still needs a GPU (nccl, Transformer

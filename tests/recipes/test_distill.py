@@ -258,6 +258,33 @@ def test_full_distill_under_ulysses_sp2_and_megatron_tp2_equals_plain_reverse_kl
     assert sum(g.abs().sum() for g in r["grads"].values()) > 0
 
 
+@pytest.mark.slow
+def test_full_distill_on_megatron_tp2_refuses_a_teacher_split_at_other_columns(split_models, tmp_path):
+    """A teacher with the student's tokenizer but 1100 embedding rows (padded to 2048 against the student's 1024)
+    splits the vocabulary over the tp ranks at other columns: refused on the ranks when the teacher is built."""
+    import subprocess
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.cli import REPO, torchrun
+
+    if importlib.util.find_spec("megatron") is None:
+        pytest.skip("megatron-core not installed (pip install --no-deps megatron-core)")
+    student, teacher = split_models
+    wide = AutoModelForCausalLM.from_pretrained(str(teacher))
+    wide.resize_token_embeddings(1100)
+    wide.save_pretrained(str(tmp_path / "wide"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (teacher / name).is_file():
+            shutil.copy(teacher / name, tmp_path / "wide" / name)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = torchrun(2, PARALLEL_WORKER, "tp", student, tmp_path / "wide", tmp_path / "out.pt")
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode != 0 and not (tmp_path / "out.pt").exists()
+    want = "algo.distill=full at tp=2: the teacher's vocabulary (1100 rows, padded to 2048) is split over the TP"
+    assert want in res.stderr, res.stderr[-3000:]
+
+
 def reverse_kl(student_dir: Path, teacher_dir: Path, prompts: list[str], *, samples: int = 4) -> float:
     """Mean per-token KL(student || teacher) over the whole vocabulary, along responses the student samples
     (temperature 1, 12 tokens) to ``prompts`` (plain transformers; the same seed before and after)."""
