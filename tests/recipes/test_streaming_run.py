@@ -1,5 +1,5 @@
 """Streaming RL in a real split run (``--rollout-mode stream``, rlctl.recipes.rl.streaming): torchrun, gloo,
-1 rollout + 1 trainer process, the tiny model on CPU; and the checkpoint rule: a resumed run trains every group
+1 or 2 rollout processes + 1 trainer, the tiny model on CPU; and the checkpoint rule: a resumed run trains every group
 exactly once (in-flight groups at the checkpoint regenerated). Its refusals: tests/recipes/test_offpolicy.py."""
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_two_rollout_processes_train_every_group_once(tiny_model_dir, tmp_path):
     """`--nproc 3 --rollout-procs 2 --rollout-mode stream`: 2 rollout processes, each with its own pool, one
     global admission, 1 trainer. Every one of the 12 stream positions of 4 updates x 3 groups is trained exactly
     once (a position trained twice would make the count short), staleness never above S over both processes,
-    and both processes generated groups (the rollout processes log the groups each claimed)."""
+    and both processes generated groups (``async/rollout_groups/r``: the groups of a batch process ``r`` made)."""
     data = write_jsonl(tmp_path / "data.jsonl", arith_rows(16))
     args = ("--rollout", "hf", "--max-steps", "4", "--batch-size", "3", "--n", "2", "--nproc", "3")
     args += ("--rollout-procs", "2", "--rollout-mode", "stream", "--max-staleness", "1", "--save-every", "4")
