@@ -1,11 +1,14 @@
-"""`rlctl bench train`: a real ``sft`` / ``grpo`` / ``ppo`` run on synthetic data, measured.
+"""`rlctl bench train`: a real ``sft`` / ``grpo`` / ``ppo`` / ``dpo`` / ``rm`` run on synthetic data, measured.
 
 The job is configured and planned by :func:`rlctl.job.resolve_job`, checked by :func:`rlctl.checks.check_job`
 and started by :func:`rlctl.launch.launch_job`, the code path of ``rlctl sft|grpo|ppo``. The data is random text
 written by this module: SFT chats (a short fixed question, a random answer) long enough to fill
 ``seq_len`` tokens (cut there with ``data.truncation=right``; with ``lengths="spread"`` the answers
-are log-uniform between 16 and ``seq_len`` tokens, as in real chat data, so packing matters), RL
-prompts of about ``prompt_len`` tokens scored by the built-in ``length`` reward. Then, from the run's metrics.jsonl:
+are log-uniform between 16 and ``seq_len`` tokens, as in real chat data, so packing matters), preference
+pairs (dpo, rm: the same question, a chosen and a rejected random answer, each cut at ``seq_len``), RL
+prompts of about ``prompt_len`` tokens scored by the built-in ``length`` reward. ``teacher`` (grpo / ppo)
+makes the RL run on-policy distillation (``algo.teacher``; a catalog name with random weights written to
+disk, as the teacher is loaded from its files). Then, from the run's metrics.jsonl:
 
 * tokens/s and the step time (median over the steps after the first, which warms up), split into
   rollout / log-probs / update / weight sync for the RL recipes (their ``time/*`` metrics);
@@ -36,9 +39,10 @@ from rlctl.bench.models import BenchModel, token_space
 from rlctl.errors import UserError
 from rlctl.names import PAIR_METHODS, Method, choices
 
-METHODS = choices(Method, without=PAIR_METHODS)  # dpo / rm: not benchmarked here yet
+METHODS = choices(Method)
 LENGTHS = ("fixed", "spread")
 SPLIT_KEYS = ("time/rollout", "time/logprobs", "time/update", "time/weight_sync")
+TEACHER_KEY = "time/teacher"  # on-policy distillation (algo.distill=sampled): the teacher's scoring pass
 RECIPE_PEAK_KEY = "mem/peak_bytes"  # per-rank peak, logged by the recipe (max over ranks)
 RECIPE_BASE_KEY = "mem/base_bytes"  # the same process before the model was built
 
@@ -60,6 +64,7 @@ class TrainSettings:
     rollout: str | None = None  # hf | vllm | sglang; None: the plan decides
     micro_batch_size: int = 0
     lora_rank: int = 0
+    teacher: str = ""  # rl: on-policy distillation's teacher (algo.teacher); "" = none
     sets: list[str] = field(default_factory=list)
     seed: int = 0
 
@@ -74,10 +79,16 @@ class TrainSettings:
             raise UserError(f"--steps must be at least 1, got {self.steps}")
         if self.lengths not in LENGTHS:
             raise UserError(f"unknown --lengths {self.lengths!r}; use {' or '.join(LENGTHS)}")
+        if self.teacher and not self.is_rl:
+            raise UserError(f"--teacher is on-policy distillation, an RL run: use --method grpo or ppo, not {self.method}")
 
     @property
     def is_rl(self) -> bool:
-        return self.method != "sft"
+        return self.method not in ("sft", *PAIR_METHODS)
+
+    @property
+    def is_pairs(self) -> bool:
+        return self.method in PAIR_METHODS
 
     @property
     def batch(self) -> int:
@@ -98,7 +109,16 @@ def write_data(model_path: Path, s: TrainSettings, out: Path) -> Path:
     allowed, tok = token_space(model_path)
     rng = random.Random(s.seed)
     rows_needed = s.batch * s.steps
-    if not s.is_rl:  # a short question and a random answer, cut at seq_len (data.truncation=right)
+    if s.is_pairs:  # a short question, two random answers (each more than fits: cut at seq_len)
+        rows = [
+            {
+                "prompt": "Write some text.",
+                "chosen": random_text(tok, allowed, 2 * s.seq_len, rng),
+                "rejected": random_text(tok, allowed, 2 * s.seq_len, rng),
+            }
+            for _ in range(rows_needed)
+        ]
+    elif not s.is_rl:  # a short question and a random answer, cut at seq_len (data.truncation=right)
 
         def answer_tokens() -> int:  # fixed: more than fits, so every sequence is seq_len; spread: like real chats
             return 2 * s.seq_len if s.lengths == "fixed" else round(2 ** rng.uniform(4, math.log2(max(17, s.seq_len))))
@@ -154,6 +174,7 @@ def job_options(model: BenchModel, s: TrainSettings, data: Path, prompt_tokens: 
                 "rollout.max_response_len": s.max_tokens,
                 "rollout.engine": s.rollout,
                 "reward.fn": "length",
+                "algo.teacher": s.teacher or None,
             }
         )
     else:
@@ -210,13 +231,17 @@ def critic_flops_params(spec) -> int:
     return M.flops_params(spec) - spec.vocab_size * spec.hidden_size + spec.hidden_size
 
 
-def step_flops(spec, cfg, record: dict, sequences: int) -> dict[str, float]:
-    """Model FLOPs of one step by phase (see rlctl.bench.mfu for the convention)."""
+def step_flops(spec, cfg, record: dict, sequences: int, teacher=None) -> dict[str, float]:
+    """Model FLOPs of one step by phase (see rlctl.bench.mfu for the convention); ``teacher``: the ModelSpec of
+    on-policy distillation's teacher, one forward of every sampled token (in the update with algo.distill=full,
+    each epoch)."""
     tokens = float(record.get("tokens") or 0)
     seq = tokens / max(1, sequences)
     train, fwd = M.train_flops_per_token(spec, seq), M.forward_flops_per_token(spec, seq)
-    if cfg.method == "sft":
-        return {"update": tokens * train}
+    if cfg.method == "sft" or cfg.method == "rm" or (cfg.method == "dpo" and cfg.pref.precompute_ref):
+        return {"update": tokens * train}  # dpo's precomputed reference pass runs before the first step
+    if cfg.method == "dpo":  # the reference's forward every step
+        return {"update": tokens * train + tokens * fwd}
     from rlctl.recipes.rl.update import skips_old_logprobs
 
     a = cfg.algo
@@ -228,6 +253,12 @@ def step_flops(spec, cfg, record: dict, sequences: int) -> dict[str, float]:
         "logprobs": tokens * fwd * passes,
         "update": tokens * train * a.ppo_epochs,
     }
+    if teacher is not None:
+        scored = tokens * M.forward_flops_per_token(teacher, seq)
+        if cfg.algo.distill == "full":
+            out["update"] += scored * a.ppo_epochs
+        else:
+            out["logprobs"] += scored
     if cfg.method == "ppo":  # values, then the critic's update
         scale = critic_flops_params(spec) / M.flops_params(spec)
         out["logprobs"] += tokens * fwd * scale
@@ -235,17 +266,26 @@ def step_flops(spec, cfg, record: dict, sequences: int) -> dict[str, float]:
     return out
 
 
+def step_sequences(cfg) -> int:
+    """Sequences of one step: SFT's, a pair method's chosen and rejected, RL's samples."""
+    per_row = {"sft": 1, "dpo": 2, "rm": 2}.get(cfg.method, cfg.rollout.n)
+    return cfg.train.batch_size * per_row
+
+
 def summarize(model: BenchModel, cfg, records: list[dict], peak: dict, memory: dict) -> dict:
+    from rlctl.catalog import resolve_model
+
     steady = records[1:] if len(records) > 1 else records
-    sequences = cfg.train.batch_size * (cfg.rollout.n if cfg.method != "sft" else 1)
+    rl = cfg.method in ("grpo", "ppo")
     times = {"step": median(r["time/step"] for r in steady)}
-    for key in SPLIT_KEYS:
-        # RL steps always split into these phases (a skipped log-prob pass takes 0 s)
-        if cfg.method != "sft" or any(key in r for r in steady):
+    for key in (*SPLIT_KEYS, TEACHER_KEY):
+        # RL steps always split into these phases (a skipped log-prob pass takes 0 s); the teacher's when it ran
+        if (rl and key != TEACHER_KEY) or any(key in r for r in steady):
             times[key.split("/", 1)[1]] = median(r.get(key, 0.0) for r in steady)
     if len(times) > 1:
         times["other"] = times["step"] - sum(v for k, v in times.items() if k != "step")
-    flops = [step_flops(model.spec, cfg, r, sequences) for r in steady]
+    teacher = resolve_model(cfg.algo.teacher) if rl and cfg.algo.teacher else None
+    flops = [step_flops(model.spec, cfg, r, step_sequences(cfg), teacher) for r in steady]
     step_total = median(sum(f.values()) for f in flops)
     result = {
         "tokens_per_s": median(r["tokens_per_s"] for r in steady),
@@ -255,7 +295,7 @@ def summarize(model: BenchModel, cfg, records: list[dict], peak: dict, memory: d
         "mfu": M.mfu(step_total, times["step"], peak["flops"]),
         "peak_flops": peak,
     }
-    if cfg.method != "sft" and times.get("update"):
+    if rl and times.get("update"):
         result["mfu_update"] = M.mfu(median(f["update"] for f in flops), times["update"], peak["flops"])
     result["memory"] = memory
     return result
