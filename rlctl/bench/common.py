@@ -165,18 +165,23 @@ class ProcessSampler:
     (``nvidia-smi``, CUDA contexts included) less what was in use before the job started; ``peak``
     maps ``gpu<i>`` to its largest value. One rank per GPU makes that the rank's memory; reading
     per-GPU rather than per-process figures also works in containers, where nvidia-smi shows host
-    pids.
+    pids. ``peak_time`` maps each key to the wall clock (``time.time()``, metrics.jsonl's ``time``) of its
+    largest sample, and ``timeline`` keeps every sample as (time, the largest value over the keys): when the
+    peak happened beside the job's steps and checkpoint (:func:`timeline_points`).
     """
 
     def __init__(self, select: Callable[[list[str]], bool], *, interval: float = 0.05, gpu: bool = False):
         self.select, self.interval, self.gpu = select, interval, gpu
         self.peak: dict[str, int] = {}
+        self.peak_time: dict[str, float] = {}
+        self.timeline: list[tuple[float, int]] = []
         self.samples = 0
         self._initial: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> ProcessSampler:
+        self.started = time.time()
         if self.gpu:
             if shutil.which("nvidia-smi") is None:
                 raise UserError("GPU memory sampling needs nvidia-smi on PATH")
@@ -206,11 +211,28 @@ class ProcessSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             sizes = self._gpu() if self.gpu else self._rss()
+            now = time.time()
             for key, size in sizes.items():
-                self.peak[key] = max(self.peak.get(key, 0), size)
+                if size > self.peak.get(key, -1):
+                    self.peak[key], self.peak_time[key] = size, now
             if any(sizes.values()):
                 self.samples += 1
+                self.timeline.append((now, max(sizes.values())))
             self._stop.wait(self.interval if not self.gpu else max(self.interval, 0.2))
+
+
+def timeline_points(timeline: list[tuple[float, int]], start: float, most: int = 120) -> list[list[float]]:
+    """``timeline`` as at most ``most`` points [seconds after ``start``, GB], each the largest value of its
+    slice (a peak is never dropped by the thinning)."""
+    if not timeline:
+        return []
+    per = -(-len(timeline) // most)
+    points = []
+    for i in range(0, len(timeline), per):
+        part = timeline[i : i + per]
+        t, v = max(part, key=lambda p: p[1])
+        points.append([round(t - start, 1), round(v / 1e9, 3)])
+    return points
 
 
 class CpuClock:

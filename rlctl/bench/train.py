@@ -5,7 +5,7 @@ and started by :func:`rlctl.launch.launch_job`, the code path of ``rlctl sft|grp
 written by this module: SFT chats (a short fixed question, a random answer) long enough to fill
 ``seq_len`` tokens (cut there with ``data.truncation=right``; with ``lengths="spread"`` the answers
 are log-uniform between 16 and ``seq_len`` tokens, as in real chat data, so packing matters), preference
-pairs (dpo, rm: the same question, a chosen and a rejected random answer, each cut at ``seq_len``), RL
+pairs (dpo, rm: the same question, a chosen and a rejected random answer of about ``seq_len / 2`` tokens), RL
 prompts of about ``prompt_len`` tokens scored by the built-in ``length`` reward. ``teacher`` (grpo / ppo)
 makes the RL run on-policy distillation (``algo.teacher``; a catalog name with random weights written to
 disk, as the teacher is loaded from its files). Then, from the run's metrics.jsonl:
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlctl.bench import mfu as M
-from rlctl.bench.common import ProcessSampler, median, relative_error, run_measured
+from rlctl.bench.common import ProcessSampler, median, relative_error, run_measured, timeline_points
 from rlctl.bench.models import BenchModel, token_space
 from rlctl.errors import UserError
 from rlctl.names import PAIR_METHODS, Method, choices
@@ -80,7 +80,9 @@ class TrainSettings:
         if self.lengths not in LENGTHS:
             raise UserError(f"unknown --lengths {self.lengths!r}; use {' or '.join(LENGTHS)}")
         if self.teacher and not self.is_rl:
-            raise UserError(f"--teacher is on-policy distillation, an RL run: use --method grpo or ppo, not {self.method}")
+            raise UserError(
+                f"--teacher is on-policy distillation, an RL run: use --method grpo or ppo, not {self.method}"
+            )
 
     @property
     def is_rl(self) -> bool:
@@ -104,17 +106,28 @@ def random_text(tok, allowed: list[int], tokens: int, rng: random.Random) -> str
     return tok.decode([rng.choice(allowed) for _ in range(tokens)], skip_special_tokens=True)
 
 
+def text_of_at_most(tok, allowed: list[int], tokens: int, rng: random.Random) -> str:
+    """Random text that re-tokenizes to ``tokens`` tokens or fewer (cut until it does)."""
+    text = random_text(tok, allowed, tokens, rng)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    keep = min(tokens, len(ids))
+    while keep > 1 and len(tok(text, add_special_tokens=False)["input_ids"]) > tokens:
+        keep -= 1
+        text = tok.decode(ids[:keep], skip_special_tokens=True)
+    return text
+
+
 def write_data(model_path: Path, s: TrainSettings, out: Path) -> Path:
     """Write the synthetic dataset for ``s.method`` to ``out/data.jsonl``."""
     allowed, tok = token_space(model_path)
     rng = random.Random(s.seed)
     rows_needed = s.batch * s.steps
-    if s.is_pairs:  # a short question, two random answers (each more than fits: cut at seq_len)
+    if s.is_pairs:  # a short question, two random answers of about half seq_len (rm refuses a longer row)
         rows = [
             {
                 "prompt": "Write some text.",
-                "chosen": random_text(tok, allowed, 2 * s.seq_len, rng),
-                "rejected": random_text(tok, allowed, 2 * s.seq_len, rng),
+                "chosen": text_of_at_most(tok, allowed, s.seq_len // 2, rng),
+                "rejected": text_of_at_most(tok, allowed, s.seq_len // 2, rng),
             }
             for _ in range(rows_needed)
         ]
@@ -319,13 +332,8 @@ def measured_memory(records: list[dict], sampler: ProcessSampler, baseline: int,
         )
     measured = raw - base
     estimated = estimate.peak_bytes
-    torch_peaks = {  # on CUDA the recipe logs torch's allocator peaks (rlctl.runtime.fit.cuda_memory_peaks)
-        f"torch_{kind}_peak_bytes": max(r[f"mem/{kind}_peak_bytes"] for r in records if f"mem/{kind}_peak_bytes" in r)
-        for kind in ("allocated", "reserved")
-        if any(f"mem/{kind}_peak_bytes" in r for r in records)
-    }
     return {
-        **torch_peaks,
+        **cuda_step_memory(records),
         "estimated_allocated_bytes": estimate.phases[estimate.peak_phase].allocated_bytes,
         "estimated_reserved_bytes": estimate.phases[estimate.peak_phase].reserved_bytes,
         "source": source,
@@ -338,6 +346,40 @@ def measured_memory(records: list[dict], sampler: ProcessSampler, baseline: int,
         "estimated_bytes": estimated,
         "estimated_phase": estimate.peak_phase,
         "relative_error": relative_error(measured, estimated) if measured > 0 else None,
+        **peak_timing(records, sampler),
+    }
+
+
+# what the recipe logs with each step on CUDA (rlctl.runtime.cuda_memory.cuda_memory_peaks) -> the result's key
+CUDA_STEP_KEYS = {
+    "mem/allocated_peak_bytes": "torch_allocated_peak_bytes",
+    "mem/reserved_peak_bytes": "torch_reserved_peak_bytes",
+    "mem/device_used_bytes": "device_used_at_steps_bytes",  # cudaMemGetInfo at the end of each step, the largest
+    "mem/outside_torch_bytes": "outside_torch_at_steps_bytes",  # of that, what torch's allocator does not hold
+}
+
+
+def cuda_step_memory(records: list[dict]) -> dict:
+    """The largest of each CUDA memory figure the steps logged (none on CPU)."""
+    return {
+        name: max(r[key] for r in records if key in r)
+        for key, name in CUDA_STEP_KEYS.items()
+        if any(key in r for r in records)
+    }
+
+
+def peak_timing(records: list[dict], sampler: ProcessSampler) -> dict:
+    """When the sampled peak happened, in seconds after the last step's record (negative: during training;
+    after it: the final checkpoint save, the export, the shutdown), and the sampled timeline beside the steps'
+    times (seconds after the sampling started)."""
+    if not sampler.peak_time or not records or "time" not in records[-1]:
+        return {}
+    key = max(sampler.peak, key=sampler.peak.get)
+    start = sampler.started
+    return {
+        "peak_after_last_step_s": round(sampler.peak_time[key] - records[-1]["time"], 2),
+        "step_times_s": [round(r["time"] - start, 1) for r in records if "time" in r],
+        "timeline_gb": timeline_points(sampler.timeline, start),
     }
 
 
@@ -384,6 +426,15 @@ def run_job(cfg, plan) -> tuple[list[dict], ProcessSampler]:
     return records, sampler
 
 
+def around_final_save(run_dir: Path) -> dict:
+    """On CUDA, the memory before and after the run's final checkpoint save (summary.json's ``cuda_memory``)."""
+    from rlctl.runtime.layout import RunPaths
+
+    path = RunPaths(run_dir).summary
+    memory = json.loads(path.read_text()).get("cuda_memory") if path.is_file() else None
+    return {"around_final_save": memory} if memory else {}
+
+
 def bench_train(model: BenchModel, s: TrainSettings, *, output_dir: str | None = None, log=lambda msg: None) -> dict:
     """Run the job and measure it; returns the result row (see the module docstring)."""
     keep = output_dir is not None
@@ -401,6 +452,7 @@ def bench_train(model: BenchModel, s: TrainSettings, *, output_dir: str | None =
         baseline = import_baseline_bytes(s.method, plan.rollout) if plan.device == "cpu" else 0
         records, sampler = run_job(cfg, plan)
         memory = measured_memory(records, sampler, baseline, plan.estimate, plan.device)
+        memory.update(around_final_save(Path(cfg.output_dir)))
         result = {
             "method": s.method,
             "model": model.label,

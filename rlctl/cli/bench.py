@@ -181,9 +181,7 @@ def rollout(
 @app.command()
 def train(
     model: Model,
-    method: Annotated[
-        str, typer.Option("--method", help=f"{describe(names.Method)}.")
-    ] = "sft",
+    method: Annotated[str, typer.Option("--method", help=f"{describe(names.Method)}.")] = "sft",
     random_init: RandomInit = False,
     device: Device = None,
     gpus: Annotated[int, typer.Option("--gpus", help="GPUs in total (0 = every visible GPU).")] = 0,

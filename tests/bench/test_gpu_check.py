@@ -42,7 +42,8 @@ def test_gpu_check_dry_mode_checks_every_command(tmp_path):
     names = [s["step"] for s in doc["steps"]]
     for expected in ("grpo-fsdp-hf", "sft-offload", "grpo-tools-hf", "vl-sft-grpo", "sft-pure-bf16-savers",
                      "sft-lora", "sft-megatron", "grpo-vllm", "grpo-sglang", "ppo-vllm", "grpo-vllm-pressure",
-                     "bench-rollout", "megatron-gpu-check"):  # fmt: skip
+                     "bench-rollout", "megatron-gpu-check", "megatron-cli", "dpo", "rm", "grpo-distill",
+                     "grpo-distill-full", "eval-hf"):  # fmt: skip
         assert expected in names
     assert {s["status"] for s in doc["steps"]} == {"dry-ok"}
     assert "nothing ran on a GPU" in doc["what"]
@@ -51,6 +52,13 @@ def test_gpu_check_dry_mode_checks_every_command(tmp_path):
     # one GPU, yet FSDP2 runs: the step asks for sharding and the plan keeps it
     grpo = next(s for s in doc["steps"] if s["step"] == "grpo-fsdp-hf")["result"]
     assert grpo["config"]["parallel"]["shard"] is True and grpo["config"]["algo"]["kl_coef"] > 0
+    # distillation: --teacher reaches the plan as algo.teacher, and the estimate counts the teacher's weights
+    for name, signal in (("grpo-distill", "sampled"), ("grpo-distill-full", "full")):
+        res = next(s for s in doc["steps"] if s["step"] == name)["result"]
+        assert res["config"]["algo"]["teacher"] and res["config"]["algo"]["distill"] == signal
+        assert res["plan"]["estimate"]["phases"]["training"]["components"]["teacher_model"] > 0
+    for name in ("dpo", "rm"):
+        assert next(s for s in doc["steps"] if s["step"] == name)["result"]["config"]["method"] == name
 
 
 def test_gpu_check_dry_mode_fails_on_a_misspelt_option(tmp_path):
@@ -61,3 +69,13 @@ def test_gpu_check_dry_mode_fails_on_a_misspelt_option(tmp_path):
     steps = {s["step"]: s for s in json.loads((tmp_path / "gpu_check.json").read_text())["steps"]}
     assert steps["sft-lora"]["status"] == steps["bench-rollout"]["status"] == "dry-failed"
     assert any("rnak" in line for line in steps["sft-lora"]["output_tail"])
+
+
+def test_only_runs_its_steps_in_its_own_order_and_refuses_an_unknown_name(tmp_path):
+    proc = _run(SCRIPT, tmp_path, "--only", "megatron-cli,eval-hf,dpo")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
+    assert [s["step"] for s in steps] == ["megatron-cli", "eval-hf", "dpo"]  # not the table's order
+    assert {s["status"] for s in steps} == {"dry-ok"}
+    proc = _run(SCRIPT, tmp_path, "--only", "dpo,eval-fh")
+    assert proc.returncode == 2 and "no step eval-fh in --only" in proc.stderr and "eval-hf" in proc.stderr
