@@ -28,7 +28,8 @@
 #
 # Output, in --out DIR (default: $OUT when set, as on the lent machine, else benchmarks/results/gpu_check):
 # gpu_check.json (versions, GPU, per step: command, status ok | failed | timeout | skipped, seconds, the
-# benchmark's JSON, the last lines of a failure) and gpu_check.log (every step's whole output).
+# benchmark's JSON, the last lines of a failure), gpu_check.log (every step's whole output) and, for
+# sft-megatron, torch's allocator history (sft-megatron.cuda_memory.pickle: G5 in docs/gpu.md).
 #
 # --dry (no GPU needed): bash -n on this file; every train step's exact options through
 # `rlctl <method> --dry-run --json` on a CUDA plan (1 x H100-80GB); every other command's options must
@@ -102,6 +103,10 @@ STEP_TABLE=(
     "grpo-sglang-pressure|sglang|150|train|grpo||rollout.engine=sglang train.batch_size=16 rollout.n=8"
     "bench-rollout|vllm|120|cmd|RLCTL bench rollout --model $MODEL --random-init --engine ENGINES --prompts 8 --n 4 --max-tokens 64 --reps 2 --device cuda --json"
 )
+
+# steps whose rank 0 records torch's allocator history and dumps it into --out as STEP.cuda_memory.pickle
+# (RLCTL_CUDA_MEMORY_SNAPSHOT, rlctl/runtime/cuda_memory.py; open it in https://pytorch.org/memory_viz): G5
+SNAPSHOT_STEPS=" sft-megatron "
 
 have() {  # have MOD... : prints the modules that do not import; status 1 when any
     "$PY" - "$@" <<'EOF'
@@ -212,6 +217,7 @@ run_step() {  # run_step NAME MODULES CAP COMMAND
         return
     fi
     [ "$limit" -gt "$cap" ] && limit=$cap
+    [[ "$SNAPSHOT_STEPS" == *" $name "* ]] && cmd="RLCTL_CUDA_MEMORY_SNAPSHOT=$OUTDIR/$name.cuda_memory.pickle $cmd"
     echo "[run ] $name (at most ${limit}s): $cmd"
     t0=$(date +%s%N)
     (cd "$REPO" && timeout -k 15 "$limit" bash -c "$cmd") > "$WORK/$name.out" 2> "$WORK/$name.log"
