@@ -79,3 +79,33 @@ def test_only_runs_its_steps_in_its_own_order_and_refuses_an_unknown_name(tmp_pa
     assert {s["status"] for s in steps} == {"dry-ok"}
     proc = _run(SCRIPT, tmp_path, "--only", "dpo,eval-fh")
     assert proc.returncode == 2 and "no step eval-fh in --only" in proc.stderr and "eval-hf" in proc.stderr
+
+
+@pytest.mark.slow
+def test_eval_step_runs_rlctl_eval_and_the_table_renders_it(tmp_path):
+    """benchmarks/eval_gpu_check.py (the eval-hf step) on CPU with the tiny model: a real `rlctl eval` child, its
+    tokens/s from its own samples and time, its RSS sampled; then gpu_check_table.py renders the row."""
+    out = tmp_path / "eval"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "eval_gpu_check.py"), "--model", "tiny", "--device", "cpu"]
+        + ["--prompts", "4", "--n", "2", "--max-new-tokens", "8", "--out", str(out)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    (r,) = doc["results"]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 * 2 and r["eval"]["samples"] == 8
+    tokens = sum(s["response_tokens"] for s in samples)
+    assert r["tokens_per_step"] == tokens and r["tokens_per_s"] == pytest.approx(tokens / r["time_s"]["step"])
+    assert 0 < r["time_s"]["step"] < r["time_s"]["command"]  # sampling is part of the whole command
+    assert r["memory"]["measured_bytes"] > 100 * 2**20 and r["memory"]["samples"] > 0
+    run = tmp_path / "gpu_check.json"
+    run.write_text(json.dumps({"steps": [{"step": "eval-hf", "status": "ok", "seconds": 9.0, "result": doc}]}))
+    table = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check_table.py"), str(run)], capture_output=True, text=True
+    )
+    row = table.stdout.splitlines()[-1]
+    assert row.startswith("| eval-hf | ok | 9 |") and f"| {r['tokens_per_s']:.0f} |" in row
+    assert f"| {r['memory']['measured_bytes'] / 1e9:.2f} / - |" in row  # no estimate beside it
