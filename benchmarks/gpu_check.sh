@@ -83,7 +83,7 @@ STEP_TABLE=(
     "vl-sft-grpo|torch|120|cmd|PY examples/vlm_colors/run.py --quick --nproc 1 --device cuda --out WORKDIR"
     "sft-pure-bf16-savers|torch|100|train|sft||parallel.shard=true train.precision=bf16 parallel.selective_checkpointing=true parallel.offload_activations=true"
     "sft-lora|peft|90|train|sft||parallel.shard=true lora.rank=16"
-    # never run on a GPU before: preference pairs (8 pairs x 2 x 128 tokens), distillation (the teacher is the
+    # never run on a GPU before: preference pairs (8 pairs, two answers of at most 64 tokens), distillation (the teacher is the
     # model itself with random weights on disk), rlctl eval
     "dpo|torch|90|train|dpo||parallel.shard=true"
     "rm|torch|90|train|rm||parallel.shard=true"
