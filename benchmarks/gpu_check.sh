@@ -83,8 +83,8 @@ STEP_TABLE=(
     "vl-sft-grpo|torch|120|cmd|PY examples/vlm_colors/run.py --quick --nproc 1 --device cuda --out WORKDIR"
     "sft-pure-bf16-savers|torch|100|train|sft||parallel.shard=true train.precision=bf16 parallel.selective_checkpointing=true parallel.offload_activations=true"
     "sft-lora|peft|90|train|sft||parallel.shard=true lora.rank=16"
-    # never run on a GPU before: preference pairs (8 pairs, two answers of at most 64 tokens), distillation (the teacher is the
-    # model itself with random weights on disk), rlctl eval
+    # never run on a GPU before: preference pairs (8 pairs, two answers of at most 64 tokens each), on-policy
+    # distillation (the teacher: the model itself, random weights written to disk), rlctl eval
     "dpo|torch|90|train|dpo||parallel.shard=true"
     "rm|torch|90|train|rm||parallel.shard=true"
     "grpo-distill|torch|120|train|grpo|--rollout hf --teacher $MODEL|parallel.shard=true"
