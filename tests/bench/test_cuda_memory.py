@@ -122,3 +122,25 @@ def test_thinning_the_timeline_keeps_the_peak():
     points = timeline_points(timeline, start=100.0, most=50)
     assert len(points) <= 50 and max(v for _, v in points) == 99.0 and points[-1] == [1000.0, 99.0]
     assert timeline_points([], start=0.0) == []
+
+
+def test_the_allocator_history_is_recorded_on_rank_0_of_a_cuda_run_when_asked(monkeypatch, tmp_path):
+    """RLCTL_CUDA_MEMORY_SNAPSHOT: torch's recorder FAKED (it needs CUDA); who records, and where it is dumped."""
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: calls.append(("record", k)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", path)))
+    monkeypatch.delenv(cuda_memory.SNAPSHOT_ENV, raising=False)
+    assert not cuda_memory.start_snapshot(CUDA, 0)  # not asked
+    target = str(tmp_path / "sft-megatron.cuda_memory.pickle")
+    monkeypatch.setenv(cuda_memory.SNAPSHOT_ENV, target)
+    assert not cuda_memory.start_snapshot(CUDA, 1) and not cuda_memory.start_snapshot(torch.device("cpu"), 0)
+    assert calls == []
+    assert cuda_memory.start_snapshot(CUDA, 0)
+    logged = []
+    cuda_memory.dump_snapshot(logged.append)
+    assert calls == [
+        ("record", {"max_entries": cuda_memory.SNAPSHOT_ENTRIES, "stacks": "python"}),
+        ("dump", target),
+        ("record", {"enabled": None}),  # recording stops
+    ]
+    assert logged == [f"CUDA memory snapshot: {target}"]
