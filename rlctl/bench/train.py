@@ -370,8 +370,8 @@ def cuda_step_memory(records: list[dict]) -> dict:
 
 def peak_timing(records: list[dict], sampler: ProcessSampler) -> dict:
     """When the sampled peak happened, in seconds after the last step's record (negative: during training;
-    after it: the final checkpoint save, the export, the shutdown), and the sampled timeline beside the steps'
-    times (seconds after the sampling started)."""
+    after it: the final checkpoint save, the export, the shutdown), the sampled timeline beside the steps'
+    times (seconds after the sampling started) and, on GPUs, the processes holding GPU memory at the peak."""
     if not sampler.peak_time or not records or "time" not in records[-1]:
         return {}
     key = max(sampler.peak, key=sampler.peak.get)
@@ -380,6 +380,7 @@ def peak_timing(records: list[dict], sampler: ProcessSampler) -> dict:
         "peak_after_last_step_s": round(sampler.peak_time[key] - records[-1]["time"], 2),
         "step_times_s": [round(r["time"] - start, 1) for r in records if "time" in r],
         "timeline_gb": timeline_points(sampler.timeline, start),
+        **({"processes_at_peak": sampler.processes_at_peak} if sampler.processes_at_peak else {}),
     }
 
 

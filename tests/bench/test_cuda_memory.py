@@ -102,6 +102,8 @@ def test_the_sampled_peak_is_placed_after_the_last_step(monkeypatch):
 
     monkeypatch.setattr(common, "gpu_memory_used", fake_used)
     monkeypatch.setattr(common.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    # FAKE process list: which reading it was taken at
+    monkeypatch.setattr(common, "gpu_processes", lambda: [{"pid": 1, "used_bytes": last["gpu0"]}])
     records = []
     with ProcessSampler(lambda cmd: True, gpu=True, interval=0.2) as sampler:
         deadline = time.time() + 5
@@ -115,6 +117,28 @@ def test_the_sampled_peak_is_placed_after_the_last_step(monkeypatch):
     assert timing["peak_after_last_step_s"] > 0  # after the last step's record
     assert len(timing["step_times_s"]) == 1 and timing["step_times_s"][0] >= 0
     assert max(v for _, v in timing["timeline_gb"]) == 19.0
+    assert timing["processes_at_peak"] == [{"pid": 1, "used_bytes": 20 * GB}]  # taken with the peak's sample
+
+
+def test_the_processes_holding_gpu_memory_are_read_from_nvidia_smi(monkeypatch):
+    """FAKE nvidia-smi output (two compute apps and a line it may print without a pid); this process's own pid
+    gets its command line."""
+    import os
+
+    text = f"{os.getpid()}, python3, 12000\n999999999, python3, 500\nNo running processes found\n"
+    monkeypatch.setattr(common.subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=text))
+    apps = common.gpu_processes()
+    assert [(a["pid"], a["name"], a["used_bytes"]) for a in apps] == [
+        (os.getpid(), "python3", 12000 * 2**20),
+        (999999999, "python3", 500 * 2**20),
+    ]
+    assert "pytest" in apps[0]["cmdline"] and "cmdline" not in apps[1]
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(common.subprocess, "run", missing)
+    assert common.gpu_processes() == []
 
 
 def test_thinning_the_timeline_keeps_the_peak():
