@@ -25,6 +25,7 @@ from pathlib import Path
 from rlctl.bench.common import ProcessSampler, envelope
 from rlctl.bench.models import resolve_bench_model, token_space
 from rlctl.bench.train import random_text
+from rlctl.errors import UserError
 
 
 def is_eval(cmdline: list[str]) -> bool:
@@ -90,7 +91,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    print(json.dumps(run_eval(ap.parse_args()), indent=1))
+    try:
+        print(json.dumps(run_eval(ap.parse_args()), indent=1))
+    except UserError as e:  # one line and exit 2, as rlctl's commands say it
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
