@@ -109,3 +109,27 @@ def test_eval_step_runs_rlctl_eval_and_the_table_renders_it(tmp_path):
     row = table.stdout.splitlines()[-1]
     assert row.startswith("| eval-hf | ok | 9 |") and f"| {r['tokens_per_s']:.0f} |" in row
     assert f"| {r['memory']['measured_bytes'] / 1e9:.2f} / - |" in row  # no estimate beside it
+
+
+def test_the_table_shows_when_the_peak_happened_and_the_memory_around_the_final_save(tmp_path):
+    """A step's G5 figures (as rlctl bench train records them on CUDA) reach their columns."""
+    memory = {
+        "measured_bytes": 26.5e9, "estimated_bytes": 13.8e9, "relative_error": 0.48,
+        "torch_allocated_peak_bytes": 11.9e9, "estimated_allocated_bytes": 12e9,
+        "torch_reserved_peak_bytes": 12.3e9, "estimated_reserved_bytes": 12.8e9,
+        "peak_after_last_step_s": 2.5, "processes_at_peak": [{"pid": 1}, {"pid": 2}],
+        "outside_torch_at_steps_bytes": 3e9,
+        "around_final_save": {"after_final_save": {"reserved_peak_bytes": 20e9, "device_used_bytes": 26e9}},
+    }  # fmt: skip
+    result = {"results": [{"time_s": {"step": 0.17}, "tokens_per_s": 6000.0, "mfu": 0.001, "memory": memory}]}
+    run = tmp_path / "gpu_check.json"
+    run.write_text(json.dumps({"steps": [{"step": "sft-megatron", "status": "ok", "seconds": 91.6, "result": result}]}))
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check_table.py"), str(run)], capture_output=True, text=True
+    ).stdout.splitlines()
+    header, row = out[0], out[-1]
+    assert len(header.split("|")) == len(row.split("|"))
+    assert row == (
+        "| sft-megatron | ok | 92 | 0.17 | 6000 | 0.10% | 26.50 / 13.80 (+48%) | 11.90 / 12.00 | 12.30 / 12.80 "
+        "| +2.5 | 2 | 3.00 | 20.00 / 26.00 |"
+    )
