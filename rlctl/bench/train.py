@@ -111,9 +111,9 @@ def text_of_at_most(tok, allowed: list[int], tokens: int, rng: random.Random) ->
     text = random_text(tok, allowed, tokens, rng)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     keep = min(tokens, len(ids))
-    while keep > 1 and len(tok(text, add_special_tokens=False)["input_ids"]) > tokens:
+    while keep >= 1 and len(tok(text, add_special_tokens=False)["input_ids"]) > tokens:
+        text = tok.decode(ids[:keep], skip_special_tokens=True)  # the first `keep` tokens, fewer each round
         keep -= 1
-        text = tok.decode(ids[:keep], skip_special_tokens=True)
     return text
 
 
