@@ -75,8 +75,24 @@ def resolve_job(
     model = model_files(cfg.model.name)
     if model is not None:
         check_remote_code(cfg, model)  # before the planner, which would only say the model type is unknown
-    plan = resolve_plan(cfg)
+    plan = resolve_plan(cfg, labelled_fraction=data_labelled_fraction(cfg) if model is not None else None)
     return Job(requested=cfg, cfg=apply_plan(cfg, plan), plan=plan)
+
+
+def data_labelled_fraction(cfg) -> float | None:
+    """sft / dpo with a local model and data: the labelled share of the data's first rows' positions, which the
+    memory estimate counts logits at (:mod:`rlctl.data.labelled`); None where it cannot be measured here."""
+    if cfg.method not in ("sft", "dpo") or not cfg.data.path:
+        return None
+    from rlctl.data.labelled import labelled_fraction
+    from rlctl.data.sft import use_chat_template
+    from rlctl.engines.base import load_tokenizer, model_source
+
+    try:
+        tokenizer = use_chat_template(load_tokenizer(model_source(cfg.model.name)), cfg)
+        return labelled_fraction(cfg, tokenizer)
+    except UserError:  # no tokenizer, unreadable data: the checks before launch say so
+        return None
 
 
 def _config_file_layer(path: str, method: str) -> dict:
