@@ -51,7 +51,6 @@ def examples(n: int, tokens: int, ratio: tuple[int, int], vocab: int, seed: int 
 
 
 def measure(model: Path, docs: list, budget: int, reps: int) -> dict:
-    import torch
 
     from rlctl.data.packing import rank_micro_batches
     from rlctl.engines.fsdp import FSDPEngine
