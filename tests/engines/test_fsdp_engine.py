@@ -624,3 +624,40 @@ def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, t
     assert not issubclass(UnresolvedConfig, UserError)  # a bug of the caller, never the user's input
     with pytest.raises(UserError, match="fdsp"):  # a misspelt backend is the user's: the config rejects it
         make_cfg(tiny_model_dir, data_file, tmp_path, parallel__backend="fdsp")
+
+
+@pytest.mark.parametrize("share_prefix", [False, True])
+def test_rl_log_prob_passes_run_the_lm_head_at_the_response_positions_only(share_prefix, tiny_model_dir, tmp_path):
+    """GRPO / PPO's log-prob passes (old, reference): the head runs at the positions that predict a response
+    token only (packed: ``logit_index``; shared prompts: ``keep_cols``), and the log-probs equal a plain
+    forward's every-position logits, each sample alone (fp32)."""
+    import numpy as np
+
+    from rlctl.config import build_config, dotted_to_nested
+    from rlctl.recipes.rl.batch import RolloutBatch
+    from rlctl.recipes.rl.passes import compute_logprobs
+
+    cfg = build_config("grpo", [dotted_to_nested({"model.name": str(tiny_model_dir)})])
+    engine = make_engine(cfg, total_steps=1)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, size=k).tolist() for k in (11, 17, 8)]
+    responses = [rng.integers(3, 500, size=int(rng.integers(2, 9))).tolist() for _ in range(6)]
+    batch = RolloutBatch.build(
+        [prompts[i // 2] for i in range(6)], responses, [[0.0] * len(r) for r in responses], list(range(6)),
+        n=2, batch_size=3, mini_batch_size=0, width=8,
+    )  # fmt: skip
+    head_rows = []
+    engine.model.get_output_embeddings().register_forward_hook(lambda m, a, out: head_rows.append(a[0].shape[1]))
+    logp, _ = compute_logprobs(engine, batch, temperature=1.0, budget=4096, pad_id=0, share_prefix=share_prefix)
+    if share_prefix:  # a row per prompt, its prompt once: its last column, then its samples' responses bar their last
+        cols = [{len(p) - 1, *range(len(p), len(p) + len(responses[2 * g]) + len(responses[2 * g + 1]) - 2)}
+                for g, p in enumerate(prompts)]  # fmt: skip
+        assert head_rows == [len(set().union(*cols))] and len(cols[1]) < len(prompts[1])
+    else:  # packed samples: the positions that predict a response token
+        assert head_rows == [sum(len(r) for r in responses)]
+    for i, (p, r) in enumerate(zip(batch.prompts, responses)):
+        ids = torch.tensor([p + r])
+        with torch.no_grad():
+            full = torch.log_softmax(engine.forward(ids, torch.arange(ids.shape[1])[None]).float(), -1)[0]
+        want = full[len(p) - 1 : len(p) + len(r) - 1].gather(1, torch.tensor(r)[:, None])[:, 0]
+        assert (logp[i, : len(r)] - want).abs().max().item() < 1e-5
