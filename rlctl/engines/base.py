@@ -124,6 +124,16 @@ class TrainEngine(abc.ABC):
         run shared-prefix micro-batches (``mb.keep_cols``, ``mb.blocks``) when :attr:`shares_prefix`."""
         return self.forward(mb.input_ids, mb.position_ids, mb.attention_mask)
 
+    def vocab_shard(self, vocab_size: int) -> VocabShard | None:
+        """Where this engine splits its logits over the vocabulary (Megatron's tensor parallelism): this rank's
+        columns of a ``vocab_size`` vocabulary read alongside its own (a student's, for a teacher). None where
+        every rank computes the whole vocabulary (FSDP, tp 1)."""
+        return None
+
+    def forward_vocab_shard(self, mb: Any) -> torch.Tensor:
+        """One micro-batch's logits ``[B, T, width]`` at this rank's :meth:`vocab_shard` only (never gathered)."""
+        raise NotImplementedError(f"the {self.backend} engine does not split its logits over the vocabulary")
+
     @property
     def shares_prefix(self) -> bool:
         """Whether :meth:`forward_micro` runs shared-prefix micro-batches (prompt once per group)."""
@@ -238,6 +248,19 @@ def response_tokens(output, mb, fn: Callable) -> tuple[torch.Tensor | None, ...]
     return out if isinstance(out, tuple) else (out,)
 
 
+def response_pairs(output, other, mb, fn: Callable) -> torch.Tensor:
+    """``fn(logits [N, V], other_logits [N, V']) -> [N]`` at the positions that predict ``mb``'s response tokens,
+    from two models' outputs of the same micro-batch (a student's and a teacher's). Under sequence parallelism
+    both are :class:`~rlctl.engines.ulysses.ShardedLogits` of the same columns: each rank computes its positions
+    and the ``[N]`` values are gathered."""
+    from rlctl.engines.ulysses import ShardedLogits
+
+    if isinstance(output, ShardedLogits):
+        whole = mb.logit_index if mb.keep_cols is not None else torch.arange(mb.labels.numel(), device=mb.labels.device)
+        return output.per_token(whole, mb.labels, lambda rows, paired, _: fn(rows, paired), paired=other)[0]
+    return fn(mb.at_response(output), mb.at_response(other))
+
+
 def position_tokens(output, labels: torch.Tensor, fn: Callable) -> torch.Tensor:
     """``fn(logits [M, V], labels [M]) -> [M]`` at every position of ``labels`` ``[B, T]`` (SFT), flat."""
     from rlctl.engines.ulysses import ShardedLogits
@@ -250,6 +273,17 @@ def position_tokens(output, labels: torch.Tensor, fn: Callable) -> torch.Tensor:
 def full_logits(output) -> torch.Tensor:
     """The logits ``[B, K, V]`` of an engine's output, gathered where sequence parallelism split them."""
     return output.full() if hasattr(output, "full") else output
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's columns ``[start, start + width)`` of a vocabulary split over the ranks of ``group``
+    (:meth:`TrainEngine.vocab_shard`); ``width`` is already cut at the vocabulary's end (0 on a rank that
+    holds only padding)."""
+
+    group: Any
+    start: int
+    width: int
 
 
 #: ``loss_fn(output, micro_batch) -> (loss or None, result)``, see :meth:`TrainEngine.forward_backward`.

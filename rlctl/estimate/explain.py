@@ -257,9 +257,11 @@ def _rl_models_and_engine(gpu: GpuSpec, s: MemorySettings) -> list[str]:
             f"the policy" + (", on the CPU while idle" if s.idle_weights_offloaded else "")
         )
         if s.teacher_logits:
+            split = f", this GPU's 1/{s.tp} of the vocabulary" if s.tp > 1 else ""
+            split += f", its 1/{s.sp} of the sequence" if s.sp > 1 else ""
             out.append(
                 "algo.distill=full: the teacher's logits at one micro batch's response positions (compute dtype, "
-                "12 bytes more per value for the fp32 log-softmaxes of the reverse KL), counted with the logits"
+                f"12 bytes more per value for the fp32 log-softmaxes of the reverse KL{split}), counted with the logits"
             )
     if s.has_critic:
         out.append(

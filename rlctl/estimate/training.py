@@ -328,10 +328,12 @@ def teacher_logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
     """``algo.distill=full``: the teacher's logits at one micro batch's response positions (compute dtype, no
     gradient; the whole micro batch at once, not chunked by ``loss_chunk``), its fp32 log-softmax, and the
     student's fp32 softmax and log-ratio saved for the full-vocabulary reverse KL's backward: 12 bytes per value
-    beside the compute dtype. 0 otherwise."""
+    beside the compute dtype. Per GPU: under Ulysses sp the positions of its sequence shard (:func:`logit_tokens`),
+    under Megatron's TP its ``1 / tp`` of the vocabulary (the teacher's logits are never gathered; on Megatron
+    the teacher's output layer runs on every position, as the student's). 0 otherwise."""
     if not (s.teacher_logits and s.teacher_params and s.is_rl):
         return 0
-    return logit_tokens(s) * spec.vocab_size * (s.compute_bytes + TEACHER_LOGIT_BYTES)
+    return logit_tokens(s) * math.ceil(spec.vocab_size / s.tp) * (s.compute_bytes + TEACHER_LOGIT_BYTES)
 
 
 def critic_params(spec: ModelSpec) -> int:

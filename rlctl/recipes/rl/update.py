@@ -21,10 +21,10 @@ from rlctl.algos import (
     logprobs_from_logits,
     value_loss,
 )
-from rlctl.algos.distill import full_reverse_kl
+from rlctl.algos.distill import full_reverse_kl, vocab_parallel_reverse_kl
 from rlctl.config import RunConfig
 from rlctl.data.packing import MicroBatch
-from rlctl.engines.base import LossFn, TrainEngine, response_tokens
+from rlctl.engines.base import LossFn, TrainEngine, response_pairs, response_tokens
 from rlctl.recipes.rl.batch import RolloutBatch, can_share_prefix, micro_batches
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.runtime.dist import all_reduce_sum, global_sums
@@ -133,11 +133,22 @@ def full_distill_loss(
 ) -> tuple[torch.Tensor, dict]:
     """``algo.distill=full``: the teacher's forward of this micro-batch only (its logits at the response
     positions, no gradient), the exact reverse KL over the vocabulary at each sampled position, aggregated like
-    the policy loss over the loss mask; times the teacher's weight. Metric: the KL summed over the tokens."""
+    the policy loss over the loss mask; times the teacher's weight. Metric: the KL summed over the tokens.
+    Under Ulysses sp both models' logits are the same sequence shard (:func:`response_pairs`); where the teacher
+    splits its logits over the vocabulary (Megatron's TP) each rank reads its columns of both models'
+    (:func:`~rlctl.algos.distill.vocab_parallel_reverse_kl`)."""
     engine, weight = teacher
-    with torch.no_grad():
-        t_logits = mb.at_response(engine.forward_micro(mb))
-    kl = mb.to_matrix(full_reverse_kl(mb.at_response(logits), t_logits, algo.temperature))
+    shard = engine.vocab_shard(logits.shape[-1]) if isinstance(logits, torch.Tensor) else None
+    if shard is None:
+        with torch.no_grad():
+            t_out = engine.forward_micro(mb)
+        flat = response_pairs(logits, t_out, mb, lambda s, t: full_reverse_kl(s, t, algo.temperature))
+    else:  # this rank's vocabulary columns of the student's logits (gathered by the engine for the policy loss)
+        with torch.no_grad():  # (the teacher's every position is dropped here, its response positions kept)
+            t_logits = mb.at_response(engine.forward_vocab_shard(mb))[:, : shard.width]
+        student = mb.at_response(logits)[:, shard.start : shard.start + shard.width]
+        flat = vocab_parallel_reverse_kl(student, t_logits, algo.temperature, shard.group)
+    kl = mb.to_matrix(flat)
     loss = aggregate(kl, mask, algo.policy.agg, **denoms)
     return weight * loss, {"distill/reverse_kl": (kl.detach() * mask).sum()}
 
