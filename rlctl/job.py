@@ -47,10 +47,13 @@ def resolve_job(
     sets: list[str] | None = None,
     defaults: dict | None = None,
     environ: Mapping[str, str] | None = None,
+    measure_data: bool = False,
 ) -> Job:
     """The configuration (preset < ``defaults`` < config file < options < --set) and its plan.
 
     ``defaults``: a command's own defaults over the preset's (``rlctl estimate memory``: CUDA);
+    ``measure_data``: sft / dpo, the estimate's labelled share measured on the data (:func:`data_labelled_fraction`;
+    it loads the tokenizer, seconds a training command's dry run and launch do not spend: they keep the default);
     ``environ``: inside a SLURM allocation, this node's place in it fills the options left out."""
     from rlctl.config import build_config, check_no_effect, dotted_to_nested, flat_keys, parse_set_options
     from rlctl.plan import apply_plan, resolve_plan
@@ -75,7 +78,8 @@ def resolve_job(
     model = model_files(cfg.model.name)
     if model is not None:
         check_remote_code(cfg, model)  # before the planner, which would only say the model type is unknown
-    plan = resolve_plan(cfg, labelled_fraction=data_labelled_fraction(cfg) if model is not None else None)
+    measured = data_labelled_fraction(cfg) if measure_data and model is not None else None
+    plan = resolve_plan(cfg, labelled_fraction=measured)
     return Job(requested=cfg, cfg=apply_plan(cfg, plan), plan=plan)
 
 

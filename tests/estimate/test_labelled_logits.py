@@ -47,7 +47,7 @@ def test_the_default_is_stated_and_the_reasons_name_the_share():
     every = est(gpus=8, method="sft", max_len=4096)
     assert DEFAULT_LABELLED_FRACTION == 1.0
     assert train(every)["logits"] == 4096 * V * PER_LOGIT
-    assert any("labelled positions only: 100%" in a and "the default, no data" in a for a in every.assumptions)
+    assert any("labelled positions only: 100%" in a and "the default: no data measured" in a for a in every.assumptions)
     measured = est(gpus=8, method="dpo", max_len=1024, labelled_fraction=0.3)
     assert any("labelled positions only: 30%" in a and "measured on the data" in a for a in measured.assumptions)
     assert not any("labelled positions only" in a for a in est(gpus=8).assumptions)  # grpo: response positions
@@ -100,8 +100,12 @@ def test_the_share_measured_on_the_data_is_what_the_engine_keeps(method, tiny_mo
     assert logit_tokens(MemorySettings(method=method, micro_batch_tokens=tokens, labelled_fraction=share)) == (
         math.ceil(tokens * share)
     )
-    job = resolve_job(method, options={"model.name": str(tiny_model_dir), "data.path": str(data)}, defaults=CPU)
+    job = resolve_job(
+        method, options={"model.name": str(tiny_model_dir), "data.path": str(data)}, defaults=CPU, measure_data=True
+    )
     planned = labelled_fraction(job.cfg, tok)  # the job's own max_len
+    dry_run = resolve_job(method, options={"model.name": str(tiny_model_dir), "data.path": str(data)}, defaults=CPU)
+    assert any("100% of each micro batch's (the default" in a for a in _reasons(dry_run))  # a training command's
     assert any(f"labelled positions only: {planned:.0%} of each micro batch's (measured" in a for a in _reasons(job))
 
 
