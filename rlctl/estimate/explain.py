@@ -203,8 +203,24 @@ def _memory_options(s: MemorySettings) -> list[str]:
         )
     if s.micro_batch_tokens:
         out.append(f"micro batches packed to a budget of {s.micro_batch_tokens} tokens per GPU")
+    if s.keeps_labelled:
+        measured = (
+            "measured on the data's first rows"
+            if s.labelled_fraction is not None
+            else "the default: no data measured; `rlctl estimate memory` measures a local model's data"
+        )
+        out.append(
+            f"LM head and log-softmax at the labelled positions only: {s.labelled_share:.0%} of each micro batch's "
+            f"({measured}); the prompts' positions, bar each one's last, and padding run no head"
+        )
     if s.loss_chunk:
-        where = "response positions only" if s.is_rl else "every position"
+        where = (
+            "response positions only"
+            if s.is_rl
+            else "labelled positions only"
+            if s.keeps_labelled
+            else "every position"
+        )
         out.append(
             f"loss in chunks of {s.loss_chunk} tokens ({where}): one chunk's logits, fp32 upcast, log-softmax and "
             f"gradient alive at a time ({cb + CHUNK_LOGIT_BYTES} bytes per token per vocabulary entry)"

@@ -299,11 +299,15 @@ def logit_tokens(s: MemorySettings) -> int:
     Under Ulysses SP each GPU computes the logits of the kept positions of its ``1 / sp`` of the sequence
     (rlctl.engines.ulysses.ShardedLogits) and only ``[N]`` floats are gathered; the GPU that holds the
     sequence's end holds the most response positions (its whole shard when the response is longer than a
-    shard) and sets the peak."""
+    shard) and sets the peak. SFT and DPO on FSDP: the labelled positions only (``keep_cols``,
+    rlctl.data.packing.labelled_columns), ``labelled_share`` of the micro batch's; under SP the GPU whose
+    shard holds the most of them, at worst all (a prompt-first sequence's answer in the last shard)."""
     tokens = s.tokens_per_micro_batch
     if s.is_rl and (s.backend == "fsdp" or s.loss_chunk):
         rows = tokens * s.cp * s.sp / s.seq_len
         return min(tokens, math.ceil(rows * s.response_len))
+    if s.keeps_labelled:
+        return max(1, min(tokens, math.ceil(tokens * s.sp * s.labelled_share)))
     return tokens
 
 

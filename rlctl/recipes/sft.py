@@ -55,6 +55,12 @@ def token_loss_sum(logits, labels: torch.Tensor) -> torch.Tensor:
     return per_position.sum()
 
 
+def sft_loss_sum(output, mb: MicroBatch) -> torch.Tensor:
+    """A micro-batch's summed cross-entropy at its labelled positions: where the engine ran the LM head at
+    ``mb.keep_cols`` only (:func:`rlctl.data.packing.labelled_columns`), its labels are read there."""
+    return token_loss_sum(*mb.at_labelled(output, mb.labels))
+
+
 class SFTTrainer:
     def __init__(
         self,
@@ -101,6 +107,7 @@ class SFTTrainer:
             budget=self.budget,
             micro_batch_size=self.micro_batch_size,
             pad_id=self.pad_id,
+            keep_labelled=True,  # the LM head at the labelled positions only: prompts and padding skip it
         )
         return [mb.to(e.device) for mb in micro]
 
@@ -115,7 +122,7 @@ class SFTTrainer:
         loss_tokens = sum(ex.num_loss_tokens for ex in batch)  # global: every rank sees the batch
 
         def loss_fn(logits, mb):
-            loss_sum = token_loss_sum(logits, mb.labels)
+            loss_sum = sft_loss_sum(logits, mb)
             return loss_sum / loss_tokens, loss_sum
 
         lr = self.engine.lr
@@ -145,7 +152,7 @@ class SFTTrainer:
         for k in range(0, len(self.data.val), bs):
             micro = self._micro_batches(self.data.val[k : k + bs])
             sums = self.engine.forward_backward(
-                micro, lambda logits, mb: (None, token_loss_sum(logits, mb.labels)), forward_only=True
+                micro, lambda logits, mb: (None, sft_loss_sum(logits, mb)), forward_only=True
             )
             local_sum += sum(float(x) for x in sums)
         self.engine.train(True)
