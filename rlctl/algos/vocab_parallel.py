@@ -50,20 +50,23 @@ def _scaled(local: Tensor, temperature: float) -> Tensor:
 
 
 class _VocabParallelLogProb(torch.autograd.Function):
-    """(log-prob of each row's label, entropy) from this rank's slice; see the module's docstring."""
+    """(log-prob of each row's label, entropy) from this rank's slice; see the module's docstring. Saved for the
+    backward: the logits themselves and ``[N]`` statistics; the forward and the backward each hold two float32
+    copies of the slice at a time (the estimator's 8 bytes per logit, rlctl.estimate.settings.LOGIT_EXTRA_BYTES)."""
 
     @staticmethod
     def forward(ctx, local: Tensor, labels: Tensor, start: int, temperature: float, group):
         z = _scaled(local, temperature)
         m = _row_max(z)
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        z = z - m[:, None]
+        z -= m[:, None]
         width = z.shape[-1]
         col = labels - start
         own = (col >= 0) & (col < width)
-        exp = z.exp()
         picked = z.gather(-1, col.clamp(0, max(width - 1, 0))[:, None])[:, 0] if width else z.new_zeros(len(z))
-        sums = torch.stack([exp.sum(-1), torch.where(own, picked, 0.0), (exp * z).sum(-1)])
+        exp = z.exp()
+        total = exp.sum(-1)
+        sums = torch.stack([total, torch.where(own, picked, 0.0), exp.mul_(z).sum(-1)])
         dist.all_reduce(sums, group=group)
         lse = sums[0].log()  # (of the shifted z)
         logp, entropy = sums[1] - lse, lse - sums[2] / sums[0]
@@ -73,20 +76,21 @@ class _VocabParallelLogProb(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp: Tensor | None, g_entropy: Tensor | None):
+        # d log p_y / dz_v = [v = y] - p_v;  dH/dz_v = -p_v (log p_v + H);  dz/dlogits = 1 / T
         local, col, own, lse, entropy = ctx.saved_tensors
         t = ctx.temperature
-        log_p = _scaled(local, t) - lse[:, None]  # this rank's columns of log_softmax(z)
-        p = log_p.exp()
-        grad = torch.zeros_like(p)
-        if g_logp is not None:  # d log p_y / dz_v = [v = y] - p_v
-            grad -= g_logp[:, None] * p
-            onehot = torch.zeros_like(p)
-            if p.shape[-1]:
-                onehot.scatter_(-1, col.clamp(0, p.shape[-1] - 1)[:, None], own[:, None].to(p.dtype))
-            grad += g_logp[:, None] * onehot
-        if g_entropy is not None:  # dH/dz_v = -p_v (log p_v + H)
-            grad -= g_entropy[:, None] * p * (log_p + entropy[:, None])
-        return (grad / t).to(local.dtype), None, None, None, None
+        log_p = _scaled(local, t)
+        log_p -= lse[:, None]  # this rank's columns of log_softmax(z)
+        grad = log_p.exp()
+        g_logp = torch.zeros_like(lse) if g_logp is None else g_logp
+        if g_entropy is not None:  # -p_v (g_logp + g_entropy (log p_v + H))
+            grad.mul_(log_p.add_(entropy[:, None]).mul_(g_entropy[:, None]).add_(g_logp[:, None]))
+        else:
+            grad.mul_(g_logp[:, None])
+        grad.neg_()
+        if grad.shape[-1]:
+            grad.scatter_add_(-1, col.clamp(0, grad.shape[-1] - 1)[:, None], (g_logp * own)[:, None])
+        return grad.div_(t).to(local.dtype), None, None, None, None
 
 
 def vocab_parallel_logprobs(local: Tensor, labels: Tensor, start: int, temperature: float, group):
