@@ -203,6 +203,11 @@ def _memory_options(s: MemorySettings) -> list[str]:
         )
     if s.micro_batch_tokens:
         out.append(f"micro batches packed to a budget of {s.micro_batch_tokens} tokens per GPU")
+    if s.backend == "megatron" and s.tp > 1:
+        out.append(
+            f"logits vocabulary-parallel: this GPU's 1/{s.tp} of the vocabulary, never gathered for the loss "
+            "(log-probs, entropy and cross-entropy all-reduce each row's max and sums over TP)"
+        )
     if s.loss_chunk:
         where = "response positions only" if s.is_rl else "every position"
         out.append(
