@@ -16,6 +16,7 @@ from rlctl.algos import vocab_parallel as vp
 from rlctl.algos.kl import entropy_from_logits
 from rlctl.algos.logprobs import logprobs_from_logits
 from rlctl.algos.vocab_parallel import VocabSlice
+from rlctl.engines.base import VocabParallelLogits, VocabShard
 
 T = 0.7
 
@@ -54,6 +55,12 @@ def _rank(rank: int, init: str, split: int, drop: str | None, out: str) -> None:
         loss.setdefault(what, (w_ent * ent).sum())
         loss[what].backward()
         got[what] = (logp.detach(), ent.detach(), mine.grad)
+    got["full"] = None
+    if split == 6:  # this rank's 6 columns of the vocabulary padded to 12 (rank 1: 5 + 1 padding)
+        padded = torch.zeros(1, 9, 6)
+        padded[0, :, : cols.stop - cols.start] = logits[:, cols]
+        shard = VocabShard(dist.group.WORLD, cols.start, cols.stop - cols.start)
+        got["full"] = VocabParallelLogits(padded, shard, 11).full()
     got["dispatch"] = logprobs_from_logits(VocabSlice(logits[:, cols], cols.start, None), labels, T, with_entropy=True)
     torch.save(got, f"{out}.{rank}")
     dist.destroy_process_group()
@@ -90,6 +97,8 @@ def _agrees(ranks: list[dict], split: int) -> bool:
 def test_split_log_probs_entropy_and_gradients_equal_the_whole_vocabulary(tmp_path, split):
     ranks = _run(tmp_path, split)
     assert _agrees(ranks, split)
+    if split == 6:  # VocabParallelLogits.full (the SFT logits dump's gather) cuts the padding back off
+        assert all(torch.equal(got["full"][0], _inputs()[0]) for got in ranks)
     logp, ent, _ = _full("both")
     for got in ranks:  # logprobs_from_logits reads a VocabSlice the same way (its entropy without gradient)
         assert torch.allclose(got["dispatch"][0], logp, atol=1e-5) and torch.allclose(
