@@ -86,8 +86,11 @@ class MicroBatch:
         cols = self.keep_cols
         if cols is None:
             return (output, *grids)
-        if isinstance(output, torch.Tensor) and output.shape[1] != cols.numel():
-            output = output[:, cols]
+        if isinstance(output, torch.Tensor):
+            if output.shape[1] != cols.numel():
+                output = output[:, cols]
+        elif hasattr(output, "columns"):  # split over the vocabulary (Megatron's TP): every column computed
+            output = output.columns(cols)
         return (output, *(g[:, cols] for g in grids))
 
     def to(self, device: torch.device | str) -> MicroBatch:

@@ -316,7 +316,8 @@ def logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
     in the compute dtype, the fp32 log-softmax saved for the backward, its fp32 gradient and the
     logits' gradient in the compute dtype (12 bytes per value in bf16). Chunked (``loss_chunk`` tokens at a time, the
     chunk's backward before the next chunk): one chunk's logits, fp32 upcast, log-softmax and
-    gradient. Vocabulary-parallel under TP."""
+    gradient. Vocabulary-parallel under Megatron's TP: ``V / tp`` per GPU, as the engine computes them (its loss
+    reads only its rank's columns, never gathered: rlctl.algos.vocab_parallel, two fp32 copies at a time)."""
     vocab = math.ceil(spec.vocab_size / s.tp)
     teacher = teacher_logits_bytes(spec, s)
     if s.loss_chunk:

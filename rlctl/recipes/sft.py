@@ -20,12 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rlctl.algos import logprobs_from_logits
 from rlctl.config import total_steps
 from rlctl.data.packing import MicroBatch, StepSampler, rank_micro_batches
 from rlctl.data.sft import IGNORE, SFTData, build_sft_data, use_chat_template
 from rlctl.engines import EngineSpec, build_engine
 from rlctl.engines.base import (
     TrainEngine,
+    VocabParallelLogits,
     full_logits,
     load_tokenizer,
     load_vision_processor,
@@ -49,6 +51,8 @@ def token_loss_sum(logits, labels: torch.Tensor) -> torch.Tensor:
         return logits.sum() * 0.0  # still runs backward through the model (FSDP needs it on every rank)
     if isinstance(logits, torch.Tensor):
         return F.cross_entropy(logits[keep].float(), labels[keep], reduction="sum")
+    if isinstance(logits, VocabParallelLogits):  # Megatron's TP: the vocabulary is never gathered
+        return -logprobs_from_logits(logits.rows(logits.local[keep]), labels[keep]).sum()
     per_position = position_tokens(
         logits, labels, lambda rows, lab: F.cross_entropy(rows.float(), lab, reduction="none", ignore_index=IGNORE)
     )
