@@ -22,9 +22,12 @@ Columns, interleaved (every column once per round, in a rotating order), each ``
 * ``stream``: 1 rollout + 1 trainer process: a pool of in-flight trajectories (chunks of CHUNK tokens,
   tools in threads beside generation), admission ``--max-staleness``, in-flight weight updates.
 
-Throughput: trained trajectories per second over the steps after WARMUP (median over rounds). Reward per
-trajectory: the mean over a run's trained trajectories, paired by seed across columns. The cost model
-(rlctl.plan.streaming) predicts each ratio from parts measured in the runs: see docs/async.md.
+Seconds per update, over the updates after WARMUP: ``mean_step_s`` (their wall time per update, i.e.
+throughput; since run 4) and ``step_s`` (the median update, all runs; a stream's updates come in bursts,
+so its median lies below its mean); medians over rounds. Reward per trajectory: the mean over a run's
+trained trajectories, paired by seed across columns. The cost model (rlctl.plan.streaming) predicts each
+ratio from parts measured in the same round (``stream_parts``), never fitted to a ratio; the report
+prints predicted against measured for each ratio and the miss in % (docs/async.md).
 """
 
 from __future__ import annotations
@@ -284,6 +287,8 @@ def stream_rollout(model_dir, seed, steps, to_trainer, weights_q, staleness):
                 "versions": [versions_per_trajectory(t) for t in trajs],
                 "queue": adm.queued,
                 "latency": [g.completed_s - g.started_s for g in groups],
+                "tool_s": [t.episode.tool_s for t in trajs],
+                "calls": [t.episode.calls for t in trajs],
             }
             to_trainer.put((sent, pack(trajs), meta))
             outstanding, sent = batch, sent + 1
@@ -303,7 +308,9 @@ def stream_rollout(model_dir, seed, steps, to_trainer, weights_q, staleness):
             tick_s += time.perf_counter() - t0
     wall = time.perf_counter() - began_run
     busy = wall - idle - pool.idle_s  # generating, bookkeeping, taking weights: not waiting
-    to_trainer.put(("end", {"idle_rollout_s": idle + pool.idle_s, "tick_s": tick_s, "busy_s": busy}))
+    end = {"idle_rollout_s": idle + pool.idle_s, "tick_s": tick_s, "busy_s": busy, "ticks": pool.ticks}
+    end["groups_started"] = len(adm.groups)
+    to_trainer.put(("end", end))
     pool.close()
 
 
@@ -363,19 +370,26 @@ def summarise(mode, r):
     steady = r["times"][WARMUP:]
     step_s = statistics.median(t[0] for t in steady)
     out = {
-        "step_s": step_s,
+        "step_s": step_s,  # the median update (what runs 1-3 reported)
+        "mean_step_s": statistics.mean(t[0] for t in steady),  # steady wall time per update: throughput
         "throughput": BATCH * N / step_s,
         "reward": statistics.mean(r["rewards"]),
         "rewards": r["rewards"],  # per update: the learning curve
         "U": statistics.median(t[1] for t in steady),
         "S": statistics.median(t[2] for t in steady),
+        "U_mean": statistics.mean(t[1] for t in steady),  # the means add up to mean_step_s (since run 4)
+        "S_mean": statistics.mean(t[2] for t in steady),
+        "step_times": [t[0] for t in r["times"]],  # every update's seconds, warm-up included
     }
     if mode == "sync2":
         out["R"] = statistics.median(r["gen"][WARMUP:])
+        out["R_mean"] = statistics.mean(r["gen"][WARMUP:])
     else:
         out["wait"] = statistics.median(t[3] for t in steady)
         if mode == "offpolicy":
             out["R"] = statistics.median(m["rollout_s"] for m in r["meta"][WARMUP:])
+            out["R_mean"] = statistics.mean(m["rollout_s"] for m in r["meta"][WARMUP:])
+            out["rollout_times"] = [m["rollout_s"] for m in r["meta"]]  # every batch's, warm-up included
             out["gen_s"] = statistics.median(m["gen_s"] for m in r["meta"][WARMUP:])
         else:
             stale = [s for m in r["meta"] for s in m["staleness"]]
@@ -386,6 +400,9 @@ def summarise(mode, r):
                 idle_trainer_s=sum(t[3] for t in steady) / len(steady),
                 group_latency_s=statistics.mean(x for m in r["meta"][WARMUP:] for x in m["latency"]),
                 queue_groups=statistics.mean(m["queue"] for m in r["meta"][WARMUP:]),
+                latencies=[m["latency"] for m in r["meta"]],  # each update's groups, start to last token
+                tool_s=statistics.mean(x for m in r["meta"] for x in m["tool_s"]),  # per trajectory
+                calls=statistics.mean(x for m in r["meta"] for x in m["calls"]),
                 **(r["end"] or {}),
             )
     return out
@@ -420,42 +437,113 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     report = analyse(rows, modes)
     print(json.dumps(report, indent=1))
+    print_misses(report)
     if args.out:
         Path(args.out).write_text(json.dumps({"rows": rows, "report": report}, indent=1))
 
 
-def analyse(rows, modes):
-    from rlctl.plan.streaming import StreamParts, predict_step_s, streaming_decision
+CALLS_PMF = [
+    (1 - q) * q**c if c < MAX_TURNS - 1 else q**c for q in [TOOL_CALLS / (1 + TOOL_CALLS)] for c in range(MAX_TURNS)
+]  # Tool's geometric number of calls, capped
 
-    med = {
-        m: {
-            k: statistics.median(r[k] for r in rows if r["mode"] == m)
-            for k in ("step_s", "reward", "U", "R")
-            if all(k in r for r in rows if r["mode"] == m)
-        }
-        for m in modes
-    }
+
+def stream_latencies(st):
+    """The stream runs' group latencies after warm-up (recorded since run 4); for a file that holds only
+    each run's mean (runs 1-3), a sample of the workload's model (rlctl.plan.streaming.workload_latencies:
+    CALLS_PMF, TOOL_S) whose decode seconds per turn give the measured median of those means."""
+    if all("latencies" in r for r in st):
+        return tuple(x for r in st for b in r["latencies"][WARMUP:] for x in b), "recorded"
+    from rlctl.plan.streaming import turn_s_for, workload_latencies
+
+    mean = statistics.median(r["group_latency_s"] for r in st)
+    turn_s = turn_s_for(mean, N, CALLS_PMF, TOOL_S)
+    source = f"workload model, {turn_s:.3f} s/turn from the mean {mean:.2f} s"
+    return workload_latencies(N, CALLS_PMF, TOOL_S, turn_s), source
+
+
+def stream_parts(rows):
+    """The cost model's inputs from one round's runs, each measured there: the steady means where recorded
+    (since run 4), else the medians over updates (runs 1-3)."""
+    from rlctl.plan.streaming import StreamParts
+
+    def part(mode, key):
+        return statistics.median(r.get(f"{key}_mean", r[key]) for r in rows if r["mode"] == mode)
+
+    st = [r for r in rows if r["mode"] == "stream"]
+    lat, source = stream_latencies(st)
+    # busy seconds per batch of groups started (recorded since run 4; before, admission's (steps + S) batches)
+    started = [r.get("groups_started", (r["steps"] + r["max_staleness"]) * BATCH) / BATCH for r in st]
+    return StreamParts(
+        # the median batch: the rollout runs one batch ahead, so its first steady batch ran beside the
+        # trainer's warm-up and a mean over its batches is not the trainer's steady window's
+        lockstep_rollout_s=statistics.median(r["R"] for r in rows if r["mode"] == "offpolicy"),
+        stream_generate_s=statistics.median(r["busy_s"] / b for r, b in zip(st, started)),
+        update_s=statistics.median(r.get("U_mean", r["U"]) for r in rows if r["mode"] != "sync2"),
+        sync_s=statistics.median(r.get("S_mean", r["S"]) for r in rows if r["mode"] != "sync2"),
+        dp_update_s=part("sync2", "U") + part("sync2", "S"),  # S: sync2's weight load into its engine
+        dp_rollout_s=sync2_rollout(rows),
+        group_latencies=lat,
+        max_staleness=st[0]["max_staleness"],
+        batch=BATCH,
+    ), source
+
+
+def sync2_rollout(rows):
+    """sync2's rollout per update, rank 0's (its update includes the all-reduce's wait for rank 1's
+    rollout, so per update rollout + update + weight load is the step exactly): the steady mean where
+    recorded; runs 1-3 recorded medians, which do not add (rank 0's median update is mostly its own short
+    one), so there it is the median step less the median update and load."""
+    sync = [r for r in rows if r["mode"] == "sync2"]
+    if all("R_mean" in r for r in sync):
+        return statistics.median(r["R_mean"] for r in sync)
+    return statistics.median(r["step_s"] - r["U"] - r["S"] for r in sync)
+
+
+def analyse(rows, modes):
+    """Medians per mode, and each ratio measured against the cost model's prediction: each round's parts
+    predict that round's seconds per update, the medians over rounds give the predicted ratio; measured,
+    the ratio of the median updates (``step_s``, all runs) and, where recorded, of the steady means
+    (``mean_step_s``: wall time per update, i.e. throughput, since run 4)."""
+    from rlctl.plan.streaming import predict_step_s, stream_limits, streaming_decision
+
+    keys = ("step_s", "mean_step_s", "reward", "U", "R")
+    med = {}
+    for m in modes:
+        mine = [r for r in rows if r["mode"] == m]
+        med[m] = {k: statistics.median(r[k] for r in mine) for k in keys if all(k in r for r in mine)}
     out = {"medians": med}
-    if {"sync2", "offpolicy", "stream"} <= set(modes):
-        st = [r for r in rows if r["mode"] == "stream"]
-        parts = StreamParts(
-            lockstep_rollout_s=med["offpolicy"]["R"],
-            stream_generate_s=statistics.median(r["busy_s"] / r["steps"] for r in st),
-            update_s=med["offpolicy"]["U"],
-            sync_s=statistics.median(r["S"] for r in rows if r["mode"] != "sync2"),
-            dp_update_s=med["sync2"]["U"],
-            dp_rollout_s=med["sync2"]["R"],
-            group_latency_s=statistics.median(r["group_latency_s"] for r in st),
-            max_staleness=st[0]["max_staleness"],
-        )
-        pred = predict_step_s(parts)
-        for a, b in (("stream", "sync2"), ("stream", "offpolicy"), ("offpolicy", "sync2")):
-            measured = med[b]["step_s"] / med[a]["step_s"]
-            predicted = pred[b] / pred[a]
-            out[f"{a}_over_{b}"] = {"measured": measured, "predicted": predicted, "error": predicted / measured - 1}
-        out["parts"] = parts.__dict__
-        out["decision"] = streaming_decision(parts).to_dict()  # what the plan would say from these parts
+    if not {"sync2", "offpolicy", "stream"} <= set(modes):
+        return out
+    rounds = [stream_parts([r for r in rows if r["round"] == k]) for k in sorted({r["round"] for r in rows})]
+    preds = [predict_step_s(p) for p, _ in rounds]
+    pred = {m: statistics.median(p[m] for p in preds) for m in ("sync2", "offpolicy", "stream")}
+    for a, b in (("stream", "sync2"), ("stream", "offpolicy"), ("offpolicy", "sync2")):
+        row = {"predicted": pred[b] / pred[a]}
+        for stat in ("mean_step_s", "step_s"):
+            if stat in med[a] and stat in med[b]:
+                row[f"measured_{stat}"] = med[b][stat] / med[a][stat]
+                row[f"miss_{stat}"] = row["predicted"] / row[f"measured_{stat}"] - 1
+        out[f"{a}_over_{b}"] = row
+    out["predicted_s"] = pred
+    parts, source = sorted(rounds, key=lambda ps: predict_step_s(ps[0])["stream"])[(len(rounds) - 1) // 2]
+    out["stream_limits"] = stream_limits(parts)  # of the round whose stream prediction is the median
+    out["parts"] = {k: v for k, v in parts.__dict__.items() if k != "group_latencies"}
+    lat = parts.group_latencies
+    out["parts"]["group_latencies"] = f"{len(lat)} ({source}), mean {statistics.fmean(lat):.3f} s"
+    out["decision"] = streaming_decision(parts).to_dict()  # what the plan would say from these parts
     return out
+
+
+def print_misses(report):
+    """One line per ratio: predicted, measured (median updates; steady mean where recorded), the miss."""
+    for name, r in report.items():
+        if isinstance(r, dict) and "predicted" in r:
+            got = "; ".join(
+                f"measured {r[f'measured_{s}']:.2f}x ({s}), miss {100 * r[f'miss_{s}']:+.0f}%"
+                for s in ("mean_step_s", "step_s")
+                if f"measured_{s}" in r
+            )
+            print(f"{name}: predicted {r['predicted']:.2f}x; {got}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from rlctl.algos.vocab_parallel import vocab_parallel_reverse_kl
+
+__all__ = ["centred", "distill_gap", "full_reverse_kl", "mix_advantages", "vocab_parallel_reverse_kl"]
+
 
 def distill_gap(teacher_logp: torch.Tensor, student_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[b, W] teacher minus student log-prob of each sampled token (0 where ``mask`` is 0), detached."""

@@ -167,16 +167,26 @@ class ShardedLogits:
         """A dummy micro-batch's zero loss (``output.sum() * 0``) reaches the whole model."""
         return self.local.sum()
 
-    def per_token(self, flat: torch.Tensor, labels: torch.Tensor, fn) -> tuple[torch.Tensor, ...]:
+    def per_token(
+        self, flat: torch.Tensor, labels: torch.Tensor, fn, *, paired: ShardedLogits | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """``fn(logits [M', V], labels [M']) -> [M']`` tensor(s) (or None) at the entries ``flat`` of the ``[B, K]``
         grid (``labels`` [M] their labels): computed by each entry's owner, gathered in ``flat``'s order.
-        The gather's backward hands each rank the gradient of its own entries."""
+        The gather's backward hands each rank the gradient of its own entries. With ``paired`` (another model's
+        output of the same micro-batch, so the same columns on the same ranks: a distillation teacher's),
+        ``fn(logits, paired_logits, labels)`` gets both models' rows of the same entries."""
         g, k_all = self.dims, self.owner.numel()
         b, k = torch.div(flat, k_all, rounding_mode="floor"), flat % k_all
         own = self.owner[k]
         mine = own == g.sp_rank
-        rows = self.local.flatten(0, 1)[b[mine] * self.local.shape[1] + self.local_col[k[mine]]]
-        outs = fn(rows, labels[mine])
+        index = b[mine] * self.local.shape[1] + self.local_col[k[mine]]
+        rows = self.local.flatten(0, 1)[index]
+        if paired is None:
+            outs = fn(rows, labels[mine])
+        else:
+            if not (torch.equal(paired.owner, self.owner) and torch.equal(paired.local_col, self.local_col)):
+                raise RuntimeError("the paired sequence shards own other columns than this output's")
+            outs = fn(rows, paired.local.flatten(0, 1)[index], labels[mine])
         sizes = torch.bincount(own, minlength=g.sp).tolist()
         back = torch.argsort(torch.argsort(own, stable=True))
         outs = outs if isinstance(outs, tuple) else (outs,)

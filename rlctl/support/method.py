@@ -1,5 +1,5 @@
 """What a method runs with: a PPO critic, multi-turn agents and GRPO's sampled groups, by the model and the
-sampling; a policy loss with a rollout correction; on-policy distillation's full-vocabulary loss by the engine."""
+sampling; a policy loss with a rollout correction; on-policy distillation's full-vocabulary loss by the layout."""
 
 from __future__ import annotations
 
@@ -66,15 +66,17 @@ def behaviour_weighed_twice(f: JobFacts) -> Problem | None:
 # on-policy distillation (algo.distill, docs/distill.md)
 
 
-@rule(r"distill\s*==\s*'full'.{0,80}\b(sp|backend)\b")
+@rule(r"distill\s*==\s*'full'.{0,80}\b(pp|cp)\b")
 def distill_full_engine(f: JobFacts) -> Problem | None:
-    """The full-vocabulary reverse KL reads the teacher's and the student's whole logits in the FSDP engine's loss:
-    not Megatron's, not Ulysses' sharded logits."""
-    if f.distill == "full" and (f.sp > 1 or f.backend == "megatron"):
-        where = f"parallel.sp={f.sp}" if f.sp > 1 else "the Megatron backend"
+    """The full-vocabulary reverse KL forwards the teacher inside the student's loss, on the last pipeline
+    stage: a teacher split into Megatron pipeline stages (or context-parallel sequence shards) cannot run there.
+    Ulysses sp and Megatron TP run it (the sequence shard, or the vocabulary columns, of both models)."""
+    if f.distill == "full" and f.backend == "megatron" and (f.pp > 1 or f.cp > 1):
+        where = f"parallel.pp={f.pp}" if f.pp > 1 else f"parallel.cp={f.cp}"
         return Problem(
             "distill_full_engine",
-            f"algo.distill=full does not run on {where} yet",
-            "use --backend fsdp --sp 1, or algo.distill=sampled",
+            f"algo.distill=full does not run on Megatron with {where} yet (the teacher is forwarded inside the "
+            "last pipeline stage's loss)",
+            "use parallel.pp=1 parallel.cp=1 (tp is fine), --backend fsdp, or algo.distill=sampled",
         )
     return None

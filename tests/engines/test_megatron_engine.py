@@ -18,8 +18,10 @@ engine at tp x pp in {2x2 (4 processes), 2x1, 1x2 (also 3 + 2 layers), 1x1 with 
 
 And the recipes on the engine (training: DDP, the distributed optimizer, checkpoints with optimizer
 state): ``rlctl sft``'s recipe at tp2, stopped, resumed at pp2 (2 + 1 layers), and ``rlctl grpo``'s
-recipe (hf rollout) at tp2 follow FSDP runs of the same configs step by step. And bf16 (what GPU runs
-use): training at pp2, its checkpoint's per-parameter optimizer state, loading it, converting it.
+recipe (hf rollout) at tp2 follow FSDP runs of the same configs step by step, also with on-policy
+distillation's full-vocabulary loss (``algo.distill=full``: the teacher's logits vocab-parallel).
+And bf16 (what GPU runs use): training at pp2, its checkpoint's per-parameter optimizer state, loading it,
+converting it.
 
 The worker processes replace a few CUDA calls (tests/support/scripts/megatron_cpu_patches.py); the
 pytest process itself never imports those patches. What still needs a GPU (nccl, Transformer
@@ -784,6 +786,32 @@ def test_sft_on_megatron_tp2_then_uneven_pp2_follows_fsdp(recipe_model, tmp_path
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
 
 
+def _grpo_config(model: Path, data: Path, out: Path, **extra):
+    """A 2-step `rlctl grpo --rollout hf` config on CPU in fp32 (dotted keys in ``extra`` win)."""
+    from rlctl.config import build_config, dotted_to_nested
+    from tests.support.rl import REWARDS
+
+    sets = {
+        "model.name": str(model),
+        "data.path": str(data),
+        "output_dir": str(out),
+        "hardware.device": "cpu",
+        "rollout.max_prompt_len": 48,
+        "rollout.max_response_len": 12,
+        "model.attn": "sdpa",
+        "model.dtype": "fp32",
+        "train.batch_size": 4,
+        "rollout.n": 4,
+        "train.lr": 1e-2,
+        "reward.fn": f"{REWARDS}:digits",
+        "train.max_steps": 2,
+        "rollout.engine": "hf",
+        "checkpoint.export_hf": False,
+        **extra,
+    }
+    return build_config("grpo", [dotted_to_nested(sets)])
+
+
 @needs_mcore
 @pytest.mark.slow
 def test_grpo_on_megatron_tp2_follows_fsdp(recipe_model, tmp_path):
@@ -791,33 +819,14 @@ def test_grpo_on_megatron_tp2_follows_fsdp(recipe_model, tmp_path):
     prompts, the two ranks pool their samples (one replica), and log-probs, advantages, the update and
     the weight sync to the rollout engine go through the engine. The same seeds give the same samples as
     an FSDP run on 2 processes (dp 2): the rewards, the grad norm and the KL of each step match it."""
-    from rlctl.config import build_config, dotted_to_nested
     from rlctl.launch import launch_job
-    from tests.support.rl import REWARDS, arith_rows
+    from tests.support.rl import arith_rows
     from tests.support.sft import cpu_plan, write_jsonl
 
     data = write_jsonl(tmp_path / "rl.jsonl", arith_rows(16))
 
     def cfg_for(out: Path):
-        sets = {
-            "model.name": str(recipe_model),
-            "data.path": str(data),
-            "output_dir": str(out),
-            "hardware.device": "cpu",
-            "rollout.max_prompt_len": 48,
-            "rollout.max_response_len": 12,
-            "model.attn": "sdpa",
-            "model.dtype": "fp32",
-            "train.batch_size": 4,
-            "rollout.n": 4,
-            "train.lr": 1e-2,
-            "reward.fn": f"{REWARDS}:digits",
-            "train.max_steps": 2,
-            "rollout.engine": "hf",
-            "algo.kl_coef": 0.001,
-            "checkpoint.export_hf": False,
-        }
-        return build_config("grpo", [dotted_to_nested(sets)])
+        return _grpo_config(recipe_model, data, out, **{"algo.kl_coef": 0.001})
 
     ref, run = tmp_path / "fsdp", tmp_path / "megatron"
     assert launch_job(cfg_for(ref), cpu_plan(2, method="grpo", rollout="hf", rollout_tp=1)) == 0
@@ -833,3 +842,37 @@ def test_grpo_on_megatron_tp2_follows_fsdp(recipe_model, tmp_path):
     assert got[2]["time/weight_sync"] > 0 and got[2]["kl"] > 0
     state = json.loads((run / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert state["backend"] == "megatron" and state["method"] == "grpo"
+
+
+@needs_mcore
+@pytest.mark.slow
+def test_full_distill_grpo_on_megatron_tp2_follows_fsdp(recipe_model, tmp_path):
+    """`rlctl grpo --teacher T --set algo.distill=full` on the Megatron engine at tp2 (the teacher built like the
+    reference, forwarded per micro-batch without the gather over TP; the reverse KL vocab-parallel) against an FSDP
+    run on 2 processes: the same samples, and each step's exact reverse KL and grad norm. The 512-token vocabulary
+    pads to 1024, so tp rank 1's columns hold only padding (an empty slice)."""
+    from rlctl.launch import launch_job
+    from tests.recipes.test_distill import sharp_teacher
+    from tests.support.rl import arith_rows
+    from tests.support.sft import cpu_plan, write_jsonl
+
+    data = write_jsonl(tmp_path / "rl.jsonl", arith_rows(8))
+    arch = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=3)
+    teacher = sharp_teacher(recipe_model, tmp_path / "teacher", **arch)
+    extra = {"algo.teacher": str(teacher), "algo.distill": "full", "train.batch_size": 2, "train.lr": 3e-3}
+    ref, run = tmp_path / "fsdp", tmp_path / "megatron"
+    assert (
+        launch_job(
+            _grpo_config(recipe_model, data, ref, **extra), cpu_plan(2, method="grpo", rollout="hf", rollout_tp=1)
+        )
+        == 0
+    )
+    _megatron_run(_grpo_config(recipe_model, data, run, **extra), tp=2, pp=1)
+    want, got = _steps(ref), _steps(run)
+    assert sorted(got) == [1, 2]
+    for step in (1, 2):
+        for key in ("reward/mean", "tokens", "response_len/mean"):
+            assert got[step][key] == want[step][key], (step, key)  # the same samples
+        for key in ("distill/reverse_kl", "grad_norm"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-4), (step, key)
+    assert got[1]["distill/reverse_kl"] > 0.1

@@ -121,8 +121,8 @@ COPIES = {
             raise UserError("--temperature 0 with grpo: ...")
     """,
     "distill_full_engine": """
-        if cfg.algo.distill == "full" and (spec.sp > 1 or spec.backend != "fsdp"):
-            raise UserError(f"algo.distill=full runs on the FSDP engine without sp ({spec.backend}, sp={spec.sp})")
+        if cfg.algo.distill == "full" and spec.backend == "megatron" and (spec.pp > 1 or spec.cp > 1):
+            raise UserError(f"algo.distill=full runs on Megatron without pipeline stages (pp={spec.pp})")
     """,
     "sp_backend": """
         if self.backend != "fsdp":

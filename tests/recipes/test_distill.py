@@ -5,7 +5,10 @@ refused before launch."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
+import os
 import shutil
 from pathlib import Path
 
@@ -17,16 +20,16 @@ from tests.support.rl import arith_rows, error_line, failure, rl_args, train_rec
 from tests.support.sft import write_jsonl
 
 
-def sharp_teacher(student_dir: Path, out: Path, *, seed: int = 1, steps: int = 40) -> Path:
+def sharp_teacher(student_dir: Path, out: Path, *, seed: int = 1, steps: int = 40, **config) -> Path:
     """A tiny teacher with the student's tokenizer: another random init (``seed``) trained ``steps`` full-batch
     Adam steps (plain torch) to answer the arithmetic prompts "The answer is N.", so its next-token
-    distribution is peaked where the random student's is near uniform."""
+    distribution is peaked where the random student's is near uniform. ``config``: the tiny config's overrides."""
     from transformers import AutoTokenizer
 
     from rlctl.testing import save_tiny_model
 
     tok = AutoTokenizer.from_pretrained(str(student_dir))
-    model = save_tiny_model(out, tok, seed=seed)
+    model = save_tiny_model(out, tok, seed=seed, **config)
     rows = arith_rows(32, seed=seed)
     chats = [
         [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": f"The answer is {r['answer']}."}]
@@ -193,6 +196,126 @@ def test_full_distill_loss_and_gradient_equal_plain_reverse_kl_over_the_vocabula
     assert sum(g.abs().sum() for g in got.values()) > 0
 
 
+#: the worker's log-prob pass: loss ``sum (W_LOGP * log p(y) + W_ENTROPY * H) / tokens`` over the tokens of mask 1
+W_LOGP, W_ENTROPY, TEMPERATURE = 1.0, -0.3, 0.7
+PARALLEL_WORKER = Path(__file__).resolve().parents[1] / "support" / "scripts" / "distill_full_parallel.py"
+#: 700 tokens, so that both tp ranks' vocabulary columns (512 each after the padding to 1024) hold real tokens;
+#: 4 heads and 2 KV heads, which sp 2 and tp 2 split
+SPLIT_MODEL = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def split_models(tmp_path_factory) -> tuple[Path, Path]:
+    from rlctl.testing import build_tiny_model
+
+    root = tmp_path_factory.mktemp("distill_split")
+    student = build_tiny_model(root / "student", vocab_size=700, **SPLIT_MODEL)
+    return student, sharp_teacher(student, root / "teacher", **SPLIT_MODEL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sp", "tp"])
+def test_full_distill_under_ulysses_sp2_and_megatron_tp2_equals_plain_reverse_kl(split_models, tmp_path, mode):
+    """``algo.distill=full`` on 2 ranks that split one student and one teacher: Ulysses sp 2 (FSDP; each rank
+    the same sequence shard of both models' logits) and Megatron tp 2 (each rank its vocabulary columns of both,
+    the softmaxes' max and sum and the KL all-reduced, the teacher's logits never gathered). The update's
+    summed reverse KL and the student's full gradients equal the single-process full-vocabulary computation
+    from plain transformers (fp32, 1e-5); at tp 2 also the vocab-parallel KL of random logits whose two slices
+    have different maxima, and its gradient, against ``full_reverse_kl`` of the whole tensor."""
+    import subprocess
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.cli import REPO, torchrun
+
+    if mode == "tp" and importlib.util.find_spec("megatron") is None:
+        pytest.skip("megatron-core not installed (pip install --no-deps megatron-core)")
+    student, teacher = split_models
+    out = tmp_path / "out.pt"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(
+        torchrun(2, PARALLEL_WORKER, mode, student, teacher, out), env=env, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    r = torch.load(out, weights_only=False)
+    # sp: the sequence shards; tp: the vocabulary columns (never gathered), in both passes
+    assert r["seen"] == (["ShardedLogits"] * 2 if mode == "sp" else ["VocabParallelLogits"] * 2)
+    if mode == "tp":
+        assert r["tp"] == 2 and r["shard"] == (0, 512)  # rank 0's columns of the padded 1024: 512 of the 700
+        rnd = r["random"]
+        assert torch.allclose(rnd["split"], rnd["full"], atol=1e-5) and torch.allclose(
+            rnd["grad"], rnd["want_grad"], atol=1e-6
+        )
+    else:
+        assert r["sp"] == 2
+    prompts, responses, masks, _ = tool_batch()
+    plain = AutoModelForCausalLM.from_pretrained(str(student), dtype=torch.float32, attn_implementation="eager")
+    want_loss = plain_full_kl_loss(plain, teacher, prompts, responses, masks, 0.7)
+    want_loss.backward()
+    assert float(r["kl_sum"]) / r["tokens"] == pytest.approx(want_loss.item(), abs=1e-5)
+    assert want_loss.item() > 0.1
+    want = dict(plain.named_parameters())
+    assert r["grads"].keys() == want.keys()
+    for name, g in r["grads"].items():
+        assert torch.allclose(g, want[name].grad, atol=1e-5), name
+    assert sum(g.abs().sum() for g in r["grads"].values()) > 0
+    _check_logp_pass(r, student, prompts, responses, masks)
+
+
+def _check_logp_pass(r: dict, student: Path, prompts, responses, masks) -> None:
+    """The worker's second pass (the sampled tokens' log-probs and entropies at temperature 0.7 in a loss,
+    ``logp_entropy_pass``) against plain transformers with the whole vocabulary: values and full gradients (fp32,
+    1e-5). At tp 2 a rank whose max or sum over its columns were not all-reduced would differ."""
+    from transformers import AutoModelForCausalLM
+
+    from rlctl.algos import entropy_from_logits, logprobs_from_logits
+
+    plain = AutoModelForCausalLM.from_pretrained(str(student), dtype=torch.float32, attn_implementation="eager")
+    loss, tokens = torch.zeros(()), sum(sum(k) for k in masks)
+    got = r["logp_pass"]
+    assert got["rows"].tolist() == [0, 1]
+    for i, (p, resp, k) in enumerate(zip(prompts, responses, masks)):
+        logits = plain(input_ids=torch.tensor([p + resp])).logits[0, len(p) - 1 : len(p) + len(resp) - 1]
+        logp = logprobs_from_logits(logits, torch.tensor(resp), TEMPERATURE)
+        ent = entropy_from_logits(logits / TEMPERATURE)
+        m = torch.tensor(k, dtype=torch.float32)
+        assert torch.allclose(got["logp"][i, : len(resp)], logp.detach() * m, atol=1e-5)
+        assert torch.allclose(got["entropy"][i, : len(resp)], ent.detach() * m, atol=1e-5)
+        loss = loss + ((W_LOGP * logp + W_ENTROPY * ent) * m).sum() / tokens
+    loss.backward()
+    want = dict(plain.named_parameters())
+    for name, g in r["logp_grads"].items():
+        assert torch.allclose(g, want[name].grad, atol=1e-5), name
+    assert sum(g.abs().sum() for g in r["logp_grads"].values()) > 0
+
+
+@pytest.mark.slow
+def test_full_distill_on_megatron_tp2_refuses_a_teacher_split_at_other_columns(split_models, tmp_path):
+    """A teacher with the student's tokenizer but 1100 embedding rows (padded to 2048 against the student's 1024)
+    splits the vocabulary over the tp ranks at other columns: refused on the ranks when the teacher is built."""
+    import subprocess
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.cli import REPO, torchrun
+
+    if importlib.util.find_spec("megatron") is None:
+        pytest.skip("megatron-core not installed (pip install --no-deps megatron-core)")
+    student, teacher = split_models
+    wide = AutoModelForCausalLM.from_pretrained(str(teacher))
+    wide.resize_token_embeddings(1100)
+    wide.save_pretrained(str(tmp_path / "wide"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (teacher / name).is_file():
+            shutil.copy(teacher / name, tmp_path / "wide" / name)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = torchrun(2, PARALLEL_WORKER, "tp", student, tmp_path / "wide", tmp_path / "out.pt")
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode != 0 and not (tmp_path / "out.pt").exists()
+    want = "algo.distill=full at tp=2: the teacher's vocabulary (1100 rows, padded to 2048) is split over the TP"
+    assert want in res.stderr, res.stderr[-3000:]
+
+
 def reverse_kl(student_dir: Path, teacher_dir: Path, prompts: list[str], *, samples: int = 4) -> float:
     """Mean per-token KL(student || teacher) over the whole vocabulary, along responses the student samples
     (temperature 1, 12 tokens) to ``prompts`` (plain transformers; the same seed before and after)."""
@@ -324,14 +447,36 @@ def test_estimate_counts_the_full_distill_teachers_logits_of_one_micro_batch():
     assert MemorySettings(**{**kw, "teacher_params": 0}, teacher_logits=True).teacher_bytes == 0
 
 
+@pytest.mark.parametrize(("layout", "vocab_split"), [({"backend": "megatron", "tp": 2}, 2), ({"sp": 2}, 1)])
+def test_estimate_counts_the_teachers_logits_of_this_gpus_shard(layout, vocab_split):
+    """Megatron tp 2: each GPU holds the teacher's logits of its half of the vocabulary (never gathered), at
+    every position (Megatron's output layer runs on all); Ulysses sp 2: the response positions of its sequence
+    shard, whole vocabulary. Both below the unsplit run's."""
+    from rlctl.catalog import resolve_model
+    from rlctl.estimate.settings import MemorySettings
+    from rlctl.estimate.training import logit_tokens, teacher_logits_bytes
+
+    kw = dict(method="grpo", gpus=8, dtype="bf16", response_len=2048, teacher_params=7_000_000_000)
+    model = resolve_model("Qwen2.5-0.5B")
+    split = MemorySettings(**kw, **layout, teacher_logits=True)
+    want = logit_tokens(split) * math.ceil(model.vocab_size / vocab_split) * (2 + 12)
+    assert teacher_logits_bytes(model, split) == want > 0
+    whole = MemorySettings(**kw, backend=layout.get("backend", "fsdp"), teacher_logits=True)
+    assert teacher_logits_bytes(model, split) < teacher_logits_bytes(model, whole)
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
         ({"algo.distill": "full"}, "algo.distill=full is set without a teacher"),
         ({"algo.distill": "full", "algo.teacher": "t", "algo.teacher_baseline": True}, "algo.teacher_baseline is for"),
         (
-            {"algo.distill": "full", "algo.teacher": "t", "parallel.backend": "megatron"},
-            "does not run on the Megatron backend",
+            {"algo.distill": "full", "algo.teacher": "t", "parallel.backend": "megatron", "parallel.pp": 2},
+            "algo.distill=full does not run on Megatron with parallel.pp=2 yet",
+        ),
+        (
+            {"algo.distill": "full", "algo.teacher": "t", "parallel.backend": "megatron", "parallel.cp": 2},
+            "algo.distill=full does not run on Megatron with parallel.cp=2 yet",
         ),
         ({"algo.distill": "vocab"}, "algo.distill"),
     ],
@@ -344,6 +489,18 @@ def test_full_distill_settings_are_checked_in_one_line(settings, message):
     with pytest.raises(UserError, match=message) as err:
         check_algorithm(build_config("grpo", [dotted_to_nested({"model.name": "Qwen2.5-0.5B", **settings})]))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "settings", [{"parallel.backend": "megatron", "parallel.tp": 2}, {"parallel.sp": 2}, {"parallel.backend": "fsdp"}]
+)
+def test_full_distill_runs_under_megatron_tp_and_ulysses_sp(settings):
+    """What the rule no longer refuses: Megatron's TP (vocabulary columns) and Ulysses sp (sequence shards)."""
+    from rlctl.config import build_config, dotted_to_nested
+    from rlctl.config.algorithm import check_algorithm
+
+    sets = {"model.name": "Qwen2.5-0.5B", "algo.distill": "full", "algo.teacher": "t", **settings}
+    check_algorithm(build_config("grpo", [dotted_to_nested(sets)]))
 
 
 def test_full_reverse_kl_equals_trls_gkd_loss_at_beta_1():

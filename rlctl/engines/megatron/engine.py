@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlctl.engines.base import LossFn, ModelSource, TrainEngine, detached
+from rlctl.engines.base import LossFn, ModelSource, TrainEngine, VocabParallelLogits, VocabShard, detached
 from rlctl.engines.megatron import config as mconfig
 from rlctl.engines.megatron.parallel import CUDA_MAX_CONNECTIONS, check_megatron_layout, layer_stages
 from rlctl.engines.megatron.patches import init_torch_adam_state, torch_adam_load_fix
@@ -201,12 +202,21 @@ class MegatronEngine(TrainEngine):
 
     # ------------------------------------------------------------------ training
 
-    def _run(self, model, unpacked: Unpacked) -> torch.Tensor:
+    def _run(self, model, unpacked: Unpacked, *, gather: bool = True) -> torch.Tensor:
         """This stage of the model on unpacked rows: hidden states, or on the last stage the logits over
-        the padded vocabulary [N, L, V'] (gathered over TP)."""
+        the padded vocabulary [N, L, V'] (gathered over TP), or with ``gather=False`` this TP rank's V'/tp."""
         n, width = unpacked.tokens.shape
         positions = torch.arange(width, device=self.device).expand(n, width)
-        return model(unpacked.tokens, positions, attention_mask=self._causal_mask(width), runtime_gather_output=True)
+        return model(unpacked.tokens, positions, attention_mask=self._causal_mask(width), runtime_gather_output=gather)
+
+    def _loss_input(self, up: Unpacked, output: torch.Tensor):
+        """What ``loss_fn`` gets of the last stage's output: the logits over the HF vocabulary at tp 1; at tp > 1
+        this rank's columns, never gathered (:class:`VocabParallelLogits`: the loss's log-probs, entropy and
+        reverse KL all-reduce their max and sums over TP instead, :mod:`rlctl.algos.vocab_parallel`)."""
+        if self.tp == 1:
+            return up.repack(output[..., : self.layout.vocab_size])
+        shard = self.vocab_shard(self.layout.vocab_size)
+        return VocabParallelLogits(up.repack(output), shard, self.layout.vocab_size)
 
     def _causal_mask(self, width: int) -> torch.Tensor | None:
         """megatron-core builds its causal mask on CUDA; on CPU (tests) it must be passed (True = hidden)."""
@@ -231,6 +241,36 @@ class MegatronEngine(TrainEngine):
         self._single_stage("forward")
         unpacked = self._unpack(input_ids, position_ids, attention_mask)
         return unpacked.repack(self._run(self.model, unpacked)[..., : self.layout.vocab_size])
+
+    def vocab_shard(self, vocab_size: int) -> VocabShard | None:
+        """This TP rank's columns of a ``vocab_size`` vocabulary (a student's, this engine a teacher's), padded
+        like this engine's; a UserError where the padding splits the two vocabularies at other columns."""
+        if self.tp == 1:
+            return None
+        from megatron.core import parallel_state
+
+        from rlctl.formats.megatron_layout import padded_vocab_size
+
+        mine = padded_vocab_size(self.layout, self.tp)
+        theirs = padded_vocab_size(dataclasses.replace(self.layout, vocab_size=vocab_size), self.tp)
+        if theirs != mine:
+            raise UserError(
+                f"algo.distill=full at tp={self.tp}: the teacher's vocabulary ({self.layout.vocab_size} rows, "
+                f"padded to {mine}) is split over the TP ranks at other columns than the student's ({vocab_size}, "
+                f"padded to {theirs}); use algo.distill=sampled or a teacher with the student's embedding size"
+            )
+        width = mine // self.tp
+        start = self.tp_rank * width
+        group = parallel_state.get_tensor_model_parallel_group()
+        return VocabShard(group, start, max(0, min(width, vocab_size - start)))
+
+    def forward_vocab_shard(self, mb) -> torch.Tensor:
+        """Logits ``[B, T, width]`` of this TP rank's vocabulary columns (:meth:`vocab_shard` of this engine's
+        own vocabulary), not gathered over TP (pp=1 only)."""
+        self._single_stage("forward_vocab_shard")
+        shard = self.vocab_shard(self.layout.vocab_size)
+        up = self._unpack(mb.input_ids, mb.position_ids, mb.attention_mask)
+        return up.repack(self._run(self.model, up, gather=False)[..., : shard.width])
 
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
         """Accumulate gradients (pp=1); on ``sync`` reduce them over DP (and TP for sequence-parallel norms)."""
@@ -258,10 +298,10 @@ class MegatronEngine(TrainEngine):
 
         def step_fn(data_iterator, model):
             mb, up = next(data_iterator)
-            return self._run(model, up), partial(loss_func, mb, up)
+            return self._run(model, up, gather=self.tp == 1), partial(loss_func, mb, up)
 
         def loss_func(mb, up, output, non_loss_data=False):
-            loss, result = loss_fn(up.repack(output[..., : self.layout.vocab_size]), mb)
+            loss, result = loss_fn(self._loss_input(up, output), mb)
             if non_loss_data:  # forward_only
                 return detached(result)
             # (calculate_per_token_loss: the schedule neither divides by this count nor by the micro-batches)

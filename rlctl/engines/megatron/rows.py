@@ -18,7 +18,7 @@ class Unpacked:
 
     def repack(self, x: torch.Tensor) -> torch.Tensor:
         """[N, L, ...] -> [B, T, ...] in the input's layout (differentiable)."""
-        return x.reshape(-1, *x.shape[2:])[self.index].reshape(*self.shape, *x.shape[2:])
+        return x.flatten(0, 1)[self.index].reshape(*self.shape, *x.shape[2:])  # (flatten: also 0 columns)
 
 
 def unpack_rows(

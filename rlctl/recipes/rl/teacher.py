@@ -40,8 +40,13 @@ class Teacher:
         if problem:  # the same check as before launch, for a teacher only on the hub
             raise UserError(problem)
         # where the plan chose them
-        refuse(JobFacts(distill=cfg.algo.distill, sp=spec.sp, backend=spec.backend), "distill_full_engine")
+        facts = JobFacts(distill=cfg.algo.distill, sp=spec.sp, backend=spec.backend, pp=spec.pp, cp=spec.cp)
+        refuse(facts, "distill_full_engine")
         engine = build_engine(spec.replace(model=name, random_init=False), role="ref", trainable=False, source=source)
+        if cfg.algo.distill == "full":  # split over the vocabulary (Megatron's TP): at the student's columns
+            rows = getattr(model_source(cfg.model.name).load_config(), "vocab_size", None)
+            if rows:
+                engine.vocab_shard(rows)  # (a UserError where they differ)
         return cls(engine, cfg.algo.teacher_weight, cfg.algo.teacher_baseline, cfg.algo.distill == "full")
 
     @property
