@@ -1,0 +1,95 @@
+"""Whether streaming pays for a job, from what can be known of it: :func:`run_parts` reads the cost model's
+inputs (:class:`rlctl.plan.streaming.StreamParts`) from a GRPO run's own metrics.jsonl, :func:`run_decision`
+applies :func:`rlctl.plan.streaming.streaming_decision` to them and names what was assumed; `rlctl report`
+prints it. :func:`planned_decision` is the plan's answer before a run (`rlctl grpo ... --dry-run`).
+
+Read from a run (steady steps: the first is warm-up and left out when there are more):
+
+- ``U``: ``time/update + time/logprobs`` (the trainer's work per batch); ``S``: ``time/weight_sync``;
+- a colocated or ``fixed`` split run: ``R_lock`` is ``time/rollout`` (the batch's lockstep rollout); every
+  group of a lockstep batch ends with the batch, so its latency is ``time/rollout`` too;
+- a ``stream`` run: the group latencies recorded per update (``async/group_latency_mean`` and ``_max``),
+  ``G`` the update interval (``time/step``) less the rollout's idle seconds (``async/idle_rollout_s``), and
+  ``R_lock`` the mean batch's slowest group (a lockstep batch waits for it).
+
+What no single run measures is assumed, and the reason says so: a run does not split lockstep decoding
+from streaming decoding (``G = R_lock`` for a lockstep run), and 2 synchronous processes are taken to
+halve the rollout and the update (the all-reduce not counted).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from rlctl.plan.streaming import StreamParts, streaming_decision
+from rlctl.plan.types import Decision
+
+DEFAULT_BATCH, DEFAULT_N, DEFAULT_STALENESS = 32, 8, 1  # rlctl.config.schema's train.batch_size, rollout.n, ...
+
+
+def _section(cfg: dict, name: str) -> dict:
+    return cfg.get(name) or {}
+
+
+def _steady(rows: list[dict], key: str) -> list[float]:
+    """``key`` of each training step that has it, the first step left out when there are more."""
+    vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and r.get("kind") != "eval"]
+    return vals[1:] if len(vals) > 1 else vals
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    vals = _steady(rows, key)
+    return statistics.fmean(vals) if vals else 0.0
+
+
+def run_parts(rows: list[dict], cfg: dict) -> tuple[StreamParts, list[str]] | None:
+    """The cost model's inputs read from a run's step records and its config (module docstring), and the
+    assumptions made; None when the run recorded no rollout (not an RL run)."""
+    rollout, train = _section(cfg, "rollout"), _section(cfg, "train")
+    stream = rollout.get("procs", 0) and rollout.get("mode") == "stream"
+    if not _steady(rows, "time/rollout") and not (stream and _steady(rows, "async/group_latency_mean")):
+        return None
+    update = _mean(rows, "time/update") + _mean(rows, "time/logprobs")
+    if stream:
+        lat = tuple(_steady(rows, "async/group_latency_mean"))
+        lockstep = _mean(rows, "async/group_latency_max")
+        generate = max(0.0, _mean(rows, "time/step") - _mean(rows, "async/idle_rollout_s"))
+        assumed = [
+            "a lockstep batch takes its mean slowest group's latency",
+            "group latencies: the per-update means (the tail within a batch not recorded)",
+        ]
+    else:
+        lockstep = generate = _mean(rows, "time/rollout")
+        lat = (lockstep,)
+        assumed = ["streaming decodes a batch as fast as lockstep (no tool waits recorded to split off)"]
+    assumed.append("2 synchronous processes halve the rollout and the update (all-reduce not counted)")
+    parts = StreamParts(
+        lockstep_rollout_s=lockstep,
+        stream_generate_s=generate,
+        update_s=update,
+        sync_s=_mean(rows, "time/weight_sync"),
+        dp_update_s=update / 2,
+        dp_rollout_s=lockstep / 2,
+        group_latencies=lat,
+        max_staleness=int(rollout.get("max_staleness", DEFAULT_STALENESS)),
+        batch=int(train.get("batch_size", DEFAULT_BATCH)),
+    )
+    return parts, assumed
+
+
+def with_flags(d: Decision, assumed: list[str], source: str) -> Decision:
+    """The decision with the flags that ask for it and what it rests on, in its value and its reason."""
+    value = dict(d.value)
+    if value["mode"] == "stream":
+        value["flags"] = f"--rollout-procs 1 --rollout-mode stream --max-staleness {value['max_staleness']}"
+    why = f"{d.why} ({source}; assumed: {'; '.join(assumed)})"
+    return Decision(d.key, value, why)
+
+
+def run_decision(rows: list[dict], cfg: dict) -> Decision | None:
+    """``rollout.mode`` from the run's own record (None: not an RL run, nothing to decide from)."""
+    got = run_parts(rows, cfg)
+    if got is None:
+        return None
+    parts, assumed = got
+    return with_flags(streaming_decision(parts), assumed, "from this run's metrics.jsonl")
