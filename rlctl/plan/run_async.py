@@ -7,7 +7,9 @@ Read from a run (steady steps: the first is warm-up and left out when there are 
 
 - ``U``: ``time/update + time/logprobs`` (the trainer's work per batch); ``S``: ``time/weight_sync``;
 - a colocated or ``fixed`` split run: ``R_lock`` is ``time/rollout`` (the batch's lockstep rollout); every
-  group of a lockstep batch ends with the batch, so its latency is ``time/rollout`` too;
+  group of a lockstep batch ends with the batch, so its latency is ``time/rollout`` too; ``G`` is
+  ``time/rollout`` less ``time/tools`` (the batch's waits for its tools, recorded by a multi-turn run on
+  the process that ran the agent loop), else ``time/rollout``;
 - a ``stream`` run: the group latencies recorded per update (``async/group_latency_mean`` and ``_max``),
   ``G`` the update interval (``time/step``) less the rollout's idle seconds (``async/idle_rollout_s``), and
   ``R_lock`` the mean batch's slowest group (a lockstep batch waits for it).
@@ -21,10 +23,9 @@ from __future__ import annotations
 
 import statistics
 
+from rlctl.config.schema import RolloutConfig, TrainConfig
 from rlctl.plan.streaming import StreamParts, streaming_decision
 from rlctl.plan.types import Decision
-
-DEFAULT_BATCH, DEFAULT_N, DEFAULT_STALENESS = 32, 8, 1  # rlctl.config.schema's train.batch_size, rollout.n, ...
 
 
 def _section(cfg: dict, name: str) -> dict:
@@ -42,6 +43,17 @@ def _mean(rows: list[dict], key: str) -> float:
     return statistics.fmean(vals) if vals else 0.0
 
 
+def _procs(cfg: dict) -> tuple[int, int, list[str]]:
+    """(rollout processes, trainer processes) of the run, and the assumption when config.yaml does not say:
+    a colocated run's processes do both; a split run's last ``rollout.procs`` only generate."""
+    nproc, procs = int(_section(cfg, "hardware").get("nproc", 0)), int(_section(cfg, "rollout").get("procs", 0))
+    said = [] if nproc else ["1 process (config.yaml names no hardware.nproc)"]
+    nproc = max(nproc, procs + 1, 1)
+    if procs:
+        return procs, nproc - procs, said
+    return nproc, nproc, said
+
+
 def run_parts(rows: list[dict], cfg: dict) -> tuple[StreamParts, list[str]] | None:
     """The cost model's inputs read from a run's step records and its config (module docstring), and the
     assumptions made; None when the run recorded no rollout (not an RL run)."""
@@ -49,19 +61,27 @@ def run_parts(rows: list[dict], cfg: dict) -> tuple[StreamParts, list[str]] | No
     stream = rollout.get("procs", 0) and rollout.get("mode") == "stream"
     if not _steady(rows, "time/rollout") and not (stream and _steady(rows, "async/group_latency_mean")):
         return None
-    update = _mean(rows, "time/update") + _mean(rows, "time/logprobs")
+    roll_p, train_p, assumed = _procs(cfg)
+    update = (_mean(rows, "time/update") + _mean(rows, "time/logprobs")) * train_p
     if stream:
         lat = tuple(_steady(rows, "async/group_latency_mean"))
         lockstep = _mean(rows, "async/group_latency_max")
         generate = max(0.0, _mean(rows, "time/step") - _mean(rows, "async/idle_rollout_s"))
-        assumed = [
+        assumed += [
             "a lockstep batch takes its mean slowest group's latency",
             "group latencies: the per-update means (the tail within a batch not recorded)",
         ]
     else:
-        lockstep = generate = _mean(rows, "time/rollout")
+        lockstep = _mean(rows, "time/rollout") * roll_p
         lat = (lockstep,)
-        assumed = ["streaming decodes a batch as fast as lockstep (no tool waits recorded to split off)"]
+        if _steady(rows, "time/tools"):  # the lockstep batch's tool waits: streaming overlaps them
+            generate = max(0.0, lockstep - _mean(rows, "time/tools") * roll_p)
+            assumed.append("streaming decodes a batch in the lockstep rollout less its tool waits (time/tools)")
+        else:
+            generate = lockstep
+            assumed.append("streaming decodes a batch as fast as lockstep (no tool waits recorded to split off)")
+    if roll_p > 1 or train_p > 1:
+        assumed.append(f"times of {roll_p} rollout / {train_p} trainer processes scaled linearly to one")
     assumed.append("2 synchronous processes halve the rollout and the update (all-reduce not counted)")
     parts = StreamParts(
         lockstep_rollout_s=lockstep,
@@ -71,8 +91,8 @@ def run_parts(rows: list[dict], cfg: dict) -> tuple[StreamParts, list[str]] | No
         dp_update_s=update / 2,
         dp_rollout_s=lockstep / 2,
         group_latencies=lat,
-        max_staleness=int(rollout.get("max_staleness", DEFAULT_STALENESS)),
-        batch=int(train.get("batch_size", DEFAULT_BATCH)),
+        max_staleness=int(rollout.get("max_staleness", RolloutConfig.max_staleness)),
+        batch=int(train.get("batch_size", TrainConfig.batch_size)),
     )
     return parts, assumed
 

@@ -256,6 +256,9 @@ class StreamRollout:
             queue_groups=self.admission.queued - len(groups),
             max_staleness=self.admission.max_staleness,
         )
+        latency = [g.completed_s - g.started_s for g in groups]  # the cost model's Lat (rlctl.plan.run_async)
+        metrics["async/group_latency_mean"] = sum(latency) / max(1, len(latency))
+        metrics["async/group_latency_max"] = max(latency, default=0.0)
         self.idle = self.pool.idle_s = 0.0
         indices = [g.prompt for g in groups]
         positions = [self.position_of.pop(g.index) for g in groups]
