@@ -13,7 +13,6 @@ do not fit are not appended and it counts as truncated).
 from __future__ import annotations
 
 import time
-
 from dataclasses import dataclass, replace
 from typing import Any
 
