@@ -1,7 +1,8 @@
 """Whether streaming pays for a job, from what can be known of it: :func:`run_parts` reads the cost model's
 inputs (:class:`rlctl.plan.streaming.StreamParts`) from a GRPO run's own metrics.jsonl, :func:`run_decision`
 applies :func:`rlctl.plan.streaming.streaming_decision` to them and names what was assumed; `rlctl report`
-prints it. :func:`planned_decision` is the plan's answer before a run (`rlctl grpo ... --dry-run`).
+prints it. :func:`planned_decision` is the plan's word before a run (`rlctl grpo ... --rollout-procs 1
+--dry-run`): what the model needs and where the answer will come from.
 
 Read from a run (steady steps: the first is warm-up and left out when there are more):
 
@@ -113,3 +114,28 @@ def run_decision(rows: list[dict], cfg: dict) -> Decision | None:
         return None
     parts, assumed = got
     return with_flags(streaming_decision(parts), assumed, "from this run's metrics.jsonl")
+
+
+NEEDED = (
+    "the batch's lockstep rollout (time/rollout) and its tool waits (time/tools)",
+    "the update (time/update + time/logprobs)",
+    "the weight sync (time/weight_sync)",
+    "the group latencies (a stream run's async/group_latency_*)",
+)
+
+
+def planned_decision(mode: str, max_staleness: int, *, multi_turn: bool) -> Decision:
+    """Before a run: what the cost model needs, and where the answer comes from. Nothing is predicted here:
+    the plan estimates memory, not the seconds of a rollout or an update, so the decision is left to
+    `rlctl report` of a first run (:func:`run_decision`)."""
+    tools = (
+        "with tools the lockstep batch waits for its slowest call each turn, which streaming overlaps; "
+        if multi_turn
+        else "single-turn, no tools: streaming pays only when responses are long-tailed; "
+    )
+    why = (
+        f"rollout.mode={mode} at --max-staleness {max_staleness}, not predicted: whether streaming pays needs "
+        f"{'; '.join(NEEDED)}, measured, not known before a run ({tools}docs/async.md). "
+        "`rlctl report RUN` of a first run (of a few steps) says it and the --max-staleness it needs"
+    )
+    return Decision("rollout.mode", {"mode": mode, "max_staleness": max_staleness, "predicted": False}, why)

@@ -14,6 +14,7 @@ import pytest
 
 from rlctl.plan.streaming import StreamParts, streaming_decision
 from tests.support.cli import run_cli
+from tests.support.sft import chat_rows, write_jsonl
 
 FIXTURE = Path(__file__).parent / "fixtures" / "grpo_tiny"
 
@@ -77,3 +78,20 @@ def test_tool_bound_run_pays_with_the_flags(run_dir):
     assert got["value"]["flags"] == f"--rollout-procs 1 --rollout-mode stream --max-staleness {s}"
     text = run_cli("report", str(run_dir), "--no-plot", "--no-html")
     assert f"--max-staleness {s}" in " ".join(text.stdout.split())
+
+
+def test_dry_run_of_a_split_grpo_job_says_what_decides_streaming(tmp_path):
+    """Before a run the plan predicts no seconds, so it names the measured inputs and where the answer comes
+    from (rlctl report of a first run), as data in plan.json's decisions."""
+    data = write_jsonl(tmp_path / "d.jsonl", chat_rows(4))
+    args = ("--model", "Qwen2.5-0.5B", "--data", str(data), "--dry-run", "-o", str(tmp_path / "r"), "--device", "cpu")
+    split = (*args, "--nproc", "2", "--rollout-procs", "1", "--max-staleness", "2")
+    r = run_cli("grpo", *split, "--json")
+    assert r.returncode == 0, r.stderr
+    mode = [d for d in json.loads(r.stdout)["plan"]["decisions"] if d["key"] == "rollout.mode"]
+    assert [d["value"] for d in mode] == [{"mode": "fixed", "max_staleness": 2, "predicted": False}]
+    assert "not predicted" in mode[0]["why"] and "`rlctl report RUN` of a first run" in mode[0]["why"]
+    text = run_cli("grpo", *split)
+    assert "rollout.mode=fixed at --max-staleness 2, not predicted" in " ".join(text.stdout.split())
+    colocated = run_cli("grpo", *args, "--json")  # no split: no streaming decision in the plan
+    assert not [d for d in json.loads(colocated.stdout)["plan"]["decisions"] if d["key"] == "rollout.mode"]
