@@ -132,7 +132,7 @@ def widen_vocab(model: Path, vocab: int) -> None:
 def flops(pos: dict, vocab: int) -> dict:
     """Counted matmul MFLOP per counted token (6 per weight per position for a forward and backward). rlctl:
     the layers at every position it computes, the LM head at the labelled ones only (``keep_cols``,
-    rlctl.data.pref_batches.labelled_columns). TRL 1.16 on CPU: the layers x4/3 (gradient checkpointing: a
+    rlctl.data.packing.labelled_columns). TRL 1.16 on CPU: the layers x4/3 (gradient checkpointing: a
     second forward of them), and its chunked LM head (trl.kernels.chunked_logprob) at every position of the
     padded batch (it keeps only the labelled ones where Triton runs: CUDA, XPU) with 8 per weight (its backward
     recomputes each tile of logits). Attention's score products are left out (under 10% at these lengths)."""

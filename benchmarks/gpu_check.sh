@@ -3,7 +3,7 @@
 #
 #   make gpu-kit                              # here, first: the wheels the GPU machine lacks, in .gpu-kit/
 #   bash benchmarks/gpu_check.sh              # there: every step whose packages are present, 8 minutes at most
-#   bash benchmarks/gpu_check.sh --budget 300 --only grpo-fsdp-hf,sft-lora
+#   bash benchmarks/gpu_check.sh --budget 300 --only sft-lora,grpo-fsdp-hf   # --only runs in its own order
 #   bash benchmarks/gpu_check.sh --dry        # on CPU: check this script's own commands (CI runs it)
 #
 # Nothing need be installed on the GPU machine but its image: the wheels in .gpu-kit/ (or --kit DIR) go into
@@ -18,13 +18,18 @@
 #   4 vl-sft-grpo            vision-language SFT then GRPO (a tiny Qwen2-VL built from its config)
 #   5 sft-pure-bf16-savers   pure bf16 + selective checkpointing + activation offload
 #   6 sft-lora               LoRA on FSDP2
-#   then bench-rollout-hf, and flash-attn / Megatron / vLLM / SGLang steps where those packages import.
+#   7 dpo, rm                `rlctl dpo` (reference precomputed, then freed) and `rlctl rm` on FSDP2
+#   8 grpo-distill(-full)    on-policy distillation, `rlctl grpo --teacher` (algo.distill sampled, then full)
+#   9 eval-hf                `rlctl eval` on the hf engine (benchmarks/eval_gpu_check.py: its time, tokens/s, peaks)
+#   then bench-rollout-hf, and flash-attn / Megatron / vLLM / SGLang steps where those packages import
+#   (megatron-cli: megatron_gpu_check.py's CLI runs alone, without its engine checks, which passed on one GPU).
 # Train steps are `rlctl bench train` runs (real jobs: planner, torchrun, recipe; the peak memory measured
 # beside the plan's estimate, tokens/s, MFU, step times); 3 and 4 are the examples' --quick paths on CUDA.
 #
 # Output, in --out DIR (default: $OUT when set, as on the lent machine, else benchmarks/results/gpu_check):
 # gpu_check.json (versions, GPU, per step: command, status ok | failed | timeout | skipped, seconds, the
-# benchmark's JSON, the last lines of a failure) and gpu_check.log (every step's whole output).
+# benchmark's JSON, the last lines of a failure), gpu_check.log (every step's whole output) and, for
+# sft-megatron, torch's allocator history (sft-megatron.cuda_memory.pickle: G5 in docs/gpu.md).
 #
 # --dry (no GPU needed): bash -n on this file; every train step's exact options through
 # `rlctl <method> --dry-run --json` on a CUDA plan (1 x H100-80GB); every other command's options must
@@ -50,7 +55,7 @@ while [ $# -gt 0 ]; do
         --only) ONLY="$2"; shift ;;
         --budget) BUDGET="$2"; shift ;;
         --kit) KIT="$2"; shift ;;
-        -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
         *) echo "gpu_check.sh: unknown option $1 (use --dry, --out DIR, --only A,B, --budget SECONDS, --kit DIR)" >&2; exit 2 ;;
     esac
     shift
@@ -78,10 +83,18 @@ STEP_TABLE=(
     "vl-sft-grpo|torch|120|cmd|PY examples/vlm_colors/run.py --quick --nproc 1 --device cuda --out WORKDIR"
     "sft-pure-bf16-savers|torch|100|train|sft||parallel.shard=true train.precision=bf16 parallel.selective_checkpointing=true parallel.offload_activations=true"
     "sft-lora|peft|90|train|sft||parallel.shard=true lora.rank=16"
+    # never run on a GPU before: preference pairs (8 pairs, two answers of at most 64 tokens each), on-policy
+    # distillation (the teacher: the model itself, random weights written to disk), rlctl eval
+    "dpo|torch|90|train|dpo||parallel.shard=true"
+    "rm|torch|90|train|rm||parallel.shard=true"
+    "grpo-distill|torch|120|train|grpo|--rollout hf --teacher $MODEL|parallel.shard=true"
+    "grpo-distill-full|torch|120|train|grpo|--rollout hf --teacher $MODEL|parallel.shard=true algo.distill=full"
+    "eval-hf|torch|60|cmd|PY benchmarks/eval_gpu_check.py --model $MODEL --device cuda --prompts 16 --n 4 --max-new-tokens 64 --out WORKDIR"
     "bench-rollout-hf|torch|90|cmd|RLCTL bench rollout --model $MODEL --random-init --engine hf --prompts 8 --n 4 --max-tokens 64 --reps 2 --device cuda --json"
     "sft-flash-attn|flash_attn|90|train|sft||parallel.shard=true model.attn=flash_attention_2"
     "sft-megatron|megatron.core|120|train|sft||parallel.backend=megatron"
     "megatron-gpu-check|megatron.core|240|cmd|PY benchmarks/megatron_gpu_check.py --gpus 1 --out WORKDIR"
+    "megatron-cli|megatron.core|150|cmd|PY benchmarks/megatron_gpu_check.py --gpus 1 --cli-only --out WORKDIR"
     "grpo-vllm|vllm|150|train|grpo||rollout.engine=vllm"
     "ppo-vllm|vllm|150|train|ppo||rollout.engine=vllm"
     # sleep / wake under memory pressure: the planner gives the engine all the trainer leaves
@@ -90,6 +103,10 @@ STEP_TABLE=(
     "grpo-sglang-pressure|sglang|150|train|grpo||rollout.engine=sglang train.batch_size=16 rollout.n=8"
     "bench-rollout|vllm|120|cmd|RLCTL bench rollout --model $MODEL --random-init --engine ENGINES --prompts 8 --n 4 --max-tokens 64 --reps 2 --device cuda --json"
 )
+
+# steps whose rank 0 records torch's allocator history and dumps it into --out as STEP.cuda_memory.pickle
+# (RLCTL_CUDA_MEMORY_SNAPSHOT, rlctl/runtime/cuda_memory.py; open it in https://pytorch.org/memory_viz): G5
+SNAPSHOT_STEPS=" sft-megatron "
 
 have() {  # have MOD... : prints the modules that do not import; status 1 when any
     "$PY" - "$@" <<'EOF'
@@ -107,7 +124,17 @@ EOF
 
 elapsed() { echo "$(( ($(date +%s%N) - $1) / 1000000 ))e-3"; }  # seconds since $1 (date +%s%N)
 left() { echo $(( BUDGET - ($(date +%s) - T_START) )); }     # seconds of the budget left
-wanted() { [ -z "$ONLY" ] || [[ ",$ONLY," == *",$1,"* ]]; }
+
+ordered_steps() {  # the STEP_TABLE rows to run, one a line: the table's order, or --only's (an unknown name: exit 2)
+    local name step found
+    if [ -z "$ONLY" ]; then printf '%s\n' "${STEP_TABLE[@]}"; return; fi
+    for name in ${ONLY//,/ }; do
+        found=""
+        for step in "${STEP_TABLE[@]}"; do [ "${step%%|*}" = "$name" ] && found="$step"; done
+        [ -n "$found" ] || { echo "gpu_check.sh: no step $name in --only (the steps: $(printf '%s ' "${STEP_TABLE[@]%%|*}"))" >&2; return 2; }
+        echo "$found"
+    done
+}
 
 record() {  # record NAME STATUS SECONDS COMMAND RESULT_FILE LOG_FILE [REASON]
     "$PY" - "$@" >> "$RECORDS" <<'EOF'
@@ -190,6 +217,7 @@ run_step() {  # run_step NAME MODULES CAP COMMAND
         return
     fi
     [ "$limit" -gt "$cap" ] && limit=$cap
+    [[ "$SNAPSHOT_STEPS" == *" $name "* ]] && cmd="RLCTL_CUDA_MEMORY_SNAPSHOT=$OUTDIR/$name.cuda_memory.pickle $cmd"
     echo "[run ] $name (at most ${limit}s): $cmd"
     t0=$(date +%s%N)
     (cd "$REPO" && timeout -k 15 "$limit" bash -c "$cmd") > "$WORK/$name.out" 2> "$WORK/$name.log"
@@ -205,8 +233,14 @@ run_step() {  # run_step NAME MODULES CAP COMMAND
 }
 
 dry_train_step() {  # dry_train_step NAME METHOD BENCH_OPTS SETS
-    local name="$1" method="$2" bench_opts="$3" sets="$4" data="$WORK/sft.jsonl" args=() s t0 rc
-    [ "$method" = sft ] || data="$WORK/rl.jsonl"
+    local name="$1" method="$2" bench_opts="$3" sets="$4" data="$WORK/rl.jsonl" args=() s t0 rc
+    case "$method" in sft) data="$WORK/sft.jsonl" ;; dpo|rm) data="$WORK/pairs.jsonl" ;; esac
+    # --teacher NAME: the directory bench train resolves it to (config and tokenizer; the weights are written
+    # only when the job runs), checked in the plan as algo.teacher
+    if [[ " $bench_opts " =~ \ --teacher\ ([^ ]+) ]]; then
+        sets="$sets algo.teacher=$("$PY" -c 'import sys; from rlctl.bench.models import resolve_bench_model as r
+print(r(sys.argv[1], random_init=True, need_weights=False).path)' "${BASH_REMATCH[1]}")"
+    fi
     for s in $sets; do args+=(--set "$s"); done
     local cmd="rlctl $method --model $MODEL --data $data --device cuda --gpus 1 --gpu H100-80GB --dry-run --json --set model.random_init=true ${args[*]}"
     t0=$(date +%s%N)
@@ -329,35 +363,35 @@ EOF
 }
 
 failed=0
+STEPS_TO_RUN="$(ordered_steps)" || exit 2
 if [ $DRY -eq 1 ]; then
     bash -n "$0" || { echo "gpu_check.sh: syntax error" >&2; exit 1; }
     printf '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n%.0s' 1 2 3 4 5 6 7 8 > "$WORK/sft.jsonl"
     printf '{"prompt": "What is 1 + 1?", "answer": "2"}\n%.0s' 1 2 3 4 5 6 7 8 > "$WORK/rl.jsonl"
+    printf '{"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"}\n%.0s' 1 2 3 4 5 6 7 8 > "$WORK/pairs.jsonl"
     echo '{"dry": true}' > "$WORK/versions.json"
-    for step in "${STEP_TABLE[@]}"; do
+    while IFS= read -r step <&3; do  # fd 3: no step's command can read the list
         IFS='|' read -r name mods cap kind a b c <<< "$step"
-        wanted "$name" || continue
         if [ "$kind" = train ]; then
             dry_train_step "$name" "$a" "$b" "$c" || failed=1
         else
             dry_cmd_step "$name" "$(expand "$name" "$a")" || failed=1
         fi
-    done
+    done 3<<< "$STEPS_TO_RUN"
 else
     install_kit
     versions > "$WORK/versions.json"
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
         || { echo "gpu_check.sh: no CUDA GPU visible (use --dry on a machine without one)" >&2; exit 2; }
-    for step in "${STEP_TABLE[@]}"; do
+    while IFS= read -r step <&3; do  # fd 3: no step's command can read the list
         IFS='|' read -r name mods cap kind a b c <<< "$step"
-        wanted "$name" || continue
         if [ "$kind" = train ]; then cmd="$(train_command "$a" "$b" "$c")"; else cmd="$a"; fi
         cmd="$(expand "$name" "$cmd")"
         run_step "$name" "$mods" "$cap" "$cmd"
         case "$(tail -1 "$RECORDS" | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["status"])')" in
             failed|timeout) failed=1 ;;
         esac
-    done
+    done 3<<< "$STEPS_TO_RUN"
 fi
 
 "$PY" - "$RECORDS" "$OUTDIR/gpu_check.json" "$DRY" "$MODEL" "$BUDGET" "$WORK/versions.json" <<'EOF'

@@ -75,6 +75,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcomm
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l rollout -x -a 'hf vllm sglang'
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l micro-batch-size -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l lora-rank -x
+complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l teacher -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l set -s s -x
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l output-dir -s o -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from train' -l seed -x

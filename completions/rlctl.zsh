@@ -144,7 +144,7 @@ _rlctl() {
         "/bench/compare") words="--model --peer --random-init --work --reps --steps --device --engine --prompts --n --prompt-len --max-tokens --batch-size --seq-len --lengths --seed --json --plot --help" ;;
         "/bench/convert") words="--verify --work --json --plot --help" ;;
         "/bench/rollout") words="--model --random-init --engine --prompts --n --prompt-len --max-tokens --reps --device --dtype --mem-fraction --seed --json --plot --help" ;;
-        "/bench/train") words="--model --method --random-init --device --gpus --gpu --nproc --steps --batch-size --seq-len --lengths --n --prompt-len --max-tokens --rollout --micro-batch-size --lora-rank --set --output-dir --seed --json --plot --help" ;;
+        "/bench/train") words="--model --method --random-init --device --gpus --gpu --nproc --steps --batch-size --seq-len --lengths --n --prompt-len --max-tokens --rollout --micro-batch-size --lora-rank --teacher --set --output-dir --seed --json --plot --help" ;;
         "/chat") words="--prompt --system-prompt --temperature --top-p --max-new-tokens --max-model-len --rollout --device --dtype --seed --tools --max-turns --trust-checkpoint --help" ;;
         "/convert") words="fsdp-to-hf hf-to-megatron inspect lora-merge megatron-to-hf --help" ;;
         "/convert/fsdp-to-hf") words="--dtype --keep-adapter --verify --no-verify --force --max-shard-size --trust-checkpoint --help" ;;

@@ -47,10 +47,13 @@ def resolve_job(
     sets: list[str] | None = None,
     defaults: dict | None = None,
     environ: Mapping[str, str] | None = None,
+    measure_data: bool = False,
 ) -> Job:
     """The configuration (preset < ``defaults`` < config file < options < --set) and its plan.
 
     ``defaults``: a command's own defaults over the preset's (``rlctl estimate memory``: CUDA);
+    ``measure_data``: sft / dpo, the estimate's labelled share measured on the data (:func:`data_labelled_fraction`;
+    it loads the tokenizer, seconds a training command's dry run and launch do not spend: they keep the default);
     ``environ``: inside a SLURM allocation, this node's place in it fills the options left out."""
     from rlctl.config import build_config, check_no_effect, dotted_to_nested, flat_keys, parse_set_options
     from rlctl.plan import apply_plan, resolve_plan
@@ -75,8 +78,25 @@ def resolve_job(
     model = model_files(cfg.model.name)
     if model is not None:
         check_remote_code(cfg, model)  # before the planner, which would only say the model type is unknown
-    plan = resolve_plan(cfg)
+    measured = data_labelled_fraction(cfg) if measure_data and model is not None else None
+    plan = resolve_plan(cfg, labelled_fraction=measured)
     return Job(requested=cfg, cfg=apply_plan(cfg, plan), plan=plan)
+
+
+def data_labelled_fraction(cfg) -> float | None:
+    """sft / dpo with a local model and data: the labelled share of the data's first rows' positions, which the
+    memory estimate counts logits at (:mod:`rlctl.data.labelled`); None where it cannot be measured here."""
+    if cfg.method not in ("sft", "dpo") or not cfg.data.path:
+        return None
+    from rlctl.data.labelled import labelled_fraction
+    from rlctl.data.sft import use_chat_template
+    from rlctl.engines.base import load_tokenizer, model_source
+
+    try:
+        tokenizer = use_chat_template(load_tokenizer(model_source(cfg.model.name)), cfg)
+        return labelled_fraction(cfg, tokenizer)
+    except UserError:  # no tokenizer, unreadable data: the checks before launch say so
+        return None
 
 
 def _config_file_layer(path: str, method: str) -> dict:

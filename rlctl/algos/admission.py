@@ -24,11 +24,46 @@ The two rules, with ``S = max_staleness``:
 Together: no group is ever trained more than ``S`` updates after it started, and no group is dropped
 (every started group is trained exactly once, a slow one when it finishes). ``S = 0`` is the
 synchronous schedule: ``batch`` groups in flight, each update waits for all of them.
+
+**Several producers** (``--rollout-procs N`` in stream mode). The groups are one sequence of indices (the
+positions of one prompt stream) shared by every rollout process, and the admission rule is a rule on that
+sequence (:func:`admits`): group ``k`` may start while ``k - updates * batch < batch * (S + 1)``, with
+``updates`` those of this run the producer knows of (never more than the trainer's, so its view can only be
+stricter). A producer claims the next index atomically (a compare-and-set, ``rlctl.recipes.rl.streaming``),
+so the cap holds over all producers together and no index is started twice; one :class:`Admission`, the
+*keeper*, registers every start with the producer's version (:meth:`Admission.register`) and each completion,
+and names every batch. One producer is the case ``N = 1`` of the same code.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+def admits(started: int, updates: int, batch: int, max_staleness: int) -> bool:
+    """May the group with index ``started`` (the groups this run started before it) start after ``updates``
+    updates of this run (a resumed run counts both from its first step)? While fewer than
+    ``batch * (max_staleness + 1)`` groups are started but untrained, counting the ones before it:
+    ``updates * batch`` groups are trained by then."""
+    return started - updates * batch < batch * (max_staleness + 1)
+
+
+@dataclass
+class ProducerView:
+    """One producer's side of the rule: the weights version it holds (it learns of updates after the
+    trainer) and the run's first version (a resumed run's step: the run's group indices count from there)."""
+
+    batch: int
+    max_staleness: int
+    version: int
+    first: int = -1  # -1: the version given
+
+    def __post_init__(self) -> None:
+        self.first = self.version if self.first < 0 else self.first
+
+    def admits(self, index: int) -> bool:
+        """May group ``index`` of this run start now?"""
+        return admits(index, self.version - self.first, self.batch, self.max_staleness)
 
 
 @dataclass
@@ -50,6 +85,7 @@ class Admission:
     _untrained: dict[int, GroupState] = field(default_factory=dict)  # started, not yet trained (start order)
 
     def __post_init__(self) -> None:
+        self.first = self.version  # the run's first version (a resumed run's step)
         if self.batch < 1:  # max_staleness >= 0 is the config's rule (rlctl.support, split_values)
             raise ValueError(f"admission: batch >= 1 (got {self.batch})")
 
@@ -69,13 +105,31 @@ class Admission:
         return sum(g.completed for g in self._untrained.values())
 
     def can_start(self) -> bool:
-        return len(self._untrained) < self.capacity
+        return admits(len(self.groups), self.version - self.first, self.batch, self.max_staleness)
+
+    def next_index(self) -> int:
+        """The index the next group to start gets."""
+        return len(self.groups)
+
+    def claim(self, index: int) -> bool:
+        """Start group ``index`` now if it is the next one and admission lets it (a producer's call: the
+        shared version of this is ``rlctl.recipes.rl.streaming.SharedAdmission``)."""
+        if index != self.next_index() or not self.can_start():
+            return False
+        self.start()
+        return True
 
     def start(self) -> int:
         """A new group starts now: its index (start order). Raises when admission refuses it."""
-        if not self.can_start():
+        return self.register(self.version)
+
+    def register(self, started_at: int) -> int:
+        """A group a producer started at its ``started_at`` (<= this version: a producer learns of updates
+        after the trainer) gets the next index. Raises when admission would have refused it."""
+        updates = started_at - self.first
+        if started_at > self.version or not admits(len(self.groups), updates, self.batch, self.max_staleness):
             raise RuntimeError(f"admission: {len(self._untrained)} groups started but untrained (cap {self.capacity})")
-        g = GroupState(len(self.groups), self.version)
+        g = GroupState(len(self.groups), started_at)
         self.groups[g.index] = self._untrained[g.index] = g
         return g.index
 

@@ -19,7 +19,10 @@ batch; this one is per token and local, so it is applied after the estimator, ro
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from rlctl.algos.vocab_parallel import vocab_parallel_reverse_kl
+
+__all__ = ["centred", "distill_gap", "full_reverse_kl", "mix_advantages", "vocab_parallel_reverse_kl"]
 
 
 def distill_gap(teacher_logp: torch.Tensor, student_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -50,48 +53,3 @@ def full_reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     log_s = torch.log_softmax(student_logits.float() / temperature, dim=-1)
     log_t = torch.log_softmax(teacher_logits[..., :v].detach().float() / temperature, dim=-1)
     return (log_s.exp() * (log_s - log_t)).sum(-1)
-
-
-class _VocabParallelReverseKL(torch.autograd.Function):
-    """:func:`full_reverse_kl` where each rank of ``group`` holds one slice of the vocabulary (Megatron's tensor
-    parallelism), the pattern of megatron-core's vocab-parallel cross-entropy: each softmax's max and sum of
-    exponentials, then the KL's sum over the vocabulary, are all-reduced; no rank sees another's logits.
-    The gradient (``dKL/dz_v = p_s(v) (log p_s(v) - log p_t(v) - KL) / T``) needs only this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, student: torch.Tensor, teacher: torch.Tensor, temperature: float, group) -> torch.Tensor:
-        s, t = student.float() / temperature, teacher.float() / temperature
-        maxes = torch.stack([_row_max(s), _row_max(t)])  # [2, N]
-        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
-        s, t = s - maxes[0, :, None], t - maxes[1, :, None]
-        sums = torch.stack([s.exp().sum(-1), t.exp().sum(-1)])
-        dist.all_reduce(sums, group=group)
-        log_s, log_t = s - sums[0].log()[:, None], t - sums[1].log()[:, None]
-        p_s, gap = log_s.exp(), log_s - log_t
-        kl = (p_s * gap).sum(-1)
-        dist.all_reduce(kl, group=group)
-        ctx.save_for_backward(p_s, gap, kl)
-        ctx.temperature, ctx.dtype = temperature, student.dtype
-        return kl
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        p_s, gap, kl = ctx.saved_tensors
-        out = grad[:, None] * p_s * (gap - kl[:, None]) / ctx.temperature
-        return out.to(ctx.dtype), None, None, None
-
-
-def _row_max(x: torch.Tensor) -> torch.Tensor:
-    """The max of each row; -inf for a rank whose slice is all padding (no columns)."""
-    return x.max(-1).values if x.shape[-1] else x.new_full(x.shape[:-1], float("-inf"))
-
-
-def vocab_parallel_reverse_kl(
-    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float, group
-) -> torch.Tensor:
-    """``[N]`` :func:`full_reverse_kl` from this rank's slice ``[N, V_r]`` of both models' logits (the same
-    vocabulary columns on both; the ranks of ``group`` hold the rest): the same value on every rank of
-    ``group``, the gradient through the student's slice only."""
-    if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"vocabulary slices differ: student {student_logits.shape}, teacher {teacher_logits.shape}")
-    return _VocabParallelReverseKL.apply(student_logits, teacher_logits.detach(), temperature, group)

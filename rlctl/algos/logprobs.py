@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlctl.algos.vocab_parallel import VocabSlice
+
 __all__ = ["entropy_from_log_softmax", "logprobs_from_logits"]
 
 CHUNK_ELEMENTS = 1 << 25  # 32M float32 values = 128 MiB per chunk
@@ -84,10 +86,15 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.
 
     The result is float32 (float64 for float64 logits); differentiable w.r.t. ``logits``. With
     ``with_entropy``: ``(log-probs, entropy)``, the entropy of ``softmax(logits / temperature)`` per
-    position from the same pass over the logits (no gradient).
+    position from the same pass over the logits (no gradient). ``logits`` may be a
+    :class:`~rlctl.algos.vocab_parallel.VocabSlice` (``[N, width]`` of a vocabulary split over ranks).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (got {temperature})")
+    if isinstance(logits, VocabSlice):  # split over the vocabulary (Megatron's TP): never gathered
+        out, entropy = logits.logprobs(labels.reshape(-1), temperature)
+        out, entropy = out.reshape(labels.shape), entropy.detach().reshape(labels.shape)
+        return (out, entropy) if with_entropy else out
     vocab = logits.shape[-1]
     flat_logits = logits.reshape(-1, vocab)
     flat_labels = labels.reshape(-1).to(device=logits.device, dtype=torch.long)

@@ -133,6 +133,11 @@ class PolicyLossSettings:
     clip_high: float
     dual_clip: float | None  # None: off
     agg: str
+    knobs: tuple[tuple[str, float], ...] = ()  # the loss's own keyword arguments set from the config (decoupled: cap)
+
+    def call(self, ctx: Any) -> tuple[Any, dict[str, Any]]:
+        """The loss on ``ctx`` with its knobs."""
+        return self.loss.fn(ctx, **dict(self.knobs))
 
     def as_metrics(self) -> dict[str, float | str]:
         return {
@@ -141,6 +146,7 @@ class PolicyLossSettings:
             "clip_high": self.clip_high,
             "dual_clip": self.dual_clip or 0.0,
             "loss_agg": self.agg,
+            **dict(self.knobs),
         }
 
 
@@ -230,10 +236,16 @@ def get_policy_loss(name: str) -> PolicyLoss:
 
 
 def resolve_policy_loss(
-    name: str, *, clip_low: float | None, clip_high: float | None, dual_clip: float | None, agg: str | None
+    name: str,
+    *,
+    clip_low: float | None,
+    clip_high: float | None,
+    dual_clip: float | None,
+    agg: str | None,
+    knobs: dict[str, float] | None = None,
 ) -> PolicyLossSettings:
     """The loss ``name`` with the user's settings where given (not None) and its own defaults elsewhere.
-    ``dual_clip=0`` (set by the user) turns the dual clip off."""
+    ``dual_clip=0`` (set by the user) turns the dual clip off; ``knobs``: the loss's own keyword arguments."""
     loss = get_policy_loss(name)
     return PolicyLossSettings(
         loss,
@@ -241,6 +253,7 @@ def resolve_policy_loss(
         loss.clip_high if clip_high is None else clip_high,
         (loss.dual_clip if dual_clip is None else dual_clip) or None,
         loss.agg if agg is None else agg,
+        tuple(sorted((knobs or {}).items())),
     )
 
 

@@ -157,6 +157,36 @@ def gpu_memory_used() -> dict[str, int]:
     return used
 
 
+def gpu_processes() -> list[dict]:
+    """The processes holding GPU memory (``nvidia-smi --query-compute-apps``): pid, name, bytes, and where this
+    process can see it (the same pid namespace), the start of its command line. How many there are tells the
+    rank's own memory from other processes' CUDA contexts (compile workers, forked helpers)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    apps = []
+    for line in out.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) != 3 or not parts[0].isdigit() or not parts[2].isdigit():
+            continue
+        app = {"pid": int(parts[0]), "name": parts[1], "used_bytes": int(parts[2]) * 2**20}
+        try:
+            import psutil
+
+            app["cmdline"] = " ".join(psutil.Process(app["pid"]).cmdline())[:160]
+        except Exception:  # another pid namespace (containers), or gone: the pid and name only
+            pass
+        apps.append(app)
+    return apps
+
+
 class ProcessSampler:
     """Samples, in a thread, the memory of the job this process starts.
 
@@ -165,18 +195,25 @@ class ProcessSampler:
     (``nvidia-smi``, CUDA contexts included) less what was in use before the job started; ``peak``
     maps ``gpu<i>`` to its largest value. One rank per GPU makes that the rank's memory; reading
     per-GPU rather than per-process figures also works in containers, where nvidia-smi shows host
-    pids.
+    pids. ``peak_time`` maps each key to the wall clock (``time.time()``, metrics.jsonl's ``time``) of its
+    largest sample, and ``timeline`` keeps every sample as (time, the largest value over the keys): when the
+    peak happened beside the job's steps and checkpoint (:func:`timeline_points`); ``processes_at_peak``, on
+    GPUs, the processes holding GPU memory when the largest sample so far was taken (:func:`gpu_processes`).
     """
 
     def __init__(self, select: Callable[[list[str]], bool], *, interval: float = 0.05, gpu: bool = False):
         self.select, self.interval, self.gpu = select, interval, gpu
         self.peak: dict[str, int] = {}
+        self.peak_time: dict[str, float] = {}
+        self.timeline: list[tuple[float, int]] = []
+        self.processes_at_peak: list[dict] = []
         self.samples = 0
         self._initial: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> ProcessSampler:
+        self.started = time.time()
         if self.gpu:
             if shutil.which("nvidia-smi") is None:
                 raise UserError("GPU memory sampling needs nvidia-smi on PATH")
@@ -206,11 +243,32 @@ class ProcessSampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             sizes = self._gpu() if self.gpu else self._rss()
+            now = time.time()
+            new_peak = False
             for key, size in sizes.items():
-                self.peak[key] = max(self.peak.get(key, 0), size)
+                if size > self.peak.get(key, -1):
+                    self.peak[key], self.peak_time[key] = size, now
+                    new_peak = True
+            if self.gpu and new_peak:
+                self.processes_at_peak = gpu_processes()
             if any(sizes.values()):
                 self.samples += 1
+                self.timeline.append((now, max(sizes.values())))
             self._stop.wait(self.interval if not self.gpu else max(self.interval, 0.2))
+
+
+def timeline_points(timeline: list[tuple[float, int]], start: float, most: int = 120) -> list[list[float]]:
+    """``timeline`` as at most ``most`` points [seconds after ``start``, GB], each the largest value of its
+    slice (a peak is never dropped by the thinning)."""
+    if not timeline:
+        return []
+    per = -(-len(timeline) // most)
+    points = []
+    for i in range(0, len(timeline), per):
+        part = timeline[i : i + per]
+        t, v = max(part, key=lambda p: p[1])
+        points.append([round(t - start, 1), round(v / 1e9, 3)])
+    return points
 
 
 class CpuClock:

@@ -1,11 +1,14 @@
-"""`rlctl bench train`: a real ``sft`` / ``grpo`` / ``ppo`` run on synthetic data, measured.
+"""`rlctl bench train`: a real ``sft`` / ``grpo`` / ``ppo`` / ``dpo`` / ``rm`` run on synthetic data, measured.
 
 The job is configured and planned by :func:`rlctl.job.resolve_job`, checked by :func:`rlctl.checks.check_job`
 and started by :func:`rlctl.launch.launch_job`, the code path of ``rlctl sft|grpo|ppo``. The data is random text
 written by this module: SFT chats (a short fixed question, a random answer) long enough to fill
 ``seq_len`` tokens (cut there with ``data.truncation=right``; with ``lengths="spread"`` the answers
-are log-uniform between 16 and ``seq_len`` tokens, as in real chat data, so packing matters), RL
-prompts of about ``prompt_len`` tokens scored by the built-in ``length`` reward. Then, from the run's metrics.jsonl:
+are log-uniform between 16 and ``seq_len`` tokens, as in real chat data, so packing matters), preference
+pairs (dpo, rm: the same question, a chosen and a rejected random answer of about ``seq_len / 2`` tokens), RL
+prompts of about ``prompt_len`` tokens scored by the built-in ``length`` reward. ``teacher`` (grpo / ppo)
+makes the RL run on-policy distillation (``algo.teacher``; a catalog name with random weights written to
+disk, as the teacher is loaded from its files). Then, from the run's metrics.jsonl:
 
 * tokens/s and the step time (median over the steps after the first, which warms up), split into
   rollout / log-probs / update / weight sync for the RL recipes (their ``time/*`` metrics);
@@ -31,14 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlctl.bench import mfu as M
-from rlctl.bench.common import ProcessSampler, median, relative_error, run_measured
+from rlctl.bench.common import ProcessSampler, median, relative_error, run_measured, timeline_points
 from rlctl.bench.models import BenchModel, token_space
 from rlctl.errors import UserError
 from rlctl.names import PAIR_METHODS, Method, choices
 
-METHODS = choices(Method, without=PAIR_METHODS)  # dpo / rm: not benchmarked here yet
+METHODS = choices(Method)
 LENGTHS = ("fixed", "spread")
 SPLIT_KEYS = ("time/rollout", "time/logprobs", "time/update", "time/weight_sync")
+TEACHER_KEY = "time/teacher"  # on-policy distillation (algo.distill=sampled): the teacher's scoring pass
 RECIPE_PEAK_KEY = "mem/peak_bytes"  # per-rank peak, logged by the recipe (max over ranks)
 RECIPE_BASE_KEY = "mem/base_bytes"  # the same process before the model was built
 
@@ -60,6 +64,7 @@ class TrainSettings:
     rollout: str | None = None  # hf | vllm | sglang; None: the plan decides
     micro_batch_size: int = 0
     lora_rank: int = 0
+    teacher: str = ""  # rl: on-policy distillation's teacher (algo.teacher); "" = none
     sets: list[str] = field(default_factory=list)
     seed: int = 0
 
@@ -74,10 +79,18 @@ class TrainSettings:
             raise UserError(f"--steps must be at least 1, got {self.steps}")
         if self.lengths not in LENGTHS:
             raise UserError(f"unknown --lengths {self.lengths!r}; use {' or '.join(LENGTHS)}")
+        if self.teacher and not self.is_rl:
+            raise UserError(
+                f"--teacher is on-policy distillation, an RL run: use --method grpo or ppo, not {self.method}"
+            )
 
     @property
     def is_rl(self) -> bool:
-        return self.method != "sft"
+        return self.method not in ("sft", *PAIR_METHODS)
+
+    @property
+    def is_pairs(self) -> bool:
+        return self.method in PAIR_METHODS
 
     @property
     def batch(self) -> int:
@@ -93,12 +106,32 @@ def random_text(tok, allowed: list[int], tokens: int, rng: random.Random) -> str
     return tok.decode([rng.choice(allowed) for _ in range(tokens)], skip_special_tokens=True)
 
 
+def text_of_at_most(tok, allowed: list[int], tokens: int, rng: random.Random) -> str:
+    """Random text that re-tokenizes to ``tokens`` tokens or fewer (cut until it does)."""
+    text = random_text(tok, allowed, tokens, rng)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    keep = min(tokens, len(ids))
+    while keep >= 1 and len(tok(text, add_special_tokens=False)["input_ids"]) > tokens:
+        text = tok.decode(ids[:keep], skip_special_tokens=True)  # the first `keep` tokens, fewer each round
+        keep -= 1
+    return text
+
+
 def write_data(model_path: Path, s: TrainSettings, out: Path) -> Path:
     """Write the synthetic dataset for ``s.method`` to ``out/data.jsonl``."""
     allowed, tok = token_space(model_path)
     rng = random.Random(s.seed)
     rows_needed = s.batch * s.steps
-    if not s.is_rl:  # a short question and a random answer, cut at seq_len (data.truncation=right)
+    if s.is_pairs:  # a short question, two random answers of about half seq_len (rm refuses a longer row)
+        rows = [
+            {
+                "prompt": "Write some text.",
+                "chosen": text_of_at_most(tok, allowed, s.seq_len // 2, rng),
+                "rejected": text_of_at_most(tok, allowed, s.seq_len // 2, rng),
+            }
+            for _ in range(rows_needed)
+        ]
+    elif not s.is_rl:  # a short question and a random answer, cut at seq_len (data.truncation=right)
 
         def answer_tokens() -> int:  # fixed: more than fits, so every sequence is seq_len; spread: like real chats
             return 2 * s.seq_len if s.lengths == "fixed" else round(2 ** rng.uniform(4, math.log2(max(17, s.seq_len))))
@@ -154,6 +187,7 @@ def job_options(model: BenchModel, s: TrainSettings, data: Path, prompt_tokens: 
                 "rollout.max_response_len": s.max_tokens,
                 "rollout.engine": s.rollout,
                 "reward.fn": "length",
+                "algo.teacher": s.teacher or None,
             }
         )
     else:
@@ -210,13 +244,17 @@ def critic_flops_params(spec) -> int:
     return M.flops_params(spec) - spec.vocab_size * spec.hidden_size + spec.hidden_size
 
 
-def step_flops(spec, cfg, record: dict, sequences: int) -> dict[str, float]:
-    """Model FLOPs of one step by phase (see rlctl.bench.mfu for the convention)."""
+def step_flops(spec, cfg, record: dict, sequences: int, teacher=None) -> dict[str, float]:
+    """Model FLOPs of one step by phase (see rlctl.bench.mfu for the convention); ``teacher``: the ModelSpec of
+    on-policy distillation's teacher, one forward of every sampled token (in the update with algo.distill=full,
+    each epoch)."""
     tokens = float(record.get("tokens") or 0)
     seq = tokens / max(1, sequences)
     train, fwd = M.train_flops_per_token(spec, seq), M.forward_flops_per_token(spec, seq)
-    if cfg.method == "sft":
-        return {"update": tokens * train}
+    if cfg.method == "sft" or cfg.method == "rm" or (cfg.method == "dpo" and cfg.pref.precompute_ref):
+        return {"update": tokens * train}  # dpo's precomputed reference pass runs before the first step
+    if cfg.method == "dpo":  # the reference's forward every step
+        return {"update": tokens * train + tokens * fwd}
     from rlctl.recipes.rl.update import skips_old_logprobs
 
     a = cfg.algo
@@ -228,6 +266,12 @@ def step_flops(spec, cfg, record: dict, sequences: int) -> dict[str, float]:
         "logprobs": tokens * fwd * passes,
         "update": tokens * train * a.ppo_epochs,
     }
+    if teacher is not None:
+        scored = tokens * M.forward_flops_per_token(teacher, seq)
+        if cfg.algo.distill == "full":
+            out["update"] += scored * a.ppo_epochs
+        else:
+            out["logprobs"] += scored
     if cfg.method == "ppo":  # values, then the critic's update
         scale = critic_flops_params(spec) / M.flops_params(spec)
         out["logprobs"] += tokens * fwd * scale
@@ -235,17 +279,26 @@ def step_flops(spec, cfg, record: dict, sequences: int) -> dict[str, float]:
     return out
 
 
+def step_sequences(cfg) -> int:
+    """Sequences of one step: SFT's, a pair method's chosen and rejected, RL's samples."""
+    per_row = {"sft": 1, "dpo": 2, "rm": 2}.get(cfg.method, cfg.rollout.n)
+    return cfg.train.batch_size * per_row
+
+
 def summarize(model: BenchModel, cfg, records: list[dict], peak: dict, memory: dict) -> dict:
+    from rlctl.catalog import resolve_model
+
     steady = records[1:] if len(records) > 1 else records
-    sequences = cfg.train.batch_size * (cfg.rollout.n if cfg.method != "sft" else 1)
+    rl = cfg.method in ("grpo", "ppo")
     times = {"step": median(r["time/step"] for r in steady)}
-    for key in SPLIT_KEYS:
-        # RL steps always split into these phases (a skipped log-prob pass takes 0 s)
-        if cfg.method != "sft" or any(key in r for r in steady):
+    for key in (*SPLIT_KEYS, TEACHER_KEY):
+        # RL steps always split into these phases (a skipped log-prob pass takes 0 s); the teacher's when it ran
+        if (rl and key != TEACHER_KEY) or any(key in r for r in steady):
             times[key.split("/", 1)[1]] = median(r.get(key, 0.0) for r in steady)
     if len(times) > 1:
         times["other"] = times["step"] - sum(v for k, v in times.items() if k != "step")
-    flops = [step_flops(model.spec, cfg, r, sequences) for r in steady]
+    teacher = resolve_model(cfg.algo.teacher) if rl and cfg.algo.teacher else None
+    flops = [step_flops(model.spec, cfg, r, step_sequences(cfg), teacher) for r in steady]
     step_total = median(sum(f.values()) for f in flops)
     result = {
         "tokens_per_s": median(r["tokens_per_s"] for r in steady),
@@ -255,7 +308,7 @@ def summarize(model: BenchModel, cfg, records: list[dict], peak: dict, memory: d
         "mfu": M.mfu(step_total, times["step"], peak["flops"]),
         "peak_flops": peak,
     }
-    if cfg.method != "sft" and times.get("update"):
+    if rl and times.get("update"):
         result["mfu_update"] = M.mfu(median(f["update"] for f in flops), times["update"], peak["flops"])
     result["memory"] = memory
     return result
@@ -279,13 +332,8 @@ def measured_memory(records: list[dict], sampler: ProcessSampler, baseline: int,
         )
     measured = raw - base
     estimated = estimate.peak_bytes
-    torch_peaks = {  # on CUDA the recipe logs torch's allocator peaks (rlctl.runtime.fit.cuda_memory_peaks)
-        f"torch_{kind}_peak_bytes": max(r[f"mem/{kind}_peak_bytes"] for r in records if f"mem/{kind}_peak_bytes" in r)
-        for kind in ("allocated", "reserved")
-        if any(f"mem/{kind}_peak_bytes" in r for r in records)
-    }
     return {
-        **torch_peaks,
+        **cuda_step_memory(records),
         "estimated_allocated_bytes": estimate.phases[estimate.peak_phase].allocated_bytes,
         "estimated_reserved_bytes": estimate.phases[estimate.peak_phase].reserved_bytes,
         "source": source,
@@ -298,6 +346,41 @@ def measured_memory(records: list[dict], sampler: ProcessSampler, baseline: int,
         "estimated_bytes": estimated,
         "estimated_phase": estimate.peak_phase,
         "relative_error": relative_error(measured, estimated) if measured > 0 else None,
+        **peak_timing(records, sampler),
+    }
+
+
+# what the recipe logs with each step on CUDA (rlctl.runtime.cuda_memory.cuda_memory_peaks) -> the result's key
+CUDA_STEP_KEYS = {
+    "mem/allocated_peak_bytes": "torch_allocated_peak_bytes",
+    "mem/reserved_peak_bytes": "torch_reserved_peak_bytes",
+    "mem/device_used_bytes": "device_used_at_steps_bytes",  # cudaMemGetInfo at the end of each step, the largest
+    "mem/outside_torch_bytes": "outside_torch_at_steps_bytes",  # of that, what torch's allocator does not hold
+}
+
+
+def cuda_step_memory(records: list[dict]) -> dict:
+    """The largest of each CUDA memory figure the steps logged (none on CPU)."""
+    return {
+        name: max(r[key] for r in records if key in r)
+        for key, name in CUDA_STEP_KEYS.items()
+        if any(key in r for r in records)
+    }
+
+
+def peak_timing(records: list[dict], sampler: ProcessSampler) -> dict:
+    """When the sampled peak happened, in seconds after the last step's record (negative: during training;
+    after it: the final checkpoint save, the export, the shutdown), the sampled timeline beside the steps'
+    times (seconds after the sampling started) and, on GPUs, the processes holding GPU memory at the peak."""
+    if not sampler.peak_time or not records or "time" not in records[-1]:
+        return {}
+    key = max(sampler.peak, key=sampler.peak.get)
+    start = sampler.started
+    return {
+        "peak_after_last_step_s": round(sampler.peak_time[key] - records[-1]["time"], 2),
+        "step_times_s": [round(r["time"] - start, 1) for r in records if "time" in r],
+        "timeline_gb": timeline_points(sampler.timeline, start),
+        **({"processes_at_peak": sampler.processes_at_peak} if sampler.processes_at_peak else {}),
     }
 
 
@@ -344,6 +427,15 @@ def run_job(cfg, plan) -> tuple[list[dict], ProcessSampler]:
     return records, sampler
 
 
+def around_final_save(run_dir: Path) -> dict:
+    """On CUDA, the memory before and after the run's final checkpoint save (summary.json's ``cuda_memory``)."""
+    from rlctl.runtime.layout import RunPaths
+
+    path = RunPaths(run_dir).summary
+    memory = json.loads(path.read_text()).get("cuda_memory") if path.is_file() else None
+    return {"around_final_save": memory} if memory else {}
+
+
 def bench_train(model: BenchModel, s: TrainSettings, *, output_dir: str | None = None, log=lambda msg: None) -> dict:
     """Run the job and measure it; returns the result row (see the module docstring)."""
     keep = output_dir is not None
@@ -361,6 +453,7 @@ def bench_train(model: BenchModel, s: TrainSettings, *, output_dir: str | None =
         baseline = import_baseline_bytes(s.method, plan.rollout) if plan.device == "cpu" else 0
         records, sampler = run_job(cfg, plan)
         memory = measured_memory(records, sampler, baseline, plan.estimate, plan.device)
+        memory.update(around_final_save(Path(cfg.output_dir)))
         result = {
             "method": s.method,
             "model": model.label,

@@ -181,9 +181,7 @@ def rollout(
 @app.command()
 def train(
     model: Model,
-    method: Annotated[
-        str, typer.Option("--method", help=f"{describe(names.Method, without=names.PAIR_METHODS)}.")
-    ] = "sft",
+    method: Annotated[str, typer.Option("--method", help=f"{describe(names.Method)}.")] = "sft",
     random_init: RandomInit = False,
     device: Device = None,
     gpus: Annotated[int, typer.Option("--gpus", help="GPUs in total (0 = every visible GPU).")] = 0,
@@ -201,6 +199,14 @@ def train(
     ] = None,
     micro_batch_size: MicroBatch = 0,
     lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank (0 = full fine-tuning).")] = 0,
+    teacher: Annotated[
+        str,
+        typer.Option(
+            "--teacher",
+            help="RL: on-policy distillation from this teacher (a local HF directory, or a catalog name with "
+            "--random-init: random weights written to disk once).",
+        ),
+    ] = "",
     set_: Sets = None,
     output_dir: OutputDir = None,
     seed: Seed = 0,
@@ -228,10 +234,13 @@ def train(
         rollout=_given(rollout),
         micro_batch_size=micro_batch_size,
         lora_rank=lora_rank,
+        teacher=teacher,
         sets=list(set_ or []),
         seed=seed,
     )
     s.check()
+    if teacher:  # the teacher is loaded from its files: a catalog name gets random weights on disk
+        s.teacher = str(resolve_bench_model(teacher, random_init=random_init).path)
     m = resolve_bench_model(model, random_init=random_init, need_weights=False)
     row = bench_train(m, s, output_dir=output_dir, log=_log())
     _emit(envelope("train", {"model": model, **asdict(s)}, [row]), json_, plot)

@@ -89,6 +89,7 @@ def run_estimate(v: dict[str, Any]) -> None:
         options=to_options(v, ESTIMATE),
         sets=v["sets"],
         defaults={"hardware.device": "cuda"} if on_gpus else None,  # an estimate is for GPUs, even on a laptop
+        measure_data=True,  # sft / dpo: the logits at the data's labelled share of positions
     )
     plan = _with_loss_chunk(job.plan, v["loss_chunk"]) if v["loss_chunk"] else job.plan
     rows = None

@@ -72,6 +72,11 @@ def check_correction(cfg: RunConfig) -> None:
         raise UserError(f"algo.correction_lower={a.correction_lower} must be in (0, 1] (e.g. 0.5; unset: 1/U)")
     if a.correction_reject is not None and not a.correction_reject >= 1:
         raise UserError(f"algo.correction_reject={a.correction_reject} must be >= 1 (sequences outside [1/R, R] drop)")
+    if not a.decoupled_cap > 1:
+        raise UserError(
+            f"algo.decoupled_cap={a.decoupled_cap} must be > 1 (--policy-loss decoupled drops tokens whose "
+            "proximal / behaviour weight exceeds it; AReaL's 5.0)"
+        )
 
 
 def check_distill(cfg: RunConfig) -> None:

@@ -176,6 +176,9 @@ class AlgoConfig:
     # 3e-4, 4e-4, off; rlctl.algos.registry); a value set here wins. dual_clip=0 turns it off.
     loss_agg: LossAgg | None = None
     policy_loss: PolicyLossName = "ppo"
+    # --policy-loss decoupled (docs/async.md): tokens whose proximal / behaviour weight exceeds it are dropped
+    # (AReaL's behav_imp_weight_cap); > 1
+    decoupled_cap: float = 5.0
     clip_low: float | None = None
     clip_high: float | None = None
     dual_clip: float | None = None

@@ -78,6 +78,21 @@ class MicroBatch:
     def num_loss_tokens(self) -> int:
         return int((self.labels != IGNORE).sum())
 
+    def at_labelled(self, output, *grids: torch.Tensor) -> tuple:
+        """SFT / DPO (``labels`` ``[B, T]``): ``output`` and each ``[B, T]`` grid (its labels, ...) at the
+        columns whose logits the engine computed, ``keep_cols`` (:func:`labelled_columns`; every column when
+        None). An engine that computed every column anyway (Megatron) has its logits cut to them; an
+        output under sequence parallelism already holds those columns only."""
+        cols = self.keep_cols
+        if cols is None:
+            return (output, *grids)
+        if isinstance(output, torch.Tensor):
+            if output.shape[1] != cols.numel():
+                output = output[:, cols]
+        elif hasattr(output, "columns"):  # split over the vocabulary (Megatron's TP): every column computed
+            output = output.columns(cols)
+        return (output, *(g[:, cols] for g in grids))
+
     def to(self, device: torch.device | str) -> MicroBatch:
         moved = {f.name: v.to(device) for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)
@@ -102,6 +117,16 @@ class MicroBatch:
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """RL: this micro-batch's rows of a per-token batch tensor [b, W] -> [k, width]."""
         return t[self.rows, : self.width]
+
+
+def labelled_columns(labels: torch.Tensor) -> torch.Tensor:
+    """The columns of ``labels`` ``[B, T]`` where some row has a label (``labels[:, t]`` is the token that
+    position ``t`` predicts, already shifted): the only ones whose logits a loss or log-prob reads (at least
+    one, so that the head stays in the graph). Set as a micro-batch's ``keep_cols``, the engine runs the LM
+    head (and the loss its log-softmax) there only (``logits_to_keep``); :meth:`MicroBatch.at_labelled`
+    reads the labels at the same columns."""
+    cols = torch.nonzero((labels != IGNORE).any(0)).flatten()
+    return cols if cols.numel() else torch.zeros(1, dtype=torch.long, device=labels.device)
 
 
 def steps_per_epoch(num_examples: int, batch_size: int) -> int:
@@ -233,9 +258,18 @@ def dummy_micro_batch(pad_id: int) -> MicroBatch:
 
 
 def rank_micro_batches(
-    batch: Sequence[Example], rank: int, world: int, *, packing: bool, budget: int, micro_batch_size: int, pad_id: int
+    batch: Sequence[Example],
+    rank: int,
+    world: int,
+    *,
+    packing: bool,
+    budget: int,
+    micro_batch_size: int,
+    pad_id: int,
+    keep_labelled: bool = False,
 ) -> list[MicroBatch]:
-    """This rank's micro-batches of a global batch: ``ceil(groups / world)`` of them on every rank."""
+    """This rank's micro-batches of a global batch: ``ceil(groups / world)`` of them on every rank.
+    ``keep_labelled``: each one's logits at its labelled columns only (:func:`labelled_columns`)."""
     groups = group_micro_batches(
         [len(ex) for ex in batch], packing=packing, budget=budget, micro_batch_size=micro_batch_size
     )
@@ -248,4 +282,6 @@ def rank_micro_batches(
             out.append(collate_packed(docs) if packing else collate_padded(docs, pad_id))
         else:
             out.append(dummy_micro_batch(pad_id))
+        if keep_labelled:
+            out[-1].keep_cols = labelled_columns(out[-1].labels)
     return out

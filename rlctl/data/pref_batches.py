@@ -12,8 +12,9 @@ the prompt's tokens are computed once, not once per sequence. The tokens after a
 position (:func:`answer_end`) are left out: they change no log-prob.
 
 With ``keep_labelled`` (dpo's log-probs), a micro-batch's ``keep_cols`` are the columns that carry a label
-(:func:`labelled_columns`): the engine computes the LM head (and the loss its log-softmax) there only, as for
-an RL micro-batch (``logits_to_keep``); the prompt's positions, bar the last, run no head."""
+(:func:`rlctl.data.packing.labelled_columns`, as for sft): the engine computes the LM head (and the loss its
+log-softmax) there only, as for an RL micro-batch (``logits_to_keep``); the prompt's positions, bar the last,
+run no head."""
 
 from __future__ import annotations
 
@@ -24,7 +25,14 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from rlctl.data.packing import MicroBatch, collate_packed, collate_padded, dummy_micro_batch, group_micro_batches
+from rlctl.data.packing import (
+    MicroBatch,
+    collate_packed,
+    collate_padded,
+    dummy_micro_batch,
+    group_micro_batches,
+    labelled_columns,
+)
 from rlctl.data.preference import Unit
 from rlctl.data.sft import IGNORE, Example
 
@@ -66,14 +74,6 @@ def answer_end(s: Example) -> int:
     predict nothing and no earlier token attends to them, so a forward may leave them out (0: no label)."""
     labelled = np.flatnonzero(s.labels != IGNORE)
     return int(labelled[-1]) + 1 if labelled.size else 0
-
-
-def labelled_columns(labels: torch.Tensor) -> torch.Tensor:
-    """The columns of ``labels`` ``[B, T]`` where some row has a label (``labels[:, t]`` is the token that
-    position ``t`` predicts, already shifted): the only ones whose logits a log-prob reads (at least one, so
-    that the head stays in the graph)."""
-    cols = torch.nonzero((labels != IGNORE).any(0)).flatten()
-    return cols if cols.numel() else torch.zeros(1, dtype=torch.long)
 
 
 def collate_shared(units: Sequence[Unit], which: Sequence[int], pad_id: int) -> UnitMicroBatch:

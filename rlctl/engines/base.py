@@ -14,8 +14,9 @@ Contract of a training step, for every engine::
 
 ``loss_fn(output, mb) -> (loss, result)`` gets the model's output for one micro-batch (logits
 ``[B, T, V]``, or values ``[B, T]`` for a critic; under sequence parallelism an actor's output is
-:class:`~rlctl.engines.ulysses.ShardedLogits`: read it through :func:`response_tokens`,
-:func:`position_tokens` or :func:`full_logits`) and returns this rank's share of the global loss
+:class:`~rlctl.engines.ulysses.ShardedLogits`, under Megatron's tensor parallelism
+:class:`VocabParallelLogits`: read them through :func:`response_tokens`, :func:`position_tokens` (sp) or
+:func:`full_logits`) and returns this rank's share of the global loss
 (the ranks' shares SUM to the global loss) and anything the caller wants back (a tensor or a dict of
 tensors), which ``forward_backward`` returns detached, one per micro-batch, on every rank.
 ``forward_only=True`` runs the same without gradients (``loss`` may be None).
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +245,9 @@ def response_tokens(output, mb, fn: Callable) -> tuple[torch.Tensor | None, ...]
     if isinstance(output, ShardedLogits):
         whole = mb.logit_index if mb.keep_cols is not None else torch.arange(mb.labels.numel(), device=mb.labels.device)
         return output.per_token(whole, mb.labels, fn)
+    if isinstance(output, VocabParallelLogits):
+        out = fn(output.rows(mb.at_response(output.local)), mb.labels)
+        return out if isinstance(out, tuple) else (out,)
     out = fn(mb.at_response(output), mb.labels)
     return out if isinstance(out, tuple) else (out,)
 
@@ -271,7 +275,7 @@ def position_tokens(output, labels: torch.Tensor, fn: Callable) -> torch.Tensor:
 
 
 def full_logits(output) -> torch.Tensor:
-    """The logits ``[B, K, V]`` of an engine's output, gathered where sequence parallelism split them."""
+    """The logits ``[B, K, V]`` of an engine's output, gathered where sequence or tensor parallelism split them."""
     return output.full() if hasattr(output, "full") else output
 
 
@@ -284,6 +288,44 @@ class VocabShard:
     group: Any
     start: int
     width: int
+
+
+@dataclass(frozen=True)
+class VocabParallelLogits:
+    """An engine's logits split over the vocabulary (Megatron's tensor parallelism): ``padded`` ``[B, T, P]`` are
+    this rank's ``P`` columns of the padded vocabulary, of which the first ``shard.width`` are real (of a
+    ``vocab_size`` vocabulary). Per-token values come from :func:`response_tokens` (a
+    :class:`~rlctl.algos.vocab_parallel.VocabSlice`); nothing gathers the vocabulary but :meth:`full`."""
+
+    padded: torch.Tensor
+    shard: VocabShard
+    vocab_size: int
+
+    @property
+    def local(self) -> torch.Tensor:
+        """``[B, T, shard.width]``: this rank's columns of the vocabulary, without padding."""
+        return self.padded[..., : self.shard.width]
+
+    def rows(self, local: torch.Tensor):
+        """Rows ``[N, shard.width]`` of :attr:`local` as a :class:`~rlctl.algos.vocab_parallel.VocabSlice`."""
+        from rlctl.algos.vocab_parallel import VocabSlice
+
+        return VocabSlice(local, self.shard.start, self.shard.group)
+
+    def columns(self, cols: torch.Tensor) -> VocabParallelLogits:
+        """These logits at sequence columns ``cols`` only (SFT / DPO at their labelled columns: Megatron's head
+        runs at every position, :meth:`rlctl.data.packing.MicroBatch.at_labelled` cuts it)."""
+        return replace(self, padded=self.padded[:, cols])
+
+    def sum(self) -> torch.Tensor:
+        """A dummy micro-batch's zero loss (``output.sum() * 0``) reaches the whole model."""
+        return self.padded.sum()
+
+    def full(self) -> torch.Tensor:
+        """The logits ``[B, T, vocab_size]``, gathered over the group (a test hook's dump; differentiable)."""
+        from torch.distributed.nn.functional import all_gather
+
+        return torch.cat(all_gather(self.padded.contiguous(), group=self.shard.group), -1)[..., : self.vocab_size]
 
 
 #: ``loss_fn(output, micro_batch) -> (loss or None, result)``, see :meth:`TrainEngine.forward_backward`.

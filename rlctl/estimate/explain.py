@@ -174,7 +174,6 @@ def _layout(model: ModelSpec, s: MemorySettings, est: MemoryEstimate) -> list[st
 
 def _memory_options(s: MemorySettings) -> list[str]:
     """Offload, checkpointing, micro batches and the loss: what each memory option changes."""
-    cb = s.compute_bytes
     out = []
     if s.cpu_offload:
         out.append(
@@ -203,8 +202,42 @@ def _memory_options(s: MemorySettings) -> list[str]:
         )
     if s.micro_batch_tokens:
         out.append(f"micro batches packed to a budget of {s.micro_batch_tokens} tokens per GPU")
+    out += _logit_lines(s)
+    out.append(
+        f"allocated = the tensors alive at the peak; reserved = allocated + {ALLOCATOR_SLACK:.0%} of the activations, "
+        "logits and gathered layers (the caching allocator's slack); the fits verdict uses reserved + the CUDA "
+        "context + the engine's pools, against the GPU less the planner's margin"
+    )
+    return out
+
+
+def _logit_lines(s: MemorySettings) -> list[str]:
+    """The LM head's logits and the loss on them: which positions, which columns, in chunks or whole."""
+    cb = s.compute_bytes
+    out = []
+    if s.keeps_labelled:
+        measured = (
+            "measured on the data's first rows"
+            if s.labelled_fraction is not None
+            else "the default: no data measured; `rlctl estimate memory` measures a local model's data"
+        )
+        out.append(
+            f"LM head and log-softmax at the labelled positions only: {s.labelled_share:.0%} of each micro batch's "
+            f"({measured}); the prompts' positions, bar each one's last, and padding run no head"
+        )
+    if s.backend == "megatron" and s.tp > 1:
+        out.append(
+            f"logits vocabulary-parallel: this GPU's 1/{s.tp} of the vocabulary, never gathered for the loss "
+            "(log-probs, entropy and cross-entropy all-reduce each row's max and sums over TP)"
+        )
     if s.loss_chunk:
-        where = "response positions only" if s.is_rl else "every position"
+        where = (
+            "response positions only"
+            if s.is_rl
+            else "labelled positions only"
+            if s.keeps_labelled
+            else "every position"
+        )
         out.append(
             f"loss in chunks of {s.loss_chunk} tokens ({where}): one chunk's logits, fp32 upcast, log-softmax and "
             f"gradient alive at a time ({cb + CHUNK_LOGIT_BYTES} bytes per token per vocabulary entry)"
@@ -214,11 +247,6 @@ def _memory_options(s: MemorySettings) -> list[str]:
             f"logits: {s.dtype} output and its gradient + fp32 log-softmax and its gradient "
             f"({2 * cb + LOGIT_EXTRA_BYTES} bytes per token per vocabulary entry), one unfused loss per micro batch"
         )
-    out.append(
-        f"allocated = the tensors alive at the peak; reserved = allocated + {ALLOCATOR_SLACK:.0%} of the activations, "
-        "logits and gathered layers (the caching allocator's slack); the fits verdict uses reserved + the CUDA "
-        "context + the engine's pools, against the GPU less the planner's margin"
-    )
     return out
 
 

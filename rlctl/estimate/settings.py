@@ -23,6 +23,7 @@ ENGINE_MAX_SEQS = 256  # sequences per SGLang step: the sampler's logits
 ADAM_STATE_BYTES = 8  # AdamW m and v in fp32
 LOGIT_EXTRA_BYTES = 8  # unfused loss peak per logit: fp32 log-softmax (saved) + its fp32 gradient, beside
 # the logits and their gradient in the compute dtype (2 x compute bytes): 12 bytes per value in bf16
+DEFAULT_LABELLED_FRACTION = 1.0  # sft / dpo without data to measure: every position may carry a label (a bound)
 CHUNK_LOGIT_BYTES = 12  # per logit of one loss chunk beyond the compute dtype: fp32 upcast, log-softmax, gradient
 PRECISIONS = names.choices(names.Precision)  # mixed: fp32 master, grads and AdamW; bf16: pure bf16 state
 HOST_PROCESS_BYTES = 4 * GIB  # host memory of one GPU process: Python, torch/CUDA/NCCL host allocations, data
@@ -90,6 +91,9 @@ class MemorySettings:
     shard: bool = True  # FSDP2 wrappers; False on one GPU: a plain module, no gather buffers
     micro_batch_tokens: int = 0  # token budget of a packed micro batch (0 = micro_batch x seq_len)
     loss_chunk: int = 0  # tokens per chunk of the loss (0 = one unfused loss over the micro batch)
+    # sft / dpo: the share of a micro batch's positions that carry a label (the LM head runs there only),
+    # measured on the data's first rows (rlctl.data.labelled); None: DEFAULT_LABELLED_FRACTION
+    labelled_fraction: float | None = None
     reward_model: bool = False  # PPO/GRPO: a frozen reward model on the training GPUs
     reward_model_dtype: str = "fp32"  # reward.model_dtype: every rank holds a whole replica in it
     teacher_params: int = 0  # on-policy distillation: the frozen teacher's parameters, held like the reference
@@ -135,6 +139,17 @@ class MemorySettings:
             * self.teacher_params
             / (self.fsdp_shards if self.backend == "fsdp" else self.tp * self.pp)
         )
+
+    @property
+    def keeps_labelled(self) -> bool:
+        """The engine runs the LM head at the labelled positions only (sft, dpo on FSDP: ``keep_cols``);
+        Megatron's output layer runs at every position of its rows."""
+        return self.method in ("sft", "dpo") and self.backend == "fsdp"
+
+    @property
+    def labelled_share(self) -> float:
+        """:attr:`labelled_fraction`, or the stated default where the data was not measured."""
+        return DEFAULT_LABELLED_FRACTION if self.labelled_fraction is None else self.labelled_fraction
 
     @property
     def scalar_head(self) -> bool:
@@ -233,6 +248,8 @@ class MemorySettings:
     def _check_ranges(self) -> None:
         if self.images < 0 or self.image_pixels < 0:
             raise UserError("images and image_pixels must be positive (image_pixels 0 = the processor's max_pixels)")
+        if self.labelled_fraction is not None and not 0 < self.labelled_fraction <= 1:
+            raise UserError(f"labelled_fraction must be in (0, 1], got {self.labelled_fraction}")
         if self.micro_batch_tokens < 0 or self.loss_chunk < 0:
             raise UserError("micro_batch_tokens and loss_chunk must be positive (0 = off)")
         if self.optimizer != "adamw":

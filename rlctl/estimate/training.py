@@ -299,11 +299,15 @@ def logit_tokens(s: MemorySettings) -> int:
     Under Ulysses SP each GPU computes the logits of the kept positions of its ``1 / sp`` of the sequence
     (rlctl.engines.ulysses.ShardedLogits) and only ``[N]`` floats are gathered; the GPU that holds the
     sequence's end holds the most response positions (its whole shard when the response is longer than a
-    shard) and sets the peak."""
+    shard) and sets the peak. SFT and DPO on FSDP: the labelled positions only (``keep_cols``,
+    rlctl.data.packing.labelled_columns), ``labelled_share`` of the micro batch's; under SP the GPU whose
+    shard holds the most of them, at worst all (a prompt-first sequence's answer in the last shard)."""
     tokens = s.tokens_per_micro_batch
     if s.is_rl and (s.backend == "fsdp" or s.loss_chunk):
         rows = tokens * s.cp * s.sp / s.seq_len
         return min(tokens, math.ceil(rows * s.response_len))
+    if s.keeps_labelled:
+        return max(1, min(tokens, math.ceil(tokens * s.sp * s.labelled_share)))
     return tokens
 
 
@@ -312,7 +316,8 @@ def logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
     in the compute dtype, the fp32 log-softmax saved for the backward, its fp32 gradient and the
     logits' gradient in the compute dtype (12 bytes per value in bf16). Chunked (``loss_chunk`` tokens at a time, the
     chunk's backward before the next chunk): one chunk's logits, fp32 upcast, log-softmax and
-    gradient. Vocabulary-parallel under TP."""
+    gradient. Vocabulary-parallel under Megatron's TP: ``V / tp`` per GPU, as the engine computes them (its loss
+    reads only its rank's columns, never gathered: rlctl.algos.vocab_parallel, two fp32 copies at a time)."""
     vocab = math.ceil(spec.vocab_size / s.tp)
     teacher = teacher_logits_bytes(spec, s)
     if s.loss_chunk:

@@ -10,6 +10,7 @@ sample is correct when its reward is >= 1 (:data:`rlctl.evaluate.passk.CORRECT_A
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,7 +78,9 @@ def evaluate(model_dir: Path, cfg: RunConfig, s: EvalSettings, agent=None, log: 
     sources = {p.data_source for p in prompts}
     manager = RewardManager(cfg.reward, sources, tokenizer=tokenizer, agent=agent_enabled(cfg))  # bad names fail now
     try:
+        start = time.perf_counter()
         samples = _generate(model_dir, cfg, s, prompts, tokenizer, agent, log)
+        generate_s = time.perf_counter() - start
         picked = [prompts[x.prompt_index] for x in samples]
         prompt_ids = [x.prompt_ids if agent else p.token_ids for x, p in zip(samples, picked)]
         trajectories = samples if agent else None
@@ -88,9 +91,23 @@ def evaluate(model_dir: Path, cfg: RunConfig, s: EvalSettings, agent=None, log: 
     rows = sample_rows(samples, picked, prompt_ids, result.scores, tokenizer, s.n)
     metrics = summarize(rows, len(prompts), s, reward)
     metrics["bad_rows"] = report.num_bad
+    metrics.update(throughput(rows, generate_s, s.device))
     if result.errors:
         metrics["reward_errors"] = result.errors
     return EvalResult(metrics, rows)
+
+
+def throughput(rows: list[dict], generate_s: float, device: str) -> dict[str, Any]:
+    """The sampling's wall time (the engine's start-up included), its response tokens per second, and on CUDA
+    torch's allocator peaks of this process (the engine lives in it: hf; vLLM's own allocator is not torch's)."""
+    tokens = sum(r["response_tokens"] for r in rows)
+    out: dict[str, Any] = {"generate_s": generate_s, "response_tokens": tokens, "tokens_per_s": tokens / generate_s}
+    if device.startswith("cuda"):
+        import torch
+
+        out["torch_allocated_peak_bytes"] = torch.cuda.max_memory_allocated()
+        out["torch_reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
+    return out
 
 
 def sample_rows(samples: list, picked: list, prompt_ids: list, scores: list[float], tokenizer, n: int) -> list[dict]:

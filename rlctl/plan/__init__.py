@@ -12,6 +12,8 @@ choices in words), planner (choose the backend, then search, relax, explain; app
 would fit, what to rent); render and compare print them.
 """
 
+import dataclasses
+
 from rlctl.config import RunConfig
 from rlctl.plan.advice import RentRow, what_to_rent, what_would_fit
 from rlctl.plan.inputs import LocalEnv, detect_local
@@ -34,14 +36,19 @@ __all__ = [
 ]
 
 
-def resolve_plan(cfg: RunConfig, *, local: LocalEnv | None = None, host_memory_bytes: int = 0) -> Plan:
+def resolve_plan(
+    cfg: RunConfig, *, local: LocalEnv | None = None, host_memory_bytes: int = 0, labelled_fraction: float | None = None
+) -> Plan:
     """Choose every open (None) setting of ``cfg`` for its model and hardware, with reasons; a plan that
     does not fit carries what would (``plan.advice``).
 
     ``host_memory_bytes``: the host memory of one node of the cluster (0 = the GPU type's typical
-    node, shared by the GPUs used on it).
+    node, shared by the GPUs used on it). ``labelled_fraction``: sft / dpo, the data's labelled share of
+    positions where it was measured (:mod:`rlctl.data.labelled`).
     """
     local = local if local is not None else detect_local()
+    if labelled_fraction is not None:
+        local = dataclasses.replace(local, labelled_fraction=labelled_fraction)
     plan, job, result = plan_with_search(cfg, local, host_memory_bytes=host_memory_bytes)
     if not plan.fits:
         plan.advice = what_would_fit(cfg, local, job, result)

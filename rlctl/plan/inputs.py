@@ -45,6 +45,7 @@ class LocalEnv:
     gpu_name: str | None = None  # as nvidia-smi prints it, e.g. "NVIDIA H100 80GB HBM3"
     installed: frozenset[str] = field(default_factory=frozenset)  # importable module names
     memory_bytes: int = 0  # host memory (CPU plans), 0 = unknown
+    labelled_fraction: float | None = None  # sft / dpo: measured on the local data's first rows (rlctl.data.labelled)
 
 
 def _nvidia_smi() -> tuple[int, str | None]:
@@ -99,6 +100,7 @@ class Job:
     later: list[Decision] = field(default_factory=list)  # dtype, attention, engine: explained after the layout
     warnings: list[str] = field(default_factory=list)
     split: int = 0  # processes that only generate (rollout.procs as planned; see _split)
+    labelled_fraction: float | None = None  # sft / dpo: the data's labelled share of positions (None: not measured)
 
     @property
     def facts(self) -> JobFacts:
@@ -165,6 +167,7 @@ def resolve_job(cfg: RunConfig, local: LocalEnv, host_memory_bytes: int = 0) -> 
         later,
         warnings,
         _split(cfg, where.world, decisions),
+        local.labelled_fraction,
     )
 
 
@@ -412,5 +415,6 @@ def settings_for(job: Job, **kw) -> MemorySettings:
         offload_activations=c.parallel.offload_activations is True,
         shard=c.parallel.shard is not False,
         train_vision=c.model.train_vision,
+        labelled_fraction=job.labelled_fraction,
     )
     return replace(base, **kw)

@@ -47,14 +47,12 @@ from rlctl.runtime.fit import fit
 def sequence_logps(output, mb) -> torch.Tensor:
     """Each sequence's summed log-prob of its labelled tokens ``[S]`` (0 for a dummy micro-batch, kept in the
     graph so that every rank runs a backward). Where ``mb.keep_cols`` is set the engine computed the logits at
-    those columns only (the labelled ones, :func:`rlctl.data.pref_batches.labelled_columns`): their labels
-    and sequences are read at the same columns."""
+    those columns only (the labelled ones): their labels and sequences are read at the same columns
+    (:meth:`~rlctl.data.packing.MicroBatch.at_labelled`)."""
     labels, seq_of = mb.labels, getattr(mb, "seq_of_token", None)
-    if isinstance(mb, UnitMicroBatch) and mb.keep_cols is not None:
-        cols = mb.keep_cols
-        labels, seq_of = labels[:, cols], seq_of.view(mb.labels.shape)[:, cols].reshape(-1)
-        if isinstance(output, torch.Tensor) and output.shape[1] != cols.numel():  # an engine that kept every column
-            output = output[:, cols]
+    if isinstance(mb, UnitMicroBatch):
+        output, labels, seq_of = mb.at_labelled(output, labels, seq_of.view(labels.shape))
+        seq_of = seq_of.reshape(-1)
     tokens = position_tokens(
         output, labels, lambda rows, lab: -F.cross_entropy(rows.float(), lab, reduction="none", ignore_index=IGNORE)
     )

@@ -20,12 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rlctl.algos import logprobs_from_logits
 from rlctl.config import total_steps
 from rlctl.data.packing import MicroBatch, StepSampler, rank_micro_batches
 from rlctl.data.sft import IGNORE, SFTData, build_sft_data, use_chat_template
 from rlctl.engines import EngineSpec, build_engine
 from rlctl.engines.base import (
     TrainEngine,
+    VocabParallelLogits,
     full_logits,
     load_tokenizer,
     load_vision_processor,
@@ -49,10 +51,18 @@ def token_loss_sum(logits, labels: torch.Tensor) -> torch.Tensor:
         return logits.sum() * 0.0  # still runs backward through the model (FSDP needs it on every rank)
     if isinstance(logits, torch.Tensor):
         return F.cross_entropy(logits[keep].float(), labels[keep], reduction="sum")
+    if isinstance(logits, VocabParallelLogits):  # Megatron's TP: the vocabulary is never gathered
+        return -logprobs_from_logits(logits.rows(logits.local[keep]), labels[keep]).sum()
     per_position = position_tokens(
         logits, labels, lambda rows, lab: F.cross_entropy(rows.float(), lab, reduction="none", ignore_index=IGNORE)
     )
     return per_position.sum()
+
+
+def sft_loss_sum(output, mb: MicroBatch) -> torch.Tensor:
+    """A micro-batch's summed cross-entropy at its labelled positions: where the engine ran the LM head at
+    ``mb.keep_cols`` only (:func:`rlctl.data.packing.labelled_columns`), its labels are read there."""
+    return token_loss_sum(*mb.at_labelled(output, mb.labels))
 
 
 class SFTTrainer:
@@ -101,6 +111,7 @@ class SFTTrainer:
             budget=self.budget,
             micro_batch_size=self.micro_batch_size,
             pad_id=self.pad_id,
+            keep_labelled=True,  # the LM head at the labelled positions only: prompts and padding skip it
         )
         return [mb.to(e.device) for mb in micro]
 
@@ -115,7 +126,7 @@ class SFTTrainer:
         loss_tokens = sum(ex.num_loss_tokens for ex in batch)  # global: every rank sees the batch
 
         def loss_fn(logits, mb):
-            loss_sum = token_loss_sum(logits, mb.labels)
+            loss_sum = sft_loss_sum(logits, mb)
             return loss_sum / loss_tokens, loss_sum
 
         lr = self.engine.lr
@@ -145,7 +156,7 @@ class SFTTrainer:
         for k in range(0, len(self.data.val), bs):
             micro = self._micro_batches(self.data.val[k : k + bs])
             sums = self.engine.forward_backward(
-                micro, lambda logits, mb: (None, token_loss_sum(logits, mb.labels)), forward_only=True
+                micro, lambda logits, mb: (None, sft_loss_sum(logits, mb)), forward_only=True
             )
             local_sum += sum(float(x) for x in sums)
         self.engine.train(True)

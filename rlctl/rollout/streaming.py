@@ -118,14 +118,18 @@ class StreamingPool:
     # ------------------------------------------------------------------ the loop
 
     def admit(self) -> None:
+        """Start groups while admission lets them and the engine has slots. ``admission`` is a local
+        :class:`Admission` or the shared one of several rollout processes, whose :meth:`~Admission.claim`
+        fails when another process took the index first (then the next index is tried)."""
         s = self.settings
         while self.admission.can_start() and self._generating_slots() + s.n <= max(s.slots, s.n):
-            k = len(self.admission.groups)
-            got = self.prompts(k)
+            index = self.admission.next_index()
+            got = self.prompts(index)
             if got is None:  # the run's prompts are over
                 return
+            if not self.admission.claim(index):
+                continue
             prompt, ids, episodes = got
-            index = self.admission.start()
             trajs = [StreamTrajectory(index, list(getattr(ep, "prompt_ids", None) or ids), ep) for ep in episodes]
             self.running[index] = StreamGroup(index, prompt, self.version, trajs)
 

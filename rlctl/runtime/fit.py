@@ -13,7 +13,8 @@
 4. at the end of a completed run: an evaluation (with validation data, unless the last step was just
    evaluated), the final checkpoint (unless just saved), the Hugging Face export
    (``checkpoint.export_hf``).
-5. summary.json: status (completed | interrupted), step, total_steps, checkpoint, hf, and the
+5. summary.json: status (completed | interrupted), step, total_steps, checkpoint, hf, on CUDA the busiest
+   rank's memory before and after the final save (``cuda_memory``, :mod:`rlctl.runtime.cuda_memory`), and the
    trainer's own fields (data report...). An interrupted run saves a checkpoint at the step it
    reached (none when it stopped before the first step) and exports nothing.
 """
@@ -29,6 +30,7 @@ from rlctl.errors import UserError
 from rlctl.formats.hf_writer import config_dtype
 from rlctl.metrics import MetricsLogger
 from rlctl.runtime.checkpoint import fault_point, load_checkpoint, remove_leftovers, save_checkpoint
+from rlctl.runtime.cuda_memory import cuda_memory_now, cuda_memory_peaks, dump_snapshot, start_snapshot
 from rlctl.runtime.dist import all_gather_objects, all_reduce_sum, barrier
 from rlctl.runtime.layout import choose_resume, step_name, write_json_atomic
 from rlctl.runtime.profile import StepProfiler
@@ -164,6 +166,7 @@ def fit(ctx: RunContext, trainer: Trainer) -> str:
     if start == 0 and cfg.train.eval_before and trainer.has_eval and not interrupted:
         metrics.log(trainer.evaluate(0))  # the baseline: the model before any update
     profiler = StepProfiler(paths.root, d.rank, ctx.log)  # RLCTL_PROFILE=START:END (rlctl.runtime.profile)
+    snapshot = start_snapshot(main.device, d.rank)  # RLCTL_CUDA_MEMORY_SNAPSHOT=FILE (rlctl.runtime.cuda_memory)
     while step < total and not interrupted:
         profiler.begin(step + 1)
         record = trainer.train_step(step)
@@ -183,35 +186,41 @@ def fit(ctx: RunContext, trainer: Trainer) -> str:
             saved = checkpoint(ctx, trainer, step)
 
     profiler.close()
-    hf_dir = None
+    hf_dir, memory = None, {}
     if not interrupted:
-        saved, hf_dir = _finish(ctx, trainer, main, metrics, step, saved)
+        saved, hf_dir, memory = _finish(ctx, trainer, main, metrics, step, saved)
+    if snapshot:
+        dump_snapshot(ctx.log)
     metrics.close()
     trainer.close()
     status = "interrupted" if interrupted else "completed"
     if d.is_main:
-        write_json_atomic(paths.summary, _summary(trainer, status, step, total, saved, hf_dir))
+        write_json_atomic(paths.summary, _summary(trainer, status, step, total, saved, hf_dir, memory))
     barrier()
     return status
 
 
 def _finish(ctx: RunContext, trainer: Trainer, main: TrainEngine, metrics: MetricsLogger, step: int, saved):
     """The end of a completed run: the last evaluation (unless it just ran), the last step's checkpoint
-    (unless it was just saved) and the HF export; returns the checkpoint and the HF directory (or None)."""
+    (unless it was just saved) and the HF export; returns the checkpoint, the HF directory (or None) and, on
+    CUDA, the memory before and after that save."""
     cfg, paths = ctx.cfg, ctx.paths
     every = cfg.train.eval_every
     if trainer.has_eval and (not every or step % every):
         metrics.log(trainer.evaluate(step))
+    memory = {}
     if saved is None or saved.name != step_name(step):
+        before = cuda_memory_now(main.device)
         saved = checkpoint(ctx, trainer, step)
+        memory = {"before_final_save": before, "after_final_save": cuda_memory_now(main.device)} if before else {}
     hf_dir = None
     if cfg.checkpoint.export_hf:
         dtype = config_dtype(json.loads((paths.model_meta / "config.json").read_text()))
         hf_dir = main.export_hf(paths.hf, paths.model_meta, dtype=dtype)
-    return saved, hf_dir
+    return saved, hf_dir, memory
 
 
-def _summary(trainer: Trainer, status: str, step: int, total: int, saved, hf_dir) -> dict:
+def _summary(trainer: Trainer, status: str, step: int, total: int, saved, hf_dir, memory: dict) -> dict:
     """summary.json: how the run ended, where its checkpoint and HF export are, and the trainer's own lines."""
     return {
         "status": status,
@@ -219,24 +228,6 @@ def _summary(trainer: Trainer, status: str, step: int, total: int, saved, hf_dir
         "total_steps": total,
         "checkpoint": str(saved) if saved else None,
         "hf": str(hf_dir) if hf_dir else None,
+        **({"cuda_memory": memory} if memory else {}),
         **trainer.summary(),
     }
-
-
-def cuda_memory_peaks(device) -> dict[str, int]:
-    """On CUDA, torch's allocator peaks so far on the busiest rank (``max_memory_allocated`` /
-    ``max_memory_reserved``, one collective): what ``rlctl estimate`` calls allocated and reserved, logged
-    beside each step's metrics for benchmarks/gpu_check.sh. Nothing on CPU."""
-    if device.type != "cuda":
-        return {}
-    import torch
-
-    peaks = torch.tensor(
-        [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
-        dtype=torch.int64,
-        device=device,
-    )
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
-    allocated, reserved = peaks.tolist()
-    return {"mem/allocated_peak_bytes": allocated, "mem/reserved_peak_bytes": reserved}

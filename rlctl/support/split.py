@@ -161,18 +161,21 @@ def rollout_tp_node(f: JobFacts) -> Problem | None:
 # Streaming RL (rollout.mode = "stream", docs/async.md)
 
 
-@rule(r"mode\s*(!=|==)\s*'stream'.*procs", r"stream_chunk\s*<\s*1")
+@rule(r"mode\s*(!=|==)\s*'stream'.*procs", r"stream_chunk\s*<\s*1", r"several rollout processes stream")
 def split_stream(f: JobFacts) -> Problem | None:
+    """Stream mode: rollout processes, any number of them on the hf engine, single- or multi-turn (one global
+    admission, rlctl.recipes.rl.streaming); vLLM / SGLang with one (several not run yet)."""
     if f.rollout_mode != "stream":
         return None
     flag = "--rollout-mode stream"
     if not f.rollout_procs:
         return Problem("split_stream", f"{flag} streams from rollout processes", "add --rollout-procs 1", ": ")
-    if f.rollout_procs != 1:
+    if f.rollout_procs > 1 and f.rollout_engine != "hf":
         return Problem(
             "split_stream",
-            f"{flag} runs one rollout process ({SPLIT_FLAG} {f.rollout_procs})",
-            "use --rollout-procs 1",
+            f"several rollout processes stream with the hf engine only (--rollout {f.rollout_engine}, {SPLIT_FLAG} "
+            f"{f.rollout_procs})",
+            "use --rollout-procs 1 or --rollout hf",
             ": ",
         )
     if f.stream_chunk < 1:

@@ -44,6 +44,7 @@ class JobFacts:
     max_staleness: int = 1
     rollout_mode: str = "fixed"  # fixed | stream (docs/async.md)
     stream_chunk: int = 32  # tokens between a stream's weight checks
+    rollout_engine: str = "hf"  # rollout.engine: hf | vllm | sglang
     agent: bool = False  # --tools / --env / --interaction
     distill: str = "sampled"  # algo.distill: sampled | full
     temperature: float = 1.0  # rollout.temperature
@@ -74,7 +75,7 @@ class JobFacts:
             "lora": cfg.lora.rank > 0,
             **dict(sp=cfg.parallel.sp or 1, attn=cfg.model.attn, rollout_procs=r.procs, rollout_tp=r.tp),
             **dict(max_staleness=r.max_staleness, temperature=float(r.temperature), samples=int(r.n)),
-            **dict(rollout_mode=r.mode, stream_chunk=r.stream_chunk),
+            **dict(rollout_mode=r.mode, stream_chunk=r.stream_chunk, rollout_engine=r.engine),
             "agent": bool(cfg.agent.tools or cfg.agent.env or cfg.agent.interaction),
             "distill": a.distill,
             "sampling_only": "algo.dynamic_sampling" if a.dynamic_sampling else f"--adv {a.adv}" if greedy else "",

@@ -107,3 +107,107 @@ def test_refusals():
         adm.start()
     with pytest.raises(RuntimeError):
         adm.train([g])  # not completed
+
+
+# ------------------------------------------------------------------ several producers (--rollout-procs N)
+
+
+def simulate_producers(batch, staleness, updates, seed, *, producers=2, naive=False, slots=8, first=0):
+    """``producers`` rollout processes, each with its own pool of at most ``slots`` running groups and its own
+    view of the weights version (each learns of an update after a random delay of its own). Shared: the
+    sequence of group indices, claimed in order by whichever producer starts a group next under the global
+    rule (:class:`ProducerView`) on the producer's own version, and one keeper :class:`Admission` that registers every
+    start (with the producer's version) and completion and names each batch. ``naive``: each producer runs the
+    single-process code alone (its own Admission and cap over its own groups) and the trainer trains whichever
+    producer's batch is ready first. ``first``: a resumed run's first version (group indices count from 0 again).
+    Records, independently of the Admission: each group's producer, the
+    version its producer held when it started, the update(s) that trained it."""
+    from rlctl.algos.admission import ProducerView
+
+    rng = random.Random(seed)
+    keeper = Admission(batch, staleness, version=first)
+    local = [Admission(batch, staleness, version=first) for _ in range(producers)]  # naive only
+    naive_ids: list[dict[int, int]] = [{} for _ in range(producers)]  # naive: local index -> global id
+    views = [ProducerView(batch, staleness, first) for _ in range(producers)]  # each producer's rule
+    view = [first] * producers  # the weights version each producer holds (recorded here, independently)
+    running = [0] * producers
+    now, events, version, busy_until = 0.0, [], first, 0.0
+    start_version, owner, trained_at = {}, {}, {}
+    while version < first + updates:
+        for p in rng.sample(range(producers), producers):  # who claims first: random
+            while running[p] < slots:
+                if naive:
+                    if not local[p].can_start():
+                        break
+                    g = len(start_version)
+                    naive_ids[p][local[p].start()] = g
+                else:
+                    views[p].version = view[p]
+                    if not views[p].admits(len(keeper.groups)):
+                        break
+                    g = keeper.register(view[p])
+                start_version[g], owner[g] = view[p], p
+                running[p] += 1
+                dur = rng.expovariate(1.0) * (20 if rng.random() < 0.1 else 1)
+                heapq.heappush(events, (now + dur, "done", (p, g)))
+        if now >= busy_until:
+            picked = None
+            if naive:
+                for p in range(producers):
+                    if (b := local[p].next_batch()) is not None:
+                        local[p].train(b)
+                        picked = [naive_ids[p][i] for i in b]
+                        break
+            elif (picked := keeper.next_batch()) is not None:
+                keeper.train(picked)
+            if picked is not None:
+                for g in picked:
+                    trained_at.setdefault(g, []).append(version)
+                version += 1
+                busy_until = now + rng.uniform(0.1, 2.0)
+                heapq.heappush(events, (busy_until, "trainer", version))
+                continue
+        now, kind, payload = heapq.heappop(events)
+        if kind == "done":
+            p, g = payload
+            running[p] -= 1
+            if naive:
+                local[p].complete(next(i for i, j in naive_ids[p].items() if j == g))
+            else:
+                keeper.complete(g)
+        elif kind == "trainer":  # the new weights reach each producer after a delay of its own
+            for p in range(producers):
+                heapq.heappush(events, (now + rng.uniform(0, 1.5), "weights", (p, payload)))
+        else:
+            p, v = payload
+            view[p] = max(view[p], v)
+    return start_version, owner, trained_at, keeper
+
+
+@pytest.mark.parametrize(
+    "producers,batch,staleness,first",
+    [(2, 1, 0, 0), (2, 4, 1, 0), (3, 3, 2, 0), (2, 2, 0, 0), (4, 8, 4, 0), (2, 2, 2, 3)],
+)
+def test_several_producers_keep_the_global_bound(producers, batch, staleness, first):
+    """... and a resumed run (``first`` 3: its group indices count from 0 at version 3)."""
+    for seed in range(30):
+        start, owner, trained, keeper = simulate_producers(batch, staleness, 25, seed, producers=producers, first=first)
+        assert all(len(v) == 1 for v in trained.values()), "a group trained twice"
+        worst = max(trained[g][0] - start[g] for g in trained)
+        assert worst <= staleness, (seed, worst)
+        untrained = set(start) - set(trained)
+        assert untrained == set(keeper._untrained), (seed, untrained)  # nothing dropped
+        assert len(trained) == 25 * batch
+        # the global cap: never more than batch x (S + 1) started but untrained, over all producers together
+        assert len(untrained) <= batch * (staleness + 1)
+        assert len({owner[g] for g in trained}) > 1  # the producers share the work
+
+
+def test_naive_per_process_admission_exceeds_the_bound():
+    """Each producer with its own admission (the single-process rule, N times): together they start up to
+    N x batch x (S + 1) groups, and the trainer, one batch per update, trains some later than S allows."""
+    worst = 0
+    for seed in range(30):
+        start, _, trained, _ = simulate_producers(4, 1, 25, seed, producers=2, naive=True)
+        worst = max(worst, max(trained[g][0] - start[g] for g in trained))
+    assert worst > 1

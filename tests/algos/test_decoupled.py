@@ -121,3 +121,42 @@ def test_decoupled_needs_behaviour_and_turns_the_default_correction_off():
     refuse(JobFacts(behaviour_loss="", correction="tis"), "behaviour_weighed_twice")
     with pytest.raises(UserError, match="would weigh each token twice; drop algo.rollout_correction"):
         refuse(JobFacts(behaviour_loss="decoupled", correction="mis"), "behaviour_weighed_twice")
+
+
+def test_the_cap_is_a_config_key():
+    """algo.decoupled_cap=2.5 reaches the loss through the config (policy_settings -> PolicyLossSettings.call):
+    the scalar equals AReaL's formula by hand with cap 2.5, differs from the default cap's (the draw has weights
+    between 2.5 and 5), and the printed policy settings name it. The default is AReaL's 5 (one value: the loss's
+    keyword default); a cap <= 1 is a one-line error before launch."""
+    import re
+
+    import pytest
+
+    from rlctl.algos import PolicyLossContext
+    from rlctl.algos.decoupled import DEFAULT_CAP
+    from rlctl.config import build_config
+    from rlctl.config.algorithm import check_algorithm
+    from rlctl.config.schema import AlgoConfig
+    from rlctl.errors import UserError
+    from rlctl.recipes.rl.spec import AlgoSpec
+
+    assert AlgoConfig().decoupled_cap == DEFAULT_CAP == 5.0
+    cfg = build_config("grpo", [{"algo": {"policy_loss": "decoupled", "decoupled_cap": 2.5}}])
+    check_algorithm(cfg)
+    pl = AlgoSpec.from_config(cfg).policy
+    assert pl.as_metrics()["cap"] == 2.5
+    g = torch.Generator().manual_seed(4)
+    lp, prox = (torch.randn(4, 6, generator=g, dtype=torch.float64) * 0.5 for _ in range(2))
+    behav = prox - torch.rand(4, 6, generator=g, dtype=torch.float64) * 2  # weights exp(0..2): 1 to 7.4
+    adv, mask = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.ones(4, 6)
+    ctx = PolicyLossContext(lp, prox, adv, mask, clip_low=pl.clip_low, clip_high=pl.clip_high, agg=pl.agg,
+                            dual_clip=pl.dual_clip, behav_logp=behav)  # fmt: skip
+    loss, _ = pl.call(ctx)
+    args = (lp.tolist(), prox.tolist(), behav.tolist(), adv.tolist(), mask.tolist())
+    want = areal_loss(*args, eps_high=0.2, c_clip=float("inf"), cap=2.5)
+    assert math.isclose(loss.item(), want, rel_tol=1e-12)
+    assert not math.isclose(want, areal_loss(*args, eps_high=0.2, c_clip=float("inf"), cap=5.0), rel_tol=1e-6)
+    default = AlgoSpec.from_config(build_config("grpo", [{"algo": {"policy_loss": "decoupled"}}])).policy
+    assert default.knobs == (("cap", 5.0),)
+    with pytest.raises(UserError, match=re.escape("algo.decoupled_cap=1.0 must be > 1")):
+        check_algorithm(build_config("grpo", [{"algo": {"policy_loss": "decoupled", "decoupled_cap": 1.0}}]))

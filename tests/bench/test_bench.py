@@ -335,8 +335,69 @@ def test_synthetic_sft_lengths(tiny_model_dir, tmp_path):
 
 
 def test_train_bad_method_is_one_line():
-    res = run_cli("bench", "train", "--model", "tiny", "--method", "dpo")
-    assert res.returncode == 2 and "unknown --method 'dpo'" in res.stderr and "Traceback" not in res.stderr
+    res = run_cli("bench", "train", "--model", "tiny", "--method", "dop")
+    assert res.returncode == 2 and "unknown --method 'dop'" in res.stderr and "Traceback" not in res.stderr
+    res = run_cli("bench", "train", "--model", "tiny", "--method", "dpo", "--teacher", "tiny")
+    assert res.returncode == 2 and "--teacher is on-policy distillation" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["dpo", "rm"])
+def test_train_preference_pairs_json(tiny_model_dir, tmp_path, method):
+    """dpo / rm on synthetic pairs: a chosen and a rejected answer of about --seq-len / 2 tokens each (rm refuses a
+    row longer than --seq-len, so none is cut); the estimate is the plan's."""
+    doc = _bench_train(tiny_model_dir, method, "--batch-size", "2", "--seq-len", "64", "--output-dir", str(tmp_path))
+    r = _check_train(doc, method, 3)
+    assert set(r["time_s"]) == {"step"}
+    assert 2 * 2 * 16 <= r["tokens_per_step"] <= 2 * 2 * 64  # 2 pairs, 2 sequences of 64 tokens at most
+    plan = json.loads((Path(r["run_dir"]) / "plan.json").read_text())
+    assert r["memory"]["estimated_bytes"] == plan["estimate"]["peak_bytes"]
+    rows = [json.loads(line) for line in (tmp_path / "data.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and all(row["chosen"] != row["rejected"] for row in rows)
+
+
+@pytest.mark.slow
+def test_train_grpo_with_a_teacher_times_its_pass_and_plans_it(tiny_model_dir, tmp_path):
+    """--teacher: on-policy distillation, the teacher's scoring pass in the step split and in the estimate."""
+    doc = _bench_train(
+        tiny_model_dir, "grpo", "--batch-size", "2", "--n", "2", "--prompt-len", "8", "--max-tokens", "8",
+        "--rollout", "hf", "--teacher", str(tiny_model_dir), "--output-dir", str(tmp_path),
+    )  # fmt: skip
+    r = _check_train(doc, "grpo", 3)
+    t = r["time_s"]
+    assert t["teacher"] > 0
+    assert t["other"] == pytest.approx(t["step"] - sum(v for k, v in t.items() if k not in ("step", "other")))
+    plan = json.loads((Path(r["run_dir"]) / "plan.json").read_text())
+    training = plan["estimate"]["phases"]["training"]
+    assert training["components"]["teacher_model"] > 0
+    cfg = (Path(r["run_dir"]) / "config.yaml").read_text()
+    assert f"teacher: {tiny_model_dir}" in cfg
+
+
+def test_step_flops_of_pairs_and_of_a_teacher():
+    """By hand from the per-token figures: rm and dpo with a precomputed reference train every token once; dpo
+    with a live reference adds one forward; a teacher adds its forward to the log-prob pass (sampled) or to
+    each epoch's update (full)."""
+    from rlctl.bench.mfu import forward_flops_per_token, train_flops_per_token
+    from rlctl.bench.train import step_flops
+    from rlctl.config import build_config
+
+    record = {"tokens": 400}
+    fwd, train = 400 * forward_flops_per_token(TINY, 100), 400 * train_flops_per_token(TINY, 100)
+    teacher = replace(TINY, num_layers=2 * TINY.num_layers)
+    teacher_fwd = 400 * forward_flops_per_token(teacher, 100)
+    assert step_flops(TINY, build_config("rm", []), record, 4) == {"update": pytest.approx(train)}
+    assert step_flops(TINY, build_config("dpo", []), record, 4) == {"update": pytest.approx(train)}
+    live = build_config("dpo", [{"pref": {"precompute_ref": False}}])
+    assert step_flops(TINY, live, record, 4) == {"update": pytest.approx(train + fwd)}
+
+    def grpo(**algo):
+        cfg = build_config("grpo", [{"algo": {"kl_coef": 0.0, **algo}, "train": {"batch_size": 4}}])
+        return step_flops(TINY, cfg, record, 4, teacher)
+
+    assert grpo()["logprobs"] == pytest.approx(teacher_fwd)
+    assert grpo(distill="full")["logprobs"] == 0.0
+    assert grpo(distill="full", ppo_epochs=2)["update"] == pytest.approx(2 * train + 2 * teacher_fwd)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 * ``benchmarks/gpu_kit.py`` (``make gpu-kit``) builds the wheels the lent GPU machine's image lacks, under
   its size limit; installed the way benchmarks/gpu_check.sh installs them there (``pip install --no-index
   --no-deps --target``, for CPython 3.12), they are enough: in a fresh venv that holds only the image's
-  distributions (those of benchmarks/gpu_image_packages.txt installed here, linked in), ``python -m rlctl sft``
-  and ``grpo`` train a tiny model end to end, every torchrun rank included. A module any process imports that
-  is neither in the image nor in the kit fails the run.
+  distributions (those of benchmarks/gpu_image_packages.txt installed here, linked in), ``python -m rlctl sft``,
+  ``grpo``, ``dpo``, ``rm`` and on-policy distillation (``grpo --teacher``, ``algo.distill=full``) train a tiny
+  model end to end, every torchrun rank included, and ``rlctl eval`` scores it (the gpu_check.sh steps' commands
+  on CPU). A module any process imports that is neither in the image nor in the kit fails the run.
 * ``benchmarks/gpu_check.sh`` without ``--dry``, with a stand-in python that tells the script's CUDA probe
   yes (a fake at the one boundary CPU cannot cross: labelled) and no ``rlctl`` on PATH, under ``--budget 60``:
   the kit is installed, every step is run or skipped with its reason, and one JSON lands in ``$OUT``.
@@ -27,6 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_kit  # noqa: E402
 
+from tests.support.pref import format_pairs  # noqa: E402
 from tests.support.sft import write_jsonl  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -99,13 +101,14 @@ def _image_venv(root: Path) -> Path:
     return root / "bin" / "python"
 
 
-def test_the_image_plus_the_kit_runs_sft_and_grpo(kit, tmp_path, tiny_model_dir):
+def test_the_image_plus_the_kit_runs_every_method_and_eval(kit, tmp_path, tiny_model_dir):
     sft_data = write_jsonl(
         tmp_path / "sft.jsonl",
         [{"messages": [{"role": "user", "content": f"{i} + 1?"}, {"role": "assistant", "content": f"{i + 1}"}]}
          for i in range(8)],
     )  # fmt: skip
     rl_data = write_jsonl(tmp_path / "rl.jsonl", [{"prompt": f"{i} + 1?", "answer": str(i + 1)} for i in range(8)])
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", format_pairs(8))
     target = tmp_path / "site"
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target"]
     cp312 = ["--python-version", "3.12", "--only-binary=:all:"] + [
@@ -120,10 +123,14 @@ def test_the_image_plus_the_kit_runs_sft_and_grpo(kit, tmp_path, tiny_model_dir)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(PYTHONPATH=f"{target}:{REPO}", OMP_NUM_THREADS="1", PATH=f"{python.parent}:/usr/bin:/bin")
     common = ["--model", str(tiny_model_dir), "--device", "cpu", "--nproc", "1", "--max-steps", "1"]
+    grpo = ["grpo", "--data", str(rl_data), "--reward", "exact", "--batch-size", "2", "--n", "2"]
+    grpo += ["--max-prompt-len", "64", "--max-response-len", "8", "--rollout", "hf"]
     runs = {
         "sft": ["sft", "--data", str(sft_data), "--batch-size", "4", "--max-len", "64"],
-        "grpo": ["grpo", "--data", str(rl_data), "--reward", "exact", "--batch-size", "2", "--n", "2"]
-        + ["--max-prompt-len", "64", "--max-response-len", "8", "--rollout", "hf"],
+        "grpo": grpo,
+        "dpo": ["dpo", "--data", str(pairs), "--batch-size", "2", "--max-len", "64"],
+        "rm": ["rm", "--data", str(pairs), "--batch-size", "2", "--max-len", "64"],
+        "distill": [*grpo, "--teacher", str(tiny_model_dir), "--set", "algo.distill=full"],
     }
     for name, args in runs.items():
         out = tmp_path / name
@@ -134,6 +141,14 @@ def test_the_image_plus_the_kit_runs_sft_and_grpo(kit, tmp_path, tiny_model_dir)
         log = (out / "train.log").read_text() if (out / "train.log").exists() else ""
         assert proc.returncode == 0, f"{name}: {proc.stdout[-2000:]}{proc.stderr[-2000:]}{log[-3000:]}"
         assert (out / "hf" / "config.json").is_file()
+    proc = subprocess.run(
+        [python, "-m", "rlctl", "eval", str(tmp_path / "sft"), "--data", str(rl_data), "--reward", "exact"]
+        + ["--device", "cpu", "--max-new-tokens", "8", "--json"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["prompts"] == 8 and summary["response_tokens"] > 0
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash
@@ -174,7 +189,7 @@ def test_the_real_path_under_a_budget_writes_one_json_naming_every_step(kit, tmp
     names = [s["step"] for s in doc["steps"]]
     assert names[:6] == ["grpo-fsdp-hf", "sft-offload", "grpo-tools-hf", "vl-sft-grpo", "sft-pure-bf16-savers",
                          "sft-lora"]  # fmt: skip
-    assert len(names) == len(set(names)) == 16
+    assert len(names) == len(set(names)) == 22
     statuses = {s["step"]: s for s in doc["steps"]}
     ran = [s for s in doc["steps"] if s["status"] in ("failed", "timeout")]
     assert ran and all("output_tail" in s for s in ran)

@@ -202,6 +202,62 @@ def test_packed_and_padded_micro_batches_give_the_same_loss(tiny_model_dir, data
     assert packed_sum.item() == pytest.approx(padded_sum.item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("layout", ["packed", "padded", "lora"])
+def test_sft_lm_head_at_the_labelled_positions_only_gives_the_full_loss_and_gradients(
+    layout, tiny_model_dir, data_file, tmp_path
+):
+    """``keep_labelled`` (the recipe's micro-batches): the engine runs the LM head at the columns that carry a
+    label only (the prompts' columns, bar each one's last, and padding never reach it); the loss and every
+    gradient equal every position's logits' (fp32, 1e-5). The head at the columns one off (the labels read
+    where they belong) gives another loss: what an off-by-one in the kept columns would."""
+    from dataclasses import replace
+
+    from rlctl.data.packing import rank_micro_batches
+    from rlctl.data.sft import build_sft_data
+    from rlctl.engines.base import load_tokenizer, model_source
+    from rlctl.recipes.sft import sft_loss_sum
+
+    lora = {"lora__rank": 4, "lora__alpha": 8, "lora__targets": "q_proj,v_proj"} if layout == "lora" else {}
+    cfg = make_cfg(tiny_model_dir, data_file, tmp_path, **lora)
+    tok = load_tokenizer(model_source(cfg.model.name))
+    examples = build_sft_data(cfg, tok).train[:6]
+    engine = make_engine(cfg, total_steps=1)
+    head_rows = []
+    engine.model.get_output_embeddings().register_forward_hook(lambda m, a, out: head_rows.append(a[0].shape[1]))
+
+    def run(keep: bool, shift: int = 0):
+        (mb,) = rank_micro_batches(
+            examples, 0, 1, packing=layout != "padded", budget=4096, micro_batch_size=6, pad_id=tok.pad_token_id,
+            keep_labelled=keep,
+        )  # fmt: skip
+        cols = mb.keep_cols
+        if shift:  # the engine's head one column off; the labels read at the true labelled columns
+            mb.keep_cols = (cols + shift).clamp(0, mb.input_ids.shape[1] - 1)
+
+        def loss_fn(out, m):
+            loss_sum = sft_loss_sum(out, replace(m, keep_cols=cols))
+            return loss_sum / 100.0, loss_sum
+
+        (loss_sum,) = engine.forward_backward([mb], loss_fn)
+        grads = {n: p.grad.full_tensor().clone() for n, p in engine.model.named_parameters() if p.grad is not None}
+        engine.model.zero_grad(set_to_none=True)
+        return float(loss_sum), grads, mb
+
+    full_loss, full_grads, full_mb = run(False)
+    loss, grads, mb = run(True)
+    width = mb.input_ids.shape[1]
+    expected = torch.nonzero((mb.labels != -100).any(0)).flatten()  # the columns whose logits predict a label
+    assert torch.equal(mb.keep_cols, expected) and expected.numel() < width
+    assert head_rows[:2] == [width, expected.numel()]  # the head ran at the kept columns only
+    assert loss == pytest.approx(full_loss, rel=1e-6, abs=1e-5)
+    assert grads.keys() == full_grads.keys() and len(grads) > 0
+    for n, g in full_grads.items():
+        assert (g - grads[n]).abs().max().item() <= 1e-5 * max(g.abs().max().item(), 1.0), n
+    assert max(g.abs().max().item() for g in grads.values()) > 1e-4  # real gradients, not zeros
+    for shift in (-1, 1):
+        assert abs(run(True, shift)[0] - full_loss) > 1e-2
+
+
 def _fake_ctx(cfg, plan):
     from rlctl.runtime.dist import Dist
 
@@ -568,3 +624,40 @@ def test_engine_spec_reads_the_resolved_config_once(tiny_model_dir, data_file, t
     assert not issubclass(UnresolvedConfig, UserError)  # a bug of the caller, never the user's input
     with pytest.raises(UserError, match="fdsp"):  # a misspelt backend is the user's: the config rejects it
         make_cfg(tiny_model_dir, data_file, tmp_path, parallel__backend="fdsp")
+
+
+@pytest.mark.parametrize("share_prefix", [False, True])
+def test_rl_log_prob_passes_run_the_lm_head_at_the_response_positions_only(share_prefix, tiny_model_dir, tmp_path):
+    """GRPO / PPO's log-prob passes (old, reference): the head runs at the positions that predict a response
+    token only (packed: ``logit_index``; shared prompts: ``keep_cols``), and the log-probs equal a plain
+    forward's every-position logits, each sample alone (fp32)."""
+    import numpy as np
+
+    from rlctl.config import build_config, dotted_to_nested
+    from rlctl.recipes.rl.batch import RolloutBatch
+    from rlctl.recipes.rl.passes import compute_logprobs
+
+    cfg = build_config("grpo", [dotted_to_nested({"model.name": str(tiny_model_dir)})])
+    engine = make_engine(cfg, total_steps=1)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, size=k).tolist() for k in (11, 17, 8)]
+    responses = [rng.integers(3, 500, size=int(rng.integers(2, 9))).tolist() for _ in range(6)]
+    batch = RolloutBatch.build(
+        [prompts[i // 2] for i in range(6)], responses, [[0.0] * len(r) for r in responses], list(range(6)),
+        n=2, batch_size=3, mini_batch_size=0, width=8,
+    )  # fmt: skip
+    head_rows = []
+    engine.model.get_output_embeddings().register_forward_hook(lambda m, a, out: head_rows.append(a[0].shape[1]))
+    logp, _ = compute_logprobs(engine, batch, temperature=1.0, budget=4096, pad_id=0, share_prefix=share_prefix)
+    if share_prefix:  # a row per prompt, its prompt once: its last column, then its samples' responses bar their last
+        cols = [{len(p) - 1, *range(len(p), len(p) + len(responses[2 * g]) + len(responses[2 * g + 1]) - 2)}
+                for g, p in enumerate(prompts)]  # fmt: skip
+        assert head_rows == [len(set().union(*cols))] and len(cols[1]) < len(prompts[1])
+    else:  # packed samples: the positions that predict a response token
+        assert head_rows == [sum(len(r) for r in responses)]
+    for i, (p, r) in enumerate(zip(batch.prompts, responses)):
+        ids = torch.tensor([p + r])
+        with torch.no_grad():
+            full = torch.log_softmax(engine.forward(ids, torch.arange(ids.shape[1])[None]).float(), -1)[0]
+        want = full[len(p) - 1 : len(p) + len(r) - 1].gather(1, torch.tensor(r)[:, None])[:, 0]
+        assert (logp[i, : len(r)] - want).abs().max().item() < 1e-5

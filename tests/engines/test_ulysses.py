@@ -30,8 +30,9 @@ def _max_diff(a: dict, b: dict) -> float:
 @pytest.mark.slow
 def test_sp2_gives_the_losses_gradients_and_logprobs_of_sp1(tiny_model_dir, tmp_path):
     """SFT (packed, padded, LoRA + activation checkpointing, selective checkpointing + activation
-    offload) and GRPO (packed and shared-prefix: log-probs, entropy, reference log-probs, a critic's
-    values, one update): sp 2 == sp 1 to 1e-5; the sp 2 checkpoint loads into an sp 1 engine exactly."""
+    offload; the LM head at each shard's labelled positions, and sp 2's equals sp 1's at every position)
+    and GRPO (packed and shared-prefix: log-probs, entropy, reference log-probs, a critic's values, one
+    update): sp 2 == sp 1 to 1e-5; the sp 2 checkpoint loads into an sp 1 engine exactly."""
     out, env = tmp_path / "out.pt", {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     res = subprocess.run(
         torchrun(2, WORKER, tiny_model_dir, out, tmp_path / "ckpt"),
@@ -50,6 +51,8 @@ def test_sp2_gives_the_losses_gradients_and_logprobs_of_sp1(tiny_model_dir, tmp_
         assert one["logits"].shape == two["logits"].shape == (1, 37, 512)
         assert float((one["logits"] - two["logits"]).abs().max()) < TOL, variant  # after the step
         assert max(float(g.abs().max()) for g in one["grads"].values()) > 1e-3, variant  # gradients, not zeros
+    kept, full = r["sft"][2]["packed"], r["sft"][1]["packed_full"]  # sp 2, each shard's labelled positions only
+    assert kept["loss"] == pytest.approx(full["loss"], rel=TOL) and _max_diff(kept["grads"], full["grads"]) < TOL
     for prefix, one in r["grpo"][1].items():
         two = r["grpo"][2][prefix]
         assert one["logp"].keys() == two["logp"].keys() and len(one["logp"]) == 16  # every sample, by uid

@@ -290,8 +290,13 @@ def test_logits_by_hand():
     # GRPO on FSDP at the 1024 response positions of a 512 + 1024 sequence (logits_to_keep)
     assert train(est(gpus=8))["logits"] == 1024 * V * (2 + 2 + 4 + 4)
     assert train(est(gpus=8, method="sft", max_len=4096, micro_batch=2))["logits"] == 2 * 4096 * V * 12
-    # Megatron's output layer runs on every position; vocabulary parallel
-    assert train(est(gpus=8, backend="megatron", tp=4))["logits"] == 1536 * (V // 4) * 12
+    # Megatron's output layer runs on every position; vocabulary parallel: the engine's loss reads its 1/tp of the
+    # vocabulary, never gathered (rlctl.algos.vocab_parallel: 2 fp32 copies of the slice at a time, + the logits and
+    # their gradient: tests/algos/test_vocab_parallel.py, tests/recipes/test_distill.py)
+    megatron = est(gpus=8, backend="megatron", tp=4)
+    assert train(megatron)["logits"] == 1536 * (V // 4) * 12
+    assert any("1/4 of the vocabulary, never gathered" in line for line in megatron.assumptions)
+    assert not any("never gathered for the loss" in line for line in est(gpus=8).assumptions)  # FSDP: whole
 
 
 def test_fsdp_unsharded_buffers_by_hand():

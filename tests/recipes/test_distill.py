@@ -196,6 +196,8 @@ def test_full_distill_loss_and_gradient_equal_plain_reverse_kl_over_the_vocabula
     assert sum(g.abs().sum() for g in got.values()) > 0
 
 
+#: the worker's log-prob pass: loss ``sum (W_LOGP * log p(y) + W_ENTROPY * H) / tokens`` over the tokens of mask 1
+W_LOGP, W_ENTROPY, TEMPERATURE = 1.0, -0.3, 0.7
 PARALLEL_WORKER = Path(__file__).resolve().parents[1] / "support" / "scripts" / "distill_full_parallel.py"
 #: 700 tokens, so that both tp ranks' vocabulary columns (512 each after the padding to 1024) hold real tokens;
 #: 4 heads and 2 KV heads, which sp 2 and tp 2 split
@@ -236,7 +238,8 @@ def test_full_distill_under_ulysses_sp2_and_megatron_tp2_equals_plain_reverse_kl
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     r = torch.load(out, weights_only=False)
-    assert r["seen"] == (["ShardedLogits"] if mode == "sp" else ["Tensor"])  # sp: the sequence shards
+    # sp: the sequence shards; tp: the vocabulary columns (never gathered), in both passes
+    assert r["seen"] == (["ShardedLogits"] * 2 if mode == "sp" else ["VocabParallelLogits"] * 2)
     if mode == "tp":
         assert r["tp"] == 2 and r["shard"] == (0, 512)  # rank 0's columns of the padded 1024: 512 of the 700
         rnd = r["random"]
@@ -256,6 +259,34 @@ def test_full_distill_under_ulysses_sp2_and_megatron_tp2_equals_plain_reverse_kl
     for name, g in r["grads"].items():
         assert torch.allclose(g, want[name].grad, atol=1e-5), name
     assert sum(g.abs().sum() for g in r["grads"].values()) > 0
+    _check_logp_pass(r, student, prompts, responses, masks)
+
+
+def _check_logp_pass(r: dict, student: Path, prompts, responses, masks) -> None:
+    """The worker's second pass (the sampled tokens' log-probs and entropies at temperature 0.7 in a loss,
+    ``logp_entropy_pass``) against plain transformers with the whole vocabulary: values and full gradients (fp32,
+    1e-5). At tp 2 a rank whose max or sum over its columns were not all-reduced would differ."""
+    from transformers import AutoModelForCausalLM
+
+    from rlctl.algos import entropy_from_logits, logprobs_from_logits
+
+    plain = AutoModelForCausalLM.from_pretrained(str(student), dtype=torch.float32, attn_implementation="eager")
+    loss, tokens = torch.zeros(()), sum(sum(k) for k in masks)
+    got = r["logp_pass"]
+    assert got["rows"].tolist() == [0, 1]
+    for i, (p, resp, k) in enumerate(zip(prompts, responses, masks)):
+        logits = plain(input_ids=torch.tensor([p + resp])).logits[0, len(p) - 1 : len(p) + len(resp) - 1]
+        logp = logprobs_from_logits(logits, torch.tensor(resp), TEMPERATURE)
+        ent = entropy_from_logits(logits / TEMPERATURE)
+        m = torch.tensor(k, dtype=torch.float32)
+        assert torch.allclose(got["logp"][i, : len(resp)], logp.detach() * m, atol=1e-5)
+        assert torch.allclose(got["entropy"][i, : len(resp)], ent.detach() * m, atol=1e-5)
+        loss = loss + ((W_LOGP * logp + W_ENTROPY * ent) * m).sum() / tokens
+    loss.backward()
+    want = dict(plain.named_parameters())
+    for name, g in r["logp_grads"].items():
+        assert torch.allclose(g, want[name].grad, atol=1e-5), name
+    assert sum(g.abs().sum() for g in r["logp_grads"].values()) > 0
 
 
 @pytest.mark.slow

@@ -45,7 +45,10 @@ def test_stale_batches_get_the_rollout_correction_by_default():
         (("--nproc", "2", "--rollout-procs", "1", "--max-staleness", "-1"), "rollout.max_staleness=-1 must be >= 0"),
         # streaming (docs/async.md): rlctl.support's split_stream, and split_sampling for dynamic sampling
         (("--nproc", "2", "--rollout-mode", "stream"), "streams from rollout processes: add --rollout-procs 1"),
-        (("--nproc", "3", "--rollout-procs", "2", "--rollout-mode", "stream"), "runs one rollout process"),
+        (
+            ("--nproc", "3", "--rollout-procs", "2", "--rollout-mode", "stream", "--rollout", "vllm"),
+            "several rollout processes stream with the hf engine only (--rollout vllm",
+        ),
         (("--nproc", "2", "--rollout-procs", "1", "--rollout-mode", "streaming"), "rollout.mode"),
         (
             ("--nproc", "2", "--rollout-procs", "1", "--rollout-mode", "stream", "--set", "algo.dynamic_sampling=true"),

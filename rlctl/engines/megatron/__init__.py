@@ -34,8 +34,10 @@ schedule (``get_forward_backward_func``) over all micro-batches of a step, for a
 
 Packed rows (several documents in one row, positions restarting at 0) are unpacked into one padded
 row per document before the model (:func:`unpack_rows`), because megatron-core's RoPE numbers
-positions 0..L-1 per row; logits are packed back. Logits come back gathered over TP and cut to the HF
-vocabulary.
+positions 0..L-1 per row; logits are packed back. :meth:`~MegatronEngine.forward` returns the logits
+gathered over TP and cut to the HF vocabulary; ``forward_backward``'s ``loss_fn`` gets them gathered only at
+tp 1: at tp > 1 they stay split over the vocabulary (:class:`~rlctl.engines.base.VocabParallelLogits`, read by
+:mod:`rlctl.algos.vocab_parallel`).
 
 Checkpoints: :meth:`~MegatronEngine.save_checkpoint` / :meth:`~MegatronEngine.load_checkpoint` use
 megatron-core's ``dist_checkpointing`` (torch_dist): every tensor is stored as one global tensor, so a

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlctl.engines.base import LossFn, ModelSource, TrainEngine, VocabShard, detached
+from rlctl.engines.base import LossFn, ModelSource, TrainEngine, VocabParallelLogits, VocabShard, detached
 from rlctl.engines.megatron import config as mconfig
 from rlctl.engines.megatron.parallel import CUDA_MAX_CONNECTIONS, check_megatron_layout, layer_stages
 from rlctl.engines.megatron.patches import init_torch_adam_state, torch_adam_load_fix
@@ -202,12 +202,21 @@ class MegatronEngine(TrainEngine):
 
     # ------------------------------------------------------------------ training
 
-    def _run(self, model, unpacked: Unpacked) -> torch.Tensor:
+    def _run(self, model, unpacked: Unpacked, *, gather: bool = True) -> torch.Tensor:
         """This stage of the model on unpacked rows: hidden states, or on the last stage the logits over
-        the padded vocabulary [N, L, V'] (gathered over TP)."""
+        the padded vocabulary [N, L, V'] (gathered over TP), or with ``gather=False`` this TP rank's V'/tp."""
         n, width = unpacked.tokens.shape
         positions = torch.arange(width, device=self.device).expand(n, width)
-        return model(unpacked.tokens, positions, attention_mask=self._causal_mask(width), runtime_gather_output=True)
+        return model(unpacked.tokens, positions, attention_mask=self._causal_mask(width), runtime_gather_output=gather)
+
+    def _loss_input(self, up: Unpacked, output: torch.Tensor):
+        """What ``loss_fn`` gets of the last stage's output: the logits over the HF vocabulary at tp 1; at tp > 1
+        this rank's columns, never gathered (:class:`VocabParallelLogits`: the loss's log-probs, entropy and
+        reverse KL all-reduce their max and sums over TP instead, :mod:`rlctl.algos.vocab_parallel`)."""
+        if self.tp == 1:
+            return up.repack(output[..., : self.layout.vocab_size])
+        shard = self.vocab_shard(self.layout.vocab_size)
+        return VocabParallelLogits(up.repack(output), shard, self.layout.vocab_size)
 
     def _causal_mask(self, width: int) -> torch.Tensor | None:
         """megatron-core builds its causal mask on CUDA; on CPU (tests) it must be passed (True = hidden)."""
@@ -261,10 +270,7 @@ class MegatronEngine(TrainEngine):
         self._single_stage("forward_vocab_shard")
         shard = self.vocab_shard(self.layout.vocab_size)
         up = self._unpack(mb.input_ids, mb.position_ids, mb.attention_mask)
-        n, width = up.tokens.shape
-        positions = torch.arange(width, device=self.device).expand(n, width)
-        out = self.model(up.tokens, positions, attention_mask=self._causal_mask(width), runtime_gather_output=False)
-        return up.repack(out[..., : shard.width])
+        return up.repack(self._run(self.model, up, gather=False)[..., : shard.width])
 
     def backward(self, loss: torch.Tensor, *, sync: bool = True) -> None:
         """Accumulate gradients (pp=1); on ``sync`` reduce them over DP (and TP for sequence-parallel norms)."""
@@ -292,10 +298,10 @@ class MegatronEngine(TrainEngine):
 
         def step_fn(data_iterator, model):
             mb, up = next(data_iterator)
-            return self._run(model, up), partial(loss_func, mb, up)
+            return self._run(model, up, gather=self.tp == 1), partial(loss_func, mb, up)
 
         def loss_func(mb, up, output, non_loss_data=False):
-            loss, result = loss_fn(up.repack(output[..., : self.layout.vocab_size]), mb)
+            loss, result = loss_fn(self._loss_input(up, output), mb)
             if non_loss_data:  # forward_only
                 return detached(result)
             # (calculate_per_token_loss: the schedule neither divides by this count nor by the micro-batches)

@@ -81,6 +81,7 @@ class AlgoSpec:
 def policy_settings(cfg: RunConfig) -> PolicyLossSettings:
     """The policy loss ``algo.policy_loss`` names, with the keys the user set and its own defaults."""
     a = cfg.algo
+    knobs = {"cap": a.decoupled_cap} if a.policy_loss == "decoupled" else {}  # the config keys of a loss's knobs
     return resolve_policy_loss(
-        a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, agg=a.loss_agg
+        a.policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, agg=a.loss_agg, knobs=knobs
     )

@@ -22,9 +22,17 @@ from rlctl.algos import (
     value_loss,
 )
 from rlctl.algos.distill import full_reverse_kl, vocab_parallel_reverse_kl
+from rlctl.algos.vocab_parallel import VocabSlice
 from rlctl.config import RunConfig
 from rlctl.data.packing import MicroBatch
-from rlctl.engines.base import LossFn, TrainEngine, response_pairs, response_tokens
+from rlctl.engines.base import (
+    LossFn,
+    TrainEngine,
+    VocabParallelLogits,
+    full_logits,
+    response_pairs,
+    response_tokens,
+)
 from rlctl.recipes.rl.batch import RolloutBatch, can_share_prefix, micro_batches
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.runtime.dist import all_reduce_sum, global_sums
@@ -138,15 +146,20 @@ def full_distill_loss(
     splits its logits over the vocabulary (Megatron's TP) each rank reads its columns of both models'
     (:func:`~rlctl.algos.distill.vocab_parallel_reverse_kl`)."""
     engine, weight = teacher
-    shard = engine.vocab_shard(logits.shape[-1]) if isinstance(logits, torch.Tensor) else None
+    split = isinstance(logits, VocabParallelLogits)
+    vocab = logits.vocab_size if split else logits.shape[-1] if isinstance(logits, torch.Tensor) else None
+    shard = engine.vocab_shard(vocab) if vocab else None
     if shard is None:
         with torch.no_grad():
             t_out = engine.forward_micro(mb)
-        flat = response_pairs(logits, t_out, mb, lambda s, t: full_reverse_kl(s, t, algo.temperature))
-    else:  # this rank's vocabulary columns of the student's logits (gathered by the engine for the policy loss)
+        student = full_logits(logits) if split else logits
+        flat = response_pairs(student, t_out, mb, lambda s, t: full_reverse_kl(s, t, algo.temperature))
+    else:  # this rank's vocabulary columns of both models' logits (the student's never gathered on Megatron)
         with torch.no_grad():  # (the teacher's every position is dropped here, its response positions kept)
             t_logits = mb.at_response(engine.forward_vocab_shard(mb))[:, : shard.width]
-        student = mb.at_response(logits)[:, shard.start : shard.start + shard.width]
+        if split and (logits.shard.start, logits.shard.width) != (shard.start, shard.width):
+            raise RuntimeError(f"the teacher's vocabulary columns {shard} are not the student's {logits.shard}")
+        student = mb.at_response(logits.local if split else logits[..., shard.start : shard.start + shard.width])
         flat = vocab_parallel_reverse_kl(student, t_logits, algo.temperature, shard.group)
     kl = mb.to_matrix(flat)
     loss = aggregate(kl, mask, algo.policy.agg, **denoms)
@@ -165,6 +178,9 @@ def policy_loss_fn(
     def per_token(sel: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """log-probs; the entropy the skipped log-prob pass would report (from the same log-softmax, no
         gradient); the entropy bonus's (with gradient). None where not needed."""
+        if isinstance(sel, VocabSlice):  # Megatron's TP: both from one vocab-parallel pass, both differentiable
+            flat, entropy = sel.logprobs(labels, temperature)
+            return flat, entropy.detach() if batch.old_logp is None else None, entropy if a.entropy_coef else None
         entropy = None
         if batch.old_logp is None:
             flat, entropy = logprobs_from_logits(sel, labels, temperature, with_entropy=True)
@@ -188,7 +204,7 @@ def policy_loss_fn(
         weights, corr_stats = correction_weights(algo, old_logp, behav_logp, mask)
         advantages = mb.take(batch.advantages)
         settings = {"clip_low": pl.clip_low, "clip_high": pl.clip_high, "dual_clip": pl.dual_clip, "agg": pl.agg}
-        loss, m = pl.loss.fn(
+        loss, m = pl.call(
             PolicyLossContext(
                 logp, old_logp, advantages, mask, **settings, **denoms, is_weights=weights, behav_logp=behav_logp
             )

@@ -9,6 +9,9 @@ Usage: torchrun --nproc-per-node 2 distill_full_parallel.py {sp|tp} STUDENT_DIR 
 
 Both ranks run the actor update's loss (``policy_loss_fn`` with the teacher in it) on the test's tool batch, one
 ``forward_backward``; rank 0 saves the summed reverse KL, the token count and the full gradients under HF names.
+Then, on fresh gradients, a second ``forward_backward`` whose loss is the sampled tokens' log-probs and entropies
+read as the recipe reads them (:func:`logp_entropy_pass`; on Megatron vocab-parallel, the vocabulary never
+gathered): rank 0 saves them and that loss's full gradients too.
 ``tp`` also saves ``vocab_parallel_reverse_kl`` of random logits split over the two ranks (each rank's slice
 shifted by another constant, so the two slices' maxima differ) with its gradient, and ``full_reverse_kl`` of the
 whole tensor with its gradient, computed here on one rank.
@@ -31,7 +34,7 @@ from rlctl.recipes.rl.batch import micro_batches
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.recipes.rl.teacher import Teacher
 from rlctl.recipes.rl.update import policy_loss_fn
-from tests.recipes.test_distill import tool_batch
+from tests.recipes.test_distill import TEMPERATURE, W_ENTROPY, W_LOGP, tool_batch
 from tests.support.sft import cpu_spec
 
 
@@ -71,6 +74,30 @@ def random_split_kl(group) -> dict:
     return {"split": split.detach(), "full": full.detach(), "grad": mine.grad, "want_grad": whole.grad[:, cols]}
 
 
+def logp_entropy_pass(actor, micro, mask: torch.Tensor, tokens: float, seen: list) -> dict:
+    """A second forward_backward on fresh gradients: the sampled tokens' log-probs and entropies (at
+    ``TEMPERATURE``, through ``response_tokens`` as the recipe reads them: vocab-parallel on Megatron) in a loss,
+    and its full gradients."""
+    from rlctl.algos import entropy_from_logits, logprobs_from_logits
+    from rlctl.algos.vocab_parallel import VocabSlice
+    from rlctl.engines.base import response_tokens
+
+    def terms(sel, labels):
+        if isinstance(sel, VocabSlice):
+            return sel.logprobs(labels, TEMPERATURE)
+        return logprobs_from_logits(sel, labels, TEMPERATURE), entropy_from_logits(sel.float() / TEMPERATURE)
+
+    def loss_fn(output, mb):
+        seen.append(type(output).__name__)
+        logp, ent = (mb.to_matrix(x) for x in response_tokens(output, mb, terms))
+        m = mb.take(mask)
+        loss = ((W_LOGP * logp + W_ENTROPY * ent) * m).sum() / tokens
+        return loss, {"logp": logp.detach() * m, "entropy": ent.detach() * m, "rows": mb.rows}
+
+    (result,) = actor.forward_backward(micro, loss_fn)
+    return result
+
+
 def main(mode: str, student: str, teacher_dir: str, out: str) -> None:
     from transformers import AutoTokenizer
 
@@ -102,9 +129,20 @@ def main(mode: str, student: str, teacher_dir: str, out: str) -> None:
     if mode == "sp":
         grads = {n.replace("_orig_mod.", ""): p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
         extra = {"sp": actor.dims.sp}
+        for p in actor.model.parameters():
+            p.grad = None
+        extra["logp_pass"] = logp_entropy_pass(actor, micro, b.mask, tokens, seen)
+        extra["logp_grads"] = {
+            n.replace("_orig_mod.", ""): p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()
+        }
     else:
         grads = megatron_grads(actor)
-        extra = {"tp": actor.tp, "random": random_split_kl(actor.vocab_shard(actor.layout.vocab_size).group)}
+        actor.model.zero_grad_buffer()
+        extra = {
+            "logp_pass": logp_entropy_pass(actor, micro, b.mask, tokens, seen),
+            "logp_grads": megatron_grads(actor),
+        }
+        extra |= {"tp": actor.tp, "random": random_split_kl(actor.vocab_shard(actor.layout.vocab_size).group)}
         shard = teacher.engine.vocab_shard(actor.layout.vocab_size)
         extra["shard"] = (shard.start, shard.width)  # rank 0's columns
     if dist.get_rank() == 0:

@@ -34,7 +34,7 @@ from rlctl.recipes.rl.batch import RolloutBatch, rank_positions
 from rlctl.recipes.rl.passes import compute_logprobs, compute_values
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.recipes.rl.update import update_actor
-from rlctl.recipes.sft import token_loss_sum
+from rlctl.recipes.sft import sft_loss_sum
 from rlctl.runtime.dist import all_gather_objects, all_reduce_sum, init_distributed
 from tests.support.sft import cpu_spec
 
@@ -54,9 +54,11 @@ def documents(seed: int = 0) -> list[Example]:
     return docs
 
 
-#: the SFT variants: rows packed or right-padded, and the memory options on packed rows
+#: the SFT variants: rows packed or right-padded, and the memory options on packed rows; the recipe's LM head
+#: at the labelled positions only (each rank its shard's), but "packed_full": every position's logits
 VARIANTS = {
     "packed": (True, {}),
+    "packed_full": (True, {}),
     "padded": (False, {}),
     "lora_ac": (True, {"lora": LoraSpec(rank=4), "activation_checkpointing": True}),
     "savers": (True, {"selective_checkpointing": True, "offload_activations": True}),
@@ -65,15 +67,18 @@ VARIANTS = {
 
 def sft_step(model_dir: str, sp: int, variant: str) -> tuple[FSDPEngine, dict]:
     packing, options = VARIANTS[variant]
+    keep = variant != "packed_full"
     engine = FSDPEngine(cpu_spec(model=model_dir, sp=sp, **options), role="actor", total_steps=4)
     docs = documents()
     loss_tokens = sum(int((d.labels != -100).sum()) for d in docs)
     micro = rank_micro_batches(
-        docs, engine.dp_rank, engine.dp_size, packing=packing, budget=100, micro_batch_size=2, pad_id=0
-    )
+        docs, engine.dp_rank, engine.dp_size, packing=packing, budget=100, micro_batch_size=2, pad_id=0,
+        keep_labelled=keep,
+    )  # fmt: skip
+    assert all((mb.keep_cols is not None) == keep for mb in micro)
 
     def loss_fn(logits, mb):
-        loss_sum = token_loss_sum(logits, mb.labels)
+        loss_sum = sft_loss_sum(logits, mb)
         return loss_sum / loss_tokens, loss_sum
 
     sums = engine.forward_backward(micro, loss_fn)
