@@ -35,6 +35,7 @@ class Run:
     summary: dict | None
     method: str
     checkpoints: list[Path] = field(default_factory=list)
+    config: dict = field(default_factory=dict)  # config.yaml as written ({} when absent)
 
 
 def load_run(run_dir: str | Path) -> Run:
@@ -51,11 +52,12 @@ def load_run(run_dir: str | Path) -> Run:
         if "step" in r:
             (evals if r.get("kind") == "eval" else by_step)[int(r["step"])] = r
     summary = json.loads(paths.summary.read_text()) if paths.summary.is_file() else None
-    method = "sft"
+    method, config = "sft", {}
     if paths.config.is_file():
         import yaml
 
-        method = (yaml.safe_load(paths.config.read_text()) or {}).get("method", method)
+        config = yaml.safe_load(paths.config.read_text()) or {}
+        method = config.get("method", method)
     elif any("reward" in r for r in by_step.values()):
         method = "grpo"
     return Run(
@@ -66,6 +68,7 @@ def load_run(run_dir: str | Path) -> Run:
         summary=summary,
         method=method,
         checkpoints=list_checkpoints(paths.checkpoints) if paths.checkpoints.is_dir() else [],
+        config=config,
     )
 
 
@@ -102,8 +105,20 @@ def summarize(run: Run) -> dict:
         "evals": [{k: v for k, v in e.items() if k not in ("kind", "time")} for e in run.evals],
         "checkpoints": [str(c) for c in run.checkpoints],
         "hf": (run.summary or {}).get("hf"),
+        "async": _async(run),
     }
     return out
+
+
+def _async(run: Run) -> dict | None:
+    """Whether streaming would pay for this job, from its own record (rlctl.plan.run_async): the
+    ``rollout.mode`` decision as data; None for a run without a rollout (sft, dpo, ...)."""
+    from rlctl.plan.run_async import run_decision
+
+    if run.method != "grpo":
+        return None
+    d = run_decision(run.train, run.config)
+    return d.to_dict() if d else None
 
 
 # The panels of a report, in order: (panel, section, which metric keys it draws). The PNG draws one panel
@@ -289,4 +304,13 @@ def render_summary(console, s: dict) -> None:
         table.add_row("eval", "none (give --val-data or --val-fraction)")
     table.add_row("checkpoints", ", ".join(Path(c).name for c in s["checkpoints"]) or "none")
     table.add_row("Hugging Face export", s["hf"] or "none")
+    if s.get("async"):
+        table.add_row("async", Text(async_line(s["async"])))
     console.print(table)
+
+
+def async_line(d: dict) -> str:
+    """The ``rollout.mode`` decision in words: its verdict, the flags that ask for it, its reason."""
+    v = d["value"]
+    head = f"stream pays: {v['flags']}" if v["mode"] == "stream" else "stream does not pay: keep synchronous"
+    return f"{head}. {d['why']}"

@@ -12,6 +12,7 @@ do not fit are not appended and it counts as truncated).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -62,10 +63,12 @@ class AgentLoop:
     def __init__(self, spec: Any, tokenizer: Any, settings: LoopSettings, stop_ids: set[int], run_calls=None):
         self.spec, self.tokenizer, self.settings = spec, tokenizer, settings
         self.stop_ids, self.run_calls = set(stop_ids), run_calls or run_batch_calls
+        self.tool_wait_s = 0.0  # the last run's seconds waiting for the batch's tools (lockstep)
 
     def run(self, engine, prompts: list[AgentPrompt], n: int, sampling) -> list[Trajectory]:
         """``n`` trajectories per prompt, prompt-major (as ``engine.generate`` orders samples)."""
         self.spec.prepare(len(prompts) * n)
+        self.tool_wait_s = 0.0
         episodes = [self.spec.open(p.row) for p in prompts for _ in range(n)]
         engine.start_session()  # the hf engine keeps each sample's keys and values for its next turn
         try:
@@ -157,11 +160,13 @@ class AgentLoop:
         """Run every pending tool call of the batch (in parallel), append the tool or user messages as
         tokens; the trajectories that go on."""
         pending = [(episodes[i], c) for i in active if isinstance(p := trajs[i].pending, ToolTurn) for c in p.calls]
+        began = time.perf_counter()
         outcomes = iter(
             self.run_calls(pending, timeout_s=self.settings.tool_timeout_s, max_chars=self.settings.tool_max_chars)
             if pending
             else []
         )
+        self.tool_wait_s += time.perf_counter() - began
         return [i for i in active if self._append(trajs[i], outcomes)]
 
     def _append(self, t: Trajectory, outcomes) -> bool:

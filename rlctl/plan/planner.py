@@ -40,6 +40,7 @@ from rlctl.plan.decisions import (
 )
 from rlctl.plan.inputs import Job, LocalEnv, resolve_job
 from rlctl.plan.relax import relax
+from rlctl.plan.run_async import planned_decision
 from rlctl.plan.search import SearchResult, eval_fraction, margin_ok, options_for, search
 from rlctl.plan.types import Decision, Plan, Verdict
 from rlctl.support import SP_RULES, megatron_gap, problems, refuse
@@ -77,6 +78,9 @@ def plan_with_search(cfg: RunConfig, local: LocalEnv, *, host_memory_bytes: int 
     eval_frac = eval_fraction(job, est)
     if est.settings.rollout_procs:
         decisions.append(split_decision(job, est.settings))
+        if job.cfg.method == "grpo":
+            r = job.cfg.rollout
+            decisions.append(planned_decision(r.mode, r.max_staleness, multi_turn=agent_enabled(job.cfg)))
         decisions += eval_fraction_decision(job, est.settings, eval_frac)
     decisions += job.later
     if est.fits and not margin_ok(est):

@@ -51,7 +51,13 @@ def test_tool_grpo_hf_one_process(agent_model_dir, tmp_path):
     run = tmp_path / "run"
     res = run_cli("grpo", *_args(agent_model_dir, tmp_path, run, 1, "--rollout", "hf", "--max-steps", "2"))
     assert res.returncode == 0, failure(res, run)
-    _check(run, 2)
+    records = _check(run, 2)
+    # the lockstep batch's tool waits: part of its rollout (rlctl report's async line reads them)
+    assert all(0 <= r["time/tools"] <= r["time/rollout"] for r in records)
+    report = run_cli("report", str(run), "--json", "--no-plot", "--no-html")
+    assert report.returncode == 0, report.stderr
+    why = json.loads(report.stdout)["runs"][0]["async"]["why"]
+    assert "lockstep rollout less its tool waits (time/tools)" in why
     console = res.stdout + res.stderr  # the sampled conversations, one line per message
     assert "user:      What is" in console and 'assistant: -> add({"a": 3, "b": 4})' in console
     assert "tool:      7" in console

@@ -393,3 +393,26 @@ def test_the_streaming_pool_runs_the_loop_turn_by_turn_as_the_loop_does(engine, 
         assert t.rewards == w.rewards
         assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.mask) if not m)
         assert t.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+
+
+def test_tool_wait_is_the_batchs_seconds_in_its_tool_calls(engine, tokenizer):
+    """``tool_wait_s`` (logged as ``time/tools``, the cost model's tool share of a lockstep rollout): the
+    seconds the batch spent in its tool calls, here each batch of calls sleeping 0.05 s, timed outside."""
+    import time
+
+    from rlctl.rollout import SamplingParams
+
+    spent: list[float] = []
+
+    def slow_calls(pending, **kw):
+        began = time.perf_counter()
+        time.sleep(0.05)
+        out = serial_calls(pending, **kw)
+        spent.append(time.perf_counter() - began)
+        return out
+
+    loop = _loop(tokenizer, AddSpec())
+    loop.run_calls = slow_calls
+    loop.run(Recording(engine), [_prompt(tokenizer)], 6, SamplingParams(max_tokens=120, seed=3))
+    assert spent, "no tool was called: the test's model should call add"
+    assert sum(spent) <= loop.tool_wait_s < sum(spent) + 0.01 * len(spent)

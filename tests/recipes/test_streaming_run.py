@@ -4,6 +4,8 @@ exactly once (in-flight groups at the checkpoint regenerated). Its refusals: tes
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.support.cli import run_cli
@@ -38,6 +40,10 @@ def test_stream_run_trains_with_bounded_staleness(tiny_model_dir, tmp_path):
     assert all(0 <= r["async/staleness_max"] <= 1 for r in recs)
     assert recs[0]["async/staleness"] == 0.0  # the first batch: the initial weights, trained by update 0
     assert all(r["async/versions_per_trajectory"] >= 1 for r in recs)
+    assert all(0 < r["async/group_latency_mean"] <= r["async/group_latency_max"] for r in recs)
+    report = run_cli("report", str(out), "--json", "--no-plot", "--no-html")  # the async line reads them
+    assert report.returncode == 0, report.stderr
+    assert "per-update means" in json.loads(report.stdout)["runs"][0]["async"]["why"]
     assert recs[0]["pg/loss"] != recs[-1]["pg/loss"]
     assert all(0 < r["pg/behav_w_mean"] <= 5 and 0 <= r["pg/behav_w_masked"] < 1 for r in recs)
     assert not any(k.startswith("corr/") for k in recs[0])  # the rollout correction stayed off

@@ -226,6 +226,8 @@ class StreamFeed(TrainerFeed):
             )
         )
         metrics.update({f"async/rollout_groups/{r}": float(held) for r, held in enumerate(msg["held"])})
+        if lat := msg["latency"]:  # group start to completion (rlctl.plan.run_async reads them)
+            metrics["async/group_latency_mean"], metrics["async/group_latency_max"] = sum(lat) / len(lat), max(lat)
         metrics["time/rollout_wait"] = self.waited
         metrics["offpolicy/staleness"] = metrics["async/staleness"]
         return msg["samples"], []
@@ -264,6 +266,7 @@ def merge_shares(msgs: list[dict]) -> dict:
         "versions": [v for msg in msgs for v in msg["versions"]],
         "idle_rollout_s": sum(msg["idle_rollout_s"] for msg in msgs) / len(msgs),
         "held": [msg["held"] for msg in msgs],
+        "latency": [x for msg in msgs for x in msg["latency"]],
     }
 
 
@@ -399,6 +402,7 @@ class StreamRollout:
             "versions": [versions_per_trajectory(t) for g in mine.values() for t in g.trajectories],
             "idle_rollout_s": self.idle + self.pool.idle_s,
             "held": len(mine),
+            "latency": [g.completed_s - g.started_s for g in mine.values()],  # the cost model's Lat
         }
         self.idle = self.pool.idle_s = 0.0
         mini = self.worker.stream.mini_batch_size

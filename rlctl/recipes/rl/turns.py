@@ -121,9 +121,12 @@ class MultiTurn:
 
     def __init__(self, loop, cfg: RunConfig):
         self.loop, self.cfg = loop, cfg
+        self.tool_wait_s: float | None = None  # this process's lockstep tool waits since the last metrics
 
     def generate(self, rollout, shares: list[list[Prompt]], n: int, sampling) -> list:
-        return run_agent(self.loop, self.cfg, rollout.engine, shares[0], n, sampling)
+        out = run_agent(self.loop, self.cfg, rollout.engine, shares[0], n, sampling)
+        self.tool_wait_s = (self.tool_wait_s or 0.0) + self.loop.tool_wait_s
+        return out
 
     def trajectories(self, samples: list, prompts: list[Prompt]) -> list[Trajectory]:
         return samples  # the loop's already
@@ -132,7 +135,12 @@ class MultiTurn:
         return trajectories  # turns, tool calls and the environment's rewards
 
     def metrics(self, trajectories: list[Trajectory], device: torch.device) -> dict[str, float]:
-        return agent_metrics(trajectories, device)
+        """agent_metrics, and ``time/tools`` (the rollout's seconds waiting for tools, lockstep: part of
+        ``time/rollout``) where this process ran the loop (a split run's trainers did not)."""
+        out = agent_metrics(trajectories, device)
+        if self.tool_wait_s is not None:
+            out["time/tools"], self.tool_wait_s = self.tool_wait_s, None
+        return out
 
     def logged(self, t: Trajectory) -> dict:
         """The whole conversation, with roles and tool calls; the environment's rewards where the reward
