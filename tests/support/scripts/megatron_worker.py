@@ -38,6 +38,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from rlctl.engines import build_engine
+from rlctl.engines.base import VocabParallelLogits
 from rlctl.engines.spec import EngineSpec
 
 
@@ -73,7 +74,9 @@ def run(spec: dict, batch: dict) -> None:
     if spec["pp"] == 1:
         with torch.no_grad():
             logits["forward"] = engine.forward(mb.input_ids, mb.position_ids, mb.attention_mask)
-    (logits["schedule"],) = engine.forward_backward([mb], lambda lg, m: (None, lg), forward_only=True)
+    # at tp > 1 the loss gets this rank's vocabulary columns (VocabParallelLogits): gathered here to compare
+    whole = lambda lg, m: (None, lg.full() if isinstance(lg, VocabParallelLogits) else lg)  # noqa: E731
+    (logits["schedule"],) = engine.forward_backward([mb], whole, forward_only=True)
     full = {name: t.clone() for name, t in engine.iter_full_params()}
     engine.save_checkpoint(out / "ckpt")
     if rank == 0:
