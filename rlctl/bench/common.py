@@ -136,18 +136,19 @@ def stdout_value(stdout: str, key: str) -> float:
     raise RuntimeError(f"no {key} line in the measured process's output")
 
 
+def _nvidia_smi(query: str, columns: int) -> list[list[str]]:
+    """``nvidia-smi QUERY`` as rows of ``columns`` stripped fields (CSV, no header, no units; other lines left out)."""
+    out = subprocess.run(
+        ["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10, check=False
+    ).stdout
+    rows = [[x.strip() for x in line.split(",", columns - 1)] for line in out.splitlines()]
+    return [r for r in rows if len(r) == columns]
+
+
 def gpu_memory_used() -> dict[str, int]:
     """Memory in use on each visible GPU (``nvidia-smi``), bytes, keyed ``gpu0``, ``gpu1``, ..."""
-    out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
-        capture_output=True,
-        text=True,
-        timeout=10,
-        check=False,
-    ).stdout
     used = {}
-    for line in out.splitlines():
-        index, mib = (x.strip() for x in line.split(",", 1))
+    for index, mib in _nvidia_smi("--query-gpu=index,memory.used", 2):
         if index.isdigit() and mib.isdigit():
             used[f"gpu{index}"] = int(mib) * 2**20
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -162,19 +163,12 @@ def gpu_processes() -> list[dict]:
     process can see it (the same pid namespace), the start of its command line. How many there are tells the
     rank's own memory from other processes' CUDA contexts (compile workers, forked helpers)."""
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        ).stdout
+        rows = _nvidia_smi("--query-compute-apps=pid,process_name,used_memory", 3)
     except (OSError, subprocess.TimeoutExpired):
         return []
     apps = []
-    for line in out.splitlines():
-        parts = [x.strip() for x in line.split(",")]
-        if len(parts) != 3 or not parts[0].isdigit() or not parts[2].isdigit():
+    for parts in rows:
+        if not parts[0].isdigit() or not parts[2].isdigit():
             continue
         app = {"pid": int(parts[0]), "name": parts[1], "used_bytes": int(parts[2]) * 2**20}
         try:
