@@ -331,6 +331,14 @@ def _device_and_host(gpu: GpuSpec, s: MemorySettings, est: MemoryEstimate) -> li
         f"system; {_gib(HOST_PROCESS_BYTES)} per GPU process; pinned offloaded tensors rounded up to powers of two "
         "(torch's caching host allocator)"
     )
+    if s.backend == "megatron":
+        out.append(
+            "checkpoint save (Megatron, measured on CPU): every rank gathers the distributed optimizer's fp32 master "
+            "weights, exp_avg and exp_avg_sq of its whole tp/pp shard into host memory (12 bytes per parameter, kept "
+            "until the save returns; megatron-core's fully_reshardable format, not mem-efficient), with 12 + 12/dp "
+            "bytes more while it gathers; each data-parallel rank 0 then writes clones of them and a pinned copy of "
+            "its weights; the save phase is the training phase's host memory plus this"
+        )
     if s.backend == "fsdp":
         out.append(
             f"loading: FSDP's rank 0 reads the whole checkpoint into host memory ({CHECKPOINT_BYTES} bytes per "

@@ -44,7 +44,9 @@ TINY = {
 
 
 def _megatron(**kw) -> MemorySettings:
-    return MemorySettings(**{"method": "sft", "backend": "megatron", "gpus": 8, "tp": 2, "sequence_parallel": True, **kw})
+    return MemorySettings(
+        **{"method": "sft", "backend": "megatron", "gpus": 8, "tp": 2, "sequence_parallel": True, **kw}
+    )
 
 
 def test_qwen7b_tp2_on_8_h100_saves_with_every_rank_gathering_its_tp_shard():
@@ -57,7 +59,11 @@ def test_qwen7b_tp2_on_8_h100_saves_with_every_rank_gathering_its_tp_shard():
     # the write happens after: only dp rank 0 of each tp pair (ranks 0 and 1) writes: 12 u clones + about 2 u of
     # weights, 2 x 14 u, less than the gather's 8 x 15 u
     save = {k: v for k, v in est.host_phases["save"].components.items() if v}
-    assert save == {"processes": 8 * HOST_PROCESS_BYTES, "save_optimizer_copy": 8 * held, "save_gather_buffers": 8 * gather}
+    assert save == {
+        "processes": 8 * HOST_PROCESS_BYTES,
+        "save_optimizer_copy": 8 * held,
+        "save_gather_buffers": 8 * gather,
+    }
     assert save["save_optimizer_copy"] == 365_549_592_576 and save["save_gather_buffers"] == 456_936_990_720
     assert est.host_peak_phase == "save" and est.host_bytes == 96 * u + 120 * u + 32 * GIB
     # the host fit verdict counts it: a node with the training phase's memory but not the save's does not fit
