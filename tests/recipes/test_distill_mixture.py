@@ -322,3 +322,24 @@ def test_a_missing_teacher_data_file_is_refused_before_launch(tiny_model_dir, tm
         res = run_cli("grpo", *rl_args(tiny_model_dir, data, run, *args, *extra))
         assert res.returncode != 0 and error_line(res).startswith("error: --teacher-data: data not found"), res.stderr
         assert "Traceback" not in res.stderr and not (run / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_the_estimate_counts_the_tensors_the_divergence_saves_for_its_backward(beta):
+    """The estimator's bytes per teacher logit beside the compute dtype equal what ``generalized_jsd`` saves for
+    its backward, counted here with saved-tensor hooks on bf16 logits (the fp32 tensors of [N, V] values)."""
+    from rlctl.algos.distill import generalized_jsd
+    from rlctl.estimate.training import divergence_bytes
+
+    n, v = 16, 300
+    student, teacher = torch.randn(n, v, dtype=torch.bfloat16, requires_grad=True), torch.randn(n, v).bfloat16()
+    saved: dict = {}
+
+    def pack(x):
+        if x.numel() == n * v and x.dtype == torch.float32:
+            saved[x.data_ptr()] = x.element_size()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        generalized_jsd(student, teacher, 0.7, beta)
+    assert sum(saved.values()) == divergence_bytes(beta)
