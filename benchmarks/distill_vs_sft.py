@@ -131,7 +131,8 @@ def teacher_samples(teacher: Path, prompts: list[dict], seed: int) -> list[dict]
 # distill_baseline: --set algo.teacher_baseline=true; distill_full: --set algo.distill=full (the exact reverse KL
 # over the vocabulary at each sampled position, as the loss); _fwd: the forward KL instead (algo.distill_beta=0);
 # _mix: GKD's mixture, half the steps on SFT's teacher samples (--teacher-data, algo.teacher_data_fraction 0.5);
-# _warmup: the first WARMUP steps on them, then the student's own samples (fraction 0)
+# _warmup: the first WARMUP steps on them, then the student's own samples (fraction 0); _kd: every step on them with
+# the forward KL (supervised KD, nothing sampled: the mixture's ablation)
 FULL = ["--set", "algo.distill=full"]
 MIX, FWD = ["--teacher-data", "{samples}"], ["--set", "algo.distill_beta=0"]
 WARMUP = 4
@@ -141,6 +142,7 @@ EXTRA = {
     "distill_full_fwd": FULL + FWD,
     "distill_full_mix": FULL + MIX,
     "distill_full_mix_fwd": FULL + MIX + FWD,
+    "distill_full_kd": FULL + MIX + FWD + ["--set", "algo.teacher_data_fraction=1"],  # every step on them: no sampling
     "distill_full_warmup": FULL
     + MIX
     + ["--set", "algo.teacher_data_fraction=0", "--set", f"algo.teacher_data_warmup={WARMUP}"],
