@@ -8,6 +8,7 @@ from rlctl.catalog.gpus import vllm_batch_limits
 from rlctl.catalog.parallel import sp_kv_heads
 from rlctl.catalog.spec import GpuSpec, ModelSpec
 from rlctl.estimate.result import MemoryEstimate
+from rlctl.estimate.training import divergence_bytes
 from rlctl.estimate.settings import (
     ALLOCATOR_SLACK,
     CHECKPOINT_BYTES,
@@ -277,7 +278,8 @@ def _rl_models_and_engine(gpu: GpuSpec, s: MemorySettings) -> list[str]:
             split += f", its 1/{s.sp} of the sequence" if s.sp > 1 else ""
             out.append(
                 "algo.distill=full: the teacher's logits at one micro batch's response positions (compute dtype, "
-                f"12 bytes more per value for the fp32 log-softmaxes of the reverse KL{split}), counted with the logits"
+                f"{divergence_bytes(s.distill_beta)} bytes more per value for the fp32 tensors of the divergence{split}), "
+                "counted with the logits"
             )
     if s.has_critic:
         out.append(
