@@ -8,7 +8,6 @@ from rlctl.catalog.gpus import vllm_batch_limits
 from rlctl.catalog.parallel import sp_kv_heads
 from rlctl.catalog.spec import GpuSpec, ModelSpec
 from rlctl.estimate.result import MemoryEstimate
-from rlctl.estimate.training import divergence_bytes
 from rlctl.estimate.settings import (
     ALLOCATOR_SLACK,
     CHECKPOINT_BYTES,
@@ -23,6 +22,7 @@ from rlctl.estimate.settings import (
     LOGIT_EXTRA_BYTES,
     MemorySettings,
 )
+from rlctl.estimate.training import divergence_bytes, staged_teacher_tokens
 
 
 def _gib(x: float) -> str:
@@ -276,11 +276,12 @@ def _rl_models_and_engine(gpu: GpuSpec, s: MemorySettings) -> list[str]:
         if s.teacher_logits:
             split = f", this GPU's 1/{s.tp} of the vocabulary" if s.tp > 1 else ""
             split += f", its 1/{s.sp} of the sequence" if s.sp > 1 else ""
-            out.append(
-                "algo.distill=full: the teacher's logits at one micro batch's response positions (compute dtype, "
-                f"{divergence_bytes(s.distill_beta)} bytes more per value for the fp32 tensors of the divergence{split}), "
-                "counted with the logits"
-            )
+            held = "one micro batch's response positions"
+            if s.backend == "megatron" and s.pp > 1:  # the teacher's pipeline runs before the update pass
+                held = f"the {staged_teacher_tokens(s)} response positions of an update pass (every micro batch's)"
+            fp32 = f"{divergence_bytes(s.distill_beta)} bytes more per value for the fp32 tensors of the divergence"
+            what = f"the teacher's logits at {held} (compute dtype, {fp32}{split})"
+            out.append(f"algo.distill=full: {what}, counted with the logits")
     if s.has_critic:
         out.append(
             "critic: the policy's body with a value head, trained after the actor (its own activations are "

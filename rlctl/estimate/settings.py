@@ -67,6 +67,7 @@ class MemorySettings:
     micro_batch: int = 1  # sequences per GPU per forward
     rollout_n: int = 8  # samples per prompt
     rollout_batch: int = 32  # prompts per step (sizes the HF engine's batch and the KV target)
+    mini_batch_prompts: int = 0  # RL: prompts per optimizer step (algo.mini_batch_size; 0: rollout_batch)
     activation_checkpointing: bool = True
     offload_params: bool = False
     offload_optimizer: bool = False
@@ -97,7 +98,7 @@ class MemorySettings:
     reward_model: bool = False  # PPO/GRPO: a frozen reward model on the training GPUs
     reward_model_dtype: str = "fp32"  # reward.model_dtype: every rank holds a whole replica in it
     teacher_params: int = 0  # on-policy distillation: the frozen teacher's parameters, held like the reference
-    teacher_logits: bool = False  # algo.distill=full: the teacher's logits of one micro batch's response positions
+    teacher_logits: bool = False  # algo.distill=full: the teacher's logits (teacher_logits_bytes)
     distill_beta: float = 1.0  # algo.distill_beta: the divergence (1 reverse KL, 0 forward KL, between: JSD)
     # vision-language models (text models ignore these)
     images: int = 1  # images per sample (in the prompt)

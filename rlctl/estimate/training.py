@@ -330,15 +330,30 @@ def logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
 
 
 def teacher_logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
-    """``algo.distill=full``: the teacher's logits at one micro batch's response positions (compute dtype, no
-    gradient; the whole micro batch at once, not chunked by ``loss_chunk``), its fp32 log-softmax, and the
-    student's fp32 tensors saved for the divergence's backward (:func:`divergence_bytes`: 12 bytes per value for the
-    reverse KL) beside the compute dtype. Per GPU: under Ulysses sp the positions of its sequence shard (:func:`logit_tokens`),
-    under Megatron's TP its ``1 / tp`` of the vocabulary (the teacher's logits are never gathered; on Megatron
-    the teacher's output layer runs on every position, as the student's). 0 otherwise."""
+    """``algo.distill=full``: the teacher's logits (compute dtype, no gradient; not chunked by ``loss_chunk``),
+    its fp32 log-softmax, and the student's fp32 tensors saved for the divergence's backward (:func:`divergence_bytes`:
+    12 bytes per value for the reverse KL) beside the compute dtype. Per GPU: under Ulysses sp the positions of its
+    sequence shard (:func:`logit_tokens`), under Megatron's TP its ``1 / tp`` of the vocabulary (the teacher's
+    logits are never gathered). Without pipeline stages the teacher is forwarded per micro batch inside the loss:
+    one micro batch's logits (on Megatron at every position: its output layer runs on all). With pipeline stages
+    (Megatron ``pp`` above 1) the teacher's pipeline runs before each update pass and the last stage keeps the
+    teacher's logits at the response positions of every micro batch of the pass: :func:`staged_teacher_tokens`
+    positions, in the compute dtype; the divergence's fp32 tensors stay one micro batch's. 0 otherwise."""
     if not (s.teacher_logits and s.teacher_params and s.is_rl):
         return 0
-    return logit_tokens(s) * math.ceil(spec.vocab_size / s.tp) * (s.compute_bytes + divergence_bytes(s.distill_beta))
+    vocab = math.ceil(spec.vocab_size / s.tp)
+    if s.backend == "megatron" and s.pp > 1:
+        return staged_teacher_tokens(s) * vocab * s.compute_bytes + logit_tokens(s) * vocab * divergence_bytes(
+            s.distill_beta
+        )
+    return logit_tokens(s) * vocab * (s.compute_bytes + divergence_bytes(s.distill_beta))
+
+
+def staged_teacher_tokens(s: MemorySettings) -> int:
+    """Response positions of one update pass (a mini-batch: ``mini_batch_prompts``, else the whole step) on one
+    data-parallel rank, every response at ``response_len``: the teacher's logits a last pipeline stage keeps."""
+    prompts = min(s.mini_batch_prompts or s.rollout_batch, s.rollout_batch)
+    return math.ceil(prompts * s.rollout_n / s.dp) * s.response_len
 
 
 def critic_params(spec: ModelSpec) -> int:

@@ -399,6 +399,7 @@ def settings_for(job: Job, **kw) -> MemorySettings:
         max_len=c.train.max_len,
         rollout_n=c.rollout.n,
         rollout_batch=c.train.batch_size,
+        mini_batch_prompts=c.algo.mini_batch_size,
         cp=c.parallel.cp,
         rollout=job.engine,
         kl=reference_kept(c),

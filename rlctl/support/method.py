@@ -66,18 +66,17 @@ def behaviour_weighed_twice(f: JobFacts) -> Problem | None:
 # on-policy distillation (algo.distill, docs/distill.md)
 
 
-@rule(r"distill\s*==\s*'full'.{0,80}\b(pp|cp)\b")
+@rule(r"distill\s*==\s*'full'.{0,80}\bcp\b")
 def distill_full_engine(f: JobFacts) -> Problem | None:
-    """The full-vocabulary reverse KL forwards the teacher inside the student's loss, on the last pipeline
-    stage: a teacher split into Megatron pipeline stages (or context-parallel sequence shards) cannot run there.
-    Ulysses sp and Megatron TP run it (the sequence shard, or the vocabulary columns, of both models)."""
-    if f.distill == "full" and f.backend == "megatron" and (f.pp > 1 or f.cp > 1):
-        where = f"parallel.pp={f.pp}" if f.pp > 1 else f"parallel.cp={f.cp}"
+    """The full-vocabulary divergence reads the teacher's logits at the student's positions: Megatron's context
+    parallelism (which its engine does not run yet) would shard the two sequences apart. Ulysses sp, Megatron TP
+    and pipeline stages run it (rlctl.recipes.rl.teacher.StagedTeacher: the teacher's pipeline before the update)."""
+    if f.distill == "full" and f.backend == "megatron" and f.cp > 1:
         return Problem(
             "distill_full_engine",
-            f"algo.distill=full does not run on Megatron with {where} yet (the teacher is forwarded inside the "
-            "last pipeline stage's loss)",
-            "use parallel.pp=1 parallel.cp=1 (tp is fine), --backend fsdp, or algo.distill=sampled",
+            f"algo.distill=full does not run on Megatron with parallel.cp={f.cp} yet (context-parallel sequence "
+            "shards of the teacher)",
+            "use parallel.cp=1 (tp and pp are fine), --backend fsdp (--sp for long sequences), or algo.distill=sampled",
         )
     return None
 

@@ -846,11 +846,15 @@ def test_grpo_on_megatron_tp2_follows_fsdp(recipe_model, tmp_path):
 
 @needs_mcore
 @pytest.mark.slow
-def test_full_distill_grpo_on_megatron_tp2_follows_fsdp(recipe_model, tmp_path):
-    """`rlctl grpo --teacher T --set algo.distill=full` on the Megatron engine at tp2 (the teacher built like the
-    reference, forwarded per micro-batch without the gather over TP; the reverse KL vocab-parallel) against an FSDP
-    run on 2 processes: the same samples, and each step's exact reverse KL and grad norm. The 512-token vocabulary
-    pads to 1024, so tp rank 1's columns hold only padding (an empty slice)."""
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_full_distill_grpo_on_megatron_follows_fsdp(recipe_model, tmp_path, tp, pp):
+    """`rlctl grpo --teacher T --set algo.distill=full` on the Megatron engine against an FSDP run on 2 processes:
+    the same samples, and each step's exact reverse KL and grad norm. tp2: the teacher built like the reference,
+    forwarded per micro-batch without the gather over TP, the reverse KL vocab-parallel; the 512-token vocabulary
+    pads to 1024, so tp rank 1's columns hold only padding (an empty slice). pp2 (layers 2 + 1, one replica): the
+    teacher's forward-only pipeline runs before each update pass and the last stage keeps each micro-batch's
+    logits (rl.teacher.StagedTeacher); the step's 8 samples pack into several micro-batches of different
+    samples (a 120-token budget), so logits paired with another micro-batch would change the loss."""
     from rlctl.launch import launch_job
     from tests.recipes.test_distill import sharp_teacher
     from tests.support.rl import arith_rows
@@ -867,7 +871,7 @@ def test_full_distill_grpo_on_megatron_tp2_follows_fsdp(recipe_model, tmp_path):
         )
         == 0
     )
-    _megatron_run(_grpo_config(recipe_model, data, run, **extra), tp=2, pp=1)
+    _megatron_run(_grpo_config(recipe_model, data, run, **extra), tp=tp, pp=pp)
     want, got = _steps(ref), _steps(run)
     assert sorted(got) == [1, 2]
     for step in (1, 2):

@@ -121,8 +121,8 @@ COPIES = {
             raise UserError("--temperature 0 with grpo: ...")
     """,
     "distill_full_engine": """
-        if cfg.algo.distill == "full" and spec.backend == "megatron" and (spec.pp > 1 or spec.cp > 1):
-            raise UserError(f"algo.distill=full runs on Megatron without pipeline stages (pp={spec.pp})")
+        if cfg.algo.distill == "full" and spec.backend == "megatron" and spec.cp > 1:
+            raise UserError(f"algo.distill=full runs on Megatron without context parallelism (cp={spec.cp})")
     """,
     "teacher_data_split": """
         if cfg.algo.teacher_data and cfg.rollout.procs > 0:

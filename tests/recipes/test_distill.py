@@ -72,6 +72,22 @@ def tool_batch():
     return prompts, responses, masks, b
 
 
+def three_rows():
+    """Three rows of as many tokens and response tokens (4 + 5), each its own micro-batch at a 9-token budget, so
+    teacher logits paired with another row's would have the right shape and the wrong values; row 0's tokens 2-3
+    are a tool's (loss mask 0)."""
+    from rlctl.recipes.rl.batch import RolloutBatch
+
+    prompts, responses = [[5, 9, 33, 2], [7, 8, 100, 4], [11, 3, 60, 2]], [[40, 41, 42, 43, 44], [50, 51, 52, 6, 7]]
+    responses.append([61, 62, 63, 64, 65])
+    masks = [[1, 1, 0, 0, 1], [1] * 5, [1] * 5]
+    zeros = [[0.0] * 5 for _ in responses]
+    b = RolloutBatch.build(
+        prompts, responses, zeros, [0, 1, 2], n=1, batch_size=3, mini_batch_size=0, width=6, loss_masks=masks
+    )
+    return prompts, responses, masks, b
+
+
 def test_distill_advantage_is_teacher_minus_student_logp_of_plain_forwards(tiny_model_dir, tmp_path, process_group):
     """The trainer's path (the actor's log-probs, the teacher engine, the mix) against plain HF forwards of the
     two models; tokens with mask 0 (a tool turn in the middle of a row) get 0; weight 0.25 mixes in the task's;
@@ -222,22 +238,10 @@ def test_full_distill_under_ulysses_sp2_and_megatron_tp2_equals_plain_reverse_kl
     summed reverse KL and the student's full gradients equal the single-process full-vocabulary computation
     from plain transformers (fp32, 1e-5); at tp 2 also the vocab-parallel KL of random logits whose two slices
     have different maxima, and its gradient, against ``full_reverse_kl`` of the whole tensor."""
-    import subprocess
-
-    from transformers import AutoModelForCausalLM
-
-    from tests.support.cli import REPO, torchrun
-
     if mode == "tp" and importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core not installed (pip install --no-deps megatron-core)")
     student, teacher = split_models
-    out = tmp_path / "out.pt"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(
-        torchrun(2, PARALLEL_WORKER, mode, student, teacher, out), env=env, capture_output=True, text=True, timeout=600
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    r = torch.load(out, weights_only=False)
+    r = _parallel_worker(mode, student, teacher, tmp_path)
     # sp: the sequence shards; tp: the vocabulary columns (never gathered), in both passes
     assert r["seen"] == (["ShardedLogits"] * 2 if mode == "sp" else ["VocabParallelLogits"] * 2)
     if mode == "tp":
@@ -249,6 +253,45 @@ def test_full_distill_under_ulysses_sp2_and_megatron_tp2_equals_plain_reverse_kl
     else:
         assert r["sp"] == 2
     prompts, responses, masks, _ = tool_batch()
+    _check_update(r, student, teacher, prompts, responses, masks)
+    _check_logp_pass(r, student, prompts, responses, masks)
+
+
+@pytest.mark.slow
+def test_full_distill_on_megatron_pp2_reads_each_micro_batchs_teacher_logits(split_models, tmp_path):
+    """Megatron pp 2 (one layer per stage): the teacher's forward-only pipeline runs before the student's pass
+    (``StagedTeacher.fill``) and the last stage's loss reads each micro-batch's kept logits. Three micro-batches of
+    the same shape (``three_rows``: logits paired with another row's would fit and be wrong): the update's reverse
+    KL and the student's full gradients (gathered over the stages) equal the plain computation (fp32, 1e-5)."""
+    if importlib.util.find_spec("megatron") is None:
+        pytest.skip("megatron-core not installed (pip install --no-deps megatron-core)")
+    student, teacher = split_models
+    r = _parallel_worker("pp", student, teacher, tmp_path)
+    assert r["pp"] == 2 and r["micro"] == 3 and r["left"] == 0  # each kept tensor read once
+    assert r["seen"] == ["Tensor"] * 3  # the loss ran on the last stage, once per micro-batch
+    prompts, responses, masks, _ = three_rows()
+    _check_update(r, student, teacher, prompts, responses, masks)
+
+
+def _parallel_worker(mode: str, student: Path, teacher: Path, tmp_path: Path) -> dict:
+    """What ``distill_full_parallel.py MODE`` saved on 2 processes under torchrun."""
+    import subprocess
+
+    from tests.support.cli import REPO, torchrun
+
+    out = tmp_path / "out.pt"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(
+        torchrun(2, PARALLEL_WORKER, mode, student, teacher, out), env=env, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return torch.load(out, weights_only=False)
+
+
+def _check_update(r: dict, student: Path, teacher: Path, prompts, responses, masks) -> None:
+    """The worker's update (its summed reverse KL and full gradients) against :func:`plain_full_kl_loss` (1e-5)."""
+    from transformers import AutoModelForCausalLM
+
     plain = AutoModelForCausalLM.from_pretrained(str(student), dtype=torch.float32, attn_implementation="eager")
     want_loss = plain_full_kl_loss(plain, teacher, prompts, responses, masks, 0.7)
     want_loss.backward()
@@ -259,7 +302,6 @@ def test_full_distill_under_ulysses_sp2_and_megatron_tp2_equals_plain_reverse_kl
     for name, g in r["grads"].items():
         assert torch.allclose(g, want[name].grad, atol=1e-5), name
     assert sum(g.abs().sum() for g in r["grads"].values()) > 0
-    _check_logp_pass(r, student, prompts, responses, masks)
 
 
 def _check_logp_pass(r: dict, student: Path, prompts, responses, masks) -> None:
@@ -471,10 +513,6 @@ def test_estimate_counts_the_teachers_logits_of_this_gpus_shard(layout, vocab_sp
         ({"algo.distill": "full"}, "algo.distill=full is set without a teacher"),
         ({"algo.distill": "full", "algo.teacher": "t", "algo.teacher_baseline": True}, "algo.teacher_baseline is for"),
         (
-            {"algo.distill": "full", "algo.teacher": "t", "parallel.backend": "megatron", "parallel.pp": 2},
-            "algo.distill=full does not run on Megatron with parallel.pp=2 yet",
-        ),
-        (
             {"algo.distill": "full", "algo.teacher": "t", "parallel.backend": "megatron", "parallel.cp": 2},
             "algo.distill=full does not run on Megatron with parallel.cp=2 yet",
         ),
@@ -492,10 +530,18 @@ def test_full_distill_settings_are_checked_in_one_line(settings, message):
 
 
 @pytest.mark.parametrize(
-    "settings", [{"parallel.backend": "megatron", "parallel.tp": 2}, {"parallel.sp": 2}, {"parallel.backend": "fsdp"}]
+    "settings",
+    [
+        {"parallel.backend": "megatron", "parallel.tp": 2},
+        {"parallel.backend": "megatron", "parallel.pp": 2},
+        {"parallel.backend": "megatron", "parallel.tp": 2, "parallel.pp": 2},
+        {"parallel.sp": 2},
+        {"parallel.backend": "fsdp"},
+    ],
 )
-def test_full_distill_runs_under_megatron_tp_and_ulysses_sp(settings):
-    """What the rule no longer refuses: Megatron's TP (vocabulary columns) and Ulysses sp (sequence shards)."""
+def test_full_distill_runs_under_megatron_tp_pp_and_ulysses_sp(settings):
+    """What the rule no longer refuses: Megatron's TP (vocabulary columns) and pipeline stages (the teacher's
+    logits computed before the update: StagedTeacher), Ulysses sp (sequence shards)."""
     from rlctl.config import build_config, dotted_to_nested
     from rlctl.config.algorithm import check_algorithm
 

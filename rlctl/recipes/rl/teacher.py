@@ -13,9 +13,10 @@ import torch
 from rlctl.algos.distill import centred, distill_gap, mix_advantages, teacher_data_index
 from rlctl.config import RunConfig
 from rlctl.config.algorithm import teacher_vocab_problem
+from rlctl.data.packing import MicroBatch
 from rlctl.data.responses import ResponseRow, read_responses
 from rlctl.engines import EngineSpec, build_engine
-from rlctl.engines.base import TrainEngine, load_tokenizer, model_source
+from rlctl.engines.base import TrainEngine, VocabParallelLogits, VocabShard, load_tokenizer, model_source
 from rlctl.errors import UserError
 from rlctl.recipes.rl.batch import RolloutBatch, rank_positions
 from rlctl.recipes.rl.metrics import Metrics, timed
@@ -39,6 +40,8 @@ class Teacher:
     ):
         self.engine, self.weight, self.baseline, self.full = engine, weight, baseline, full
         self.beta, self.data = beta, data  # algo.distill_beta; --teacher-data's rows and steps
+        # algo.distill=full with the teacher in pipeline stages: its logits computed before each update pass
+        self.staged = StagedTeacher(engine) if full and engine.spec.pp > 1 else None
 
     @classmethod
     def for_run(cls, cfg: RunConfig, spec: EngineSpec, student_tokenizer) -> Teacher | None:
@@ -66,8 +69,9 @@ class Teacher:
 
     @property
     def in_loss(self):
-        """``algo.distill=full``: (engine, weight, beta) for the actor's loss (``update.full_distill_loss``)."""
-        return (self.engine, self.weight, self.beta) if self.full else None
+        """``algo.distill=full``: (engine, weight, beta) for the actor's loss (``update.full_distill_loss``); the
+        engine is a :class:`StagedTeacher` where the teacher runs in pipeline stages."""
+        return (self.staged or self.engine, self.weight, self.beta) if self.full else None
 
     def apply(self, batch: RolloutBatch, temperature: float, budget: int, pad_id: int, group) -> Metrics:
         """The teacher's log-probs of the sampled tokens; ``batch.advantages`` (the task reward's) becomes the
@@ -88,6 +92,47 @@ class Teacher:
         signal = centred(gap, batch.mask, mean) if self.baseline else gap
         batch.advantages = mix_advantages(batch.advantages, signal, batch.mask, self.weight)
         return m
+
+
+class StagedTeacher:
+    """``algo.distill=full`` with a teacher split into Megatron pipeline stages (``parallel.pp`` above 1): the
+    student's loss runs on the last stage only, inside the student's pipeline schedule, where the teacher's own
+    pipeline cannot run. So :meth:`fill` runs the teacher's forward-only pipeline over the micro-batches of an update
+    pass first (the same objects the student's pass then gets) and keeps, on the last stage only, each one's logits
+    at its response positions (this TP rank's vocabulary columns at tp > 1), keyed by the micro-batch; the loss then
+    reads them through :meth:`forward_micro` / :meth:`forward_vocab_shard`, which return them as an engine that
+    computed only the response positions does (``[1, N, V]``, read by ``mb.at_response``). Memory: the teacher's
+    logits at the response positions of every micro-batch of the pass, until the loss of each has read its own."""
+
+    def __init__(self, engine: TrainEngine):
+        self.engine = engine
+        self.held: dict[int, torch.Tensor] = {}  # id(micro-batch) -> its teacher logits [N, V] (last stage)
+
+    def vocab_shard(self, vocab_size: int) -> VocabShard | None:
+        return self.engine.vocab_shard(vocab_size)
+
+    def fill(self, micro: list[MicroBatch]) -> None:
+        """The teacher's forward-only pipeline over ``micro`` (collective over the pipeline; no gradient)."""
+
+        def keep(output, mb: MicroBatch):
+            if not mb.dummy:  # (the last stage: the logits, or at tp > 1 this rank's columns, never gathered)
+                local = output.local if isinstance(output, VocabParallelLogits) else output
+                self.held[id(mb)] = mb.at_response(local).detach()
+            return None, {}
+
+        self.held.clear()
+        self.engine.forward_backward(micro, keep, forward_only=True)
+
+    def forward_micro(self, mb: MicroBatch) -> torch.Tensor | None:
+        """The logits :meth:`fill` kept for ``mb`` (once each: then dropped), ``[1, N, V]``; None for a dummy
+        (its pass ran in :meth:`fill`)."""
+        if mb.dummy:
+            return None
+        if id(mb) not in self.held:
+            raise RuntimeError("the teacher's logits of this micro-batch were not computed before the update pass")
+        return self.held.pop(id(mb))[None]
+
+    forward_vocab_shard = forward_micro
 
 
 class TeacherData:

@@ -36,11 +36,12 @@ from rlctl.engines.base import (
 from rlctl.errors import UserError
 from rlctl.recipes.rl.batch import RolloutBatch, can_share_prefix, micro_batches
 from rlctl.recipes.rl.spec import AlgoSpec
+from rlctl.recipes.rl.teacher import StagedTeacher
 from rlctl.runtime.dist import all_reduce_sum, global_sums
 
-#: ``algo.distill=full``: the teacher engine, its weight (``algo.teacher_weight``) and the divergence's
-#: ``algo.distill_beta`` (1: the reverse KL)
-FullTeacher = tuple[TrainEngine, float, float]
+#: ``algo.distill=full``: the teacher engine (a :class:`~rlctl.recipes.rl.teacher.StagedTeacher` in pipeline
+#: stages), its weight (``algo.teacher_weight``) and the divergence's ``algo.distill_beta`` (1: the reverse KL)
+FullTeacher = tuple[TrainEngine | StagedTeacher, float, float]
 
 
 class Sums:
@@ -90,9 +91,11 @@ def ppo_update(
     budget: int,
     pad_id: int,
     share_prefix: bool = False,
+    before: Callable[[list[MicroBatch]], None] | None = None,
 ) -> tuple[dict[str, float], list[float]]:
     """``algo.ppo_epochs`` passes over the mini-batches, one optimizer step each. ``make_loss_fn(denoms)``
-    gives the engine's loss for one mini-batch (``denoms``: global_tokens, global_seqs, norm_len).
+    gives the engine's loss for one mini-batch (``denoms``: global_tokens, global_seqs, norm_len); ``before``
+    runs on its micro-batches before the engine's pass (a staged teacher's logits: :class:`StagedTeacher`).
     Returns the metric sums ``keys`` (+ "tokens") over all replicas, and the grad norm of every step."""
     device, group = batch.mask.device, engine.dp_group
     sums = Sums(*keys, "tokens")
@@ -102,6 +105,8 @@ def ppo_update(
             tokens, seqs = _denominators(batch, rows, group)
             denoms = {"global_tokens": tokens, "global_seqs": seqs, "norm_len": algo.norm_len}
             micro = micro_batches(batch, rows, budget=budget, pad_id=pad_id, device=device, share_prefix=share_prefix)
+            if before is not None:
+                before(micro)
             sums.add_all(engine.forward_backward(micro, make_loss_fn(denoms)))
             grad_norms.append(engine.step())  # the global norm, the same on every rank
             sums.add("tokens", float(batch.mask[rows].sum()) if rows else 0.0)
@@ -281,6 +286,7 @@ def update_actor(
         budget=budget,
         pad_id=pad_id,
         share_prefix=share_prefix,
+        before=teacher[0].fill if teacher is not None and isinstance(teacher[0], StagedTeacher) else None,
     )
     steps = len(grad_norms)
     out = {

@@ -1,11 +1,14 @@
 """``algo.distill=full`` on 2 ranks that split one model: the worker of tests/recipes/test_distill.py.
 
-Usage: torchrun --nproc-per-node 2 distill_full_parallel.py {sp|tp} STUDENT_DIR TEACHER_DIR OUT_PT
+Usage: torchrun --nproc-per-node 2 distill_full_parallel.py {sp|tp|pp} STUDENT_DIR TEACHER_DIR OUT_PT
 
 * ``sp``: the FSDP engine with Ulysses sp 2 (one data-parallel replica): the student's and the teacher's logits
   are each rank's sequence shard;
 * ``tp``: the Megatron engine at tp 2 (megatron-core on CPU through megatron_cpu_patches): the teacher's logits
   are each rank's vocabulary columns, never gathered.
+* ``pp``: the Megatron engine at pp 2 (one layer per stage) on the test's ``three_rows``, three micro-batches of
+  the same shape: the teacher's pipeline runs first (``StagedTeacher.fill``, as ``ppo_update`` calls it) and the
+  last stage's loss reads each micro-batch's kept logits. Only the first pass; the last stage (rank 1) saves.
 
 Both ranks run the actor update's loss (``policy_loss_fn`` with the teacher in it) on the test's tool batch, one
 ``forward_backward``; rank 0 saves the summed reverse KL, the token count and the full gradients under HF names.
@@ -23,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-if sys.argv[1] == "tp":
+if sys.argv[1] in ("tp", "pp"):
     import megatron_cpu_patches  # noqa: F401  (before megatron.core)
 
 import torch
@@ -34,7 +37,7 @@ from rlctl.recipes.rl.batch import micro_batches
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.recipes.rl.teacher import Teacher
 from rlctl.recipes.rl.update import policy_loss_fn
-from tests.recipes.test_distill import TEMPERATURE, W_ENTROPY, W_LOGP, tool_batch
+from tests.recipes.test_distill import TEMPERATURE, W_ENTROPY, W_LOGP, three_rows, tool_batch
 from tests.support.sft import cpu_spec
 
 
@@ -108,15 +111,15 @@ def main(mode: str, student: str, teacher_dir: str, out: str) -> None:
     settings = {"model.name": student, "model.attn": "sdpa", "model.dtype": "fp32", "algo.teacher": teacher_dir}
     settings |= {"algo.distill": "full", "rollout.temperature": 0.7}
     cfg = build_config("grpo", [dotted_to_nested(settings)])
-    layout = {"sp": 2} if mode == "sp" else {"backend": "megatron", "tp": 2, "max_seq_len": 64}
+    layout = {"sp": 2} if mode == "sp" else {"backend": "megatron", mode: 2, "max_seq_len": 64}
     spec = cpu_spec(cfg, **layout)
     teacher = Teacher.for_run(cfg, spec, AutoTokenizer.from_pretrained(student))
     actor = build_engine(spec, role="actor", trainable=True, total_steps=1)
-    _, _, _, b = tool_batch()
+    _, _, _, b = three_rows() if mode == "pp" else tool_batch()
     algo = AlgoSpec.from_config(cfg)
     b.old_logp, b.rollout_logp, b.advantages = (torch.zeros_like(b.mask) for _ in range(3))
     tokens = float(b.mask.sum())
-    denoms = {"global_tokens": tokens, "global_seqs": 2.0, "norm_len": algo.norm_len}
+    denoms = {"global_tokens": tokens, "global_seqs": float(len(b)), "norm_len": algo.norm_len}
     loss_fn = policy_loss_fn(b, algo, denoms, 0.0, teacher.in_loss)
     seen = []
 
@@ -124,8 +127,15 @@ def main(mode: str, student: str, teacher_dir: str, out: str) -> None:
         seen.append(type(output).__name__)
         return loss_fn(output, mb)
 
-    micro = micro_batches(b, [0, 1], budget=64, pad_id=0, device=b.mask.device)
-    (result,) = actor.forward_backward(micro, watched)
+    micro = micro_batches(b, list(range(len(b))), budget=9 if mode == "pp" else 64, pad_id=0, device=b.mask.device)
+    if mode == "pp":
+        teacher.staged.fill(micro)
+        results = actor.forward_backward(micro, watched)
+        grads, extra = megatron_grads(actor), {"pp": actor.pp, "micro": len(micro)}
+        extra["left"] = len(teacher.staged.held)  # every kept tensor read once
+        result = {"distill/reverse_kl": sum(r["distill/reverse_kl"] for r in results)}
+    else:
+        (result,) = actor.forward_backward(micro, watched)
     if mode == "sp":
         grads = {n.replace("_orig_mod.", ""): p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()}
         extra = {"sp": actor.dims.sp}
@@ -135,7 +145,7 @@ def main(mode: str, student: str, teacher_dir: str, out: str) -> None:
         extra["logp_grads"] = {
             n.replace("_orig_mod.", ""): p.grad.full_tensor().clone() for n, p in actor.model.named_parameters()
         }
-    else:
+    elif mode == "tp":
         grads = megatron_grads(actor)
         actor.model.zero_grad_buffer()
         extra = {
@@ -145,7 +155,7 @@ def main(mode: str, student: str, teacher_dir: str, out: str) -> None:
         extra |= {"tp": actor.tp, "random": random_split_kl(actor.vocab_shard(actor.layout.vocab_size).group)}
         shard = teacher.engine.vocab_shard(actor.layout.vocab_size)
         extra["shard"] = (shard.start, shard.width)  # rank 0's columns
-    if dist.get_rank() == 0:
+    if dist.get_rank() == (1 if mode == "pp" else 0):  # pp: the last stage, where the loss ran
         torch.save(
             {"kl_sum": result["distill/reverse_kl"], "tokens": tokens, "grads": grads, "seen": seen, **extra}, out
         )
