@@ -507,6 +507,28 @@ def test_estimate_counts_the_teachers_logits_of_this_gpus_shard(layout, vocab_sp
     assert teacher_logits_bytes(model, split) < teacher_logits_bytes(model, whole)
 
 
+def test_estimate_counts_the_staged_teachers_logits_of_the_whole_update_pass_on_megatron_pp():
+    """Megatron pp 2: the last stage keeps the teacher's logits at the response positions of every micro batch of
+    an update pass (a mini-batch: 8 prompts x 8 samples over dp 4 = 16 sequences of 2048 response tokens; the
+    whole step's 32 prompts by default), in bf16, plus one micro batch's 12 fp32 bytes per value for the divergence.
+    Far above pp 1's one micro batch."""
+    from rlctl.catalog import resolve_model
+    from rlctl.estimate.settings import MemorySettings
+    from rlctl.estimate.training import logit_tokens, teacher_logits_bytes
+
+    kw = dict(method="grpo", gpus=8, dtype="bf16", response_len=2048, teacher_params=7_000_000_000)
+    kw |= dict(backend="megatron", pp=2, rollout_batch=32, rollout_n=8, teacher_logits=True)
+    model = resolve_model("Qwen2.5-0.5B")
+    mini = MemorySettings(**kw, mini_batch_prompts=8)
+    one_micro = logit_tokens(mini) * model.vocab_size * 12
+    assert mini.dp == 4 and teacher_logits_bytes(model, mini) == 16 * 2048 * model.vocab_size * 2 + one_micro
+    whole = MemorySettings(**kw)  # algo.mini_batch_size 0: the whole step
+    assert teacher_logits_bytes(model, whole) == 64 * 2048 * model.vocab_size * 2 + one_micro
+    pp1 = MemorySettings(**{**kw, "pp": 1}, mini_batch_prompts=8)
+    assert teacher_logits_bytes(model, pp1) == logit_tokens(pp1) * model.vocab_size * (2 + 12)
+    assert teacher_logits_bytes(model, mini) > teacher_logits_bytes(model, pp1)
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
