@@ -101,6 +101,15 @@ def logp_entropy_pass(actor, micro, mask: torch.Tensor, tokens: float, seen: lis
     return result
 
 
+def staged_update(staged, actor, micro, loss_fn) -> tuple[dict, dict, dict]:
+    """pp: the teacher's pipeline first (as ``ppo_update`` runs it), then the student's pass over the same
+    micro-batches: the summed reverse KL, the full gradients, and what the test checks besides."""
+    staged.fill(micro)
+    results = actor.forward_backward(micro, loss_fn)
+    extra = {"pp": actor.pp, "micro": len(micro), "left": len(staged.held)}  # left: 0 when each was read once
+    return {"distill/reverse_kl": sum(r["distill/reverse_kl"] for r in results)}, megatron_grads(actor), extra
+
+
 def main(mode: str, student: str, teacher_dir: str, out: str) -> None:
     from transformers import AutoTokenizer
 
@@ -129,11 +138,7 @@ def main(mode: str, student: str, teacher_dir: str, out: str) -> None:
 
     micro = micro_batches(b, list(range(len(b))), budget=9 if mode == "pp" else 64, pad_id=0, device=b.mask.device)
     if mode == "pp":
-        teacher.staged.fill(micro)
-        results = actor.forward_backward(micro, watched)
-        grads, extra = megatron_grads(actor), {"pp": actor.pp, "micro": len(micro)}
-        extra["left"] = len(teacher.staged.held)  # every kept tensor read once
-        result = {"distill/reverse_kl": sum(r["distill/reverse_kl"] for r in results)}
+        result, grads, extra = staged_update(teacher.staged, actor, micro, watched)
     else:
         (result,) = actor.forward_backward(micro, watched)
     if mode == "sp":
