@@ -25,6 +25,8 @@ from rlctl.estimate.settings import (
     ADAM_STATE_BYTES,
     CHUNK_LOGIT_BYTES,
     LOGIT_EXTRA_BYTES,
+    VOCAB_PARALLEL_CHUNK_VALUES,
+    VOCAB_PARALLEL_CHUNKS,
     MemorySettings,
 )
 
@@ -317,12 +319,23 @@ def logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
     logits' gradient in the compute dtype (12 bytes per value in bf16). Chunked (``loss_chunk`` tokens at a time, the
     chunk's backward before the next chunk): one chunk's logits, fp32 upcast, log-softmax and
     gradient. Vocabulary-parallel under Megatron's TP: ``V / tp`` per GPU, as the engine computes them (its loss
-    reads only its rank's columns, never gathered: rlctl.algos.vocab_parallel, two fp32 copies at a time)."""
+    reads only its rank's columns, never gathered, in row chunks: rlctl.algos.vocab_parallel): the logits and their
+    gradient in the compute dtype, and :func:`vocab_parallel_chunks_bytes`."""
     vocab = math.ceil(spec.vocab_size / s.tp)
     teacher = teacher_logits_bytes(spec, s)
     if s.loss_chunk:
         return min(s.loss_chunk, logit_tokens(s)) * vocab * (s.compute_bytes + CHUNK_LOGIT_BYTES) + teacher
+    if s.vocab_parallel:
+        values = logit_tokens(s) * vocab
+        return values * 2 * s.compute_bytes + vocab_parallel_chunks_bytes(values) + teacher
     return logit_tokens(s) * vocab * (2 * s.compute_bytes + LOGIT_EXTRA_BYTES) + teacher
+
+
+def vocab_parallel_chunks_bytes(values: int) -> int:
+    """The vocab-parallel loss's fp32 temporaries beside the logits: a few row chunks of at most
+    ``VOCAB_PARALLEL_CHUNK_VALUES`` values each (fewer values than that: all of them), whatever the micro batch
+    (measured on CPU, 8192 x 16384 bf16 logits: 1.5 chunks for the log-probs and entropy, 3.5 for the JSD)."""
+    return min(values, VOCAB_PARALLEL_CHUNK_VALUES) * 4 * VOCAB_PARALLEL_CHUNKS
 
 
 def teacher_logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
@@ -331,10 +344,13 @@ def teacher_logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
     student's fp32 softmax and log-ratio saved for the full-vocabulary reverse KL's backward: 12 bytes per value
     beside the compute dtype. Per GPU: under Ulysses sp the positions of its sequence shard (:func:`logit_tokens`),
     under Megatron's TP its ``1 / tp`` of the vocabulary (the teacher's logits are never gathered; on Megatron
-    the teacher's output layer runs on every position, as the student's). 0 otherwise."""
+    the teacher's output layer runs on every position, as the student's), the compute dtype only: the
+    vocab-parallel divergence keeps the teacher's logits for its backward and its fp32 values in row chunks
+    (:func:`vocab_parallel_chunks_bytes`, counted with the student's). 0 otherwise."""
     if not (s.teacher_logits and s.teacher_params and s.is_rl):
         return 0
-    return logit_tokens(s) * math.ceil(spec.vocab_size / s.tp) * (s.compute_bytes + TEACHER_LOGIT_BYTES)
+    extra = 0 if s.vocab_parallel else TEACHER_LOGIT_BYTES
+    return logit_tokens(s) * math.ceil(spec.vocab_size / s.tp) * (s.compute_bytes + extra)
 
 
 def critic_params(spec: ModelSpec) -> int:
