@@ -129,9 +129,25 @@ def teacher_samples(teacher: Path, prompts: list[dict], seed: int) -> list[dict]
 
 
 # distill_baseline: --set algo.teacher_baseline=true; distill_full: --set algo.distill=full (the exact reverse KL
-# over the vocabulary at each sampled position, as the loss)
-METHODS = ("distill", "distill_baseline", "distill_full", "sft")
-EXTRA = {"distill_baseline": ["--set", "algo.teacher_baseline=true"], "distill_full": ["--set", "algo.distill=full"]}
+# over the vocabulary at each sampled position, as the loss); _fwd: the forward KL instead (algo.distill_beta=0);
+# _mix: GKD's mixture, half the steps on SFT's teacher samples (--teacher-data, algo.teacher_data_fraction 0.5);
+# _warmup: the first WARMUP steps on them, then the student's own samples (fraction 0); _kd: every step on them with
+# the forward KL (supervised KD, nothing sampled: the mixture's ablation)
+FULL = ["--set", "algo.distill=full"]
+MIX, FWD = ["--teacher-data", "{samples}"], ["--set", "algo.distill_beta=0"]
+WARMUP = 4
+EXTRA = {
+    "distill_baseline": ["--set", "algo.teacher_baseline=true"],
+    "distill_full": FULL,
+    "distill_full_fwd": FULL + FWD,
+    "distill_full_mix": FULL + MIX,
+    "distill_full_mix_fwd": FULL + MIX + FWD,
+    "distill_full_kd": FULL + MIX + FWD + ["--set", "algo.teacher_data_fraction=1"],  # every step on them: no sampling
+    "distill_full_warmup": FULL
+    + MIX
+    + ["--set", "algo.teacher_data_fraction=0", "--set", f"algo.teacher_data_warmup={WARMUP}"],
+}
+METHODS = ("distill", *EXTRA, "sft")
 
 
 def train_methods(out: Path, student: Path, teacher: Path, prompts: list[dict], lr: str, seed: int, a) -> dict:
@@ -142,13 +158,16 @@ def train_methods(out: Path, student: Path, teacher: Path, prompts: list[dict], 
     common = ["--model", str(student), "--device", "cpu", "--nproc", str(a.nproc), "--lr", lr,
               "--max-steps", str(a.steps), "--set", f"train.seed={seed}"]  # fmt: skip
     dirs = {}
+    samples = run / "teacher_samples.jsonl"  # SFT's data, and the mixture's teacher data
+    if any(m == "sft" or "--teacher-data" in EXTRA.get(m, []) for m in a.methods):
+        write_jsonl(samples, teacher_samples(teacher, prompts, seed))
     for method in a.methods:
         if method == "sft":
-            data = write_jsonl(run / "teacher_samples.jsonl", teacher_samples(teacher, prompts, seed))
-            rlctl("sft", *common, "--data", str(data), "--batch-size", "32", "--max-len", RESP["max_len"],
+            rlctl("sft", *common, "--data", str(samples), "--batch-size", "32", "--max-len", RESP["max_len"],
                   "-o", str(run / method))  # fmt: skip
         else:
-            rlctl("grpo", *common, *EXTRA.get(method, []), "--teacher", str(teacher), "--data",
+            extra = [x.format(samples=samples) for x in EXTRA.get(method, [])]
+            rlctl("grpo", *common, *extra, "--teacher", str(teacher), "--data",
                   str(write_jsonl(run / "prompts.jsonl", prompts)), "--reward", "gsm8k", "--rollout", "hf",
                   "--batch-size", "4", "--n", "8", "--max-prompt-len", "48", "--max-response-len", str(RESP["len"]),
                   "-o", str(run / method))  # fmt: skip

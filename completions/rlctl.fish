@@ -353,6 +353,7 @@ complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l mem-fraction -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward -x -a 'gsm8k gsm8k_flexible math exact format length'
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l teacher -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l teacher-weight -x
+complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l teacher-data -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l reward-model -r -F
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l samples-every -x
 complete -c rlctl -n '__fish_seen_subcommand_from grpo' -l tools -r -F

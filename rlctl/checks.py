@@ -90,6 +90,13 @@ def check_settings(cfg: RunConfig, plan, model: ModelFiles | None) -> list[str]:
     check_split(cfg, nproc=nproc, nodes=int(plan.nodes or 1))
     check_reward_spec(cfg)
     check_agent_files(cfg)
+    if cfg.algo.teacher_data:  # --teacher-data exists and reads (its rows are tokenized on the ranks)
+        from rlctl.data.io import first_rows
+
+        try:
+            first_rows(cfg.algo.teacher_data)
+        except UserError as e:
+            raise UserError(f"--teacher-data: {e}") from None
     check_backends_installed(cfg.log.backends)
     check_profile_env()
     warnings = check_footguns(cfg, nproc=nproc, device=plan.device)

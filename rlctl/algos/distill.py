@@ -18,11 +18,22 @@ batch; this one is per token and local, so it is applied after the estimator, ro
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlctl.algos.vocab_parallel import vocab_parallel_reverse_kl
 
-__all__ = ["centred", "distill_gap", "full_reverse_kl", "mix_advantages", "vocab_parallel_reverse_kl"]
+__all__ = [
+    "centred",
+    "distill_gap",
+    "divergence_metric",
+    "full_reverse_kl",
+    "generalized_jsd",
+    "mix_advantages",
+    "teacher_data_index",
+    "vocab_parallel_reverse_kl",
+]
 
 
 def distill_gap(teacher_logp: torch.Tensor, student_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -53,3 +64,42 @@ def full_reverse_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
     log_s = torch.log_softmax(student_logits.float() / temperature, dim=-1)
     log_t = torch.log_softmax(teacher_logits[..., :v].detach().float() / temperature, dim=-1)
     return (log_s.exp() * (log_s - log_t)).sum(-1)
+
+
+def generalized_jsd(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float, beta: float
+) -> torch.Tensor:
+    """``[N]`` generalized Jensen-Shannon divergence over the vocabulary at each position (``algo.distill_beta``),
+    TRL's GKD convention (Agarwal et al. 2024, Eq. 1): ``beta = 1`` the reverse KL ``KL(p_s || p_t)``
+    (:func:`full_reverse_kl`, the default), ``beta = 0`` the forward KL ``KL(p_t || p_s)`` (the cross-entropy
+    to the teacher's whole distribution, less its entropy), in between ``beta KL(p_t || m) + (1 - beta)
+    KL(p_s || m)`` with ``m = (1 - beta) p_s + beta p_t``. Both softmaxes at ``temperature``, fp32, the
+    gradient through the student only; the teacher read over the student's vocabulary."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1] (got {beta})")
+    if beta == 1.0:
+        return full_reverse_kl(student_logits, teacher_logits, temperature)
+    v = student_logits.shape[-1]
+    log_s = torch.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_t = torch.log_softmax(teacher_logits[..., :v].detach().float() / temperature, dim=-1)
+    if beta == 0.0:
+        return (log_t.exp() * (log_t - log_s)).sum(-1)
+    log_m = torch.logaddexp(log_s + math.log1p(-beta), log_t + math.log(beta))
+    return beta * (log_t.exp() * (log_t - log_m)).sum(-1) + (1.0 - beta) * (log_s.exp() * (log_s - log_m)).sum(-1)
+
+
+def divergence_metric(beta: float) -> str:
+    """The metric that logs the full-vocabulary loss's value at ``beta`` (``distill/reverse_kl`` at the default)."""
+    return {1.0: "distill/reverse_kl", 0.0: "distill/forward_kl"}.get(beta, "distill/jsd")
+
+
+def teacher_data_index(step: int, fraction: float, warmup: int) -> int | None:
+    """Whether step ``step`` (0-based) trains on ``--teacher-data``'s rows (GKD's mixture): the first ``warmup``
+    steps do, then ``fraction`` of the steps, spread evenly (an on-policy step first); its index among those steps
+    (so which rows it reads: the schedule is a function of the step, nothing to save), or None for a step on the
+    student's own samples."""
+    if step < warmup:
+        return step
+    j = step - warmup
+    before, after = math.floor(j * fraction + 1e-9), math.floor((j + 1) * fraction + 1e-9)
+    return warmup + before if after > before else None

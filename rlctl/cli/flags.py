@@ -280,6 +280,9 @@ FLAGS: tuple[Flag, ...] = (
       "sampled token; the advantage is the teacher-minus-student log-prob gap (reverse KL)."),
     F("teacher_weight", "--teacher-weight", "algo.teacher_weight", RL_PANEL, frozenset({GRPO}),
       "With --teacher: advantage = w * (teacher - student log-prob) + (1 - w) * the task reward's (1 = distill only)."),
+    F("teacher_data", "--teacher-data", "algo.teacher_data", RL_PANEL, frozenset({GRPO}),
+      "With --teacher and algo.distill=full: the teacher's own responses (sft's layouts); GKD's mixture trains "
+      "algo.teacher_data_fraction of the steps (0.5) on them instead of the student's samples."),
     F("reward_model", "--reward-model", "reward.model", RL_PANEL, RL_EST,
       "A sequence-classification reward model (HF directory), added as a reward component."),
     F("samples_every", "--samples-every", "log.samples_every", TRAINING, RL,

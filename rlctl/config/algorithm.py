@@ -95,7 +95,38 @@ def check_distill(cfg: RunConfig) -> None:
         raise UserError("algo.distill=full is set without a teacher; pass --teacher MODEL (or drop it)")
     if a.distill == "full" and a.teacher_baseline:
         raise UserError("algo.teacher_baseline is for algo.distill=sampled (full has no sampled gap); drop one")
+    if not 0 <= a.distill_beta <= 1:
+        raise UserError(
+            f"algo.distill_beta={a.distill_beta} must be in [0, 1] (1: reverse KL, 0: forward KL, 0.5: JSD)"
+        )
+    if a.distill_beta != 1 and a.distill != "full":
+        raise UserError("algo.distill_beta picks algo.distill=full's divergence; add --set algo.distill=full")
+    check_teacher_data(cfg)
     refuse(JobFacts.of(cfg), "distill_full_engine")
+    refuse(JobFacts.of(cfg), "teacher_data_split")
+
+
+def check_teacher_data(cfg: RunConfig) -> None:
+    """GKD's mixture: steps on the teacher's own responses train the full-vocabulary loss only (a policy
+    gradient on samples the student did not draw would be biased), so it needs ``algo.distill=full``."""
+    a = cfg.algo
+    if not 0 <= a.teacher_data_fraction <= 1:
+        raise UserError(
+            f"algo.teacher_data_fraction={a.teacher_data_fraction} must be in [0, 1] (the share of the steps "
+            "on --teacher-data's rows; TRL GKD's 1 - lmbda)"
+        )
+    if a.teacher_data_warmup < 0:
+        raise UserError(f"algo.teacher_data_warmup={a.teacher_data_warmup} must be >= 0 (steps)")
+    if not a.teacher_data:
+        if a.teacher_data_warmup or a.teacher_data_fraction != 0.5:
+            raise UserError("algo.teacher_data_fraction / _warmup are set without --teacher-data FILE; add it")
+        return
+    if not a.teacher:
+        raise UserError("--teacher-data is set without a teacher; pass --teacher MODEL (or drop it)")
+    if a.distill != "full":
+        raise UserError(
+            "--teacher-data trains the full-vocabulary loss on the teacher's responses; add --set algo.distill=full"
+        )
 
 
 def teacher_vocab_problem(student: dict[str, int], teacher: dict[str, int], model: str, name: str) -> str | None:

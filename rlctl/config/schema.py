@@ -218,6 +218,15 @@ class AlgoConfig:
     # policy-gradient advantage; "full" the exact reverse KL over the vocabulary, sum_v p_s (log p_s - log p_t),
     # as a loss
     distill: DistillSignal = "sampled"
+    # algo.distill=full's divergence, TRL GKD's beta: 1 reverse KL KL(student || teacher), 0 forward KL
+    # KL(teacher || student), in between the generalized Jensen-Shannon divergence (rlctl.algos.distill)
+    distill_beta: float = 1.0
+    # GKD's mixture (TRL's lmbda = 1 - teacher_data_fraction): a file of the teacher's own responses (sft's layouts:
+    # prompt/response or messages); teacher_data_warmup steps, then this fraction of the steps, train the
+    # full-vocabulary loss on its rows instead of on the student's samples (docs/distill.md)
+    teacher_data: str | None = None
+    teacher_data_fraction: float = 0.5
+    teacher_data_warmup: int = 0
 
 
 @dataclass

@@ -22,7 +22,7 @@ from rlctl.estimate.settings import (
     LOGIT_EXTRA_BYTES,
     MemorySettings,
 )
-from rlctl.estimate.training import vocab_parallel_chunks_bytes
+from rlctl.estimate.training import divergence_bytes, vocab_parallel_chunks_bytes
 
 
 def _gib(x: float) -> str:
@@ -282,9 +282,14 @@ def _rl_models_and_engine(gpu: GpuSpec, s: MemorySettings) -> list[str]:
         if s.teacher_logits:
             split = f", this GPU's 1/{s.tp} of the vocabulary" if s.tp > 1 else ""
             split += f", its 1/{s.sp} of the sequence" if s.sp > 1 else ""
+            fp32 = (
+                "the divergence's fp32 values in row chunks"
+                if s.vocab_parallel
+                else f"{divergence_bytes(s.distill_beta)} bytes more per value for the fp32 tensors of the divergence"
+            )
             out.append(
                 "algo.distill=full: the teacher's logits at one micro batch's response positions (compute dtype, "
-                f"12 bytes more per value for the fp32 log-softmaxes of the reverse KL{split}), counted with the logits"
+                f"{fp32}{split}), counted with the logits"
             )
     if s.has_critic:
         out.append(
@@ -338,6 +343,14 @@ def _device_and_host(gpu: GpuSpec, s: MemorySettings, est: MemoryEstimate) -> li
         f"system; {_gib(HOST_PROCESS_BYTES)} per GPU process; pinned offloaded tensors rounded up to powers of two "
         "(torch's caching host allocator)"
     )
+    if s.backend == "megatron":
+        out.append(
+            "checkpoint save (Megatron, measured on CPU): every rank gathers the distributed optimizer's fp32 master "
+            "weights, exp_avg and exp_avg_sq of its whole tp/pp shard into host memory (12 bytes per parameter, kept "
+            "until the save returns; megatron-core's fully_reshardable format, not mem-efficient), with 12 + 12/dp "
+            "bytes more while it gathers; each data-parallel rank 0 then writes clones of them and a pinned copy of "
+            "its weights; the save phase is the training phase's host memory plus this"
+        )
     if s.backend == "fsdp":
         out.append(
             f"loading: FSDP's rank 0 reads the whole checkpoint into host memory ({CHECKPOINT_BYTES} bytes per "

@@ -44,6 +44,9 @@ HOST_LABELS = {
     "checkpoint": "checkpoint (rank 0 loading)",
     "processes": "processes",
     "offloaded_activations": "offloaded activations",
+    "save_optimizer_copy": "save: gathered optimizer states",
+    "save_gather_buffers": "save: all-gather buffers",
+    "save_write_copies": "save: writer's copies",
 }
 
 

@@ -101,6 +101,7 @@ class MemorySettings:
     reward_model_dtype: str = "fp32"  # reward.model_dtype: every rank holds a whole replica in it
     teacher_params: int = 0  # on-policy distillation: the frozen teacher's parameters, held like the reference
     teacher_logits: bool = False  # algo.distill=full: the teacher's logits of one micro batch's response positions
+    distill_beta: float = 1.0  # algo.distill_beta: the divergence (1 reverse KL, 0 forward KL, between: JSD)
     # vision-language models (text models ignore these)
     images: int = 1  # images per sample (in the prompt)
     image_pixels: int = 0  # pixels of each image after the processor (0 = its max_pixels: the most an image costs)

@@ -290,7 +290,11 @@ def vision_activation_bytes(spec: ModelSpec, s: MemorySettings) -> int:
     return v.depth * block
 
 
-TEACHER_LOGIT_BYTES = 12  # algo.distill=full, per teacher logit beyond the compute dtype (see teacher_logits_bytes)
+def divergence_bytes(beta: float) -> int:
+    """``algo.distill=full``: fp32 bytes per logit that the divergence saves for its backward (rlctl.algos.distill.
+    generalized_jsd), counted with saved-tensor hooks: the reverse KL (beta 1) the student's log-softmax, softmax
+    and log-ratio; the forward KL (0) the log-softmax and the teacher's softmax; a JSD between them six tensors."""
+    return {1.0: 12, 0.0: 8}.get(beta, 24)
 
 
 def logit_tokens(s: MemorySettings) -> int:
@@ -341,15 +345,16 @@ def vocab_parallel_chunks_bytes(values: int) -> int:
 def teacher_logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
     """``algo.distill=full``: the teacher's logits at one micro batch's response positions (compute dtype, no
     gradient; the whole micro batch at once, not chunked by ``loss_chunk``), its fp32 log-softmax, and the
-    student's fp32 softmax and log-ratio saved for the full-vocabulary reverse KL's backward: 12 bytes per value
-    beside the compute dtype. Per GPU: under Ulysses sp the positions of its sequence shard (:func:`logit_tokens`),
-    under Megatron's TP its ``1 / tp`` of the vocabulary (the teacher's logits are never gathered; on Megatron
-    the teacher's output layer runs on every position, as the student's), the compute dtype only: the
+    student's fp32 tensors saved for the divergence's backward (:func:`divergence_bytes`: 12 bytes per value for
+    the reverse KL) beside the compute dtype. Per GPU: under Ulysses sp the positions of its sequence shard
+    (:func:`logit_tokens`), under Megatron's TP its ``1 / tp`` of the vocabulary (the teacher's logits are never
+    gathered; on Megatron the teacher's output layer runs on every position, as the student's), the compute dtype
+    only: the
     vocab-parallel divergence keeps the teacher's logits for its backward and its fp32 values in row chunks
     (:func:`vocab_parallel_chunks_bytes`, counted with the student's). 0 otherwise."""
     if not (s.teacher_logits and s.teacher_params and s.is_rl):
         return 0
-    extra = 0 if s.vocab_parallel else TEACHER_LOGIT_BYTES
+    extra = 0 if s.vocab_parallel else divergence_bytes(s.distill_beta)
     return logit_tokens(s) * math.ceil(spec.vocab_size / s.tp) * (s.compute_bytes + extra)
 
 

@@ -410,6 +410,7 @@ def settings_for(job: Job, **kw) -> MemorySettings:
         reward_model_dtype={"bfloat16": "bf16", "float16": "fp16"}.get(c.reward.model_dtype, "fp32"),
         teacher_params=teacher_params(c),
         teacher_logits=c.algo.distill == "full",
+        distill_beta=c.algo.distill_beta,
         # the FSDP engine's savers: as configured; None starts from the engine's default (the search may pick)
         selective_checkpointing=c.parallel.selective_checkpointing is True,
         offload_activations=c.parallel.offload_activations is True,

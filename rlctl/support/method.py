@@ -80,3 +80,17 @@ def distill_full_engine(f: JobFacts) -> Problem | None:
             "use parallel.pp=1 parallel.cp=1 (tp is fine), --backend fsdp, or algo.distill=sampled",
         )
     return None
+
+
+@rule(r"teacher_data\b.{0,60}\b(rollout_)?procs\b", r"rollout processes sample every step")
+def teacher_data_split(f: JobFacts) -> Problem | None:
+    """The trainers decide which steps read --teacher-data's rows; a split run's rollout processes sample every
+    step ahead of them."""
+    if f.teacher_data and f.rollout_procs > 0:
+        return Problem(
+            "teacher_data_split",
+            f"--teacher-data with --rollout-procs {f.rollout_procs}: the rollout processes sample every step, "
+            "so the steps on the teacher's responses would waste theirs",
+            "drop --rollout-procs (colocated rollout), or --teacher-data",
+        )
+    return None

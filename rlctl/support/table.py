@@ -47,6 +47,7 @@ class JobFacts:
     rollout_engine: str = "hf"  # rollout.engine: hf | vllm | sglang
     agent: bool = False  # --tools / --env / --interaction
     distill: str = "sampled"  # algo.distill: sampled | full
+    teacher_data: bool = False  # algo.teacher_data: some steps train on the teacher's own responses
     temperature: float = 1.0  # rollout.temperature
     samples: int = 1  # rollout.n: samples per prompt
     sampling_only: str = ""  # what needs more than sampled rollouts ("algo.dynamic_sampling", "--adv remax")
@@ -78,6 +79,7 @@ class JobFacts:
             **dict(rollout_mode=r.mode, stream_chunk=r.stream_chunk, rollout_engine=r.engine),
             "agent": bool(cfg.agent.tools or cfg.agent.env or cfg.agent.interaction),
             "distill": a.distill,
+            "teacher_data": bool(a.teacher_data),
             "sampling_only": "algo.dynamic_sampling" if a.dynamic_sampling else f"--adv {a.adv}" if greedy else "",
             "behaviour_loss": a.policy_loss if loss is not None and loss.weighs_behaviour else "",
             "correction": a.rollout_correction,

@@ -185,3 +185,26 @@ def test_reference_is_trls_generalized_jsd():
             student[None], teacher[None], beta=beta, temperature=temperature, reduction="none"
         ).sum(-1)[0]
         assert torch.allclose(reference_jsd(student, teacher, temperature, beta), trl, atol=1e-5), (temperature, beta)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_the_backward_saves_no_float32_copy_of_the_slice(process_group, beta):
+    """What the estimator counts (rlctl.estimate.training.logits_bytes on Megatron's TP: no fp32 bytes per logit):
+    the JSD and the log-probs save the bf16 logits and ``[N]`` statistics, nothing of ``[N, V]`` in float32
+    (before the chunking the reverse KL saved the student's fp32 softmax and log-ratio), counted with
+    saved-tensor hooks."""
+    n, v = 16, 300
+    student, teacher = torch.randn(n, v).bfloat16().requires_grad_(True), torch.randn(n, v).bfloat16()
+    saved = []
+
+    def pack(x):
+        saved.append((x.dtype, x.numel()))
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        jsd = vocab_parallel_jsd(student, teacher, 0.7, beta, dist.group.WORLD)
+        logp, ent = VocabSlice(student, 0, dist.group.WORLD).logprobs(torch.arange(n), 0.7)
+    assert not [s for s in saved if s[1] >= n * v and s[0] != torch.bfloat16], saved
+    assert sum(s[1] >= n * v for s in saved) == 3  # the student's and the teacher's logits, the student's again
+    (jsd.sum() + logp.sum() + ent.sum()).backward()
+    assert student.grad.dtype == torch.bfloat16 and student.grad.isfinite().all()

@@ -124,6 +124,10 @@ COPIES = {
         if cfg.algo.distill == "full" and spec.backend == "megatron" and (spec.pp > 1 or spec.cp > 1):
             raise UserError(f"algo.distill=full runs on Megatron without pipeline stages (pp={spec.pp})")
     """,
+    "teacher_data_split": """
+        if cfg.algo.teacher_data and cfg.rollout.procs > 0:
+            raise UserError("--teacher-data needs colocated rollout")
+    """,
     "sp_backend": """
         if self.backend != "fsdp":
             raise UserError(f"sp {self.sp}: Ulysses sequence parallelism is the fsdp engine's; Megatron uses --cp")

@@ -27,6 +27,9 @@ METHODS = {"grpo": RLMethod(with_critic=False), "ppo": RLMethod(with_critic=True
 
 def rl_step(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
     """One GRPO or PPO step: its batch and its metrics."""
+    index = rl.teacher.data.index(step) if rl.teacher is not None and rl.teacher.data is not None else None
+    if index is not None:  # GKD's mixture: this step trains on the teacher's own responses
+        return teacher_data_step(rl, index)
     # this rank's prompts, n samples each, scored (weights synced after the last update; dynamic sampling:
     # more rounds until the groups whose scores differ fill the batch)
     batch, sampled = rl.sample(step)
@@ -41,6 +44,17 @@ def rl_step(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
     if not critic or step >= rl.algo.critic_warmup:  # PPO trains only the critic for algo.critic_warmup steps
         actor = rl.update_actor(batch)  # ppo_epochs x mini-batches of clipped policy-gradient steps
     return batch, merged(sampled, ref, old, values, advantages, critic_update, actor)
+
+
+def teacher_data_step(rl: RLTrainer, index: int) -> tuple[RolloutBatch, Metrics]:
+    """A step on ``--teacher-data``'s rows (the ``index``-th such step; docs/distill.md): nothing is sampled or
+    scored, the advantages are 0, and the full-vocabulary loss to the teacher trains the actor on them."""
+    batch, rows = rl.teacher_rows(index)
+    batch = rl.pool(batch)
+    ref = rl.ref_logprobs(batch) if rl.ref is not None else {}  # the KL term reads them on these rows too
+    old = rl.old_logprobs(batch, sampled=False)  # the actor's, also as the rows' behaviour log-probs
+    actor = rl.update_actor(batch)
+    return batch, merged({"distill/teacher_data": 1.0}, rows, ref, old, actor)
 
 
 def rl_main(ctx: RunContext) -> None:

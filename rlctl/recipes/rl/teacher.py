@@ -1,19 +1,23 @@
 """The teacher of on-policy distillation (``algo.teacher``, :mod:`rlctl.algos.distill`, docs/distill.md): a
 frozen engine built like the reference model (the same spec, so the same placement: colocated with the
 actor, sharded the same way, offloaded when the plan offloads idle weights), loaded from the teacher's
-weights. It scores the student's samples and turns the step's advantages into the distillation ones."""
+weights. It scores the student's samples and turns the step's advantages into the distillation ones. With
+``--teacher-data`` (GKD's mixture) some steps train on the teacher's own responses instead (:class:`TeacherData`)."""
 
 from __future__ import annotations
 
+import random
+
 import torch
 
-from rlctl.algos.distill import centred, distill_gap, mix_advantages
+from rlctl.algos.distill import centred, distill_gap, mix_advantages, teacher_data_index
 from rlctl.config import RunConfig
 from rlctl.config.algorithm import teacher_vocab_problem
+from rlctl.data.responses import ResponseRow, read_responses
 from rlctl.engines import EngineSpec, build_engine
 from rlctl.engines.base import TrainEngine, load_tokenizer, model_source
 from rlctl.errors import UserError
-from rlctl.recipes.rl.batch import RolloutBatch
+from rlctl.recipes.rl.batch import RolloutBatch, rank_positions
 from rlctl.recipes.rl.metrics import Metrics, timed
 from rlctl.recipes.rl.passes import compute_logprobs
 from rlctl.runtime.dist import global_sums
@@ -24,8 +28,17 @@ class Teacher:
     """The frozen teacher engine, the weight of its advantage (``algo.teacher_weight``) and whether the gap is
     taken against the batch's mean (``algo.teacher_baseline``)."""
 
-    def __init__(self, engine: TrainEngine, weight: float, baseline: bool = False, full: bool = False):
+    def __init__(
+        self,
+        engine: TrainEngine,
+        weight: float,
+        baseline: bool = False,
+        full: bool = False,
+        beta: float = 1.0,
+        data: TeacherData | None = None,
+    ):
         self.engine, self.weight, self.baseline, self.full = engine, weight, baseline, full
+        self.beta, self.data = beta, data  # algo.distill_beta; --teacher-data's rows and steps
 
     @classmethod
     def for_run(cls, cfg: RunConfig, spec: EngineSpec, student_tokenizer) -> Teacher | None:
@@ -47,12 +60,14 @@ class Teacher:
             rows = getattr(model_source(cfg.model.name).load_config(), "vocab_size", None)
             if rows:
                 engine.vocab_shard(rows)  # (a UserError where they differ)
-        return cls(engine, cfg.algo.teacher_weight, cfg.algo.teacher_baseline, cfg.algo.distill == "full")
+        a = cfg.algo
+        data = TeacherData.for_run(cfg, student_tokenizer) if a.teacher_data else None
+        return cls(engine, a.teacher_weight, a.teacher_baseline, a.distill == "full", a.distill_beta, data)
 
     @property
     def in_loss(self):
-        """``algo.distill=full``: (engine, weight) for the actor's loss (``update.full_distill_loss``)."""
-        return (self.engine, self.weight) if self.full else None
+        """``algo.distill=full``: (engine, weight, beta) for the actor's loss (``update.full_distill_loss``)."""
+        return (self.engine, self.weight, self.beta) if self.full else None
 
     def apply(self, batch: RolloutBatch, temperature: float, budget: int, pad_id: int, group) -> Metrics:
         """The teacher's log-probs of the sampled tokens; ``batch.advantages`` (the task reward's) becomes the
@@ -73,3 +88,50 @@ class Teacher:
         signal = centred(gap, batch.mask, mean) if self.baseline else gap
         batch.advantages = mix_advantages(batch.advantages, signal, batch.mask, self.weight)
         return m
+
+
+class TeacherData:
+    """``--teacher-data``: the teacher's own responses (:mod:`rlctl.data.responses`) and the steps that train on
+    them (:func:`~rlctl.algos.distill.teacher_data_index`). Such a step reads the next ``batch_size x n`` rows of
+    the file in an order shuffled per pass with ``train.seed`` (the same on every rank), so which rows a step
+    reads is a function of the step: a resumed run reads the same."""
+
+    def __init__(self, rows: list[ResponseRow], fraction: float, warmup: int, seed: int):
+        self.rows, self.fraction, self.warmup, self.seed = rows, fraction, warmup, seed
+
+    @classmethod
+    def for_run(cls, cfg: RunConfig, tokenizer) -> TeacherData:
+        a = cfg.algo
+        rows, _ = read_responses(a.teacher_data, tokenizer, cfg)
+        return cls(rows, a.teacher_data_fraction, a.teacher_data_warmup, cfg.train.seed)
+
+    def index(self, step: int) -> int | None:
+        """Step ``step``'s index among the steps on the teacher's rows, or None (the student samples)."""
+        return teacher_data_index(step, self.fraction, self.warmup)
+
+    def row(self, g: int) -> ResponseRow:
+        """The ``g``-th row of the shuffled stream of rows (a new order each pass over the file)."""
+        passes, at = divmod(g, len(self.rows))
+        order = list(range(len(self.rows)))
+        random.Random(self.seed * 1_000_003 + passes).shuffle(order)
+        return self.rows[order[at]]
+
+    def batch(self, k: int, *, n: int, batch_size: int, mini: int, rank: int, world: int, width: int, device):
+        """This rank's rows of the ``k``-th step on the teacher's rows, as a batch of ``batch_size`` groups of
+        ``n`` (each rank takes the groups of its prompt positions, as a sampled step's). The rows are nobody's
+        sample: their ``rollout_logp`` is 0 until the step sets it to the actor's own (weights of 1)."""
+        positions = rank_positions(batch_size, mini, rank, world)
+        picked = [(p * n + j, self.row(k * batch_size * n + p * n + j)) for p in positions for j in range(n)]
+        return RolloutBatch.build(
+            [r.prompt for _, r in picked],
+            [r.response for _, r in picked],
+            [[0.0] * len(r.response) for _, r in picked],
+            [uid for uid, _ in picked],
+            n=n,
+            batch_size=batch_size,
+            mini_batch_size=mini,
+            width=width,
+            truncated=[r.truncated for _, r in picked],
+            device=device,
+            loss_masks=[r.mask for _, r in picked],
+        )

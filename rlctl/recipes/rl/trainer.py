@@ -165,9 +165,11 @@ class RLTrainer:
             )
         return m
 
-    def old_logprobs(self, batch: RolloutBatch) -> Metrics:
+    def old_logprobs(self, batch: RolloutBatch, sampled: bool = True) -> Metrics:
         """The actor's log-probs before the update; compared with the rollout engine's. Skipped when the
-        batch gets one optimizer step and no KL term reads them: the update's own forward gives them."""
+        batch gets one optimizer step and no KL term reads them: the update's own forward gives them.
+        ``sampled=False`` (the teacher's responses, ``--teacher-data``): nothing to compare them with; they
+        become the rows' behaviour log-probs, so every importance weight of the update is 1."""
         if self.ref is None and self.teacher is None and single_step(batch, self.algo) and self.logprobs_checked:
             batch.old_logp = None
             return {}
@@ -181,6 +183,9 @@ class RLTrainer:
                 pad_id=self.pad_id,
                 with_entropy=True,
             )
+        if not sampled:
+            batch.rollout_logp = batch.old_logp.clone()
+            return m
         mask = batch.mask
         s = global_sums(
             {
@@ -287,6 +292,17 @@ class RLTrainer:
         self.weights.stepped()
         return m
 
+    def teacher_rows(self, index: int) -> tuple[RolloutBatch, Metrics]:
+        """This rank's share of the ``index``-th step on ``--teacher-data``'s rows (GKD's mixture), its advantages
+        0: only the full-vocabulary loss trains on them; and their tokens over every rank."""
+        n, mini = self.cfg.rollout.n, self.stream.mini_batch_size
+        batch = self.teacher.data.batch(
+            index, n=n, batch_size=self.stream.batch_size, mini=mini, rank=self.dist.rank,
+            world=self.dist.world_size, width=self.cfg.rollout.max_response_len, device=self.device,
+        )  # fmt: skip
+        batch.advantages = torch.zeros_like(batch.mask)
+        return batch, {"tokens": global_sums({"t": float(sum(batch.lengths))}, self.device)["t"]}
+
     def update_critic(self, batch: RolloutBatch) -> Metrics:
         m: Metrics = {}
         with timed(m, "time/update"):
@@ -348,12 +364,13 @@ class RLTrainer:
         m = merged(m, self.sampling.source.after_update(step))  # split runs: the new weights to the rollout processes
         elapsed = time.perf_counter() - began
         every = self.cfg.log.samples_every
-        if every and (step == 0 or (step + 1) % every == 0 or step + 1 == self.total_steps):
+        sampled = batch.scores is not None  # (not a step on --teacher-data's rows)
+        if sampled and every and (step == 0 or (step + 1) % every == 0 or step + 1 == self.total_steps):
             self.write_samples(batch, step + 1)
         return {
             "step": step + 1,
             "total_steps": self.total_steps,
-            "reward": m["reward/mean"],
+            **({"reward": m["reward/mean"]} if sampled else {}),
             **{k: m[k] for k in sorted(m)},
             "lr": lr,
             "epoch": round((step + 1) / self.stream.steps_per_epoch, 4),

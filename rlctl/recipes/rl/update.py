@@ -21,7 +21,7 @@ from rlctl.algos import (
     logprobs_from_logits,
     value_loss,
 )
-from rlctl.algos.distill import full_reverse_kl, vocab_parallel_reverse_kl
+from rlctl.algos.distill import divergence_metric, generalized_jsd, vocab_parallel_reverse_kl
 from rlctl.algos.vocab_parallel import VocabSlice
 from rlctl.config import RunConfig
 from rlctl.data.packing import MicroBatch
@@ -33,12 +33,14 @@ from rlctl.engines.base import (
     response_pairs,
     response_tokens,
 )
+from rlctl.errors import UserError
 from rlctl.recipes.rl.batch import RolloutBatch, can_share_prefix, micro_batches
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.runtime.dist import all_reduce_sum, global_sums
 
-#: ``algo.distill=full``: the teacher engine and its weight (``algo.teacher_weight``)
-FullTeacher = tuple[TrainEngine, float]
+#: ``algo.distill=full``: the teacher engine, its weight (``algo.teacher_weight``) and the divergence's
+#: ``algo.distill_beta`` (1: the reverse KL)
+FullTeacher = tuple[TrainEngine, float, float]
 
 
 class Sums:
@@ -140,12 +142,13 @@ def full_distill_loss(
     teacher: FullTeacher, logits, mb: MicroBatch, mask: torch.Tensor, algo: AlgoSpec, denoms: dict
 ) -> tuple[torch.Tensor, dict]:
     """``algo.distill=full``: the teacher's forward of this micro-batch only (its logits at the response
-    positions, no gradient), the exact reverse KL over the vocabulary at each sampled position, aggregated like
-    the policy loss over the loss mask; times the teacher's weight. Metric: the KL summed over the tokens.
+    positions, no gradient), the exact divergence over the vocabulary at each sampled position (the reverse KL at
+    ``algo.distill_beta`` 1, :func:`~rlctl.algos.distill.generalized_jsd`), aggregated like the policy loss over
+    the loss mask; times the teacher's weight. Metric: the divergence summed over the tokens.
     Under Ulysses sp both models' logits are the same sequence shard (:func:`response_pairs`); where the teacher
     splits its logits over the vocabulary (Megatron's TP) each rank reads its columns of both models'
     (:func:`~rlctl.algos.distill.vocab_parallel_reverse_kl`)."""
-    engine, weight = teacher
+    engine, weight, beta = teacher
     split = isinstance(logits, VocabParallelLogits)
     vocab = logits.vocab_size if split else logits.shape[-1] if isinstance(logits, torch.Tensor) else None
     shard = engine.vocab_shard(vocab) if vocab else None
@@ -153,17 +156,19 @@ def full_distill_loss(
         with torch.no_grad():
             t_out = engine.forward_micro(mb)
         student = full_logits(logits) if split else logits
-        flat = response_pairs(student, t_out, mb, lambda s, t: full_reverse_kl(s, t, algo.temperature))
+        flat = response_pairs(student, t_out, mb, lambda s, t: generalized_jsd(s, t, algo.temperature, beta))
     else:  # this rank's vocabulary columns of both models' logits (the student's never gathered on Megatron)
         with torch.no_grad():  # (the teacher's every position is dropped here, its response positions kept)
             t_logits = mb.at_response(engine.forward_vocab_shard(mb))[:, : shard.width]
         if split and (logits.shard.start, logits.shard.width) != (shard.start, shard.width):
             raise RuntimeError(f"the teacher's vocabulary columns {shard} are not the student's {logits.shard}")
         student = mb.at_response(logits.local if split else logits[..., shard.start : shard.start + shard.width])
+        if beta != 1.0:
+            raise UserError(f"algo.distill_beta={beta} is not split over the vocabulary yet: use 1 at parallel.tp > 1")
         flat = vocab_parallel_reverse_kl(student, t_logits, algo.temperature, shard.group)
     kl = mb.to_matrix(flat)
     loss = aggregate(kl, mask, algo.policy.agg, **denoms)
-    return weight * loss, {"distill/reverse_kl": (kl.detach() * mask).sum()}
+    return weight * loss, {divergence_metric(beta): (kl.detach() * mask).sum()}
 
 
 def policy_loss_fn(
@@ -270,7 +275,7 @@ def update_actor(
             "kl_loss",
             "logprob_diff",
             "entropy",
-            "distill/reverse_kl",
+            *([divergence_metric(teacher[2])] if teacher is not None else []),
             *_corr_keys(algo),
         ),
         budget=budget,
@@ -287,8 +292,9 @@ def update_actor(
         out["kl_loss"] = s["kl_loss"] / steps
     for key in _corr_keys(algo):
         out[key] = s[key] / max(1.0, s["tokens"])
-    if teacher is not None:  # the mean exact reverse KL per token over the update's passes
-        out["distill/reverse_kl"] = s["distill/reverse_kl"] / max(1.0, s["tokens"])
+    if teacher is not None:  # the mean exact divergence per token over the update's passes
+        key = divergence_metric(teacher[2])
+        out[key] = s[key] / max(1.0, s["tokens"])
     if batch.old_logp is None:
         out["rollout/logprob_diff"] = s["logprob_diff"] / max(1.0, s["tokens"])
         out["entropy"] = s["entropy"] / max(1.0, s["tokens"])
