@@ -1,6 +1,8 @@
 """``algo.distill=full`` on 2 ranks that split one model: the worker of tests/recipes/test_distill.py.
 
-Usage: torchrun --nproc-per-node 2 distill_full_parallel.py {sp|tp} STUDENT_DIR TEACHER_DIR OUT_PT
+Usage: torchrun --nproc-per-node 2 distill_full_parallel.py {sp|tp} STUDENT_DIR TEACHER_DIR OUT_PT [BETA]
+
+(BETA: ``algo.distill_beta``, default 1, the reverse KL; the saved ``kl_sum`` is then that divergence's sum.)
 
 * ``sp``: the FSDP engine with Ulysses sp 2 (one data-parallel replica): the student's and the teacher's logits
   are each rank's sequence shard;
@@ -29,6 +31,7 @@ if sys.argv[1] == "tp":
 import torch
 import torch.distributed as dist
 
+from rlctl.algos.distill import divergence_metric
 from rlctl.config import build_config, dotted_to_nested
 from rlctl.recipes.rl.batch import micro_batches
 from rlctl.recipes.rl.spec import AlgoSpec
@@ -98,7 +101,7 @@ def logp_entropy_pass(actor, micro, mask: torch.Tensor, tokens: float, seen: lis
     return result
 
 
-def main(mode: str, student: str, teacher_dir: str, out: str) -> None:
+def main(mode: str, student: str, teacher_dir: str, out: str, beta: str = "1.0") -> None:
     from transformers import AutoTokenizer
 
     from rlctl.engines import build_engine
@@ -106,7 +109,7 @@ def main(mode: str, student: str, teacher_dir: str, out: str) -> None:
 
     init_distributed("cpu")
     settings = {"model.name": student, "model.attn": "sdpa", "model.dtype": "fp32", "algo.teacher": teacher_dir}
-    settings |= {"algo.distill": "full", "rollout.temperature": 0.7}
+    settings |= {"algo.distill": "full", "rollout.temperature": 0.7, "algo.distill_beta": float(beta)}
     cfg = build_config("grpo", [dotted_to_nested(settings)])
     layout = {"sp": 2} if mode == "sp" else {"backend": "megatron", "tp": 2, "max_seq_len": 64}
     spec = cpu_spec(cfg, **layout)
@@ -147,7 +150,8 @@ def main(mode: str, student: str, teacher_dir: str, out: str) -> None:
         extra["shard"] = (shard.start, shard.width)  # rank 0's columns
     if dist.get_rank() == 0:
         torch.save(
-            {"kl_sum": result["distill/reverse_kl"], "tokens": tokens, "grads": grads, "seen": seen, **extra}, out
+            {"kl_sum": result[divergence_metric(float(beta))], "tokens": tokens, "grads": grads, "seen": seen, **extra},
+            out,
         )
     dist.barrier()
     dist.destroy_process_group()
