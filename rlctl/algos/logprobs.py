@@ -3,10 +3,11 @@
 ``log_softmax(logits / temperature)`` gathered at ``labels`` is ``z[label] - logsumexp(z)`` with
 ``z = logits / temperature``. Computing it as ``logits.float().log_softmax(-1).gather(...)`` keeps a
 ``[B, T, V]`` float32 tensor alive for the backward pass (about 4.6 GB for 8k tokens of a 150k
-vocabulary). Here the rows are processed in chunks of at most ``CHUNK_ELEMENTS`` float32 values,
-nothing but the logits themselves is kept for the backward pass, which recomputes the softmax chunk
-by chunk, so the extra memory is one float32 chunk. The math is float32 (or float64 for float64
-logits) whatever the logits' dtype, and the gradient comes back in the logits' dtype.
+vocabulary). Here the rows are processed in chunks of at most ``CHUNK_ELEMENTS`` float32 values
+(:func:`rlctl.algos.vocab_parallel.row_chunks`), nothing but the logits themselves is kept for the
+backward pass, which recomputes the softmax chunk by chunk, so the extra memory is one float32 chunk.
+The math is float32 (or float64 for float64 logits) whatever the logits' dtype, and the gradient
+comes back in the logits' dtype.
 
 Pass contiguous logits (slice the hidden states *before* the LM head) to avoid one copy of them.
 """
@@ -18,21 +19,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlctl.algos.vocab_parallel import VocabSlice
+from rlctl.algos.vocab_parallel import VocabSlice, row_chunks
 
 __all__ = ["entropy_from_log_softmax", "logprobs_from_logits"]
-
-CHUNK_ELEMENTS = 1 << 25  # 32M float32 values = 128 MiB per chunk
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
-
-
-def _chunks(logits: Tensor) -> list[slice]:
-    """Row slices of a ``[N, V]`` tensor, each of at most ``CHUNK_ELEMENTS`` values (one row at least)."""
-    step = max(1, CHUNK_ELEMENTS // max(logits.shape[1], 1))
-    return [slice(i, i + step) for i in range(0, logits.shape[0], step)]
 
 
 def _scaled(logits: Tensor, dtype: torch.dtype, temperature: float) -> Tensor:
@@ -54,7 +47,7 @@ class _ChosenLogProb(torch.autograd.Function):
         dtype = _compute_dtype(logits.dtype)
         out = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
         entropy = torch.empty_like(out) if with_entropy else None
-        for rows in _chunks(logits):
+        for rows in row_chunks(logits):
             z = _scaled(logits[rows], dtype, temperature)
             log_probs = torch.log_softmax(z, dim=-1)
             out[rows] = log_probs.gather(-1, labels[rows, None]).squeeze(-1)
@@ -72,7 +65,7 @@ class _ChosenLogProb(torch.autograd.Function):
         logits, labels = ctx.saved_tensors
         temperature = ctx.temperature
         grad_logits = torch.empty_like(logits)
-        for rows in _chunks(logits):
+        for rows in row_chunks(logits):
             z = _scaled(logits[rows], grad_out.dtype, temperature)
             g = grad_out[rows, None]
             # d/dz (log_softmax(z)[label]) = onehot(label) - softmax(z); then d z / d logits = 1 / T

@@ -22,7 +22,7 @@ from rlctl.estimate.settings import (
     LOGIT_EXTRA_BYTES,
     MemorySettings,
 )
-from rlctl.estimate.training import divergence_bytes, staged_teacher_tokens
+from rlctl.estimate.training import divergence_bytes, staged_teacher_tokens, vocab_parallel_chunks_bytes
 
 
 def _gib(x: float) -> str:
@@ -226,10 +226,11 @@ def _logit_lines(s: MemorySettings) -> list[str]:
             f"LM head and log-softmax at the labelled positions only: {s.labelled_share:.0%} of each micro batch's "
             f"({measured}); the prompts' positions, bar each one's last, and padding run no head"
         )
-    if s.backend == "megatron" and s.tp > 1:
+    if s.vocab_parallel:
         out.append(
             f"logits vocabulary-parallel: this GPU's 1/{s.tp} of the vocabulary, never gathered for the loss "
-            "(log-probs, entropy and cross-entropy all-reduce each row's max and sums over TP)"
+            "(log-probs, entropy, cross-entropy and the teacher's divergence all-reduce each row's max and sums "
+            "over TP)"
         )
     if s.loss_chunk:
         where = (
@@ -242,6 +243,11 @@ def _logit_lines(s: MemorySettings) -> list[str]:
         out.append(
             f"loss in chunks of {s.loss_chunk} tokens ({where}): one chunk's logits, fp32 upcast, log-softmax and "
             f"gradient alive at a time ({cb + CHUNK_LOGIT_BYTES} bytes per token per vocabulary entry)"
+        )
+    elif s.vocab_parallel:
+        out.append(
+            f"logits: {s.dtype} output and its gradient ({2 * cb} bytes per token per vocabulary entry) + the loss's "
+            f"fp32 values in row chunks (at most {_gib(vocab_parallel_chunks_bytes(2**62))}), one loss per micro batch"
         )
     else:
         out.append(
@@ -279,7 +285,11 @@ def _rl_models_and_engine(gpu: GpuSpec, s: MemorySettings) -> list[str]:
             held = "one micro batch's response positions"
             if s.backend == "megatron" and s.pp > 1:  # the teacher's pipeline runs before the update pass
                 held = f"the {staged_teacher_tokens(s)} response positions of an update pass (every micro batch's)"
-            fp32 = f"{divergence_bytes(s.distill_beta)} bytes more per value for the fp32 tensors of the divergence"
+            fp32 = (
+                "the divergence's fp32 values in row chunks"
+                if s.vocab_parallel
+                else f"{divergence_bytes(s.distill_beta)} bytes more per value for the fp32 tensors of the divergence"
+            )
             what = f"the teacher's logits at {held} (compute dtype, {fp32}{split})"
             out.append(f"algo.distill=full: {what}, counted with the logits")
     if s.has_critic:

@@ -22,7 +22,10 @@ ENGINE_BATCHED_TOKENS = 8192  # tokens per SGLang forward (its chunked prefill s
 ENGINE_MAX_SEQS = 256  # sequences per SGLang step: the sampler's logits
 ADAM_STATE_BYTES = 8  # AdamW m and v in fp32
 LOGIT_EXTRA_BYTES = 8  # unfused loss peak per logit: fp32 log-softmax (saved) + its fp32 gradient, beside
-# the logits and their gradient in the compute dtype (2 x compute bytes): 12 bytes per value in bf16
+# the logits and their gradient in the compute dtype (2 x compute bytes): 12 bytes per value in bf16. Not on
+# Megatron's vocab-parallel path (tp > 1), whose loss runs in row chunks: the VOCAB_PARALLEL_CHUNKS below instead
+VOCAB_PARALLEL_CHUNK_VALUES = 1 << 25  # rlctl.algos.vocab_parallel.CHUNK_ELEMENTS (torch-free; tests/estimate pins it)
+VOCAB_PARALLEL_CHUNKS = 4  # fp32 chunks alive at its peak: measured 1.5 (log-probs, entropy), 3.5 (the teacher's JSD)
 DEFAULT_LABELLED_FRACTION = 1.0  # sft / dpo without data to measure: every position may carry a label (a bound)
 CHUNK_LOGIT_BYTES = 12  # per logit of one loss chunk beyond the compute dtype: fp32 upcast, log-softmax, gradient
 PRECISIONS = names.choices(names.Precision)  # mixed: fp32 master, grads and AdamW; bf16: pure bf16 state
@@ -141,6 +144,12 @@ class MemorySettings:
             * self.teacher_params
             / (self.fsdp_shards if self.backend == "fsdp" else self.tp * self.pp)
         )
+
+    @property
+    def vocab_parallel(self) -> bool:
+        """The loss reads each GPU's ``1 / tp`` of the vocabulary, never gathered, in row chunks (Megatron's TP:
+        rlctl.algos.vocab_parallel)."""
+        return self.backend == "megatron" and self.tp > 1
 
     @property
     def keeps_labelled(self) -> bool:

@@ -25,6 +25,8 @@ from rlctl.estimate.settings import (
     ADAM_STATE_BYTES,
     CHUNK_LOGIT_BYTES,
     LOGIT_EXTRA_BYTES,
+    VOCAB_PARALLEL_CHUNK_VALUES,
+    VOCAB_PARALLEL_CHUNKS,
     MemorySettings,
 )
 
@@ -321,12 +323,23 @@ def logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
     logits' gradient in the compute dtype (12 bytes per value in bf16). Chunked (``loss_chunk`` tokens at a time, the
     chunk's backward before the next chunk): one chunk's logits, fp32 upcast, log-softmax and
     gradient. Vocabulary-parallel under Megatron's TP: ``V / tp`` per GPU, as the engine computes them (its loss
-    reads only its rank's columns, never gathered: rlctl.algos.vocab_parallel, two fp32 copies at a time)."""
+    reads only its rank's columns, never gathered, in row chunks: rlctl.algos.vocab_parallel): the logits and their
+    gradient in the compute dtype, and :func:`vocab_parallel_chunks_bytes`."""
     vocab = math.ceil(spec.vocab_size / s.tp)
     teacher = teacher_logits_bytes(spec, s)
     if s.loss_chunk:
         return min(s.loss_chunk, logit_tokens(s)) * vocab * (s.compute_bytes + CHUNK_LOGIT_BYTES) + teacher
+    if s.vocab_parallel:
+        values = logit_tokens(s) * vocab
+        return values * 2 * s.compute_bytes + vocab_parallel_chunks_bytes(values) + teacher
     return logit_tokens(s) * vocab * (2 * s.compute_bytes + LOGIT_EXTRA_BYTES) + teacher
+
+
+def vocab_parallel_chunks_bytes(values: int) -> int:
+    """The vocab-parallel loss's fp32 temporaries beside the logits: a few row chunks of at most
+    ``VOCAB_PARALLEL_CHUNK_VALUES`` values each (fewer values than that: all of them), whatever the micro batch
+    (measured on CPU, 8192 x 16384 bf16 logits: 1.5 chunks for the log-probs and entropy, 3.5 for the JSD)."""
+    return min(values, VOCAB_PARALLEL_CHUNK_VALUES) * 4 * VOCAB_PARALLEL_CHUNKS
 
 
 def teacher_logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
@@ -334,19 +347,20 @@ def teacher_logits_bytes(spec: ModelSpec, s: MemorySettings) -> int:
     its fp32 log-softmax, and the student's fp32 tensors saved for the divergence's backward (:func:`divergence_bytes`:
     12 bytes per value for the reverse KL) beside the compute dtype. Per GPU: under Ulysses sp the positions of its
     sequence shard (:func:`logit_tokens`), under Megatron's TP its ``1 / tp`` of the vocabulary (the teacher's
-    logits are never gathered). Without pipeline stages the teacher is forwarded per micro batch inside the loss:
-    one micro batch's logits (on Megatron at every position: its output layer runs on all). With pipeline stages
-    (Megatron ``pp`` above 1) the teacher's pipeline runs before each update pass and the last stage keeps the
-    teacher's logits at the response positions of every micro batch of the pass: :func:`staged_teacher_tokens`
-    positions, in the compute dtype; the divergence's fp32 tensors stay one micro batch's. 0 otherwise."""
+    logits are never gathered), the compute dtype only: the vocab-parallel divergence keeps the teacher's logits for
+    its backward and its fp32 values in row chunks (:func:`vocab_parallel_chunks_bytes`, counted with the
+    student's). Without pipeline stages the teacher is forwarded per micro batch inside the loss: one micro batch's
+    logits (on Megatron at every position: its output layer runs on all). With pipeline stages (Megatron ``pp``
+    above 1) the teacher's pipeline runs before each update pass and the last stage keeps the teacher's logits at
+    the response positions of every micro batch of the pass: :func:`staged_teacher_tokens` positions, in the compute
+    dtype; the divergence's fp32 tensors stay one micro batch's. 0 otherwise."""
     if not (s.teacher_logits and s.teacher_params and s.is_rl):
         return 0
     vocab = math.ceil(spec.vocab_size / s.tp)
+    extra = 0 if s.vocab_parallel else divergence_bytes(s.distill_beta)
     if s.backend == "megatron" and s.pp > 1:
-        return staged_teacher_tokens(s) * vocab * s.compute_bytes + logit_tokens(s) * vocab * divergence_bytes(
-            s.distill_beta
-        )
-    return logit_tokens(s) * vocab * (s.compute_bytes + divergence_bytes(s.distill_beta))
+        return staged_teacher_tokens(s) * vocab * s.compute_bytes + logit_tokens(s) * vocab * extra
+    return logit_tokens(s) * vocab * (s.compute_bytes + extra)
 
 
 def staged_teacher_tokens(s: MemorySettings) -> int:

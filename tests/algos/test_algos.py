@@ -21,7 +21,6 @@ from rlctl.algos import (
     gspo_policy_loss,
     kl,
     kl_estimate,
-    logprobs,
     logprobs_from_logits,
     losses,
     masked_mean,
@@ -31,6 +30,7 @@ from rlctl.algos import (
     reinforce_pp,
     rloo,
     value_loss,
+    vocab_parallel,
 )
 from tests.support.losses import loss_ctx
 
@@ -393,7 +393,7 @@ def test_logprobs_by_hand_with_temperature():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_match_log_softmax_values_and_grads(monkeypatch, dtype, temperature):
-    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 7 * 11)  # 7 rows per chunk: ragged last chunk
+    monkeypatch.setattr(vocab_parallel, "CHUNK_ELEMENTS", 7 * 11)  # 7 rows per chunk: ragged last chunk
     g = torch.Generator().manual_seed(1)
     logits = (torch.randn(3, 10, 11, generator=g) * 4).to(dtype)
     labels = torch.randint(0, 11, (3, 10), generator=g)

@@ -291,10 +291,11 @@ def test_logits_by_hand():
     assert train(est(gpus=8))["logits"] == 1024 * V * (2 + 2 + 4 + 4)
     assert train(est(gpus=8, method="sft", max_len=4096, micro_batch=2))["logits"] == 2 * 4096 * V * 12
     # Megatron's output layer runs on every position; vocabulary parallel: the engine's loss reads its 1/tp of the
-    # vocabulary, never gathered (rlctl.algos.vocab_parallel: 2 fp32 copies of the slice at a time, + the logits and
-    # their gradient: tests/algos/test_vocab_parallel.py, tests/recipes/test_distill.py)
+    # vocabulary, never gathered, in row chunks (rlctl.algos.vocab_parallel: the logits and their gradient, + 4 fp32
+    # chunks of 2**25 values: tests/algos/test_vocab_parallel*.py, tests/recipes/test_distill.py)
     megatron = est(gpus=8, backend="megatron", tp=4)
-    assert train(megatron)["logits"] == 1536 * (V // 4) * 12
+    assert train(megatron)["logits"] == 1536 * (V // 4) * (2 + 2) + 4 * 4 * 2**25
+    assert any("at most 0.5 GiB" in line for line in megatron.assumptions)
     assert any("1/4 of the vocabulary, never gathered" in line for line in megatron.assumptions)
     assert not any("never gathered for the loss" in line for line in est(gpus=8).assumptions)  # FSDP: whole
 
@@ -850,3 +851,11 @@ def test_a_rollout_split_counts_trainer_and_rollout_devices_apart():
     assert rollout["kv_cache"] == (16 * 4 // 2) * (256 + 512) * kv_bytes_per_token(qwen7(), 1, 2)
     assert "rollout devices (2)" in split.phases["rollout"].note
     assert any("rollout-only devices" in line for line in split.assumptions)
+
+
+def test_vocab_parallel_chunk_is_the_engines():
+    """The estimator's torch-free copy of the vocab-parallel loss's chunk size is the one the loss uses."""
+    from rlctl.algos.vocab_parallel import CHUNK_ELEMENTS
+    from rlctl.estimate.settings import VOCAB_PARALLEL_CHUNK_VALUES
+
+    assert VOCAB_PARALLEL_CHUNK_VALUES == CHUNK_ELEMENTS

@@ -35,10 +35,11 @@ def test_sft_and_dpo_logits_at_the_labelled_positions_by_hand():
     # a chunked loss: one chunk of the labelled positions
     chunked = est(gpus=8, method="sft", max_len=4096, micro_batch=2, labelled_fraction=0.1, loss_chunk=1024)
     assert train(chunked)["logits"] == 820 * V * (2 + 12)
-    # Megatron's output layer runs at every position; rm has no LM head
+    # Megatron's output layer runs at every position (its vocab-parallel loss: bf16 logits and gradient, + 4 fp32
+    # row chunks of 2**25 values); rm has no LM head
     assert (
         train(est(gpus=8, method="sft", backend="megatron", tp=4, max_len=4096, labelled_fraction=0.25))["logits"]
-        == 4096 * (V // 4) * PER_LOGIT
+        == 4096 * (V // 4) * (2 + 2) + 4 * 4 * 2**25
     )
     assert train(est(gpus=8, method="rm", max_len=1024, labelled_fraction=0.3))["logits"] == 0
 

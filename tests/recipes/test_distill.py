@@ -139,11 +139,16 @@ def test_distill_advantage_is_teacher_minus_student_logp_of_plain_forwards(tiny_
         assert abs(m["distill/reverse_kl"]) > 0.1  # the two models do differ
 
 
-def plain_full_kl_loss(student, teacher_dir: Path, prompts, responses, masks, temperature: float) -> torch.Tensor:
+def plain_full_kl_loss(
+    student, teacher_dir: Path, prompts, responses, masks, temperature: float, beta: float = 1.0
+) -> torch.Tensor:
     """The independent computation of ``algo.distill=full``: ``sum_v p_s(v) (log p_s(v) - log p_t(v))`` at each
     position that predicts a response token of mask 1, from plain transformers forwards (one row at a time, no
-    packing), averaged over those tokens (token-mean)."""
+    packing), averaged over those tokens (token-mean). ``beta`` other than 1: ``generalized_jsd`` of the whole
+    vocabulary's logits instead (itself checked term by term and against TRL in test_distill_mixture.py)."""
     from transformers import AutoModelForCausalLM
+
+    from rlctl.algos.distill import generalized_jsd
 
     teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir), dtype=torch.float32, attn_implementation="eager")
     total, count = torch.zeros(()), 0
@@ -154,6 +159,8 @@ def plain_full_kl_loss(student, teacher_dir: Path, prompts, responses, masks, te
         with torch.no_grad():
             log_t = (teacher.eval()(input_ids=ids).logits[0, span] / temperature).log_softmax(-1)
         kl = (log_s.exp() * (log_s - log_t)).sum(-1)
+        if beta != 1.0:
+            kl = generalized_jsd(log_s * temperature, log_t * temperature, temperature, beta)
         total, count = total + (kl * torch.tensor(k, dtype=torch.float32)).sum(), count + sum(k)
     return total / count
 
@@ -230,18 +237,19 @@ def split_models(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sp", "tp"])
-def test_full_distill_under_ulysses_sp2_and_megatron_tp2_equals_plain_reverse_kl(split_models, tmp_path, mode):
+@pytest.mark.parametrize(("mode", "beta"), [("sp", 1.0), ("tp", 1.0), ("tp", 0.5)])
+def test_full_distill_under_ulysses_sp2_and_megatron_tp2_equals_plain_reverse_kl(split_models, tmp_path, mode, beta):
     """``algo.distill=full`` on 2 ranks that split one student and one teacher: Ulysses sp 2 (FSDP; each rank
     the same sequence shard of both models' logits) and Megatron tp 2 (each rank its vocabulary columns of both,
     the softmaxes' max and sum and the KL all-reduced, the teacher's logits never gathered). The update's
     summed reverse KL and the student's full gradients equal the single-process full-vocabulary computation
     from plain transformers (fp32, 1e-5); at tp 2 also the vocab-parallel KL of random logits whose two slices
-    have different maxima, and its gradient, against ``full_reverse_kl`` of the whole tensor."""
+    have different maxima, and its gradient, against ``full_reverse_kl`` of the whole tensor. ``beta`` 0.5
+    (``algo.distill_beta``, the JSD): the update calls the vocab-parallel JSD, against ``generalized_jsd``."""
     if mode == "tp" and importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core not installed (pip install --no-deps megatron-core)")
     student, teacher = split_models
-    r = _parallel_worker(mode, student, teacher, tmp_path)
+    r = _parallel_worker(mode, student, teacher, tmp_path, beta)
     # sp: the sequence shards; tp: the vocabulary columns (never gathered), in both passes
     assert r["seen"] == (["ShardedLogits"] * 2 if mode == "sp" else ["VocabParallelLogits"] * 2)
     if mode == "tp":
@@ -253,28 +261,30 @@ def test_full_distill_under_ulysses_sp2_and_megatron_tp2_equals_plain_reverse_kl
     else:
         assert r["sp"] == 2
     prompts, responses, masks, _ = tool_batch()
-    _check_update(r, student, teacher, prompts, responses, masks)
+    _check_update(r, student, teacher, prompts, responses, masks, beta)
     _check_logp_pass(r, student, prompts, responses, masks)
 
 
 @pytest.mark.slow
-def test_full_distill_on_megatron_pp2_reads_each_micro_batchs_teacher_logits(split_models, tmp_path):
+@pytest.mark.parametrize("beta", [1.0, 0.5])
+def test_full_distill_on_megatron_pp2_reads_each_micro_batchs_teacher_logits(split_models, tmp_path, beta):
     """Megatron pp 2 (one layer per stage): the teacher's forward-only pipeline runs before the student's pass
     (``StagedTeacher.fill``) and the last stage's loss reads each micro-batch's kept logits. Three micro-batches of
     the same shape (``three_rows``: logits paired with another row's would fit and be wrong): the update's reverse
-    KL and the student's full gradients (gathered over the stages) equal the plain computation (fp32, 1e-5)."""
+    KL (at ``beta`` 0.5 the JSD) and the student's full gradients (gathered over the stages) equal the plain
+    computation (fp32, 1e-5)."""
     if importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core not installed (pip install --no-deps megatron-core)")
     student, teacher = split_models
-    r = _parallel_worker("pp", student, teacher, tmp_path)
+    r = _parallel_worker("pp", student, teacher, tmp_path, beta)
     assert r["pp"] == 2 and r["micro"] == 3 and r["left"] == 0  # each kept tensor read once
     assert r["seen"] == ["Tensor"] * 3  # the loss ran on the last stage, once per micro-batch
     prompts, responses, masks, _ = three_rows()
-    _check_update(r, student, teacher, prompts, responses, masks)
+    _check_update(r, student, teacher, prompts, responses, masks, beta)
 
 
-def _parallel_worker(mode: str, student: Path, teacher: Path, tmp_path: Path) -> dict:
-    """What ``distill_full_parallel.py MODE`` saved on 2 processes under torchrun."""
+def _parallel_worker(mode: str, student: Path, teacher: Path, tmp_path: Path, beta: float = 1.0) -> dict:
+    """What ``distill_full_parallel.py MODE ... BETA`` saved on 2 processes under torchrun."""
     import subprocess
 
     from tests.support.cli import REPO, torchrun
@@ -282,21 +292,25 @@ def _parallel_worker(mode: str, student: Path, teacher: Path, tmp_path: Path) ->
     out = tmp_path / "out.pt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     res = subprocess.run(
-        torchrun(2, PARALLEL_WORKER, mode, student, teacher, out), env=env, capture_output=True, text=True, timeout=600
+        torchrun(2, PARALLEL_WORKER, mode, student, teacher, out, str(beta)),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return torch.load(out, weights_only=False)
 
 
-def _check_update(r: dict, student: Path, teacher: Path, prompts, responses, masks) -> None:
-    """The worker's update (its summed reverse KL and full gradients) against :func:`plain_full_kl_loss` (1e-5)."""
+def _check_update(r: dict, student: Path, teacher: Path, prompts, responses, masks, beta: float = 1.0) -> None:
+    """The worker's update (its summed divergence and full gradients) against :func:`plain_full_kl_loss` (1e-5)."""
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_pretrained(str(student), dtype=torch.float32, attn_implementation="eager")
-    want_loss = plain_full_kl_loss(plain, teacher, prompts, responses, masks, 0.7)
+    want_loss = plain_full_kl_loss(plain, teacher, prompts, responses, masks, 0.7, beta)
     want_loss.backward()
     assert float(r["kl_sum"]) / r["tokens"] == pytest.approx(want_loss.item(), abs=1e-5)
-    assert want_loss.item() > 0.1
+    assert want_loss.item() > 0.05
     want = dict(plain.named_parameters())
     assert r["grads"].keys() == want.keys()
     for name, g in r["grads"].items():
@@ -501,7 +515,8 @@ def test_estimate_counts_the_teachers_logits_of_this_gpus_shard(layout, vocab_sp
     kw = dict(method="grpo", gpus=8, dtype="bf16", response_len=2048, teacher_params=7_000_000_000)
     model = resolve_model("Qwen2.5-0.5B")
     split = MemorySettings(**kw, **layout, teacher_logits=True)
-    want = logit_tokens(split) * math.ceil(model.vocab_size / vocab_split) * (2 + 12)
+    extra = 0 if vocab_split > 1 else 12  # vocab-parallel: fp32 values in row chunks, counted with the student's
+    want = logit_tokens(split) * math.ceil(model.vocab_size / vocab_split) * (2 + extra)
     assert teacher_logits_bytes(model, split) == want > 0
     whole = MemorySettings(**kw, backend=layout.get("backend", "fsdp"), teacher_logits=True)
     assert teacher_logits_bytes(model, split) < teacher_logits_bytes(model, whole)

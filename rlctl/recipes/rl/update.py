@@ -21,8 +21,8 @@ from rlctl.algos import (
     logprobs_from_logits,
     value_loss,
 )
-from rlctl.algos.distill import divergence_metric, generalized_jsd, vocab_parallel_reverse_kl
-from rlctl.algos.vocab_parallel import VocabSlice
+from rlctl.algos.distill import divergence_metric, generalized_jsd
+from rlctl.algos.vocab_parallel import VocabSlice, vocab_parallel_jsd
 from rlctl.config import RunConfig
 from rlctl.data.packing import MicroBatch
 from rlctl.engines.base import (
@@ -33,7 +33,6 @@ from rlctl.engines.base import (
     response_pairs,
     response_tokens,
 )
-from rlctl.errors import UserError
 from rlctl.recipes.rl.batch import RolloutBatch, can_share_prefix, micro_batches
 from rlctl.recipes.rl.spec import AlgoSpec
 from rlctl.recipes.rl.teacher import StagedTeacher
@@ -152,7 +151,7 @@ def full_distill_loss(
     the loss mask; times the teacher's weight. Metric: the divergence summed over the tokens.
     Under Ulysses sp both models' logits are the same sequence shard (:func:`response_pairs`); where the teacher
     splits its logits over the vocabulary (Megatron's TP) each rank reads its columns of both models'
-    (:func:`~rlctl.algos.distill.vocab_parallel_reverse_kl`)."""
+    (:func:`~rlctl.algos.vocab_parallel.vocab_parallel_jsd`)."""
     engine, weight, beta = teacher
     split = isinstance(logits, VocabParallelLogits)
     vocab = logits.vocab_size if split else logits.shape[-1] if isinstance(logits, torch.Tensor) else None
@@ -168,9 +167,7 @@ def full_distill_loss(
         if split and (logits.shard.start, logits.shard.width) != (shard.start, shard.width):
             raise RuntimeError(f"the teacher's vocabulary columns {shard} are not the student's {logits.shard}")
         student = mb.at_response(logits.local if split else logits[..., shard.start : shard.start + shard.width])
-        if beta != 1.0:
-            raise UserError(f"algo.distill_beta={beta} is not split over the vocabulary yet: use 1 at parallel.tp > 1")
-        flat = vocab_parallel_reverse_kl(student, t_logits, algo.temperature, shard.group)
+        flat = vocab_parallel_jsd(student, t_logits, algo.temperature, beta, shard.group)
     kl = mb.to_matrix(flat)
     loss = aggregate(kl, mask, algo.policy.agg, **denoms)
     return weight * loss, {divergence_metric(beta): (kl.detach() * mask).sum()}

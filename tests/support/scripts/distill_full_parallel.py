@@ -1,6 +1,8 @@
 """``algo.distill=full`` on 2 ranks that split one model: the worker of tests/recipes/test_distill.py.
 
-Usage: torchrun --nproc-per-node 2 distill_full_parallel.py {sp|tp|pp} STUDENT_DIR TEACHER_DIR OUT_PT
+Usage: torchrun --nproc-per-node 2 distill_full_parallel.py {sp|tp|pp} STUDENT_DIR TEACHER_DIR OUT_PT [BETA]
+
+(BETA: ``algo.distill_beta``, default 1, the reverse KL; the saved ``kl_sum`` is then that divergence's sum.)
 
 * ``sp``: the FSDP engine with Ulysses sp 2 (one data-parallel replica): the student's and the teacher's logits
   are each rank's sequence shard;
@@ -32,6 +34,7 @@ if sys.argv[1] in ("tp", "pp"):
 import torch
 import torch.distributed as dist
 
+from rlctl.algos.distill import divergence_metric
 from rlctl.config import build_config, dotted_to_nested
 from rlctl.recipes.rl.batch import micro_batches
 from rlctl.recipes.rl.spec import AlgoSpec
@@ -103,14 +106,14 @@ def logp_entropy_pass(actor, micro, mask: torch.Tensor, tokens: float, seen: lis
 
 def staged_update(staged, actor, micro, loss_fn) -> tuple[dict, dict, dict]:
     """pp: the teacher's pipeline first (as ``ppo_update`` runs it), then the student's pass over the same
-    micro-batches: the summed reverse KL, the full gradients, and what the test checks besides."""
+    micro-batches: the metrics summed over the micro-batches, the full gradients, and what the test checks besides."""
     staged.fill(micro)
     results = actor.forward_backward(micro, loss_fn)
     extra = {"pp": actor.pp, "micro": len(micro), "left": len(staged.held)}  # left: 0 when each was read once
-    return {"distill/reverse_kl": sum(r["distill/reverse_kl"] for r in results)}, megatron_grads(actor), extra
+    return {k: sum(r[k] for r in results) for k in results[0]}, megatron_grads(actor), extra
 
 
-def main(mode: str, student: str, teacher_dir: str, out: str) -> None:
+def main(mode: str, student: str, teacher_dir: str, out: str, beta: str = "1.0") -> None:
     from transformers import AutoTokenizer
 
     from rlctl.engines import build_engine
@@ -118,7 +121,7 @@ def main(mode: str, student: str, teacher_dir: str, out: str) -> None:
 
     init_distributed("cpu")
     settings = {"model.name": student, "model.attn": "sdpa", "model.dtype": "fp32", "algo.teacher": teacher_dir}
-    settings |= {"algo.distill": "full", "rollout.temperature": 0.7}
+    settings |= {"algo.distill": "full", "rollout.temperature": 0.7, "algo.distill_beta": float(beta)}
     cfg = build_config("grpo", [dotted_to_nested(settings)])
     layout = {"sp": 2} if mode == "sp" else {"backend": "megatron", mode: 2, "max_seq_len": 64}
     spec = cpu_spec(cfg, **layout)
@@ -162,7 +165,8 @@ def main(mode: str, student: str, teacher_dir: str, out: str) -> None:
         extra["shard"] = (shard.start, shard.width)  # rank 0's columns
     if dist.get_rank() == (1 if mode == "pp" else 0):  # pp: the last stage, where the loss ran
         torch.save(
-            {"kl_sum": result["distill/reverse_kl"], "tokens": tokens, "grads": grads, "seen": seen, **extra}, out
+            {"kl_sum": result[divergence_metric(float(beta))], "tokens": tokens, "grads": grads, "seen": seen, **extra},
+            out,
         )
     dist.barrier()
     dist.destroy_process_group()
