@@ -266,25 +266,29 @@ def test_full_distill_under_ulysses_sp2_and_megatron_tp2_equals_plain_reverse_kl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("beta", [1.0, 0.5])
-def test_full_distill_on_megatron_pp2_reads_each_micro_batchs_teacher_logits(split_models, tmp_path, beta):
+@pytest.mark.parametrize(("mode", "beta"), [("pp", 1.0), ("pp", 0.5), ("tppp", 1.0)])
+def test_full_distill_on_megatron_pp2_reads_each_micro_batchs_teacher_logits(split_models, tmp_path, mode, beta):
     """Megatron pp 2 (one layer per stage): the teacher's forward-only pipeline runs before the student's pass
     (``StagedTeacher.fill``) and the last stage's loss reads each micro-batch's kept logits. Three micro-batches of
     the same shape (``three_rows``: logits paired with another row's would fit and be wrong): the update's reverse
     KL (at ``beta`` 0.5 the JSD) and the student's full gradients (gathered over the stages) equal the plain
-    computation (fp32, 1e-5)."""
+    computation (fp32, 1e-5). ``tppp``: tp 2 x pp 2 on 4 processes, each last-stage rank keeping its vocabulary
+    columns of the teacher's logits."""
     if importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core not installed (pip install --no-deps megatron-core)")
     student, teacher = split_models
-    r = _parallel_worker("pp", student, teacher, tmp_path, beta)
+    r = _parallel_worker(mode, student, teacher, tmp_path, beta, nproc=4 if mode == "tppp" else 2)
     assert r["pp"] == 2 and r["micro"] == 3 and r["left"] == 0  # each kept tensor read once
-    assert r["seen"] == ["Tensor"] * 3  # the loss ran on the last stage, once per micro-batch
+    # the loss ran on the last stage, once per micro-batch (at tp 2 on this rank's vocabulary columns)
+    assert r["seen"] == ["VocabParallelLogits" if mode == "tppp" else "Tensor"] * 3
     prompts, responses, masks, _ = three_rows()
     _check_update(r, student, teacher, prompts, responses, masks, beta)
 
 
-def _parallel_worker(mode: str, student: Path, teacher: Path, tmp_path: Path, beta: float = 1.0) -> dict:
-    """What ``distill_full_parallel.py MODE ... BETA`` saved on 2 processes under torchrun."""
+def _parallel_worker(
+    mode: str, student: Path, teacher: Path, tmp_path: Path, beta: float = 1.0, nproc: int = 2
+) -> dict:
+    """What ``distill_full_parallel.py MODE ... BETA`` saved on ``nproc`` processes under torchrun."""
     import subprocess
 
     from tests.support.cli import REPO, torchrun
@@ -292,7 +296,7 @@ def _parallel_worker(mode: str, student: Path, teacher: Path, tmp_path: Path, be
     out = tmp_path / "out.pt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     res = subprocess.run(
-        torchrun(2, PARALLEL_WORKER, mode, student, teacher, out, str(beta)),
+        torchrun(nproc, PARALLEL_WORKER, mode, student, teacher, out, str(beta)),
         env=env,
         capture_output=True,
         text=True,

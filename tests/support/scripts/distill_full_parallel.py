@@ -11,6 +11,8 @@ Usage: torchrun --nproc-per-node 2 distill_full_parallel.py {sp|tp|pp} STUDENT_D
 * ``pp``: the Megatron engine at pp 2 (one layer per stage) on the test's ``three_rows``, three micro-batches of
   the same shape: the teacher's pipeline runs first (``StagedTeacher.fill``, as ``ppo_update`` calls it) and the
   last stage's loss reads each micro-batch's kept logits. Only the first pass; the last stage (rank 1) saves.
+* ``tppp``: the same at tp 2 x pp 2 on 4 processes (each last-stage rank keeps its vocabulary columns); rank 2
+  (the last stage's tp rank 0) saves.
 
 Both ranks run the actor update's loss (``policy_loss_fn`` with the teacher in it) on the test's tool batch, one
 ``forward_backward``; rank 0 saves the summed reverse KL, the token count and the full gradients under HF names.
@@ -28,7 +30,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-if sys.argv[1] in ("tp", "pp"):
+if sys.argv[1] in ("tp", "pp", "tppp"):
     import megatron_cpu_patches  # noqa: F401  (before megatron.core)
 
 import torch
@@ -123,11 +125,13 @@ def main(mode: str, student: str, teacher_dir: str, out: str, beta: str = "1.0")
     settings = {"model.name": student, "model.attn": "sdpa", "model.dtype": "fp32", "algo.teacher": teacher_dir}
     settings |= {"algo.distill": "full", "rollout.temperature": 0.7, "algo.distill_beta": float(beta)}
     cfg = build_config("grpo", [dotted_to_nested(settings)])
-    layout = {"sp": 2} if mode == "sp" else {"backend": "megatron", mode: 2, "max_seq_len": 64}
+    sizes = {"tp": 2, "pp": 2} if mode == "tppp" else {mode: 2}
+    layout = {"sp": 2} if mode == "sp" else {"backend": "megatron", **sizes, "max_seq_len": 64}
     spec = cpu_spec(cfg, **layout)
     teacher = Teacher.for_run(cfg, spec, AutoTokenizer.from_pretrained(student))
     actor = build_engine(spec, role="actor", trainable=True, total_steps=1)
-    _, _, _, b = three_rows() if mode == "pp" else tool_batch()
+    staged = mode in ("pp", "tppp")
+    _, _, _, b = three_rows() if staged else tool_batch()
     algo = AlgoSpec.from_config(cfg)
     b.old_logp, b.rollout_logp, b.advantages = (torch.zeros_like(b.mask) for _ in range(3))
     tokens = float(b.mask.sum())
@@ -139,8 +143,8 @@ def main(mode: str, student: str, teacher_dir: str, out: str, beta: str = "1.0")
         seen.append(type(output).__name__)
         return loss_fn(output, mb)
 
-    micro = micro_batches(b, list(range(len(b))), budget=9 if mode == "pp" else 64, pad_id=0, device=b.mask.device)
-    if mode == "pp":
+    micro = micro_batches(b, list(range(len(b))), budget=9 if staged else 64, pad_id=0, device=b.mask.device)
+    if staged:
         result, grads, extra = staged_update(teacher.staged, actor, micro, watched)
     else:
         (result,) = actor.forward_backward(micro, watched)
@@ -163,7 +167,7 @@ def main(mode: str, student: str, teacher_dir: str, out: str, beta: str = "1.0")
         extra |= {"tp": actor.tp, "random": random_split_kl(actor.vocab_shard(actor.layout.vocab_size).group)}
         shard = teacher.engine.vocab_shard(actor.layout.vocab_size)
         extra["shard"] = (shard.start, shard.width)  # rank 0's columns
-    if dist.get_rank() == (1 if mode == "pp" else 0):  # pp: the last stage, where the loss ran
+    if dist.get_rank() == {"pp": 1, "tppp": 2}.get(mode, 0):  # pp: the last stage (tp rank 0), where the loss ran
         torch.save(
             {"kl_sum": result[divergence_metric(float(beta))], "tokens": tokens, "grads": grads, "seen": seen, **extra},
             out,
