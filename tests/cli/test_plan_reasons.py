@@ -42,7 +42,7 @@ def test_long_responses_one_limit_wording_and_no_reject_for_the_winners_own_shor
 
 
 def test_checkpointing_off_says_how_much_stays_free():
-    doc = cli("sft", "--model", "Llama-3.1-70B", "--gpus", "64", "--dry-run", "--json")
+    doc = cli("sft", "--model", "Llama-3.1-70B", "--gpus", "128", "--dry-run", "--json")
     line = next(w for w in reasons(doc["plan"]) if w.startswith("activation checkpointing off"))
     free = (doc["estimate"]["gpu_memory_bytes"] - doc["estimate"]["phases"]["training"]["total_bytes"]) / GIB
     assert f"{free:.1f} GiB of the GPU stay free" in line, line

@@ -27,7 +27,7 @@ METHODS = {"grpo": RLMethod(with_critic=False), "ppo": RLMethod(with_critic=True
 
 def rl_step(rl: RLTrainer, step: int) -> tuple[RolloutBatch, Metrics]:
     """One GRPO or PPO step: its batch and its metrics."""
-    index = rl.teacher.data.index(step) if rl.teacher is not None and rl.teacher.data is not None else None
+    index = rl.teacher_data_index(step)
     if index is not None:  # GKD's mixture: this step trains on the teacher's own responses
         return teacher_data_step(rl, index)
     # this rank's prompts, n samples each, scored (weights synced after the last update; dynamic sampling:

@@ -292,6 +292,11 @@ class RLTrainer:
         self.weights.stepped()
         return m
 
+    def teacher_data_index(self, step: int) -> int | None:
+        """Step ``step``'s index among the steps on ``--teacher-data``'s rows, or None (it samples)."""
+        data = self.teacher.data if self.teacher is not None else None
+        return data.index(step) if data is not None else None
+
     def teacher_rows(self, index: int) -> tuple[RolloutBatch, Metrics]:
         """This rank's share of the ``index``-th step on ``--teacher-data``'s rows (GKD's mixture), its advantages
         0: only the full-vocabulary loss trains on them; and their tokens over every rank."""
