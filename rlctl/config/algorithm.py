@@ -118,7 +118,9 @@ def check_teacher_data(cfg: RunConfig) -> None:
     if a.teacher_data_warmup < 0:
         raise UserError(f"algo.teacher_data_warmup={a.teacher_data_warmup} must be >= 0 (steps)")
     if not a.teacher_data:
-        if a.teacher_data_warmup or a.teacher_data_fraction != 0.5:
+        from rlctl.config.schema import AlgoConfig
+
+        if a.teacher_data_warmup or a.teacher_data_fraction != AlgoConfig.teacher_data_fraction:
             raise UserError("algo.teacher_data_fraction / _warmup are set without --teacher-data FILE; add it")
         return
     if not a.teacher:

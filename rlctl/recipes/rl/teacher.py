@@ -143,6 +143,7 @@ class TeacherData:
 
     def __init__(self, rows: list[ResponseRow], fraction: float, warmup: int, seed: int):
         self.rows, self.fraction, self.warmup, self.seed = rows, fraction, warmup, seed
+        self._order: tuple[int, list[int]] = (-1, [])  # (pass, its order): a step's rows lie in one or two passes
 
     @classmethod
     def for_run(cls, cfg: RunConfig, tokenizer) -> TeacherData:
@@ -157,9 +158,11 @@ class TeacherData:
     def row(self, g: int) -> ResponseRow:
         """The ``g``-th row of the shuffled stream of rows (a new order each pass over the file)."""
         passes, at = divmod(g, len(self.rows))
-        order = list(range(len(self.rows)))
-        random.Random(self.seed * 1_000_003 + passes).shuffle(order)
-        return self.rows[order[at]]
+        if self._order[0] != passes:
+            order = list(range(len(self.rows)))
+            random.Random(self.seed * 1_000_003 + passes).shuffle(order)
+            self._order = (passes, order)
+        return self.rows[self._order[1][at]]
 
     def batch(self, k: int, *, n: int, batch_size: int, mini: int, rank: int, world: int, width: int, device):
         """This rank's rows of the ``k``-th step on the teacher's rows, as a batch of ``batch_size`` groups of
